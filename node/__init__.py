@@ -1,0 +1,1 @@
+"""A limiter node: the single authority for its shard of keys."""

@@ -1,0 +1,371 @@
+"""The five limiter algorithms as pure functions.
+
+Every algorithm is ``decide(state, now, rule, cost) -> (new_state, Decision)``:
+no clock is read and no I/O is done, so the same inputs always give the same
+answer (which is what lets hypothesis, the simulations and the Redis Lua
+scripts check each other). States are small immutable values (a float or a
+tuple); ``None`` is a fresh state.
+
+Shared conventions, which the Lua scripts in ``node/lua/`` repeat operation
+for operation so that both give identical decisions:
+
+* ``cost`` is an integer >= 0. ``cost == 0`` peeks: the state is never
+  changed, and ``allowed`` says whether a request of cost 1 would pass now.
+* A cost above the rule's capacity can never pass: it is denied with
+  ``reason="cost_exceeds_capacity"`` and no ``retry_after``.
+* A denied request returns the state object it was given, unchanged.
+* Comparisons allow ``EPS`` of floating-point slack so that a quota that is
+  whole up to rounding error counts as whole.
+* A clock that steps backwards never refills anything: elapsed time is
+  clamped at zero and stored times never move back.
+
+Each algorithm also has ``fresh_at(state, rule)``: the time from which the
+state is indistinguishable from ``None``, so the store can evict it. And
+``to_relative``/``from_relative``: the handoff format, with every time stored
+relative to the exporter's ``now`` so that node clocks need not agree.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from node.decision import COST_EXCEEDS_CAPACITY, Decision
+from node.rules import Rule
+
+EPS = 1e-9
+_floor = math.floor
+
+State = Any
+DecideFn = Callable[[State, float, Rule, int], tuple[State, Decision]]
+
+
+def _impossible(state: State, rule: Rule, remaining: int, reset_after: float) -> tuple:
+    return state, Decision(
+        False, rule.limit, remaining, reset_after, None, rule.name, COST_EXCEEDS_CAPACITY
+    )
+
+
+# --------------------------------------------------------------------------- token bucket
+# state: (tokens, updated_at). Capacity = burst; refill = limit / period per second.
+
+
+def token_bucket(state: State, now: float, rule: Rule, cost: int) -> tuple[State, Decision]:
+    capacity = rule.capacity
+    rate = rule.rate
+    if state is None:
+        tokens = float(capacity)
+        last = now
+    else:
+        tokens, last = state
+        if now > last:
+            tokens += (now - last) * rate
+            if tokens > capacity:
+                tokens = float(capacity)
+            last = now
+    need = cost or 1
+    if need > capacity:
+        return _impossible(state, rule, _floor(tokens + EPS), (capacity - tokens) / rate)
+    if tokens + EPS >= need:
+        if cost:
+            tokens -= cost
+            state = (tokens, last)
+        return state, Decision(
+            True, rule.limit, _floor(tokens + EPS), (capacity - tokens) / rate, None, rule.name
+        )
+    return state, Decision(
+        False,
+        rule.limit,
+        _floor(tokens + EPS),
+        (capacity - tokens) / rate,
+        (need - tokens) / rate,
+        rule.name,
+    )
+
+
+def token_bucket_fresh_at(state: State, rule: Rule) -> float:
+    tokens, last = state
+    return last + (rule.capacity - tokens) / rule.rate
+
+
+# --------------------------------------------------------------------------- GCRA
+# state: tat, the theoretical arrival time. A request of cost c is conforming when
+# tat + c*T - burst*T <= now, with T = period / limit the emission interval.
+
+
+def gcra(state: State, now: float, rule: Rule, cost: int) -> tuple[State, Decision]:
+    interval = rule.interval
+    tolerance = rule.capacity * interval
+    tat = state if state is not None and state > now else now
+    need = cost or 1
+    if need > rule.capacity:
+        return _impossible(
+            state, rule, _floor((tolerance - (tat - now)) / interval + EPS), tat - now
+        )
+    allow_at = tat + need * interval - tolerance
+    if now + EPS >= allow_at:
+        if cost:
+            tat += cost * interval
+            state = tat
+        return state, Decision(
+            True,
+            rule.limit,
+            _floor((tolerance - (tat - now)) / interval + EPS),
+            tat - now,
+            None,
+            rule.name,
+        )
+    return state, Decision(
+        False,
+        rule.limit,
+        _floor((tolerance - (tat - now)) / interval + EPS),
+        tat - now,
+        allow_at - now,
+        rule.name,
+    )
+
+
+def gcra_fresh_at(state: State, rule: Rule) -> float:
+    return float(state)
+
+
+# --------------------------------------------------------------------------- fixed window
+# state: (window_start, count). A key's first window is aligned to a multiple of the
+# period on the deciding node's clock; later windows continue that key's grid
+# (start + k*period), so a state handed to a node with another clock keeps its phase.
+
+
+def fixed_window(state: State, now: float, rule: Rule, cost: int) -> tuple[State, Decision]:
+    period = rule.period
+    limit = rule.limit
+    if state is None:
+        start = _floor(now / period) * period
+        count = 0
+    else:
+        start, count = state
+        if now >= start + period:
+            start += _floor((now - start) / period) * period
+            count = 0
+    need = cost or 1
+    reset_after = start + period - now
+    if need > limit:
+        return _impossible(state, rule, limit - count, reset_after if count else 0.0)
+    if count + need <= limit:
+        if cost:
+            count += cost
+            state = (start, count)
+        return state, Decision(
+            True, limit, limit - count, reset_after if count else 0.0, None, rule.name
+        )
+    return state, Decision(False, limit, limit - count, reset_after, reset_after, rule.name)
+
+
+def fixed_window_fresh_at(state: State, rule: Rule) -> float:
+    return state[0] + rule.period
+
+
+# --------------------------------------------------------------------------- sliding log
+# state: a sorted tuple of the times of admitted units still inside the window (one
+# entry per unit of cost, so memory is bounded by the limit). An entry at t counts
+# for now in (t, t + period) and is gone at now = t + period.
+
+
+def sliding_log(state: State, now: float, rule: Rule, cost: int) -> tuple[State, Decision]:
+    period = rule.period
+    limit = rule.limit
+    if state:
+        drop = bisect_right(state, now - period)
+        live = state[drop:] if drop else state
+    else:
+        live = ()
+    count = len(live)
+    need = cost or 1
+    if need > limit:
+        return _impossible(state, rule, limit - count, live[-1] + period - now if live else 0.0)
+    if count + need <= limit:
+        if cost:
+            stamp = now if not live or now >= live[-1] else live[-1]
+            live = live + (stamp,) * cost
+            state = live
+        return state, Decision(
+            True,
+            limit,
+            limit - len(live),
+            live[-1] + period - now if live else 0.0,
+            None,
+            rule.name,
+        )
+    return state, Decision(
+        False,
+        limit,
+        limit - count,
+        live[-1] + period - now,
+        live[count + need - limit - 1] + period - now,
+        rule.name,
+    )
+
+
+def sliding_log_fresh_at(state: State, rule: Rule) -> float:
+    return state[-1] + rule.period if state else -math.inf
+
+
+# --------------------------------------------------------------------------- sliding window
+# state: (window_start, previous_count, current_count). The estimate is
+# previous * (fraction of the previous window still inside the sliding window)
+# + current. Windows are aligned like the fixed window's.
+
+
+def sliding_window(state: State, now: float, rule: Rule, cost: int) -> tuple[State, Decision]:
+    period = rule.period
+    limit = rule.limit
+    if state is None:
+        start = _floor(now / period) * period
+        prev = 0
+        curr = 0
+    else:
+        start, prev, curr = state
+        if now >= start + period:
+            windows = _floor((now - start) / period)
+            prev = curr if windows == 1 else 0
+            curr = 0
+            start += windows * period
+    weight = (period - (now - start)) / period
+    if weight > 1.0:
+        weight = 1.0
+    elif weight < 0.0:
+        weight = 0.0
+    estimate = prev * weight + curr
+    need = cost or 1
+    if need > limit:
+        remaining = _floor(limit - estimate + EPS)
+        return _impossible(
+            state,
+            rule,
+            remaining if remaining > 0 else 0,
+            _sw_reset(start, prev, curr, now, period),
+        )
+    if estimate + need <= limit + EPS:
+        if cost:
+            curr += cost
+            estimate += cost
+            state = (start, prev, curr)
+        remaining = _floor(limit - estimate + EPS)
+        return state, Decision(
+            True,
+            limit,
+            remaining if remaining > 0 else 0,
+            _sw_reset(start, prev, curr, now, period),
+            None,
+            rule.name,
+        )
+    remaining = _floor(limit - estimate + EPS)
+    if curr + need <= limit:
+        # Wait inside this window until enough of the previous window has slid out.
+        retry_at = start + period * (1.0 - (limit - curr - need) / prev)
+    else:
+        # Wait until the current count becomes the previous one and has slid enough.
+        retry_at = start + period + period * (1.0 - (limit - need) / curr)
+    retry_after = retry_at - now
+    return state, Decision(
+        False,
+        limit,
+        remaining if remaining > 0 else 0,
+        _sw_reset(start, prev, curr, now, period),
+        retry_after if retry_after > 0.0 else 0.0,
+        rule.name,
+    )
+
+
+def _sw_reset(start: float, prev: int, curr: int, now: float, period: float) -> float:
+    if curr:
+        return start + 2 * period - now
+    if prev:
+        return start + period - now
+    return 0.0
+
+
+def sliding_window_fresh_at(state: State, rule: Rule) -> float:
+    start, _prev, curr = state
+    if curr:
+        return start + 2 * rule.period
+    return start + rule.period
+
+
+# --------------------------------------------------------------------------- handoff format
+
+
+def _tb_rel(state: State, now: float) -> list[float]:
+    return [state[0], state[1] - now]
+
+
+def _tb_abs(rel: list[Any], now: float) -> State:
+    tokens, last = rel
+    return (float(tokens), now + float(last))
+
+
+def _gcra_rel(state: State, now: float) -> list[float]:
+    return [state - now]
+
+
+def _gcra_abs(rel: list[Any], now: float) -> State:
+    return now + float(rel[0])
+
+
+def _fw_rel(state: State, now: float) -> list[float]:
+    return [state[0] - now, state[1]]
+
+
+def _fw_abs(rel: list[Any], now: float) -> State:
+    return (now + float(rel[0]), int(rel[1]))
+
+
+def _log_rel(state: State, now: float) -> list[float]:
+    return [t - now for t in state]
+
+
+def _log_abs(rel: list[Any], now: float) -> State:
+    return tuple(sorted(now + float(t) for t in rel))
+
+
+def _sw_rel(state: State, now: float) -> list[float]:
+    return [state[0] - now, state[1], state[2]]
+
+
+def _sw_abs(rel: list[Any], now: float) -> State:
+    return (now + float(rel[0]), int(rel[1]), int(rel[2]))
+
+
+class Algorithm(NamedTuple):
+    """An algorithm's free functions, looked up by name."""
+
+    name: str
+    decide: DecideFn
+    fresh_at: Callable[[State, Rule], float]
+    to_relative: Callable[[State, float], list[Any]]
+    from_relative: Callable[[list[Any], float], State]
+
+
+REGISTRY: dict[str, Algorithm] = {
+    "token_bucket": Algorithm(
+        "token_bucket", token_bucket, token_bucket_fresh_at, _tb_rel, _tb_abs
+    ),
+    "gcra": Algorithm("gcra", gcra, gcra_fresh_at, _gcra_rel, _gcra_abs),
+    "fixed_window": Algorithm(
+        "fixed_window", fixed_window, fixed_window_fresh_at, _fw_rel, _fw_abs
+    ),
+    "sliding_log": Algorithm("sliding_log", sliding_log, sliding_log_fresh_at, _log_rel, _log_abs),
+    "sliding_window": Algorithm(
+        "sliding_window", sliding_window, sliding_window_fresh_at, _sw_rel, _sw_abs
+    ),
+}
+
+
+def algorithm_for(rule: Rule) -> Algorithm:
+    return REGISTRY[rule.algorithm]
+
+
+def decide(state: State, now: float, rule: Rule, cost: int) -> tuple[State, Decision]:
+    """Dispatch on the rule's algorithm (convenience; hot paths bind the function)."""
+    return REGISTRY[rule.algorithm].decide(state, now, rule, cost)

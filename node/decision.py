@@ -1,0 +1,73 @@
+"""What a check answers, for one rule and for several at once."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+#: Reasons a decision can carry besides plain "over the limit".
+COST_EXCEEDS_CAPACITY = "cost_exceeds_capacity"
+STORE_FULL = "store_full"
+BACKEND_UNAVAILABLE = "backend_unavailable"
+BYPASS = "bypass"
+
+
+class Decision(NamedTuple):
+    """One rule's answer.
+
+    ``reset_after``: seconds until the quota is whole again (a fresh state).
+    ``retry_after``: seconds until this same request would be allowed; ``None``
+    when allowed, and also when it never can be (``reason`` says why).
+    """
+
+    allowed: bool
+    limit: int
+    remaining: int
+    reset_after: float
+    retry_after: float | None
+    rule: str
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "allowed": self.allowed,
+            "limit": self.limit,
+            "remaining": self.remaining,
+            "reset_after": round(self.reset_after, 6),
+            "retry_after": None if self.retry_after is None else round(self.retry_after, 6),
+            "rule": self.rule,
+            **({"reason": self.reason} if self.reason else {}),
+        }
+
+
+class Verdict(NamedTuple):
+    """Several rules' answers to one request: allowed only if every rule allows.
+
+    ``decision`` is the most restrictive of ``decisions`` (see
+    :func:`most_restrictive`); ``decisions`` keeps every rule's answer, in rule
+    order, for response headers.
+    """
+
+    allowed: bool
+    decision: Decision
+    decisions: tuple[Decision, ...]
+
+
+def _denied_rank(decision: Decision) -> float:
+    return math.inf if decision.retry_after is None else decision.retry_after
+
+
+def most_restrictive(decisions: Sequence[Decision]) -> Decision:
+    """The decision a client should act on.
+
+    Denied beats allowed; among denials, the longest wait (a request that can
+    never pass waits forever); among allowances, the fewest remaining, then the
+    longest time to a full quota.
+    """
+    if len(decisions) == 1:
+        return decisions[0]
+    denied = [d for d in decisions if not d.allowed]
+    if denied:
+        return max(denied, key=_denied_rank)
+    return min(decisions, key=lambda d: (d.remaining, -d.reset_after))

@@ -1,0 +1,256 @@
+"""Rules: what a limit is, and how users write one.
+
+A rule is pure data. The algorithms read precomputed fields (``rate``,
+``interval``, ``capacity``) so that the hot path does no division.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+ALGORITHMS = ("token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_window")
+ALGORITHM_ALIASES = {
+    "token-bucket": "token_bucket",
+    "tokenbucket": "token_bucket",
+    "leaky_bucket": "gcra",
+    "leaky-bucket": "gcra",
+    "fixed-window": "fixed_window",
+    "fixed": "fixed_window",
+    "sliding-log": "sliding_log",
+    "sliding_window_log": "sliding_log",
+    "log": "sliding_log",
+    "sliding-window": "sliding_window",
+    "sliding_window_counter": "sliding_window",
+    "sliding_counter": "sliding_window",
+}
+ON_ERROR = ("open", "closed")
+CRASH_POLICIES = ("reset", "conservative", "replica")
+
+MAX_LIMIT = 10**9
+MAX_PERIOD = 366 * 86400.0
+MAX_NAME = 64
+#: The sliding log keeps one timestamp per admitted unit; this bounds its memory.
+MAX_LOG_LIMIT = 100_000
+
+_UNITS = {
+    "ms": 0.001,
+    "millisecond": 0.001,
+    "milliseconds": 0.001,
+    "s": 1.0,
+    "sec": 1.0,
+    "secs": 1.0,
+    "second": 1.0,
+    "seconds": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "mins": 60.0,
+    "minute": 60.0,
+    "minutes": 60.0,
+    "h": 3600.0,
+    "hr": 3600.0,
+    "hrs": 3600.0,
+    "hour": 3600.0,
+    "hours": 3600.0,
+    "d": 86400.0,
+    "day": 86400.0,
+    "days": 86400.0,
+}
+_UNIT_WORDS = {1.0: "second", 60.0: "minute", 3600.0: "hour", 86400.0: "day"}
+_RULE_RE = re.compile(r"^\s*(\d+)\s*(?:/|\bper\b)\s*(.+?)\s*$", re.IGNORECASE)
+_PERIOD_RE = re.compile(r"^(\d+(?:\.\d+)?)?\s*([a-z]+)$", re.IGNORECASE)
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+
+
+class RuleError(ValueError):
+    """A rule that cannot be built; the message names the input and the problem."""
+
+
+def normalize_algorithm(name: str) -> str:
+    key = name.strip().lower()
+    key = ALGORITHM_ALIASES.get(key, key)
+    if key not in ALGORITHMS:
+        raise RuleError(f"unknown algorithm {name!r}: expected one of {', '.join(ALGORITHMS)}")
+    return key
+
+
+def parse_period(text: str) -> float:
+    """``"minute"`` -> 60.0, ``"10s"`` -> 10.0, ``"5 minutes"`` -> 300.0."""
+    match = _PERIOD_RE.match(text.strip().replace(" ", ""))
+    if not match:
+        raise RuleError(f"cannot read period {text!r}: expected e.g. 'second', '10s', '5 minutes'")
+    count, unit = match.groups()
+    seconds = _UNITS.get(unit.lower())
+    if seconds is None:
+        raise RuleError(f"unknown time unit {unit!r} in {text!r}: use ms, s, m, h or d")
+    period = (float(count) if count else 1.0) * seconds
+    if not 0 < period <= MAX_PERIOD:
+        raise RuleError(f"period {text!r} must be above 0 and at most 366 days")
+    return period
+
+
+def describe_period(period: float) -> str:
+    word = _UNIT_WORDS.get(period)
+    return word if word else f"{period:g}s"
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """A limit of ``limit`` units per ``period`` seconds under one algorithm.
+
+    ``burst`` is the bucket capacity of the token bucket and GCRA (it defaults to
+    ``limit``); window algorithms count whole windows and ignore it.
+    ``on_error`` says what to do when the authority for a key cannot be reached:
+    ``open`` admits, ``closed`` denies. ``crash_policy`` overrides the cluster's
+    policy for keys whose owner crashed.
+    """
+
+    name: str
+    limit: int
+    period: float
+    algorithm: str = "token_bucket"
+    burst: int = 0
+    on_error: str = "open"
+    crash_policy: str | None = None
+    #: capacity: the most units a fresh state admits at once.
+    capacity: int = field(init=False, repr=False, compare=False)
+    #: rate: units regained per second (buckets).
+    rate: float = field(init=False, repr=False, compare=False)
+    #: interval: seconds per unit (GCRA's emission interval).
+    interval: float = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or len(self.name) > MAX_NAME:
+            raise RuleError(f"rule name {self.name!r} must be 1-{MAX_NAME} characters")
+        if not _NAME_RE.match(self.name):
+            raise RuleError(f"rule name {self.name!r} may use only letters, digits and _.:-")
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int):
+            raise RuleError(f"rule {self.name!r}: limit must be an integer, got {self.limit!r}")
+        if not 1 <= self.limit <= MAX_LIMIT:
+            raise RuleError(f"rule {self.name!r}: limit must be 1..{MAX_LIMIT}, got {self.limit}")
+        period = float(self.period)
+        if not (math.isfinite(period) and 0 < period <= MAX_PERIOD):
+            raise RuleError(f"rule {self.name!r}: period must be in (0, 366 days], got {period}")
+        object.__setattr__(self, "period", period)
+        object.__setattr__(self, "algorithm", normalize_algorithm(self.algorithm))
+        burst = self.burst or self.limit
+        if isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= MAX_LIMIT:
+            raise RuleError(f"rule {self.name!r}: burst must be an integer 1..{MAX_LIMIT}")
+        object.__setattr__(self, "burst", burst)
+        if self.algorithm == "sliding_log" and self.limit > MAX_LOG_LIMIT:
+            raise RuleError(
+                f"rule {self.name!r}: the sliding log keeps one timestamp per unit, so its "
+                f"limit is capped at {MAX_LOG_LIMIT}; use sliding_window for larger limits"
+            )
+        if self.on_error not in ON_ERROR:
+            raise RuleError(f"rule {self.name!r}: on_error must be 'open' or 'closed'")
+        if self.crash_policy is not None and self.crash_policy not in CRASH_POLICIES:
+            raise RuleError(
+                f"rule {self.name!r}: crash_policy must be one of {', '.join(CRASH_POLICIES)}"
+            )
+        bucket = self.algorithm in ("token_bucket", "gcra")
+        object.__setattr__(self, "capacity", burst if bucket else self.limit)
+        object.__setattr__(self, "rate", self.limit / period)
+        object.__setattr__(self, "interval", period / self.limit)
+
+    def with_(self, **changes: object) -> Rule:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def spec(self) -> str:
+        return f"{self.limit}/{describe_period(self.period)}"
+
+    def to_dict(self) -> dict[str, object]:
+        data: dict[str, object] = {
+            "name": self.name,
+            "limit": self.limit,
+            "period": self.period,
+            "algorithm": self.algorithm,
+            "burst": self.burst,
+            "on_error": self.on_error,
+        }
+        if self.crash_policy is not None:
+            data["crash_policy"] = self.crash_policy
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> Rule:
+        if not isinstance(data, dict):
+            raise RuleError(f"a rule must be an object, got {type(data).__name__}")
+        unknown = set(data) - {
+            "name",
+            "limit",
+            "period",
+            "algorithm",
+            "burst",
+            "on_error",
+            "crash_policy",
+        }
+        if unknown:
+            raise RuleError(f"unknown rule field(s): {', '.join(sorted(unknown))}")
+        try:
+            return cls(
+                name=data["name"],  # type: ignore[arg-type]
+                limit=data["limit"],  # type: ignore[arg-type]
+                period=data["period"],  # type: ignore[arg-type]
+                algorithm=data.get("algorithm", "token_bucket"),  # type: ignore[arg-type]
+                burst=data.get("burst") or 0,  # type: ignore[arg-type]
+                on_error=data.get("on_error", "open"),  # type: ignore[arg-type]
+                crash_policy=data.get("crash_policy"),  # type: ignore[arg-type]
+            )
+        except KeyError as exc:
+            raise RuleError(f"rule is missing field {exc.args[0]!r}") from None
+        except TypeError as exc:
+            raise RuleError(f"bad rule field: {exc}") from None
+
+
+def parse_rate(text: str) -> tuple[int, float]:
+    """``"100/minute"`` -> ``(100, 60.0)``; also ``"5/10s"``, ``"1000 per hour"``."""
+    if not isinstance(text, str):
+        raise RuleError(f"a rate must be a string like '100/minute', got {text!r}")
+    match = _RULE_RE.match(text)
+    if not match:
+        raise RuleError(
+            f"cannot read rate {text!r}: expected 'N/period' or 'N per period', "
+            "e.g. '100/minute', '5/10s', '1000 per hour'"
+        )
+    limit = int(match.group(1))
+    if not 1 <= limit <= MAX_LIMIT:
+        raise RuleError(f"rate {text!r}: the count must be 1..{MAX_LIMIT}")
+    try:
+        period = parse_period(match.group(2))
+    except RuleError as exc:
+        raise RuleError(f"rate {text!r}: {exc}") from None
+    return limit, period
+
+
+def default_name(limit: int, period: float) -> str:
+    return f"{limit}-per-{describe_period(period)}"
+
+
+def parse_rule(
+    text: str,
+    *,
+    name: str | None = None,
+    algorithm: str = "token_bucket",
+    burst: int | None = None,
+    on_error: str = "open",
+) -> Rule:
+    """Build a rule from the strings users already know.
+
+    ``"100/minute"`` gets the name ``100-per-minute``; ``"api=100/minute"`` is named
+    ``api``. The name is what response headers and metrics show.
+    """
+    spec = text
+    if "=" in text and name is None:
+        name, spec = (part.strip() for part in text.split("=", 1))
+    limit, period = parse_rate(spec)
+    return Rule(
+        name=name or default_name(limit, period),
+        limit=limit,
+        period=period,
+        algorithm=algorithm,
+        burst=burst or 0,
+        on_error=on_error,
+    )

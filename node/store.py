@@ -1,0 +1,262 @@
+"""The in-memory store: one node's states, keyed by (rule, key).
+
+States live in one plain dict per rule (key -> state): a dict lookup is the
+cheapest index Python has, and keeping the rule out of the dict key saves a
+tuple per entry (about 60 bytes at a million keys).
+
+Eviction. Every state knows the time from which it is indistinguishable from a
+fresh one (``fresh_at``). Such states are dropped by :meth:`MemoryStore.sweep`,
+which the node runs periodically in small slices so the event loop never
+stalls, and by an immediate sweep when the key cap is reached.
+
+The cap. ``max_keys`` bounds the number of states. When it is reached and a
+sweep frees nothing, *existing* keys keep being decided normally (an active
+key never loses its state, so nobody gets a fresh quota from memory
+pressure), and a *new* key is not stored: it is decided on a fresh state
+without being remembered only if its rule says ``on_error="open"``, and
+denied otherwise. Either way the decision carries ``reason="store_full"``,
+the node counts it in a metric and logs it: never silent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from node.algorithms import REGISTRY, Algorithm, State
+from node.decision import STORE_FULL, Decision, Verdict, most_restrictive
+from node.limiter import decide_all
+from node.rules import Rule
+
+#: One exported state: [rule name, algorithm, key, state relative to the exporter's now].
+Record = list[Any]
+
+
+class Table:
+    """The states of one rule."""
+
+    __slots__ = ("algorithm", "decide", "fresh_at", "rule", "states")
+
+    def __init__(self, rule: Rule) -> None:
+        self.rule = rule
+        self.algorithm: Algorithm = REGISTRY[rule.algorithm]
+        self.decide = self.algorithm.decide
+        self.fresh_at = self.algorithm.fresh_at
+        self.states: dict[str, State] = {}
+
+
+class MemoryStore:
+    """States of every rule held by one node, with eviction and a key cap."""
+
+    def __init__(self, *, max_keys: int | None = None) -> None:
+        if max_keys is not None and max_keys < 1:
+            raise ValueError("max_keys must be >= 1")
+        self.max_keys = max_keys
+        self._tables: dict[str, Table] = {}
+        self._sweep_cursor: Iterator[tuple[Table, str]] | None = None
+        self.store_full_events = 0
+        self.on_store_full: Callable[[Rule, str], None] | None = None
+
+    # ------------------------------------------------------------------ tables
+
+    def table(self, rule: Rule) -> Table:
+        """The table for ``rule``, rebuilt if the rule changed.
+
+        A rule whose algorithm changed cannot reuse its states (their shapes
+        differ), so they are dropped; a changed limit or period keeps them:
+        every algorithm reads its parameters from the rule at decision time.
+        """
+        table = self._tables.get(rule.name)
+        if table is None or table.rule is not rule:
+            if table is None or table.rule.algorithm != rule.algorithm:
+                table = Table(rule)
+            else:
+                kept = table.states
+                table = Table(rule)
+                table.states = kept
+            self._tables[rule.name] = table
+        return table
+
+    def __len__(self) -> int:
+        return sum(len(t.states) for t in self._tables.values())
+
+    def get(self, rule: Rule, key: str) -> State:
+        return self.table(rule).states.get(key)
+
+    def put(self, rule: Rule, key: str, state: State) -> None:
+        table = self.table(rule)
+        if state is None:
+            table.states.pop(key, None)
+        else:
+            table.states[key] = state
+
+    def keys(self) -> set[str]:
+        found: set[str] = set()
+        for table in self._tables.values():
+            found.update(table.states)
+        return found
+
+    # ------------------------------------------------------------------ deciding
+
+    def check(self, key: str, rules: Sequence[Rule], now: float, cost: int = 1) -> Verdict:
+        """Decide one request against ``rules`` (all must pass; none consumes on denial)."""
+        if len(rules) == 1:
+            rule = rules[0]
+            table = self._tables.get(rule.name)
+            if table is None or table.rule is not rule:
+                table = self.table(rule)
+            states = table.states
+            state = states.get(key)
+            if state is None and self.max_keys is not None and not self._has_room(now):
+                return self._store_full(rule, key, now, cost)
+            new, decision = table.decide(state, now, rule, cost)
+            if new is not state:
+                states[key] = new
+            return Verdict(decision.allowed, decision, (decision,))
+        tables = [self.table(rule) for rule in rules]
+        old = [t.states.get(key) for t in tables]
+        if self.max_keys is not None and any(s is None for s in old) and not self._has_room(now):
+            return self._store_full_many(rules, key, now, cost, old)
+        new_states, verdict = decide_all(old, now, rules, cost)
+        if verdict.allowed and cost:
+            for table, before, after in zip(tables, old, new_states, strict=True):
+                if after is not before:
+                    table.states[key] = after
+        return verdict
+
+    def _has_room(self, now: float) -> bool:
+        assert self.max_keys is not None
+        if len(self) < self.max_keys:
+            return True
+        self.sweep(now, budget=None)
+        return len(self) < self.max_keys
+
+    def _store_full(self, rule: Rule, key: str, now: float, cost: int) -> Verdict:
+        self.store_full_events += 1
+        if self.on_store_full is not None:
+            self.on_store_full(rule, key)
+        _, decision = REGISTRY[rule.algorithm].decide(None, now, rule, cost)
+        if rule.on_error == "open" or not decision.allowed:
+            decision = decision._replace(reason=decision.reason or STORE_FULL)
+        else:
+            decision = decision._replace(allowed=False, reason=STORE_FULL, retry_after=None)
+        return Verdict(decision.allowed, decision, (decision,))
+
+    def _store_full_many(
+        self, rules: Sequence[Rule], key: str, now: float, cost: int, old: list[State]
+    ) -> Verdict:
+        decisions: list[Decision] = []
+        for rule, state in zip(rules, old, strict=True):
+            if state is None:
+                decisions.append(self._store_full(rule, key, now, cost).decision)
+            else:
+                decisions.append(REGISTRY[rule.algorithm].decide(state, now, rule, cost)[1])
+        allowed = all(d.allowed for d in decisions)
+        return Verdict(allowed, most_restrictive(decisions), tuple(decisions))
+
+    # ------------------------------------------------------------------ eviction
+
+    def sweep(self, now: float, budget: int | None = 10_000) -> int:
+        """Drop states that are fresh again at ``now``; look at most ``budget`` entries.
+
+        Successive calls continue where the last one stopped, so a periodic
+        small sweep covers every key without ever blocking for long.
+        """
+        if budget is None:
+            evicted = 0
+            for table in list(self._tables.values()):
+                fresh_at, rule, states = table.fresh_at, table.rule, table.states
+                stale = [k for k, s in states.items() if fresh_at(s, rule) <= now]
+                for k in stale:
+                    del states[k]
+                evicted += len(stale)
+            self._sweep_cursor = None
+            return evicted
+        evicted = 0
+        looked = 0
+        while looked < budget:
+            if self._sweep_cursor is None:
+                self._sweep_cursor = self._snapshot()
+            try:
+                table, key = next(self._sweep_cursor)
+            except StopIteration:
+                self._sweep_cursor = None
+                break
+            looked += 1
+            state = table.states.get(key)
+            if state is not None and table.fresh_at(state, table.rule) <= now:
+                del table.states[key]
+                evicted += 1
+        return evicted
+
+    def _snapshot(self) -> Iterator[tuple[Table, str]]:
+        for table in list(self._tables.values()):
+            for key in list(table.states):
+                yield table, key
+
+    # ------------------------------------------------------------------ handoff
+
+    def export(
+        self,
+        now: float,
+        select: Callable[[str], bool] | None = None,
+        *,
+        remove: bool = False,
+    ) -> list[Record]:
+        """Every (selected) live state, with times relative to ``now``.
+
+        Fresh states are skipped: a missing state and a fresh one decide alike.
+        """
+        records: list[Record] = []
+        for table in self._tables.values():
+            rule, fresh_at, to_relative = table.rule, table.fresh_at, table.algorithm.to_relative
+            name, algorithm = rule.name, rule.algorithm
+            taken: list[str] = []
+            for key, state in table.states.items():
+                if select is not None and not select(key):
+                    continue
+                if fresh_at(state, rule) <= now:
+                    continue
+                records.append([name, algorithm, key, to_relative(state, now)])
+                taken.append(key)
+            if remove:
+                for key in taken:
+                    del table.states[key]
+        return records
+
+    def export_keys(self, keys: Iterable[str], now: float) -> list[Record]:
+        wanted = set(keys)
+        return self.export(now, wanted.__contains__)
+
+    def import_(self, records: Iterable[Record], now: float, rules: dict[str, Rule]) -> int:
+        """Rebase exported states onto this node's clock and keep them.
+
+        A record for a rule this node does not know, or whose algorithm
+        differs, is skipped (its states could not be interpreted). When a
+        state is already held, the more restrictive of the two is kept (the one
+        with fewer units remaining), so a late or repeated transfer can never
+        hand out quota twice.
+        """
+        taken = 0
+        for record in records:
+            name, algorithm, key, relative = record
+            rule = rules.get(name)
+            if rule is None or rule.algorithm != algorithm:
+                continue
+            table = self.table(rule)
+            incoming = table.algorithm.from_relative(relative, now)
+            current = table.states.get(key)
+            if current is not None:
+                incoming = more_restrictive(table, current, incoming, now)
+            table.states[key] = incoming
+            taken += 1
+        return taken
+
+
+def more_restrictive(table: Table, a: State, b: State, now: float) -> State:
+    decide, rule = table.decide, table.rule
+    da = decide(a, now, rule, 0)[1]
+    db = decide(b, now, rule, 0)[1]
+    if (db.remaining, -db.reset_after) < (da.remaining, -da.reset_after):
+        return b
+    return a

@@ -1,0 +1,1 @@
+"""Consistent-hash ring with versioned membership."""

@@ -1,0 +1,1 @@
+"""Rebalancing simulations on a virtual clock, driving the real ring and engine."""
