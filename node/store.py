@@ -20,7 +20,7 @@ the node counts it in a metric and logs it: never silent.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from node.algorithms import REGISTRY, Algorithm, State
@@ -56,6 +56,9 @@ class MemoryStore:
         self._sweep_cursor: Iterator[tuple[Table, str]] | None = None
         self.store_full_events = 0
         self.on_store_full: Callable[[Rule, str], None] | None = None
+        #: Keys whose state changed since the set was last taken (replication reads it);
+        #: ``None`` switches tracking off and keeps it off the hot path.
+        self.dirty: set[str] | None = None
 
     # ------------------------------------------------------------------ tables
 
@@ -112,6 +115,8 @@ class MemoryStore:
             new, decision = table.decide(state, now, rule, cost)
             if new is not state:
                 states[key] = new
+                if self.dirty is not None:
+                    self.dirty.add(key)
             return Verdict(decision.allowed, decision, (decision,))
         tables = [self.table(rule) for rule in rules]
         old = [t.states.get(key) for t in tables]
@@ -122,6 +127,8 @@ class MemoryStore:
             for table, before, after in zip(tables, old, new_states, strict=True):
                 if after is not before:
                     table.states[key] = after
+            if self.dirty is not None:
+                self.dirty.add(key)
         return verdict
 
     def _has_room(self, now: float) -> bool:
@@ -228,14 +235,22 @@ class MemoryStore:
         wanted = set(keys)
         return self.export(now, wanted.__contains__)
 
-    def import_(self, records: Iterable[Record], now: float, rules: dict[str, Rule]) -> int:
+    def import_(
+        self,
+        records: Iterable[Record],
+        now: float,
+        rules: Mapping[str, Rule],
+        *,
+        replace: bool = False,
+    ) -> int:
         """Rebase exported states onto this node's clock and keep them.
 
         A record for a rule this node does not know, or whose algorithm
         differs, is skipped (its states could not be interpreted). When a
         state is already held, the more restrictive of the two is kept (the one
         with fewer units remaining), so a late or repeated transfer can never
-        hand out quota twice.
+        hand out quota twice. ``replace=True`` keeps the incoming state instead
+        (replicas: the newest copy is the right one, even if it refilled).
         """
         taken = 0
         for record in records:
@@ -246,7 +261,7 @@ class MemoryStore:
             table = self.table(rule)
             incoming = table.algorithm.from_relative(relative, now)
             current = table.states.get(key)
-            if current is not None:
+            if current is not None and not replace:
                 incoming = more_restrictive(table, current, incoming, now)
             table.states[key] = incoming
             taken += 1

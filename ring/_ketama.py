@@ -3,15 +3,16 @@
 The continuum is built by ``uhashring.HashRing(hash_fn="ketama")`` so that
 placement is uhashring's by construction, not by a reimplementation that
 could drift. Lookups do not go through uhashring, though: its ``get_node``
-costs about 1.1 us per call, mostly attribute chasing and a generic
-``hashi`` (``str()``, per-byte shifts, replica arithmetic). The view copies
-the finished points into flat lists and does the same md5 + bisect itself.
+costs about 1.2 us per call, about 0.7 us of it in a generic ``hashi``
+(``str()``, an OpenSSL md5 context, per-byte shifts for any replica) and the
+rest in attribute chasing. The view copies the finished points into flat
+lists and does the same md5 + bisect itself.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from uhashring import HashRing
@@ -30,7 +31,7 @@ except ImportError:  # pragma: no cover - CPython builds without the builtin
         return hashlib.md5(data, usedforsecurity=False)
 
 
-__all__ = ["VNODES", "REPLICAS", "build_continuum", "ketama_hash", "md5", "read_point"]
+__all__ = ["REPLICAS", "VNODES", "build_continuum", "ketama_hash", "md5", "read_point"]
 
 # libketama's constants: 40 md5 digests per (equal-weight) server, 4 points cut
 # from each digest. Passed explicitly so a change of uhashring's defaults
@@ -84,7 +85,7 @@ def build_continuum(members: Sequence[Member]) -> tuple[list[int], list[Member]]
     return points, owners
 
 
-def _reject_pointless_members(members: Sequence[Member], distribution: Any) -> None:
+def _reject_pointless_members(members: Sequence[Member], distribution: Mapping[str, int]) -> None:
     """Refuse a membership in which some member would own no keys at all.
 
     Ketama gives each member ``floor(40 * N * weight / total_weight)`` digests,

@@ -1,0 +1,389 @@
+"""The cluster's configuration: which rules apply to which request, and how.
+
+One :class:`ClusterConfig` describes everything a node needs to decide the
+same way as every other node: the rules and their scopes (path pattern,
+method, user tier), where the user id and tier come from, which response
+headers to send, the bypass tokens and the rebalancing policies. The router
+pushes it to the nodes with every ring view, so a node never decides with
+rules of its own.
+
+It is loaded from flags or from a TOML file; every error names the file, the
+key and what is wrong, at start-up rather than at the first request.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import ipaddress
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from node.rules import CRASH_POLICIES, Rule, RuleError, parse_period, parse_rate
+
+IDENTITY_SOURCES = ("header", "query", "client")
+REBALANCE_POLICIES = ("handoff", "reset")
+BACKENDS = ("memory", "redis")
+BALANCES = ("sticky", "round-robin")
+_CACHE_LIMIT = 4096
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class ScopedRule:
+    """A rule and the requests it applies to (an empty scope matches everything)."""
+
+    rule: Rule
+    paths: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()
+    tiers: tuple[str, ...] = ()
+
+    @property
+    def is_default(self) -> bool:
+        return not (self.paths or self.methods or self.tiers)
+
+    def matches(self, method: str, path: str, tier: str | None) -> bool:
+        if self.methods and method.upper() not in self.methods:
+            return False
+        if self.tiers and (tier is None or tier not in self.tiers):
+            return False
+        return not self.paths or any(fnmatch.fnmatchcase(path, p) for p in self.paths)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = self.rule.to_dict()
+        for name in ("paths", "methods", "tiers"):
+            if getattr(self, name):
+                data[name] = list(getattr(self, name))
+        return data
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Where the user id comes from.
+
+    ``source`` is a request header (``name`` is the header), a query parameter
+    (``name`` is the parameter) or the client address. The client address
+    honours ``X-Forwarded-For`` only when the peer is a trusted proxy: anyone
+    else could write that header and pick another user's quota.
+    """
+
+    source: str = "header"
+    name: str = "X-User-Id"
+    fallback_to_client: bool = False
+    trusted_proxies: tuple[str, ...] = ()
+    tier_header: str | None = "X-User-Tier"
+
+    def __post_init__(self) -> None:
+        if self.source not in IDENTITY_SOURCES:
+            raise ConfigError(
+                f"identity.source must be one of {', '.join(IDENTITY_SOURCES)}, got {self.source!r}"
+            )
+        for proxy in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ConfigError(
+                    f"identity.trusted_proxies: {proxy!r} is not an IP address or network"
+                ) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "name": self.name,
+            "fallback_to_client": self.fallback_to_client,
+            "trusted_proxies": list(self.trusted_proxies),
+            "tier_header": self.tier_header,
+        }
+
+
+@dataclass(frozen=True)
+class Policies:
+    """What happens to counters when the ring changes (see docs/rebalancing.md)."""
+
+    rebalance: str = "handoff"
+    crash: str = "replica"
+    replication_interval: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.rebalance not in REBALANCE_POLICIES:
+            raise ConfigError(
+                f"policies.rebalance must be one of {', '.join(REBALANCE_POLICIES)}, "
+                f"got {self.rebalance!r}"
+            )
+        if self.crash not in CRASH_POLICIES:
+            raise ConfigError(
+                f"policies.crash must be one of {', '.join(CRASH_POLICIES)}, got {self.crash!r}"
+            )
+        if not 0.001 <= self.replication_interval <= 60:
+            raise ConfigError("policies.replication_interval must be between 0.001 and 60 s")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rebalance": self.rebalance,
+            "crash": self.crash,
+            "replication_interval": self.replication_interval,
+        }
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Explicit bounds on what a client may send."""
+
+    max_key_length: int = 256
+    max_batch: int = 1000
+    max_body: int = 1 << 20
+    max_cost: int = 1_000_000_000
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_key_length": self.max_key_length,
+            "max_batch": self.max_batch,
+            "max_body": self.max_body,
+            "max_cost": self.max_cost,
+        }
+
+
+def hash_token(token: str) -> str:
+    """How bypass tokens are stored: only their SHA-256, never the token itself."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    rules: tuple[ScopedRule, ...] = ()
+    identity: Identity = field(default_factory=Identity)
+    policies: Policies = field(default_factory=Policies)
+    limits: Limits = field(default_factory=Limits)
+    legacy_headers: bool = True
+    bypass_header: str = "X-Ringlimit-Bypass"
+    bypass_sha256: tuple[str, ...] = ()
+    backend: str = "memory"
+    balance: str = "sticky"
+    _by_name: dict[str, Rule] = field(init=False, repr=False, compare=False)
+    _defaults: tuple[Rule, ...] = field(init=False, repr=False, compare=False)
+    _cache: dict[tuple[str, str, str | None], tuple[Rule, ...]] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        by_name: dict[str, Rule] = {}
+        for scoped in self.rules:
+            if scoped.rule.name in by_name:
+                raise ConfigError(f"rule name {scoped.rule.name!r} is used twice")
+            by_name[scoped.rule.name] = scoped.rule
+        for digest in self.bypass_sha256:
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ConfigError("bypass.token_sha256 entries must be 64 lowercase hex digits")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
+        if self.balance not in BALANCES:
+            raise ConfigError(f"balance must be one of {', '.join(BALANCES)}")
+        object.__setattr__(self, "_by_name", by_name)
+        object.__setattr__(self, "_defaults", tuple(s.rule for s in self.rules if s.is_default))
+        object.__setattr__(self, "_cache", {})
+
+    # ------------------------------------------------------------------ lookups
+
+    def rule(self, name: str) -> Rule | None:
+        return self._by_name.get(name)
+
+    @property
+    def rule_map(self) -> Mapping[str, Rule]:
+        return self._by_name
+
+    @property
+    def default_rules(self) -> tuple[Rule, ...]:
+        """The rules with no scope: what the decision API applies when no rule is named."""
+        return self._defaults
+
+    def rules_for(self, method: str, path: str, tier: str | None) -> tuple[Rule, ...]:
+        """Every rule whose scope matches this request (all of them must allow it)."""
+        key = (method, path, tier)
+        found = self._cache.get(key)
+        if found is None:
+            found = tuple(s.rule for s in self.rules if s.matches(method, path, tier))
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            self._cache[key] = found
+        return found
+
+    def with_(self, **changes: Any) -> ClusterConfig:
+        return replace(self, **changes)
+
+    # ------------------------------------------------------------------ wire format
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rules": [s.to_dict() for s in self.rules],
+            "identity": self.identity.to_dict(),
+            "policies": self.policies.to_dict(),
+            "limits": self.limits.to_dict(),
+            "headers": {"legacy": self.legacy_headers},
+            "bypass": {"header": self.bypass_header, "token_sha256": list(self.bypass_sha256)},
+            "backend": self.backend,
+            "balance": self.balance,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> ClusterConfig:
+        return _Parser(source).config(data)
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Read a TOML config file; errors name the file, the key and the problem."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return _Parser(str(path)).config(data)
+
+
+class _Parser:
+    """Turns plain data into a config, remembering where each value came from."""
+
+    _TOP = {"rules", "identity", "policies", "limits", "headers", "bypass", "backend", "balance"}
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {where}: {problem}")
+
+    def table(self, data: Any, where: str, allowed: Iterable[str]) -> Mapping[str, Any]:
+        if data is None:
+            return {}
+        if not isinstance(data, Mapping):
+            raise self.fail(where, f"must be a table, got {type(data).__name__}")
+        unknown = set(data) - set(allowed)
+        if unknown:
+            raise self.fail(where, f"unknown key(s) {', '.join(sorted(unknown))}")
+        return data
+
+    def strings(self, value: Any, where: str) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.fail(where, "must be a list of strings")
+        return tuple(value)
+
+    def config(self, data: Mapping[str, Any]) -> ClusterConfig:
+        data = self.table(data, "top level", self._TOP)
+        rules_data = data.get("rules", [])
+        if not isinstance(rules_data, list):
+            raise self.fail("rules", "must be an array of tables ([[rules]])")
+        rules = tuple(self.scoped_rule(r, f"rules[{i}]") for i, r in enumerate(rules_data))
+        ident = self.table(
+            data.get("identity"),
+            "identity",
+            {"source", "name", "fallback_to_client", "trusted_proxies", "tier_header"},
+        )
+        pol = self.table(
+            data.get("policies"), "policies", {"rebalance", "crash", "replication_interval"}
+        )
+        lim = self.table(
+            data.get("limits"),
+            "limits",
+            {"max_key_length", "max_batch", "max_body", "max_cost"},
+        )
+        headers = self.table(data.get("headers"), "headers", {"legacy"})
+        bypass = self.table(data.get("bypass"), "bypass", {"header", "token_sha256", "tokens"})
+        try:
+            identity = Identity(
+                source=ident.get("source", "header"),
+                name=ident.get("name", "X-User-Id"),
+                fallback_to_client=bool(ident.get("fallback_to_client", False)),
+                trusted_proxies=self.strings(
+                    ident.get("trusted_proxies"), "identity.trusted_proxies"
+                ),
+                tier_header=ident.get("tier_header", "X-User-Tier"),
+            )
+            policies = Policies(
+                rebalance=pol.get("rebalance", "handoff"),
+                crash=pol.get("crash", "replica"),
+                replication_interval=float(pol.get("replication_interval", 0.1)),
+            )
+            limits = Limits(**{k: int(v) for k, v in lim.items()})
+            hashes = list(self.strings(bypass.get("token_sha256"), "bypass.token_sha256"))
+            # Plain tokens are accepted for convenience and hashed at once.
+            hashes += [hash_token(t) for t in self.strings(bypass.get("tokens"), "bypass.tokens")]
+            return ClusterConfig(
+                rules=rules,
+                identity=identity,
+                policies=policies,
+                limits=limits,
+                legacy_headers=bool(headers.get("legacy", True)),
+                bypass_header=bypass.get("header", "X-Ringlimit-Bypass"),
+                bypass_sha256=tuple(h.lower() for h in hashes),
+                backend=data.get("backend", "memory"),
+                balance=data.get("balance", "sticky"),
+            )
+        except ConfigError as exc:
+            if str(exc).startswith(self.source):
+                raise
+            raise ConfigError(f"{self.source}: {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{self.source}: {exc}") from None
+
+    def scoped_rule(self, data: Any, where: str) -> ScopedRule:
+        data = self.table(
+            data,
+            where,
+            {
+                "name",
+                "rate",
+                "limit",
+                "period",
+                "algorithm",
+                "burst",
+                "on_error",
+                "crash_policy",
+                "paths",
+                "methods",
+                "tiers",
+            },
+        )
+        try:
+            if "rate" in data:
+                if "limit" in data or "period" in data:
+                    raise self.fail(where, "give either 'rate' or 'limit' and 'period', not both")
+                limit, period = parse_rate(data["rate"])
+            else:
+                if "limit" not in data or "period" not in data:
+                    raise self.fail(where, "needs 'rate' (e.g. '100/minute') or 'limit' + 'period'")
+                limit = data["limit"]
+                raw_period = data["period"]
+                period = (
+                    parse_period(raw_period) if isinstance(raw_period, str) else float(raw_period)
+                )
+            name = data.get("name")
+            if name is None:
+                raise self.fail(where, "needs a 'name' (shown in headers and metrics)")
+            rule = Rule(
+                name=name,
+                limit=limit,
+                period=period,
+                algorithm=data.get("algorithm", "token_bucket"),
+                burst=data.get("burst") or 0,
+                on_error=data.get("on_error", "open"),
+                crash_policy=data.get("crash_policy"),
+            )
+        except RuleError as exc:
+            raise self.fail(where, str(exc)) from None
+        methods = tuple(m.upper() for m in self.strings(data.get("methods"), f"{where}.methods"))
+        return ScopedRule(
+            rule=rule,
+            paths=self.strings(data.get("paths"), f"{where}.paths"),
+            methods=methods,
+            tiers=self.strings(data.get("tiers"), f"{where}.tiers"),
+        )

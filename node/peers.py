@@ -1,0 +1,40 @@
+"""How nodes talk to each other: state transfers, pulls and replicas.
+
+These calls are control plane (rare, bulk), so they use httpx; the request
+hot path never waits on them except for a pull-on-miss during a handoff.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+INTERNAL_TOKEN_HEADER = "X-Ringlimit-Token"  # noqa: S105 (a header name)
+
+
+class PeerError(Exception):
+    """A peer did not answer as expected (down, slow, or refused)."""
+
+
+class Peers:
+    def __init__(self, *, token: str | None = None, timeout: float = 2.0) -> None:
+        headers = {INTERNAL_TOKEN_HEADER: token} if token else {}
+        self._client = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 0.5)),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+        )
+
+    async def post(self, url: str, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = await self._client.post(url.rstrip("/") + path, json=payload)
+        except httpx.HTTPError as exc:
+            raise PeerError(f"{url}{path}: {type(exc).__name__}") from None
+        if response.status_code != 200:
+            raise PeerError(f"{url}{path}: HTTP {response.status_code}")
+        data: dict[str, Any] = response.json()
+        return data
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,53 @@
+"""Secrets: compared in constant time, never logged."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+
+
+def token_matches(given: str | None, expected: str | None) -> bool:
+    """Constant-time comparison; no token configured means no check here."""
+    if expected is None:
+        return True
+    if given is None:
+        return False
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def bearer(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, value = authorization.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" else None
+
+
+def bypass_matches(token: str | None, digests: tuple[str, ...]) -> bool:
+    """Whether ``token`` is one of the bypass tokens, stored only as SHA-256 digests.
+
+    Every digest is compared (no early exit), so timing does not reveal which
+    one came close.
+    """
+    if not token or not digests:
+        return False
+    digest = hashlib.sha256(token.encode()).hexdigest().encode()
+    found = False
+    for expected in digests:
+        found |= hmac.compare_digest(digest, expected.encode())
+    return found
+
+
+def is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def redact(url_or_text: str, secret: str | None) -> str:
+    if secret and secret in url_or_text:
+        return url_or_text.replace(secret, "***")
+    return url_or_text

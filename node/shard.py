@@ -1,0 +1,424 @@
+"""A node's shard: which keys it may decide, and how state follows the keys.
+
+The node is the single authority for the keys the newest ring view gives it.
+Everything here exists to keep that true while the ring changes:
+
+* **Fencing.** A key is decided only by its owner under the newest epoch this
+  node knows; any other key is refused with :class:`NotOwner`, which tells the
+  router to refresh its view and retry. Two nodes never decide the same key at
+  once, even while some router still holds a stale view.
+* **Handoff.** When a view arrives, the node takes every state it no longer
+  owns out of its store at once (so it can never decide them again) and sends
+  each to its new owner, with times relative to its clock.
+* **Pull-on-miss.** A new owner that is asked about a key it has not
+  received yet pulls that key from the previous owner first, so no request is
+  decided on a fresh state that should have been inherited.
+* **Crashes.** A crashed node cannot hand anything off; the crash policy says
+  what its keys start from: nothing (``reset``), an exhausted quota for one
+  period (``conservative``) or the successor's replica (``replica``), which
+  every node streams to each key's successor every replication interval.
+
+See docs/rebalancing.md for what each event costs in the worst case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from node.algorithms import REGISTRY
+from node.clock import Clock
+from node.config import ClusterConfig
+from node.peers import PeerError, Peers
+from node.rules import Rule
+from node.store import MemoryStore, Record
+from ring import EmptyRingError, RingView
+
+log = logging.getLogger("ringlimit.node")
+
+
+class NotOwner(Exception):
+    """This node does not own the key under the newest view it knows."""
+
+    def __init__(self, key: str, epoch: int, owner: str | None) -> None:
+        super().__init__(f"key is owned by {owner} at epoch {epoch}")
+        self.key = key
+        self.epoch = epoch
+        self.owner = owner
+
+
+class StaleEpoch(Exception):
+    """A peer asked about an epoch this node has not seen yet."""
+
+
+@dataclass
+class HandoffStats:
+    keys_sent: int = 0
+    keys_received: int = 0
+    keys_dropped: int = 0
+    pulls: int = 0
+    pull_failures: int = 0
+    replicas_sent: int = 0
+    replicas_promoted: int = 0
+    conservative_keys: int = 0
+    views_applied: int = 0
+    last_transfer_seconds: float = 0.0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class Shard:
+    def __init__(
+        self,
+        node_id: str,
+        store: MemoryStore,
+        clock: Clock,
+        peers: Peers,
+        config: Callable[[], ClusterConfig],
+        *,
+        handoff_wait: float = 5.0,
+    ) -> None:
+        self.id = node_id
+        self.store = store
+        self.clock = clock
+        self.peers = peers
+        self._config = config
+        self.handoff_wait = handoff_wait
+        #: None until a router sends a view: a standalone node decides every key.
+        self.view: RingView | None = None
+        self.previous: RingView | None = None
+        self.stats = HandoffStats()
+        self._crashed: frozenset[str] = frozenset()
+        self._pending: dict[str, float] = {}
+        self._finals: dict[int, set[str]] = {}
+        self._outbox: dict[str, list[Record]] = {}
+        self._pulling: dict[str, asyncio.Future[None]] = {}
+        self._pulled: set[str] = set()
+        self._conservative_until = float("-inf")
+        self._crash_time = 0.0
+        self._replicas: dict[str, MemoryStore] = {}
+        self._successors: dict[str, str | None] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ deciding
+
+    @property
+    def epoch(self) -> int:
+        return self.view.epoch if self.view is not None else 0
+
+    def check_owner(self, key: str) -> None:
+        view = self.view
+        if view is None:
+            return
+        try:
+            owner = view.owner_id(key)
+        except EmptyRingError:
+            raise NotOwner(key, view.epoch, None) from None
+        if owner != self.id:
+            raise NotOwner(key, view.epoch, owner)
+
+    async def admit(self, key: str, rules: Sequence[Rule]) -> None:
+        """Raise :class:`NotOwner` unless this node may decide ``key`` now.
+
+        While a handoff into this node is still under way, make sure the key's
+        inherited state is here before anyone decides on it.
+        """
+        self.check_owner(key)
+        if self._pending or self._conservative_until > float("-inf"):
+            await self._inherit(key, rules)
+
+    async def _inherit(self, key: str, rules: Sequence[Rule]) -> None:
+        previous = self.previous
+        if previous is None or not len(previous):
+            return
+        previous_owner = previous.owner_id(key)
+        if previous_owner == self.id:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = self._pending.get(previous_owner)
+        if deadline is not None:
+            if loop.time() > deadline:
+                log.warning("handoff from %s not finished in time; deciding anyway", previous_owner)
+                self._pending.pop(previous_owner, None)
+            elif key not in self._pulled and not self._holds(key, rules):
+                await self._pull(previous, previous_owner, key)
+        if previous_owner in self._crashed:
+            now = self.clock()
+            if now < self._conservative_until:
+                self._exhaust(key, rules, now)
+            elif self._conservative_until > float("-inf"):
+                self._conservative_until = float("-inf")
+
+    def _holds(self, key: str, rules: Sequence[Rule]) -> bool:
+        return any(self.store.get(rule, key) is not None for rule in rules)
+
+    async def _pull(self, previous: RingView, owner_id: str, key: str) -> None:
+        waiting = self._pulling.get(key)
+        if waiting is not None:
+            await waiting
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pulling[key] = future
+        self.stats.pulls += 1
+        try:
+            url = previous.member(owner_id).url
+            deadline = asyncio.get_running_loop().time() + self.handoff_wait
+            while True:
+                try:
+                    answer = await self.peers.post(
+                        url, "/internal/pull", {"keys": [key], "epoch": self.epoch, "to": self.id}
+                    )
+                    break
+                except PeerError as exc:
+                    if "409" in str(exc) and asyncio.get_running_loop().time() < deadline:
+                        await asyncio.sleep(0.02)
+                        continue
+                    raise
+            records = answer.get("records", [])
+            self.store.import_(records, self.clock(), self._config().rule_map)
+            self.stats.keys_received += len(records)
+        except (PeerError, KeyError, ValueError, TypeError) as exc:
+            self.stats.pull_failures += 1
+            log.warning(
+                "pull of one key from %s failed (%s); deciding on local state", owner_id, exc
+            )
+        finally:
+            self._pulled.add(key)
+            del self._pulling[key]
+            future.set_result(None)
+
+    def _exhaust(self, key: str, rules: Sequence[Rule], now: float) -> None:
+        """Conservative crash policy: a key the crashed node held starts with no quota."""
+        policy = self._config().policies.crash
+        for rule in rules:
+            if (rule.crash_policy or policy) != "conservative":
+                continue
+            if self._crash_time + rule.period <= now or self.store.get(rule, key) is not None:
+                continue
+            state, _ = REGISTRY[rule.algorithm].decide(None, self._crash_time, rule, rule.capacity)
+            self.store.put(rule, key, state)
+            self.stats.conservative_keys += 1
+
+    # ------------------------------------------------------------------ views
+
+    def apply(
+        self,
+        view: RingView,
+        previous: RingView | None,
+        crashed: Sequence[str] = (),
+    ) -> bool:
+        """Adopt a newer view: fence, hand off, and set up inheritance.
+
+        Runs without awaiting, so no request can be decided between the
+        switch of view and the removal of the keys that moved away.
+        """
+        if self.view is not None and view.epoch <= self.view.epoch:
+            return False
+        config = self._config()
+        previous = previous if previous is not None else self.view
+        self.previous = previous
+        self.view = view
+        self._successors.clear()
+        self._crashed = frozenset(crashed)
+        self.stats.views_applied += 1
+        now = self.clock()
+        if len(view):
+            me_in = self.id in view
+
+            def moved(key: str) -> bool:
+                return not me_in or view.owner_id(key) != self.id
+
+            records = self.store.export(now, moved, remove=True)
+            if config.policies.rebalance == "handoff":
+                for record in records:
+                    self._outbox.setdefault(view.owner_id(record[2]), []).append(record)
+            else:
+                self.stats.keys_dropped += len(records)
+        self._promote_replicas(view, crashed, now, config)
+        conservative_rules = [
+            s.rule
+            for s in config.rules
+            if (s.rule.crash_policy or config.policies.crash) == "conservative"
+        ]
+        if crashed and conservative_rules:
+            self._crash_time = now
+            self._conservative_until = now + max(r.period for r in conservative_rules)
+        senders: set[str] = set()
+        if previous is not None and self.id in view:
+            senders = {m for m in previous.ids if m != self.id and m not in crashed}
+        senders -= self._finals.pop(view.epoch, set())
+        for epoch in [e for e in self._finals if e < view.epoch]:
+            del self._finals[epoch]
+        deadline = asyncio.get_event_loop().time() + self.handoff_wait
+        self._pending = dict.fromkeys(senders, deadline)
+        self._pulled.clear()
+        return True
+
+    def _promote_replicas(
+        self, view: RingView, crashed: Sequence[str], now: float, config: ClusterConfig
+    ) -> None:
+        for origin in crashed:
+            replicas = self._replicas.pop(origin, None)
+            if replicas is None or self.id not in view:
+                continue
+
+            def mine(key: str) -> bool:
+                return view.owner_id(key) == self.id
+
+            records = [
+                r
+                for r in replicas.export(now, mine)
+                if (config.rule(r[0]) is not None)
+                and ((config.rule(r[0]).crash_policy or config.policies.crash) == "replica")  # type: ignore[union-attr]
+            ]
+            self.stats.replicas_promoted += self.store.import_(records, now, config.rule_map)
+        for origin in list(self._replicas):
+            if origin not in view:
+                del self._replicas[origin]
+
+    async def deliver(self) -> dict[str, int]:
+        """Send every outbox entry to its new owner, with a final mark for each member."""
+        view = self.view
+        if view is None:
+            return {}
+        started = asyncio.get_running_loop().time()
+        sent: dict[str, int] = {}
+
+        async def send(member_id: str, url: str) -> None:
+            records = self._outbox.pop(member_id, [])
+            payload = {"from": self.id, "epoch": view.epoch, "records": records, "final": True}
+            for attempt in range(3):
+                try:
+                    await self.peers.post(url, "/internal/import", payload)
+                    self.stats.keys_sent += len(records)
+                    sent[member_id] = len(records)
+                    return
+                except PeerError as exc:
+                    if attempt == 2:
+                        log.warning(
+                            "handoff of %d keys to %s failed: %s", len(records), member_id, exc
+                        )
+                        self.stats.keys_dropped += len(records)
+                        return
+                    await asyncio.sleep(0.05 * (attempt + 1))
+
+        await asyncio.gather(*(send(m.id, m.url) for m in view if m.id != self.id))
+        for member_id in [m for m in self._outbox if m not in view]:
+            self.stats.keys_dropped += len(self._outbox.pop(member_id))
+        self.stats.last_transfer_seconds = asyncio.get_running_loop().time() - started
+        return sent
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ peers' calls
+
+    def receive(self, sender: str, epoch: int, records: list[Record], final: bool) -> int:
+        taken = self.store.import_(records, self.clock(), self._config().rule_map)
+        self.stats.keys_received += taken
+        if final:
+            if epoch == self.epoch:
+                self._pending.pop(sender, None)
+            elif epoch > self.epoch:
+                self._finals.setdefault(epoch, set()).add(sender)
+        return taken
+
+    def serve_pull(self, keys: Sequence[str], to: str, epoch: int) -> list[Record]:
+        """Give up the named keys' states to their new owner (from the outbox or the store)."""
+        if epoch > self.epoch:
+            raise StaleEpoch(f"asked about epoch {epoch}, this node knows {self.epoch}")
+        wanted = set(keys)
+        found: list[Record] = []
+        pending = self._outbox.get(to)
+        if pending:
+            keep = []
+            for record in pending:
+                (found if record[2] in wanted else keep).append(record)
+            self._outbox[to] = keep
+        view = self.view
+        if view is not None and len(view):
+            found += self.store.export(
+                self.clock(),
+                lambda k: k in wanted and (self.id not in view or view.owner_id(k) != self.id),
+                remove=True,
+            )
+        return found
+
+    def receive_replicas(self, origin: str, records: list[Record]) -> int:
+        replicas = self._replicas.get(origin)
+        if replicas is None:
+            replicas = self._replicas[origin] = MemoryStore()
+        return replicas.import_(records, self.clock(), self._config().rule_map, replace=True)
+
+    # ------------------------------------------------------------------ replication
+
+    def replication_wanted(self) -> bool:
+        config = self._config()
+        return config.policies.crash == "replica" or any(
+            s.rule.crash_policy == "replica" for s in config.rules
+        )
+
+    async def replicate_once(self) -> int:
+        """Send every state changed since the last round to its key's successor."""
+        view = self.view
+        dirty = self.store.dirty
+        if view is None or len(view) < 2 or not dirty:
+            return 0
+        self.store.dirty = set()
+        now = self.clock()
+        by_target: dict[str, list[Record]] = {}
+        successors = self._successors
+        for record in self.store.export(now, dirty.__contains__):
+            key = record[2]
+            target = successors.get(key, "")
+            if target == "":
+                chain = view.successors(key, 2)
+                target = chain[1].id if len(chain) > 1 else None
+                if len(successors) > 1_000_000:
+                    successors.clear()
+                successors[key] = target
+            if target is not None:
+                by_target.setdefault(target, []).append(record)
+        sent = 0
+        for target, records in by_target.items():
+            try:
+                await self.peers.post(
+                    view.member(target).url,
+                    "/internal/replica",
+                    {"from": self.id, "epoch": view.epoch, "records": records},
+                )
+                sent += len(records)
+            except (PeerError, KeyError) as exc:
+                log.debug("replication to %s failed: %s", target, exc)
+        self.stats.replicas_sent += sent
+        return sent
+
+    async def run_replication(self) -> None:
+        while True:
+            interval = self._config().policies.replication_interval
+            await asyncio.sleep(interval)
+            if self.replication_wanted():
+                if self.store.dirty is None:
+                    self.store.dirty = set()
+                with contextlib.suppress(Exception):
+                    await self.replicate_once()
+            else:
+                self.store.dirty = None
+
+    def sweep_replicas(self, now: float) -> None:
+        for replicas in self._replicas.values():
+            replicas.sweep(now)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "pending_from": sorted(self._pending),
+            "outbox": {k: len(v) for k, v in self._outbox.items() if v},
+            "replicas": {k: len(v) for k, v in self._replicas.items()},
+            "stats": {k: v for k, v in self.stats.__dict__.items() if k != "extra"},
+        }
