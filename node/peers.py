@@ -18,9 +18,17 @@ class PeerError(Exception):
 
 
 class Peers:
-    def __init__(self, *, token: str | None = None, timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        token: str | None = None,
+        timeout: float = 2.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         headers = {INTERNAL_TOKEN_HEADER: token} if token else {}
-        self._client = httpx.AsyncClient(
+        self._headers = headers
+        self._owned = client is None
+        self._client = client or httpx.AsyncClient(
             headers=headers,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 0.5)),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
@@ -28,7 +36,9 @@ class Peers:
 
     async def post(self, url: str, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         try:
-            response = await self._client.post(url.rstrip("/") + path, json=payload)
+            response = await self._client.post(
+                url.rstrip("/") + path, json=payload, headers=self._headers
+            )
         except httpx.HTTPError as exc:
             raise PeerError(f"{url}{path}: {type(exc).__name__}") from None
         if response.status_code != 200:
@@ -37,4 +47,5 @@ class Peers:
         return data
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._owned:
+            await self._client.aclose()

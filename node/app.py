@@ -1,0 +1,400 @@
+"""The node's ASGI application.
+
+A node answers four kinds of request:
+
+* anything that is not its own API goes through :class:`RateLimitMiddleware`
+  to the application it fronts (echo, upstream, or the user's app);
+* ``POST /v1/check``: the decision API (single or batch);
+* ``/internal/*``: ring views, state transfers and replicas from the router
+  and the other nodes (token-protected, or loopback-only without a token);
+* ``/healthz`` and ``/metrics``.
+
+Everything a node holds is created here and passed in: no module-level state.
+A node must run as ONE process: it is the single authority for its keys, and
+several worker processes would each hold their own counters for the same keys,
+multiplying the limit by the number of workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from node.api import ApiError, parse_checks, parse_json
+from node.apps import echo_app
+from node.asgi import ASGIApp, Receive, Scope, Send
+from node.authority import Authority
+from node.backend import Backend, MemoryBackend
+from node.clock import Clock, system_clock
+from node.config import ClusterConfig
+from node.metrics import NodeMetrics
+from node.middleware import RateLimitMiddleware, not_owner_body, not_owner_headers
+from node.peers import INTERNAL_TOKEN_HEADER, Peers
+from node.security import bearer, is_loopback, token_matches
+from node.shard import NotOwner, Shard, StaleEpoch
+from node.store import MemoryStore
+from ring import RingView
+
+log = logging.getLogger("ringlimit.node")
+
+CONTROL_PREFIXES = ("/v1/", "/internal/")
+CONTROL_PATHS = frozenset({"/healthz", "/metrics"})
+MAX_INTERNAL_BODY = 512 << 20
+
+
+@dataclass
+class NodeSettings:
+    node_id: str = "n1"
+    config: ClusterConfig = field(default_factory=ClusterConfig)
+    internal_token: str | None = None
+    max_keys: int | None = None
+    sweep_interval: float = 1.0
+    handoff_wait: float = 5.0
+    #: Decide every key (no ring) until a router sends a view.
+    sticky: bool = True
+
+
+class Node:
+    """The parts of a running node, wired together (kept for tests and the CLI)."""
+
+    def __init__(
+        self,
+        settings: NodeSettings,
+        *,
+        clock: Clock = system_clock,
+        store: MemoryStore | None = None,
+        backend: Backend | None = None,
+        peers: Peers | None = None,
+        app: ASGIApp | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.store = store if store is not None else MemoryStore(max_keys=settings.max_keys)
+        self.backend = backend if backend is not None else MemoryBackend(self.store, clock)
+        self.peers = peers if peers is not None else Peers(token=settings.internal_token)
+        self.metrics = NodeMetrics(settings.node_id)
+        self.shard: Shard | None = None
+        if settings.sticky and isinstance(self.backend, MemoryBackend):
+            self.shard = Shard(
+                settings.node_id,
+                self.store,
+                clock,
+                self.peers,
+                lambda: self.authority.config,
+                handoff_wait=settings.handoff_wait,
+            )
+        self.authority = Authority(
+            settings.config,
+            self.backend,
+            shard=self.shard,
+            metrics=self.metrics,
+            node_id=settings.node_id,
+        )
+        self.store.on_store_full = self._store_full
+        self.metrics.watch(lambda: len(self.store), lambda: self.shard.epoch if self.shard else 0)
+        if self.shard is not None:
+            shard = self.shard
+            self.metrics.add_counters(
+                "ringlimit_handoff",
+                "Handoff, pull and replica counts of this node.",
+                lambda: {
+                    k: v for k, v in shard.stats.__dict__.items() if isinstance(v, int | float)
+                },
+            )
+        fallbacks = getattr(self.backend, "fallbacks", None)
+        if fallbacks is not None:
+            backend = self.backend
+            self.metrics.add_counters(
+                "ringlimit_backend_fallback",
+                "Decisions made by the local fallback while the shared backend was down.",
+                lambda: {"decisions": getattr(backend, "fallbacks", 0)},
+            )
+        self.fronted = app if app is not None else echo_app(settings.node_id)
+        self.limited = RateLimitMiddleware(
+            self.fronted, authority=self.authority, internal_token=settings.internal_token
+        )
+        self.control = Starlette(routes=self._routes(), lifespan=self._lifespan)
+
+    def _store_full(self, rule: Any, key: str) -> None:
+        self.metrics.error("store_full")
+        if self.store.store_full_events in (1, 10, 100) or self.store.store_full_events % 1000 == 0:
+            log.warning(
+                "key cap of %s reached: new keys are not stored (%d so far)",
+                self.settings.max_keys,
+                self.store.store_full_events,
+            )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path.startswith(CONTROL_PREFIXES) or path in CONTROL_PATHS:
+                await self.control(scope, receive, send)
+            else:
+                await self.limited(scope, receive, send)
+        else:
+            await self.control(scope, receive, send)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.backend.start()
+        tasks = [asyncio.create_task(self._sweep_forever())]
+        if self.shard is not None:
+            tasks.append(asyncio.create_task(self.shard.run_replication()))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await self.backend.close()
+            await self.peers.close()
+            close = getattr(self.fronted, "close", None)
+            if close is not None:
+                await close()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval)
+            now = self.clock()
+            self.store.sweep(now, budget=50_000)
+            if self.shard is not None:
+                self.shard.sweep_replicas(now)
+
+    # ------------------------------------------------------------------ routes
+
+    def _routes(self) -> list[Route]:
+        return [
+            Route("/v1/check", self.check, methods=["POST"]),
+            Route("/healthz", self.healthz, methods=["GET"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/internal/cluster", self.get_cluster, methods=["GET"]),
+            Route("/internal/cluster", self.put_cluster, methods=["PUT"]),
+            Route("/internal/import", self.import_states, methods=["POST"]),
+            Route("/internal/pull", self.pull, methods=["POST"]),
+            Route("/internal/replica", self.replica, methods=["POST"]),
+            Route("/internal/status", self.status, methods=["GET"]),
+        ]
+
+    async def check(self, request: Request) -> Response:
+        config = self.authority.config
+        try:
+            body = await read_body(request, config.limits.max_body)
+            checks, batch = parse_checks(parse_json(body, config), config)
+            verdicts = await self.authority.decide_many([(c.key, c.rules, c.cost) for c in checks])
+        except ApiError as exc:
+            self.metrics.error(exc.error)
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except NotOwner as exc:
+            self.metrics.error("not_owner")
+            return JSONResponse(
+                not_owner_body(exc),
+                status_code=421,
+                headers={k.decode(): v.decode() for k, v in not_owner_headers(exc)},
+            )
+        node = self.settings.node_id
+        results = []
+        for verdict in verdicts:
+            result = verdict.decision.to_dict()
+            result["allowed"] = verdict.allowed
+            result["node"] = node
+            if len(verdict.decisions) > 1:
+                result["decisions"] = [d.to_dict() for d in verdict.decisions]
+            results.append(result)
+        return JSONResponse({"results": results} if batch else results[0])
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "node": self.settings.node_id,
+                "epoch": self.shard.epoch if self.shard else 0,
+                "backend": self.backend.name,
+                "backend_available": self.backend.available,
+                "keys": len(self.store),
+            }
+        )
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # ------------------------------------------------------------------ internal
+
+    def _refuse(self, request: Request) -> Response | None:
+        """Internal endpoints: the token when configured, otherwise loopback only."""
+        expected = self.settings.internal_token
+        if expected is None:
+            host = request.client.host if request.client else None
+            if not is_loopback(host):
+                return JSONResponse(
+                    {
+                        "error": "forbidden",
+                        "detail": "internal API is loopback-only without a token",
+                    },
+                    status_code=403,
+                )
+            return None
+        given = request.headers.get(INTERNAL_TOKEN_HEADER) or bearer(
+            request.headers.get("authorization")
+        )
+        if not token_matches(given, expected):
+            return JSONResponse(
+                {"error": "unauthorized", "detail": "missing or wrong internal token"},
+                status_code=401,
+            )
+        return None
+
+    async def _internal_json(self, request: Request) -> dict[str, Any]:
+        body = await read_body(request, MAX_INTERNAL_BODY)
+        try:
+            data = json.loads(body)
+        except ValueError as exc:
+            raise ApiError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "invalid_request", "body must be a JSON object")
+        return data
+
+    async def get_cluster(self, request: Request) -> Response:
+        if (refused := self._refuse(request)) is not None:
+            return refused
+        view = self.shard.view if self.shard else None
+        return JSONResponse(
+            {
+                "node": self.settings.node_id,
+                "ring": view.to_dict() if view is not None else None,
+                "config": self.authority.config.to_dict(),
+            }
+        )
+
+    async def put_cluster(self, request: Request) -> Response:
+        """A router sends the newest view, the previous one, crashes and the config."""
+        if (refused := self._refuse(request)) is not None:
+            return refused
+        try:
+            data = await self._internal_json(request)
+            config = ClusterConfig.from_dict(data["config"], source="pushed config")
+            view = RingView.from_dict(data["ring"])
+            previous = RingView.from_dict(data["previous"]) if data.get("previous") else None
+            crashed = [str(c) for c in data.get("crashed", [])]
+            wait = bool(data.get("wait", True))
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except (KeyError, TypeError, ValueError) as exc:
+            return JSONResponse(
+                {"error": "invalid_request", "detail": f"bad cluster update: {exc}"},
+                status_code=400,
+            )
+        self.authority.config = config
+        if self.shard is None:
+            return JSONResponse({"epoch": view.epoch, "applied": True, "sent": {}})
+        applied = self.shard.apply(view, previous, crashed)
+        sent: dict[str, int] = {}
+        if applied:
+            if wait:
+                sent = await self.shard.deliver()
+            else:
+                self.shard.spawn(self.shard.deliver())
+        return JSONResponse({"epoch": self.shard.epoch, "applied": applied, "sent": sent})
+
+    async def import_states(self, request: Request) -> Response:
+        if (refused := self._refuse(request)) is not None:
+            return refused
+        if self.shard is None:
+            return JSONResponse({"error": "not_sticky", "detail": "no shard"}, status_code=409)
+        try:
+            data = await self._internal_json(request)
+            taken = self.shard.receive(
+                str(data["from"]), int(data["epoch"]), list(data["records"]), bool(data["final"])
+            )
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except (KeyError, TypeError, ValueError) as exc:
+            return JSONResponse(
+                {"error": "invalid_request", "detail": f"bad import: {exc}"}, status_code=400
+            )
+        return JSONResponse({"taken": taken})
+
+    async def pull(self, request: Request) -> Response:
+        if (refused := self._refuse(request)) is not None:
+            return refused
+        if self.shard is None:
+            return JSONResponse({"records": []})
+        try:
+            data = await self._internal_json(request)
+            records = self.shard.serve_pull(
+                [str(k) for k in data["keys"]], str(data["to"]), int(data["epoch"])
+            )
+        except StaleEpoch as exc:
+            return JSONResponse({"error": "stale_epoch", "detail": str(exc)}, status_code=409)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except (KeyError, TypeError, ValueError) as exc:
+            return JSONResponse(
+                {"error": "invalid_request", "detail": f"bad pull: {exc}"}, status_code=400
+            )
+        return JSONResponse({"records": records})
+
+    async def replica(self, request: Request) -> Response:
+        if (refused := self._refuse(request)) is not None:
+            return refused
+        if self.shard is None:
+            return JSONResponse({"taken": 0})
+        try:
+            data = await self._internal_json(request)
+            taken = self.shard.receive_replicas(str(data["from"]), list(data["records"]))
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except (KeyError, TypeError, ValueError) as exc:
+            return JSONResponse(
+                {"error": "invalid_request", "detail": f"bad replica: {exc}"}, status_code=400
+            )
+        return JSONResponse({"taken": taken})
+
+    async def status(self, request: Request) -> Response:
+        if (refused := self._refuse(request)) is not None:
+            return refused
+        data: dict[str, Any] = {"node": self.settings.node_id, "keys": len(self.store)}
+        if self.shard is not None:
+            data.update(self.shard.status())
+        return JSONResponse(data)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "body_too_large", f"body is {declared} bytes; at most {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(
+    settings: NodeSettings,
+    *,
+    clock: Clock = system_clock,
+    store: MemoryStore | None = None,
+    backend: Backend | None = None,
+    peers: Peers | None = None,
+    app: ASGIApp | None = None,
+) -> Node:
+    """Build a node; the returned object is the ASGI application."""
+    return Node(settings, clock=clock, store=store, backend=backend, peers=peers, app=app)

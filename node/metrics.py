@@ -1,0 +1,77 @@
+"""Prometheus metrics of one node, in a registry of its own (no global state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0)
+
+
+class NodeMetrics:
+    def __init__(self, node_id: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.node_id = node_id
+        self.decisions = Counter(
+            "ringlimit_decisions_total",
+            "Decisions by rule and outcome (allowed, denied).",
+            ["rule", "outcome"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "ringlimit_decision_seconds",
+            "Time to decide one request or check (all its rules).",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "ringlimit_node_errors_total",
+            "Requests answered without a decision, by kind.",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.keys = Gauge("ringlimit_keys", "States held in memory.", registry=self.registry)
+        self.epoch = Gauge(
+            "ringlimit_ring_epoch", "Newest ring epoch known.", registry=self.registry
+        )
+        self._children: dict[tuple[str, str], Any] = {}
+        self.observe = self.latency.observe
+
+    def count(self, rule: str, allowed: bool) -> None:
+        key = (rule, "allowed" if allowed else "denied")
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.decisions.labels(*key)
+        child.inc()
+
+    def error(self, kind: str) -> None:
+        self.errors.labels(kind).inc()
+
+    def watch(self, keys: Callable[[], float], epoch: Callable[[], float]) -> None:
+        self.keys.set_function(keys)
+        self.epoch.set_function(epoch)
+
+    def add_counters(self, name: str, doc: str, read: Callable[[], dict[str, float]]) -> None:
+        """Expose a dict of counters (e.g. handoff statistics) read at scrape time."""
+        self.registry.register(_DictCollector(name, doc, read))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _DictCollector(Collector):
+    def __init__(self, name: str, doc: str, read: Callable[[], dict[str, float]]) -> None:
+        self.name, self.doc, self.read = name, doc, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.doc, labels=["kind"])
+        for kind, value in self.read().items():
+            family.add_metric([kind], float(value))
+        yield family
+
+    def describe(self) -> list[Any]:
+        return []

@@ -1,0 +1,159 @@
+"""``RateLimitMiddleware``: rate limiting for any ASGI application.
+
+It is what the node puts in front of the application it serves, and it is
+usable on its own::
+
+    app = RateLimitMiddleware(app, rules=["100/minute"])
+
+The middleware never buffers the application's response; it only adds the
+rate-limit fields to its start message, or answers 429 itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from node.asgi import ASGIApp, Message, Receive, Scope, Send, drain, error_body, send_json
+from node.authority import Authority
+from node.config import ClusterConfig, ScopedRule
+from node.headers import denial_body, rate_limit_headers
+from node.identity import IdentityResolver
+from node.peers import INTERNAL_TOKEN_HEADER
+from node.rules import Rule, parse_rule
+from node.security import bypass_matches, token_matches
+from node.shard import NotOwner
+
+KEY_HEADER = b"x-ringlimit-key"
+FAILOVER_HEADER = b"x-ringlimit-failover"
+TOKEN_HEADER = INTERNAL_TOKEN_HEADER.lower().encode()
+
+
+class RateLimitMiddleware:
+    """Decide every HTTP request before the application sees it.
+
+    Behind a ringlimit router the user id arrives in ``X-Ringlimit-Key``
+    (believed only with the internal token when one is configured); otherwise
+    it is extracted as the configuration's identity section says.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        authority: Authority | None = None,
+        rules: Sequence[str | Rule] = (),
+        internal_token: str | None = None,
+    ) -> None:
+        if authority is None:
+            parsed = [r if isinstance(r, Rule) else parse_rule(r) for r in rules]
+            authority = Authority.in_memory(
+                ClusterConfig(rules=tuple(ScopedRule(r) for r in parsed))
+            )
+        self.app = app
+        self.authority = authority
+        self.internal_token = internal_token
+        self._resolver_for: tuple[object, IdentityResolver] | None = None
+
+    def _resolver(self, config: ClusterConfig) -> IdentityResolver:
+        cached = self._resolver_for
+        if cached is None or cached[0] is not config.identity:
+            cached = (config.identity, IdentityResolver(config.identity))
+            self._resolver_for = cached
+        return cached[1]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        authority = self.authority
+        config = authority.config
+        routed_key = token = failover = bypass = tier = None
+        bypass_name = config.bypass_header.lower().encode()
+        tier_name = (config.identity.tier_header or "").lower().encode()
+        for name, value in scope["headers"]:
+            if name == KEY_HEADER:
+                routed_key = value
+            elif name == TOKEN_HEADER:
+                token = value
+            elif name == FAILOVER_HEADER:
+                failover = value
+            elif name == bypass_name:
+                bypass = value
+            elif name == tier_name:
+                tier = value.decode("latin-1")
+        trusted = token_matches(
+            token.decode("latin-1") if token is not None else None, self.internal_token
+        )
+        if failover is not None and trusted:
+            # The owner of this key is unreachable and its rules say fail open.
+            await self.app(scope, receive, _adding(send, [(b"x-ringlimit-degraded", failover)]))
+            return
+        if bypass is not None and bypass_matches(bypass.decode("latin-1"), config.bypass_sha256):
+            await self.app(scope, receive, _adding(send, [(b"x-ringlimit-bypass", b"1")]))
+            return
+        if routed_key is not None and trusted:
+            user: str | None = routed_key.decode("utf-8", "replace")
+        else:
+            user = self._resolver(config).user(scope)
+        if not user:
+            await drain(receive)
+            await send_json(
+                send,
+                400,
+                error_body(
+                    "missing_user_id",
+                    f"no user id: expected {config.identity.source} {config.identity.name!r}",
+                ),
+            )
+            return
+        if len(user) > config.limits.max_key_length:
+            await drain(receive)
+            await send_json(
+                send,
+                400,
+                error_body(
+                    "key_too_long",
+                    f"user id is {len(user)} characters; at most "
+                    f"{config.limits.max_key_length} are allowed",
+                ),
+            )
+            return
+        rules = config.rules_for(scope["method"], scope["path"], tier)
+        if not rules:
+            await self.app(scope, receive, send)
+            return
+        try:
+            verdict = await authority.decide(user, rules, 1)
+        except NotOwner as exc:
+            await drain(receive)
+            await send_json(send, 421, not_owner_body(exc), not_owner_headers(exc))
+            return
+        headers = rate_limit_headers(rules, verdict, legacy=config.legacy_headers)
+        if verdict.allowed:
+            scope.setdefault("state", {})["ringlimit"] = {"key": user, "verdict": verdict}
+            await self.app(scope, receive, _adding(send, headers))
+            return
+        await drain(receive)
+        await send_json(send, 429, denial_body(verdict), headers)
+
+
+def not_owner_body(exc: NotOwner) -> dict[str, object]:
+    return error_body(
+        "not_owner",
+        "this node does not own the key at its newest ring epoch; refresh the ring and retry",
+        epoch=exc.epoch,
+        owner=exc.owner,
+    )
+
+
+def not_owner_headers(exc: NotOwner) -> list[tuple[bytes, bytes]]:
+    return [(b"x-ringlimit-epoch", str(exc.epoch).encode())]
+
+
+def _adding(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+    async def send_with_headers(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), *headers]
+        await send(message)
+
+    return send_with_headers

@@ -1,0 +1,449 @@
+"""The Redis baseline: every node decides on one shared Redis, by Lua script.
+
+:class:`RedisBackend` runs the engine's algorithms as the Lua scripts of
+:mod:`node.lua` (same arithmetic, same decisions; see that module for the
+script layout, KEYS/ARGV and the state layout). One check is one ``EVALSHA``:
+all rules of a request are decided and consumed atomically inside Redis;
+:meth:`RedisBackend.check_many` pipelines its calls in one round trip.
+
+Keys. ``<prefix>:{<user key>}:<rule name>:<algorithm code>``, e.g.
+``rl:{alice}:api:tb``. The user key is the Redis-Cluster hash tag, so every
+key one script touches lives in one slot. ``%``, ``{`` and ``}`` in user keys
+are percent-encoded (and the empty key is written ``%``, which no encoded key
+can be), so the tag is exactly the encoded user key: no user can reach
+another user's slot or keys. The algorithm code in the name keeps states of
+different shapes apart when a rule changes algorithm (the memory store drops
+such states too).
+
+Time. By default the script reads Redis ``TIME``, so all nodes share one
+clock. A ``clock`` passed to the constructor is injected instead (tests).
+TTLs are relative (``PX``): the time until the state is fresh again, on the
+caller's clock, plus ``ttl_slack``.
+
+Failure. Timeouts are tight (``timeout``, default 100 ms, for connect, read
+and waiting on the pool), nothing is retried except one ``SCRIPT LOAD`` after
+``NOSCRIPT`` (a restarted or flushed Redis), and an unreachable, timing-out,
+loading, read-only or out-of-memory Redis raises :class:`BackendUnavailable`.
+
+:class:`FallbackBackend` wraps a primary (this backend) and the local
+:class:`~node.backend.MemoryBackend`: when the primary is unavailable, each
+rule's ``on_error`` decides (``open``: the local in-memory limiter,
+``closed``: deny), and a background probe switches back once Redis answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    ClusterDownError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from node.algorithms import REGISTRY
+from node.backend import Check, MemoryBackend
+from node.clock import Clock
+from node.decision import (
+    BACKEND_UNAVAILABLE,
+    COST_EXCEEDS_CAPACITY,
+    Decision,
+    Verdict,
+    most_restrictive,
+)
+from node.lua import SCRIPTS, Script, pack_args, script_for, unpack_reply
+from node.rules import Rule
+
+logger = logging.getLogger("ringlimit.redis")
+
+#: Short algorithm codes used in key names.
+ALGORITHM_CODES = {
+    "token_bucket": "tb",
+    "gcra": "gcra",
+    "fixed_window": "fw",
+    "sliding_log": "log",
+    "sliding_window": "sw",
+}
+
+_ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
+
+#: Errors that mean "Redis cannot decide now" rather than "this call is wrong".
+_UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError,  # refused, reset, closed, pool exhausted, LOADING
+    RedisTimeoutError,
+    ReadOnlyError,  # a replica after failover
+    OutOfMemoryError,  # maxmemory with noeviction
+    ClusterDownError,  # CLUSTERDOWN, MASTERDOWN
+    TryAgainError,
+    OSError,
+    asyncio.TimeoutError,
+)
+_UNAVAILABLE_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot decide now (unreachable, timed out, loading, read-only)."""
+
+
+def hash_tag(user_key: str) -> str:
+    """The Redis-Cluster hash tag of a user key: the key, percent-encoded.
+
+    The result never contains ``}`` (so Redis's tag, which ends at the first
+    ``}``, is the whole of it), is never empty (an empty tag would make Redis
+    hash the whole key name), and different keys give different tags.
+    """
+    if not user_key:
+        return "%"
+    if "%" in user_key or "{" in user_key or "}" in user_key:
+        return user_key.translate(_ESCAPES)
+    return user_key
+
+
+def state_key(prefix: str, user_key: str, rule: Rule) -> str:
+    """The Redis key of ``rule``'s state for ``user_key``: ``rl:{alice}:api:tb``."""
+    return f"{prefix}:{{{hash_tag(user_key)}}}:{rule.name}:{ALGORITHM_CODES[rule.algorithm]}"
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    if isinstance(exc, _UNAVAILABLE_ERRORS):
+        return True
+    return isinstance(exc, ResponseError) and str(exc).startswith(_UNAVAILABLE_PREFIXES)
+
+
+class RedisBackend:
+    """Decisions in a shared Redis, by Lua script (see the module docstring).
+
+    ``timeout`` bounds connecting, each reply and waiting for a pooled
+    connection (``connect_timeout`` overrides the first); ``max_connections``
+    bounds the pool. ``ttl_slack`` (seconds) is added to every key's TTL: with
+    an injected ``clock`` that runs apart from Redis's own, it keeps Redis from
+    expiring a state the injected clock still needs.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "rl",
+        clock: Clock | None = None,
+        timeout: float = 0.1,
+        connect_timeout: float | None = None,
+        max_connections: int = 64,
+        ttl_slack: float = 0.0,
+    ) -> None:
+        if not prefix or "{" in prefix or "}" in prefix:
+            raise ValueError(f"prefix {prefix!r} must be non-empty and free of braces")
+        if timeout <= 0 or (connect_timeout is not None and connect_timeout <= 0):
+            raise ValueError("timeouts must be positive")
+        if ttl_slack < 0:
+            raise ValueError("ttl_slack must be >= 0")
+        self.url = url
+        self.prefix = prefix
+        self.clock = clock
+        self.timeout = timeout
+        self._slack_ms = round(ttl_slack * 1000)
+        pool = BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=timeout,
+            socket_timeout=timeout,
+            socket_connect_timeout=connect_timeout or timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self.redis: Redis = Redis.from_pool(pool)
+        self._available = True
+
+    # ------------------------------------------------------------------ protocol
+
+    @property
+    def available(self) -> bool:
+        """False after a call found Redis unavailable, until one succeeds again."""
+        return self._available
+
+    def key(self, user_key: str, rule: Rule) -> str:
+        return state_key(self.prefix, user_key, rule)
+
+    async def check(self, key: str, rules: Sequence[Rule], cost: int) -> Verdict:
+        script = script_for(rules)
+        keys = [state_key(self.prefix, key, rule) for rule in rules]
+        now = None if self.clock is None else self.clock()
+        args = pack_args(now, cost, rules, self._slack_ms)
+        try:
+            try:
+                reply = await self.redis.execute_command(
+                    "EVALSHA", script.sha, len(keys), *keys, *args
+                )
+            except NoScriptError:
+                await self.redis.execute_command("SCRIPT", "LOAD", script.source)
+                reply = await self.redis.execute_command(
+                    "EVALSHA", script.sha, len(keys), *keys, *args
+                )
+        except Exception as exc:
+            self._raise_unavailable(exc)
+            raise
+        self._available = True
+        return unpack_reply(reply, rules)[1]
+
+    async def check_many(self, checks: Sequence[Check]) -> list[Verdict]:
+        """Every check in one pipelined round trip (each still atomic on its own)."""
+        if not checks:
+            return []
+        now = None if self.clock is None else self.clock()
+        calls: list[tuple[Script, list[str], list[str]]] = []
+        for key, rules, cost in checks:
+            keys = [state_key(self.prefix, key, rule) for rule in rules]
+            calls.append((script_for(rules), keys, pack_args(now, cost, rules, self._slack_ms)))
+        try:
+            replies = await self._pipeline(calls)
+            missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+            if missing:
+                # A call that got NOSCRIPT did nothing, so running it again is safe.
+                await self._load({calls[i][0] for i in missing})
+                again = await self._pipeline([calls[i] for i in missing])
+                for i, reply in zip(missing, again, strict=True):
+                    replies[i] = reply
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        except Exception as exc:
+            self._raise_unavailable(exc)
+            raise
+        self._available = True
+        return [
+            unpack_reply(reply, rules)[1]
+            for reply, (_key, rules, _cost) in zip(replies, checks, strict=True)
+        ]
+
+    async def start(self) -> None:
+        """Load every script (best effort: a down Redis is reported, not raised)."""
+        try:
+            await self._load(SCRIPTS.values())
+        except Exception as exc:
+            if not _is_unavailable(exc):
+                raise
+            self._available = False
+            logger.warning("redis at %s unavailable at start: %s", self.url, exc)
+        else:
+            self._available = True
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # ------------------------------------------------------------------ helpers
+
+    async def ping(self) -> bool:
+        """One PING within the timeouts; never raises."""
+        try:
+            await self.redis.ping()
+        except (RedisError, *_UNAVAILABLE_ERRORS):
+            self._available = False
+            return False
+        self._available = True
+        return True
+
+    async def _pipeline(self, calls: Sequence[tuple[Script, list[str], list[str]]]) -> list[Any]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for script, keys, args in calls:
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            return list(await pipe.execute(raise_on_error=False))
+
+    async def _load(self, scripts: Any) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for script in scripts:
+                pipe.execute_command("SCRIPT", "LOAD", script.source)
+            await pipe.execute()
+
+    def _raise_unavailable(self, exc: Exception) -> None:
+        """Turn an availability failure into :class:`BackendUnavailable`; else return."""
+        if _is_unavailable(exc):
+            self._available = False
+            raise BackendUnavailable(f"redis at {self.url}: {type(exc).__name__}: {exc}") from exc
+
+
+class Primary(Protocol):
+    """What :class:`FallbackBackend` needs of its primary."""
+
+    name: str
+
+    @property
+    def available(self) -> bool: ...
+
+    async def check(self, key: str, rules: Sequence[Rule], cost: int) -> Verdict: ...
+
+    async def check_many(self, checks: Sequence[Check]) -> list[Verdict]: ...
+
+    async def ping(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def _degraded(decision: Decision) -> Decision:
+    # "can never pass" stays the reason: it is true whichever limiter decides.
+    if decision.reason == COST_EXCEEDS_CAPACITY:
+        return decision
+    return decision._replace(reason=BACKEND_UNAVAILABLE)
+
+
+class FallbackBackend:
+    """A primary backend (Redis) that degrades to local limits when it fails.
+
+    While the primary answers, every check goes to it. When it raises
+    :class:`BackendUnavailable`, ``available`` turns False and checks are
+    decided here, with no further call to the primary: rules with
+    ``on_error="open"`` by the local in-memory limiter, rules with
+    ``on_error="closed"`` denied (``retry_after`` None); every such decision
+    carries ``reason="backend_unavailable"`` (except ``cost_exceeds_capacity``,
+    which stays). As with several rules anywhere, a request consumes only if
+    every rule allows, so a closed rule's denial keeps the open rules from
+    consuming. A probe task (started by :meth:`start`) pings the primary every
+    ``probe_interval`` seconds while it is down and switches back when it
+    answers. ``fallbacks`` counts checks decided locally, ``outages`` the
+    switches to local.
+    """
+
+    def __init__(
+        self, primary: Primary, local: MemoryBackend, *, probe_interval: float = 0.5
+    ) -> None:
+        if probe_interval <= 0:
+            raise ValueError("probe_interval must be positive")
+        self.primary = primary
+        self.local = local
+        self.probe_interval = probe_interval
+        self.name = primary.name
+        self.fallbacks = 0
+        self.outages = 0
+        self._up = True
+        self._down_since = 0.0
+        self._fallbacks_at_down = 0
+        self._went_down = asyncio.Event()
+        self._probe: asyncio.Task[None] | None = None
+
+    @property
+    def available(self) -> bool:
+        """False while checks are decided locally."""
+        return self._up
+
+    async def check(self, key: str, rules: Sequence[Rule], cost: int) -> Verdict:
+        if self._up:
+            try:
+                return await self.primary.check(key, rules, cost)
+            except BackendUnavailable as exc:
+                self._switch_down(exc)
+        return self._decide_locally(key, rules, cost, self.local.clock())
+
+    async def check_many(self, checks: Sequence[Check]) -> list[Verdict]:
+        if self._up:
+            try:
+                return await self.primary.check_many(checks)
+            except BackendUnavailable as exc:
+                self._switch_down(exc)
+        now = self.local.clock()
+        return [self._decide_locally(key, rules, cost, now) for key, rules, cost in checks]
+
+    async def start(self) -> None:
+        await self.local.start()
+        await self.primary.start()
+        if not self.primary.available:
+            self._switch_down(BackendUnavailable("unavailable at start"))
+        if self._probe is None:
+            self._probe = asyncio.create_task(self._probe_loop(), name="ringlimit-redis-probe")
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+            self._probe = None
+        await self.primary.close()
+        await self.local.close()
+
+    # ------------------------------------------------------------------ local decisions
+
+    def _decide_locally(self, key: str, rules: Sequence[Rule], cost: int, now: float) -> Verdict:
+        if cost < 0:
+            raise ValueError("cost must be >= 0")
+        if not rules:
+            raise ValueError("a check needs at least one rule")
+        self.fallbacks += 1
+        store = self.local.store
+        if all(rule.on_error == "open" for rule in rules):
+            verdict = store.check(key, rules, now, cost)
+            decisions = [_degraded(d) for d in verdict.decisions]
+            return Verdict(verdict.allowed, most_restrictive(decisions), tuple(decisions))
+        # A closed rule denies, so nothing consumes; the open rules say what they
+        # would (allowing ones as peeks, as node.limiter.decide_all does).
+        decisions = []
+        for rule in rules:
+            if rule.on_error == "open":
+                decide = REGISTRY[rule.algorithm].decide
+                state = store.get(rule, key)
+                decision = decide(state, now, rule, cost)[1]
+                if decision.allowed and cost:
+                    decision = decide(state, now, rule, 0)[1]
+                decisions.append(_degraded(decision))
+            else:
+                decisions.append(
+                    Decision(False, rule.limit, 0, 0.0, None, rule.name, BACKEND_UNAVAILABLE)
+                )
+        return Verdict(False, most_restrictive(decisions), tuple(decisions))
+
+    # ------------------------------------------------------------------ switching
+
+    def _switch_down(self, exc: BaseException) -> None:
+        if not self._up:
+            return
+        self._up = False
+        self.outages += 1
+        self._down_since = time.monotonic()
+        self._fallbacks_at_down = self.fallbacks
+        self._went_down.set()
+        logger.warning(
+            "%s backend unavailable (%s): deciding locally (open rules by the in-memory "
+            "limiter, closed rules denied) until it answers again",
+            self.name,
+            exc,
+        )
+
+    def _switch_up(self) -> None:
+        if self._up:
+            return
+        self._up = True
+        self._went_down.clear()
+        logger.warning(
+            "%s backend available again after %.1fs; %d checks were decided locally",
+            self.name,
+            time.monotonic() - self._down_since,
+            self.fallbacks - self._fallbacks_at_down,
+        )
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await self._went_down.wait()
+            await asyncio.sleep(self.probe_interval)
+            if self._up:
+                continue
+            try:
+                answered = await self.primary.ping()
+            except Exception:  # a probe must never die; the next one tries again
+                logger.exception("%s probe failed", self.name)
+                answered = False
+            if answered:
+                self._switch_up()

@@ -1,0 +1,534 @@
+"""The router: the cluster's front door.
+
+For every request it extracts the user id, finds the owner on the ring and
+forwards the request there (sticky routing), returning the node's answer with
+``X-Ringlimit-Node``. A node that refuses a key (it is not the owner at its
+newer epoch) makes the router catch up and retry; an unreachable owner makes
+each rule's ``on_error`` decide: ``open`` serves the request through the next
+node without limiting (marked ``X-Ringlimit-Degraded``), ``closed`` answers 503.
+
+The proxy path is raw ASGI (no Request objects): it is the hot path. The
+control endpoints (decision API, admin API, health, metrics) use Starlette.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from node.api import ApiError, CheckRequest, parse_checks, parse_json
+from node.app import read_body
+from node.asgi import Receive, Scope, Send, drain, dumps, error_body, send_json
+from node.config import ClusterConfig
+from node.identity import IdentityResolver
+from node.peers import INTERNAL_TOKEN_HEADER
+from node.security import bearer, is_loopback, token_matches
+from ring import EmptyRingError, Member, RingView
+from router.forward import AiohttpForwarder, Answer, Forwarder, Timeouts, Unreachable
+from router.membership import Membership, MembershipError
+from router.metrics import RouterMetrics
+
+log = logging.getLogger("ringlimit.router")
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+    }
+)
+CONTROL_PATHS = frozenset({"/healthz", "/metrics", "/v1/check"})
+MAX_ATTEMPTS = 3
+
+
+@dataclass
+class RouterSettings:
+    config: ClusterConfig = field(default_factory=ClusterConfig)
+    seeds: Sequence[Member] = ()
+    admin_token: str | None = None
+    internal_token: str | None = None
+    state_file: str | None = None
+    health_interval: float = 1.0
+    failure_threshold: int = 3
+    health_timeout: float = 0.5
+    ready_timeout: float = 10.0
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    max_buffered_body: int = 1 << 20
+    health_checks: bool = True
+
+
+class Router:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        membership: Membership | None = None,
+        forwarder: Forwarder | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.settings = settings
+        self.membership = membership or Membership(
+            settings.config,
+            internal_token=settings.internal_token,
+            state_file=settings.state_file,
+            ready_timeout=settings.ready_timeout,
+            health_interval=settings.health_interval,
+            failure_threshold=settings.failure_threshold,
+            health_timeout=settings.health_timeout,
+            client=client,
+        )
+        self.metrics = RouterMetrics()
+        self.metrics.watch(lambda: self.membership.view.epoch, lambda: len(self.membership.view))
+        self.forwarder: Forwarder | None = forwarder
+        self._resolver_for: tuple[object, IdentityResolver] | None = None
+        self._turn = itertools.count()
+        self._token_header = (
+            [(INTERNAL_TOKEN_HEADER, settings.internal_token)] if settings.internal_token else []
+        )
+        self._raw_token = (
+            [(INTERNAL_TOKEN_HEADER.lower().encode(), settings.internal_token.encode())]
+            if settings.internal_token
+            else []
+        )
+        self.control = Starlette(routes=self._routes(), lifespan=self._lifespan)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.close()
+
+    async def start(self) -> None:
+        if self.forwarder is None:
+            self.forwarder = AiohttpForwarder(timeouts=self.settings.timeouts)
+        await self.membership.start(self.settings.seeds, health=self.settings.health_checks)
+
+    async def close(self) -> None:
+        await self.membership.close()
+        if self.forwarder is not None:
+            await self.forwarder.close()
+
+    @property
+    def config(self) -> ClusterConfig:
+        return self.membership.config
+
+    def _resolver(self) -> IdentityResolver:
+        identity = self.config.identity
+        cached = self._resolver_for
+        if cached is None or cached[0] is not identity:
+            cached = self._resolver_for = (identity, IdentityResolver(identity))
+        return cached[1]
+
+    # ------------------------------------------------------------------ ASGI entry
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not (
+            scope["path"] in CONTROL_PATHS or scope["path"].startswith("/admin/")
+        ):
+            await self.proxy(scope, receive, send)
+        else:
+            await self.control(scope, receive, send)
+
+    # ------------------------------------------------------------------ routing
+
+    def pick(self, view: RingView, key: str) -> Member:
+        """The node for ``key``: its owner, or the next in turn in round-robin mode.
+
+        Round-robin is only for a shared backend (Redis): while that backend
+        is down the nodes fall back to local limiters, so the router routes
+        stickily again and each user's fallback limiter lives on one node.
+        """
+        if self.config.balance == "round-robin" and not self.membership.backend_degraded:
+            members = view.members
+            return members[next(self._turn) % len(members)]
+        return view.owner(key)
+
+    async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        resolver = self._resolver()
+        config = self.config
+        user = resolver.user(scope)
+        if not user:
+            await drain(receive)
+            self.metrics.outcome("-", "missing_user_id")
+            identity = config.identity
+            await send_json(
+                send,
+                400,
+                error_body(
+                    "missing_user_id",
+                    f"no user id: expected {identity.source} {identity.name!r} "
+                    "(or set identity.fallback_to_client)",
+                ),
+            )
+            return
+        if len(user) > config.limits.max_key_length:
+            await drain(receive)
+            self.metrics.outcome("-", "key_too_long")
+            await send_json(
+                send,
+                400,
+                error_body(
+                    "key_too_long",
+                    f"user id is {len(user)} characters; at most {config.limits.max_key_length}",
+                ),
+            )
+            return
+        body = await _read_all(receive, self.settings.max_buffered_body)
+        if body is None:
+            self.metrics.outcome("-", "body_too_large")
+            await send_json(
+                send,
+                413,
+                error_body(
+                    "body_too_large",
+                    f"request body is over {self.settings.max_buffered_body} bytes",
+                ),
+            )
+            return
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in scope["headers"]
+            if k not in HOP_BY_HOP and not k.startswith(b"x-ringlimit-")
+        ]
+        headers.append(("x-ringlimit-key", user))
+        headers += self._token_header
+        client = scope.get("client")
+        if client:
+            headers.append(("x-forwarded-for", client[0]))
+        target = scope.get("raw_path") or scope["path"].encode()
+        path_qs = target.decode("latin-1")
+        if scope.get("query_string"):
+            path_qs += "?" + scope["query_string"].decode("latin-1")
+        method = scope["method"]
+        assert self.forwarder is not None
+        member: Member | None = None
+        for _ in range(MAX_ATTEMPTS):
+            view = self.membership.view
+            try:
+                member = self.pick(view, user)
+            except (EmptyRingError, ZeroDivisionError):
+                await send_json(send, 503, error_body("no_nodes", "the ring has no nodes"))
+                return
+            try:
+                answer = await self.forwarder.request(method, member.url + path_qs, headers, body)
+            except Unreachable as exc:
+                await self._owner_unreachable(
+                    scope, send, view, member, user, method, path_qs, headers, body, str(exc)
+                )
+                return
+            if answer.status == 421 and await self._stale(answer, member):
+                continue
+            self.metrics.forwarded(member.id, answer.status, time.perf_counter() - started)
+            await _respond(send, answer, member.id)
+            return
+        self.metrics.outcome(member.id if member else "-", "ring_changing")
+        await send_json(
+            send,
+            503,
+            error_body("ring_changing", "the ring is changing; retry shortly"),
+            [(b"retry-after", b"1")],
+        )
+
+    async def _stale(self, answer: Answer, member: Member) -> bool:
+        """A node refused a key: bring the router or the node up to date. Retry?"""
+        epoch_value = next((v for k, v in answer.headers if k == b"x-ringlimit-epoch"), None)
+        if epoch_value is None:
+            return False
+        node_epoch = int(epoch_value)
+        self.metrics.outcome(member.id, "not_owner")
+        if node_epoch > self.membership.view.epoch:
+            await self.membership.catch_up(node_epoch, member.url)
+        elif node_epoch < self.membership.view.epoch:
+            await self.membership.refresh_node(member, node_epoch)
+        else:
+            await asyncio.sleep(0.01)
+        return True
+
+    async def _owner_unreachable(
+        self,
+        scope: Scope,
+        send: Send,
+        view: RingView,
+        member: Member,
+        user: str,
+        method: str,
+        path_qs: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        reason: str,
+    ) -> None:
+        config = self.config
+        rules = config.rules_for(method, scope["path"], self._resolver().tier(scope))
+        closed = [r for r in rules if r.on_error == "closed"]
+        if closed:
+            self.metrics.outcome(member.id, "unreachable_closed")
+            await send_json(
+                send,
+                503,
+                error_body(
+                    "limiter_unavailable",
+                    f"node {member.id} owning this user is unreachable ({reason}) and rule "
+                    f"{closed[0].name!r} fails closed",
+                    rule=closed[0].name,
+                    node=member.id,
+                ),
+                [(b"retry-after", b"1"), (b"x-ringlimit-node", member.id.encode())],
+            )
+            return
+        self.metrics.outcome(member.id, "unreachable_open")
+        for other in view.successors(user, len(view)):
+            if other.id == member.id:
+                continue
+            try:
+                answer = await self.forwarder.request(  # type: ignore[union-attr]
+                    method,
+                    other.url + path_qs,
+                    [*headers, ("x-ringlimit-failover", "owner-unreachable")],
+                    body,
+                )
+            except Unreachable:
+                continue
+            await _respond(send, answer, other.id)
+            return
+        await send_json(send, 502, error_body("no_node_available", f"no node answered ({reason})"))
+
+    # ------------------------------------------------------------------ control routes
+
+    def _routes(self) -> list[Route]:
+        return [
+            Route("/v1/check", self.check, methods=["POST"]),
+            Route("/healthz", self.healthz, methods=["GET"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/admin/ring", self.admin_ring, methods=["GET"]),
+            Route("/admin/nodes", self.admin_join, methods=["POST"]),
+            Route("/admin/nodes/{node_id}", self.admin_leave, methods=["DELETE"]),
+        ]
+
+    async def healthz(self, request: Request) -> Response:
+        view = self.membership.view
+        return JSONResponse(
+            {"status": "ok" if len(view) else "no_nodes", "epoch": view.epoch, "nodes": len(view)},
+            status_code=200 if len(view) else 503,
+        )
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def check(self, request: Request) -> Response:
+        """The decision API: each check goes to its owner; a batch is split and merged."""
+        config = self.config
+        try:
+            body = await read_body(request, config.limits.max_body)
+            checks, batch = parse_checks(parse_json(body, config), config)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        results = await self.route_checks(checks)
+        if batch:
+            return JSONResponse({"results": results})
+        result = results[0]
+        status = (
+            503 if result.get("reason") == "owner_unreachable" and not result["allowed"] else 200
+        )
+        return JSONResponse(result, status_code=status)
+
+    async def route_checks(self, checks: list[CheckRequest]) -> list[dict[str, Any]]:
+        results: list[dict[str, Any] | None] = [None] * len(checks)
+        pending = list(range(len(checks)))
+        for _ in range(MAX_ATTEMPTS):
+            if not pending:
+                break
+            view = self.membership.view
+            groups: dict[str, list[int]] = {}
+            members: dict[str, Member] = {}
+            for index in pending:
+                member = self.pick(view, checks[index].key)
+                groups.setdefault(member.id, []).append(index)
+                members[member.id] = member
+            retry: list[int] = []
+            await asyncio.gather(
+                *(
+                    self._run_group(members[m], idx, checks, results, retry)
+                    for m, idx in groups.items()
+                )
+            )
+            pending = retry
+        for index in pending:
+            results[index] = {
+                "error": "ring_changing",
+                "detail": "the ring is changing; retry shortly",
+            }
+        return [r if r is not None else {} for r in results]
+
+    async def _run_group(
+        self,
+        member: Member,
+        indices: list[int],
+        checks: list[CheckRequest],
+        results: list[dict[str, Any] | None],
+        retry: list[int],
+    ) -> None:
+        payload = dumps({"checks": [_check_json(checks[i]) for i in indices]})
+        assert self.forwarder is not None
+        try:
+            answer = await self.forwarder.post_json(
+                member.url + "/v1/check", payload, self._token_header
+            )
+        except Unreachable:
+            for i in indices:
+                results[i] = _unreachable_result(checks[i], member.id)
+            self.metrics.outcome(member.id, "unreachable")
+            return
+        if answer.status == 421 and await self._stale(answer, member):
+            retry.extend(indices)
+            return
+        if answer.status != 200:
+            detail = answer.body[:200].decode("utf-8", "replace")
+            for i in indices:
+                results[i] = {"error": "node_error", "status": answer.status, "detail": detail}
+            return
+        for i, result in zip(indices, json.loads(answer.body)["results"], strict=True):
+            results[i] = result
+        self.metrics.checks(member.id, len(indices))
+
+    # ------------------------------------------------------------------ admin
+
+    def _admin_refused(self, request: Request) -> Response | None:
+        expected = self.settings.admin_token
+        if expected is None:
+            host = request.client.host if request.client else None
+            if is_loopback(host):
+                return None
+            return JSONResponse(
+                error_body("forbidden", "the admin API is loopback-only without an admin token"),
+                status_code=403,
+            )
+        if token_matches(bearer(request.headers.get("authorization")), expected):
+            return None
+        return JSONResponse(
+            error_body("unauthorized", "missing or wrong admin token (Authorization: Bearer ...)"),
+            status_code=401,
+            headers={"www-authenticate": "Bearer"},
+        )
+
+    async def admin_ring(self, request: Request) -> Response:
+        if (refused := self._admin_refused(request)) is not None:
+            return refused
+        return JSONResponse(self.membership.describe())
+
+    async def admin_join(self, request: Request) -> Response:
+        if (refused := self._admin_refused(request)) is not None:
+            return refused
+        try:
+            data = parse_json(await read_body(request, 65536), self.config)
+            if not isinstance(data, dict):
+                raise ApiError(400, "invalid_request", "body must be an object {id, url, weight}")
+            extra = set(data) - {"id", "url", "weight"}
+            if extra:
+                raise ApiError(
+                    400, "invalid_request", f"unknown field(s): {', '.join(sorted(extra))}"
+                )
+            if not isinstance(data.get("url"), str) or not data["url"].startswith(
+                ("http://", "https://")
+            ):
+                raise ApiError(400, "invalid_url", "url must be an http(s) URL")
+            member = Member.from_dict({"weight": 1, **data})
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except (ValueError, TypeError) as exc:
+            return JSONResponse(error_body("invalid_node", str(exc)), status_code=400)
+        try:
+            await self.membership.join(member)
+        except MembershipError as exc:
+            return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
+        return JSONResponse(self.membership.describe())
+
+    async def admin_leave(self, request: Request) -> Response:
+        if (refused := self._admin_refused(request)) is not None:
+            return refused
+        try:
+            await self.membership.leave(request.path_params["node_id"])
+        except MembershipError as exc:
+            return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
+        return JSONResponse(self.membership.describe())
+
+
+def _check_json(check: CheckRequest) -> dict[str, Any]:
+    data: dict[str, Any] = {"key": check.key, "cost": check.cost}
+    if len(check.rules) == 1:
+        data["rule"] = check.rules[0].name
+    return data
+
+
+def _unreachable_result(check: CheckRequest, node_id: str) -> dict[str, Any]:
+    closed = any(r.on_error == "closed" for r in check.rules)
+    rule = check.rules[0]
+    return {
+        "allowed": not closed,
+        "limit": rule.limit,
+        "remaining": 0 if closed else rule.limit,
+        "reset_after": 0.0,
+        "retry_after": None,
+        "rule": rule.name,
+        "node": node_id,
+        "reason": "owner_unreachable",
+    }
+
+
+async def _read_all(receive: Receive, limit: int) -> bytes | None:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                await drain(receive)
+                return None
+            chunks.append(chunk)
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks) if len(chunks) != 1 else chunks[0]
+
+
+async def _respond(send: Send, answer: Answer, node_id: str) -> None:
+    headers = answer.headers
+    headers.append((b"content-length", str(len(answer.body)).encode()))
+    headers.append((b"x-ringlimit-node", node_id.encode()))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body})
+
+
+def create_router(
+    settings: RouterSettings,
+    *,
+    forwarder: Forwarder | None = None,
+    client: httpx.AsyncClient | None = None,
+) -> Router:
+    """Build a router; the returned object is the ASGI application."""
+    return Router(settings, forwarder=forwarder, client=client)

@@ -1,0 +1,116 @@
+"""The forwarding client: the router's hot path to the nodes.
+
+aiohttp, not httpx: measured on this machine, an ``httpx.AsyncClient`` costs
+about 3 ms of router CPU per forwarded request and ``aiohttp.ClientSession``
+about 0.4 ms. httpx stays the client of the control plane, the CLI and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+import httpx
+
+
+class Unreachable(Exception):
+    """The node could not be reached or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 0.5
+    total: float = 30.0
+
+
+@dataclass(slots=True)
+class Answer:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+class Forwarder(Protocol):
+    """What the router needs of a client: one request, answered in full."""
+
+    async def request(
+        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | None
+    ) -> Answer: ...
+
+    async def post_json(
+        self, url: str, payload: bytes, headers: list[tuple[str, str]]
+    ) -> Answer: ...
+
+    async def close(self) -> None: ...
+
+
+class AiohttpForwarder:
+    """The production client: pooled keep-alive; create it inside the running loop."""
+
+    def __init__(self, *, timeouts: Timeouts = Timeouts(), pool_size: int = 512) -> None:
+        self.timeouts = timeouts
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=timeouts.total, sock_connect=timeouts.connect),
+            connector=aiohttp.TCPConnector(
+                limit=pool_size, limit_per_host=pool_size, keepalive_timeout=30
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
+
+    async def request(
+        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | None
+    ) -> Answer:
+        try:
+            async with self._session.request(
+                method, url, headers=headers, data=body, allow_redirects=False
+            ) as response:
+                payload = await response.read()
+                out = [
+                    (k.lower(), v)
+                    for k, v in response.raw_headers
+                    if k.lower() not in _DROP_RESPONSE
+                ]
+                return Answer(response.status, out, payload)
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            raise Unreachable(f"{type(exc).__name__}") from None
+
+    async def post_json(self, url: str, payload: bytes, headers: list[tuple[str, str]]) -> Answer:
+        return await self.request(
+            "POST", url, [("content-type", "application/json"), *headers], payload
+        )
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+_DROP_RESPONSE = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server"}
+)
+
+
+class HttpxForwarder:
+    """The same contract over an httpx client: lets tests wire the router to nodes
+    in-process (``httpx.ASGITransport`` mounts, no sockets)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    async def request(
+        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | None
+    ) -> Answer:
+        try:
+            response = await self._client.request(method, url, headers=headers, content=body)
+        except httpx.TransportError as exc:
+            raise Unreachable(type(exc).__name__) from None
+        out = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in _DROP_RESPONSE]
+        return Answer(response.status_code, out, response.content)
+
+    async def post_json(self, url: str, payload: bytes, headers: list[tuple[str, str]]) -> Answer:
+        return await self.request(
+            "POST", url, [("content-type", "application/json"), *headers], payload
+        )
+
+    async def close(self) -> None:
+        return None

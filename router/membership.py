@@ -1,0 +1,409 @@
+"""The router's membership: the ring view it routes by, and every change to it.
+
+The router is where membership changes are made (admin API, health checks).
+Each change makes a new view with ``epoch + 1`` and pushes it to the nodes,
+with the previous view, the crashed members and the cluster config, in an
+order that keeps a single authority per key at every moment:
+
+* the nodes that lose keys first (they stop deciding those keys and hand
+  their states off before answering),
+* then the nodes that only gain keys,
+* and only then does the router itself route by the new view.
+
+Membership survives a router restart: it is written atomically to a state
+file after every change, and on start the router also asks the nodes for
+the newest view they know (re-discovery), adopting it when it is newer.
+
+Several routers may share a cluster; one of them takes admin changes, the
+others learn new views from the nodes (a node refusing a key tells the router
+its newer epoch, and the router fetches that view).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from node.config import ClusterConfig
+from node.peers import INTERNAL_TOKEN_HEADER
+from ring import Member, RingView
+
+log = logging.getLogger("ringlimit.router")
+
+
+class MembershipError(Exception):
+    """A change that cannot be made; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, error: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.error = error
+        self.detail = detail
+
+
+@dataclass
+class Health:
+    failures: int = 0
+    state: str = "active"  # joining | active | leaving
+    epoch_seen: int = 0
+    backend_available: bool = True
+
+
+class Membership:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        internal_token: str | None = None,
+        state_file: str | Path | None = None,
+        ready_timeout: float = 10.0,
+        push_timeout: float = 30.0,
+        health_interval: float = 1.0,
+        failure_threshold: int = 3,
+        health_timeout: float = 0.5,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.config = config
+        self.view = RingView.empty()
+        self.health: dict[str, Health] = {}
+        self.joining: dict[str, Member] = {}
+        self.state_file = Path(state_file) if state_file else None
+        self.ready_timeout = ready_timeout
+        self.health_interval = health_interval
+        self.failure_threshold = failure_threshold
+        self.health_timeout = health_timeout
+        self.lock = asyncio.Lock()
+        self.changed = asyncio.Event()
+        self.crashes = 0
+        self._owned = client is None
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(push_timeout, connect=1.0))
+        # Sent per request (not as client defaults) so a shared client carries no secret.
+        self._headers = {INTERNAL_TOKEN_HEADER: internal_token} if internal_token else {}
+        self._health_task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ start / stop
+
+    async def start(self, seeds: Iterable[Member] = (), *, health: bool = True) -> None:
+        """Recover membership (state file, then the nodes), else build it from seeds."""
+        seeds = list(seeds)
+        recovered = self._load_state()
+        candidates = list(recovered) if recovered is not None else []
+        known = {m.id for m in candidates}
+        candidates += [m for m in seeds if m.id not in known]
+        discovered = await self._discover(candidates)
+        best = max(
+            [v for v in (recovered, discovered) if v is not None],
+            key=lambda v: v.epoch,
+            default=None,
+        )
+        if best is not None and len(best):
+            self.view = best
+            for member in best:
+                self.health.setdefault(member.id, Health())
+            log.info("recovered ring at epoch %d: %s", best.epoch, ", ".join(best.ids))
+            await self._push_all(self.view, None, ())
+        elif seeds:
+            await asyncio.gather(*(self._wait_ready(m) for m in seeds))
+            view = RingView.of(seeds, epoch=1)
+            await self._push_all(view, RingView.empty(), ())
+            self._adopt(view)
+            for member in seeds:
+                self.health[member.id] = Health()
+        self._save_state()
+        if health:
+            self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._owned:
+            await self._client.aclose()
+
+    # ------------------------------------------------------------------ changes
+
+    async def join(self, member: Member) -> RingView:
+        async with self.lock:
+            if member.id in self.view:
+                current = self.view.member(member.id)
+                if current == member:
+                    return self.view
+                raise MembershipError(
+                    409, "already_member", f"node {member.id!r} is already in the ring"
+                )
+            self.joining[member.id] = member
+            try:
+                await self._wait_ready(member)
+                new = self.view.with_member(member)
+                previous = self.view
+                # Old members lose keys to the newcomer: they go first.
+                await self._push(previous.members, new, previous, ())
+                await self._push([member], new, previous, ())
+                self._adopt(new)
+                self.health[member.id] = Health()
+            finally:
+                self.joining.pop(member.id, None)
+            log.info("node %s joined: epoch %d", member.id, new.epoch)
+            return new
+
+    async def leave(self, member_id: str) -> RingView:
+        """Graceful leave: the leaving node hands everything off before it is dropped."""
+        async with self.lock:
+            if member_id not in self.view:
+                raise MembershipError(404, "unknown_node", f"no node {member_id!r} in the ring")
+            self.health.setdefault(member_id, Health()).state = "leaving"
+            previous = self.view
+            new = previous.without_member(member_id)
+            leaving = previous.member(member_id)
+            try:
+                await self._push([leaving], new, previous, ())
+            except MembershipError:
+                log.warning("node %s did not take the leave; treating it as a crash", member_id)
+                await self._push(new.members, new, previous, (member_id,))
+                self._adopt(new)
+                self.health.pop(member_id, None)
+                self.crashes += 1
+                return new
+            await self._push(new.members, new, previous, ())
+            self._adopt(new)
+            self.health.pop(member_id, None)
+            log.info("node %s left: epoch %d", member_id, new.epoch)
+            return new
+
+    async def crash(self, member_id: str) -> RingView | None:
+        """Drop a node that stopped answering; its keys follow the crash policy."""
+        async with self.lock:
+            if member_id not in self.view:
+                return None
+            previous = self.view
+            new = previous.without_member(member_id)
+            await self._push(new.members, new, previous, (member_id,), tolerate=True)
+            self._adopt(new)
+            self.health.pop(member_id, None)
+            self.crashes += 1
+            log.warning("node %s removed as crashed: epoch %d", member_id, new.epoch)
+            return new
+
+    def _adopt(self, view: RingView) -> None:
+        self.view = view
+        self._save_state()
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    # ------------------------------------------------------------------ stale views
+
+    async def catch_up(self, epoch: int, node_url: str) -> None:
+        """A node knows a newer epoch than this router: wait for our change or fetch it."""
+        if self.view.epoch >= epoch:
+            return
+        if self.lock.locked():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), timeout=5.0)
+            if self.view.epoch >= epoch:
+                return
+        try:
+            response = await self._client.get(
+                node_url.rstrip("/") + "/internal/cluster", headers=self._headers
+            )
+            data = response.json()
+            view = RingView.from_dict(data["ring"])
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+            log.warning("could not fetch the newer view from %s: %s", node_url, exc)
+            return
+        if view.epoch > self.view.epoch:
+            config = data.get("config")
+            if config:
+                with contextlib.suppress(ValueError):
+                    self.config = ClusterConfig.from_dict(config, source="node config")
+            for member in view:
+                self.health.setdefault(member.id, Health())
+            self._adopt(view)
+            log.info("adopted epoch %d from %s", view.epoch, node_url)
+
+    async def refresh_node(self, member: Member, node_epoch: int) -> None:
+        """A node is behind this router's view: push it the current view again.
+
+        A node at epoch 0 while the ring is older has restarted and lost its
+        state: it is treated as crashed (its keys follow the crash policy) and
+        then joins again as a new member.
+        """
+        if node_epoch == 0 and self.view.epoch > 0 and member.id in self.view:
+            if self.lock.locked():
+                return
+            log.warning("node %s restarted with no state: crash, then rejoin", member.id)
+            await self.crash(member.id)
+            with contextlib.suppress(MembershipError):
+                await self.join(member)
+            return
+        await self._push([member], self.view, None, (), tolerate=True)
+
+    # ------------------------------------------------------------------ pushing
+
+    async def _push_all(
+        self, view: RingView, previous: RingView | None, crashed: Iterable[str]
+    ) -> None:
+        await self._push(view.members, view, previous, tuple(crashed), tolerate=True)
+
+    async def _push(
+        self,
+        members: Iterable[Member],
+        view: RingView,
+        previous: RingView | None,
+        crashed: tuple[str, ...] | Iterable[str],
+        *,
+        tolerate: bool = False,
+    ) -> None:
+        payload = {
+            "ring": view.to_dict(),
+            "previous": previous.to_dict() if previous is not None else None,
+            "crashed": list(crashed),
+            "config": self.config.to_dict(),
+            "wait": True,
+        }
+
+        async def push(member: Member) -> None:
+            try:
+                response = await self._client.put(
+                    member.url.rstrip("/") + "/internal/cluster",
+                    json=payload,
+                    headers=self._headers,
+                )
+            except httpx.HTTPError as exc:
+                raise MembershipError(
+                    502, "push_failed", f"node {member.id} unreachable: {type(exc).__name__}"
+                ) from None
+            if response.status_code != 200:
+                raise MembershipError(
+                    502, "push_failed", f"node {member.id} answered HTTP {response.status_code}"
+                )
+
+        results = await asyncio.gather(*(push(m) for m in members), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and not tolerate:
+            raise errors[0]
+        for error in errors:
+            log.warning("push of epoch %d: %s", view.epoch, error)
+
+    async def push_config(self, config: ClusterConfig) -> None:
+        async with self.lock:
+            self.config = config
+            await self._push_all(self.view, None, ())
+
+    async def _wait_ready(self, member: Member) -> None:
+        """Readiness gate: a joining node must answer before it is given any key."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ready_timeout
+        while True:
+            try:
+                response = await self._client.get(
+                    member.url.rstrip("/") + "/healthz", timeout=self.health_timeout
+                )
+                if response.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if loop.time() > deadline:
+                raise MembershipError(
+                    504,
+                    "not_ready",
+                    f"node {member.id} at {member.url} did not answer /healthz within "
+                    f"{self.ready_timeout:g}s",
+                )
+            await asyncio.sleep(0.05)
+
+    async def _discover(self, members: list[Member]) -> RingView | None:
+        async def ask(member: Member) -> RingView | None:
+            try:
+                response = await self._client.get(
+                    member.url.rstrip("/") + "/internal/cluster",
+                    timeout=self.health_timeout,
+                    headers=self._headers,
+                )
+                ring = response.json().get("ring")
+                return RingView.from_dict(ring) if ring else None
+            except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+                return None
+
+        views = [v for v in await asyncio.gather(*(ask(m) for m in members)) if v is not None]
+        return max(views, key=lambda v: v.epoch, default=None)
+
+    # ------------------------------------------------------------------ health
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            with contextlib.suppress(Exception):
+                await self.check_health()
+
+    async def check_health(self) -> None:
+        view = self.view
+
+        async def probe(member: Member) -> None:
+            health = self.health.setdefault(member.id, Health())
+            try:
+                response = await self._client.get(
+                    member.url.rstrip("/") + "/healthz", timeout=self.health_timeout
+                )
+                data = response.json()
+                health.failures = 0
+                health.epoch_seen = int(data.get("epoch", 0))
+                health.backend_available = bool(data.get("backend_available", True))
+            except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+                health.failures += 1
+                return
+            if health.epoch_seen < view.epoch and not self.lock.locked():
+                await self.refresh_node(member, health.epoch_seen)
+
+        await asyncio.gather(*(probe(m) for m in view))
+        for member in view:
+            health = self.health.get(member.id)
+            if health is not None and health.failures >= self.failure_threshold:
+                await self.crash(member.id)
+
+    @property
+    def backend_degraded(self) -> bool:
+        return any(not h.backend_available for h in self.health.values())
+
+    # ------------------------------------------------------------------ state file
+
+    def describe(self) -> dict[str, Any]:
+        nodes = [{**m.to_dict(), "state": self.health.get(m.id, Health()).state} for m in self.view]
+        nodes += [{**m.to_dict(), "state": "joining"} for m in self.joining.values()]
+        return {"epoch": self.view.epoch, "nodes": nodes}
+
+    def _save_state(self) -> None:
+        if self.state_file is None:
+            return
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.state_file.parent, prefix=".ring-")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump(self.view.to_dict(), handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, self.state_file)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def _load_state(self) -> RingView | None:
+        if self.state_file is None or not self.state_file.exists():
+            return None
+        try:
+            return RingView.from_dict(json.loads(self.state_file.read_text()))
+        except (ValueError, TypeError) as exc:
+            raise MembershipError(
+                500, "bad_state_file", f"{self.state_file}: cannot read ring state: {exc}"
+            ) from None

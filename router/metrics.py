@@ -1,0 +1,67 @@
+"""Prometheus metrics of the router, in a registry of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._forwarded = Counter(
+            "ringlimit_router_forwarded_total",
+            "Requests forwarded, by node and outcome (2xx, 429, 4xx, 5xx).",
+            ["node", "outcome"],
+            registry=self.registry,
+        )
+        self._events = Counter(
+            "ringlimit_router_events_total",
+            "Requests that needed more than a forward: not_owner, unreachable_open, "
+            "unreachable_closed, ring_changing, missing_user_id, ...",
+            ["node", "event"],
+            registry=self.registry,
+        )
+        self._checks = Counter(
+            "ringlimit_router_checks_total",
+            "Decision-API checks routed, by node.",
+            ["node"],
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "ringlimit_router_forward_seconds",
+            "Time from request to forwarded answer.",
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
+        self._epoch = Gauge("ringlimit_router_epoch", "Ring epoch.", registry=self.registry)
+        self._nodes = Gauge("ringlimit_router_nodes", "Nodes in the ring.", registry=self.registry)
+        self._children: dict[tuple[str, str], Any] = {}
+
+    def watch(self, epoch: Callable[[], float], nodes: Callable[[], float]) -> None:
+        self._epoch.set_function(epoch)
+        self._nodes.set_function(nodes)
+
+    def forwarded(self, node: str, status: int, seconds: float) -> None:
+        outcome = (
+            "2xx" if status < 300 else "429" if status == 429 else "4xx" if status < 500 else "5xx"
+        )
+        key = (node, outcome)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._forwarded.labels(node, outcome)
+        child.inc()
+        self._latency.observe(seconds)
+
+    def outcome(self, node: str, event: str) -> None:
+        self._events.labels(node, event).inc()
+
+    def checks(self, node: str, count: int) -> None:
+        self._checks.labels(node).inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
