@@ -60,8 +60,11 @@ class NodeSettings:
     max_keys: int | None = None
     sweep_interval: float = 1.0
     handoff_wait: float = 5.0
-    #: Decide every key (no ring) until a router sends a view.
+    #: Own a shard of the ring (memory backend). Without it any node decides any key.
     sticky: bool = True
+    #: Refuse every key until a router sends a view (a node that is part of a
+    #: cluster must not decide on its own, e.g. right after a restart).
+    fenced: bool = False
 
 
 class Node:
@@ -93,6 +96,8 @@ class Node:
                 lambda: self.authority.config,
                 handoff_wait=settings.handoff_wait,
             )
+            if settings.fenced:
+                self.shard.view = RingView.empty()
         self.authority = Authority(
             settings.config,
             self.backend,

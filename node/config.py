@@ -16,6 +16,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import ipaddress
+import json
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -236,14 +237,20 @@ class ClusterConfig:
 
 
 def load_config(path: str | Path) -> ClusterConfig:
-    """Read a TOML config file; errors name the file, the key and the problem."""
+    """Read a TOML (or JSON) config file; errors name the file, the key and the problem."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
     return _Parser(str(path)).config(data)
 
 

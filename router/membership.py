@@ -136,12 +136,18 @@ class Membership:
     async def join(self, member: Member) -> RingView:
         async with self.lock:
             if member.id in self.view:
-                current = self.view.member(member.id)
-                if current == member:
-                    return self.view
-                raise MembershipError(
-                    409, "already_member", f"node {member.id!r} is already in the ring"
-                )
+                if self.view.member(member.id) != member:
+                    raise MembershipError(
+                        409,
+                        "already_member",
+                        f"node {member.id!r} is already in the ring with another url or weight",
+                    )
+                if await self._node_epoch(member) == self.view.epoch:
+                    return self.view  # a repeated registration of a healthy member
+                # The member registers again without the current view: it restarted and
+                # lost its state. Its old incarnation crashed; the new one joins.
+                log.warning("node %s re-registered after a restart: crash, then join", member.id)
+                await self._crash_locked(member.id)
             self.joining[member.id] = member
             try:
                 await self._wait_ready(member)
@@ -156,6 +162,15 @@ class Membership:
                 self.joining.pop(member.id, None)
             log.info("node %s joined: epoch %d", member.id, new.epoch)
             return new
+
+    async def _node_epoch(self, member: Member) -> int | None:
+        try:
+            response = await self._client.get(
+                member.url.rstrip("/") + "/healthz", timeout=self.health_timeout
+            )
+            return int(response.json().get("epoch", 0))
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+            return None
 
     async def leave(self, member_id: str) -> RingView:
         """Graceful leave: the leaving node hands everything off before it is dropped."""
@@ -184,16 +199,19 @@ class Membership:
     async def crash(self, member_id: str) -> RingView | None:
         """Drop a node that stopped answering; its keys follow the crash policy."""
         async with self.lock:
-            if member_id not in self.view:
-                return None
-            previous = self.view
-            new = previous.without_member(member_id)
-            await self._push(new.members, new, previous, (member_id,), tolerate=True)
-            self._adopt(new)
-            self.health.pop(member_id, None)
-            self.crashes += 1
-            log.warning("node %s removed as crashed: epoch %d", member_id, new.epoch)
-            return new
+            return await self._crash_locked(member_id)
+
+    async def _crash_locked(self, member_id: str) -> RingView | None:
+        if member_id not in self.view:
+            return None
+        previous = self.view
+        new = previous.without_member(member_id)
+        await self._push(new.members, new, previous, (member_id,), tolerate=True)
+        self._adopt(new)
+        self.health.pop(member_id, None)
+        self.crashes += 1
+        log.warning("node %s removed as crashed: epoch %d", member_id, new.epoch)
+        return new
 
     def _adopt(self, view: RingView) -> None:
         self.view = view
@@ -242,7 +260,6 @@ class Membership:
             if self.lock.locked():
                 return
             log.warning("node %s restarted with no state: crash, then rejoin", member.id)
-            await self.crash(member.id)
             with contextlib.suppress(MembershipError):
                 await self.join(member)
             return

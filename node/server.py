@@ -1,0 +1,144 @@
+"""Running a node process: uvicorn with the fast options, and a graceful leave.
+
+On SIGTERM or SIGINT a node that joined through a router asks the router to
+remove it *before* it stops serving: the router pushes a view without it, the
+node hands every state to the new owners, and only then does it exit. (If
+uvicorn handled the signal itself it would close the listening socket first,
+and the router could not reach the node to take its state.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+import httpx
+import uvicorn
+
+from node.app import Node
+
+log = logging.getLogger("ringlimit.node")
+
+
+def uvicorn_options() -> dict[str, Any]:
+    """uvloop and httptools when installed, no access log: the hot-path settings."""
+    options: dict[str, Any] = {"access_log": False, "log_level": "warning", "lifespan": "on"}
+    try:
+        import uvloop  # noqa: F401
+
+        options["loop"] = "uvloop"
+    except ImportError:
+        options["loop"] = "asyncio"
+    try:
+        import httptools  # noqa: F401
+
+        options["http"] = "httptools"
+    except ImportError:
+        options["http"] = "h11"
+    return options
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with our own signal handling (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Any) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[no-untyped-def,override]
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, self)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
+def serve_node(
+    node: Node,
+    *,
+    host: str,
+    port: int,
+    join: str | None = None,
+    advertise: str | None = None,
+    weight: int = 1,
+    admin_token: str | None = None,
+) -> None:
+    url = advertise or f"http://{host}:{port}"
+    state: dict[str, Any] = {"leaving": False}
+
+    def on_signal(server: _Server) -> None:
+        if state["leaving"]:
+            server.force_exit = True
+            return
+        state["leaving"] = True
+        if join is None:
+            server.should_exit = True
+            return
+        asyncio.get_running_loop().create_task(_leave_then_exit(server))
+
+    async def _leave_then_exit(server: _Server) -> None:
+        try:
+            async with httpx.AsyncClient(timeout=60.0) as client:
+                response = await client.delete(
+                    f"{join.rstrip('/')}/admin/nodes/{node.settings.node_id}",  # type: ignore[union-attr]
+                    headers=_auth(admin_token),
+                )
+                log.warning("left the ring: router answered %s", response.status_code)
+        except httpx.HTTPError as exc:
+            log.warning("graceful leave failed (%s); exiting anyway", type(exc).__name__)
+        server.should_exit = True
+
+    async def register(server: _Server) -> None:
+        while not server.started:  # noqa: ASYNC110 (uvicorn offers no event)
+            await asyncio.sleep(0.02)
+        payload = {"id": node.settings.node_id, "url": url, "weight": weight}
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            for attempt in range(50):
+                try:
+                    response = await client.post(
+                        f"{join.rstrip('/')}/admin/nodes",  # type: ignore[union-attr]
+                        json=payload,
+                        headers=_auth(admin_token),
+                    )
+                    if response.status_code == 200:
+                        log.warning("joined the ring through %s", join)
+                        return
+                    log.warning("join refused: %s %s", response.status_code, response.text[:200])
+                    if response.status_code in (400, 401, 403, 409):
+                        server.should_exit = True
+                        return
+                except httpx.HTTPError as exc:
+                    log.warning("router not reachable yet (%s)", type(exc).__name__)
+                await asyncio.sleep(min(0.1 * (attempt + 1), 2.0))
+        server.should_exit = True
+
+    config = uvicorn.Config(node, host=host, port=port, **uvicorn_options())
+    server = _Server(config, on_signal)
+
+    async def main() -> None:
+        task = asyncio.create_task(register(server)) if join else None
+        await server.serve()
+        if task is not None:
+            task.cancel()
+
+    _run(main())
+
+
+def _auth(token: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
+def _run(coro: Any) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)

@@ -1,0 +1,3 @@
+from router.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,362 @@
+"""The ``ringlimit`` command.
+
+    ringlimit up        a router and N in-memory nodes on 127.0.0.1 (the quick start)
+    ringlimit router    one router (multi-host use)
+    ringlimit node      one node (multi-host use; --join registers it with a router)
+    ringlimit nodes     list, add and remove nodes through a router's admin API
+    ringlimit simulate  rebalancing simulations on a virtual clock
+    ringlimit bench     the side-by-side benchmark
+
+Secrets (admin and internal tokens) are best given through the environment
+(``RINGLIMIT_ADMIN_TOKEN``, ``RINGLIMIT_INTERNAL_TOKEN``) so they do not show in
+process lists; they are never logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from node.config import (
+    BACKENDS,
+    BALANCES,
+    REBALANCE_POLICIES,
+    ClusterConfig,
+    ConfigError,
+    Policies,
+    ScopedRule,
+    load_config,
+)
+from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
+from ring import Member
+from router import __version__
+
+DEFAULT_RULE = "10/minute"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except (ConfigError, RuleError, ValueError) as exc:
+        print(f"ringlimit: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ringlimit",
+        description="A rate-limiting cluster: sticky routing to in-memory limiter nodes.",
+    )
+    parser.add_argument("--version", action="version", version=f"ringlimit {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    up = commands.add_parser("up", help="start a router and N nodes on 127.0.0.1")
+    up.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
+    up.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
+    up.add_argument(
+        "--node-port", type=int, default=0, help="first node port (default: router port + 1)"
+    )
+    _config_arguments(up)
+    _fronting_arguments(up)
+    _backend_arguments(up)
+    up.add_argument("--state-file", help="where the router keeps its ring (default: none)")
+    up.add_argument("-v", "--verbose", action="store_true")
+    up.set_defaults(run=_run_up)
+
+    router = commands.add_parser("router", help="start one router")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="ID=URL",
+        help="a seed node (repeatable); nodes may also join later (ringlimit node --join)",
+    )
+    router.add_argument("--state-file", help="ring state kept across router restarts")
+    router.add_argument("--health-interval", type=float, default=1.0)
+    router.add_argument("--failure-threshold", type=int, default=3)
+    router.add_argument("--health-timeout", type=float, default=0.5)
+    router.add_argument("--forward-timeout", type=float, default=30.0)
+    _config_arguments(router)
+    _backend_arguments(router)
+    router.add_argument("-v", "--verbose", action="store_true")
+    router.set_defaults(run=_run_router)
+
+    node = commands.add_parser("node", help="start one node")
+    node.add_argument("--id", required=True, help="node id (stable across restarts)")
+    node.add_argument("--host", default="127.0.0.1")
+    node.add_argument("--port", type=int, required=True)
+    node.add_argument("--join", metavar="ROUTER_URL", help="register with this router")
+    node.add_argument("--url", help="the URL the router should use (default http://HOST:PORT)")
+    node.add_argument("--weight", type=int, default=1)
+    node.add_argument("--max-keys", type=int, help="cap on states held (see docs)")
+    node.add_argument(
+        "--fenced",
+        action="store_true",
+        help="refuse every key until a router sends a ring view (implied by --join)",
+    )
+    _config_arguments(node)
+    _fronting_arguments(node)
+    _backend_arguments(node)
+    node.add_argument("-v", "--verbose", action="store_true")
+    node.set_defaults(run=_run_node)
+
+    nodes = commands.add_parser("nodes", help="list, add or remove nodes through a router")
+    nodes.add_argument("action", choices=["list", "add", "remove"])
+    nodes.add_argument("node_id", nargs="?", help="node id (add, remove)")
+    nodes.add_argument("node_url", nargs="?", help="node URL (add)")
+    nodes.add_argument("--router", default="http://127.0.0.1:8000")
+    nodes.add_argument("--weight", type=int, default=1)
+    nodes.set_defaults(run=_run_nodes)
+
+    simulate = commands.add_parser("simulate", help="run a rebalancing simulation")
+    try:
+        from simulations import cli as simulations_cli
+
+        simulations_cli.add_arguments(simulate)
+        simulate.set_defaults(run=simulations_cli.run)
+    except ImportError:
+        simulate.set_defaults(run=_no_simulations)
+
+    bench = commands.add_parser("bench", help="the side-by-side benchmark")
+    try:
+        from benchmarks import cluster as bench_cli
+
+        bench_cli.add_arguments(bench)
+        bench.set_defaults(run=bench_cli.run)
+    except ImportError:
+        bench.set_defaults(run=_no_bench)
+    return parser
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("rules and policies")
+    group.add_argument(
+        "--rule",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help=f"a rule such as '100/minute' or 'api=5/10s' (repeatable; default {DEFAULT_RULE} "
+        "when neither --rule nor --config is given)",
+    )
+    group.add_argument(
+        "--algorithm", default="token_bucket", help=f"for --rule: {', '.join(ALGORITHMS)}"
+    )
+    group.add_argument("--burst", type=int, help="for --rule: bucket capacity")
+    group.add_argument("--on-error", choices=["open", "closed"], default="open")
+    group.add_argument("--config", help="a TOML config file (see docs/configuration.md)")
+    group.add_argument("--rebalance-policy", choices=REBALANCE_POLICIES)
+    group.add_argument("--crash-policy", choices=CRASH_POLICIES)
+    group.add_argument("--replication-interval", type=float)
+    group.add_argument("--user-header", help="take the user id from this header")
+
+
+def _fronting_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("what the nodes serve")
+    choice = group.add_mutually_exclusive_group()
+    choice.add_argument("--upstream", metavar="URL", help="forward allowed requests to this URL")
+    choice.add_argument("--app", metavar="MODULE:ATTR", help="serve this ASGI application")
+
+
+def _backend_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("backend")
+    group.add_argument("--backend", choices=BACKENDS, help="memory (default) or redis")
+    group.add_argument(
+        "--redis-url", default=os.environ.get("RINGLIMIT_REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
+    group.add_argument("--balance", choices=BALANCES, help="sticky (default) or round-robin")
+
+
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """The config from --config, then flags on top (flags win)."""
+    config = load_config(args.config) if args.config else ClusterConfig()
+    specs = list(args.rule) or ([] if args.config else [DEFAULT_RULE])
+    rules = [
+        ScopedRule(
+            parse_rule(spec, algorithm=args.algorithm, burst=args.burst, on_error=args.on_error)
+        )
+        for spec in specs
+    ]
+    changes: dict[str, object] = {}
+    if rules:
+        changes["rules"] = (*config.rules, *rules)
+    policies = config.policies
+    if args.rebalance_policy or args.crash_policy or args.replication_interval:
+        changes["policies"] = Policies(
+            rebalance=args.rebalance_policy or policies.rebalance,
+            crash=args.crash_policy or policies.crash,
+            replication_interval=args.replication_interval or policies.replication_interval,
+        )
+    if args.user_header:
+        from dataclasses import replace
+
+        changes["identity"] = replace(config.identity, source="header", name=args.user_header)
+    backend = getattr(args, "backend", None)
+    if backend:
+        changes["backend"] = backend
+        if backend == "redis" and not getattr(args, "balance", None):
+            changes["balance"] = "round-robin"
+    if getattr(args, "balance", None):
+        changes["balance"] = args.balance
+    return config.with_(**changes) if changes else config
+
+
+def _tokens() -> tuple[str | None, str | None]:
+    return (
+        os.environ.get("RINGLIMIT_ADMIN_TOKEN") or None,
+        os.environ.get("RINGLIMIT_INTERNAL_TOKEN") or None,
+    )
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from router.app import RouterSettings, create_router
+    from router.forward import Timeouts
+    from router.server import serve_router
+
+    config = cluster_config(args)
+    admin_token, internal_token = _tokens()
+    seeds = [_parse_seed(spec) for spec in args.node]
+    settings = RouterSettings(
+        config=config,
+        seeds=seeds,
+        admin_token=admin_token,
+        internal_token=internal_token,
+        state_file=args.state_file,
+        health_interval=args.health_interval,
+        failure_threshold=args.failure_threshold,
+        health_timeout=args.health_timeout,
+        timeouts=Timeouts(total=args.forward_timeout),
+    )
+    _warn_modes(config)
+    serve_router(create_router(settings), host=args.host, port=args.port)
+    return 0
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    from node.app import NodeSettings, create_app
+    from node.apps import UpstreamApp, load_app
+    from node.server import serve_node
+
+    config = cluster_config(args)
+    admin_token, internal_token = _tokens()
+    app = None
+    if args.upstream:
+        app = UpstreamApp(args.upstream)
+    elif args.app:
+        app = load_app(args.app)
+    backend = None
+    if config.backend == "redis":
+        backend = _redis_backend(args.redis_url, config)
+    settings = NodeSettings(
+        node_id=args.id,
+        config=config,
+        internal_token=internal_token,
+        max_keys=args.max_keys,
+        sticky=config.backend == "memory" and config.balance == "sticky",
+        fenced=bool(args.fenced or args.join),
+    )
+    node = create_app(settings, backend=backend, app=app)
+    serve_node(
+        node,
+        host=args.host,
+        port=args.port,
+        join=args.join,
+        advertise=args.url,
+        weight=args.weight,
+        admin_token=admin_token,
+    )
+    return 0
+
+
+def _redis_backend(url: str, config: ClusterConfig) -> object:
+    from node.backend import MemoryBackend
+    from node.clock import system_clock
+    from node.redis_backend import FallbackBackend, RedisBackend
+    from node.store import MemoryStore
+
+    return FallbackBackend(RedisBackend(url), MemoryBackend(MemoryStore(), system_clock))
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from router.cluster import run_cluster
+
+    config = cluster_config(args)
+    if args.nodes < 1:
+        raise ValueError("--nodes must be at least 1")
+    _warn_modes(config)
+    return run_cluster(args, config)
+
+
+def _run_nodes(args: argparse.Namespace) -> int:
+    import httpx
+
+    admin_token, _ = _tokens()
+    headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
+    base = args.router.rstrip("/")
+    with httpx.Client(timeout=60.0, headers=headers) as client:
+        if args.action == "list":
+            response = client.get(f"{base}/admin/ring")
+        elif args.action == "add":
+            if not args.node_id or not args.node_url:
+                raise ValueError("usage: ringlimit nodes add ID URL")
+            response = client.post(
+                f"{base}/admin/nodes",
+                json={"id": args.node_id, "url": args.node_url, "weight": args.weight},
+            )
+        else:
+            if not args.node_id:
+                raise ValueError("usage: ringlimit nodes remove ID")
+            response = client.delete(f"{base}/admin/nodes/{args.node_id}")
+    data = response.json()
+    if response.status_code != 200:
+        print(f"ringlimit: {data.get('error')}: {data.get('detail')}", file=sys.stderr)
+        return 1
+    print(f"epoch {data['epoch']}")
+    for node in data["nodes"]:
+        print(f"  {node['id']:<10} {node['url']:<32} weight={node['weight']} {node['state']}")
+    return 0
+
+
+def _parse_seed(spec: str) -> Member:
+    node_id, sep, url = spec.partition("=")
+    if not sep or not url.startswith(("http://", "https://")):
+        raise ValueError(f"--node {spec!r}: expected ID=http://HOST:PORT")
+    return Member(node_id, url)
+
+
+def _warn_modes(config: ClusterConfig) -> None:
+    if config.backend == "memory" and config.balance == "round-robin":
+        print(
+            "ringlimit: round-robin with local limiters: each node counts alone, so a user may "
+            "get up to N times the limit. For demonstrations and benchmarks only.",
+            file=sys.stderr,
+        )
+
+
+def _no_simulations(args: argparse.Namespace) -> int:
+    print("ringlimit: simulations are not installed (run from a source checkout)", file=sys.stderr)
+    return 2
+
+
+def _no_bench(args: argparse.Namespace) -> int:
+    print("ringlimit: the benchmark runs from a source checkout", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
