@@ -37,6 +37,7 @@ from node.identity import IdentityResolver
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.security import bearer, is_loopback, token_matches
 from ring import EmptyRingError, Member, RingView
+from router.fastclient import FastForwarder
 from router.forward import AiohttpForwarder, Answer, Forwarder, Timeouts, Unreachable
 from router.membership import Membership, MembershipError
 from router.metrics import RouterMetrics
@@ -75,6 +76,8 @@ class RouterSettings:
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_buffered_body: int = 1 << 20
     health_checks: bool = True
+    #: "fast" (router/fastclient.py, plain http) or "aiohttp" (also https).
+    forwarder: str = "fast"
 
 
 class Router:
@@ -124,7 +127,12 @@ class Router:
 
     async def start(self) -> None:
         if self.forwarder is None:
-            self.forwarder = AiohttpForwarder(timeouts=self.settings.timeouts)
+            tls = any(m.url.startswith("https://") for m in self.settings.seeds)
+            self.forwarder = (
+                AiohttpForwarder(timeouts=self.settings.timeouts)
+                if tls or self.settings.forwarder == "aiohttp"
+                else FastForwarder(timeouts=self.settings.timeouts)
+            )
         await self.membership.start(self.settings.seeds, health=self.settings.health_checks)
 
     async def close(self) -> None:

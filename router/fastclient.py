@@ -1,0 +1,211 @@
+"""A minimal pooled HTTP/1.1 client for the forwarding hot path.
+
+The router does one thing per request: send it to a node on a kept-alive
+connection and read the whole answer back. General-purpose clients spend
+most of their time on what this path never needs (cookie jars, redirects,
+tracing hooks, per-request timeout objects, header multidicts), so this
+client does only that: ``asyncio.Protocol`` connections, the ``httptools``
+response parser (the same C parser uvicorn uses for requests), one idle
+pool per origin. Plain ``http://`` only: nodes are reached over a private
+network; use :class:`router.forward.AiohttpForwarder` for TLS to nodes.
+
+A request that fails on a *reused* connection before any byte of the answer
+arrived is retried once on a fresh connection: the node closed an idle
+connection, and never saw the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import httptools
+
+from router.forward import Answer, Timeouts, Unreachable
+
+_DROP = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server"}
+)
+
+
+class _Connection(asyncio.Protocol):
+    __slots__ = (
+        "body",
+        "closed",
+        "headers",
+        "keep_alive",
+        "parser",
+        "received",
+        "status",
+        "transport",
+        "waiter",
+    )
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future[None] | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+        self.status = 0
+        self.keep_alive = True
+        self.closed = False
+        self.received = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(Unreachable(f"bad response: {exc}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail(Unreachable("connection closed"))
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # client side
+    def _fail(self, exc: Exception) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+    def start(self, payload: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        self.headers = []
+        self.body = []
+        self.status = 0
+        self.received = False
+        self.waiter = loop.create_future()
+        assert self.transport is not None
+        self.transport.write(payload)
+        return self.waiter
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class _Pool:
+    __slots__ = ("host", "host_header", "idle", "port")
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self.host_header = f"{host}:{port}".encode()
+        self.idle: deque[_Connection] = deque()
+
+
+class FastForwarder:
+    """Implements :class:`router.forward.Forwarder` for ``http://`` nodes."""
+
+    def __init__(self, *, timeouts: Timeouts | None = None, max_idle: int = 256) -> None:
+        self.timeouts = timeouts or Timeouts()
+        self.max_idle = max_idle
+        self._pools: dict[str, tuple[_Pool, str]] = {}
+
+    def _split(self, url: str) -> tuple[_Pool, str]:
+        """``http://host:port/path?q`` -> (pool for host:port, ``/path?q``)."""
+        if not url.startswith("http://"):
+            raise Unreachable(f"only http:// is supported by the fast client: {url[:40]}")
+        rest = url[7:]
+        slash = rest.find("/")
+        origin, path = (rest, "/") if slash < 0 else (rest[:slash], rest[slash:])
+        found = self._pools.get(origin)
+        if found is None:
+            host, _, port = origin.rpartition(":")
+            if not host:
+                host, port = origin, "80"
+            found = (_Pool(host.strip("[]"), int(port)), origin)
+            self._pools[origin] = found
+        return found[0], path
+
+    async def request(
+        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | None
+    ) -> Answer:
+        pool, path = self._split(url)
+        lines = [f"{method} {path} HTTP/1.1\r\nhost: ".encode(), pool.host_header, b"\r\n"]
+        for name, value in headers:
+            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+        if body:
+            lines.append(b"content-length: %d\r\n\r\n" % len(body))
+            lines.append(body)
+        else:
+            lines.append(b"content-length: 0\r\n\r\n" if method in ("POST", "PUT") else b"\r\n")
+        payload = b"".join(lines)
+        loop = asyncio.get_running_loop()
+        for attempt in (0, 1):
+            connection, reused = await self._acquire(pool, loop)
+            waiter = connection.start(payload, loop)
+            timer = loop.call_later(self.timeouts.total, _expire, connection)
+            try:
+                await waiter
+            except Unreachable:
+                if reused and not connection.received and attempt == 0:
+                    continue
+                raise
+            finally:
+                timer.cancel()
+            answer = Answer(
+                connection.status,
+                [(k, v) for k, v in connection.headers if k not in _DROP],
+                b"".join(connection.body),
+            )
+            if connection.keep_alive and not connection.closed and len(pool.idle) < self.max_idle:
+                pool.idle.append(connection)
+            else:
+                connection.close()
+            return answer
+        raise Unreachable("connection closed")  # pragma: no cover (loop always returns/raises)
+
+    async def _acquire(
+        self, pool: _Pool, loop: asyncio.AbstractEventLoop
+    ) -> tuple[_Connection, bool]:
+        idle = pool.idle
+        while idle:
+            connection = idle.pop()
+            if not connection.closed:
+                return connection, True
+        try:
+            _, protocol = await asyncio.wait_for(
+                loop.create_connection(_Connection, pool.host, pool.port),
+                timeout=self.timeouts.connect,
+            )
+        except (OSError, TimeoutError) as exc:
+            raise Unreachable(f"cannot connect to {pool.host}:{pool.port}: {exc}") from None
+        return protocol, False
+
+    async def post_json(self, url: str, payload: bytes, headers: list[tuple[str, str]]) -> Answer:
+        return await self.request(
+            "POST", url, [("content-type", "application/json"), *headers], payload
+        )
+
+    async def close(self) -> None:
+        for pool, _ in self._pools.values():
+            while pool.idle:
+                pool.idle.pop().close()
+
+
+def _expire(connection: _Connection) -> None:
+    connection._fail(Unreachable("timed out"))
+    connection.close()
