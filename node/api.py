@@ -42,6 +42,9 @@ def parse_json(body: bytes, config: ClusterConfig) -> Any:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # Deeply nested arrays/objects exhaust the decoder's stack: bad input, not a 500.
+        raise ApiError(400, "invalid_json", "body is nested too deeply") from None
 
 
 def parse_checks(data: Any, config: ClusterConfig) -> tuple[list[CheckRequest], bool]:
@@ -84,6 +87,13 @@ def parse_check(item: Any, config: ClusterConfig, where: str) -> CheckRequest:
             "key_too_long",
             f"{where}.key is {len(key)} characters; at most {config.limits.max_key_length}",
         )
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate (JSON "\\ud800") cannot be hashed onto the ring.
+        raise ApiError(
+            400, "invalid_key", f"{where}.key is not valid Unicode (lone surrogate)"
+        ) from None
     cost = item.get("cost", 1)
     if isinstance(cost, bool) or not isinstance(cost, int):
         raise ApiError(400, "invalid_cost", f"{where}.cost must be an integer, got {cost!r}")

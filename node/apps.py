@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 
 from node.asgi import ASGIApp, Receive, Scope, Send, drain, dumps, send_json
+from node.identity import header_text
 
 #: Hop-by-hop fields (RFC 9110 7.6.1) are not forwarded.
 HOP_BY_HOP = frozenset(
@@ -99,8 +100,9 @@ class UpstreamApp:
         target = self.url + scope.get("raw_path", scope["path"].encode()).decode("latin-1")
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
+        # header_text: valid UTF-8 stays UTF-8, which aiohttp writes back byte for byte.
         headers = [
-            (k.decode("latin-1"), v.decode("latin-1"))
+            (k.decode("latin-1"), header_text(v))
             for k, v in scope["headers"]
             if k.decode("latin-1") not in HOP_BY_HOP and not k.startswith(b"x-ringlimit-")
         ]

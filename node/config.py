@@ -81,6 +81,15 @@ class Identity:
     tier_header: str | None = "X-User-Tier"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"identity.name must be a non-empty string, got {self.name!r}")
+        if self.tier_header is not None and not isinstance(self.tier_header, str):
+            raise ConfigError(f"identity.tier_header must be a string, got {self.tier_header!r}")
+        if not isinstance(self.fallback_to_client, bool):
+            raise ConfigError(
+                "identity.fallback_to_client must be true or false, "
+                f"got {self.fallback_to_client!r}"
+            )
         if self.source not in IDENTITY_SOURCES:
             raise ConfigError(
                 f"identity.source must be one of {', '.join(IDENTITY_SOURCES)}, got {self.source!r}"
@@ -140,6 +149,12 @@ class Limits:
     max_batch: int = 1000
     max_body: int = 1 << 20
     max_cost: int = 1_000_000_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_key_length", "max_batch", "max_body", "max_cost"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"limits.{name} must be a positive integer, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -275,6 +290,11 @@ class _Parser:
             raise self.fail(where, f"unknown key(s) {', '.join(sorted(unknown))}")
         return data
 
+    def number(self, value: Any, where: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(where, f"must be a number, got {value!r}")
+        return float(value)
+
     def strings(self, value: Any, where: str) -> tuple[str, ...]:
         if value is None:
             return ()
@@ -309,28 +329,37 @@ class _Parser:
             identity = Identity(
                 source=ident.get("source", "header"),
                 name=ident.get("name", "X-User-Id"),
-                fallback_to_client=bool(ident.get("fallback_to_client", False)),
+                fallback_to_client=ident.get("fallback_to_client", False),
                 trusted_proxies=self.strings(
                     ident.get("trusted_proxies"), "identity.trusted_proxies"
                 ),
-                tier_header=ident.get("tier_header", "X-User-Tier"),
+                # An empty tier header switches tiers off (TOML has no null).
+                tier_header=ident.get("tier_header", "X-User-Tier") or None,
             )
             policies = Policies(
                 rebalance=pol.get("rebalance", "handoff"),
                 crash=pol.get("crash", "replica"),
-                replication_interval=float(pol.get("replication_interval", 0.1)),
+                replication_interval=self.number(
+                    pol.get("replication_interval", 0.1), "policies.replication_interval"
+                ),
             )
-            limits = Limits(**{k: int(v) for k, v in lim.items()})
+            limits = Limits(**lim)
             hashes = list(self.strings(bypass.get("token_sha256"), "bypass.token_sha256"))
             # Plain tokens are accepted for convenience and hashed at once.
             hashes += [hash_token(t) for t in self.strings(bypass.get("tokens"), "bypass.tokens")]
+            legacy = headers.get("legacy", True)
+            if not isinstance(legacy, bool):
+                raise self.fail("headers.legacy", f"must be true or false, got {legacy!r}")
+            bypass_header = bypass.get("header", "X-Ringlimit-Bypass")
+            if not isinstance(bypass_header, str) or not bypass_header:
+                raise self.fail("bypass.header", f"must be a header name, got {bypass_header!r}")
             return ClusterConfig(
                 rules=rules,
                 identity=identity,
                 policies=policies,
                 limits=limits,
-                legacy_headers=bool(headers.get("legacy", True)),
-                bypass_header=bypass.get("header", "X-Ringlimit-Bypass"),
+                legacy_headers=legacy,
+                bypass_header=bypass_header,
                 bypass_sha256=tuple(h.lower() for h in hashes),
                 backend=data.get("backend", "memory"),
                 balance=data.get("balance", "sticky"),
@@ -360,33 +389,43 @@ class _Parser:
                 "tiers",
             },
         )
-        try:
-            if "rate" in data:
-                if "limit" in data or "period" in data:
-                    raise self.fail(where, "give either 'rate' or 'limit' and 'period', not both")
+        if "rate" in data:
+            if "limit" in data or "period" in data:
+                raise self.fail(where, "give either 'rate' or 'limit' and 'period', not both")
+            try:
                 limit, period = parse_rate(data["rate"])
+            except RuleError as exc:
+                raise self.fail(f"{where}.rate", str(exc)) from None
+        else:
+            if "limit" not in data or "period" not in data:
+                raise self.fail(where, "needs 'rate' (e.g. '100/minute') or 'limit' + 'period'")
+            limit = data["limit"]
+            raw_period = data["period"]
+            if isinstance(raw_period, str):
+                try:
+                    period = parse_period(raw_period)
+                except RuleError as exc:
+                    raise self.fail(f"{where}.period", str(exc)) from None
             else:
-                if "limit" not in data or "period" not in data:
-                    raise self.fail(where, "needs 'rate' (e.g. '100/minute') or 'limit' + 'period'")
-                limit = data["limit"]
-                raw_period = data["period"]
-                period = (
-                    parse_period(raw_period) if isinstance(raw_period, str) else float(raw_period)
-                )
-            name = data.get("name")
-            if name is None:
-                raise self.fail(where, "needs a 'name' (shown in headers and metrics)")
+                period = self.number(raw_period, f"{where}.period")
+        name = data.get("name")
+        if name is None:
+            raise self.fail(where, "needs a 'name' (shown in headers and metrics)")
+        algorithm = data.get("algorithm", "token_bucket")
+        if not isinstance(algorithm, str):
+            raise self.fail(f"{where}.algorithm", f"must be a string, got {algorithm!r}")
+        try:
             rule = Rule(
                 name=name,
                 limit=limit,
                 period=period,
-                algorithm=data.get("algorithm", "token_bucket"),
+                algorithm=algorithm,
                 burst=data.get("burst") or 0,
                 on_error=data.get("on_error", "open"),
                 crash_policy=data.get("crash_policy"),
             )
         except RuleError as exc:
-            raise self.fail(where, str(exc)) from None
+            raise self.fail(_rule_field(where, str(exc)), str(exc)) from None
         methods = tuple(m.upper() for m in self.strings(data.get("methods"), f"{where}.methods"))
         return ScopedRule(
             rule=rule,
@@ -394,3 +433,24 @@ class _Parser:
             methods=methods,
             tiers=self.strings(data.get("tiers"), f"{where}.tiers"),
         )
+
+
+_RULE_FIELDS = (
+    (": limit must", "limit"),
+    ("limit is capped", "limit"),
+    (": period must", "period"),
+    ("unknown algorithm", "algorithm"),
+    (": burst must", "burst"),
+    (": on_error must", "on_error"),
+    (": crash_policy must", "crash_policy"),
+)
+
+
+def _rule_field(where: str, message: str) -> str:
+    """``rules[1]`` -> ``rules[1].burst`` when the rule's error names a field."""
+    if message.startswith("rule name"):
+        return f"{where}.name"
+    for phrase, key in _RULE_FIELDS:
+        if phrase in message:
+            return f"{where}.{key}"
+    return where

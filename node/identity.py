@@ -7,8 +7,9 @@ node's middleware (which uses it when it is not behind a router).
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
+from typing import Any
 from urllib.parse import parse_qsl
 
 from node.config import Identity
@@ -16,11 +17,24 @@ from node.config import Identity
 Headers = Iterable[tuple[bytes, bytes]]
 
 
+def header_text(value: bytes) -> str:
+    """A header value as text: UTF-8 when it is valid UTF-8, else latin-1.
+
+    UTF-8 first so that a user id sent as UTF-8 bytes is the same string as the
+    same id in a JSON body of the decision API (and is re-encoded to the same
+    bytes when the request is forwarded); latin-1 never fails, for the rest.
+    """
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
+
+
 def header(headers: Headers, name: bytes) -> str | None:
-    """The first value of a header (``name`` in lower case), decoded as latin-1."""
+    """The first value of a header (``name`` in lower case), see :func:`header_text`."""
     for key, value in headers:
         if key == name:
-            return value.decode("latin-1")
+            return header_text(value)
     return None
 
 
@@ -35,7 +49,7 @@ class IdentityResolver:
             ipaddress.ip_network(p, strict=False) for p in identity.trusted_proxies
         )
 
-    def user(self, scope: dict) -> str | None:
+    def user(self, scope: Mapping[str, Any]) -> str | None:
         identity = self.identity
         if identity.source == "header":
             found = header(scope["headers"], self._header)
@@ -47,12 +61,12 @@ class IdentityResolver:
             found = self.client(scope)
         return found or None
 
-    def tier(self, scope: dict) -> str | None:
+    def tier(self, scope: Mapping[str, Any]) -> str | None:
         if not self._tier:
             return None
         return header(scope["headers"], self._tier)
 
-    def client(self, scope: dict) -> str | None:
+    def client(self, scope: Mapping[str, Any]) -> str | None:
         """The client address, believing ``X-Forwarded-For`` only from trusted proxies.
 
         The address is the right-most entry of the chain that is not itself a

@@ -12,6 +12,7 @@ rate-limit fields to its start message, or answers 429 itself.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from urllib.parse import unquote
 
 from node.asgi import ASGIApp, Message, Receive, Scope, Send, drain, error_body, send_json
 from node.authority import Authority
@@ -32,8 +33,10 @@ class RateLimitMiddleware:
     """Decide every HTTP request before the application sees it.
 
     Behind a ringlimit router the user id arrives in ``X-Ringlimit-Key``
-    (believed only with the internal token when one is configured); otherwise
-    it is extracted as the configuration's identity section says.
+    (believed only with ``trust_router``, the default when an ``authority`` is
+    passed in as a node does, and then only with the internal token when one is
+    configured); otherwise it is extracted as the configuration's identity
+    section says.
     """
 
     def __init__(
@@ -43,7 +46,12 @@ class RateLimitMiddleware:
         authority: Authority | None = None,
         rules: Sequence[str | Rule] = (),
         internal_token: str | None = None,
+        trust_router: bool | None = None,
     ) -> None:
+        # Believe X-Ringlimit-Key/-Failover only behind a ringlimit router (a node, which
+        # passes its authority in). Standalone, any client could write them and pick
+        # another user's quota or skip limiting altogether.
+        self.trust_router = authority is not None if trust_router is None else trust_router
         if authority is None:
             parsed = [r if isinstance(r, Rule) else parse_rule(r) for r in rules]
             authority = Authority.in_memory(
@@ -81,7 +89,7 @@ class RateLimitMiddleware:
                 bypass = value
             elif name == tier_name:
                 tier = value.decode("latin-1")
-        trusted = token_matches(
+        trusted = self.trust_router and token_matches(
             token.decode("latin-1") if token is not None else None, self.internal_token
         )
         if failover is not None and trusted:
@@ -92,7 +100,7 @@ class RateLimitMiddleware:
             await self.app(scope, receive, _adding(send, [(b"x-ringlimit-bypass", b"1")]))
             return
         if routed_key is not None and trusted:
-            user: str | None = routed_key.decode("utf-8", "replace")
+            user: str | None = unquote(routed_key.decode("latin-1"), errors="replace")
         else:
             user = self._resolver(config).user(scope)
         if not user:

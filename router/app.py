@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from starlette.applications import Starlette
@@ -206,24 +207,28 @@ class Router:
                 ),
             )
             return
-        body = await _read_all(receive, self.settings.max_buffered_body)
+        # The configured client limit applies to proxied bodies too (the router buffers them).
+        max_body = min(self.settings.max_buffered_body, config.limits.max_body)
+        body = await _read_all(receive, max_body)
         if body is None:
             self.metrics.outcome("-", "body_too_large")
             await send_json(
                 send,
                 413,
-                error_body(
-                    "body_too_large",
-                    f"request body is over {self.settings.max_buffered_body} bytes",
-                ),
+                error_body("body_too_large", f"request body is over {max_body} bytes"),
             )
             return
+        # Clients may not send ringlimit's internal fields, except the bypass token
+        # (whose default name also starts with x-ringlimit-): the node checks it.
+        bypass_name = config.bypass_header.lower().encode("latin-1")
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in scope["headers"]
-            if k not in HOP_BY_HOP and not k.startswith(b"x-ringlimit-")
+            if k not in HOP_BY_HOP and (not k.startswith(b"x-ringlimit-") or k == bypass_name)
         ]
-        headers.append(("x-ringlimit-key", user))
+        # Percent-encoded: ASCII on the wire whatever the forwarder's header encoding,
+        # so the node decides exactly the key the router placed on the ring.
+        headers.append(("x-ringlimit-key", quote(user, safe="")))
         headers += self._token_header
         client = scope.get("client")
         if client:
@@ -245,6 +250,8 @@ class Router:
             try:
                 answer = await self.forwarder.request(method, member.url + path_qs, headers, body)
             except Unreachable as exc:
+                if await self.membership.newer_view(member):
+                    continue  # our view was stale: the key has another owner now
                 await self._owner_unreachable(
                     scope, send, view, member, user, method, path_qs, headers, body, str(exc)
                 )
@@ -359,9 +366,16 @@ class Router:
         if batch:
             return JSONResponse({"results": results})
         result = results[0]
-        status = (
-            503 if result.get("reason") == "owner_unreachable" and not result["allowed"] else 200
-        )
+        if "error" in result:
+            # No decision: say so with the status too, not a 200 carrying an error
+            # (the request was valid here; the node could not answer it).
+            status = 503 if result["error"] == "ring_changing" else 502
+        else:
+            status = (
+                503
+                if result.get("reason") == "owner_unreachable" and not result["allowed"]
+                else 200
+            )
         return JSONResponse(result, status_code=status)
 
     async def route_checks(self, checks: list[CheckRequest]) -> list[dict[str, Any]]:
@@ -407,6 +421,9 @@ class Router:
                 member.url + "/v1/check", payload, self._token_header
             )
         except Unreachable:
+            if await self.membership.newer_view(member):
+                retry.extend(indices)  # our view was stale: route them again
+                return
             for i in indices:
                 results[i] = _unreachable_result(checks[i], member.id)
             self.metrics.outcome(member.id, "unreachable")
@@ -419,7 +436,19 @@ class Router:
             for i in indices:
                 results[i] = {"error": "node_error", "status": answer.status, "detail": detail}
             return
-        for i, result in zip(indices, json.loads(answer.body)["results"], strict=True):
+        try:
+            answered = json.loads(answer.body)["results"]
+            if not isinstance(answered, list) or len(answered) != len(indices):
+                raise ValueError("wrong number of results")
+        except (ValueError, KeyError, TypeError) as exc:
+            for i in indices:
+                results[i] = {
+                    "error": "node_error",
+                    "status": answer.status,
+                    "detail": f"node {member.id} answered a malformed body: {exc}",
+                }
+            return
+        for i, result in zip(indices, answered, strict=True):
             results[i] = result
         self.metrics.checks(member.id, len(indices))
 

@@ -94,8 +94,10 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
         router_url = f"http://{host}:{args.port}"
         ring = _wait_for_ring(router_url, cluster, lambda: stopping)
         if ring is None:
-            problem = cluster.failed() or "stopped"
-            print(f"ringlimit: the cluster did not start: {problem}", file=sys.stderr)
+            if stopping:
+                return 0  # asked to stop while starting (Ctrl-C, SIGTERM): not a failure
+            reason = cluster.failed() or "not ready within 30 s"
+            print(f"ringlimit: the cluster did not start: {reason}", file=sys.stderr)
             return 1
         _print_banner(router_url, ring, config)
         while not stopping:

@@ -7,6 +7,7 @@ about 0.4 ms. httpx stays the client of the control plane, the CLI and tests.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,7 +65,7 @@ class AiohttpForwarder:
     ) -> Answer:
         try:
             async with self._session.request(
-                method, url, headers=headers, data=body, allow_redirects=False
+                method, url, headers=_for_aiohttp(headers), data=body, allow_redirects=False
             ) as response:
                 payload = await response.read()
                 out = [
@@ -90,6 +91,23 @@ _DROP_RESPONSE = frozenset(
 )
 
 
+def _for_aiohttp(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Header values are latin-1 text of the client's bytes; aiohttp writes UTF-8.
+
+    Re-decode a non-ASCII value that is UTF-8 on the wire so that aiohttp sends
+    the client's bytes unchanged (otherwise ``é`` would arrive double-encoded).
+    """
+    if all(v.isascii() for _, v in headers):
+        return headers
+    out = []
+    for name, value in headers:
+        if not value.isascii():
+            with contextlib.suppress(UnicodeEncodeError, UnicodeDecodeError):
+                value = value.encode("latin-1").decode("utf-8")
+        out.append((name, value))
+    return out
+
+
 class HttpxForwarder:
     """The same contract over an httpx client: lets tests wire the router to nodes
     in-process (``httpx.ASGITransport`` mounts, no sockets)."""
@@ -100,8 +118,10 @@ class HttpxForwarder:
     async def request(
         self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | None
     ) -> Answer:
+        # Header values are latin-1 text of the client's bytes: send those bytes back.
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         try:
-            response = await self._client.request(method, url, headers=headers, content=body)
+            response = await self._client.request(method, url, headers=raw, content=body)
         except httpx.TransportError as exc:
             raise Unreachable(type(exc).__name__) from None
         out = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in _DROP_RESPONSE]

@@ -1,0 +1,169 @@
+"""The ``ringlimit`` command: help, version, and ``ringlimit up`` as a real process tree."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from ring import Member, RingView
+from router import __version__
+from tests.processes import ROOT, Procs, wait_for
+
+
+def run(argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_and_version() -> None:
+    helped = run([sys.executable, "-m", "router", "--help"])
+    assert helped.returncode == 0
+    for command in ("up", "router", "node", "nodes"):
+        assert command in helped.stdout
+    version = run([sys.executable, "-m", "router", "--version"])
+    assert version.returncode == 0 and version.stdout.strip() == f"ringlimit {__version__}"
+    up_help = run([sys.executable, "-m", "router", "up", "--help"])
+    for flag in ("--nodes", "--port", "--rule", "--algorithm", "--config", "--upstream"):
+        assert flag in up_help.stdout
+    nothing = run([sys.executable, "-m", "router"])
+    assert nothing.returncode == 2 and "usage" in nothing.stdout
+
+
+@pytest.mark.skipif(shutil.which("ringlimit") is None, reason="console script not installed")
+def test_the_console_script_is_installed() -> None:
+    result = run(["ringlimit", "--version"])
+    assert result.returncode == 0 and __version__ in result.stdout
+
+
+def free_block(count: int, attempts: int = 50) -> int:
+    """A port P with P..P+count-1 all free on 127.0.0.1 (``up`` uses P and P+1..P+N)."""
+    rng = random.Random(os.getpid())
+    for _ in range(attempts):
+        base = rng.randrange(20_000, 60_000)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no free block of ports")
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct child processes (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        # The command name is in parentheses and may hold spaces: split after it.
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def answers(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/healthz", timeout=0.5)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find child processes")
+def test_up_starts_a_cluster_that_limits_and_sigterm_stops_every_process(procs: Procs) -> None:
+    port = free_block(4)
+    proc = procs.start("up", ["up", "--nodes", "3", "--port", str(port), "--rule", "5/minute"])
+    router = f"http://127.0.0.1:{port}"
+    node_urls = {f"n{i}": f"http://127.0.0.1:{port + i}" for i in (1, 2, 3)}
+    children: list[int] = []
+    try:
+        assert wait_for(lambda: "try:" in proc.output() or not proc.alive(), 40), proc.output()
+        assert proc.alive(), proc.output()
+        banner = proc.output()
+        assert f"ringlimit router: {router}" in banner
+        for node_id, url in node_urls.items():
+            assert f"{node_id}  {url}" in banner
+        children = children_of(proc.popen.pid)
+        assert len(children) == 4, children  # the router and three nodes
+
+        ring = RingView.of([Member(n, u) for n, u in node_urls.items()], epoch=1)
+        users = [f"cli-user-{n}" for n in range(12)]
+        owners = {user: ring.owner_id(user) for user in users}
+        assert set(owners.values()) == set(node_urls), "pick users that cover every node"
+        with httpx.Client(base_url=router, timeout=10.0) as client:
+            for user in users:
+                answers_ = [
+                    client.get(f"/hello/{user}", headers={"X-User-Id": user}) for _ in range(7)
+                ]
+                assert [a.status_code for a in answers_] == [200] * 5 + [429] * 2, user
+                assert {a.headers["x-ringlimit-node"] for a in answers_} == {owners[user]}
+                for i, allowed in enumerate(answers_[:5]):
+                    assert allowed.headers["ratelimit-policy"] == '"5-per-minute";q=5;w=60'
+                    assert allowed.headers["x-ratelimit-remaining"] == str(4 - i)
+                    assert allowed.json()["node"] == owners[user]
+                denied = answers_[-1]
+                body = denied.json()
+                assert body["error"] == "rate_limited" and body["rule"] == "5-per-minute"
+                assert body["limit"] == 5 and body["detail"]
+                retry = int(denied.headers["retry-after"])
+                assert retry >= body["retry_after"] > retry - 1
+                assert denied.headers["x-ratelimit-remaining"] == "0"
+                assert denied.headers["ratelimit"].startswith('"5-per-minute";r=0;t=')
+            # The decision API and the proxy path share counters.
+            user = "cli-shared"
+            for _ in range(2):
+                assert client.get("/", headers={"X-User-Id": user}).status_code == 200
+            result = client.post("/v1/check", json={"key": user}).json()
+            assert result["allowed"] is True and result["remaining"] == 2
+            assert result["node"] == ring.owner_id(user)
+            batch = client.post(
+                "/v1/check", json={"checks": [{"key": user}, {"key": user}, {"key": user}]}
+            ).json()["results"]
+            assert [r["allowed"] for r in batch] == [True, True, False]
+            assert client.get("/", headers={"X-User-Id": user}).status_code == 429
+    finally:
+        # SIGTERM to `up` alone: it must stop every process it started.
+        started = time.monotonic()
+        proc.popen.send_signal(signal.SIGTERM)
+        try:
+            code = proc.popen.wait(20)
+        except subprocess.TimeoutExpired:
+            code = None
+        gone = wait_for(lambda: not any(alive(pid) for pid in children), 10)
+        leftovers = [pid for pid in children if alive(pid)]
+        for pid in leftovers:  # never leave our own processes behind, even on failure
+            os.kill(pid, signal.SIGKILL)
+    assert code == 0, proc.output()
+    assert gone, f"processes left running after SIGTERM: {leftovers}"
+    assert time.monotonic() - started < 20
+    assert not answers(router)
+    assert not any(answers(url) for url in node_urls.values())

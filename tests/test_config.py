@@ -1,0 +1,264 @@
+"""Configuration: TOML files, flags, and start-up errors that say where and why."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from node.config import ClusterConfig, ConfigError, hash_token, load_config
+from router.cli import build_parser, cluster_config
+from tests.processes import ROOT
+
+GOOD = """
+[[rules]]
+name = "global"
+rate = "100/minute"
+
+[[rules]]
+name = "writes"
+limit = 10
+period = "10s"
+algorithm = "sliding-window"
+methods = ["post", "PUT"]
+paths = ["/api/*"]
+on_error = "closed"
+
+[[rules]]
+name = "gold"
+rate = "1000 per hour"
+burst = 50
+tiers = ["gold"]
+crash_policy = "conservative"
+
+[identity]
+source = "header"
+name = "X-Api-User"
+tier_header = "X-Plan"
+trusted_proxies = ["10.0.0.0/8"]
+
+[limits]
+max_key_length = 64
+max_batch = 10
+
+[headers]
+legacy = false
+
+[bypass]
+header = "X-Pass"
+tokens = ["plain-token"]
+token_sha256 = ["{digest}"]
+
+[policies]
+rebalance = "reset"
+crash = "conservative"
+""".replace("{digest}", hash_token("other-token"))
+
+
+def write(tmp_path: Path, text: str, name: str = "ringlimit.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_full_config_file(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD))
+    assert [s.rule.name for s in config.rules] == ["global", "writes", "gold"]
+    writes = config.rule("writes")
+    assert writes is not None
+    assert (writes.limit, writes.period, writes.algorithm) == (10, 10.0, "sliding_window")
+    assert writes.on_error == "closed"
+    gold = config.rule("gold")
+    assert gold is not None and (gold.limit, gold.period, gold.burst) == (1000, 3600.0, 50)
+    assert config.rules[1].methods == ("POST", "PUT")
+    assert config.default_rules == (config.rule("global"),)
+    assert config.identity.name == "X-Api-User" and config.identity.tier_header == "X-Plan"
+    assert config.limits.max_key_length == 64 and config.limits.max_body == 1 << 20
+    assert config.legacy_headers is False
+    assert config.bypass_header == "X-Pass"
+    assert config.policies.rebalance == "reset"
+
+
+def test_scopes_select_every_matching_rule(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD))
+
+    def names(method: str, path: str, tier: str | None) -> list[str]:
+        return [r.name for r in config.rules_for(method, path, tier)]
+
+    assert names("GET", "/api/x", None) == ["global"]
+    assert names("POST", "/api/x", None) == ["global", "writes"]
+    assert names("post", "/api/x/y", "gold") == ["global", "writes", "gold"]
+    assert names("POST", "/other", "gold") == ["global", "gold"]
+    assert names("DELETE", "/api/x", "silver") == ["global"]
+
+
+def test_bypass_tokens_are_kept_only_as_sha256(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD)
+    config = load_config(path)
+    assert set(config.bypass_sha256) == {hash_token("plain-token"), hash_token("other-token")}
+    wire = json.dumps(config.to_dict())
+    assert "plain-token" not in wire and "other-token" not in wire
+    # The config survives the trip to the nodes.
+    again = ClusterConfig.from_dict(config.to_dict())
+    assert again.rules == config.rules and again.bypass_sha256 == config.bypass_sha256
+    assert again.identity == config.identity and again.limits == config.limits
+
+
+RULE = '[[rules]]\nname = "ok"\nrate = "5/minute"\n'
+
+BAD: list[tuple[str, str, list[str]]] = [
+    (
+        "bad rate",
+        RULE + '[[rules]]\nname = "b"\nrate = "5/fortnight"\n',
+        ["rules[1].rate", "fortnight"],
+    ),
+    ("rate not a string", '[[rules]]\nname = "b"\nrate = 5\n', ["rules[0].rate", "string"]),
+    ("limit zero", '[[rules]]\nname = "b"\nlimit = 0\nperiod = 60\n', ["rules[0].limit"]),
+    (
+        "limit float",
+        '[[rules]]\nname = "b"\nlimit = 1.5\nperiod = 60\n',
+        ["rules[0].limit", "integer"],
+    ),
+    ("period list", '[[rules]]\nname = "b"\nlimit = 1\nperiod = [1]\n', ["rules[0].period"]),
+    (
+        "period bad unit",
+        '[[rules]]\nname = "b"\nlimit = 1\nperiod = "1 jiffy"\n',
+        ["rules[0].period", "jiffy"],
+    ),
+    ("period negative", '[[rules]]\nname = "b"\nlimit = 1\nperiod = -1\n', ["rules[0].period"]),
+    ("bad algorithm", RULE + 'algorithm = "magic"\n', ["rules[0].algorithm", "magic"]),
+    ("algorithm not a string", RULE + "algorithm = 3\n", ["rules[0].algorithm"]),
+    ("bad on_error", RULE + 'on_error = "maybe"\n', ["rules[0].on_error"]),
+    ("bad crash_policy", RULE + 'crash_policy = "pray"\n', ["rules[0].crash_policy"]),
+    ("bad burst", RULE + "burst = -3\n", ["rules[0].burst"]),
+    ("bad name", '[[rules]]\nname = "has space"\nrate = "5/minute"\n', ["rules[0].name"]),
+    ("missing name", '[[rules]]\nrate = "5/minute"\n', ["rules[0]", "name"]),
+    ("rate and limit", RULE + "limit = 5\n", ["rules[0]", "not both"]),
+    ("no rate", '[[rules]]\nname = "b"\n', ["rules[0]", "rate"]),
+    ("unknown rule key", RULE + "limt = 5\n", ["rules[0]", "unknown key(s) limt"]),
+    ("methods not strings", RULE + "methods = [1]\n", ["rules[0].methods"]),
+    ("duplicate names", RULE + RULE, ["used twice"]),
+    ("rules a table", '[rules]\nname = "x"\n', ["rules", "array"]),
+    ("unknown top-level key", 'colour = "red"\n' + RULE, ["top level", "colour"]),
+    ("unknown table", RULE + "[server]\nport = 1\n", ["top level", "server"]),
+    ("identity source", '[identity]\nsource = "cookie"\n', ["identity.source", "cookie"]),
+    ("identity unknown key", '[identity]\nsauce = "header"\n', ["identity", "sauce"]),
+    ("identity name type", "[identity]\nname = 5\n", ["identity.name"]),
+    (
+        "fallback not bool",
+        '[identity]\nfallback_to_client = "false"\n',
+        ["identity.fallback_to_client"],
+    ),
+    (
+        "bad proxy",
+        '[identity]\ntrusted_proxies = ["not-an-ip"]\n',
+        ["identity.trusted_proxies", "not-an-ip"],
+    ),
+    ("limits negative", "[limits]\nmax_body = -1\n", ["limits.max_body"]),
+    ("limits string", '[limits]\nmax_batch = "10"\n', ["limits.max_batch"]),
+    ("limits unknown", "[limits]\nmax_bdy = 1\n", ["limits", "max_bdy"]),
+    ("legacy not bool", '[headers]\nlegacy = "no"\n', ["headers.legacy"]),
+    ("bypass digest", '[bypass]\ntoken_sha256 = ["abc"]\n', ["bypass.token_sha256"]),
+    ("bypass header", "[bypass]\nheader = 1\n", ["bypass.header"]),
+    ("policy", '[policies]\nrebalance = "shuffle"\n', ["policies.rebalance", "shuffle"]),
+    ("interval", '[policies]\nreplication_interval = "fast"\n', ["policies.replication_interval"]),
+    ("backend", 'backend = "etcd"\n', ["backend"]),
+    ("not toml", "[[rules]\nname=", ["not valid TOML"]),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_errors_name_the_file_the_key_and_the_problem(
+    tmp_path: Path, text: str, expected: list[str]
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: "), message
+    for part in expected:
+        assert part in message, (part, message)
+
+
+def test_missing_and_unreadable_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "absent.toml")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path)  # a directory
+    bad_json = write(tmp_path, "{", "c.json")
+    with pytest.raises(ConfigError, match=r"c\.json: not valid JSON"):
+        load_config(bad_json)
+
+
+def args(*argv: str) -> object:
+    return build_parser().parse_args(["node", "--id", "n1", "--port", "1", *argv])
+
+
+def test_flags_build_rules_and_add_to_the_config_file(tmp_path: Path) -> None:
+    default = cluster_config(args())
+    assert [s.rule.spec for s in default.rules] == ["10/minute"]
+    flags = cluster_config(
+        args("--rule", "100/minute", "--rule", "api=5/10s", "--algorithm", "gcra")
+    )
+    assert [(s.rule.name, s.rule.limit, s.rule.period, s.rule.algorithm) for s in flags.rules] == [
+        ("100-per-minute", 100, 60.0, "gcra"),
+        ("api", 5, 10.0, "gcra"),
+    ]
+    path = write(tmp_path, GOOD)
+    combined = cluster_config(args("--config", str(path), "--rule", "extra=1/second"))
+    assert [s.rule.name for s in combined.rules] == ["global", "writes", "gold", "extra"]
+    only_file = cluster_config(args("--config", str(path), "--user-header", "X-Who"))
+    assert len(only_file.rules) == 3 and only_file.identity.name == "X-Who"
+
+
+def run_cli(*commands: list[str], timeout: float = 30.0) -> list[tuple[int, str]]:
+    """Run several ``ringlimit`` commands at once; (exit code, stderr) of each."""
+    running = [
+        subprocess.Popen(
+            [sys.executable, "-m", "router", *argv],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for argv in commands
+    ]
+    results = []
+    for process in running:
+        try:
+            _, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            raise
+        results.append((process.returncode, stderr))
+    return results
+
+
+def test_bad_configs_rules_and_apps_exit_non_zero_at_start_up(tmp_path: Path) -> None:
+    bad = write(tmp_path, RULE + '[[rules]]\nname = "b"\nrate = "lots"\n', "bad.toml")
+    typed = write(tmp_path, '[[rules]]\nname = "b"\nlimit = 1\nperiod = [1]\n', "typed.toml")
+    node = ["node", "--id", "n1", "--port", "1"]
+    results = run_cli(
+        [*node, "--config", str(bad)],
+        ["router", "--port", "1", "--config", str(typed)],
+        ["up", "--port", "1", "--config", str(bad)],
+        [*node, "--rule", "5/fortnight"],
+        [*node, "--algorithm", "magic"],
+        [*node, "--app", "tests.nowhere:app"],
+    )
+    expected = [
+        f"{bad}: rules[1].rate",
+        f"{typed}: rules[0].period",
+        f"{bad}: rules[1].rate",
+        "unknown time unit 'fortnight'",
+        "unknown algorithm 'magic'",
+        "cannot import 'tests.nowhere'",
+    ]
+    for (code, stderr), message in zip(results, expected, strict=True):
+        assert code == 2, stderr
+        assert stderr.startswith("ringlimit: error: ") and message in stderr, stderr
+        assert "Traceback" not in stderr

@@ -1,0 +1,518 @@
+"""One node on its own, in-process: the decision API, health, metrics, internal API.
+
+Every bad request must get a 4xx with a JSON ``{"error", "detail"}`` body, never
+a 500, and must leave every counter as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node.app import Node, NodeSettings, create_app
+from node.clock import FrozenClock
+from node.config import ClusterConfig, Limits, ScopedRule
+from node.rules import Rule
+from tests.test_router import metric
+
+pytestmark = pytest.mark.anyio
+
+NODE = "http://node.test"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def node_config(**options: Any) -> ClusterConfig:
+    return ClusterConfig(
+        rules=(
+            ScopedRule(Rule("api", 5, 60.0)),
+            ScopedRule(Rule("search", 3, 10.0, algorithm="fixed_window"), paths=("/search",)),
+        ),
+        **options,
+    )
+
+
+def make_node(config: ClusterConfig | None = None, **settings: Any) -> tuple[Node, FrozenClock]:
+    clock = FrozenClock()
+    node = create_app(
+        NodeSettings(node_id="n7", config=config or node_config(), **settings), clock=clock
+    )
+    return node, clock
+
+
+def client_for(node: Node, client: tuple[str, int] = ("127.0.0.1", 4000)) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=node, client=client)  # type: ignore[arg-type]
+    return httpx.AsyncClient(transport=transport, base_url=NODE)
+
+
+@pytest.fixture
+async def node_client() -> AsyncIterator[tuple[Node, FrozenClock, httpx.AsyncClient]]:
+    node, clock = make_node()
+    async with client_for(node) as client:
+        yield node, clock, client
+
+
+def assert_error(response: httpx.Response, status: int | None = None) -> dict[str, Any]:
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    if status is not None:
+        assert response.status_code == status, response.text
+    body = response.json()
+    assert isinstance(body, dict) and {"error", "detail"} <= set(body), body
+    assert isinstance(body["error"], str) and isinstance(body["detail"], str)
+    return body
+
+
+# --------------------------------------------------------------------------- the decision API
+
+
+async def test_single_check_answers_every_field(node_client: Any) -> None:
+    _, _, client = node_client
+    response = await client.post("/v1/check", json={"key": "alice", "rule": "api", "cost": 1})
+    assert response.status_code == 200
+    assert response.json() == {
+        "allowed": True,
+        "limit": 5,
+        "remaining": 4,
+        "reset_after": 12.0,
+        "retry_after": None,
+        "rule": "api",
+        "node": "n7",
+    }
+    # The rule may be omitted: the default (unscoped) rules apply.
+    default = (await client.post("/v1/check", json={"key": "alice"})).json()
+    assert default["rule"] == "api" and default["remaining"] == 3
+    heavy = (await client.post("/v1/check", json={"key": "alice", "cost": 3})).json()
+    assert heavy["allowed"] is True and heavy["remaining"] == 0
+    denied = (await client.post("/v1/check", json={"key": "alice"})).json()
+    assert denied["allowed"] is False
+    assert denied["retry_after"] == pytest.approx(12.0)
+    assert denied["remaining"] == 0 and denied["reset_after"] == pytest.approx(60.0)
+
+
+async def test_cost_zero_peeks_and_a_cost_over_capacity_is_never_allowed(node_client: Any) -> None:
+    _, _, client = node_client
+    for _ in range(3):
+        peek = (await client.post("/v1/check", json={"key": "bob", "cost": 0})).json()
+        assert peek["allowed"] is True and peek["remaining"] == 5
+    never = (await client.post("/v1/check", json={"key": "bob", "cost": 6})).json()
+    assert never["allowed"] is False and never["retry_after"] is None
+    assert never["reason"] == "cost_exceeds_capacity"
+    assert (await client.post("/v1/check", json={"key": "bob"})).json()["remaining"] == 4
+
+
+async def test_batch_answers_in_order_and_matches_single_checks(node_client: Any) -> None:
+    _, _, client = node_client
+    checks = [
+        {"key": "k1", "rule": "api"},
+        {"key": "k2", "rule": "search", "cost": 2},
+        {"key": "k1", "rule": "api", "cost": 4},
+        {"key": "k2", "rule": "search", "cost": 2},
+        {"key": "k1"},
+        {"key": "k3", "cost": 0},
+    ]
+    response = await client.post("/v1/check", json={"checks": checks})
+    assert response.status_code == 200
+    results = response.json()["results"]
+    assert [(r["rule"], r["allowed"], r["remaining"]) for r in results] == [
+        ("api", True, 4),
+        ("search", True, 1),
+        ("api", True, 0),
+        ("search", False, 1),
+        ("api", False, 0),
+        ("api", True, 5),
+    ]
+    assert all(r["node"] == "n7" for r in results)
+    other, _ = make_node()
+    async with client_for(other) as fresh:
+        singles = [(await fresh.post("/v1/check", json=c)).json() for c in checks]
+    assert singles == results
+
+
+async def test_several_default_rules_are_decided_together() -> None:
+    config = ClusterConfig(
+        rules=(ScopedRule(Rule("minute", 5, 60.0)), ScopedRule(Rule("second", 2, 1.0)))
+    )
+    node, _ = make_node(config)
+    async with client_for(node) as client:
+        answers = [(await client.post("/v1/check", json={"key": "c"})).json() for _ in range(3)]
+    assert [a["allowed"] for a in answers] == [True, True, False]
+    assert answers[2]["rule"] == "second"
+    assert [d["rule"] for d in answers[2]["decisions"]] == ["minute", "second"]
+    # The denied check consumed nothing from the rule that allowed it.
+    assert answers[2]["decisions"][0]["remaining"] == 3
+
+
+async def test_no_rule_named_and_no_default_rule_is_400() -> None:
+    config = ClusterConfig(rules=(ScopedRule(Rule("scoped", 5, 60.0), paths=("/x",)),))
+    node, _ = make_node(config)
+    async with client_for(node) as client:
+        body = assert_error(await client.post("/v1/check", json={"key": "d"}), 400)
+        assert body["error"] == "no_rule"
+        named = await client.post("/v1/check", json={"key": "d", "rule": "scoped"})
+        assert named.status_code == 200
+
+
+async def test_get_on_the_decision_api_is_405(node_client: Any) -> None:
+    _, _, client = node_client
+    assert (await client.get("/v1/check")).status_code == 405
+
+
+BAD_BODIES: list[tuple[str, bytes, int]] = [
+    ("malformed json", b'{"key": ', 400),
+    ("trailing garbage", b'{"key": "a"} x', 400),
+    ("not utf-8", b"\xff\xfe\xfd", 400),
+    ("empty", b"", 400),
+    ("nested 100k deep", b"[" * 100_000 + b"]" * 100_000, 400),
+    ("nested objects", b'{"a":' * 50_000 + b"1" + b"}" * 50_000, 400),
+    ("array", b"[]", 400),
+    ("number", b"12", 400),
+    ("true", b"true", 400),
+    ("key wrong type", b'{"key": {"a": 1}}', 400),
+    ("key lone surrogate", b'{"key": "x\\udc80"}', 400),
+    ("key too long", json.dumps({"key": "k" * 257}).encode(), 400),
+    ("cost negative", b'{"key": "a", "cost": -5}', 400),
+    ("cost huge", b'{"key": "a", "cost": 1000000000001}', 400),
+    ("cost with 5000 digits", b'{"key": "a", "cost": ' + b"9" * 5000 + b"}", 400),
+    ("cost bool", b'{"key": "a", "cost": false}', 400),
+    ("cost null", b'{"key": "a", "cost": null}', 400),
+    ("cost -Infinity", b'{"key": "a", "cost": -Infinity}', 400),
+    ("unknown rule", b'{"key": "a", "rule": "nope"}', 404),
+    ("rule number", b'{"key": "a", "rule": 1}', 400),
+    ("unknown field", b'{"key": "a", "extra": 1}', 400),
+    ("unknown top-level field in a batch", b'{"checks": [{"key": "a"}], "x": 1}', 400),
+    ("empty batch", b'{"checks": []}', 400),
+    ("batch of null", b'{"checks": null}', 400),
+    ("batch item not an object", b'{"checks": ["a"]}', 400),
+    ("oversized batch", json.dumps({"checks": [{"key": "a"}] * 1001}).encode(), 413),
+    ("oversized body", b'{"key": "' + b"a" * (1 << 20) + b'"}', 413),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "status"), [c[1:] for c in BAD_BODIES], ids=[c[0] for c in BAD_BODIES]
+)
+async def test_bad_input_is_a_clear_4xx_and_decides_nothing(
+    node_client: Any, body: bytes, status: int
+) -> None:
+    node, _, client = node_client
+    assert (await client.post("/v1/check", json={"key": "a"})).json()["remaining"] == 4
+    response = await client.post("/v1/check", content=body)
+    assert_error(response, status)
+    assert (await client.post("/v1/check", json={"key": "a"})).json()["remaining"] == 3
+    assert len(node.store) == 1
+
+
+async def test_body_over_the_limit_is_refused_without_a_content_length() -> None:
+    node, _ = make_node(node_config(limits=Limits(max_body=100)))
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"key": "'
+        for _ in range(20):
+            yield b"a" * 10
+        yield b'"}'
+
+    async with client_for(node) as client:
+        body = assert_error(await client.post("/v1/check", content=chunks()), 413)
+        assert body["error"] == "body_too_large"
+        declared = await client.post(
+            "/v1/check", content=b"{}" * 60, headers={"content-type": "application/json"}
+        )
+        assert_error(declared, 413)
+        ok = await client.post("/v1/check", json={"key": "a"})
+        assert ok.status_code == 200 and ok.json()["remaining"] == 4
+
+
+async def test_configured_limits_apply() -> None:
+    limits = Limits(max_key_length=4, max_batch=2, max_body=4096, max_cost=3)
+    node, _ = make_node(node_config(limits=limits))
+    async with client_for(node) as client:
+        assert_error(await client.post("/v1/check", json={"key": "abcde"}), 400)
+        assert_error(await client.post("/v1/check", json={"key": "a", "cost": 4}), 400)
+        three = {"checks": [{"key": "a"}, {"key": "b"}, {"key": "c"}]}
+        assert_error(await client.post("/v1/check", json=three), 413)
+        fine = await client.post("/v1/check", json={"key": "abcd", "cost": 3})
+        assert fine.status_code == 200 and fine.json()["remaining"] == 2
+        two = await client.post("/v1/check", json={"checks": [{"key": "a"}, {"key": "b"}]})
+        assert two.status_code == 200 and len(two.json()["results"]) == 2
+
+
+# --------------------------------------------------------------------------- hypothesis
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=300),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+# Lone surrogates survive json.dumps as "\\udXXX" escapes (st.text() never makes them).
+SURROGATES = st.text(st.sampled_from("\ud800\udbff\udc00\udfffa\u00e9"), min_size=1, max_size=4)
+KEYS = st.text(max_size=20) | SURROGATES | st.text(min_size=250, max_size=260)
+CHECKISH = st.fixed_dictionaries(
+    {},
+    optional={
+        "key": KEYS | JSON,
+        "rule": st.sampled_from(["api", "search", "nope", ""]) | JSON,
+        "cost": st.integers(-3, 12) | st.sampled_from([10**9, 10**9 + 1, 2**63]) | JSON,
+        "extra": JSON,
+    },
+)
+VALID_SHAPED = st.fixed_dictionaries(
+    {"key": KEYS},
+    optional={"rule": st.sampled_from(["api", "search"]), "cost": st.integers(0, 6)},
+)
+BODIES = (
+    JSON
+    | CHECKISH
+    | VALID_SHAPED
+    | st.builds(lambda items: {"checks": items}, st.lists(VALID_SHAPED, min_size=1, max_size=5))
+    | st.builds(lambda items: {"checks": items}, st.lists(CHECKISH | JSON, max_size=5))
+)
+
+
+class SyncNode:
+    """One node and one client on a private event loop, for hypothesis (sync tests)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.node, _ = make_node()
+        self.client = client_for(self.node)
+        # In a ring, so that every key is hashed to find its owner.
+        ring = {"epoch": 1, "nodes": [{"id": "n7", "url": NODE, "weight": 1}]}
+        pushed = self.loop.run_until_complete(
+            self.client.put(
+                "/internal/cluster", json={"config": node_config().to_dict(), "ring": ring}
+            )
+        )
+        assert pushed.status_code == 200, pushed.text
+
+    def post(self, content: bytes) -> httpx.Response:
+        return self.loop.run_until_complete(self.client.post("/v1/check", content=content))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.aclose())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def sync_node() -> Iterator[SyncNode]:
+    node = SyncNode()
+    yield node
+    node.close()
+
+
+@settings(max_examples=250)
+@given(body=BODIES)
+def test_any_json_value_gets_an_answer_below_500(sync_node: SyncNode, body: object) -> None:
+    response = sync_node.post(json.dumps(body).encode())
+    assert response.status_code < 500
+    data = response.json()
+    if response.status_code >= 400:
+        assert {"error", "detail"} <= set(data)
+    else:
+        assert "results" in data or "allowed" in data
+
+
+@settings(max_examples=150)
+@given(body=st.binary(max_size=200))
+def test_any_bytes_get_an_answer_below_500(sync_node: SyncNode, body: bytes) -> None:
+    assert sync_node.post(body).status_code < 500
+
+
+# --------------------------------------------------------------------------- health, metrics
+
+
+async def test_healthz(node_client: Any) -> None:
+    _, _, client = node_client
+    health = await client.get("/healthz")
+    assert health.status_code == 200
+    assert health.json() == {
+        "status": "ok",
+        "node": "n7",
+        "epoch": 0,
+        "backend": "memory",
+        "backend_available": True,
+        "keys": 0,
+    }
+    await client.post("/v1/check", json={"checks": [{"key": "a"}, {"key": "b"}, {"key": "a"}]})
+    assert (await client.get("/healthz")).json()["keys"] == 2
+
+
+async def test_metrics_count_decisions_by_rule_and_outcome_latency_and_keys(
+    node_client: Any,
+) -> None:
+    _, _, client = node_client
+    for _ in range(7):
+        await client.post("/v1/check", json={"key": "m", "rule": "api"})
+    await client.post("/v1/check", json={"key": "m", "rule": "search"})
+    await client.get("/search", headers={"X-User-Id": "m2"})
+    await client.post("/v1/check", json={"key": "m", "rule": "nope"})
+    response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    decisions = "ringlimit_decisions_total"
+    assert metric(text, decisions, rule="api", outcome="allowed") == 5
+    assert metric(text, decisions, rule="api", outcome="denied") == 2
+    # The proxied request had two rules; it counts once, under the tighter one.
+    assert metric(text, decisions, rule="search", outcome="allowed") == 2
+    assert metric(text, "ringlimit_decision_seconds_count") == 9
+    assert metric(text, "ringlimit_keys") == 4  # (api|search) x (m|m2)
+    assert metric(text, "ringlimit_node_errors_total", kind="unknown_rule") == 1
+
+
+# --------------------------------------------------------------------------- proxied requests
+
+
+async def test_node_proxy_path_without_a_router(node_client: Any) -> None:
+    _, _, client = node_client
+    for remaining in (2, 1, 0):
+        response = await client.get("/search", headers={"X-User-Id": "p"})
+        assert response.status_code == 200
+        assert response.json() == {"node": "n7", "user": "p", "method": "GET", "path": "/search"}
+        assert response.headers["ratelimit"].startswith('"api";r=')
+        assert response.headers["x-ratelimit-remaining"] == str(remaining)
+    denied = await client.get("/search", headers={"X-User-Id": "p"})
+    assert denied.status_code == 429 and denied.json()["rule"] == "search"
+    assert denied.headers["retry-after"] == "10"
+    assert_error(await client.get("/search"), 400)
+    assert_error(await client.get("/x", headers={"X-User-Id": "u" * 300}), 400)
+
+
+async def test_a_fenced_node_refuses_every_key_until_it_gets_a_view() -> None:
+    node, _ = make_node(fenced=True)
+    async with client_for(node) as client:
+        refused = await client.post("/v1/check", json={"key": "a"})
+        body = assert_error(refused, 421)
+        assert body["error"] == "not_owner"
+        assert refused.headers["x-ringlimit-epoch"] == "0"
+        proxied = await client.get("/", headers={"X-User-Id": "a"})
+        assert_error(proxied, 421)
+        assert len(node.store) == 0
+
+
+# --------------------------------------------------------------------------- internal API
+
+INTERNAL_BAD: list[tuple[str, str, bytes]] = [
+    ("PUT", "/internal/cluster", b"{"),
+    ("PUT", "/internal/cluster", b"[]"),
+    ("PUT", "/internal/cluster", b"{}"),
+    ("PUT", "/internal/cluster", b'{"config": {}, "ring": 5}'),
+    ("PUT", "/internal/cluster", b'{"config": [], "ring": {"epoch": 1, "nodes": []}}'),
+    ("PUT", "/internal/cluster", b'{"config": {"rules": [{"name": "x"}]}, "ring": {}}'),
+    ("PUT", "/internal/cluster", b'{"config": {"limits": {"max_body": 0}}, "ring": {}}'),
+    ("PUT", "/internal/cluster", b'{"config": {"identity": {"name": 5}}, "ring": {}}'),
+    ("POST", "/internal/import", b"not json"),
+    ("POST", "/internal/import", b'"str"'),
+    ("POST", "/internal/import", b'{"from": "n1"}'),
+    ("POST", "/internal/import", b'{"from": "n1", "epoch": "x", "records": [], "final": true}'),
+    ("POST", "/internal/import", b'{"from": "n1", "epoch": 1, "records": 5, "final": true}'),
+    ("POST", "/internal/pull", b"\xff"),
+    ("POST", "/internal/pull", b'{"keys": ["a"]}'),
+    ("POST", "/internal/pull", b'{"keys": 5, "to": "n1", "epoch": 1}'),
+    ("POST", "/internal/pull", b'{"keys": [], "to": "n1", "epoch": [1]}'),
+    ("POST", "/internal/replica", b"{"),
+    ("POST", "/internal/replica", b'{"from": "n1"}'),
+    ("POST", "/internal/replica", b'{"from": "n1", "records": [1, 2]}'),
+    ("POST", "/internal/replica", b'{"from": "n1", "records": {"a": 1}}'),
+]
+
+
+@pytest.fixture
+async def fenced_in_ring() -> AsyncIterator[tuple[Node, httpx.AsyncClient]]:
+    """A node that got a view with itself as the only member (epoch 1)."""
+    node, _ = make_node()
+    async with client_for(node) as client:
+        config = node_config().to_dict()
+        ring = {"epoch": 1, "nodes": [{"id": "n7", "url": NODE, "weight": 1}]}
+        pushed = await client.put(
+            "/internal/cluster", json={"config": config, "ring": ring, "previous": None}
+        )
+        assert pushed.status_code == 200, pushed.text
+        yield node, client
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    INTERNAL_BAD,
+    ids=[f"{m} {p} {b[:40]!r}" for m, p, b in INTERNAL_BAD],
+)
+async def test_malformed_internal_bodies_are_4xx(
+    fenced_in_ring: Any, method: str, path: str, body: bytes
+) -> None:
+    node, client = fenced_in_ring
+    assert (await client.post("/v1/check", json={"key": "a"})).json()["remaining"] == 4
+    response = await client.request(method, path, content=body)
+    assert_error(response)
+    # The node still decides, with the state it had and the config it had.
+    after = await client.post("/v1/check", json={"key": "a"})
+    assert after.status_code == 200 and after.json()["remaining"] == 3
+    assert node.shard is not None and node.shard.epoch == 1
+
+
+INTERNAL_XFAIL: list[tuple[str, str, bytes]] = [
+    ("POST", "/internal/pull", b'{"keys": [], "to": "n1", "epoch": 1e999}'),
+    ("POST", "/internal/import", b'{"from": "n1", "epoch": 1e999, "records": [], "final": true}'),
+    ("POST", "/internal/replica", b"[" * 100_000 + b"]" * 100_000),
+    ("PUT", "/internal/cluster", b"[" * 100_000 + b"]" * 100_000),
+]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=(OverflowError, RecursionError),
+    reason="node/app.py internal endpoints (not this suite's file): int(1e999) raises "
+    "OverflowError and json.loads of deeply nested input raises RecursionError; "
+    "neither is caught, so the node answers 500",
+)
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    INTERNAL_XFAIL,
+    ids=["pull-epoch-inf", "import-epoch-inf", "replica-nested", "cluster-nested"],
+)
+async def test_internal_bodies_that_crash_the_node(
+    fenced_in_ring: Any, method: str, path: str, body: bytes
+) -> None:
+    _, client = fenced_in_ring
+    assert_error(await client.request(method, path, content=body))
+
+
+async def test_internal_api_is_loopback_only_without_a_token() -> None:
+    node, _ = make_node()
+    async with client_for(node, client=("192.0.2.10", 5000)) as remote:
+        for method, path in (
+            ("GET", "/internal/cluster"),
+            ("PUT", "/internal/cluster"),
+            ("POST", "/internal/pull"),
+            ("GET", "/internal/status"),
+        ):
+            body = assert_error(await remote.request(method, path, content=b"{}"), 403)
+            assert body["error"] == "forbidden"
+        # The decision API itself is open.
+        assert (await remote.post("/v1/check", json={"key": "a"})).status_code == 200
+
+
+async def test_internal_api_needs_the_token_when_one_is_set() -> None:
+    node, _ = make_node(internal_token="s3cret")
+    async with client_for(node) as client:
+        assert_error(await client.get("/internal/status"), 401)
+        wrong = await client.get("/internal/status", headers={"X-Ringlimit-Token": "nope"})
+        assert_error(wrong, 401)
+        right = await client.get("/internal/status", headers={"X-Ringlimit-Token": "s3cret"})
+        assert right.status_code == 200 and right.json()["node"] == "n7"
+        bearer = await client.get("/internal/status", headers={"Authorization": "Bearer s3cret"})
+        assert bearer.status_code == 200

@@ -1,0 +1,737 @@
+"""The router in front of N nodes, in-process (``InProcessCluster``: no sockets).
+
+Every test runs on a ``FrozenClock`` shared by the router and the nodes, so
+quota arithmetic is exact and nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from node.clock import FrozenClock
+from node.config import ClusterConfig, Identity, Limits, ScopedRule, hash_token
+from node.rules import Rule
+from router.testing import InProcessCluster, node_url
+from tests import sample_app
+
+pytestmark = pytest.mark.anyio
+
+ALGORITHMS = ("token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_window")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def make_config(*rules: Rule | ScopedRule, **options: Any) -> ClusterConfig:
+    scoped = tuple(r if isinstance(r, ScopedRule) else ScopedRule(r) for r in rules)
+    return ClusterConfig(rules=scoped, **options)
+
+
+@asynccontextmanager
+async def running(
+    config: ClusterConfig, nodes: int = 3, clock: FrozenClock | None = None
+) -> AsyncIterator[InProcessCluster]:
+    async with InProcessCluster(nodes, config, clock=clock or FrozenClock()) as cluster:
+        yield cluster
+
+
+def parse_list(value: str) -> dict[str, dict[str, int]]:
+    """``"a";r=1;t=2, "b";r=3;t=4`` -> {"a": {"r": 1, "t": 2}, "b": {...}}."""
+    out: dict[str, dict[str, int]] = {}
+    for item in value.split(", "):
+        match = re.fullmatch(r'"([^"]+)"((?:;[a-z]+=\d+)+)', item)
+        assert match, f"malformed structured field item {item!r} in {value!r}"
+        params = dict(p.split("=") for p in match.group(2).strip(";").split(";"))
+        out[match.group(1)] = {k: int(v) for k, v in params.items()}
+    return out
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus text page (0 when absent)."""
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        sample, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in sample for k, v in labels.items()):
+            return float(value)
+    return 0.0
+
+
+async def get(
+    cluster: InProcessCluster, user: str | None, path: str = "/hello", **headers: str
+) -> httpx.Response:
+    sent = {k.replace("_", "-"): v for k, v in headers.items()}
+    if user is not None:
+        sent["X-User-Id"] = user
+    return await cluster.client.get(path, headers=sent)
+
+
+# --------------------------------------------------------------------------- quotas
+
+
+async def test_exact_quota_then_429_with_every_header_and_the_json_body() -> None:
+    clock = FrozenClock()
+    async with running(make_config(Rule("api", 5, 60.0)), clock=clock) as cluster:
+        owner = cluster.owner("alice")
+        for i in range(5):
+            response = await get(cluster, "alice")
+            assert response.status_code == 200, response.text
+            assert response.headers["ratelimit-policy"] == '"api";q=5;w=60'
+            assert response.headers["ratelimit"] == f'"api";r={4 - i};t={12 * (i + 1)}'
+            assert response.headers["x-ratelimit-limit"] == "5"
+            assert response.headers["x-ratelimit-remaining"] == str(4 - i)
+            assert response.headers["x-ratelimit-reset"] == str(12 * (i + 1))
+            assert response.headers["x-ringlimit-node"] == owner
+            assert "retry-after" not in response.headers
+            assert response.json() == {
+                "node": owner,
+                "user": "alice",
+                "method": "GET",
+                "path": "/hello",
+            }
+        clock.advance(0.5)  # the true retry time is now 11.5 s: Retry-After rounds up
+        for _ in range(3):
+            denied = await get(cluster, "alice")
+            assert denied.status_code == 429
+            assert denied.headers["retry-after"] == "12"
+            assert denied.headers["ratelimit-policy"] == '"api";q=5;w=60'
+            assert denied.headers["ratelimit"] == '"api";r=0;t=60'
+            assert denied.headers["x-ratelimit-remaining"] == "0"
+            assert denied.headers["x-ratelimit-limit"] == "5"
+            assert denied.headers["x-ringlimit-node"] == owner
+            body = denied.json()
+            assert body["error"] == "rate_limited"
+            assert body["rule"] == "api"
+            assert body["limit"] == 5
+            assert body["retry_after"] == pytest.approx(11.5)
+            assert isinstance(body["detail"], str) and "api" in body["detail"]
+        # Another user has a quota of their own.
+        assert (await get(cluster, "bob")).status_code == 200
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+async def test_retry_after_is_whole_seconds_never_earlier_than_the_true_retry(
+    algorithm: str,
+) -> None:
+    clock = FrozenClock()
+    async with running(make_config(Rule("api", 7, 60.0, algorithm=algorithm)), clock=clock) as c:
+        statuses = [(await get(c, "carol")).status_code for _ in range(9)]
+        assert statuses == [200] * 7 + [429] * 2
+        denied = await get(c, "carol")
+        assert denied.status_code == 429
+        retry_after = int(denied.headers["retry-after"])
+        true_retry = denied.json()["retry_after"]
+        assert retry_after >= true_retry > retry_after - 1
+        assert retry_after == max(1, math.ceil(true_retry))
+        # Just before the true retry time: still denied; at Retry-After: allowed.
+        clock.advance(true_retry - 0.01)
+        assert (await get(c, "carol")).status_code == 429
+        clock.advance(retry_after - true_retry + 0.01)
+        assert (await get(c, "carol")).status_code == 200
+
+
+# --------------------------------------------------------------------------- routing
+
+
+async def test_every_request_of_a_user_lands_on_its_owner_and_users_spread() -> None:
+    async with running(make_config(Rule("api", 100, 60.0))) as cluster:
+        seen: dict[str, set[str]] = {}
+        for n in range(45):
+            user = f"user-{n}"
+            for _ in range(3):
+                response = await get(cluster, user, f"/page/{n}")
+                assert response.status_code == 200
+                seen.setdefault(user, set()).add(response.headers["x-ringlimit-node"])
+                assert response.json()["node"] == response.headers["x-ringlimit-node"]
+        for user, nodes in seen.items():
+            assert nodes == {cluster.owner(user)}, user
+        assert set().union(*seen.values()) == {"n1", "n2", "n3"}
+
+
+async def test_decision_api_and_proxy_path_share_counters() -> None:
+    async with running(make_config(Rule("api", 5, 60.0))) as cluster:
+        for user in ("dave", "erin", "frank"):
+            owner = cluster.owner(user)
+            assert (await get(cluster, user)).status_code == 200
+            assert (await get(cluster, user)).status_code == 200
+            decided = await cluster.client.post("/v1/check", json={"key": user, "rule": "api"})
+            assert decided.status_code == 200
+            result = decided.json()
+            assert result["allowed"] is True and result["remaining"] == 2
+            assert result["node"] == owner
+            # A peek (cost 0) with the default rule sees the same counter, unchanged.
+            peek = (await cluster.client.post("/v1/check", json={"key": user, "cost": 0})).json()
+            assert peek["remaining"] == 2 and peek["rule"] == "api"
+            proxied = await get(cluster, user)
+            assert proxied.headers["x-ratelimit-remaining"] == "1"
+            batch = await cluster.client.post(
+                "/v1/check", json={"checks": [{"key": user, "rule": "api"}]}
+            )
+            assert batch.json()["results"][0]["remaining"] == 0
+            assert (await get(cluster, user)).status_code == 429
+            final = (await cluster.client.post("/v1/check", json={"key": user})).json()
+            assert final["allowed"] is False and final["retry_after"] > 0
+
+
+async def test_batch_is_split_by_owner_and_merged_back_in_order() -> None:
+    config = make_config(Rule("api", 4, 60.0), Rule("burst", 2, 1.0, algorithm="fixed_window"))
+    users = [f"u{n}" for n in range(12)]
+    checks = [
+        {"key": users[(i * 7) % len(users)], "rule": ("api", "burst")[i % 2], "cost": i % 3}
+        for i in range(60)
+    ]
+    clock_a, clock_b = FrozenClock(), FrozenClock()
+    async with running(config, clock=clock_a) as batched, running(config, clock=clock_b) as single:
+        response = await batched.client.post("/v1/check", json={"checks": checks})
+        assert response.status_code == 200
+        results = response.json()["results"]
+        assert len(results) == len(checks)
+        expected = []
+        for check in checks:
+            answer = await single.client.post("/v1/check", json=check)
+            assert answer.status_code == 200
+            expected.append(answer.json())
+        assert results == expected
+        for check, result in zip(checks, results, strict=True):
+            assert result["node"] == batched.owner(check["key"])
+            assert result["rule"] == check["rule"]
+        assert any(not r["allowed"] for r in results) and any(r["allowed"] for r in results)
+        text = (await batched.client.get("/metrics")).text
+        per_node = [
+            metric(text, "ringlimit_router_checks_total", node=n) for n in ("n1", "n2", "n3")
+        ]
+        assert all(count > 0 for count in per_node) and sum(per_node) == len(checks)
+
+
+async def test_the_parts_of_a_batch_are_sent_to_their_owners_in_parallel() -> None:
+    async with running(make_config(Rule("api", 4, 60.0))) as cluster:
+        inner = cluster.router.forwarder
+        assert inner is not None
+        state = {"in_flight": 0, "most": 0, "urls": []}
+
+        class Counting:
+            request = inner.request
+            close = inner.close
+
+            async def post_json(self, url: str, payload: bytes, headers: Any) -> Any:
+                state["in_flight"] += 1
+                state["most"] = max(state["most"], state["in_flight"])
+                state["urls"].append(url)
+                try:
+                    await asyncio.sleep(0.05)  # every part is under way before any returns
+                    return await inner.post_json(url, payload, headers)
+                finally:
+                    state["in_flight"] -= 1
+
+        cluster.router.forwarder = Counting()  # type: ignore[assignment]
+        users = [user_owned_by(cluster, n) for n in ("n1", "n2", "n3")]
+        checks = [{"key": u} for u in users * 2]
+        results = (await cluster.client.post("/v1/check", json={"checks": checks})).json()
+        assert [r["node"] for r in results["results"]] == ["n1", "n2", "n3"] * 2
+        assert [r["remaining"] for r in results["results"]] == [3, 3, 3, 2, 2, 2]
+        assert sorted(state["urls"]) == [node_url(n) + "/v1/check" for n in ("n1", "n2", "n3")]
+        assert state["most"] == 3
+
+
+# --------------------------------------------------------------------------- several rules
+
+
+def scoped_config() -> ClusterConfig:
+    return make_config(
+        Rule("global", 10, 60.0),
+        ScopedRule(Rule("writes", 2, 60.0), paths=("/api/*",), methods=("POST", "PUT")),
+        ScopedRule(Rule("premium", 3, 60.0), paths=("/api/*",), tiers=("premium",)),
+    )
+
+
+async def test_several_rules_all_must_allow_none_consume_on_denial_headers_list_all() -> None:
+    async with running(scoped_config()) as cluster:
+        read = await get(cluster, "gina", "/api/items")
+        assert parse_list(read.headers["ratelimit-policy"]) == {"global": {"q": 10, "w": 60}}
+        for i in range(2):
+            write = await cluster.client.post(
+                "/api/items", headers={"X-User-Id": "gina"}, content=b"x"
+            )
+            assert write.status_code == 200
+            assert parse_list(write.headers["ratelimit-policy"]) == {
+                "global": {"q": 10, "w": 60},
+                "writes": {"q": 2, "w": 60},
+            }
+            state = parse_list(write.headers["ratelimit"])
+            assert state["global"]["r"] == 10 - 2 - i and state["writes"]["r"] == 1 - i
+            # The legacy fields describe the most restrictive rule.
+            assert write.headers["x-ratelimit-limit"] == "2"
+        for _ in range(3):
+            denied = await cluster.client.post("/api/items", headers={"X-User-Id": "gina"})
+            assert denied.status_code == 429
+            assert denied.json()["rule"] == "writes"
+            state = parse_list(denied.headers["ratelimit"])
+            assert state["global"]["r"] == 7, "a denied request consumed another rule's quota"
+            assert state["writes"]["r"] == 0
+        # Reads still pass, counted only by the global rule.
+        read = await get(cluster, "gina", "/api/items")
+        assert read.status_code == 200
+        assert parse_list(read.headers["ratelimit"])["global"]["r"] == 6
+        # Outside /api/* a POST is only under the global rule.
+        other = await cluster.client.post("/upload", headers={"X-User-Id": "gina"})
+        assert other.status_code == 200
+        assert set(parse_list(other.headers["ratelimit-policy"])) == {"global"}
+
+
+async def test_tier_scoped_rule_applies_only_to_its_tier() -> None:
+    async with running(scoped_config()) as cluster:
+        premium = {"X-User-Id": "hank", "X-User-Tier": "premium"}
+        for i in range(3):
+            response = await cluster.client.get("/api/a", headers=premium)
+            assert response.status_code == 200
+            assert set(parse_list(response.headers["ratelimit-policy"])) == {"global", "premium"}
+            assert parse_list(response.headers["ratelimit"])["premium"]["r"] == 2 - i
+        denied = await cluster.client.get("/api/a", headers=premium)
+        assert denied.status_code == 429 and denied.json()["rule"] == "premium"
+        # The same user without the tier header is not under the premium rule.
+        free = await get(cluster, "hank", "/api/a")
+        assert free.status_code == 200
+        assert set(parse_list(free.headers["ratelimit-policy"])) == {"global"}
+        assert parse_list(free.headers["ratelimit"])["global"]["r"] == 6
+
+
+async def test_a_path_no_rule_covers_is_forwarded_without_limiting() -> None:
+    config = make_config(ScopedRule(Rule("api", 1, 60.0), paths=("/api/*",)))
+    async with running(config) as cluster:
+        for _ in range(4):
+            response = await get(cluster, "ivy", "/static/logo.png")
+            assert response.status_code == 200
+            assert "ratelimit" not in response.headers
+        assert (await get(cluster, "ivy", "/api/x")).status_code == 200
+        assert (await get(cluster, "ivy", "/api/x")).status_code == 429
+
+
+# --------------------------------------------------------------------------- bypass, headers
+
+
+async def test_bypass_token_skips_limiting_and_a_wrong_token_does_not() -> None:
+    config = make_config(Rule("api", 1, 60.0), bypass_sha256=(hash_token("let-me-in"),))
+    async with running(config) as cluster:
+        for _ in range(4):
+            response = await get(cluster, "jack", X_Ringlimit_Bypass="let-me-in")
+            assert response.status_code == 200, response.text
+            assert response.headers["x-ringlimit-bypass"] == "1"
+            assert "ratelimit" not in response.headers
+        # Bypassed requests consumed nothing: the whole quota is still there.
+        assert (await get(cluster, "jack")).status_code == 200
+        assert (await get(cluster, "jack")).status_code == 429
+        for wrong in ("let-me-in ", "LET-ME-IN", "x", hash_token("let-me-in")):
+            response = await get(cluster, "jack", X_Ringlimit_Bypass=wrong)
+            assert response.status_code == 429
+            assert "x-ringlimit-bypass" not in response.headers
+
+
+async def test_custom_bypass_header_name() -> None:
+    config = make_config(
+        Rule("api", 1, 60.0), bypass_header="X-Internal-Pass", bypass_sha256=(hash_token("t"),)
+    )
+    async with running(config) as cluster:
+        assert (await get(cluster, "kim")).status_code == 200
+        assert (await get(cluster, "kim", X_Internal_Pass="t")).status_code == 200
+        assert (await get(cluster, "kim", X_Ringlimit_Bypass="t")).status_code == 429
+
+
+async def test_legacy_headers_can_be_switched_off() -> None:
+    async with running(make_config(Rule("api", 1, 60.0), legacy_headers=False)) as cluster:
+        allowed = await get(cluster, "liam")
+        denied = await get(cluster, "liam")
+        assert (allowed.status_code, denied.status_code) == (200, 429)
+        for response in (allowed, denied):
+            assert "ratelimit" in response.headers and "ratelimit-policy" in response.headers
+            assert not [h for h in response.headers if h.startswith("x-ratelimit-")]
+        assert denied.headers["retry-after"] == "60"
+
+
+# --------------------------------------------------------------------------- identity
+
+
+async def test_user_id_from_a_query_parameter() -> None:
+    config = make_config(Rule("api", 2, 60.0), identity=Identity(source="query", name="user"))
+    async with running(config) as cluster:
+        for expected in (200, 200, 429):
+            response = await cluster.client.get("/x", params={"user": "mona", "page": "2"})
+            assert response.status_code == expected
+            assert response.headers["x-ringlimit-node"] == cluster.owner("mona")
+        assert (await cluster.client.get("/x", params={"user": "ned"})).status_code == 200
+        missing = await cluster.client.get("/x", headers={"X-User-Id": "mona"})
+        assert missing.status_code == 400
+        assert missing.json()["error"] == "missing_user_id" and "user" in missing.json()["detail"]
+
+
+async def test_user_id_from_another_header() -> None:
+    config = make_config(Rule("api", 1, 60.0), identity=Identity(name="X-Api-Key"))
+    async with running(config) as cluster:
+        first = await cluster.client.get("/", headers={"X-Api-Key": "key-1"})
+        assert first.status_code == 200
+        assert first.headers["x-ringlimit-node"] == cluster.owner("key-1")
+        assert (await cluster.client.get("/", headers={"X-Api-Key": "key-1"})).status_code == 429
+        # X-User-Id is not the configured source: no user id.
+        response = await get(cluster, "key-1")
+        assert response.status_code == 400 and response.json()["error"] == "missing_user_id"
+
+
+async def test_client_address_honours_forwarded_for_only_from_trusted_proxies() -> None:
+    # In-process, every request comes from 127.0.0.1.
+    untrusted = make_config(Rule("api", 1, 60.0), identity=Identity(source="client"))
+    async with running(untrusted) as cluster:
+        first = await cluster.client.get("/", headers={"X-Forwarded-For": "203.0.113.7"})
+        assert first.status_code == 200
+        assert first.headers["x-ringlimit-node"] == cluster.owner("127.0.0.1")
+        # A different forged address does not buy a new quota.
+        spoofed = await cluster.client.get("/", headers={"X-Forwarded-For": "203.0.113.8"})
+        assert spoofed.status_code == 429
+    trusted = make_config(
+        Rule("api", 1, 60.0),
+        identity=Identity(source="client", trusted_proxies=("127.0.0.0/8",)),
+    )
+    async with running(trusted) as cluster:
+        for address in ("203.0.113.7", "203.0.113.8"):
+            response = await cluster.client.get(
+                "/", headers={"X-Forwarded-For": f"198.51.100.1, {address}"}
+            )
+            assert response.status_code == 200
+            assert response.headers["x-ringlimit-node"] == cluster.owner(address)
+            assert response.json()["user"] == address
+        again = await cluster.client.get("/", headers={"X-Forwarded-For": "203.0.113.7"})
+        assert again.status_code == 429
+
+
+async def test_no_user_id_is_a_clear_400_unless_falling_back_to_the_client() -> None:
+    async with running(make_config(Rule("api", 1, 60.0))) as cluster:
+        response = await get(cluster, None)
+        assert response.status_code == 400
+        body = response.json()
+        assert body["error"] == "missing_user_id" and "X-User-Id" in body["detail"]
+        assert (await get(cluster, "")).status_code == 400
+    fallback = make_config(Rule("api", 1, 60.0), identity=Identity(fallback_to_client=True))
+    async with running(fallback) as cluster:
+        response = await get(cluster, None)
+        assert response.status_code == 200
+        assert response.headers["x-ringlimit-node"] == cluster.owner("127.0.0.1")
+        assert response.json()["user"] == "127.0.0.1"
+        assert (await get(cluster, None)).status_code == 429
+        # A request that carries a user id is still keyed by it.
+        assert (await get(cluster, "olga")).status_code == 200
+
+
+async def test_non_ascii_user_id_in_a_header_is_the_same_key_as_in_the_decision_api() -> None:
+    async with running(make_config(Rule("api", 3, 60.0))) as cluster:
+        raw = {"X-User-Id": "josé".encode()}
+        first = await cluster.client.get("/", headers=raw)
+        assert first.status_code == 200, first.text
+        assert first.json()["user"] == "josé"
+        assert first.headers["x-ringlimit-node"] == cluster.owner("josé")
+        result = (await cluster.client.post("/v1/check", json={"key": "josé"})).json()
+        assert result["remaining"] == 1 and result["node"] == cluster.owner("josé")
+        assert (await cluster.client.get("/", headers=raw)).status_code == 200
+        assert (await cluster.client.get("/", headers=raw)).status_code == 429
+
+
+# --------------------------------------------------------------------------- forwarding
+
+
+async def test_the_whole_request_is_forwarded_and_the_answer_returned() -> None:
+    async with running(make_config(Rule("api", 5, 60.0))) as cluster:
+        for node in cluster.nodes.values():
+            node.limited.app = sample_app.app
+        response = await cluster.client.put(
+            "/orders/42?expand=items&x=%20y",
+            headers={
+                "X-User-Id": "pam",
+                "X-Custom": "value-1",
+                "Content-Type": "text/plain",
+                # Spoofed internal fields are not forwarded.
+                "X-Ringlimit-Key": "somebody-else",
+                "X-Ringlimit-Failover": "owner-unreachable",
+            },
+            content=b"the body \x00\xff",
+        )
+        assert response.status_code == 201, response.text
+        assert response.headers["x-sample-app"] == "yes"
+        assert response.headers["x-ringlimit-node"] == cluster.owner("pam")
+        assert response.headers["x-ratelimit-remaining"] == "4"
+        seen = response.json()
+        assert seen["method"] == "PUT"
+        assert seen["path"] == "/orders/42"
+        assert seen["query"] == "expand=items&x=%20y"
+        assert seen["body"] == b"the body \x00\xff".decode("latin-1")
+        assert seen["user"] == "pam"
+        headers = dict(seen["headers"])
+        assert headers["x-custom"] == "value-1"
+        assert headers["content-type"] == "text/plain"
+        assert "x-ringlimit-failover" not in headers
+        assert "x-ringlimit-degraded" not in response.headers
+
+
+# --------------------------------------------------------------------------- owner unreachable
+
+
+def on_error_config() -> ClusterConfig:
+    return make_config(
+        ScopedRule(Rule("soft", 2, 60.0, on_error="open"), paths=("/soft*",)),
+        ScopedRule(Rule("hard", 2, 60.0, on_error="closed"), paths=("/hard*",)),
+    )
+
+
+def user_owned_by(cluster: InProcessCluster, node_id: str) -> str:
+    return next(u for u in (f"user{n}" for n in range(1000)) if cluster.owner(u) == node_id)
+
+
+async def test_owner_unreachable_open_rule_serves_degraded_closed_rule_503() -> None:
+    async with running(on_error_config()) as cluster:
+        user = user_owned_by(cluster, "n2")
+        assert (await get(cluster, user, "/soft")).status_code == 200
+        cluster.take_down("n2")  # unreachable, but still in the ring
+        assert "n2" in cluster.router.membership.view
+        for _ in range(4):  # fail open: not limited while the owner is away
+            response = await get(cluster, user, "/soft")
+            assert response.status_code == 200, response.text
+            assert response.headers["x-ringlimit-degraded"] == "owner-unreachable"
+            assert response.headers["x-ringlimit-node"] in {"n1", "n3"}
+            assert "ratelimit" not in response.headers
+        for _ in range(2):
+            closed = await get(cluster, user, "/hard")
+            assert closed.status_code == 503
+            body = closed.json()
+            assert body["error"] == "limiter_unavailable"
+            assert body["rule"] == "hard" and body["node"] == "n2"
+            assert "unreachable" in body["detail"]
+            assert closed.headers["retry-after"] == "1"
+        # The decision API says the same, per rule.
+        soft = await cluster.client.post("/v1/check", json={"key": user, "rule": "soft"})
+        assert soft.status_code == 200
+        assert soft.json()["allowed"] is True and soft.json()["reason"] == "owner_unreachable"
+        hard = await cluster.client.post("/v1/check", json={"key": user, "rule": "hard"})
+        assert hard.status_code == 503
+        assert hard.json()["allowed"] is False and hard.json()["reason"] == "owner_unreachable"
+        batch = await cluster.client.post(
+            "/v1/check",
+            json={"checks": [{"key": user, "rule": "hard"}, {"key": "other", "rule": "hard"}]},
+        )
+        first, second = batch.json()["results"]
+        assert first["reason"] == "owner_unreachable" and first["allowed"] is False
+        if cluster.owner("other") != "n2":
+            assert "reason" not in second and second["allowed"] is True
+        text = (await cluster.client.get("/metrics")).text
+        event = "ringlimit_router_events_total"
+        assert metric(text, event, node="n2", event="unreachable_open") == 4
+        assert metric(text, event, node="n2", event="unreachable_closed") == 2
+        assert metric(text, event, node="n2", event="unreachable") >= 2
+        # Users of the other nodes are unaffected.
+        other = user_owned_by(cluster, "n1")
+        fine = await get(cluster, other, "/hard")
+        assert fine.status_code == 200 and "x-ringlimit-degraded" not in fine.headers
+        # Back on the network: limited again, with the state it had.
+        cluster.bring_back("n2")
+        back = await get(cluster, user, "/soft")
+        assert back.status_code == 200 and "x-ringlimit-degraded" not in back.headers
+        assert back.headers["x-ringlimit-node"] == "n2"
+        assert back.headers["x-ratelimit-remaining"] == "0"
+        assert (await get(cluster, user, "/soft")).status_code == 429
+
+
+async def test_a_failover_request_to_another_node_is_not_limited_there() -> None:
+    """Fail-open traffic must not consume the quota the helping node holds for others."""
+    async with running(on_error_config()) as cluster:
+        user = user_owned_by(cluster, "n3")
+        cluster.take_down("n3")
+        served_by = (await get(cluster, user, "/soft")).headers["x-ringlimit-node"]
+        helper_keys = len(cluster.nodes[served_by].store)
+        for _ in range(3):
+            assert (await get(cluster, user, "/soft")).status_code == 200
+        assert len(cluster.nodes[served_by].store) == helper_keys
+
+
+# --------------------------------------------------------------------------- health, metrics
+
+
+async def test_router_healthz_and_metrics() -> None:
+    async with running(make_config(Rule("api", 1, 60.0))) as cluster:
+        health = await cluster.client.get("/healthz")
+        assert health.status_code == 200
+        assert health.json() == {"status": "ok", "epoch": 1, "nodes": 3}
+        user = "quinn"
+        await get(cluster, user)
+        await get(cluster, user)
+        await get(cluster, None)
+        text = (await cluster.client.get("/metrics")).text
+        owner = cluster.owner(user)
+        forwarded = "ringlimit_router_forwarded_total"
+        assert metric(text, forwarded, node=owner, outcome="2xx") == 1
+        assert metric(text, forwarded, node=owner, outcome="429") == 1
+        assert metric(text, "ringlimit_router_events_total", event="missing_user_id") == 1
+        assert metric(text, "ringlimit_router_nodes") == 3
+        assert metric(text, "ringlimit_router_epoch") == 1
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def limited_config() -> ClusterConfig:
+    return make_config(
+        Rule("api", 5, 60.0),
+        limits=Limits(max_key_length=16, max_batch=4, max_body=512, max_cost=10),
+    )
+
+
+BAD_CHECKS: list[tuple[str, bytes, int, str]] = [
+    ("malformed json", b'{"key": "a",', 400, "invalid_json"),
+    ("not utf-8", b"\xff\xfe\x00", 400, "invalid_json"),
+    ("empty body", b"", 400, "invalid_json"),
+    ("deeply nested", b"[" * 50_000 + b"]" * 50_000, 413, "body_too_large"),
+    ("nested within the limit", b"[" * 250 + b"]" * 250, 400, "invalid_request"),
+    ("non-object", b"[1, 2]", 400, "invalid_request"),
+    ("a string", b'"alice"', 400, "invalid_request"),
+    ("null", b"null", 400, "invalid_request"),
+    ("key missing", b'{"rule": "api"}', 400, "invalid_key"),
+    ("key not a string", b'{"key": 5}', 400, "invalid_key"),
+    ("key empty", b'{"key": ""}', 400, "invalid_key"),
+    ("key lone surrogate", b'{"key": "\\ud800"}', 400, "invalid_key"),
+    ("key too long", b'{"key": "' + b"k" * 17 + b'"}', 400, "key_too_long"),
+    ("cost negative", b'{"key": "a", "cost": -1}', 400, "invalid_cost"),
+    ("cost huge", b'{"key": "a", "cost": 100000000000000000000000}', 400, "invalid_cost"),
+    ("cost above max", b'{"key": "a", "cost": 11}', 400, "invalid_cost"),
+    ("cost bool", b'{"key": "a", "cost": true}', 400, "invalid_cost"),
+    ("cost float", b'{"key": "a", "cost": 1.0}', 400, "invalid_cost"),
+    ("cost string", b'{"key": "a", "cost": "1"}', 400, "invalid_cost"),
+    ("cost infinity", b'{"key": "a", "cost": 1e999}', 400, "invalid_cost"),
+    ("cost NaN", b'{"key": "a", "cost": NaN}', 400, "invalid_cost"),
+    ("unknown rule", b'{"key": "a", "rule": "nope"}', 404, "unknown_rule"),
+    ("rule not a string", b'{"key": "a", "rule": ["api"]}', 400, "invalid_rule"),
+    ("unknown field", b'{"key": "a", "weight": 1}', 400, "invalid_request"),
+    ("checks and key", b'{"checks": [{"key": "a"}], "key": "a"}', 400, "invalid_request"),
+    ("checks not a list", b'{"checks": {"key": "a"}}', 400, "invalid_request"),
+    ("empty batch", b'{"checks": []}', 400, "invalid_request"),
+    ("oversized batch", b'{"checks": [' + b",".join([b'{"key":"a"}'] * 5) + b"]}", 413, ""),
+    ("batch item not an object", b'{"checks": [{"key": "a"}, 7]}', 400, "invalid_request"),
+    ("bad item in a batch", b'{"checks": [{"key": "a"}, {"key": "a", "cost": -2}]}', 400, ""),
+    ("oversized body", b'{"key": "a", "pad": "' + b" " * 600 + b'"}', 413, "body_too_large"),
+]
+
+
+def assert_error(response: httpx.Response, status: int, error: str = "") -> None:
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert set(body) >= {"error", "detail"}, body
+    assert isinstance(body["detail"], str) and body["detail"]
+    if error:
+        assert body["error"] == error, body
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "error"),
+    [case[1:] for case in BAD_CHECKS],
+    ids=[case[0] for case in BAD_CHECKS],
+)
+async def test_bad_decision_api_input_is_a_clear_4xx_on_router_and_node(
+    body: bytes, status: int, error: str
+) -> None:
+    async with running(limited_config()) as cluster:
+        owner = cluster.owner("a")
+        for url in ("/v1/check", node_url(owner) + "/v1/check"):
+            response = await cluster.client.post(
+                url, content=body, headers={"content-type": "application/json"}
+            )
+            assert_error(response, status, error)
+        # Nothing was decided: the quota is whole, on both paths.
+        good = await cluster.client.post("/v1/check", json={"key": "a", "rule": "api"})
+        assert good.status_code == 200 and good.json()["remaining"] == 4
+        proxied = await get(cluster, "a")
+        assert proxied.headers["x-ratelimit-remaining"] == "3"
+
+
+async def test_bad_proxied_requests_are_clear_4xx_and_leave_quotas_intact() -> None:
+    async with running(limited_config()) as cluster:
+        too_long = await get(cluster, "k" * 17)
+        assert_error(too_long, 400, "key_too_long")
+        assert_error(await get(cluster, None), 400, "missing_user_id")
+        big = await cluster.client.post("/upload", headers={"X-User-Id": "a"}, content=b"x" * 513)
+        assert_error(big, 413, "body_too_large")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(10):
+                yield b"y" * 100
+
+        streamed = await cluster.client.post(
+            "/upload", headers={"X-User-Id": "a"}, content=chunks()
+        )
+        assert_error(streamed, 413, "body_too_large")
+        fits = await cluster.client.post("/upload", headers={"X-User-Id": "a"}, content=b"x" * 512)
+        assert fits.status_code == 200
+        assert fits.headers["x-ratelimit-remaining"] == "4"
+        text = (await cluster.client.get("/metrics")).text
+        assert metric(text, "ringlimit_router_events_total", event="body_too_large") == 2
+
+
+ADMIN_BAD: list[tuple[str, bytes, int]] = [
+    ("malformed json", b'{"id": "n9",', 400),
+    ("deeply nested", b"[" * 30_000 + b"]" * 30_000, 400),
+    ("non-object", b'["n9", "http://x"]', 400),
+    ("id missing", b'{"url": "http://127.0.0.1:1"}', 400),
+    ("id not a string", b'{"id": 9, "url": "http://127.0.0.1:1"}', 400),
+    ("id with spaces", b'{"id": " n9", "url": "http://127.0.0.1:1"}', 400),
+    ("url missing", b'{"id": "n9"}', 400),
+    ("url not http", b'{"id": "n9", "url": "ftp://x"}', 400),
+    ("url not a string", b'{"id": "n9", "url": 5}', 400),
+    ("weight zero", b'{"id": "n9", "url": "http://127.0.0.1:1", "weight": 0}', 400),
+    ("weight bool", b'{"id": "n9", "url": "http://127.0.0.1:1", "weight": true}', 400),
+    ("weight float", b'{"id": "n9", "url": "http://127.0.0.1:1", "weight": 1e999}', 400),
+    ("unknown field", b'{"id": "n9", "url": "http://127.0.0.1:1", "zone": "a"}', 400),
+    ("oversized body", b'{"id": "' + b"n" * 70_000 + b'"}', 413),
+    ("existing id, other url", b'{"id": "n1", "url": "http://elsewhere.cluster"}', 409),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "status"), [c[1:] for c in ADMIN_BAD], ids=[c[0] for c in ADMIN_BAD]
+)
+async def test_bad_admin_join_is_a_clear_4xx_and_the_ring_is_unchanged(
+    body: bytes, status: int
+) -> None:
+    async with running(make_config(Rule("api", 5, 60.0))) as cluster:
+        response = await cluster.client.post("/admin/nodes", content=body)
+        assert_error(response, status)
+        ring = (await cluster.client.get("/admin/ring")).json()
+        assert ring["epoch"] == 1 and [n["id"] for n in ring["nodes"]] == ["n1", "n2", "n3"]
+        assert (await get(cluster, "rita")).status_code == 200
+
+
+async def test_admin_leave_of_an_unknown_node_is_404() -> None:
+    async with running(make_config(Rule("api", 5, 60.0))) as cluster:
+        assert_error(await cluster.client.delete("/admin/nodes/nope"), 404, "unknown_node")
+
+
+async def test_a_node_answering_an_error_is_not_reported_as_a_decision() -> None:
+    """A node that cannot answer a routed check (here: its config lacks the rule)."""
+    async with running(make_config(Rule("api", 5, 60.0))) as cluster:
+        owner = cluster.owner("sam")
+        cluster.nodes[owner].authority.config = make_config(Rule("other", 1, 60.0))
+        single = await cluster.client.post("/v1/check", json={"key": "sam", "rule": "api"})
+        assert single.status_code == 502
+        assert single.json()["error"] == "node_error" and "detail" in single.json()
+        batch = await cluster.client.post("/v1/check", json={"checks": [{"key": "sam"}]})
+        assert batch.status_code == 200
+        assert batch.json()["results"][0]["error"] == "node_error"
+
+
+def test_parse_list_helper_rejects_garbage() -> None:
+    with pytest.raises(AssertionError):
+        parse_list('"a";r=1, b')
+    assert parse_list('"a";q=1;w=2') == {"a": {"q": 1, "w": 2}}
+    assert json.dumps(parse_list('"a";r=0;t=0, "b";r=5;t=60'))
