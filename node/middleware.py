@@ -21,7 +21,7 @@ from node.headers import denial_body, rate_limit_headers
 from node.identity import IdentityResolver
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.rules import Rule, parse_rule
-from node.security import bypass_matches, token_matches
+from node.security import bypass_matches, is_loopback, token_matches
 from node.shard import NotOwner
 
 KEY_HEADER = b"x-ringlimit-key"
@@ -89,8 +89,14 @@ class RateLimitMiddleware:
                 bypass = value
             elif name == tier_name:
                 tier = value.decode("latin-1")
-        trusted = self.trust_router and token_matches(
-            token.decode("latin-1") if token is not None else None, self.internal_token
+        trusted = self.trust_router and (
+            token_matches(
+                token.decode("latin-1") if token is not None else None, self.internal_token
+            )
+            if self.internal_token is not None
+            # Without a token only a router on this host is believed: a client that
+            # reaches the node directly cannot pick another user's key or skip limiting.
+            else (routed_key is not None or failover is not None) and _from_loopback(scope)
         )
         if failover is not None and trusted:
             # The owner of this key is unreachable and its rules say fail open.
@@ -156,6 +162,11 @@ def not_owner_body(exc: NotOwner) -> dict[str, object]:
 
 def not_owner_headers(exc: NotOwner) -> list[tuple[bytes, bytes]]:
     return [(b"x-ringlimit-epoch", str(exc.epoch).encode())]
+
+
+def _from_loopback(scope: Scope) -> bool:
+    client = scope.get("client")
+    return client is None or is_loopback(client[0])
 
 
 def _adding(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
