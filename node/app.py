@@ -41,7 +41,7 @@ from node.metrics import NodeMetrics
 from node.middleware import RateLimitMiddleware, not_owner_body, not_owner_headers
 from node.peers import INTERNAL_TOKEN_HEADER, Peers
 from node.security import bearer, is_loopback, token_matches
-from node.shard import NotOwner, Shard, StaleEpoch
+from node.shard import InFlight, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore
 from ring import RingView
 
@@ -322,7 +322,11 @@ class Node:
         try:
             data = await self._internal_json(request)
             taken = self.shard.receive(
-                str(data["from"]), int(data["epoch"]), list(data["records"]), bool(data["final"])
+                str(data["from"]),
+                int(data["epoch"]),
+                list(data["records"]),
+                bool(data["final"]),
+                list(data.get("crashes", [])),
             )
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -344,6 +348,8 @@ class Node:
             )
         except StaleEpoch as exc:
             return JSONResponse({"error": "stale_epoch", "detail": str(exc)}, status_code=409)
+        except InFlight as exc:
+            return JSONResponse({"error": "in_flight", "detail": str(exc)}, status_code=409)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         except (KeyError, TypeError, ValueError) as exc:

@@ -5,6 +5,12 @@ remove it *before* it stops serving: the router pushes a view without it, the
 node hands every state to the new owners, and only then does it exit. (If
 uvicorn handled the signal itself it would close the listening socket first,
 and the router could not reach the node to take its state.)
+
+After the leave the node lingers a little (``linger`` seconds) before it
+exits: it now refuses every key with its new epoch (421), which is how a
+router that was not told about the leave (a second router with a stale
+view) learns it, instead of finding the node gone and falling back to the
+rule's ``on_error``.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ def serve_node(
     advertise: str | None = None,
     weight: int = 1,
     admin_token: str | None = None,
+    linger: float = 1.0,
 ) -> None:
     url = advertise or f"http://{host}:{port}"
     state: dict[str, Any] = {"leaving": False}
@@ -91,6 +98,9 @@ def serve_node(
                     headers=_auth(admin_token),
                 )
                 log.warning("left the ring: router answered %s", response.status_code)
+            if response.status_code == 200 and linger > 0:
+                # Fenced by the new view: stale routers are told, not left guessing.
+                await asyncio.sleep(linger)
         except httpx.HTTPError as exc:
             log.warning("graceful leave failed (%s); exiting anyway", type(exc).__name__)
         server.should_exit = True

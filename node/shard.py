@@ -55,6 +55,54 @@ class StaleEpoch(Exception):
     """A peer asked about an epoch this node has not seen yet."""
 
 
+class InFlight(Exception):
+    """A peer asked for keys whose states are on their way to it right now.
+
+    The puller waits for that transfer (or for it to fail, after which the
+    states are back in the outbox and a pull gets them) rather than decide
+    on a fresh state.
+    """
+
+
+@dataclass(frozen=True)
+class Crash:
+    """A crash the conservative policy still answers for.
+
+    ``view`` is the ring before the crash (it says which keys the crashed
+    members owned); ``at`` is when the crash was applied, on this node's
+    clock. Until ``until`` a key those members owned and nobody holds a state
+    for starts exhausted, as if it had been used up at ``at``.
+    """
+
+    view: RingView
+    crashed: frozenset[str]
+    at: float
+    until: float
+
+    def affects(self, key: str) -> bool:
+        try:
+            return self.view.owner_id(key) in self.crashed
+        except EmptyRingError:
+            return False
+
+    def to_wire(self, now: float) -> dict[str, Any]:
+        return {
+            "view": self.view.to_dict(),
+            "crashed": sorted(self.crashed),
+            "age": now - self.at,
+            "left": self.until - now,
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any], now: float) -> Crash:
+        return cls(
+            RingView.from_dict(data["view"]),
+            frozenset(str(c) for c in data["crashed"]),
+            now - float(data["age"]),
+            now + float(data["left"]),
+        )
+
+
 @dataclass
 class HandoffStats:
     keys_sent: int = 0
@@ -91,14 +139,15 @@ class Shard:
         self.view: RingView | None = None
         self.previous: RingView | None = None
         self.stats = HandoffStats()
-        self._crashed: frozenset[str] = frozenset()
+        #: Crashes still covered by the conservative policy (newest last).
+        self._crashes: list[Crash] = []
         self._pending: dict[str, float] = {}
         self._finals: dict[int, set[str]] = {}
         self._outbox: dict[str, list[Record]] = {}
+        #: Keys being delivered right now, by receiving member (see serve_pull).
+        self._in_flight: dict[str, set[str]] = {}
         self._pulling: dict[str, asyncio.Future[None]] = {}
         self._pulled: set[str] = set()
-        self._conservative_until = float("-inf")
-        self._crash_time = 0.0
         self._replicas: dict[str, MemoryStore] = {}
         self._successors: dict[str, str | None] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -127,8 +176,10 @@ class Shard:
         inherited state is here before anyone decides on it.
         """
         self.check_owner(key)
-        if self._pending or self._conservative_until > float("-inf"):
+        if self._pending:
             await self._inherit(key, rules)
+        if self._crashes:
+            self._conservative(key, rules)
 
     async def _inherit(self, key: str, rules: Sequence[Rule]) -> None:
         previous = self.previous
@@ -145,12 +196,15 @@ class Shard:
                 self._pending.pop(previous_owner, None)
             elif key not in self._pulled and not self._holds(key, rules):
                 await self._pull(previous, previous_owner, key)
-        if previous_owner in self._crashed:
-            now = self.clock()
-            if now < self._conservative_until:
-                self._exhaust(key, rules, now)
-            elif self._conservative_until > float("-inf"):
-                self._conservative_until = float("-inf")
+
+    def _conservative(self, key: str, rules: Sequence[Rule]) -> None:
+        """A key a crashed member owned, with no state here, starts exhausted."""
+        now = self.clock()
+        if self._crashes[0].until <= now:
+            self._crashes = [c for c in self._crashes if c.until > now]
+        for crash in self._crashes:
+            if crash.affects(key):
+                self._exhaust(key, rules, now, crash.at)
 
     def _holds(self, key: str, rules: Sequence[Rule]) -> bool:
         return any(self.store.get(rule, key) is not None for rule in rules)
@@ -166,6 +220,7 @@ class Shard:
         try:
             url = previous.member(owner_id).url
             deadline = asyncio.get_running_loop().time() + self.handoff_wait
+            answer: dict[str, Any] = {}
             while True:
                 try:
                     answer = await self.peers.post(
@@ -173,12 +228,19 @@ class Shard:
                     )
                     break
                 except PeerError as exc:
+                    # 409: the peer has not applied this epoch yet, or the key's
+                    # state is in a transfer to us right now. Wait for either to
+                    # change, but not past the deadline, and stop as soon as the
+                    # peer's transfer has landed (its final mark came in).
                     if "409" in str(exc) and asyncio.get_running_loop().time() < deadline:
                         await asyncio.sleep(0.02)
+                        if owner_id not in self._pending:
+                            break
                         continue
                     raise
             records = answer.get("records", [])
             self.store.import_(records, self.clock(), self._config().rule_map)
+            self._mark_dirty(records)
             self.stats.keys_received += len(records)
         except (PeerError, KeyError, ValueError, TypeError) as exc:
             self.stats.pull_failures += 1
@@ -190,15 +252,15 @@ class Shard:
             del self._pulling[key]
             future.set_result(None)
 
-    def _exhaust(self, key: str, rules: Sequence[Rule], now: float) -> None:
+    def _exhaust(self, key: str, rules: Sequence[Rule], now: float, at: float) -> None:
         """Conservative crash policy: a key the crashed node held starts with no quota."""
         policy = self._config().policies.crash
         for rule in rules:
             if (rule.crash_policy or policy) != "conservative":
                 continue
-            if self._crash_time + rule.period <= now or self.store.get(rule, key) is not None:
+            if at + rule.period <= now or self.store.get(rule, key) is not None:
                 continue
-            state, _ = REGISTRY[rule.algorithm].decide(None, self._crash_time, rule, rule.capacity)
+            state, _ = REGISTRY[rule.algorithm].decide(None, at, rule, rule.capacity)
             self.store.put(rule, key, state)
             self.stats.conservative_keys += 1
 
@@ -222,9 +284,22 @@ class Shard:
         self.previous = previous
         self.view = view
         self._successors.clear()
-        self._crashed = frozenset(crashed)
         self.stats.views_applied += 1
         now = self.clock()
+        if self.id in crashed and self.id not in view:
+            # This node was declared crashed and its keys have moved on under
+            # the crash policy: what it held is stale. Discard it all; it
+            # comes back (if ever) as a new member with nothing.
+            self.stats.keys_dropped += len(self.store.export(now, remove=True))
+            self.store.sweep(float("inf"), budget=None)
+            self._outbox.clear()
+            self._replicas.clear()
+            if self.store.dirty is not None:
+                self.store.dirty = set()
+            self._pending = {}
+            self._pulled.clear()
+            self._crashes = []
+            return True
         if len(view):
             me_in = self.id in view
 
@@ -233,19 +308,39 @@ class Shard:
 
             records = self.store.export(now, moved, remove=True)
             if config.policies.rebalance == "handoff":
+                # States still waiting from an earlier view (a failed delivery)
+                # go to their owner under this one.
+                leftovers = [r for pending in self._outbox.values() for r in pending]
+                self._outbox.clear()
+                self._stash(leftovers, view, now)
                 for record in records:
                     self._outbox.setdefault(view.owner_id(record[2]), []).append(record)
             else:
                 self.stats.keys_dropped += len(records)
         self._promote_replicas(view, crashed, now, config)
+        dirty = self._dirty()
+        if dirty is not None:
+            # Successors may have changed: every state goes to its (new)
+            # successor at the next round, not only the ones that change.
+            dirty.update(self.store.keys())
         conservative_rules = [
             s.rule
             for s in config.rules
             if (s.rule.crash_policy or config.policies.crash) == "conservative"
         ]
-        if crashed and conservative_rules:
-            self._crash_time = now
-            self._conservative_until = now + max(r.period for r in conservative_rules)
+        if crashed and conservative_rules and previous is not None:
+            # Remembered across later views (a join right after a crash must
+            # not turn the crashed member's keys fresh), and handed to new
+            # owners with the states.
+            self._crashes = [c for c in self._crashes if c.until > now]
+            self._crashes.append(
+                Crash(
+                    previous,
+                    frozenset(crashed),
+                    now,
+                    now + max(r.period for r in conservative_rules),
+                )
+            )
         senders: set[str] = set()
         if previous is not None and self.id in view:
             senders = {m for m in previous.ids if m != self.id and m not in crashed}
@@ -275,9 +370,40 @@ class Shard:
                 and ((config.rule(r[0]).crash_policy or config.policies.crash) == "replica")  # type: ignore[union-attr]
             ]
             self.stats.replicas_promoted += self.store.import_(records, now, config.rule_map)
+            self._mark_dirty(records)
         for origin in list(self._replicas):
             if origin not in view:
                 del self._replicas[origin]
+
+    def _mark_dirty(self, records: list[Record]) -> None:
+        """States that arrived here must be replicated from here too."""
+        dirty = self._dirty()
+        if dirty is not None:
+            dirty.update(record[2] for record in records)
+
+    def _dirty(self) -> set[str] | None:
+        """The store's change set, switched on as soon as replication is wanted."""
+        if self.store.dirty is None and self.replication_wanted():
+            self.store.dirty = set()
+        return self.store.dirty
+
+    def _stash(self, records: list[Record], view: RingView, now: float) -> None:
+        """Keep undelivered states for their owner under ``view`` (ours go back in)."""
+        if not records:
+            return
+        if not len(view):
+            self.stats.keys_dropped += len(records)
+            return
+        mine: list[Record] = []
+        for record in records:
+            owner = view.owner_id(record[2])
+            if owner == self.id:
+                mine.append(record)
+            else:
+                self._outbox.setdefault(owner, []).append(record)
+        if mine:
+            self.store.import_(mine, now, self._config().rule_map)
+            self._mark_dirty(mine)
 
     async def deliver(self) -> dict[str, int]:
         """Send every outbox entry to its new owner, with a final mark for each member."""
@@ -286,24 +412,51 @@ class Shard:
             return {}
         started = asyncio.get_running_loop().time()
         sent: dict[str, int] = {}
+        now = self.clock()
+        crashes = [c.to_wire(now) for c in self._crashes if c.until > now]
 
         async def send(member_id: str, url: str) -> None:
             records = self._outbox.pop(member_id, [])
-            payload = {"from": self.id, "epoch": view.epoch, "records": records, "final": True}
-            for attempt in range(3):
-                try:
-                    await self.peers.post(url, "/internal/import", payload)
-                    self.stats.keys_sent += len(records)
-                    sent[member_id] = len(records)
-                    return
-                except PeerError as exc:
-                    if attempt == 2:
-                        log.warning(
-                            "handoff of %d keys to %s failed: %s", len(records), member_id, exc
-                        )
-                        self.stats.keys_dropped += len(records)
+            payload: dict[str, Any] = {
+                "from": self.id,
+                "epoch": view.epoch,
+                "records": records,
+                "final": True,
+            }
+            if crashes:
+                payload["crashes"] = crashes
+            # While the records travel they are in neither the outbox nor the
+            # store: a pull for one of them must wait, not get "nothing".
+            in_flight = {record[2] for record in records}
+            self._in_flight.setdefault(member_id, set()).update(in_flight)
+            try:
+                for attempt in range(3):
+                    try:
+                        await self.peers.post(url, "/internal/import", payload)
+                        self.stats.keys_sent += len(records)
+                        sent[member_id] = len(records)
                         return
-                    await asyncio.sleep(0.05 * (attempt + 1))
+                    except PeerError as exc:
+                        if attempt == 2:
+                            # Kept for pull-on-miss: the new owner asks for each
+                            # key it is asked about (until the next view).
+                            log.warning(
+                                "handoff of %d keys to %s failed (%s); kept for pulls",
+                                len(records),
+                                member_id,
+                                exc,
+                            )
+                            current = self.view
+                            if current is not None:
+                                self._stash(records, current, self.clock())
+                            return
+                        await asyncio.sleep(0.05 * (attempt + 1))
+            finally:
+                flying = self._in_flight.get(member_id)
+                if flying is not None:
+                    flying -= in_flight
+                    if not flying:
+                        del self._in_flight[member_id]
 
         await asyncio.gather(*(send(m.id, m.url) for m in view if m.id != self.id))
         for member_id in [m for m in self._outbox if m not in view]:
@@ -318,9 +471,32 @@ class Shard:
 
     # ------------------------------------------------------------------ peers' calls
 
-    def receive(self, sender: str, epoch: int, records: list[Record], final: bool) -> int:
-        taken = self.store.import_(records, self.clock(), self._config().rule_map)
+    def receive(
+        self,
+        sender: str,
+        epoch: int,
+        records: list[Record],
+        final: bool,
+        crashes: Sequence[dict[str, Any]] = (),
+    ) -> int:
+        now = self.clock()
+        incoming = [Crash.from_wire(data, now) for data in crashes]
+        taken = self.store.import_(records, now, self._config().rule_map)
+        self._mark_dirty(records)
         self.stats.keys_received += taken
+        if taken < len(records):
+            # A rule this node does not know (or with another algorithm): the
+            # states cannot be read. Never silent: this is lost quota history.
+            self.stats.keys_dropped += len(records) - taken
+            log.warning(
+                "%d state(s) from %s dropped: their rule is unknown here",
+                len(records) - taken,
+                sender,
+            )
+        for crash in incoming:
+            known = {(c.view.epoch, c.crashed) for c in self._crashes}
+            if crash.until > now and (crash.view.epoch, crash.crashed) not in known:
+                self._crashes.append(crash)
         if final:
             if epoch == self.epoch:
                 self._pending.pop(sender, None)
@@ -333,10 +509,12 @@ class Shard:
         if epoch > self.epoch:
             raise StaleEpoch(f"asked about epoch {epoch}, this node knows {self.epoch}")
         wanted = set(keys)
+        if wanted & self._in_flight.get(to, set()):
+            raise InFlight(f"{len(wanted)} key(s) on their way to {to}")
         found: list[Record] = []
         pending = self._outbox.get(to)
         if pending:
-            keep = []
+            keep: list[Record] = []
             for record in pending:
                 (found if record[2] in wanted else keep).append(record)
             self._outbox[to] = keep
@@ -395,6 +573,9 @@ class Shard:
                 sent += len(records)
             except (PeerError, KeyError) as exc:
                 log.debug("replication to %s failed: %s", target, exc)
+                # Sent again next round (unless the view changes first).
+                if self.store.dirty is not None:
+                    self.store.dirty.update(record[2] for record in records)
         self.stats.replicas_sent += sent
         return sent
 
@@ -418,6 +599,7 @@ class Shard:
         return {
             "epoch": self.epoch,
             "pending_from": sorted(self._pending),
+            "conservative_crashes": len(self._crashes),
             "outbox": {k: len(v) for k, v in self._outbox.items() if v},
             "replicas": {k: len(v) for k, v in self._replicas.items()},
             "stats": {k: v for k, v in self.stats.__dict__.items() if k != "extra"},

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import tempfile
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,9 @@ from node.peers import INTERNAL_TOKEN_HEADER
 from ring import Member, RingView
 
 log = logging.getLogger("ringlimit.router")
+
+#: How many crashed members the router keeps probing, to let them rejoin.
+MAX_REMOVED = 256
 
 
 class MembershipError(Exception):
@@ -77,6 +81,9 @@ class Membership:
         self.view = RingView.empty()
         self.health: dict[str, Health] = {}
         self.joining: dict[str, Member] = {}
+        #: Members removed as crashed: still probed, and made to rejoin (as new
+        #: members, their old state discarded) when they answer again.
+        self.removed: dict[str, Member] = {}
         self.state_file = Path(state_file) if state_file else None
         self.ready_timeout = ready_timeout
         self.health_interval = health_interval
@@ -90,6 +97,9 @@ class Membership:
         # Sent per request (not as client defaults) so a shared client carries no secret.
         self._headers = {INTERNAL_TOKEN_HEADER: internal_token} if internal_token else {}
         self._health_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._newer_check: asyncio.Task[bool] | None = None
+        self._newer_checked_at = float("-inf")
 
     # ------------------------------------------------------------------ start / stop
 
@@ -124,10 +134,12 @@ class Membership:
             self._health_task = asyncio.create_task(self._health_loop())
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        tasks = [*self._background, *([self._health_task] if self._health_task else [])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+                await task
         if self._owned:
             await self._client.aclose()
 
@@ -151,6 +163,13 @@ class Membership:
             self.joining[member.id] = member
             try:
                 await self._wait_ready(member)
+                # First the newcomer gets the cluster's config, with the current
+                # view (in which it owns nothing): the states the old members are
+                # about to hand it are kept only for rules it knows, and a node
+                # started with --join has no rules of its own. If it was declared
+                # crashed before, this also makes it discard what it held.
+                crashed = (member.id,) if member.id in self.removed else ()
+                await self._push([member], self.view, None, crashed)
                 new = self.view.with_member(member)
                 previous = self.view
                 # Old members lose keys to the newcomer: they go first.
@@ -207,14 +226,30 @@ class Membership:
         previous = self.view
         new = previous.without_member(member_id)
         await self._push(new.members, new, previous, (member_id,), tolerate=True)
+        crashed = previous.member(member_id)
+        self.removed[member_id] = crashed
+        while len(self.removed) > MAX_REMOVED:
+            del self.removed[next(iter(self.removed))]
         self._adopt(new)
         self.health.pop(member_id, None)
         self.crashes += 1
         log.warning("node %s removed as crashed: epoch %d", member_id, new.epoch)
+        # If it is only slow, or cut off from our probes but not from other
+        # routers, it must stop deciding: tell it too (best effort, not waited
+        # for). It discards its states and may rejoin later as a new member.
+        self._spawn(self._push([crashed], new, previous, (member_id,), tolerate=True))
         return new
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     def _adopt(self, view: RingView) -> None:
         self.view = view
+        for member_id in [m for m in self.removed if m in view]:
+            del self.removed[member_id]
         self._save_state()
         self.changed.set()
         self.changed = asyncio.Event()
@@ -226,8 +261,7 @@ class Membership:
         if self.view.epoch >= epoch:
             return
         if self.lock.locked():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), timeout=5.0)
+            await self.wait_for_change()
             if self.view.epoch >= epoch:
                 return
         try:
@@ -249,6 +283,40 @@ class Membership:
             self._adopt(view)
             log.info("adopted epoch %d from %s", view.epoch, node_url)
 
+    async def wait_for_change(self, limit: float = 5.0) -> None:
+        """Wait (at most ``limit`` seconds) for the change under way to be adopted."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), timeout=limit)
+
+    async def newer_view(self, unreachable: Member, *, every: float = 0.5) -> bool:
+        """An owner did not answer: is this router's view stale (it left, or was
+        replaced)? Ask the other members; adopt a newer view if one has it.
+
+        Returns True when the view changed (the request should be routed
+        again) and False when the rule's on_error must decide. Concurrent
+        callers share one check, and the members are asked at most once per
+        ``every`` seconds, so a dead owner does not multiply the traffic.
+        """
+        if unreachable.id not in self.view or self.view.member(unreachable.id) != unreachable:
+            return True  # the view changed since the request picked its owner
+        task = self._newer_check
+        if task is None or task.done():
+            loop = asyncio.get_running_loop()
+            if loop.time() - self._newer_checked_at < every:
+                return False
+            self._newer_checked_at = loop.time()
+            task = self._newer_check = self._spawn(self._ask_newer(unreachable.id))
+        return bool(await asyncio.shield(task))
+
+    async def _ask_newer(self, unreachable: str) -> bool:
+        epoch = self.view.epoch
+        others = [m for m in self.view if m.id != unreachable]
+        found = await self._discover(others, with_urls=True)
+        if found is None or found[0].epoch <= epoch:
+            return False
+        await self.catch_up(found[0].epoch, found[1])
+        return self.view.epoch > epoch
+
     async def refresh_node(self, member: Member, node_epoch: int) -> None:
         """A node is behind this router's view: push it the current view again.
 
@@ -258,6 +326,9 @@ class Membership:
         """
         if node_epoch == 0 and self.view.epoch > 0 and member.id in self.view:
             if self.lock.locked():
+                # Someone is already making a change (perhaps this very one):
+                # let the request retry on its outcome rather than at once.
+                await self.wait_for_change()
                 return
             log.warning("node %s restarted with no state: crash, then rejoin", member.id)
             with contextlib.suppress(MembershipError):
@@ -339,8 +410,18 @@ class Membership:
                 )
             await asyncio.sleep(0.05)
 
-    async def _discover(self, members: list[Member]) -> RingView | None:
-        async def ask(member: Member) -> RingView | None:
+    @typing.overload
+    async def _discover(self, members: list[Member]) -> RingView | None: ...
+
+    @typing.overload
+    async def _discover(
+        self, members: list[Member], *, with_urls: typing.Literal[True]
+    ) -> tuple[RingView, str] | None: ...
+
+    async def _discover(self, members: list[Member], *, with_urls: bool = False) -> Any:
+        """The newest view the members know (and, with ``with_urls``, who knows it)."""
+
+        async def ask(member: Member) -> tuple[RingView, str] | None:
             try:
                 response = await self._client.get(
                     member.url.rstrip("/") + "/internal/cluster",
@@ -348,12 +429,15 @@ class Membership:
                     headers=self._headers,
                 )
                 ring = response.json().get("ring")
-                return RingView.from_dict(ring) if ring else None
+                return (RingView.from_dict(ring), member.url) if ring else None
             except (httpx.HTTPError, ValueError, TypeError, AttributeError):
                 return None
 
-        views = [v for v in await asyncio.gather(*(ask(m) for m in members)) if v is not None]
-        return max(views, key=lambda v: v.epoch, default=None)
+        answers = [a for a in await asyncio.gather(*(ask(m) for m in members)) if a is not None]
+        best = max(answers, key=lambda a: a[0].epoch, default=None)
+        if best is None:
+            return None
+        return best if with_urls else best[0]
 
     # ------------------------------------------------------------------ health
 
@@ -382,11 +466,26 @@ class Membership:
             if health.epoch_seen < view.epoch and not self.lock.locked():
                 await self.refresh_node(member, health.epoch_seen)
 
+        async def probe_removed(member: Member) -> None:
+            try:
+                response = await self._client.get(
+                    member.url.rstrip("/") + "/healthz", timeout=self.health_timeout
+                )
+            except httpx.HTTPError:
+                return
+            if response.status_code == 200 and not self.lock.locked():
+                log.warning("node %s answers again after its removal: it rejoins", member.id)
+                with contextlib.suppress(MembershipError):
+                    await self.join(member)
+
         await asyncio.gather(*(probe(m) for m in view))
         for member in view:
             health = self.health.get(member.id)
             if health is not None and health.failures >= self.failure_threshold:
                 await self.crash(member.id)
+        await asyncio.gather(
+            *(probe_removed(m) for m in list(self.removed.values()) if m.id not in self.view)
+        )
 
     @property
     def backend_degraded(self) -> bool:
