@@ -266,7 +266,7 @@ class Node:
         body = await read_body(request, MAX_INTERNAL_BODY)
         try:
             data = json.loads(body)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ApiError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ApiError(400, "invalid_request", "body must be a JSON object")
@@ -297,7 +297,7 @@ class Node:
             wait = bool(data.get("wait", True))
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             return JSONResponse(
                 {"error": "invalid_request", "detail": f"bad cluster update: {exc}"},
                 status_code=400,
@@ -330,7 +330,7 @@ class Node:
             )
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             return JSONResponse(
                 {"error": "invalid_request", "detail": f"bad import: {exc}"}, status_code=400
             )
@@ -352,7 +352,7 @@ class Node:
             return JSONResponse({"error": "in_flight", "detail": str(exc)}, status_code=409)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             return JSONResponse(
                 {"error": "invalid_request", "detail": f"bad pull: {exc}"}, status_code=400
             )
@@ -368,7 +368,7 @@ class Node:
             taken = self.shard.receive_replicas(str(data["from"]), list(data["records"]))
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             return JSONResponse(
                 {"error": "invalid_request", "detail": f"bad replica: {exc}"}, status_code=400
             )

@@ -38,7 +38,8 @@ DEFAULT_RULE = "10/minute"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
@@ -56,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; ``command`` is the subcommand about to run, so that the heavy
+    ones (simulate, bench) are imported only when they are used."""
     parser = argparse.ArgumentParser(
         prog="ringlimit",
         description="A rate-limiting cluster: sticky routing to in-memory limiter nodes.",
@@ -92,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--failure-threshold", type=int, default=3)
     router.add_argument("--health-timeout", type=float, default=0.5)
     router.add_argument("--forward-timeout", type=float, default=30.0)
+    router.add_argument(
+        "--no-health-checks",
+        action="store_true",
+        help="do not remove unresponsive nodes from this router (run health checks on one "
+        "router of a cluster: the one that takes admin changes)",
+    )
     _config_arguments(router)
     _backend_arguments(router)
     router.add_argument("-v", "--verbose", action="store_true")
@@ -125,22 +134,26 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.set_defaults(run=_run_nodes)
 
     simulate = commands.add_parser("simulate", help="run a rebalancing simulation")
-    try:
-        from simulations import cli as simulations_cli
+    simulate.set_defaults(run=_no_simulations)
+    if command == "simulate":
+        try:
+            from simulations import cli as simulations_cli
 
-        simulations_cli.add_arguments(simulate)
-        simulate.set_defaults(run=simulations_cli.run)
-    except ImportError:
-        simulate.set_defaults(run=_no_simulations)
+            simulations_cli.add_arguments(simulate)
+            simulate.set_defaults(run=simulations_cli.run)
+        except ImportError:
+            pass
 
     bench = commands.add_parser("bench", help="the side-by-side benchmark")
-    try:
-        from benchmarks import cluster as bench_cli
+    bench.set_defaults(run=_no_bench)
+    if command == "bench":
+        try:
+            from benchmarks import cluster as bench_cli
 
-        bench_cli.add_arguments(bench)
-        bench.set_defaults(run=bench_cli.run)
-    except ImportError:
-        bench.set_defaults(run=_no_bench)
+            bench_cli.add_arguments(bench)
+            bench.set_defaults(run=bench_cli.run)
+        except ImportError:
+            pass
     return parser
 
 
@@ -241,6 +254,7 @@ def _run_router(args: argparse.Namespace) -> int:
         failure_threshold=args.failure_threshold,
         health_timeout=args.health_timeout,
         timeouts=Timeouts(total=args.forward_timeout),
+        health_checks=not args.no_health_checks,
     )
     _warn_modes(config)
     serve_router(create_router(settings), host=args.host, port=args.port)

@@ -472,13 +472,6 @@ INTERNAL_XFAIL: list[tuple[str, str, bytes]] = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(OverflowError, RecursionError),
-    reason="node/app.py internal endpoints (not this suite's file): int(1e999) raises "
-    "OverflowError and json.loads of deeply nested input raises RecursionError; "
-    "neither is caught, so the node answers 500",
-)
 @pytest.mark.parametrize(
     ("method", "path", "body"),
     INTERNAL_XFAIL,
