@@ -30,21 +30,30 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 from node.decision import COST_EXCEEDS_CAPACITY, Decision
 from node.rules import Rule
 
 EPS = 1e-9
+#: GCRA's slack in units: its theoretical arrival time picks up rounding of about
+#: ulp(now) on every addition (2.4e-7 s at today's Unix time), which divided by a
+#: short emission interval is far more than EPS.
+UNIT_EPS = 1e-6
 _floor = math.floor
 
 State = Any
 DecideFn = Callable[[State, float, Rule, int], tuple[State, Decision]]
 
+#: Builds a Decision from a 7-tuple without the NamedTuple's Python-level __new__
+#: (which costs about as much as the whole token-bucket arithmetic).
+_decision = partial(tuple.__new__, Decision)
+
 
 def _impossible(state: State, rule: Rule, remaining: int, reset_after: float) -> tuple:
-    return state, Decision(
-        False, rule.limit, remaining, reset_after, None, rule.name, COST_EXCEEDS_CAPACITY
+    return state, _decision(
+        (False, rule.limit, remaining, reset_after, None, rule.name, COST_EXCEEDS_CAPACITY)
     )
 
 
@@ -65,24 +74,44 @@ def token_bucket(state: State, now: float, rule: Rule, cost: int) -> tuple[State
             if tokens > capacity:
                 tokens = float(capacity)
             last = now
+    # last > now only after the clock stepped back: nothing refills until it catches up.
+    lag = last - now
     need = cost or 1
     if need > capacity:
-        return _impossible(state, rule, _floor(tokens + EPS), (capacity - tokens) / rate)
+        return _impossible(
+            state, rule, _floor(tokens + EPS), _tb_reset(tokens, capacity, rate, lag)
+        )
     if tokens + EPS >= need:
         if cost:
             tokens -= cost
             state = (tokens, last)
-        return state, Decision(
-            True, rule.limit, _floor(tokens + EPS), (capacity - tokens) / rate, None, rule.name
+        return state, _decision(
+            (
+                True,
+                rule.limit,
+                _floor(tokens + EPS),
+                _tb_reset(tokens, capacity, rate, lag),
+                None,
+                rule.name,
+                None,
+            )
         )
-    return state, Decision(
-        False,
-        rule.limit,
-        _floor(tokens + EPS),
-        (capacity - tokens) / rate,
-        (need - tokens) / rate,
-        rule.name,
+    return state, _decision(
+        (
+            False,
+            rule.limit,
+            _floor(tokens + EPS),
+            _tb_reset(tokens, capacity, rate, lag),
+            lag + (need - tokens) / rate,
+            rule.name,
+            None,
+        )
     )
+
+
+def _tb_reset(tokens: float, capacity: int, rate: float, lag: float) -> float:
+    reset = (capacity - tokens) / rate
+    return reset + lag if reset > 0.0 else reset
 
 
 def token_bucket_fresh_at(state: State, rule: Rule) -> float:
@@ -101,34 +130,63 @@ def gcra(state: State, now: float, rule: Rule, cost: int) -> tuple[State, Decisi
     tat = state if state is not None and state > now else now
     need = cost or 1
     if need > rule.capacity:
-        return _impossible(
-            state, rule, _floor((tolerance - (tat - now)) / interval + EPS), tat - now
-        )
+        return _impossible(state, rule, _gcra_remaining(tat, now, tolerance, interval), tat - now)
     allow_at = tat + need * interval - tolerance
-    if now + EPS >= allow_at:
+    if now + UNIT_EPS * interval >= allow_at:
         if cost:
             tat += cost * interval
             state = tat
-        return state, Decision(
-            True,
-            rule.limit,
-            _floor((tolerance - (tat - now)) / interval + EPS),
-            tat - now,
-            None,
-            rule.name,
+        return state, _decision(
+            (
+                True,
+                rule.limit,
+                _gcra_remaining(tat, now, tolerance, interval),
+                tat - now,
+                None,
+                rule.name,
+                None,
+            )
         )
-    return state, Decision(
-        False,
-        rule.limit,
-        _floor((tolerance - (tat - now)) / interval + EPS),
-        tat - now,
-        allow_at - now,
-        rule.name,
+    return state, _decision(
+        (
+            False,
+            rule.limit,
+            _gcra_remaining(tat, now, tolerance, interval),
+            tat - now,
+            allow_at - now,
+            rule.name,
+            None,
+        )
     )
+
+
+def _gcra_remaining(tat: float, now: float, tolerance: float, interval: float) -> int:
+    remaining = _floor((tolerance - (tat - now)) / interval + UNIT_EPS)
+    return remaining if remaining > 0 else 0
 
 
 def gcra_fresh_at(state: State, rule: Rule) -> float:
     return float(state)
+
+
+# --------------------------------------------------------------------------- windows
+
+
+def _advance(start: float, now: float, period: float) -> tuple[float, int]:
+    """Move a window start forward to the window holding ``now``; how many windows moved.
+
+    ``floor((now - start) / period)`` can round below the true count at a
+    boundary (periods like 0.1 s are not exact in binary), so the count is at
+    least one and is then corrected until ``now`` is inside the window.
+    """
+    windows = _floor((now - start) / period)
+    if windows < 1:
+        windows = 1
+    start += windows * period
+    while now >= start + period:
+        start += period
+        windows += 1
+    return start, windows
 
 
 # --------------------------------------------------------------------------- fixed window
@@ -146,7 +204,7 @@ def fixed_window(state: State, now: float, rule: Rule, cost: int) -> tuple[State
     else:
         start, count = state
         if now >= start + period:
-            start += _floor((now - start) / period) * period
+            start, _ = _advance(start, now, period)
             count = 0
     need = cost or 1
     reset_after = start + period - now
@@ -156,10 +214,12 @@ def fixed_window(state: State, now: float, rule: Rule, cost: int) -> tuple[State
         if cost:
             count += cost
             state = (start, count)
-        return state, Decision(
-            True, limit, limit - count, reset_after if count else 0.0, None, rule.name
+        return state, _decision(
+            (True, limit, limit - count, reset_after if count else 0.0, None, rule.name, None)
         )
-    return state, Decision(False, limit, limit - count, reset_after, reset_after, rule.name)
+    return state, _decision(
+        (False, limit, limit - count, reset_after, reset_after, rule.name, None)
+    )
 
 
 def fixed_window_fresh_at(state: State, rule: Rule) -> float:
@@ -189,21 +249,27 @@ def sliding_log(state: State, now: float, rule: Rule, cost: int) -> tuple[State,
             stamp = now if not live or now >= live[-1] else live[-1]
             live = live + (stamp,) * cost
             state = live
-        return state, Decision(
-            True,
-            limit,
-            limit - len(live),
-            live[-1] + period - now if live else 0.0,
-            None,
-            rule.name,
+        return state, _decision(
+            (
+                True,
+                limit,
+                limit - len(live),
+                live[-1] + period - now if live else 0.0,
+                None,
+                rule.name,
+                None,
+            )
         )
-    return state, Decision(
-        False,
-        limit,
-        limit - count,
-        live[-1] + period - now,
-        live[count + need - limit - 1] + period - now,
-        rule.name,
+    return state, _decision(
+        (
+            False,
+            limit,
+            limit - count,
+            live[-1] + period - now,
+            live[count + need - limit - 1] + period - now,
+            rule.name,
+            None,
+        )
     )
 
 
@@ -227,10 +293,9 @@ def sliding_window(state: State, now: float, rule: Rule, cost: int) -> tuple[Sta
     else:
         start, prev, curr = state
         if now >= start + period:
-            windows = _floor((now - start) / period)
+            start, windows = _advance(start, now, period)
             prev = curr if windows == 1 else 0
             curr = 0
-            start += windows * period
     weight = (period - (now - start)) / period
     if weight > 1.0:
         weight = 1.0
@@ -252,13 +317,16 @@ def sliding_window(state: State, now: float, rule: Rule, cost: int) -> tuple[Sta
             estimate += cost
             state = (start, prev, curr)
         remaining = _floor(limit - estimate + EPS)
-        return state, Decision(
-            True,
-            limit,
-            remaining if remaining > 0 else 0,
-            _sw_reset(start, prev, curr, now, period),
-            None,
-            rule.name,
+        return state, _decision(
+            (
+                True,
+                limit,
+                remaining if remaining > 0 else 0,
+                _sw_reset(start, prev, curr, now, period),
+                None,
+                rule.name,
+                None,
+            )
         )
     remaining = _floor(limit - estimate + EPS)
     if curr + need <= limit:
@@ -268,13 +336,16 @@ def sliding_window(state: State, now: float, rule: Rule, cost: int) -> tuple[Sta
         # Wait until the current count becomes the previous one and has slid enough.
         retry_at = start + period + period * (1.0 - (limit - need) / curr)
     retry_after = retry_at - now
-    return state, Decision(
-        False,
-        limit,
-        remaining if remaining > 0 else 0,
-        _sw_reset(start, prev, curr, now, period),
-        retry_after if retry_after > 0.0 else 0.0,
-        rule.name,
+    return state, _decision(
+        (
+            False,
+            limit,
+            remaining if remaining > 0 else 0,
+            _sw_reset(start, prev, curr, now, period),
+            retry_after if retry_after > 0.0 else 0.0,
+            rule.name,
+            None,
+        )
     )
 
 

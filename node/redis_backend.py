@@ -20,10 +20,13 @@ clock. A ``clock`` passed to the constructor is injected instead (tests).
 TTLs are relative (``PX``): the time until the state is fresh again, on the
 caller's clock, plus ``ttl_slack``.
 
-Failure. Timeouts are tight (``timeout``, default 100 ms, for connect, read
-and waiting on the pool), nothing is retried except one ``SCRIPT LOAD`` after
+Failure. Timeouts are tight (``timeout``, default 100 ms, for connecting and
+for each reply), nothing is retried except one ``SCRIPT LOAD`` after
 ``NOSCRIPT`` (a restarted or flushed Redis), and an unreachable, timing-out,
 loading, read-only or out-of-memory Redis raises :class:`BackendUnavailable`.
+At most ``max_connections`` calls are in Redis at once; the rest queue (for at
+most ``queue_timeout``), and queued calls fail at once when one in flight
+finds Redis unavailable, so a dead Redis is never tried by a pile of waiters.
 
 :class:`FallbackBackend` wraps a primary (this backend) and the local
 :class:`~node.backend.MemoryBackend`: when the primary is unavailable, each
@@ -37,8 +40,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -70,6 +73,8 @@ from node.rules import Rule
 
 logger = logging.getLogger("ringlimit.redis")
 
+T = TypeVar("T")
+
 #: Short algorithm codes used in key names.
 ALGORITHM_CODES = {
     "token_bucket": "tb",
@@ -92,6 +97,7 @@ _UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     asyncio.TimeoutError,
 )
+_PING_ERRORS: tuple[type[BaseException], ...] = (RedisError, *_UNAVAILABLE_ERRORS)
 _UNAVAILABLE_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
 
 
@@ -127,11 +133,15 @@ def _is_unavailable(exc: BaseException) -> bool:
 class RedisBackend:
     """Decisions in a shared Redis, by Lua script (see the module docstring).
 
-    ``timeout`` bounds connecting, each reply and waiting for a pooled
-    connection (``connect_timeout`` overrides the first); ``max_connections``
-    bounds the pool. ``ttl_slack`` (seconds) is added to every key's TTL: with
-    an injected ``clock`` that runs apart from Redis's own, it keeps Redis from
-    expiring a state the injected clock still needs.
+    ``timeout`` bounds connecting and each reply (``connect_timeout``
+    overrides the first). At most ``max_connections`` calls are in Redis at
+    once; more wait in a queue, for at most ``queue_timeout``: that wait is
+    this process's own load, not Redis's, so it is not held to ``timeout``
+    (a burst of a thousand checks would otherwise look like an outage). A call
+    that was queued while another found Redis unavailable fails at once
+    instead of trying too. ``ttl_slack`` (seconds) is added to every key's
+    TTL: with an injected ``clock`` that runs apart from Redis's own, it keeps
+    Redis from expiring a state the injected clock still needs.
     """
 
     name = "redis"
@@ -145,22 +155,31 @@ class RedisBackend:
         timeout: float = 0.1,
         connect_timeout: float | None = None,
         max_connections: int = 64,
+        queue_timeout: float = 1.0,
         ttl_slack: float = 0.0,
     ) -> None:
         if not prefix or "{" in prefix or "}" in prefix:
             raise ValueError(f"prefix {prefix!r} must be non-empty and free of braces")
-        if timeout <= 0 or (connect_timeout is not None and connect_timeout <= 0):
+        if min(timeout, queue_timeout, connect_timeout or timeout) <= 0:
             raise ValueError("timeouts must be positive")
+        if max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
         if ttl_slack < 0:
             raise ValueError("ttl_slack must be >= 0")
         self.url = url
         self.prefix = prefix
         self.clock = clock
         self.timeout = timeout
+        self.queue_timeout = queue_timeout
         self._slack_ms = round(ttl_slack * 1000)
+        self.max_connections = max_connections
+        self._slots = asyncio.Semaphore(max_connections)
+        #: Bumped by every call that finds Redis unavailable.
+        self._failures = 0
         pool = BlockingConnectionPool.from_url(
             url,
-            max_connections=max_connections,
+            # Room beyond the call slots for start() and the probe's PING.
+            max_connections=max_connections + 2,
             timeout=timeout,
             socket_timeout=timeout,
             socket_connect_timeout=connect_timeout or timeout,
@@ -184,21 +203,16 @@ class RedisBackend:
         keys = [state_key(self.prefix, key, rule) for rule in rules]
         now = None if self.clock is None else self.clock()
         args = pack_args(now, cost, rules, self._slack_ms)
-        try:
+        execute = self.redis.execute_command
+
+        async def call() -> Any:
             try:
-                reply = await self.redis.execute_command(
-                    "EVALSHA", script.sha, len(keys), *keys, *args
-                )
+                return await execute("EVALSHA", script.sha, len(keys), *keys, *args)
             except NoScriptError:
-                await self.redis.execute_command("SCRIPT", "LOAD", script.source)
-                reply = await self.redis.execute_command(
-                    "EVALSHA", script.sha, len(keys), *keys, *args
-                )
-        except Exception as exc:
-            self._raise_unavailable(exc)
-            raise
-        self._available = True
-        return unpack_reply(reply, rules)[1]
+                await execute("SCRIPT", "LOAD", script.source)
+                return await execute("EVALSHA", script.sha, len(keys), *keys, *args)
+
+        return unpack_reply(await self._run(call), rules)[1]
 
     async def check_many(self, checks: Sequence[Check]) -> list[Verdict]:
         """Every check in one pipelined round trip (each still atomic on its own)."""
@@ -209,7 +223,8 @@ class RedisBackend:
         for key, rules, cost in checks:
             keys = [state_key(self.prefix, key, rule) for rule in rules]
             calls.append((script_for(rules), keys, pack_args(now, cost, rules, self._slack_ms)))
-        try:
+
+        async def call() -> list[Any]:
             replies = await self._pipeline(calls)
             missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
             if missing:
@@ -221,18 +236,33 @@ class RedisBackend:
             for reply in replies:
                 if isinstance(reply, Exception):
                     raise reply
-        except Exception as exc:
-            self._raise_unavailable(exc)
-            raise
-        self._available = True
+            return replies
+
+        replies = await self._run(call)
         return [
             unpack_reply(reply, rules)[1]
             for reply, (_key, rules, _cost) in zip(replies, checks, strict=True)
         ]
 
     async def start(self) -> None:
-        """Load every script (best effort: a down Redis is reported, not raised)."""
+        """Open the pool's connections and load every script.
+
+        Best effort: a down Redis is logged and shows in ``available``, it does
+        not raise. Opening the connections now keeps a first burst of checks
+        from connecting dozens of sockets at once under the connect timeout.
+        """
         try:
+            pool = self.redis.connection_pool
+            held: list[Any] = []
+            try:
+                # A few at a time: each handshake costs this loop CPU, and dozens at
+                # once would run past the connect timeout themselves.
+                while len(held) < self.max_connections:
+                    batch = min(8, self.max_connections - len(held))
+                    held += await asyncio.gather(*(pool.get_connection() for _ in range(batch)))
+            finally:
+                for connection in held:
+                    await pool.release(connection)
             await self._load(SCRIPTS.values())
         except Exception as exc:
             if not _is_unavailable(exc):
@@ -243,7 +273,12 @@ class RedisBackend:
             self._available = True
 
     async def close(self) -> None:
-        await self.redis.aclose()
+        """Close every connection; never raises for a slow or gone Redis."""
+        try:
+            await self.redis.aclose()
+        except _PING_ERRORS as exc:
+            # Every socket's close was started; only waiting for one timed out.
+            logger.debug("closing connections to redis at %s: %s", self.url, exc)
 
     # ------------------------------------------------------------------ helpers
 
@@ -251,11 +286,43 @@ class RedisBackend:
         """One PING within the timeouts; never raises."""
         try:
             await self.redis.ping()
-        except (RedisError, *_UNAVAILABLE_ERRORS):
+        except _PING_ERRORS:
             self._available = False
             return False
         self._available = True
         return True
+
+    async def _run(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run ``call`` in a call slot; map availability failures to BackendUnavailable."""
+        slots = self._slots
+        if slots.locked():
+            await self._queue()
+        else:
+            await slots.acquire()  # free: returns without suspending
+        try:
+            result = await call()
+        except Exception as exc:
+            self._raise_unavailable(exc)
+            raise
+        finally:
+            slots.release()
+        self._available = True
+        return result
+
+    async def _queue(self) -> None:
+        failures = self._failures
+        try:
+            async with asyncio.timeout(self.queue_timeout):
+                await self._slots.acquire()
+        except TimeoutError:
+            self._available = False
+            raise BackendUnavailable(
+                f"redis at {self.url}: no call slot free within {self.queue_timeout}s "
+                f"({self.max_connections} calls in flight; overloaded)"
+            ) from None
+        if failures != self._failures:
+            self._slots.release()
+            raise BackendUnavailable(f"redis at {self.url}: failed while this call was queued")
 
     async def _pipeline(self, calls: Sequence[tuple[Script, list[str], list[str]]]) -> list[Any]:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -273,6 +340,7 @@ class RedisBackend:
         """Turn an availability failure into :class:`BackendUnavailable`; else return."""
         if _is_unavailable(exc):
             self._available = False
+            self._failures += 1
             raise BackendUnavailable(f"redis at {self.url}: {type(exc).__name__}: {exc}") from exc
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
+from decimal import Decimal
 
 ALGORITHMS = ("token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_window")
 ALGORITHM_ALIASES = {
@@ -77,7 +78,7 @@ def normalize_algorithm(name: str) -> str:
 
 def parse_period(text: str) -> float:
     """``"minute"`` -> 60.0, ``"10s"`` -> 10.0, ``"5 minutes"`` -> 300.0."""
-    match = _PERIOD_RE.match(text.strip().replace(" ", ""))
+    match = _PERIOD_RE.match(text.strip())
     if not match:
         raise RuleError(f"cannot read period {text!r}: expected e.g. 'second', '10s', '5 minutes'")
     count, unit = match.groups()
@@ -92,7 +93,14 @@ def parse_period(text: str) -> float:
 
 def describe_period(period: float) -> str:
     word = _UNIT_WORDS.get(period)
-    return word if word else f"{period:g}s"
+    if word:
+        return word
+    # Positional digits of the shortest repr: no exponent ("1e+06" is not a valid name
+    # and does not parse back) and no rounding to 6 digits (as "%g" does).
+    text = format(Decimal(repr(period)), "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return f"{text}s"
 
 
 @dataclass(frozen=True, slots=True)

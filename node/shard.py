@@ -41,6 +41,13 @@ from ring import EmptyRingError, RingView
 log = logging.getLogger("ringlimit.node")
 
 
+def exhausted_for(rule: Rule) -> float:
+    """How long a state exhausted at once stays distinguishable from a fresh one."""
+    algorithm = REGISTRY[rule.algorithm]
+    state, _ = algorithm.decide(None, 0.0, rule, rule.capacity)
+    return algorithm.fresh_at(state, rule)
+
+
 class NotOwner(Exception):
     """This node does not own the key under the newest view it knows."""
 
@@ -258,9 +265,13 @@ class Shard:
         for rule in rules:
             if (rule.crash_policy or policy) != "conservative":
                 continue
-            if at + rule.period <= now or self.store.get(rule, key) is not None:
+            if self.store.get(rule, key) is not None:
                 continue
-            state, _ = REGISTRY[rule.algorithm].decide(None, at, rule, rule.capacity)
+            algorithm = REGISTRY[rule.algorithm]
+            state, _ = algorithm.decide(None, at, rule, rule.capacity)
+            # An exhausted bucket with burst > limit takes longer than a period to refill.
+            if algorithm.fresh_at(state, rule) <= now:
+                continue
             self.store.put(rule, key, state)
             self.stats.conservative_keys += 1
 
@@ -338,7 +349,7 @@ class Shard:
                     previous,
                     frozenset(crashed),
                     now,
-                    now + max(r.period for r in conservative_rules),
+                    now + max(exhausted_for(r) for r in conservative_rules),
                 )
             )
         senders: set[str] = set()

@@ -21,12 +21,16 @@ the node counts it in a metric and logs it: never silent.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from node.algorithms import REGISTRY, Algorithm, State
-from node.decision import STORE_FULL, Decision, Verdict, most_restrictive
+from node.decision import STORE_FULL, Verdict, most_restrictive
 from node.limiter import decide_all
 from node.rules import Rule
+
+#: Builds a Verdict without the NamedTuple's Python-level __new__ (hot path).
+_verdict = partial(tuple.__new__, Verdict)
 
 #: One exported state: [rule name, algorithm, key, state relative to the exporter's now].
 Record = list[Any]
@@ -117,7 +121,7 @@ class MemoryStore:
                 states[key] = new
                 if self.dirty is not None:
                     self.dirty.add(key)
-            return Verdict(decision.allowed, decision, (decision,))
+            return _verdict((decision[0], decision, (decision,)))
         tables = [self.table(rule) for rule in rules]
         old = [t.states.get(key) for t in tables]
         if self.max_keys is not None and any(s is None for s in old) and not self._has_room(now):
@@ -152,13 +156,37 @@ class MemoryStore:
     def _store_full_many(
         self, rules: Sequence[Rule], key: str, now: float, cost: int, old: list[State]
     ) -> Verdict:
-        decisions: list[Decision] = []
-        for rule, state in zip(rules, old, strict=True):
+        """Some rules have no state for ``key`` and there is no room to add one.
+
+        The rules that already have a state are decided (and keep counting) as usual;
+        the missing ones follow their ``on_error``: decided on a fresh state and not
+        stored ("open"), or refusing the request ("closed").
+        """
+        tables = [self.table(rule) for rule in rules]
+        new_states, verdict = decide_all(old, now, rules, cost)
+        decisions = list(verdict.decisions)
+        allowed = verdict.allowed
+        for i, (rule, state) in enumerate(zip(rules, old, strict=True)):
+            if state is not None:
+                continue
+            self.store_full_events += 1
+            if self.on_store_full is not None:
+                self.on_store_full(rule, key)
+            if rule.on_error == "closed" and decisions[i].allowed:
+                allowed = False
+                decisions[i] = decisions[i]._replace(allowed=False, retry_after=None)
+        if allowed and cost:
+            for table, before, after in zip(tables, old, new_states, strict=True):
+                if before is not None and after is not before:
+                    table.states[key] = after
+        elif not allowed and verdict.allowed and cost:
+            # A closed rule refused: nothing was consumed, so show what is really left.
+            for i, (rule, state) in enumerate(zip(rules, old, strict=True)):
+                if decisions[i].allowed:
+                    decisions[i] = REGISTRY[rule.algorithm].decide(state, now, rule, 0)[1]
+        for i, state in enumerate(old):
             if state is None:
-                decisions.append(self._store_full(rule, key, now, cost).decision)
-            else:
-                decisions.append(REGISTRY[rule.algorithm].decide(state, now, rule, cost)[1])
-        allowed = all(d.allowed for d in decisions)
+                decisions[i] = decisions[i]._replace(reason=decisions[i].reason or STORE_FULL)
         return Verdict(allowed, most_restrictive(decisions), tuple(decisions))
 
     # ------------------------------------------------------------------ eviction

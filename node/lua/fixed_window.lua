@@ -1,0 +1,61 @@
+-- fixed_window.lua: ALG.fixed_window, node.algorithms.fixed_window in Lua (a fragment).
+-- KEYS: one state key per rule; a string "<window_start> <count>" ('%.17g' each) with a
+--   PX TTL ending at fresh_at = window_start + period; absent = fresh. A key's first
+--   window is aligned to floor(now / period) * period, later ones continue its grid.
+-- ARGV: none read here; the rule fields come from check.lua's per-rule ARGV
+--   (p.limit, p.period).
+do
+  local function read(key)
+    local s = redis.call('GET', key)
+    if not s then
+      return nil
+    end
+    local a, b = string.match(s, '^(%S+) (%S+)$')
+    return tonumber(a), tonumber(b)
+  end
+
+  ALG.fixed_window = {
+    decide = function(key, now, p, cost)
+      local period = p.period
+      local limit = p.limit
+      local start, count = read(key)
+      if start == nil then
+        start = floor(now / period) * period
+        count = 0
+      elseif now >= start + period then
+        start = advance(start, now, period)
+        count = 0
+      end
+      local need = cost
+      if need == 0 then
+        need = 1
+      end
+      local reset_after = start + period - now
+      if need > limit then
+        local reset = 0.0
+        if count ~= 0 then
+          reset = reset_after
+        end
+        return { false, limit - count, reset, nil, COST_EXCEEDS_CAPACITY }
+      end
+      if count + need <= limit then
+        local pending = nil
+        if cost ~= 0 then
+          count = count + cost
+          pending = { start, count }
+        end
+        local reset = 0.0
+        if count ~= 0 then
+          reset = reset_after
+        end
+        return { true, limit - count, reset }, pending
+      end
+      return { false, limit - count, reset_after, reset_after }
+    end,
+
+    commit = function(key, s, now, p)
+      local fresh_at = s[1] + p.period
+      redis.call('SET', key, fmt(s[1]) .. ' ' .. fmt(s[2]), 'PX', ttl_ms(fresh_at, now))
+    end,
+  }
+end

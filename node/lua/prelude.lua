@@ -1,0 +1,72 @@
+-- prelude.lua: the shared head of every ringlimit script (a fragment, not a script).
+-- KEYS: none read here (see check.lua: KEYS[i] is the state key of rule i).
+-- ARGV: reads the call header, ARGV[1] = now in seconds as a float string ('' = take
+--   it from Redis TIME), ARGV[2] = cost (integer >= 0), ARGV[3] = TTL slack in ms.
+--
+-- Every algorithm fragment registers ALG.<name> = {decide = ..., commit = ...}:
+--   decide(key, now, p, cost) -> decision, pending
+--     reads the state (never writes); decision = {allowed, remaining, reset_after,
+--     retry_after or nil, reason or nil}; pending is the state to store, or nil when
+--     nothing changes (peeks and denials).
+--   commit(key, pending, now, p)
+--     stores pending with a TTL that ends when the state is fresh again (fresh_at).
+-- The arithmetic repeats node/algorithms.py operation for operation (same formulas,
+-- same order, same EPS, same clamping), so both give identical decisions. Floats are
+-- stored and returned with '%.17g' (exact round trip); Lua's tostring keeps only 14
+-- digits, so it is never used on a float.
+
+local EPS = 1e-9
+-- GCRA's slack in units (its tat picks up about ulp(now) of rounding per addition).
+local UNIT_EPS = 1e-6
+local floor = math.floor
+local ceil = math.ceil
+local COST_EXCEEDS_CAPACITY = 'cost_exceeds_capacity'
+local ALG = {}
+
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+local NOW
+if ARGV[1] == '' then
+  -- Effects replication is the default since Redis 5 and the only mode in 7; older
+  -- servers need it switched on before a non-deterministic command precedes writes.
+  if redis.replicate_commands then
+    redis.replicate_commands()
+  end
+  local t = redis.call('TIME')
+  NOW = tonumber(t[1]) + tonumber(t[2]) / 1000000
+else
+  NOW = tonumber(ARGV[1])
+end
+local COST = tonumber(ARGV[2])
+local SLACK_MS = tonumber(ARGV[3]) or 0
+if NOW == nil or COST == nil or COST < 0 or COST ~= floor(COST) then
+  return redis.error_reply('ERR ringlimit: bad call header (now, cost, slack)')
+end
+
+-- node.algorithms._advance: move a window start forward to the window holding now;
+-- returns the new start and how many windows it moved (at least one, corrected
+-- until now is inside, since floor((now - start) / period) can round low).
+local function advance(start, now, period)
+  local windows = floor((now - start) / period)
+  if windows < 1 then
+    windows = 1
+  end
+  start = start + windows * period
+  while now >= start + period do
+    start = start + period
+    windows = windows + 1
+  end
+  return start, windows
+end
+
+-- Milliseconds until fresh_at (rounded up, so a key never outlives its state by less
+-- than nothing), plus the configured slack; at least 1 ms.
+local function ttl_ms(fresh_at, now)
+  local ms = ceil((fresh_at - now) * 1000) + SLACK_MS
+  if ms < 1 then
+    ms = 1
+  end
+  return string.format('%.0f', ms)
+end

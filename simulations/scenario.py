@@ -1,0 +1,661 @@
+"""Scenario files: what to simulate, read from TOML and validated up front.
+
+Every problem is a :class:`ScenarioError` whose message names the file, the
+key (``events[2].node``) and what is wrong with it, so a typo fails before a
+long run starts rather than in the middle of it. Unknown keys are refused: a
+misspelt ``hot_shar`` would otherwise silently simulate something else.
+
+The file format is documented in ``docs/simulations.md``; ``to_dict`` echoes
+the parsed scenario into the JSON report.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from node.rules import Rule, RuleError, parse_rule
+
+#: Every mode the simulator knows, in report order. ``global`` is the reference.
+MODES = ("global", "handoff", "reset", "conservative", "replica", "round_robin")
+#: Modes that route each user to the ring owner of its key.
+STICKY_MODES = ("handoff", "reset", "conservative", "replica")
+EVENT_TYPES = ("join", "leave", "crash", "restart")
+POPULARITIES = ("uniform", "zipf")
+PROCESSES = ("poisson", "bursty")
+#: What handoff mode may do with the keys of a crashed node (a crash cannot hand off).
+HANDOFF_CRASH_POLICIES = ("reset", "conservative")
+
+MAX_USERS = 50_000_000
+MAX_NODES = 1_000
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([a-z]+)\s*$", re.IGNORECASE)
+_UNITS = {
+    "ms": 0.001,
+    "s": 1.0,
+    "sec": 1.0,
+    "second": 1.0,
+    "seconds": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "minute": 60.0,
+    "minutes": 60.0,
+    "h": 3600.0,
+    "hour": 3600.0,
+    "hours": 3600.0,
+}
+_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be simulated; the message names file, key and problem."""
+
+
+# --------------------------------------------------------------------------- parsed form
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    id: str
+    weight: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "weight": self.weight}
+
+
+@dataclass(frozen=True, slots=True)
+class UsersSpec:
+    count: int
+    popularity: str = "zipf"
+    exponent: float = 1.0
+    hot_users: int = 0
+    hot_share: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "popularity": self.popularity,
+            "exponent": self.exponent,
+            "hot_users": self.hot_users,
+            "hot_share": self.hot_share,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalSpec:
+    rate: float
+    process: str = "poisson"
+    burst_factor: float = 10.0
+    burst_fraction: float = 0.1
+    burst_duration: float = 2.0
+    cost: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"rate": self.rate, "process": self.process, "cost": self.cost}
+        if self.process == "bursty":
+            data |= {
+                "burst_factor": self.burst_factor,
+                "burst_fraction": self.burst_fraction,
+                "burst_duration_s": self.burst_duration,
+            }
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class EventSpec:
+    """One event as written; ``index`` is its position in the file's ``events``."""
+
+    index: int
+    at: float
+    type: str
+    node: str
+    weight: int = 1
+    graceful: bool = True
+    downtime: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"at_s": self.at, "type": self.type, "node": self.node}
+        if self.type == "join":
+            data["weight"] = self.weight
+        if self.type == "restart":
+            data |= {"graceful": self.graceful, "downtime_s": self.downtime}
+            if self.weight:
+                data["weight"] = self.weight
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class ReportSpec:
+    bucket: float
+    window: float
+    event_window: float
+    event_bucket: float
+    agreement_tolerance: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bucket_s": self.bucket,
+            "window_s": self.window,
+            "event_window_s": self.event_window,
+            "event_bucket_s": self.event_bucket,
+            "agreement_tolerance": self.agreement_tolerance,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    description: str
+    source: str
+    seed: int
+    duration: float
+    clock_start: float
+    nodes: tuple[NodeSpec, ...]
+    users: UsersSpec
+    arrivals: ArrivalSpec
+    rules: tuple[Rule, ...]
+    modes: tuple[str, ...]
+    replication_interval: float
+    handoff_crash_policy: str
+    events: tuple[EventSpec, ...]
+    report: ReportSpec
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def end(self) -> float:
+        return self.clock_start + self.duration
+
+    def with_seed(self, seed: int) -> Scenario:
+        return replace(self, seed=int(seed))
+
+    def with_modes(self, modes: tuple[str, ...]) -> Scenario:
+        return replace(self, modes=_order_modes(modes))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "source": self.source,
+            "seed": self.seed,
+            "duration_s": self.duration,
+            "clock_start": self.clock_start,
+            "nodes": [n.to_dict() for n in self.nodes],
+            "users": self.users.to_dict(),
+            "arrivals": self.arrivals.to_dict(),
+            "rules": [r.to_dict() for r in self.rules],
+            "modes": list(self.modes),
+            "replication_interval_s": self.replication_interval,
+            "handoff_crash_policy": self.handoff_crash_policy,
+            "events": [e.to_dict() for e in self.events],
+            "report": self.report.to_dict(),
+        }
+
+
+def _order_modes(modes: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    wanted = set(modes) | {"global"}
+    return tuple(m for m in MODES if m in wanted)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Reader:
+    """Typed access to one table of the TOML document, with errors that name the key."""
+
+    def __init__(self, source: str, prefix: str, data: Any) -> None:
+        self.source = source
+        self.prefix = prefix
+        if not isinstance(data, Mapping):
+            raise self.error("", f"must be a table, got {_kind(data)}")
+        self.data = data
+
+    def key(self, name: str) -> str:
+        if not name:
+            return self.prefix or "<top level>"
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    def error(self, name: str, problem: str) -> ScenarioError:
+        return ScenarioError(f"{self.source}: {self.key(name)}: {problem}")
+
+    def only(self, allowed: set[str] | frozenset[str]) -> None:
+        unknown = sorted(set(self.data) - set(allowed))
+        if unknown:
+            raise self.error(
+                unknown[0],
+                f"unknown key (expected one of: {', '.join(sorted(allowed))})",
+            )
+
+    def has(self, name: str) -> bool:
+        return name in self.data
+
+    def sub(self, name: str, *, required: bool = True) -> _Reader:
+        if name not in self.data:
+            if required:
+                raise self.error(name, "missing required table")
+            return _Reader(self.source, self.key(name), {})
+        return _Reader(self.source, self.key(name), self.data[name])
+
+    def string(
+        self, name: str, default: str | None = None, *, choices: tuple[str, ...] = ()
+    ) -> str:
+        value = self.data.get(name, default)
+        if value is None:
+            raise self.error(name, "missing required key")
+        if not isinstance(value, str):
+            raise self.error(name, f"must be a string, got {_kind(value)}")
+        if choices and value not in choices:
+            raise self.error(name, f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    def integer(
+        self,
+        name: str,
+        default: int | None = None,
+        *,
+        low: int | None = None,
+        high: int | None = None,
+    ) -> int:
+        value = self.data.get(name, default)
+        if value is None:
+            raise self.error(name, "missing required key")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(name, f"must be an integer, got {_kind(value)}")
+        if low is not None and value < low:
+            raise self.error(name, f"must be >= {low}, got {value}")
+        if high is not None and value > high:
+            raise self.error(name, f"must be <= {high}, got {value}")
+        return value
+
+    def number(
+        self,
+        name: str,
+        default: float | None = None,
+        *,
+        low: float | None = None,
+        high: float | None = None,
+        low_open: bool = False,
+    ) -> float:
+        value = self.data.get(name, default)
+        if value is None:
+            raise self.error(name, "missing required key")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.error(name, f"must be a number, got {_kind(value)}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise self.error(name, f"must be finite, got {value}")
+        if low is not None and (value <= low if low_open else value < low):
+            raise self.error(name, f"must be {'>' if low_open else '>='} {low:g}, got {value:g}")
+        if high is not None and value > high:
+            raise self.error(name, f"must be <= {high:g}, got {value:g}")
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.data.get(name, default)
+        if not isinstance(value, bool):
+            raise self.error(name, f"must be true or false, got {_kind(value)}")
+        return value
+
+    def duration(
+        self, name: str, default: float | str | None = None, *, allow_zero: bool = False
+    ) -> float:
+        value = self.data.get(name, default)
+        if value is None:
+            raise self.error(name, "missing required key")
+        try:
+            seconds = parse_duration(value)
+        except ValueError as exc:
+            raise self.error(name, str(exc)) from None
+        if seconds < 0 or (seconds == 0 and not allow_zero):
+            raise self.error(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+        return seconds
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, Mapping):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return f"{type(value).__name__} {value!r}"
+
+
+def parse_duration(value: object) -> float:
+    """``"100ms"`` -> 0.1, ``"2s"`` -> 2.0, ``"5 min"`` -> 300.0; a bare number is seconds."""
+    if isinstance(value, bool):
+        raise ValueError(
+            f"a duration must be a number of seconds or a string like '2s', got {value!r}"
+        )
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        match = _DURATION_RE.match(value)
+        if not match:
+            raise ValueError(
+                f"cannot read duration {value!r}: expected a number of seconds or e.g. "
+                "'100ms', '2s', '5min', '1h'"
+            )
+        unit = _UNITS.get(match.group(2).lower())
+        if unit is None:
+            raise ValueError(
+                f"unknown time unit {match.group(2)!r} in {value!r}: use ms, s, min or h"
+            )
+        seconds = float(match.group(1)) * unit
+    else:
+        raise ValueError(
+            f"a duration must be a number of seconds or a string like '2s', got {_kind(value)}"
+        )
+    if not math.isfinite(seconds):
+        raise ValueError(f"duration {value!r} is not finite")
+    return seconds
+
+
+_TOP = frozenset({"scenario", "cluster", "users", "arrivals", "rules", "modes", "events", "report"})
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario file."""
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ScenarioError(f"{path}: no such scenario file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"{path}: not valid TOML: {exc}") from None
+    return parse_scenario(data, source=str(path))
+
+
+def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Scenario:
+    """Validate an already-decoded scenario document."""
+    top = _Reader(source, "", data)
+    top.only(_TOP)
+
+    sc = top.sub("scenario")
+    sc.only({"name", "description", "duration", "seed", "clock_start"})
+    name = sc.string("name")
+    description = sc.string("description", "")
+    duration = sc.duration("duration")
+    seed = sc.integer("seed", 0, low=0)
+    clock_start = sc.number("clock_start", 0.0, low=0.0)
+
+    nodes = _read_nodes(top.sub("cluster"))
+    users = _read_users(top.sub("users"))
+    arrivals = _read_arrivals(top.sub("arrivals"))
+    rules = _read_rules(top)
+
+    md = top.sub("modes", required=False)
+    md.only({"run", "replication_interval", "handoff_crash_policy"})
+    run = md.data.get("run", list(MODES))
+    if not isinstance(run, list) or not all(isinstance(m, str) for m in run):
+        raise md.error("run", f"must be an array of mode names, got {_kind(run)}")
+    for i, mode in enumerate(run):
+        if mode not in MODES:
+            raise md.error(
+                f"run[{i}]", f"unknown mode {mode!r}: expected one of {', '.join(MODES)}"
+            )
+    replication_interval = md.duration("replication_interval", "100ms")
+    handoff_crash = md.string("handoff_crash_policy", "reset", choices=HANDOFF_CRASH_POLICIES)
+
+    events = _read_events(top, duration, nodes)
+
+    rp = top.sub("report", required=False)
+    rp.only({"bucket", "window", "event_window", "event_bucket", "agreement_tolerance"})
+    default_bucket = _nice_bucket(duration / 120)
+    bucket = rp.duration("bucket", default_bucket)
+    window = rp.duration("window", max(r.period for r in rules))
+    event_window = rp.duration("event_window", min(duration / 4, 10 * bucket))
+    event_bucket = rp.duration("event_bucket", event_window / 20)
+    if event_bucket > event_window:
+        raise rp.error("event_bucket", "must not exceed event_window")
+    tolerance = rp.number("agreement_tolerance", 0.01, low=0.0, high=1.0)
+    for key, value in (("bucket", bucket), ("event_bucket", event_bucket)):
+        if duration / value > 100_000:
+            raise rp.error(
+                key, f"too fine: {duration / value:.0f} buckets over the run (max 100000)"
+            )
+
+    return Scenario(
+        name=name,
+        description=description,
+        source=Path(source).name,
+        seed=seed,
+        duration=duration,
+        clock_start=clock_start,
+        nodes=nodes,
+        users=users,
+        arrivals=arrivals,
+        rules=rules,
+        modes=_order_modes(run),
+        replication_interval=replication_interval,
+        handoff_crash_policy=handoff_crash,
+        events=events,
+        report=ReportSpec(bucket, window, event_window, event_bucket, tolerance),
+        raw=data,
+    )
+
+
+def _nice_bucket(seconds: float) -> float:
+    """Round a bucket length to 1, 2 or 5 times a power of ten."""
+    if seconds <= 0:
+        return 1.0
+    exp = math.floor(math.log10(seconds))
+    for mult in (1, 2, 5, 10):
+        value = mult * 10.0**exp
+        if value >= seconds:
+            return float(f"{value:.6g}")
+    return float(f"{10.0 ** (exp + 1):.6g}")
+
+
+def _check_id(reader: _Reader, key: str, value: object) -> str:
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise reader.error(
+            key, f"node id must be 1-64 letters, digits or _.:- characters, got {_kind(value)}"
+        )
+    return value
+
+
+def _read_nodes(cl: _Reader) -> tuple[NodeSpec, ...]:
+    cl.only({"nodes", "weights"})
+    raw = cl.data.get("nodes")
+    if raw is None:
+        raise cl.error("nodes", "missing required key (a node count or an array of node ids)")
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        if not 1 <= raw <= MAX_NODES:
+            raise cl.error("nodes", f"must be 1..{MAX_NODES} nodes, got {raw}")
+        ids = [f"n{i}" for i in range(1, raw + 1)]
+    elif isinstance(raw, list):
+        if not raw:
+            raise cl.error("nodes", "must name at least one node")
+        if len(raw) > MAX_NODES:
+            raise cl.error("nodes", f"at most {MAX_NODES} nodes")
+        ids = [_check_id(cl, f"nodes[{i}]", v) for i, v in enumerate(raw)]
+        seen: set[str] = set()
+        for i, node_id in enumerate(ids):
+            if node_id in seen:
+                raise cl.error(f"nodes[{i}]", f"duplicate node id {node_id!r}")
+            seen.add(node_id)
+    else:
+        raise cl.error("nodes", f"must be a node count or an array of node ids, got {_kind(raw)}")
+    weights = cl.sub("weights", required=False)
+    for node_id in weights.data:
+        if node_id not in ids:
+            raise weights.error(node_id, "no such node in cluster.nodes")
+    return tuple(
+        NodeSpec(node_id, weights.integer(node_id, 1, low=1, high=1000)) for node_id in ids
+    )
+
+
+def _read_users(us: _Reader) -> UsersSpec:
+    us.only({"count", "popularity", "exponent", "hot_users", "hot_share"})
+    count = us.integer("count", low=1, high=MAX_USERS)
+    popularity = us.string("popularity", "zipf", choices=POPULARITIES)
+    if popularity == "uniform" and us.has("exponent"):
+        raise us.error("exponent", "only applies to popularity = 'zipf'")
+    exponent = us.number("exponent", 1.0, low=0.0, high=10.0)
+    hot_users = us.integer("hot_users", 0, low=0, high=count)
+    hot_share = us.number("hot_share", 0.0, low=0.0, high=1.0)
+    if hot_share > 0 and hot_users == 0:
+        raise us.error("hot_users", "must be >= 1 when hot_share > 0")
+    if hot_users > 0 and not us.has("hot_share"):
+        raise us.error("hot_share", "missing: the share of all requests the hot users send")
+    return UsersSpec(count, popularity, exponent, hot_users, hot_share)
+
+
+def _read_arrivals(ar: _Reader) -> ArrivalSpec:
+    ar.only({"rate", "process", "burst_factor", "burst_fraction", "burst_duration", "cost"})
+    rate = ar.number("rate", low=0.0, low_open=True, high=1e8)
+    process = ar.string("process", "poisson", choices=PROCESSES)
+    if process == "poisson":
+        for key in ("burst_factor", "burst_fraction", "burst_duration"):
+            if ar.has(key):
+                raise ar.error(key, "only applies to process = 'bursty'")
+    factor = ar.number("burst_factor", 10.0, low=1.0)
+    fraction = ar.number("burst_fraction", 0.1, low=0.0, high=1.0, low_open=True)
+    if fraction >= 1.0:
+        raise ar.error("burst_fraction", "must be below 1 (some time must be calm)")
+    burst_duration = ar.duration("burst_duration", 2.0)
+    cost = ar.integer("cost", 1, low=1, high=1_000_000)
+    return ArrivalSpec(rate, process, factor, fraction, burst_duration, cost)
+
+
+def _read_rules(top: _Reader) -> tuple[Rule, ...]:
+    raw = top.data.get("rules")
+    if raw is None:
+        raise top.error("rules", "missing: at least one [[rules]] table")
+    if not isinstance(raw, list) or not raw:
+        raise top.error("rules", f"must be one or more [[rules]] tables, got {_kind(raw)}")
+    rules: list[Rule] = []
+    for i, item in enumerate(raw):
+        rd = _Reader(top.source, f"rules[{i}]", item)
+        rd.only({"limit", "algorithm", "burst", "name"})
+        text = rd.string("limit")
+        algorithm = rd.string("algorithm", "token_bucket")
+        burst = rd.integer("burst", 0, low=0) or None
+        name = rd.string("name", "") or None
+        try:
+            rule = parse_rule(text, name=name, algorithm=algorithm, burst=burst)
+        except RuleError as exc:
+            key = "algorithm" if "algorithm" in str(exc) else "limit"
+            raise rd.error(key, str(exc)) from None
+        if any(r.name == rule.name for r in rules):
+            raise rd.error("name", f"duplicate rule name {rule.name!r}; give each rule a name")
+        rules.append(rule)
+    return tuple(rules)
+
+
+def _read_events(
+    top: _Reader, duration: float, nodes: tuple[NodeSpec, ...]
+) -> tuple[EventSpec, ...]:
+    raw = top.data.get("events", [])
+    if not isinstance(raw, list):
+        raise top.error("events", f"must be an array of [[events]] tables, got {_kind(raw)}")
+    events: list[EventSpec] = []
+    for i, item in enumerate(raw):
+        ev = _Reader(top.source, f"events[{i}]", item)
+        kind = ev.string("type", choices=EVENT_TYPES)
+        allowed = {"at", "type", "node"}
+        if kind == "join":
+            allowed |= {"weight"}
+        if kind == "restart":
+            allowed |= {"graceful", "downtime", "weight"}
+        ev.only(allowed)
+        at = ev.duration("at", allow_zero=True)
+        if at >= duration:
+            raise ev.error("at", f"must be before the end of the run ({duration:g}s), got {at:g}s")
+        node = _check_id(ev, "node", ev.data.get("node"))
+        # a join defaults to weight 1; a restart keeps the node's weight unless it names one
+        weight = (
+            ev.integer("weight", 1 if kind == "join" else 0, low=1, high=1000)
+            if ev.has("weight") or kind == "join"
+            else 0
+        )
+        graceful = ev.boolean("graceful", True)
+        downtime = ev.duration("downtime", 0.0, allow_zero=True)
+        if kind == "restart" and at + downtime >= duration:
+            raise ev.error(
+                "downtime", f"the node would rejoin at {at + downtime:g}s, after the run ends"
+            )
+        events.append(EventSpec(i, at, kind, node, weight, graceful, downtime))
+    _check_membership(top, events, nodes)
+    return tuple(events)
+
+
+def _check_membership(top: _Reader, events: list[EventSpec], nodes: tuple[NodeSpec, ...]) -> None:
+    """Replay the membership changes: joins must be new, removals must be members."""
+    members = {n.id for n in nodes}
+    for change in expand_events(events, {n.id: n.weight for n in nodes}):
+        ev = _Reader(top.source, f"events[{change.source}]", {})
+        if change.kind == "join":
+            if change.node in members:
+                what = "rejoins" if change.restart else "joins"
+                raise ev.error(
+                    "node", f"{change.node!r} {what} at {change.at:g}s but is already a member"
+                )
+            members.add(change.node)
+        else:
+            if change.node not in members:
+                raise ev.error(
+                    "node",
+                    f"{change.node!r} is not a member at {change.at:g}s (nothing to {change.kind})",
+                )
+            if len(members) == 1:
+                raise ev.error(
+                    "node", f"removing {change.node!r} at {change.at:g}s would leave the ring empty"
+                )
+            members.remove(change.node)
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One membership change on the ring, after expanding restarts.
+
+    ``kind`` is ``join``, ``leave`` (graceful) or ``crash``. A restart is a
+    leave (or a crash when ``graceful = false``) followed, ``downtime`` later,
+    by a join of the same id with empty state.
+    """
+
+    at: float
+    kind: str
+    node: str
+    weight: int
+    source: int
+    restart: bool
+
+
+def expand_events(
+    events: list[EventSpec] | tuple[EventSpec, ...], weights: dict[str, int]
+) -> list[Change]:
+    """Membership changes in time order (file order breaks ties)."""
+    weights = dict(weights)
+    staged: list[tuple[float, int, Change]] = []
+    order = 0
+    # A joining node's weight comes from its join event; a restarted node keeps its
+    # weight unless the restart names a new one.
+    for ev in events:
+        if ev.type == "join":
+            change = Change(ev.at, "join", ev.node, ev.weight or 1, ev.index, False)
+            staged.append((ev.at, order, change))
+        elif ev.type in ("leave", "crash"):
+            staged.append((ev.at, order, Change(ev.at, ev.type, ev.node, 0, ev.index, False)))
+        else:
+            kind = "leave" if ev.graceful else "crash"
+            staged.append((ev.at, order, Change(ev.at, kind, ev.node, 0, ev.index, True)))
+            order += 1
+            back = ev.at + ev.downtime
+            staged.append((back, order, Change(back, "join", ev.node, ev.weight, ev.index, True)))
+        order += 1
+    staged.sort(key=lambda item: (item[0], item[1]))
+    out: list[Change] = []
+    for _, _, change in staged:
+        if change.kind == "join":
+            weight = change.weight or weights.get(change.node, 1)
+            weights[change.node] = weight
+            change = replace(change, weight=weight)
+        else:
+            change = replace(change, weight=weights.get(change.node, 1))
+        out.append(change)
+    return out
