@@ -38,6 +38,7 @@ from node.identity import IdentityResolver
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.security import bearer, is_loopback, token_matches
 from ring import EmptyRingError, Member, RingView
+from router.coalesce import Coalescer
 from router.fastclient import FastForwarder
 from router.forward import AiohttpForwarder, Answer, Forwarder, Timeouts, Unreachable
 from router.membership import Membership, MembershipError
@@ -61,6 +62,8 @@ HOP_BY_HOP = frozenset(
 )
 CONTROL_PATHS = frozenset({"/healthz", "/metrics", "/v1/check"})
 MAX_ATTEMPTS = 3
+#: A coalesced check that must be routed again (the node refused it: ring change).
+_RETRY = object()
 
 
 @dataclass
@@ -79,6 +82,9 @@ class RouterSettings:
     health_checks: bool = True
     #: "fast" (router/fastclient.py, plain http) or "aiohttp" (also https).
     forwarder: str = "fast"
+    #: Hold single decision-API checks this long (seconds) to send them to their
+    #: node as one batch; 0 sends each at once.
+    coalesce_window: float = 0.0003
 
 
 class Router:
@@ -113,6 +119,11 @@ class Router:
             [(INTERNAL_TOKEN_HEADER.lower().encode(), settings.internal_token.encode())]
             if settings.internal_token
             else []
+        )
+        self.coalescer = (
+            Coalescer(self._send_coalesced, window=settings.coalesce_window)
+            if settings.coalesce_window > 0
+            else None
         )
         self.control = Starlette(routes=self._routes(), lifespan=self._lifespan)
 
@@ -362,10 +373,9 @@ class Router:
             checks, batch = parse_checks(parse_json(body, config), config)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        results = await self.route_checks(checks)
         if batch:
-            return JSONResponse({"results": results})
-        result = results[0]
+            return JSONResponse({"results": await self.route_checks(checks)})
+        result = await self.route_single(checks[0])
         if "error" in result:
             # No decision: say so with the status too, not a 200 carrying an error
             # (the request was valid here; the node could not answer it).
@@ -377,6 +387,31 @@ class Router:
                 else 200
             )
         return JSONResponse(result, status_code=status)
+
+    async def route_single(self, check: CheckRequest) -> dict[str, Any]:
+        """One check; concurrent singles for the same node leave as one batch."""
+        if self.coalescer is None:
+            return (await self.route_checks([check]))[0]
+        try:
+            member = self.pick(self.membership.view, check.key)
+        except (EmptyRingError, ZeroDivisionError):
+            return (await self.route_checks([check]))[0]
+        result = await self.coalescer.submit(member.id, (member, check))
+        if result is _RETRY:
+            return (await self.route_checks([check]))[0]
+        return result  # type: ignore[no-any-return]
+
+    async def _send_coalesced(
+        self, node_id: str, items: list[tuple[Member, CheckRequest]]
+    ) -> list[Any]:
+        checks = [check for _, check in items]
+        results: list[dict[str, Any] | None] = [None] * len(checks)
+        retry: list[int] = []
+        await self._run_group(items[0][0], list(range(len(checks))), checks, results, retry)
+        out: list[Any] = list(results)
+        for index in retry:
+            out[index] = _RETRY
+        return out
 
     async def route_checks(self, checks: list[CheckRequest]) -> list[dict[str, Any]]:
         results: list[dict[str, Any] | None] = [None] * len(checks)

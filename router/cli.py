@@ -96,6 +96,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     router.add_argument("--health-timeout", type=float, default=0.5)
     router.add_argument("--forward-timeout", type=float, default=30.0)
     router.add_argument(
+        "--coalesce-window",
+        type=float,
+        default=300.0,
+        metavar="MICROSECONDS",
+        help="hold single decision-API checks up to this long to batch them per node "
+        "(default 300; 0 turns coalescing off)",
+    )
+    router.add_argument(
         "--no-health-checks",
         action="store_true",
         help="do not remove unresponsive nodes from this router (run health checks on one "
@@ -255,6 +263,7 @@ def _run_router(args: argparse.Namespace) -> int:
         health_timeout=args.health_timeout,
         timeouts=Timeouts(total=args.forward_timeout),
         health_checks=not args.no_health_checks,
+        coalesce_window=args.coalesce_window / 1e6,
     )
     _warn_modes(config)
     serve_router(create_router(settings), host=args.host, port=args.port)

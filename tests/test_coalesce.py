@@ -1,0 +1,93 @@
+"""Coalescing concurrent single checks into per-node batches."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from node.clock import FrozenClock
+from node.config import ClusterConfig
+from router.coalesce import Coalescer
+from router.testing import InProcessCluster
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_concurrent_items_for_one_node_leave_as_one_batch() -> None:
+    sent: list[tuple[str, list[int]]] = []
+
+    async def send(node: str, items: list[int]) -> list[int]:
+        sent.append((node, list(items)))
+        return [i * 10 for i in items]
+
+    coalescer = Coalescer(send, window=0.01)
+    futures = [coalescer.submit("a" if i % 2 else "b", i) for i in range(10)]
+    results = await asyncio.gather(*futures)
+    assert results == [i * 10 for i in range(10)]
+    assert sorted(node for node, _ in sent) == ["a", "b"]
+    assert coalescer.batches == 2 and coalescer.items == 10
+
+
+async def test_a_lone_item_waits_no_longer_than_the_window() -> None:
+    async def send(node: str, items: list[int]) -> list[int]:
+        return items
+
+    coalescer = Coalescer(send, window=0.002)
+    started = time.perf_counter()
+    assert await coalescer.submit("a", 7) == 7
+    assert time.perf_counter() - started < 0.5  # the window, plus a loaded machine's slack
+
+
+async def test_a_full_batch_leaves_before_the_window_ends() -> None:
+    async def send(node: str, items: list[int]) -> list[int]:
+        return items
+
+    coalescer = Coalescer(send, window=60.0, max_batch=4)
+    results = await asyncio.wait_for(
+        asyncio.gather(*(coalescer.submit("a", i) for i in range(4))), timeout=5
+    )
+    assert results == [0, 1, 2, 3]
+
+
+async def test_a_failed_batch_fails_every_waiter() -> None:
+    async def send(node: str, items: list[int]) -> list[int]:
+        raise RuntimeError("node gone")
+
+    coalescer = Coalescer(send, window=0.001)
+    futures = [coalescer.submit("a", i) for i in range(3)]
+    for future in futures:
+        with pytest.raises(RuntimeError):
+            await future
+
+
+@pytest.mark.parametrize("window", [0.0, 0.005])
+async def test_router_singles_are_coalesced_and_answered_exactly(window: float) -> None:
+    config = ClusterConfig.from_dict({"rules": [{"name": "api", "rate": "3/minute"}]})
+    cluster = InProcessCluster(3, config, clock=FrozenClock())
+    cluster.router.settings.coalesce_window = window
+    async with cluster:
+        if window == 0.0:
+            cluster.router.coalescer = None
+        users = [f"user-{i}" for i in range(12)]
+        asked = [u for u in users for _ in range(4)]
+        responses = await asyncio.gather(
+            *(cluster.client.post("/v1/check", json={"key": u}) for u in asked)
+        )
+        allowed: dict[str, int] = {}
+        for user, response in zip(asked, responses, strict=True):
+            assert response.status_code == 200
+            body = response.json()
+            assert body["node"] == cluster.owner(user)
+            allowed[user] = allowed.get(user, 0) + body["allowed"]
+        # Each user gets exactly 3 of 4, whatever the batching.
+        assert allowed == dict.fromkeys(users, 3)
+        if cluster.router.coalescer is not None:
+            assert cluster.router.coalescer.items == 48
+            assert cluster.router.coalescer.batches < 48
