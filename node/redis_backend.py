@@ -245,32 +245,35 @@ class RedisBackend:
         ]
 
     async def start(self) -> None:
-        """Open the pool's connections and load every script.
+        """Load every script, then open the pool's connections.
 
         Best effort: a down Redis is logged and shows in ``available``, it does
         not raise. Opening the connections now keeps a first burst of checks
         from connecting dozens of sockets at once under the connect timeout.
         """
         try:
-            pool = self.redis.connection_pool
-            held: list[Any] = []
-            try:
-                # A few at a time: each handshake costs this loop CPU, and dozens at
-                # once would run past the connect timeout themselves.
-                while len(held) < self.max_connections:
-                    batch = min(8, self.max_connections - len(held))
-                    held += await asyncio.gather(*(pool.get_connection() for _ in range(batch)))
-            finally:
-                for connection in held:
-                    await pool.release(connection)
             await self._load(SCRIPTS.values())
         except Exception as exc:
             if not _is_unavailable(exc):
                 raise
             self._available = False
             logger.warning("redis at %s unavailable at start: %s", self.url, exc)
-        else:
-            self._available = True
+            return
+        self._available = True
+        await self._warm()
+
+    async def _warm(self) -> None:
+        """Open up to ``max_connections`` connections, one at a time; stop at a failure."""
+        pool = self.redis.connection_pool
+        held: list[Any] = []
+        try:
+            while len(held) < self.max_connections:
+                held.append(await pool.get_connection())
+        except _PING_ERRORS as exc:
+            logger.debug("warming connections to redis at %s: %s", self.url, exc)
+        finally:
+            for connection in held:
+                await pool.release(connection)
 
     async def close(self) -> None:
         """Close every connection; never raises for a slow or gone Redis."""

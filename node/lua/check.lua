@@ -6,7 +6,7 @@
 -- ARGV[1] now ('' = Redis TIME), ARGV[2] cost, ARGV[3] TTL slack in ms (see prelude),
 --   then 6 per rule i, from ARGV[4 + 6 * (i - 1)]: algorithm, limit, period, capacity,
 --   rate, interval (floats as Python repr, so they parse to the engine's exact values).
--- Reply: { now ('%.17g'), allowed (1/0), then 5 per rule: allowed (1/0),
+-- Reply: { now (ARGV[1], or '%.17g' of TIME), allowed (1/0), then 5 per rule: allowed (1/0),
 --   remaining (integer), reset_after ('%.17g'), retry_after ('%.17g' or nil),
 --   reason (string or nil) }.
 
@@ -57,7 +57,8 @@ elseif COST ~= 0 then
   end
 end
 
-local reply = { fmt(NOW), allowed and 1 or 0 }
+-- An injected now comes back as it was sent (it parsed to NOW exactly).
+local reply = { ARGV[1] ~= '' and ARGV[1] or fmt(NOW), allowed and 1 or 0 }
 for i = 1, n do
   local d = decisions[i]
   reply[#reply + 1] = d[1] and 1 or 0

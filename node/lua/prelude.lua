@@ -12,8 +12,8 @@
 --     stores pending with a TTL that ends when the state is fresh again (fresh_at).
 -- The arithmetic repeats node/algorithms.py operation for operation (same formulas,
 -- same order, same EPS, same clamping), so both give identical decisions. Floats are
--- stored and returned with '%.17g' (exact round trip); Lua's tostring keeps only 14
--- digits, so it is never used on a float.
+-- stored and returned with '%.17g' (exact round trip; an injected now is returned as
+-- sent); Lua's tostring keeps only 14 digits, so it is never used on a float.
 
 local EPS = 1e-9
 -- GCRA's slack in units (its tat picks up about ulp(now) of rounding per addition).
@@ -29,9 +29,10 @@ end
 
 local NOW
 if ARGV[1] == '' then
-  -- Effects replication is the default since Redis 5 and the only mode in 7; older
-  -- servers need it switched on before a non-deterministic command precedes writes.
-  if redis.replicate_commands then
+  -- Effects replication is the default since Redis 5 and the only mode in 7 (which
+  -- defines REDIS_VERSION_NUM, and where the call is a no-op that still costs time);
+  -- older servers need it switched on before a non-deterministic command and writes.
+  if not redis.REDIS_VERSION_NUM and redis.replicate_commands then
     redis.replicate_commands()
   end
   local t = redis.call('TIME')
@@ -61,12 +62,12 @@ local function advance(start, now, period)
   return start, windows
 end
 
--- Milliseconds until fresh_at (rounded up, so a key never outlives its state by less
--- than nothing), plus the configured slack; at least 1 ms.
+-- Milliseconds until fresh_at, rounded up (a key never expires before its state is
+-- fresh again), plus the configured slack; at least 1 ms.
 local function ttl_ms(fresh_at, now)
   local ms = ceil((fresh_at - now) * 1000) + SLACK_MS
   if ms < 1 then
     ms = 1
   end
-  return string.format('%.0f', ms)
+  return string.format('%d', ms)
 end

@@ -1,0 +1,524 @@
+"""RedisBackend and FallbackBackend against a real redis-server.
+
+The tests are synchronous and drive each scenario with ``asyncio.run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.crc import key_slot
+from redis.exceptions import ClusterCrossSlotError
+
+from node.algorithms import decide
+from node.backend import MemoryBackend
+from node.clock import FrozenClock, system_clock
+from node.decision import BACKEND_UNAVAILABLE, COST_EXCEEDS_CAPACITY
+from node.lua import CHECK, SCRIPTS
+from node.redis_backend import (
+    ALGORITHM_CODES,
+    BackendUnavailable,
+    FallbackBackend,
+    RedisBackend,
+    hash_tag,
+    state_key,
+)
+from node.rules import ALGORITHMS, Rule
+from node.store import MemoryStore
+from tests.redis_server import RedisServer, free_port
+
+pytestmark = pytest.mark.redis
+
+#: Whatever Redis does, one call must answer within this (timeouts are 100 ms).
+FAST = 0.5
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    return asyncio.run(scenario())
+
+
+def sync_client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=5.0)
+
+
+@contextlib.contextmanager
+def blackhole() -> Iterator[tuple[int, list[Any]]]:
+    """A TCP port that accepts connections and never answers (a hung Redis).
+
+    Yields the port and the list of accepted connections (one per attempt).
+    """
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.05)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                accepted.append(server.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1], accepted
+    finally:
+        stop.set()
+        thread.join(5)
+        for conn in accepted:
+            conn.close()
+        server.close()
+
+
+# --------------------------------------------------------------------------- deciding
+
+
+def test_checks_match_the_memory_backend(redis_url: str) -> None:
+    clock = FrozenClock(1_700_000_000.25)
+    rules = [Rule(f"r{i}", 3, 10.0, alg, burst=4) for i, alg in enumerate(ALGORITHMS)]
+    sets = [rules[:1], rules[1:2], rules[2:3], rules[3:4], rules[4:5], rules, rules[1:4]]
+
+    async def scenario() -> None:
+        backend = RedisBackend(redis_url, clock=clock, ttl_slack=3600.0)
+        memory = MemoryBackend(MemoryStore(), clock)
+        await backend.start()
+        try:
+            assert backend.name == "redis"
+            for step in range(40):
+                rule_set = sets[step % len(sets)]
+                cost = (0, 1, 2, 1, 5)[step % 5]
+                for user in ("alice", "bob{x}"):
+                    got = await backend.check(user, rule_set, cost)
+                    want = await memory.check(user, rule_set, cost)
+                    assert got == want, (step, user)
+                clock.advance(0.7)
+            assert backend.available
+        finally:
+            await backend.close()
+
+    run(scenario)
+
+
+def test_check_many_pipelines_and_matches(redis_url: str) -> None:
+    clock = FrozenClock(5_000.0)
+    a = Rule("a", 2, 60.0, "sliding_log")
+    b = Rule("b", 5, 60.0, "gcra")
+    batch = [("u1", [a], 1), ("u2", [a, b], 1), ("u1", [a], 1), ("u1", [a, b], 1), ("u3", [b], 9)]
+
+    async def scenario() -> None:
+        backend = RedisBackend(redis_url, clock=clock, ttl_slack=3600.0)
+        memory = MemoryBackend(MemoryStore(), clock)
+        try:
+            assert await backend.check_many([]) == []
+            for _ in range(3):
+                got = await backend.check_many(batch)
+                assert got == await memory.check_many(batch)
+                clock.advance(1.0)
+            assert got[4].decision.reason == COST_EXCEEDS_CAPACITY
+        finally:
+            await backend.close()
+
+    run(scenario)
+
+
+def test_reloads_scripts_after_noscript(redis_url: str) -> None:
+    clock = FrozenClock(100.0)
+    single = [Rule("one", 5, 60.0)]
+    multi = [Rule("x", 5, 60.0, "fixed_window"), Rule("y", 5, 60.0, "sliding_window")]
+
+    async def scenario() -> None:
+        backend = RedisBackend(redis_url, clock=clock)
+        await backend.start()
+        try:
+            with sync_client(redis_url) as client:
+                assert all(client.script_exists(*[s.sha for s in SCRIPTS.values()]))
+                client.script_flush()
+                assert (await backend.check("u", single, 1)).decision.remaining == 4
+                assert (await backend.check("u", multi, 1)).decision.remaining == 4
+                client.script_flush()
+                verdicts = await backend.check_many([("u", single, 1), ("u", multi, 1)])
+                assert [v.decision.remaining for v in verdicts] == [3, 3]
+                assert client.script_exists(CHECK.sha) == [True]
+        finally:
+            await backend.close()
+
+    run(scenario)
+
+
+def test_redis_time_mode(redis_url: str) -> None:
+    rules = [Rule(f"m{i}", 3, 60.0, alg) for i, alg in enumerate(ALGORITHMS)]
+    unaligned = [r for r in rules if r.algorithm in ("token_bucket", "gcra", "sliding_log")]
+
+    async def scenario() -> None:
+        backend = RedisBackend(redis_url)  # no clock: Redis TIME
+        try:
+            for rule in unaligned:
+                verdicts = [await backend.check("u", [rule], 1) for _ in range(4)]
+                assert [v.allowed for v in verdicts] == [True, True, True, False], rule
+                assert [v.decision.remaining for v in verdicts] == [2, 1, 0, 0], rule
+                assert 0.0 < verdicts[2].decision.reset_after <= 60.0
+                retry = verdicts[3].decision.retry_after
+                assert retry is not None and 0.0 < retry <= 60.0
+                if rule.algorithm != "sliding_log":
+                    assert retry == pytest.approx(20.0, abs=1.0)
+            # Windows are aligned to the minute, so at most one boundary can pass here.
+            for rule in rules:
+                if rule in unaligned:
+                    continue
+                allowed = [(await backend.check("w", [rule], 1)).allowed for _ in range(4)]
+                assert allowed.count(True) in (3, 4), rule
+            with sync_client(redis_url) as client:
+                ttl = client.pttl(state_key("rl", "u", unaligned[0]))
+                assert 0 < ttl <= 60_000
+        finally:
+            await backend.close()
+
+    run(scenario)
+
+
+# --------------------------------------------------------------------------- TTLs
+
+
+def test_keys_expire_when_fresh_and_come_back_fresh(redis_url: str) -> None:
+    clock = FrozenClock(2_000_000.0)
+    rules = [Rule(f"e{i}", 2, 0.3, alg) for i, alg in enumerate(ALGORITHMS)]
+
+    async def scenario() -> None:
+        backend = RedisBackend(redis_url, clock=clock)
+        try:
+            with sync_client(redis_url) as client:
+                keys = [backend.key("u", rule) for rule in rules]
+                assert (await backend.check("u", rules, 2)).allowed
+                assert all(client.exists(k) for k in keys)
+                ttls = [client.pttl(k) for k in keys]
+                # fresh_at - now: buckets and log 0.3 s; the windows end on the
+                # period's grid, the sliding one a period later (up to 0.6 s).
+                assert all(0 < t <= 600 for t in ttls), ttls
+                assert max(ttls) > 300
+
+                # Denials and peeks never extend a TTL or change a state.
+                values = [client.dump(k) for k in keys]
+                clock.advance(0.01)
+                assert not (await backend.check("u", rules, 1)).allowed
+                assert not (await backend.check("u", rules, 0)).allowed
+                assert [client.dump(k) for k in keys] == values
+                assert all(client.pttl(k) <= t for k, t in zip(keys, ttls, strict=True))
+
+                deadline = time.monotonic() + 3.0
+                while any(client.exists(k) for k in keys):
+                    assert time.monotonic() < deadline, "keys outlived their TTL"
+                    await asyncio.sleep(0.05)
+            # Same injected time: only Redis's expiry made the states fresh.
+            verdict = await backend.check("u", rules, 1)
+            fresh = [decide(None, clock(), rule, 1)[1] for rule in rules]
+            assert list(verdict.decisions) == fresh
+        finally:
+            await backend.close()
+
+    run(scenario)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def redis_tag(key: str) -> str:
+    """The hash tag Redis Cluster hashes: between the first '{' and the next '}'."""
+    start = key.index("{")
+    end = key.index("}", start + 1)
+    return key[start + 1 : end]
+
+
+def test_keys_of_one_user_share_one_hash_tag() -> None:
+    rules = [Rule(f"r{i}", 3, 60.0, alg) for i, alg in enumerate(ALGORITHMS)]
+    users = ["alice", "a}b", "{alice}", "x}:r0:tb", "%7D", "", "%", "}{", "ünï{}"]
+    seen: dict[str, str] = {}
+    for user in users:
+        keys = [state_key("rl", user, rule) for rule in rules]
+        tags = {redis_tag(k) for k in keys}
+        assert tags == {hash_tag(user)}, user
+        assert len({key_slot(k.encode()) for k in keys}) == 1, user
+        assert "}" not in hash_tag(user) and hash_tag(user), user
+        for key in keys:
+            assert key not in seen, (user, seen.get(key))
+            seen[key] = user
+    assert state_key("rl", "alice", rules[0]) == "rl:{alice}:r0:tb"
+    # A user cannot pick another user's tag by writing braces into its key.
+    assert hash_tag("alice}") != hash_tag("alice")
+    assert redis_tag(state_key("rl", "alice}:r0:tb", rules[0])) == "alice%7D:r0:tb"
+    assert set(ALGORITHM_CODES) == set(ALGORITHMS)
+    with pytest.raises(ValueError, match="braces"):
+        RedisBackend("redis://127.0.0.1:1/0", prefix="r{l}")
+
+
+def test_multi_rule_scripts_run_on_a_cluster_node(redis_cluster_server: RedisServer) -> None:
+    rules = [Rule(f"r{i}", 3, 60.0, alg) for i, alg in enumerate(ALGORITHMS)]
+
+    async def scenario() -> None:
+        backend = RedisBackend(redis_cluster_server.url, clock=FrozenClock(10.0))
+        try:
+            for user in ("alice", "a}b", "{x}", ""):
+                assert (await backend.check(user, rules, 1)).allowed, user
+        finally:
+            await backend.close()
+
+    run(scenario)
+    # The control: keys of two users in one call are refused, as on any cluster.
+    with redis_cluster_server.client() as client:
+        keys = [state_key("rl", "alice", rules[0]), state_key("rl", "bob", rules[0])]
+        assert key_slot(keys[0].encode()) != key_slot(keys[1].encode())
+        with pytest.raises(ClusterCrossSlotError):
+            client.eval("return 1", 2, *keys)
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_unreachable_redis_fails_fast() -> None:
+    port = free_port()  # nothing listens there
+
+    async def scenario() -> None:
+        backend = RedisBackend(f"redis://127.0.0.1:{port}/0", clock=FrozenClock())
+        try:
+            await backend.start()  # reports, does not raise
+            assert not backend.available
+            for _ in range(3):
+                started = time.monotonic()
+                with pytest.raises(BackendUnavailable):
+                    await backend.check("u", [Rule("r", 1, 1.0)], 1)
+                with pytest.raises(BackendUnavailable):
+                    await backend.check_many([("u", [Rule("r", 1, 1.0)], 1)])
+                assert time.monotonic() - started < FAST
+            assert await backend.ping() is False
+        finally:
+            await backend.close()
+
+    run(scenario)
+
+
+def test_hung_redis_times_out_in_milliseconds() -> None:
+    async def scenario(port: int) -> None:
+        backend = RedisBackend(f"redis://127.0.0.1:{port}/0", clock=FrozenClock(), timeout=0.05)
+        try:
+            for _ in range(3):
+                started = time.monotonic()
+                with pytest.raises(BackendUnavailable):
+                    await backend.check("u", [Rule("r", 1, 1.0)], 1)
+                assert time.monotonic() - started < FAST
+            assert not backend.available
+        finally:
+            await backend.close()
+
+    with blackhole() as (port, accepted):
+        asyncio.run(scenario(port))
+        time.sleep(0.2)  # let the accept loop catch up
+        # One connection per call: a timeout is never retried.
+        assert len(accepted) == 3
+
+
+def test_a_burst_on_a_healthy_redis_is_no_outage(redis_url: str) -> None:
+    """More concurrent checks than connections queue up; they are not failures."""
+    rule = [Rule("burst", 10**6, 60.0)]
+
+    async def scenario() -> None:
+        # A generous queue bound: 1000 checks through 8 connections take far longer
+        # than the 100 ms that a wait held to the Redis timeout would allow.
+        backend = RedisBackend(redis_url, max_connections=8, queue_timeout=10.0)
+        with sync_client(redis_url) as client:
+            before = client.info("clients")["connected_clients"]
+            await backend.start()
+            # start() opened the pool's connections, so a first burst need not.
+            assert client.info("clients")["connected_clients"] - before == 8
+        try:
+            checks = (backend.check(f"k{i}", rule, 1) for i in range(1000))
+            verdicts = await asyncio.gather(*checks)
+            assert all(v.allowed for v in verdicts)
+            assert backend.available
+        finally:
+            await backend.close()
+
+    run(scenario)
+
+
+def test_calls_queued_behind_a_failure_fail_at_once() -> None:
+    async def scenario(port: int) -> list[Any]:
+        backend = RedisBackend(
+            f"redis://127.0.0.1:{port}/0", clock=FrozenClock(), timeout=0.05, max_connections=2
+        )
+        try:
+            started = time.monotonic()
+            results = await asyncio.gather(
+                *(backend.check(f"k{i}", [Rule("r", 1, 1.0)], 1) for i in range(20)),
+                return_exceptions=True,
+            )
+            assert time.monotonic() - started < FAST
+            return results
+        finally:
+            await backend.close()
+
+    with blackhole() as (port, accepted):
+        results = asyncio.run(scenario(port))
+        time.sleep(0.2)
+        assert all(isinstance(r, BackendUnavailable) for r in results)
+        # Only the two calls in flight tried Redis; the 18 queued ones did not pile on.
+        assert len(accepted) == 2
+        assert sum("queued" in str(r) for r in results) == 18
+
+
+def test_the_queue_wait_is_bounded() -> None:
+    async def scenario(port: int) -> None:
+        backend = RedisBackend(
+            f"redis://127.0.0.1:{port}/0",
+            clock=FrozenClock(),
+            timeout=0.3,
+            max_connections=1,
+            queue_timeout=0.05,
+        )
+        try:
+            first = asyncio.create_task(backend.check("a", [Rule("r", 1, 1.0)], 1))
+            await asyncio.sleep(0.01)
+            started = time.monotonic()
+            with pytest.raises(BackendUnavailable, match="overloaded"):
+                await backend.check("b", [Rule("r", 1, 1.0)], 1)
+            assert time.monotonic() - started < 0.25
+            with pytest.raises(BackendUnavailable):
+                await first
+        finally:
+            await backend.close()
+
+    with blackhole() as (port, _accepted):
+        asyncio.run(scenario(port))
+
+
+def test_bad_calls_are_errors_not_outages(redis_url: str) -> None:
+    async def scenario() -> None:
+        backend = RedisBackend(redis_url, clock=FrozenClock())
+        try:
+            with pytest.raises(ValueError, match="cost"):
+                await backend.check("u", [Rule("r", 1, 1.0)], -1)
+            with pytest.raises(ValueError, match="rule"):
+                await backend.check("u", [], 1)
+            with sync_client(redis_url) as client:
+                client.set(backend.key("u", Rule("z", 1, 1.0, "sliding_log")), "not a zset")
+            with pytest.raises(redis.ResponseError):
+                await backend.check("u", [Rule("z", 1, 1.0, "sliding_log")], 1)
+            assert backend.available
+        finally:
+            await backend.close()
+
+    run(scenario)
+
+
+def test_fallback_degrades_and_recovers(
+    redis_server: RedisServer, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="ringlimit.redis")
+    opened = Rule("open", 3, 60.0, "token_bucket", on_error="open")
+    closed = Rule("closed", 100, 60.0, "fixed_window", on_error="closed")
+
+    async def timed(call: Awaitable[Any]) -> Any:
+        started = time.monotonic()
+        result = await call
+        assert time.monotonic() - started < FAST, "a check took too long while Redis was down"
+        return result
+
+    async def scenario() -> None:
+        primary = RedisBackend(redis_url, timeout=0.1)
+        local = MemoryBackend(MemoryStore(), system_clock)
+        backend = FallbackBackend(primary, local, probe_interval=0.1)
+        calls = 0
+        real_check, real_check_many = primary.check, primary.check_many
+
+        async def counting_check(*args: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return await real_check(*args)
+
+        async def counting_check_many(*args: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return await real_check_many(*args)
+
+        primary.check = counting_check  # type: ignore[method-assign,assignment]
+        primary.check_many = counting_check_many  # type: ignore[method-assign,assignment]
+        await backend.start()
+        try:
+            verdict = await backend.check("u", [opened], 1)
+            assert verdict.allowed and verdict.decision.reason is None
+            assert backend.available and backend.fallbacks == 0
+
+            redis_server.stop()
+            got = [await timed(backend.check("u", [opened], 1)) for _ in range(5)]
+            assert not backend.available
+            calls_when_down = calls
+            # Still limited, by the local in-memory limiter (it starts fresh).
+            assert [v.allowed for v in got] == [True, True, True, False, False]
+            assert {d.reason for v in got for d in v.decisions} == {BACKEND_UNAVAILABLE}
+            assert got[3].decision.retry_after == pytest.approx(20.0, abs=1.0)
+
+            denied = await timed(backend.check("u", [closed], 1))
+            assert not denied.allowed
+            assert denied.decision.reason == BACKEND_UNAVAILABLE
+            assert denied.decision.retry_after is None
+
+            # A closed rule's denial keeps the open rules from consuming.
+            other = Rule("other", 2, 60.0, "gcra", on_error="open")
+            mixed = await timed(backend.check("v", [other, closed], 1))
+            assert not mixed.allowed and mixed.decision.rule == "closed"
+            assert mixed.decisions[0].allowed and mixed.decisions[0].remaining == 2
+            assert (await timed(backend.check("v", [other], 1))).decision.remaining == 1
+
+            many = await timed(backend.check_many([("w", [opened], 1), ("w", [closed], 1)]))
+            assert [v.allowed for v in many] == [True, False]
+            assert calls == calls_when_down, "the primary was called while known to be down"
+            assert backend.fallbacks == 10 and backend.outages == 1
+
+            redis_server.start()
+            deadline = time.monotonic() + 5.0
+            while not backend.available:
+                assert time.monotonic() < deadline, "did not switch back to Redis"
+                await asyncio.sleep(0.02)
+            # Back on Redis (restarted empty: fresh state, scripts reloaded on NOSCRIPT).
+            verdict = await backend.check("u", [opened], 1)
+            assert verdict.allowed and verdict.decision.reason is None
+            assert verdict.decision.remaining == 2
+            assert backend.fallbacks == 10
+        finally:
+            await backend.close()
+        assert backend._probe is None
+
+    run(scenario)
+    lines = [r.getMessage() for r in caplog.records if r.name == "ringlimit.redis"]
+    assert len([m for m in lines if "unavailable" in m]) == 1, lines
+    assert len([m for m in lines if "available again" in m]) == 1, lines
+
+
+def test_fallback_starting_while_redis_is_down() -> None:
+    port = free_port()
+    rule = Rule("r", 1, 60.0, on_error="open")
+
+    async def scenario() -> None:
+        primary = RedisBackend(f"redis://127.0.0.1:{port}/0")
+        backend = FallbackBackend(primary, MemoryBackend(MemoryStore(), system_clock))
+        await backend.start()
+        try:
+            assert not backend.available and backend.outages == 1
+            assert (await backend.check("u", [rule], 1)).allowed
+            denied = await backend.check("u", [rule], 1)
+            assert not denied.allowed and denied.decision.reason == BACKEND_UNAVAILABLE
+            impossible = await backend.check("u", [rule], 2)
+            assert impossible.decision.reason == COST_EXCEEDS_CAPACITY
+        finally:
+            await backend.close()
+
+    run(scenario)
