@@ -17,6 +17,7 @@ from urllib.parse import unquote
 from node.asgi import ASGIApp, Message, Receive, Scope, Send, drain, error_body, send_json
 from node.authority import Authority
 from node.config import ClusterConfig, ScopedRule
+from node.decision import BACKEND_UNAVAILABLE
 from node.headers import denial_body, rate_limit_headers
 from node.identity import IdentityResolver
 from node.peers import INTERNAL_TOKEN_HEADER
@@ -148,7 +149,10 @@ class RateLimitMiddleware:
             await self.app(scope, receive, _adding(send, headers))
             return
         await drain(receive)
-        await send_json(send, 429, denial_body(verdict), headers)
+        # A rule that fails closed while its backend is down: the service, not the
+        # client, is the problem, so 503 rather than 429.
+        status = 503 if verdict.decision.reason == BACKEND_UNAVAILABLE else 429
+        await send_json(send, status, denial_body(verdict), headers)
 
 
 def not_owner_body(exc: NotOwner) -> dict[str, object]:

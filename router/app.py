@@ -357,8 +357,16 @@ class Router:
 
     async def healthz(self, request: Request) -> Response:
         view = self.membership.view
+        degraded = self.membership.backend_degraded
+        balance = self.config.balance
         return JSONResponse(
-            {"status": "ok" if len(view) else "no_nodes", "epoch": view.epoch, "nodes": len(view)},
+            {
+                "status": "ok" if len(view) else "no_nodes",
+                "epoch": view.epoch,
+                "nodes": len(view),
+                "backend_degraded": degraded,
+                "balance": "sticky" if degraded else balance,
+            },
             status_code=200 if len(view) else 503,
         )
 

@@ -97,6 +97,7 @@ class Membership:
         # Sent per request (not as client defaults) so a shared client carries no secret.
         self._headers = {INTERNAL_TOKEN_HEADER: internal_token} if internal_token else {}
         self._health_task: asyncio.Task[None] | None = None
+        self._was_degraded = False
         self._background: set[asyncio.Task[Any]] = set()
         self._newer_check: asyncio.Task[bool] | None = None
         self._newer_checked_at = float("-inf")
@@ -479,6 +480,13 @@ class Membership:
                     await self.join(member)
 
         await asyncio.gather(*(probe(m) for m in view))
+        degraded = self.backend_degraded
+        if degraded != self._was_degraded:
+            self._was_degraded = degraded
+            if degraded:
+                log.warning("shared backend down on a node: routing stickily to local limiters")
+            else:
+                log.warning("shared backend back on every node: routing as configured again")
         for member in view:
             health = self.health.get(member.id)
             if health is not None and health.failures >= self.failure_threshold:

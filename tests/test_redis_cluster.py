@@ -1,0 +1,176 @@
+"""The Redis baseline mode end to end: real router, nodes and redis-server processes.
+
+* ``ringlimit up --backend redis`` gives each user exactly the rule's quota,
+  with requests spread round-robin over every node;
+* Redis killed mid-traffic: every request is still answered quickly; rules
+  that fail open fall back to local limits (still limiting, and per user on
+  one node because the router switches to sticky routing); rules that fail
+  closed answer 503; Redis restarted: the mode returns to Redis by itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.processes import ROOT, Procs, free_port, wait_for
+from tests.redis_server import RedisServer
+
+pytestmark = [pytest.mark.redis, pytest.mark.integration]
+
+
+@pytest.fixture
+def redis(tmp_path: Path):  # type: ignore[no-untyped-def]
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    server = RedisServer(binary, tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def free_block(size: int) -> int:
+    for _ in range(50):
+        base = free_port()
+        if base + size < 65000 and all(_free(base + i) for i in range(1, size + 1)):
+            return base
+    raise RuntimeError("no free block of ports")
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_up_with_redis_gives_each_user_exactly_the_quota(redis: RedisServer) -> None:
+    port = free_block(3)
+    up = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "router", "up", "--backend", "redis"),
+            *("--redis-url", redis.url, "--nodes", "3", "--port", str(port)),
+            *("--rule", "api=5/minute"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=url, timeout=5.0) as client:
+
+            def healthy() -> bool:
+                try:
+                    return client.get("/healthz").status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            assert wait_for(healthy, 30), "router never became healthy"
+            allowed: collections.Counter[str] = collections.Counter()
+            nodes: dict[str, set[str]] = collections.defaultdict(set)
+            for user in [f"user-{i}" for i in range(10)]:
+                for _ in range(7):
+                    response = client.get("/hello", headers={"X-User-Id": user})
+                    assert response.status_code in (200, 429), response.text
+                    allowed[user] += response.status_code == 200
+                    nodes[user].add(response.headers["x-ringlimit-node"])
+            assert set(allowed.values()) == {5}, allowed
+            # Round-robin: one user's requests reach several nodes, and every node serves.
+            assert all(len(n) >= 2 for n in nodes.values())
+            assert set().union(*nodes.values()) == {"n1", "n2", "n3"}
+            # The state is in Redis, under the documented key names.
+            with redis.client() as r:
+                assert r.exists("rl:{user-0}:api:tb")
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(20)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait(10)
+
+
+CONFIG = """
+backend = "redis"
+balance = "round-robin"
+
+[[rules]]
+name = "open"
+rate = "5/minute"
+paths = ["/open/*"]
+
+[[rules]]
+name = "closed"
+rate = "5/minute"
+paths = ["/closed/*"]
+on_error = "closed"
+"""
+
+
+def test_redis_killed_mid_traffic_and_restarted(
+    redis: RedisServer, procs: Procs, tmp_path: Path
+) -> None:
+    config = tmp_path / "cluster.toml"
+    config.write_text(CONFIG)
+    seeds = []
+    for node_id in ("n1", "n2", "n3"):
+        _, url = procs.node(
+            node_id, None, "--config", str(config), "--redis-url", redis.url, "--backend", "redis"
+        )
+        seeds += ["--node", f"{node_id}={url}"]
+    _, router = procs.router(
+        None, "--config", str(config), "--health-interval", "0.2", "--health-timeout", "0.3", *seeds
+    )
+    with httpx.Client(base_url=router, timeout=5.0) as client:
+
+        def get(path: str, user: str) -> httpx.Response:
+            started = time.monotonic()
+            response = client.get(path, headers={"X-User-Id": user})
+            assert time.monotonic() - started < 1.0, "an answer took longer than a second"
+            return response
+
+        def balance() -> str:
+            return str(client.get("/healthz").json()["balance"])
+
+        assert balance() == "round-robin"
+        assert [get("/open/x", "before").status_code for _ in range(6)].count(200) == 5
+
+        redis.stop()
+        # Requests keep being answered at once, whatever the router knows yet.
+        for _ in range(10):
+            assert get("/open/x", "during-early").status_code in (200, 429)
+            assert get("/closed/x", "during-early").status_code == 503
+        # The router notices and routes stickily: each user's fallback limiter is on one node.
+        assert wait_for(lambda: balance() == "sticky", 10), "router did not switch to sticky"
+        codes = [get("/open/x", "during") for _ in range(8)]
+        assert [r.status_code for r in codes].count(200) == 5, "fallback must still limit"
+        assert len({r.headers["x-ringlimit-node"] for r in codes}) == 1
+        closed = get("/closed/x", "during")
+        assert closed.status_code == 503
+        assert closed.json()["reason"] == "backend_unavailable"
+
+        redis.start()
+        assert wait_for(lambda: balance() == "round-robin", 15), "did not return to Redis"
+        after = [get("/open/x", "after") for _ in range(7)]
+        assert [r.status_code for r in after].count(200) == 5
+        assert len({r.headers["x-ringlimit-node"] for r in after}) >= 2
+        with redis.client() as r:
+            assert r.exists("rl:{after}:open:tb")
+        metrics = client.get("/metrics").text
+        assert "ringlimit_router_forwarded_total" in metrics
