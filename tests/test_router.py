@@ -565,7 +565,13 @@ async def test_router_healthz_and_metrics() -> None:
     async with running(make_config(Rule("api", 1, 60.0))) as cluster:
         health = await cluster.client.get("/healthz")
         assert health.status_code == 200
-        assert health.json() == {"status": "ok", "epoch": 1, "nodes": 3}
+        assert health.json() == {
+            "status": "ok",
+            "epoch": 1,
+            "nodes": 3,
+            "backend_degraded": False,
+            "balance": "sticky",
+        }
         user = "quinn"
         await get(cluster, user)
         await get(cluster, user)
