@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from node.config import (
     BACKENDS,
@@ -33,6 +34,10 @@ from node.config import (
 from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
 from ring import Member
 from router import __version__
+
+if TYPE_CHECKING:
+    from node.asgi import ASGIApp
+    from node.backend import Backend
 
 DEFAULT_RULE = "10/minute"
 
@@ -156,7 +161,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     bench.set_defaults(run=_no_bench)
     if command == "bench":
         try:
-            from benchmarks import cluster as bench_cli
+            from benchmarks import cluster as bench_cli  # type: ignore[attr-defined]
 
             bench_cli.add_arguments(bench)
             bench.set_defaults(run=bench_cli.run)
@@ -277,7 +282,7 @@ def _run_node(args: argparse.Namespace) -> int:
 
     config = cluster_config(args)
     admin_token, internal_token = _tokens()
-    app = None
+    app: ASGIApp | None = None
     if args.upstream:
         app = UpstreamApp(args.upstream)
     elif args.app:
@@ -306,7 +311,7 @@ def _run_node(args: argparse.Namespace) -> int:
     return 0
 
 
-def _redis_backend(url: str, config: ClusterConfig) -> object:
+def _redis_backend(url: str, config: ClusterConfig) -> Backend:
     from node.backend import MemoryBackend
     from node.clock import system_clock
     from node.redis_backend import FallbackBackend, RedisBackend
