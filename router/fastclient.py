@@ -21,7 +21,7 @@ from collections import deque
 
 import httptools
 
-from router.forward import Answer, Timeouts, Unreachable
+from router.forward import Answer, NodeTimeout, Timeouts, Unreachable
 
 _DROP = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server"}
@@ -32,7 +32,9 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "body",
         "closed",
+        "head",
         "headers",
+        "interim",
         "keep_alive",
         "parser",
         "received",
@@ -51,12 +53,19 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = True
         self.closed = False
         self.received = False
+        self.head = False
+        self.interim = False
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            # Bytes nobody asked for: this connection's framing can't be trusted.
+            self.close()
+            return
         self.received = True
         try:
             self.parser.feed_data(data)
@@ -74,11 +83,29 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if self.status < 200:
+            self.interim = True  # 1xx (e.g. 100 Continue): the real answer follows
+        elif self.head:
+            # The parser cannot know the request was HEAD and would wait for the
+            # body that content-length announces; the answer is complete, and
+            # the connection is not reused.
+            self.keep_alive = False
+            waiter = self.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            self.headers = []
+            self.body = []
+            self.status = 0
+            return
+        if self.head:
+            return
         self.keep_alive = self.parser.should_keep_alive()
         waiter = self.waiter
         if waiter is not None and not waiter.done():
@@ -90,11 +117,15 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
 
-    def start(self, payload: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+    def start(
+        self, payload: bytes, loop: asyncio.AbstractEventLoop, head: bool = False
+    ) -> asyncio.Future[None]:
         self.headers = []
         self.body = []
         self.status = 0
         self.received = False
+        self.head = head
+        self.interim = False
         self.waiter = loop.create_future()
         assert self.transport is not None
         self.transport.write(payload)
@@ -156,7 +187,7 @@ class FastForwarder:
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
             connection, reused = await self._acquire(pool, loop)
-            waiter = connection.start(payload, loop)
+            waiter = connection.start(payload, loop, method == "HEAD")
             timer = loop.call_later(self.timeouts.total, _expire, connection)
             try:
                 await waiter
@@ -207,5 +238,5 @@ class FastForwarder:
 
 
 def _expire(connection: _Connection) -> None:
-    connection._fail(Unreachable("timed out"))
+    connection._fail(NodeTimeout("timed out"))
     connection.close()

@@ -16,7 +16,15 @@ import httpx
 
 
 class Unreachable(Exception):
-    """The node could not be reached or did not answer in time."""
+    """The node could not be reached: the request never got to it."""
+
+
+class NodeTimeout(Exception):
+    """The request was sent but the node did not answer in time.
+
+    Not :class:`Unreachable`: the node may have decided (and the application
+    may have run), so the router must neither retry nor fail over.
+    """
 
 
 @dataclass(frozen=True)
@@ -74,8 +82,12 @@ class AiohttpForwarder:
                     if k.lower() not in _DROP_RESPONSE
                 ]
                 return Answer(response.status, out, payload)
-        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-            raise Unreachable(f"{type(exc).__name__}") from None
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise Unreachable(type(exc).__name__) from None
+        except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
+            raise NodeTimeout(type(exc).__name__) from None
+        except aiohttp.ClientConnectionError as exc:
+            raise Unreachable(type(exc).__name__) from None
 
     async def post_json(self, url: str, payload: bytes, headers: list[tuple[str, str]]) -> Answer:
         return await self.request(
@@ -122,6 +134,8 @@ class HttpxForwarder:
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         try:
             response = await self._client.request(method, url, headers=raw, content=body)
+        except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
+            raise NodeTimeout(type(exc).__name__) from None
         except httpx.TransportError as exc:
             raise Unreachable(type(exc).__name__) from None
         out = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in _DROP_RESPONSE]

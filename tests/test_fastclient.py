@@ -1,0 +1,125 @@
+"""The forwarding client against a scripted HTTP/1.1 server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from router.fastclient import FastForwarder
+from router.forward import NodeTimeout, Timeouts, Unreachable
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Scripted:
+    """Answers by path; records every request line it saw."""
+
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+        self.server: asyncio.Server | None = None
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = await reader.read(4096)
+                    if not chunk:
+                        return
+                    data += chunk
+                line = data.split(b"\r\n")[0]
+                self.seen.append(line)
+                if line.startswith(b"HEAD"):
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n")
+                elif b"/continue" in line:
+                    writer.write(
+                        b"HTTP/1.1 100 Continue\r\n\r\n"
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+                    )
+                elif b"/slow" in line:
+                    await asyncio.sleep(0.5)
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nslow")
+                elif b"/chunked" in line:
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                        b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+                    )
+                else:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-a: 1\r\n\r\nhello")
+                await writer.drain()
+        except (asyncio.CancelledError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[Scripted, str]]:
+    scripted = Scripted()
+    srv = await asyncio.start_server(scripted.handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield scripted, f"http://127.0.0.1:{port}"
+    finally:
+        srv.close()
+
+
+async def test_plain_chunked_and_reuse(server: tuple[Scripted, str]) -> None:
+    scripted, url = server
+    client = FastForwarder()
+    first = await client.request("GET", url + "/a?q=1", [("x-user-id", "u")], None)
+    assert (first.status, first.body) == (200, b"hello")
+    assert (b"x-a", b"1") in first.headers
+    chunked = await client.request("GET", url + "/chunked", [], None)
+    assert chunked.body == b"abcde"
+    await client.request("POST", url + "/b", [], b"payload")
+    assert scripted.seen[0] == b"GET /a?q=1 HTTP/1.1"
+    await client.close()
+
+
+async def test_head_does_not_wait_for_a_body(server: tuple[Scripted, str]) -> None:
+    _, url = server
+    client = FastForwarder(timeouts=Timeouts(total=5.0))
+    answer = await asyncio.wait_for(client.request("HEAD", url + "/x", [], None), 2.0)
+    assert (answer.status, answer.body) == (200, b"")
+    after = await client.request("GET", url + "/x", [], None)
+    assert after.body == b"hello"
+    await client.close()
+
+
+async def test_an_interim_100_is_not_taken_for_the_answer(server: tuple[Scripted, str]) -> None:
+    _, url = server
+    client = FastForwarder()
+    answer = await client.request("POST", url + "/continue", [], b"x")
+    assert (answer.status, answer.body) == (200, b"ok")
+    # The next request on the pooled connection gets its own answer, not a leftover.
+    assert (await client.request("GET", url + "/next", [], None)).body == b"hello"
+    await client.close()
+
+
+async def test_a_timeout_is_not_retried_and_is_not_unreachable(
+    server: tuple[Scripted, str],
+) -> None:
+    scripted, url = server
+    client = FastForwarder(timeouts=Timeouts(total=0.2))
+    await client.request("GET", url + "/warm", [], None)  # a pooled connection to reuse
+    with pytest.raises(NodeTimeout):
+        await client.request("GET", url + "/slow", [], None)
+    await asyncio.sleep(0.6)
+    assert [line for line in scripted.seen if b"/slow" in line] == [b"GET /slow HTTP/1.1"]
+    assert (await client.request("GET", url + "/x", [], None)).body == b"hello"
+    await client.close()
+
+
+async def test_a_closed_port_is_unreachable() -> None:
+    client = FastForwarder(timeouts=Timeouts(connect=0.5, total=1.0))
+    with pytest.raises(Unreachable):
+        await client.request("GET", "http://127.0.0.1:9/x", [], None)
+    await client.close()
