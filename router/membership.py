@@ -40,6 +40,8 @@ from node.peers import INTERNAL_TOKEN_HEADER
 from ring import Member, RingView
 
 log = logging.getLogger("ringlimit.router")
+#: Views and crashes remembered for nodes that missed pushes.
+MAX_HISTORY = 32
 
 #: How many crashed members the router keeps probing, to let them rejoin.
 MAX_REMOVED = 256
@@ -98,6 +100,10 @@ class Membership:
         self._headers = {INTERNAL_TOKEN_HEADER: internal_token} if internal_token else {}
         self._health_task: asyncio.Task[None] | None = None
         self._was_degraded = False
+        #: The highest epoch ever pushed: new views always go above it.
+        self._highest = 0
+        self._history: dict[int, RingView] = {}
+        self._crashed_at: dict[int, tuple[str, ...]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._newer_check: asyncio.Task[bool] | None = None
         self._newer_checked_at = float("-inf")
@@ -171,15 +177,25 @@ class Membership:
                 # crashed before, this also makes it discard what it held.
                 crashed = (member.id,) if member.id in self.removed else ()
                 await self._push([member], self.view, None, crashed)
-                new = self.view.with_member(member)
                 previous = self.view
-                # Old members lose keys to the newcomer: they go first.
-                await self._push(previous.members, new, previous, ())
-                await self._push([member], new, previous, ())
+                new = self._next_view([*(m for m in previous if m.id != member.id), member])
+                # Old members lose keys to the newcomer: they go first. A member that
+                # does not take the view does not stop the change half-way (others
+                # already hold it): the change is adopted, then the failed ones are
+                # removed as crashed, under a newer epoch.
+                failed = await self._push(previous.members, new, previous, (), tolerate=True)
+                failed += await self._push([member], new, previous, (), tolerate=True)
+                self._remember(previous, ())
                 self._adopt(new)
                 self.health[member.id] = Health()
+                for member_id in failed:
+                    await self._crash_locked(member_id)
             finally:
                 self.joining.pop(member.id, None)
+            if member.id in failed:
+                raise MembershipError(
+                    502, "join_failed", f"node {member.id} did not take the new view; removed"
+                )
             log.info("node %s joined: epoch %d", member.id, new.epoch)
             return new
 
@@ -199,20 +215,20 @@ class Membership:
                 raise MembershipError(404, "unknown_node", f"no node {member_id!r} in the ring")
             self.health.setdefault(member_id, Health()).state = "leaving"
             previous = self.view
-            new = previous.without_member(member_id)
             leaving = previous.member(member_id)
+            new = self._next_view(m for m in previous if m.id != member_id)
             try:
-                await self._push([leaving], new, previous, ())
+                await self._push([leaving], new, previous, (), tolerate=False)
             except MembershipError:
                 log.warning("node %s did not take the leave; treating it as a crash", member_id)
-                await self._push(new.members, new, previous, (member_id,))
-                self._adopt(new)
                 self.health.pop(member_id, None)
-                self.crashes += 1
-                return new
-            await self._push(new.members, new, previous, ())
+                return await self._crash_locked(member_id) or self.view
+            failed = await self._push(new.members, new, previous, (), tolerate=True)
+            self._remember(previous, ())
             self._adopt(new)
             self.health.pop(member_id, None)
+            for other in failed:
+                await self._crash_locked(other)
             log.info("node %s left: epoch %d", member_id, new.epoch)
             return new
 
@@ -225,8 +241,9 @@ class Membership:
         if member_id not in self.view:
             return None
         previous = self.view
-        new = previous.without_member(member_id)
+        new = self._next_view(m for m in previous if m.id != member_id)
         await self._push(new.members, new, previous, (member_id,), tolerate=True)
+        self._remember(previous, (member_id,))
         crashed = previous.member(member_id)
         self.removed[member_id] = crashed
         while len(self.removed) > MAX_REMOVED:
@@ -335,7 +352,13 @@ class Membership:
             with contextlib.suppress(MembershipError):
                 await self.join(member)
             return
-        await self._push([member], self.view, None, (), tolerate=True)
+        # Send the node its own previous view and every crash it missed, so its
+        # crash policy (replica promotion, conservative) still applies.
+        previous = self._history.get(node_epoch)
+        missed = tuple(
+            m for epoch, ids in sorted(self._crashed_at.items()) if epoch > node_epoch for m in ids
+        )
+        await self._push([member], self.view, previous, missed, tolerate=True)
 
     # ------------------------------------------------------------------ pushing
 
@@ -352,7 +375,10 @@ class Membership:
         crashed: tuple[str, ...] | Iterable[str],
         *,
         tolerate: bool = False,
-    ) -> None:
+    ) -> list[str]:
+        """Send a view; returns the ids that did not take it (raises unless ``tolerate``)."""
+        members = list(members)
+        self._highest = max(self._highest, view.epoch)
         payload = {
             "ring": view.to_dict(),
             "previous": previous.to_dict() if previous is not None else None,
@@ -383,6 +409,26 @@ class Membership:
             raise errors[0]
         for error in errors:
             log.warning("push of epoch %d: %s", view.epoch, error)
+        return [m.id for m, r in zip(members, results, strict=True) if isinstance(r, BaseException)]
+
+    def _next_view(self, members: Iterable[Member]) -> RingView:
+        """A view after the current one, with an epoch never used before.
+
+        Epochs only grow, even past views that were pushed to some nodes but
+        never adopted here: a node ignores a view whose epoch it has seen.
+        """
+        self._highest = max(self._highest, self.view.epoch) + 1
+        return RingView.of(members, epoch=self._highest)
+
+    def _remember(self, previous: RingView, crashed: Iterable[str]) -> None:
+        """Keep recent views and crashes, for nodes that miss a push (see refresh_node)."""
+        self._history[previous.epoch] = previous
+        for member_id in crashed:
+            self._crashed_at[self._highest] = (*self._crashed_at.get(self._highest, ()), member_id)
+        for epoch in sorted(self._history)[:-MAX_HISTORY]:
+            del self._history[epoch]
+        for epoch in sorted(self._crashed_at)[:-MAX_HISTORY]:
+            del self._crashed_at[epoch]
 
     async def push_config(self, config: ClusterConfig) -> None:
         async with self.lock:
