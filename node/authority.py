@@ -62,13 +62,24 @@ class Authority:
 
     async def decide_many(self, checks: Sequence[tuple[str, Sequence[Rule], int]]) -> list[Verdict]:
         started = time.perf_counter()
-        if self.shard is not None:
+        shard = self.shard
+        if shard is not None:
+            waited = False
             for key, rules, _ in checks:
-                await self.shard.admit(key, rules)
+                waited |= await shard.admit(key, rules)
+            if waited:
+                # A view may have arrived while one key was pulled: every key must
+                # still be ours when the batch is decided (no await from here on).
+                for key, _, _ in checks:
+                    shard.check_owner(key)
         verdicts = await self.backend.check_many(checks)
         metrics = self.metrics
         if metrics is not None:
             metrics.observe(time.perf_counter() - started)
+            tally: dict[tuple[str, bool], int] = {}
             for verdict in verdicts:
-                metrics.count(verdict.decision.rule, verdict.allowed)
+                outcome = (verdict.decision.rule, verdict.allowed)
+                tally[outcome] = tally.get(outcome, 0) + 1
+            for (rule, allowed), n in tally.items():
+                metrics.count(rule, allowed, n)
         return verdicts

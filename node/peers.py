@@ -14,7 +14,19 @@ INTERNAL_TOKEN_HEADER = "X-Ringlimit-Token"  # noqa: S105 (a header name)
 
 
 class PeerError(Exception):
-    """A peer did not answer as expected (down, slow, or refused)."""
+    """A peer did not answer as expected (down, slow, or refused).
+
+    ``status`` is the peer's HTTP status, or None when it did not answer.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        """Worth trying again: no answer, a conflict (409) or a server error."""
+        return self.status is None or self.status == 409 or self.status >= 500
 
 
 class Peers:
@@ -42,7 +54,7 @@ class Peers:
         except httpx.HTTPError as exc:
             raise PeerError(f"{url}{path}: {type(exc).__name__}") from None
         if response.status_code != 200:
-            raise PeerError(f"{url}{path}: HTTP {response.status_code}")
+            raise PeerError(f"{url}{path}: HTTP {response.status_code}", response.status_code)
         data: dict[str, Any] = response.json()
         return data
 

@@ -176,17 +176,24 @@ class Shard:
         if owner != self.id:
             raise NotOwner(key, view.epoch, owner)
 
-    async def admit(self, key: str, rules: Sequence[Rule]) -> None:
+    async def admit(self, key: str, rules: Sequence[Rule]) -> bool:
         """Raise :class:`NotOwner` unless this node may decide ``key`` now.
 
         While a handoff into this node is still under way, make sure the key's
-        inherited state is here before anyone decides on it.
+        inherited state is here before anyone decides on it. Returns True when
+        it had to wait: a newer view may have arrived meanwhile, so a caller
+        deciding several keys must check ownership again just before deciding
+        (:meth:`check_owner`, which does not wait).
         """
         self.check_owner(key)
+        waited = False
         if self._pending:
             await self._inherit(key, rules)
+            waited = True
+            self.check_owner(key)  # the view may have changed during the pull
         if self._crashes:
             self._conservative(key, rules)
+        return waited
 
     async def _inherit(self, key: str, rules: Sequence[Rule]) -> None:
         previous = self.previous
@@ -236,11 +243,12 @@ class Shard:
                     break
                 except PeerError as exc:
                     # 409: the peer has not applied this epoch yet, or the key's
-                    # state is in a transfer to us right now. Wait for either to
-                    # change, but not past the deadline, and stop as soon as the
-                    # peer's transfer has landed (its final mark came in).
-                    if "409" in str(exc) and asyncio.get_running_loop().time() < deadline:
-                        await asyncio.sleep(0.02)
+                    # state is in a transfer to us right now; no answer or a 5xx:
+                    # a hiccup. Wait for either to change, but not past the
+                    # deadline, and stop as soon as the peer's transfer has landed
+                    # (its final mark came in).
+                    if exc.transient and asyncio.get_running_loop().time() < deadline:
+                        await asyncio.sleep(0.02 if exc.status == 409 else 0.05)
                         if owner_id not in self._pending:
                             break
                         continue
