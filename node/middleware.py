@@ -90,6 +90,13 @@ class RateLimitMiddleware:
                 bypass = value
             elif name == tier_name:
                 tier = value.decode("latin-1")
+        if routed_key is not None or token is not None or failover is not None:
+            # ringlimit's own fields (the internal token above all) never reach the app.
+            scope["headers"] = [
+                (k, v)
+                for k, v in scope["headers"]
+                if k not in (KEY_HEADER, TOKEN_HEADER, FAILOVER_HEADER)
+            ]
         trusted = self.trust_router and (
             token_matches(
                 token.decode("latin-1") if token is not None else None, self.internal_token
