@@ -196,6 +196,12 @@ class ClusterConfig:
         for digest in self.bypass_sha256:
             if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
                 raise ConfigError("bypass.token_sha256 entries must be 64 lowercase hex digits")
+        bypass = self.bypass_header.lower()
+        if bypass.startswith("x-ringlimit-") and bypass != "x-ringlimit-bypass":
+            raise ConfigError(
+                f"bypass.header {self.bypass_header!r}: names starting with X-Ringlimit- are "
+                "ringlimit's own fields (only X-Ringlimit-Bypass may be used)"
+            )
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
         if self.balance not in BALANCES:

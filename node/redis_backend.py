@@ -42,6 +42,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -103,6 +104,16 @@ _UNAVAILABLE_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGA
 
 class BackendUnavailable(Exception):
     """The backend cannot decide now (unreachable, timed out, loading, read-only)."""
+
+
+def redact_url(url: str) -> str:
+    """``redis://user:secret@host/0`` -> ``redis://user:***@host/0``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
 def hash_tag(user_key: str) -> str:
@@ -167,6 +178,8 @@ class RedisBackend:
         if ttl_slack < 0:
             raise ValueError("ttl_slack must be >= 0")
         self.url = url
+        #: The URL as logs and errors show it: never with its password.
+        self.where = redact_url(url)
         self.prefix = prefix
         self.clock = clock
         self.timeout = timeout
@@ -257,7 +270,7 @@ class RedisBackend:
             if not _is_unavailable(exc):
                 raise
             self._available = False
-            logger.warning("redis at %s unavailable at start: %s", self.url, exc)
+            logger.warning("redis at %s unavailable at start: %s", self.where, exc)
             return
         self._available = True
         await self._warm()
@@ -270,7 +283,7 @@ class RedisBackend:
             while len(held) < self.max_connections:
                 held.append(await pool.get_connection())
         except _PING_ERRORS as exc:
-            logger.debug("warming connections to redis at %s: %s", self.url, exc)
+            logger.debug("warming connections to redis at %s: %s", self.where, exc)
         finally:
             for connection in held:
                 await pool.release(connection)
@@ -281,7 +294,7 @@ class RedisBackend:
             await self.redis.aclose()
         except _PING_ERRORS as exc:
             # Every socket's close was started; only waiting for one timed out.
-            logger.debug("closing connections to redis at %s: %s", self.url, exc)
+            logger.debug("closing connections to redis at %s: %s", self.where, exc)
 
     # ------------------------------------------------------------------ helpers
 
@@ -320,12 +333,12 @@ class RedisBackend:
         except TimeoutError:
             self._available = False
             raise BackendUnavailable(
-                f"redis at {self.url}: no call slot free within {self.queue_timeout}s "
+                f"redis at {self.where}: no call slot free within {self.queue_timeout}s "
                 f"({self.max_connections} calls in flight; overloaded)"
             ) from None
         if failures != self._failures:
             self._slots.release()
-            raise BackendUnavailable(f"redis at {self.url}: failed while this call was queued")
+            raise BackendUnavailable(f"redis at {self.where}: failed while this call was queued")
 
     async def _pipeline(self, calls: Sequence[tuple[Script, list[str], list[str]]]) -> list[Any]:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -344,7 +357,7 @@ class RedisBackend:
         if _is_unavailable(exc):
             self._available = False
             self._failures += 1
-            raise BackendUnavailable(f"redis at {self.url}: {type(exc).__name__}: {exc}") from exc
+            raise BackendUnavailable(f"redis at {self.where}: {type(exc).__name__}: {exc}") from exc
 
 
 class Primary(Protocol):

@@ -27,11 +27,14 @@ from node.config import ClusterConfig
 class Cluster:
     """Processes started together and stopped together."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+        #: Secrets (the Redis URL may hold a password) go through the environment,
+        #: not the command line, where any local user could read them.
+        self.env = env
 
     def start(self, name: str, argv: list[str]) -> None:
-        process = subprocess.Popen([sys.executable, "-m", "router", *argv])
+        process = subprocess.Popen([sys.executable, "-m", "router", *argv], env=self.env)
         self.processes.append((name, process))
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -61,7 +64,7 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ringlimit-"))
     config_file = workdir / "cluster.json"
     config_file.write_text(json.dumps(config.to_dict()))
-    cluster = Cluster()
+    cluster = Cluster({**os.environ, "RINGLIMIT_REDIS_URL": args.redis_url})
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -76,7 +79,7 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
             node_id, port = f"n{i + 1}", first_node_port + i
             argv = ["node", "--id", node_id, "--port", str(port), "--host", host, "--fenced"]
             argv += ["--config", str(config_file), "--backend", config.backend]
-            argv += ["--balance", config.balance, "--redis-url", args.redis_url]
+            argv += ["--balance", config.balance]
             if args.upstream:
                 argv += ["--upstream", args.upstream]
             if args.app:

@@ -58,6 +58,10 @@ def published(service: dict[str, Any]) -> set[int]:
     return {int(p.split(":")[-1]) for p in service.get("ports", [])}
 
 
+def exposed(service: dict[str, Any]) -> set[int]:
+    return {int(p) for p in service.get("expose", [])} | published(service)
+
+
 def test_the_services_are_there(services: dict[str, Any]) -> None:
     assert {"redis", "demo", "router", "node1", "node2", "node3"} <= set(services)
 
@@ -66,10 +70,11 @@ def test_every_node_command_parses_and_matches_its_service(services: dict[str, A
     for name in ("node1", "node2", "node3"):
         args = parse(services[name]["command"])
         assert args.run.__name__ == "_run_node"
-        assert args.port in published(services[name])
+        assert args.port in exposed(services[name])
+        assert not published(services[name]), "nodes must not be published beyond the network"
         assert args.url == f"http://{name}:{args.port}"
         assert args.fenced, "a cluster node must not decide before the router's first view"
-        assert args.upstream == f"http://demo:{next(iter(published(services['demo'])))}"
+        assert args.upstream == f"http://demo:{next(iter(exposed(services['demo'])))}"
         assert args.redis_url.startswith("redis://redis:")
         assert args.backend in ("memory", "redis")
 
