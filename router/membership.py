@@ -100,6 +100,7 @@ class Membership:
         self._headers = {INTERNAL_TOKEN_HEADER: internal_token} if internal_token else {}
         self._health_task: asyncio.Task[None] | None = None
         self._was_degraded = False
+        self._repairing: set[str] = set()
         #: The highest epoch ever pushed: new views always go above it.
         self._highest = 0
         self._history: dict[int, RingView] = {}
@@ -257,6 +258,24 @@ class Membership:
         # for). It discards its states and may rejoin later as a new member.
         self._spawn(self._push([crashed], new, previous, (member_id,), tolerate=True))
         return new
+
+    async def settle(self) -> None:
+        """Wait for the repairs the health loop started (rejoins, refreshes)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    async def _rejoin(self, member: Member) -> None:
+        with contextlib.suppress(MembershipError):
+            await self.join(member)
+
+    def _in_background(self, member_id: str, coro: Any) -> None:
+        """Run one repair per member at a time, without blocking the health loop."""
+        if member_id in self._repairing:
+            coro.close()
+            return
+        self._repairing.add(member_id)
+        task = self._spawn(coro)
+        task.add_done_callback(lambda _: self._repairing.discard(member_id))
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -511,7 +530,9 @@ class Membership:
                 health.failures += 1
                 return
             if health.epoch_seen < view.epoch and not self.lock.locked():
-                await self.refresh_node(member, health.epoch_seen)
+                # In the background: a rejoin can take a readiness wait and several
+                # pushes, and must not delay the detection of other nodes' crashes.
+                self._in_background(member.id, self.refresh_node(member, health.epoch_seen))
 
         async def probe_removed(member: Member) -> None:
             try:
@@ -522,8 +543,7 @@ class Membership:
                 return
             if response.status_code == 200 and not self.lock.locked():
                 log.warning("node %s answers again after its removal: it rejoins", member.id)
-                with contextlib.suppress(MembershipError):
-                    await self.join(member)
+                self._in_background(member.id, self._rejoin(member))
 
         await asyncio.gather(*(probe(m) for m in view))
         degraded = self.backend_degraded

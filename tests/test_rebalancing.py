@@ -594,6 +594,7 @@ async def test_a_removed_node_that_comes_back_rejoins_without_its_old_state() ->
         assert held > 0
         cluster.bring_back("n1")
         await membership.check_health()
+        await membership.settle()  # the rejoin runs beside the health loop
         assert "n1" in membership.view and membership.view.epoch > removed_at
         status = await node_status(cluster, "n1")
         assert status["epoch"] == membership.view.epoch
@@ -888,6 +889,7 @@ async def test_partition_router_and_node_single_router() -> None:
         # states its keys gained meanwhile come back to it in the handoff.
         cluster.bring_back("n2")
         await membership.check_health()
+        await membership.settle()
         assert "n2" in membership.view
         assert cluster.nodes["n2"].shard.stats.keys_dropped > 0
         await send(cluster.client, tally, USERS, 3)
