@@ -1,6 +1,6 @@
 """A demo upstream for docker-compose: the echo app as a standalone ASGI app.
 
-    uvicorn node.demo:app --port 9000
+uvicorn node.demo:app --port 9000
 """
 
 from node.apps import echo_app

@@ -10,6 +10,7 @@ each; ``X-RateLimit-Reset`` is in delta-seconds, like ``t``.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from node.decision import Decision, Verdict
 from node.rules import Rule
@@ -26,7 +27,15 @@ def retry_after_value(retry_after: float) -> str:
 
 
 def policy_value(rules: tuple[Rule, ...] | list[Rule]) -> str:
+    if type(rules) is tuple:
+        return _policy_bytes(rules).decode()
     return ", ".join(f'"{r.name}";q={r.limit};w={whole_seconds(r.period)}' for r in rules)
+
+
+@lru_cache(maxsize=1024)
+def _policy_bytes(rules: tuple[Rule, ...]) -> bytes:
+    """``RateLimit-Policy`` of a tuple of rules (rules are immutable: computed once)."""
+    return ", ".join(f'"{r.name}";q={r.limit};w={whole_seconds(r.period)}' for r in rules).encode()
 
 
 def ratelimit_value(decisions: tuple[Decision, ...]) -> str:
@@ -41,7 +50,10 @@ def rate_limit_headers(
     """The headers for a decided request, as raw ASGI header pairs."""
     decision = verdict.decision
     headers = [
-        (b"ratelimit-policy", policy_value(rules).encode()),
+        (
+            b"ratelimit-policy",
+            _policy_bytes(rules) if type(rules) is tuple else policy_value(rules).encode(),
+        ),
         (b"ratelimit", ratelimit_value(verdict.decisions).encode()),
     ]
     if legacy:

@@ -41,12 +41,12 @@ class NodeMetrics:
         self._children: dict[tuple[str, str], Any] = {}
         self.observe = self.latency.observe
 
-    def count(self, rule: str, allowed: bool) -> None:
+    def count(self, rule: str, allowed: bool, n: int = 1) -> None:
         key = (rule, "allowed" if allowed else "denied")
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = self.decisions.labels(*key)
-        child.inc()
+        child.inc(n)
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind).inc()

@@ -12,6 +12,7 @@ rate-limit fields to its start message, or answers 429 itself.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from urllib.parse import unquote
 
 from node.asgi import ASGIApp, Message, Receive, Scope, Send, drain, error_body, send_json
@@ -177,7 +178,11 @@ def not_owner_headers(exc: NotOwner) -> list[tuple[bytes, bytes]]:
 
 def _from_loopback(scope: Scope) -> bool:
     client = scope.get("client")
-    return client is None or is_loopback(client[0])
+    return client is None or _loopback(client[0])
+
+
+#: ``is_loopback`` parses the address each time; a node sees few distinct peers.
+_loopback = lru_cache(maxsize=1024)(is_loopback)
 
 
 def _adding(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:

@@ -41,10 +41,60 @@ def uvicorn_options() -> dict[str, Any]:
     try:
         import httptools  # noqa: F401
 
-        options["http"] = "httptools"
+        options["http"] = _coalescing_protocol() or "httptools"
     except ImportError:
         options["http"] = "h11"
     return options
+
+
+class _CoalescedWrites:
+    """A transport whose writes made in one event-loop step leave in one ``send``.
+
+    uvicorn writes a response's status line and headers, then its body, as two
+    writes: two syscalls, and (worse, on loopback) the peer woken twice and
+    reading half a response first. Buffered until the end of the step, the
+    whole response leaves at once. Everything else is the real transport's.
+    """
+
+    __slots__ = ("_buffer", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._buffer: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._buffer:
+            self._loop.call_soon(self._flush)
+        self._buffer.append(data)
+
+    def _flush(self) -> None:
+        buffer = self._buffer
+        if buffer:
+            self._buffer = []
+            if not self._transport.is_closing():
+                self._transport.write(buffer[0] if len(buffer) == 1 else b"".join(buffer))
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def _coalescing_protocol() -> type | None:
+    """uvicorn's httptools protocol on a :class:`_CoalescedWrites` transport."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # pragma: no cover (uvicorn moved it: plain httptools then)
+        return None
+
+    class CoalescingHttpToolsProtocol(HttpToolsProtocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(_CoalescedWrites(transport, self.loop))  # type: ignore[arg-type]
+
+    return CoalescingHttpToolsProtocol
 
 
 class _Server(uvicorn.Server):

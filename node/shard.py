@@ -570,7 +570,7 @@ class Shard:
         now = self.clock()
         by_target: dict[str, list[Record]] = {}
         successors = self._successors
-        for record in self.store.export(now, dirty.__contains__):
+        for record in self.store.export_keys(dirty, now):
             key = record[2]
             target = successors.get(key, "")
             if target == "":

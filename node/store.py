@@ -260,8 +260,21 @@ class MemoryStore:
         return records
 
     def export_keys(self, keys: Iterable[str], now: float) -> list[Record]:
-        wanted = set(keys)
-        return self.export(now, wanted.__contains__)
+        """:meth:`export` of the named keys: looked up one by one (a few keys of a
+        large store cost a few lookups, not a scan of every state)."""
+        wanted = keys if isinstance(keys, set | frozenset) else set(keys)
+        records: list[Record] = []
+        for table in self._tables.values():
+            rule, fresh_at, to_relative = table.rule, table.fresh_at, table.algorithm.to_relative
+            name, algorithm, states = rule.name, rule.algorithm, table.states
+            if len(wanted) < len(states):
+                found = [(k, states[k]) for k in wanted if k in states]
+            else:
+                found = [(k, v) for k, v in states.items() if k in wanted]
+            for key, state in found:
+                if fresh_at(state, rule) > now:
+                    records.append([name, algorithm, key, to_relative(state, now)])
+        return records
 
     def import_(
         self,

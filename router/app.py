@@ -21,6 +21,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+from json.encoder import encode_basestring_ascii as _jstr
 from typing import Any
 from urllib.parse import quote
 
@@ -30,9 +32,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from node.api import ApiError, CheckRequest, parse_checks, parse_json
-from node.app import read_body
-from node.asgi import Receive, Scope, Send, drain, dumps, error_body, send_json
+from node.api import ApiError, CheckRequest, parse_json
+from node.app import (
+    RESULTS_HEAD,
+    RESULTS_SEP,
+    RESULTS_TAIL,
+    Check,
+    parse_checks_fast,
+    read_body,
+)
+from node.asgi import Receive, Scope, Send, drain, error_body, send_json
 from node.config import ClusterConfig
 from node.identity import IdentityResolver
 from node.peers import INTERNAL_TOKEN_HEADER
@@ -40,7 +49,14 @@ from node.security import bearer, is_loopback, token_matches
 from ring import EmptyRingError, Member, RingView
 from router.coalesce import Coalescer
 from router.fastclient import FastForwarder
-from router.forward import AiohttpForwarder, Answer, Forwarder, Timeouts, Unreachable
+from router.forward import (
+    AiohttpForwarder,
+    Answer,
+    Forwarder,
+    NodeTimeout,
+    Timeouts,
+    Unreachable,
+)
 from router.membership import Membership, MembershipError
 from router.metrics import RouterMetrics
 
@@ -57,11 +73,18 @@ HOP_BY_HOP = frozenset(
         b"transfer-encoding",
         b"upgrade",
         b"host",
+        b"expect",
         b"content-length",
     }
 )
 CONTROL_PATHS = frozenset({"/healthz", "/metrics", "/v1/check"})
 MAX_ATTEMPTS = 3
+#: Keys whose owner the router remembers (per ring view).
+OWNER_CACHE = 100_000
+#: How a node's batch answer is laid out, one result per line (node/app.py).
+_LINES_HEAD = RESULTS_HEAD.encode()
+_LINES_SEP = RESULTS_SEP.encode()
+_LINES_TAIL = RESULTS_TAIL.encode()
 #: A coalesced check that must be routed again (the node refused it: ring change).
 _RETRY = object()
 
@@ -112,6 +135,7 @@ class Router:
         self.forwarder: Forwarder | None = forwarder
         self._resolver_for: tuple[object, IdentityResolver] | None = None
         self._turn = itertools.count()
+        self._owners: tuple[RingView | None, dict[str, Member]] = (None, {})
         self._token_header = (
             [(INTERNAL_TOKEN_HEADER, settings.internal_token)] if settings.internal_token else []
         )
@@ -169,7 +193,14 @@ class Router:
         if scope["type"] == "http" and not (
             scope["path"] in CONTROL_PATHS or scope["path"].startswith("/admin/")
         ):
+            if scope["path"].startswith("/internal"):
+                # The nodes' internal API is never reachable through the front door.
+                await drain(receive)
+                await send_json(send, 404, error_body("not_found", "no such endpoint"))
+                return
             await self.proxy(scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] == "/v1/check" and scope["method"] == "POST":
+            await self.check_asgi(scope, receive, send)  # the decision API's hot path
         else:
             await self.control(scope, receive, send)
 
@@ -185,7 +216,27 @@ class Router:
         if self.config.balance == "round-robin" and not self.membership.backend_degraded:
             members = view.members
             return members[next(self._turn) % len(members)]
-        return view.owner(key)
+        # Owners are remembered per view (a dict lookup instead of md5 + bisect).
+        cache = self._owners
+        if cache[0] is not view:
+            cache = self._owners = (view, {})
+        owners = cache[1]
+        member = owners.get(key)
+        if member is None:
+            member = view.owner(key)
+            if len(owners) >= OWNER_CACHE:
+                owners.clear()
+            owners[key] = member
+        return member
+
+    def _owner_map(self, view: RingView) -> dict[str, Member]:
+        """The remembered owners under ``view`` (empty in round-robin mode: pick each)."""
+        if self.config.balance == "round-robin" and not self.membership.backend_degraded:
+            return {}
+        cache = self._owners
+        if cache[0] is not view:
+            cache = self._owners = (view, {})
+        return cache[1]
 
     async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -232,18 +283,24 @@ class Router:
         # Clients may not send ringlimit's internal fields, except the bypass token
         # (whose default name also starts with x-ringlimit-): the node checks it.
         bypass_name = config.bypass_header.lower().encode("latin-1")
-        headers = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in scope["headers"]
-            if k not in HOP_BY_HOP and (not k.startswith(b"x-ringlimit-") or k == bypass_name)
-        ]
+        forwarded_for = None
+        headers = []
+        for k, v in scope["headers"]:
+            if k == b"x-forwarded-for":
+                forwarded_for = v.decode("latin-1")
+            elif k not in HOP_BY_HOP and (not k.startswith(b"x-ringlimit-") or k == bypass_name):
+                headers.append((k.decode("latin-1"), v.decode("latin-1")))
         # Percent-encoded: ASCII on the wire whatever the forwarder's header encoding,
         # so the node decides exactly the key the router placed on the ring.
-        headers.append(("x-ringlimit-key", quote(user, safe="")))
+        headers.append(("x-ringlimit-key", _quote_key(user)))
         headers += self._token_header
         client = scope.get("client")
         if client:
-            headers.append(("x-forwarded-for", client[0]))
+            # One X-Forwarded-For, the client's chain with its peer appended.
+            chain = f"{forwarded_for}, {client[0]}" if forwarded_for else client[0]
+            headers.append(("x-forwarded-for", chain))
+        elif forwarded_for:
+            headers.append(("x-forwarded-for", forwarded_for))
         target = scope.get("raw_path") or scope["path"].encode()
         path_qs = target.decode("latin-1")
         if scope.get("query_string"):
@@ -260,6 +317,16 @@ class Router:
                 return
             try:
                 answer = await self.forwarder.request(method, member.url + path_qs, headers, body)
+            except NodeTimeout:
+                # Sent, unanswered: the node may have decided; do not send it again.
+                self.metrics.outcome(member.id, "node_timeout")
+                await send_json(
+                    send,
+                    504,
+                    error_body("node_timeout", f"node {member.id} did not answer in time"),
+                    [(b"x-ringlimit-node", member.id.encode())],
+                )
+                return
             except Unreachable as exc:
                 if await self.membership.newer_view(member):
                     continue  # our view was stale: the key has another owner now
@@ -339,6 +406,8 @@ class Router:
                 )
             except Unreachable:
                 continue
+            except NodeTimeout:
+                break
             await _respond(send, answer, other.id)
             return
         await send_json(send, 502, error_body("no_node_available", f"no node answered ({reason})"))
@@ -378,25 +447,60 @@ class Router:
         config = self.config
         try:
             body = await read_body(request, config.limits.max_body)
-            checks, batch = parse_checks(parse_json(body, config), config)
+            checks, batch = parse_checks_fast(parse_json(body, config), config)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
+        status, payload = await self.answer_checks(checks, batch)
+        return Response(payload, status_code=status, media_type="application/json")
+
+    async def check_asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/check`` as :meth:`check` answers it, in raw ASGI (no Starlette)."""
+        config = self.config
+        limit = config.limits.max_body
+        try:
+            declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise ApiError(
+                    413, "body_too_large", f"body is {declared.decode()} bytes; at most {limit}"
+                )
+            body = await _read_all(receive, limit)
+            if body is None:
+                raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
+            checks, batch = parse_checks_fast(parse_json(body, config), config)
+        except ApiError as exc:
+            await _send_json_bytes(send, exc.status, _json(exc.body()))
+            return
+        status, payload = await self.answer_checks(checks, batch)
+        await _send_json_bytes(send, status, payload)
+
+    async def answer_checks(self, checks: Sequence[AnyCheck], batch: bool) -> tuple[int, bytes]:
+        """The status and JSON body answering valid checks."""
         if batch:
-            return JSONResponse({"results": await self.route_checks(checks)})
+            results = await self.route_checks(checks)
+            return 200, (
+                b'{"results":['
+                + b",".join(r if type(r) is bytes else _json(r) for r in results)
+                + b"]}"
+            )
         result = await self.route_single(checks[0])
+        if type(result) is bytes:
+            return 200, result  # a node's decision
+        assert isinstance(result, dict)
         if "error" in result:
             # No decision: say so with the status too, not a 200 carrying an error
             # (the request was valid here; the node could not answer it).
-            status = 503 if result["error"] == "ring_changing" else 502
+            status = {"ring_changing": 503, "no_nodes": 503, "node_timeout": 504}.get(
+                result["error"], 502
+            )
         else:
             status = (
                 503
                 if result.get("reason") == "owner_unreachable" and not result["allowed"]
                 else 200
             )
-        return JSONResponse(result, status_code=status)
+        return status, _json(result)
 
-    async def route_single(self, check: CheckRequest) -> dict[str, Any]:
+    async def route_single(self, check: AnyCheck) -> Result:
         """One check; concurrent singles for the same node leave as one batch."""
         if self.coalescer is None:
             return (await self.route_checks([check]))[0]
@@ -410,10 +514,10 @@ class Router:
         return result  # type: ignore[no-any-return]
 
     async def _send_coalesced(
-        self, node_id: str, items: list[tuple[Member, CheckRequest]]
+        self, node_id: str, items: list[tuple[Member, AnyCheck]]
     ) -> list[Any]:
         checks = [check for _, check in items]
-        results: list[dict[str, Any] | None] = [None] * len(checks)
+        results: list[Result | None] = [None] * len(checks)
         retry: list[int] = []
         await self._run_group(items[0][0], list(range(len(checks))), checks, results, retry)
         out: list[Any] = list(results)
@@ -421,8 +525,10 @@ class Router:
             out[index] = _RETRY
         return out
 
-    async def route_checks(self, checks: list[CheckRequest]) -> list[dict[str, Any]]:
-        results: list[dict[str, Any] | None] = [None] * len(checks)
+    async def route_checks(self, checks: Sequence[AnyCheck]) -> list[Result]:
+        """One result per check, in order: a node's answer as JSON bytes, or the
+        router's own (an error, an unreachable owner) as a dict."""
+        results: list[Result | None] = [None] * len(checks)
         pending = list(range(len(checks)))
         for _ in range(MAX_ATTEMPTS):
             if not pending:
@@ -430,8 +536,16 @@ class Router:
             view = self.membership.view
             groups: dict[str, list[int]] = {}
             members: dict[str, Member] = {}
+            if not len(view):
+                for index in pending:
+                    results[index] = {"error": "no_nodes", "detail": "the ring has no nodes"}
+                return _complete(results)
+            owners = self._owner_map(view)
             for index in pending:
-                member = self.pick(view, checks[index].key)
+                key = checks[index].key
+                member = owners.get(key)
+                if member is None:
+                    member = self.pick(view, key)
                 groups.setdefault(member.id, []).append(index)
                 members[member.id] = member
             retry: list[int] = []
@@ -447,22 +561,30 @@ class Router:
                 "error": "ring_changing",
                 "detail": "the ring is changing; retry shortly",
             }
-        return [r if r is not None else {} for r in results]
+        return _complete(results)
 
     async def _run_group(
         self,
         member: Member,
         indices: list[int],
-        checks: list[CheckRequest],
-        results: list[dict[str, Any] | None],
+        checks: Sequence[AnyCheck],
+        results: list[Result | None],
         retry: list[int],
     ) -> None:
-        payload = dumps({"checks": [_check_json(checks[i]) for i in indices]})
+        payload = _checks_payload(checks, indices)
         assert self.forwarder is not None
         try:
             answer = await self.forwarder.post_json(
                 member.url + "/v1/check", payload, self._token_header
             )
+        except NodeTimeout:
+            for i in indices:
+                results[i] = {
+                    "error": "node_timeout",
+                    "detail": f"node {member.id} did not answer in time",
+                }
+            self.metrics.outcome(member.id, "node_timeout")
+            return
         except Unreachable:
             if await self.membership.newer_view(member):
                 retry.extend(indices)  # our view was stale: route them again
@@ -480,8 +602,8 @@ class Router:
                 results[i] = {"error": "node_error", "status": answer.status, "detail": detail}
             return
         try:
-            answered = json.loads(answer.body)["results"]
-            if not isinstance(answered, list) or len(answered) != len(indices):
+            answered = _results(answer.body)
+            if len(answered) != len(indices):
                 raise ValueError("wrong number of results")
         except (ValueError, KeyError, TypeError) as exc:
             for i in indices:
@@ -557,14 +679,79 @@ class Router:
         return JSONResponse(self.membership.describe())
 
 
-def _check_json(check: CheckRequest) -> dict[str, Any]:
+@lru_cache(maxsize=65536)
+def _quote_key(user: str) -> str:
+    """The user id percent-encoded for ``X-Ringlimit-Key`` (users repeat: cached)."""
+    return quote(user, safe="")
+
+
+#: A validated check (the fast parser's tuple, or node.api's dataclass).
+AnyCheck = CheckRequest | Check
+
+#: One decision-API result: a node's, as the JSON bytes it sent, or the router's own.
+Result = bytes | dict[str, Any]
+
+
+def _json(data: Any) -> bytes:
+    """As Starlette's JSONResponse encodes."""
+    return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _results(body: bytes) -> list[Any]:
+    """The results of a node's batch answer, undecoded when it has one per line."""
+    if body.startswith(_LINES_HEAD):
+        if not body.endswith(_LINES_TAIL):
+            raise ValueError("truncated batch answer")
+        return body[len(_LINES_HEAD) : -len(_LINES_TAIL)].split(_LINES_SEP)
+    answered = json.loads(body)["results"]
+    if not isinstance(answered, list):
+        raise ValueError("results is not a list")
+    return answered
+
+
+def _complete(results: list[Result | None]) -> list[Result]:
+    return [r if r is not None else {} for r in results]
+
+
+def _checks_payload(checks: Sequence[AnyCheck], indices: list[int]) -> bytes:
+    """``dumps({"checks": [_check_json(checks[i]) for i in indices]})``, formatted directly."""
+    parts: list[str] = []
+    append = parts.append
+    for i in indices:
+        check = checks[i]
+        rules = check.rules
+        if len(rules) == 1:
+            append(
+                f'{{"key":{_jstr(check.key)},"cost":{int(check.cost)},'
+                f'"rule":{_jstr(rules[0].name)}}}'
+            )
+        else:
+            append(f'{{"key":{_jstr(check.key)},"cost":{int(check.cost)}}}')
+    return ('{"checks":[' + ",".join(parts) + "]}").encode()
+
+
+async def _send_json_bytes(send: Send, status: int, payload: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-length", str(len(payload)).encode()),
+                (b"content-type", b"application/json"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _check_json(check: AnyCheck) -> dict[str, Any]:
     data: dict[str, Any] = {"key": check.key, "cost": check.cost}
     if len(check.rules) == 1:
         data["rule"] = check.rules[0].name
     return data
 
 
-def _unreachable_result(check: CheckRequest, node_id: str) -> dict[str, Any]:
+def _unreachable_result(check: AnyCheck, node_id: str) -> dict[str, Any]:
     closed = any(r.on_error == "closed" for r in check.rules)
     rule = check.rules[0]
     return {

@@ -1,0 +1,251 @@
+"""``ringlimit bench``: the formatting (pure functions, default run) and a smoke run.
+
+The smoke run starts every configuration for real (seconds each), so it is
+marked ``benchmark`` and excluded from the default run:
+``python -m pytest -m benchmark tests/test_bench.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import cluster, loadgen
+from benchmarks.cluster import ROWS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(rps: float, *, p99: float = 10.0, router: float | None = 100.0, requests: int = 1000):
+    cpu = {"nodes": 80.0}
+    if router is not None:
+        cpu["router"] = router
+    return {
+        "load": {
+            "rps": rps,
+            "p50_ms": p99 / 4,
+            "p99_ms": p99,
+            "allowed": requests,
+            "denied": 0,
+            "status_errors": 0,
+            "socket_errors": 0,
+        },
+        "cpu_us_per_request": cpu,
+        "decisions_per_request": 1,
+    }
+
+
+def _report() -> dict:
+    rows = {
+        "direct": cluster.summarise_row("direct", [_run(20_000, router=None), _run(18_000)]),
+        "sticky": cluster.summarise_row("sticky", [_run(9_000), _run(8_000)]),
+        "redis": cluster.summarise_row("redis", [_run(4_000, p99=30), _run(4_000, p99=30)]),
+        "slowapi": cluster.summarise_row("slowapi", [_run(2_000), _run(2_000)]),
+    }
+    batch = [_run(1_200), _run(1_000)]
+    for run in batch:
+        run["decisions_per_request"] = 100
+    rows["api_batch"] = cluster.summarise_row("api_batch", batch)
+    rows["direct"]["limited"] = False
+    cluster.add_ratios(rows)
+    return {
+        "meta": {
+            "command": "ringlimit bench",
+            "date": "2026-01-01 00:00 UTC",
+            "python": "3.11",
+            "cpus": 2,
+            "tool": "wrk",
+            "connections": 50,
+            "users": 10_000,
+            "nodes": 2,
+            "repeats": 2,
+            "duration": 5.0,
+        },
+        "rows": rows,
+        "exactness": {
+            "sticky": cluster.check_exactness(
+                "sticky", {"allowed": 500, "denied": 9_000}, 1, 100, 5
+            ),
+            "round_robin": cluster.check_exactness(
+                "round_robin", {"allowed": 1_000, "denied": 9_000}, 2, 100, 5
+            ),
+        },
+        "engine": {
+            "medians": {"token_bucket": 900_000.0, "limits:fixed_window": 150_000.0},
+            "ratios": [
+                {
+                    "ours": "token_bucket",
+                    "theirs": "limits:fixed_window",
+                    "target": 5.0,
+                    "ratio": 6.0,
+                },
+                {
+                    "ours": "fixed_window",
+                    "theirs": "limits:fixed_window",
+                    "target": 1.0,
+                    "ratio": 2.0,
+                },
+            ],
+        },
+        "memory": {"keys": 1_000_000, "bytes_per_key": 190.0, "detail": "x"},
+        "handoff": {"keys": 1_000_000, "seconds": 8.0, "complete": True, "detail": "y"},
+        "notes": ["a note"],
+    }
+
+
+def test_medians_and_per_round_ratios() -> None:
+    assert cluster.median([3.0, None, 1.0, 2.0]) == 2.0
+    assert cluster.median([None]) is None
+    # Per-round ratios, not the ratio of medians: rounds measured side by side pair up.
+    assert cluster.round_ratios([10, 20, 30], [5, 5, 30]) == 2.0
+    assert cluster.round_ratios([1.0], [0.0]) is None
+    summary = cluster.summarise_row("sticky", [_run(9_000), _run(7_000), _run(8_000)])
+    assert summary["rps"] == 8_000
+    assert summary["cpu_us"] == {"router": 100.0, "nodes": 80.0}
+    assert summary["cpu_total_us"] == 180.0
+    assert summary["allowed"] == 3_000
+
+
+def test_ratios_against_rows_1_and_3() -> None:
+    rows = _report()["rows"]
+    assert rows["sticky"]["vs_direct"] == pytest.approx((9 / 20 + 8 / 18) / 2)
+    assert rows["sticky"]["vs_redis"] == pytest.approx(2.125)
+    assert rows["redis"]["vs_redis"] == 1.0
+    assert rows["api_batch"]["decisions_per_s"] == 110_000
+
+
+def test_exactness_checks() -> None:
+    exact = cluster.check_exactness("sticky", {"allowed": 500, "denied": 2_000}, 1, 100, 5)
+    assert exact["ok"] and exact["expected"] == 500
+    over = cluster.check_exactness("redis", {"allowed": 501, "denied": 2_000}, 1, 100, 5)
+    assert not over["ok"] and over["note"] == "WRONG"
+    few = cluster.check_exactness("redis", {"allowed": 500, "denied": 100}, 1, 100, 5)
+    assert not few["ok"] and few["note"] == "too few requests"
+    rr = cluster.check_exactness("round_robin", {"allowed": 900, "denied": 9_000}, 2, 100, 5)
+    assert rr["ok"] and rr["max_expected"] == 1_000 and "1.80x" in rr["note"]
+
+
+def test_targets_pass_and_short() -> None:
+    targets = {t.name: t for t in cluster.targets(_report())}
+    floor = targets["router+sticky req/s vs direct-to-node floor"]
+    assert floor.ok  # 0.44x >= 0.4x
+    assert targets["router CPU / node CPU per forwarded request"].measured == 1.25
+    assert targets["sticky vs Redis, p99 latency (ratio)"].ok
+    assert targets["decision API, batches of 100: decisions/s"].ok
+    assert targets["engine: token_bucket vs limits:fixed_window"].ok
+    assert not any(name.startswith("engine: fixed_window") for name in targets)  # no 1x targets
+    assert targets["memory per token-bucket key at 1,000,000 keys"].ok
+    assert targets["handoff of 1,000,000 keys, node A -> B"].ok
+    assert targets["exactness, sticky: allowed == users x limit"].ok
+    # Round-robin local over-admits by design: reported in the table, not a target.
+    assert not any("round_robin" in name for name in targets)
+    slow = _report()
+    slow["handoff"]["complete"] = False
+    slow["memory"]["bytes_per_key"] = 250.0
+    short = {t.name: t for t in cluster.targets(slow)}
+    assert short["handoff of 1,000,000 keys, node A -> B"].ok is None
+    assert short["memory per token-bucket key at 1,000,000 keys"].ok is False
+
+
+def test_table_markdown_and_json() -> None:
+    report = _report()
+    lines = cluster.table_lines(report)
+    assert lines[0].startswith("| configuration | req/s | decisions/s | p50 ms | p99 ms |")
+    assert len(lines) == 2 + len(report["rows"])
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    direct = next(line for line in lines if line.startswith("| 1 direct"))
+    assert "- (off)" in direct and "| 1.00x |" in direct
+    sticky = next(line for line in lines if line.startswith("| 2 router"))
+    assert "500 (500) ok" in sticky and "2.12x" in sticky
+    text = cluster.markdown(report)
+    assert text.startswith("# Benchmark results")
+    assert "## Targets" in text and "| pass |" in text and "SHORT" not in text
+    assert "## Engine" in text and "* a note" in text
+    targets = [t.to_dict() for t in cluster.targets(report)]
+    json.dumps({"report": report, "targets": targets})  # all of it serialisable
+    assert {t["pass"] for t in targets} == {True}
+
+
+def test_target_lines_format() -> None:
+    lines = cluster.target_lines(
+        [
+            cluster.Target("ratio", 0.3, 0.4),
+            cluster.Target("seconds", 12.34, 10.0, at_most=True, unit=" s", detail="d"),
+            cluster.Target("rate", 123_456.0, 100_000, unit="/s"),
+        ]
+    )
+    assert lines[2] == "| ratio | 0.30x | >= 0.4x | SHORT |"
+    assert lines[3] == "| seconds | 12.3 s (d) | <= 10 s | SHORT |"
+    assert lines[4] == "| rate | 123,456/s | >= 100,000/s | pass |"
+
+
+def test_settings_and_rows_option() -> None:
+    parser = argparse.ArgumentParser()
+    cluster.add_arguments(parser)
+    quick = cluster.settings_from(parser.parse_args(["--quick"]))
+    assert quick.duration == 2.0 and quick.repeats == 1 and quick.handoff_keys == 100_000
+    full = cluster.settings_from(parser.parse_args(["--duration", "3", "--rows", "sticky,redis"]))
+    assert full.duration == 3.0 and full.repeats == 3 and full.rows == ("sticky", "redis")
+    with pytest.raises(ValueError, match="unknown row"):
+        cluster.settings_from(parser.parse_args(["--rows", "nope"]))
+    assert "[[rules]]" in cluster.cluster_toml(quick)
+
+
+def test_load_generator_pieces() -> None:
+    line = (
+        'noise\nRINGLIMIT_BENCH {"requests":100,"duration_us":2000000,"p50_us":1500,'
+        '"p99_us":9000,"mean_us":2000.0,"status_errors":3,"socket_errors":0,'
+        '"allowed":97,"denied":3,"other":0}\n'
+    )
+    result = loadgen.parse_marked(line, "wrk")
+    assert result.rps == 50 and result.p99_ms == 9 and result.denied == 3
+    with pytest.raises(RuntimeError):
+        loadgen.parse_marked("nothing", "wrk")
+    load = loadgen.Load("http://127.0.0.1:1/v1/check", mode="batch", users=5, batch=3)
+    requests = loadgen.build_requests(load, random.Random(1))
+    assert len(requests) == 1024
+    head, _, body = requests[0].partition(b"\r\n\r\n")
+    assert b"POST /v1/check HTTP/1.1" in head
+    assert len(json.loads(body)["checks"]) == 3
+    assert cluster.cpu_seconds([os.getpid()]) > 0
+
+
+@pytest.mark.benchmark
+@pytest.mark.timeout(900)
+def test_bench_quick_smoke(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    out = tmp_path / "bench.json"
+    md = tmp_path / "bench.md"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "router", "bench", "--quick", "--duration", "1"),
+            *("--json", str(out), "--markdown", str(md), "--no-progress"),
+            *("--handoff-keys", "20000", "--memory-keys", "20000", "--engine-seconds", "1"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert list(report["rows"]) == list(ROWS)
+    for row in report["rows"].values():
+        assert row["rps"] > 0, row
+    assert set(report["exactness"]) == set(ROWS) - {"direct"}
+    assert report["handoff"]["complete"]
+    assert report["engine"]["ratios"] and report["memory"]["bytes_per_key"] > 0
+    assert {t["name"] for t in report["targets"]} >= {
+        "router+sticky req/s vs direct-to-node floor",
+        "decision API, batches of 100: decisions/s",
+    }
+    assert "| configuration |" in done.stdout and md.read_text().startswith("# Benchmark")

@@ -1,0 +1,90 @@
+"""What must never cross the front door, and what must never reach the app."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from node.asgi import Receive, Scope, Send, drain, send_json
+from node.clock import FrozenClock
+from node.config import ClusterConfig
+from router.testing import InProcessCluster
+
+pytestmark = pytest.mark.anyio
+
+CONFIG = ClusterConfig.from_dict({"rules": [{"name": "api", "rate": "5/minute"}]})
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def headers_app(scope: Scope, receive: Receive, send: Send) -> None:
+    await drain(receive)
+    await send_json(send, 200, {"headers": [[k.decode(), v.decode()] for k, v in scope["headers"]]})
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/internal/cluster"),
+        ("PUT", "/internal/cluster"),
+        ("POST", "/internal/pull"),
+        ("POST", "/internal/import"),
+        ("GET", "/internal/status"),
+        ("GET", "/internal"),
+    ],
+)
+async def test_the_router_never_forwards_the_internal_api(method: str, path: str) -> None:
+    async with InProcessCluster(3, CONFIG, clock=FrozenClock(), internal_token="s3cret") as c:
+        before = {n: node.shard.epoch for n, node in c.nodes.items() if node.shard}
+        response = await c.client.request(
+            method, path, headers={"X-User-Id": "mallory"}, content=b"{}"
+        )
+        assert response.status_code == 404
+        assert response.json()["error"] == "not_found"
+        assert {n: node.shard.epoch for n, node in c.nodes.items() if node.shard} == before
+
+
+async def test_the_app_sees_neither_the_internal_token_nor_routing_fields() -> None:
+    cluster = InProcessCluster(
+        2, CONFIG, clock=FrozenClock(), internal_token="s3cret", node_options={}
+    )
+    for node in cluster.nodes.values():
+        node.limited.app = headers_app
+    async with cluster:
+        response = await cluster.client.get(
+            "/x", headers={"X-User-Id": "alice", "X-Forwarded-For": "203.0.113.9"}
+        )
+        assert response.status_code == 200
+        seen: dict[str, Any] = {}
+        for name, value in response.json()["headers"]:
+            seen.setdefault(name, []).append(value)
+        assert "x-ringlimit-token" not in seen
+        assert "x-ringlimit-key" not in seen
+        assert "s3cret" not in json.dumps(response.json())
+        # One X-Forwarded-For: the client's chain, then the peer the router saw.
+        assert len(seen["x-forwarded-for"]) == 1
+        assert seen["x-forwarded-for"][0].startswith("203.0.113.9, ")
+
+
+def test_redis_passwords_are_redacted_from_logs_and_errors() -> None:
+    from node.redis_backend import RedisBackend, redact_url
+
+    assert redact_url("redis://default:hunter2@127.0.0.1:6379/0") == (
+        "redis://default:***@127.0.0.1:6379/0"
+    )
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    backend = RedisBackend("redis://u:hunter2@127.0.0.1:1/0")
+    assert "hunter2" not in backend.where
+
+
+def test_a_bypass_header_may_not_impersonate_ringlimit_fields() -> None:
+    from node.config import ConfigError
+
+    with pytest.raises(ConfigError, match="X-Ringlimit-"):
+        ClusterConfig.from_dict({"bypass": {"header": "X-Ringlimit-Failover"}})
+    assert ClusterConfig.from_dict({"bypass": {"header": "X-Partner-Token"}})
