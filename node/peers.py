@@ -46,10 +46,19 @@ class Peers:
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
         )
 
-    async def post(self, url: str, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def post(
+        self,
+        url: str,
+        path: str,
+        payload: dict[str, Any],
+        *,
+        seconds: float | None = None,
+    ) -> dict[str, Any]:
+        """POST JSON; ``seconds`` overrides the default timeout for bulk transfers."""
+        extra: dict[str, Any] = {} if seconds is None else {"timeout": seconds}
         try:
             response = await self._client.post(
-                url.rstrip("/") + path, json=payload, headers=self._headers
+                url.rstrip("/") + path, json=payload, headers=self._headers, **extra
             )
         except httpx.HTTPError as exc:
             raise PeerError(f"{url}{path}: {type(exc).__name__}") from None

@@ -451,7 +451,14 @@ class Shard:
             try:
                 for attempt in range(3):
                     try:
-                        await self.peers.post(url, "/internal/import", payload)
+                        # A bulk transfer (a million states is tens of MB of JSON)
+                        # gets time in proportion to its size, not the default.
+                        await self.peers.post(
+                            url,
+                            "/internal/import",
+                            payload,
+                            seconds=max(5.0, len(payload["records"]) / 20_000),
+                        )
                         self.stats.keys_sent += len(records)
                         sent[member_id] = len(records)
                         return
