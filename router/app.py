@@ -94,6 +94,9 @@ class RouterSettings:
     config: ClusterConfig = field(default_factory=ClusterConfig)
     seeds: Sequence[Member] = ()
     admin_token: str | None = None
+    #: When set, the decision API requires ``Authorization: Bearer <token>``: anyone
+    #: who can call it can spend any user's quota.
+    api_token: str | None = None
     internal_token: str | None = None
     state_file: str | None = None
     health_interval: float = 1.0
@@ -457,6 +460,14 @@ class Router:
         """``POST /v1/check`` as :meth:`check` answers it, in raw ASGI (no Starlette)."""
         config = self.config
         limit = config.limits.max_body
+        if self.settings.api_token is not None and not self._api_allowed(scope):
+            await drain(receive)
+            await _send_json_bytes(
+                send,
+                401,
+                _json(error_body("unauthorized", "the decision API needs its token (Bearer)")),
+            )
+            return
         try:
             declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
             if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -618,6 +629,12 @@ class Router:
         self.metrics.checks(member.id, len(indices))
 
     # ------------------------------------------------------------------ admin
+
+    def _api_allowed(self, scope: Scope) -> bool:
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        return token_matches(
+            bearer(given.decode("latin-1") if given is not None else None), self.settings.api_token
+        )
 
     def _admin_refused(self, request: Request) -> Response | None:
         expected = self.settings.admin_token

@@ -262,6 +262,7 @@ def _run_router(args: argparse.Namespace) -> int:
         seeds=seeds,
         admin_token=admin_token,
         internal_token=internal_token,
+        api_token=os.environ.get("RINGLIMIT_API_TOKEN") or None,
         state_file=args.state_file,
         health_interval=args.health_interval,
         failure_threshold=args.failure_threshold,

@@ -88,3 +88,20 @@ def test_a_bypass_header_may_not_impersonate_ringlimit_fields() -> None:
     with pytest.raises(ConfigError, match="X-Ringlimit-"):
         ClusterConfig.from_dict({"bypass": {"header": "X-Ringlimit-Failover"}})
     assert ClusterConfig.from_dict({"bypass": {"header": "X-Partner-Token"}})
+
+
+async def test_the_decision_api_needs_its_token_when_one_is_set() -> None:
+    async with InProcessCluster(2, CONFIG, clock=FrozenClock()) as cluster:
+        cluster.router.settings.api_token = "api-s3cret"
+        check = {"key": "alice", "cost": 5}
+        refused = await cluster.client.post("/v1/check", json=check)
+        assert refused.status_code == 401 and refused.json()["error"] == "unauthorized"
+        wrong = await cluster.client.post(
+            "/v1/check", json=check, headers={"Authorization": "Bearer nope"}
+        )
+        assert wrong.status_code == 401
+        # Nothing was spent by the refused calls: alice still has her whole quota.
+        allowed = await cluster.client.post(
+            "/v1/check", json=check, headers={"Authorization": "Bearer api-s3cret"}
+        )
+        assert allowed.status_code == 200 and allowed.json()["allowed"] is True
