@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from math import isfinite
@@ -333,38 +333,20 @@ class Node:
                 self.shard.spawn(self.shard.deliver())
         return JSONResponse({"epoch": self.shard.epoch, "applied": applied, "sent": sent})
 
-    async def import_states(self, request: Request) -> Response:
+    async def _internal_call(
+        self,
+        request: Request,
+        what: str,
+        handle: Callable[[Shard, dict[str, Any]], dict[str, Any]],
+        without_shard: dict[str, Any],
+    ) -> Response:
+        """One internal call: token or loopback, a JSON object in, 4xx for bad input."""
         if (refused := self._refuse(request)) is not None:
             return refused
         if self.shard is None:
-            return JSONResponse({"error": "not_sticky", "detail": "no shard"}, status_code=409)
+            return JSONResponse(without_shard, status_code=409 if "error" in without_shard else 200)
         try:
-            data = await self._internal_json(request)
-            taken = self.shard.receive(
-                str(data["from"]),
-                int(data["epoch"]),
-                list(data["records"]),
-                bool(data["final"]),
-                list(data.get("crashes", [])),
-            )
-        except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
-            return JSONResponse(
-                {"error": "invalid_request", "detail": f"bad import: {exc}"}, status_code=400
-            )
-        return JSONResponse({"taken": taken})
-
-    async def pull(self, request: Request) -> Response:
-        if (refused := self._refuse(request)) is not None:
-            return refused
-        if self.shard is None:
-            return JSONResponse({"records": []})
-        try:
-            data = await self._internal_json(request)
-            records = self.shard.serve_pull(
-                [str(k) for k in data["keys"]], str(data["to"]), int(data["epoch"])
-            )
+            return JSONResponse(handle(self.shard, await self._internal_json(request)))
         except StaleEpoch as exc:
             return JSONResponse({"error": "stale_epoch", "detail": str(exc)}, status_code=409)
         except InFlight as exc:
@@ -373,25 +355,36 @@ class Node:
             return JSONResponse(exc.body(), status_code=exc.status)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             return JSONResponse(
-                {"error": "invalid_request", "detail": f"bad pull: {exc}"}, status_code=400
+                {"error": "invalid_request", "detail": f"bad {what}: {exc}"}, status_code=400
             )
-        return JSONResponse({"records": records})
+
+    async def import_states(self, request: Request) -> Response:
+        def handle(shard: Shard, data: dict[str, Any]) -> dict[str, Any]:
+            taken = shard.receive(
+                str(data["from"]),
+                int(data["epoch"]),
+                list(data["records"]),
+                bool(data["final"]),
+                list(data.get("crashes", [])),
+            )
+            return {"taken": taken}
+
+        return await self._internal_call(
+            request, "import", handle, {"error": "not_sticky", "detail": "no shard"}
+        )
+
+    async def pull(self, request: Request) -> Response:
+        def handle(shard: Shard, data: dict[str, Any]) -> dict[str, Any]:
+            keys = [str(k) for k in data["keys"]]
+            return {"records": shard.serve_pull(keys, str(data["to"]), int(data["epoch"]))}
+
+        return await self._internal_call(request, "pull", handle, {"records": []})
 
     async def replica(self, request: Request) -> Response:
-        if (refused := self._refuse(request)) is not None:
-            return refused
-        if self.shard is None:
-            return JSONResponse({"taken": 0})
-        try:
-            data = await self._internal_json(request)
-            taken = self.shard.receive_replicas(str(data["from"]), list(data["records"]))
-        except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
-            return JSONResponse(
-                {"error": "invalid_request", "detail": f"bad replica: {exc}"}, status_code=400
-            )
-        return JSONResponse({"taken": taken})
+        def handle(shard: Shard, data: dict[str, Any]) -> dict[str, Any]:
+            return {"taken": shard.receive_replicas(str(data["from"]), list(data["records"]))}
+
+        return await self._internal_call(request, "replica", handle, {"taken": 0})
 
     async def status(self, request: Request) -> Response:
         if (refused := self._refuse(request)) is not None:
