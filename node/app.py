@@ -110,7 +110,10 @@ class Node:
             node_id=settings.node_id,
         )
         self.store.on_store_full = self._store_full
-        self.metrics.watch(lambda: len(self.store), lambda: self.shard.epoch if self.shard else 0)
+        #: Without a shard (shared backend) the node still knows the newest epoch it
+        #: was sent, so a router does not mistake it for a restarted node.
+        self.pushed_epoch = 0
+        self.metrics.watch(lambda: len(self.store), lambda: self.epoch)
         if self.shard is not None:
             shard = self.shard
             self.metrics.add_counters(
@@ -134,6 +137,10 @@ class Node:
         )
         self.control = Starlette(routes=self._routes(), lifespan=self._lifespan)
         self._encoder: ResultEncoder | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.shard.epoch if self.shard is not None else self.pushed_epoch
 
     def _store_full(self, rule: Any, key: str) -> None:
         self.metrics.error("store_full")
@@ -241,7 +248,7 @@ class Node:
             {
                 "status": "ok",
                 "node": self.settings.node_id,
-                "epoch": self.shard.epoch if self.shard else 0,
+                "epoch": self.epoch,
                 "backend": self.backend.name,
                 "backend_available": self.backend.available,
                 "keys": len(self.store),
@@ -318,7 +325,10 @@ class Node:
                 status_code=400,
             )
         if self.shard is None:
+            if view.epoch < self.pushed_epoch:
+                return JSONResponse({"epoch": self.pushed_epoch, "applied": False, "sent": {}})
             self.authority.config = config
+            self.pushed_epoch = view.epoch
             return JSONResponse({"epoch": view.epoch, "applied": True, "sent": {}})
         if view.epoch < self.shard.epoch:
             # A stale router: neither its view nor its rules replace newer ones.

@@ -158,8 +158,12 @@ class RateLimitMiddleware:
             return
         await drain(receive)
         # A rule that fails closed while its backend is down: the service, not the
-        # client, is the problem, so 503 rather than 429.
-        status = 503 if verdict.decision.reason == BACKEND_UNAVAILABLE else 429
+        # client, is the problem, so 503 rather than 429. (An open rule decided by
+        # the local fallback carries the same reason but a real retry time: that
+        # client is over its limit, a 429.)
+        decision = verdict.decision
+        closed = decision.reason == BACKEND_UNAVAILABLE and decision.retry_after is None
+        status = 503 if closed else 429
         await send_json(send, status, denial_body(verdict), headers)
 
 

@@ -149,17 +149,28 @@ def test_redis_killed_mid_traffic_and_restarted(
             return str(client.get("/healthz").json()["balance"])
 
         assert balance() == "round-robin"
+        epoch = client.get("/admin/ring").json()["epoch"]
         assert [get("/open/x", "before").status_code for _ in range(6)].count(200) == 5
 
         redis.stop()
-        # Requests keep being answered at once, whatever the router knows yet.
+        # Requests keep being answered at once, whatever the router knows yet; open
+        # rules are limited locally (a client over its limit gets a 429, never a 503).
         for _ in range(10):
             assert get("/open/x", "during-early").status_code in (200, 429)
             assert get("/closed/x", "during-early").status_code == 503
         # The router notices and routes stickily: each user's fallback limiter is on one node.
         assert wait_for(lambda: balance() == "sticky", 10), "router did not switch to sticky"
         codes = [get("/open/x", "during") for _ in range(8)]
-        assert [r.status_code for r in codes].count(200) == 5, "fallback must still limit"
+        seen = [
+            (
+                r.status_code,
+                r.headers.get("x-ringlimit-node"),
+                r.headers.get("x-ringlimit-degraded"),
+            )
+            for r in codes
+        ]
+        assert [r.status_code for r in codes].count(200) == 5, f"fallback must still limit: {seen}"
+        assert [r.status_code for r in codes].count(429) == 3, "over the limit is a 429"
         assert len({r.headers["x-ringlimit-node"] for r in codes}) == 1
         closed = get("/closed/x", "during")
         assert closed.status_code == 503
@@ -172,5 +183,8 @@ def test_redis_killed_mid_traffic_and_restarted(
         assert len({r.headers["x-ringlimit-node"] for r in after}) >= 2
         with redis.client() as r:
             assert r.exists("rl:{after}:open:tb")
+        # Nodes without a shard still report the epoch they were sent: the router
+        # never mistakes them for restarted nodes (which would churn the ring).
+        assert client.get("/admin/ring").json()["epoch"] == epoch
         metrics = client.get("/metrics").text
         assert "ringlimit_router_forwarded_total" in metrics
