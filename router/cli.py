@@ -15,10 +15,11 @@ process lists; they are never logged.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from node.config import (
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from node.backend import Backend
 
 DEFAULT_RULE = "10/minute"
+#: Subcommands that live in the source checkout, and the module that runs each.
+LAZY_COMMANDS = {"simulate": "simulations.cli", "bench": "benchmarks.cluster"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,28 +149,30 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     nodes.add_argument("--weight", type=int, default=1)
     nodes.set_defaults(run=_run_nodes)
 
-    simulate = commands.add_parser("simulate", help="run a rebalancing simulation")
-    simulate.set_defaults(run=_no_simulations)
-    if command == "simulate":
-        try:
-            from simulations import cli as simulations_cli
-
-            simulations_cli.add_arguments(simulate)
-            simulate.set_defaults(run=simulations_cli.run)
-        except ImportError:
-            pass
-
-    bench = commands.add_parser("bench", help="the side-by-side benchmark")
-    bench.set_defaults(run=_no_bench)
-    if command == "bench":
-        try:
-            from benchmarks import cluster as bench_cli  # type: ignore[attr-defined]
-
-            bench_cli.add_arguments(bench)
-            bench.set_defaults(run=bench_cli.run)
-        except ImportError:
-            pass
+    _lazy_command(commands, command, "simulate", "run a rebalancing simulation", _no_simulations)
+    _lazy_command(commands, command, "bench", "the side-by-side benchmark", _no_bench)
     return parser
+
+
+def _lazy_command(
+    commands: argparse._SubParsersAction,  # type: ignore[type-arg]
+    chosen: str | None,
+    name: str,
+    help: str,
+    unavailable: Callable[[argparse.Namespace], int],
+) -> None:
+    """A subcommand that lives in the source checkout (``simulations``, ``benchmarks``),
+    imported only when it is the one about to run (numpy and friends are slow to load)."""
+    parser = commands.add_parser(name, help=help)
+    parser.set_defaults(run=unavailable)
+    if chosen != name:
+        return
+    try:
+        module = importlib.import_module(LAZY_COMMANDS[name])
+    except ImportError:
+        return
+    module.add_arguments(parser)
+    parser.set_defaults(run=module.run)
 
 
 def _config_arguments(parser: argparse.ArgumentParser) -> None:

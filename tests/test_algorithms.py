@@ -129,16 +129,7 @@ def admitted(steps: list[Step]) -> list[tuple[float, int]]:
 # --------------------------------------------------------------------------- invariants
 
 
-@pytest.mark.parametrize(
-    "algorithm",
-    [
-        "token_bucket",
-        "gcra",
-        "fixed_window",
-        "sliding_log",
-        "sliding_window",
-    ],
-)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @SETTINGS
 @given(spec=specs, ops=any_ops)
 @example(spec=Spec(5, 1.0, 0), ops=[(0, 5), (-10 * TICKS, 0)])
@@ -518,16 +509,7 @@ def test_a_clock_stepping_back_never_gives_quota_back(
                 assert fresh_at(step.after, rule) >= fresh_at(step.before, rule), step
 
 
-@pytest.mark.parametrize(
-    "algorithm",
-    [
-        "token_bucket",
-        "gcra",
-        "fixed_window",
-        "sliding_log",
-        "sliding_window",
-    ],
-)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @SETTINGS
 @given(spec=specs, ops=any_ops)
 @example(spec=Spec(5, 10.0, 0), ops=[(0, 5), (-TICKS, 1)])
@@ -581,13 +563,7 @@ def test_gcra_and_token_bucket_agree_for_any_rule(spec: Spec, ops: list) -> None
 # --------------------------------------------------------------------------- decimal periods
 
 
-@pytest.mark.parametrize(
-    "algorithm",
-    [
-        "fixed_window",
-        "sliding_window",
-    ],
-)
+@pytest.mark.parametrize("algorithm", ["fixed_window", "sliding_window"])
 @SETTINGS
 @given(
     period=st.sampled_from([0.1, 0.3, 0.7, 1.1, 0.01, 1 / 3]),
