@@ -300,11 +300,19 @@ class RedisBackend:
 
     async def ping(self) -> bool:
         """One PING within the timeouts; never raises."""
+        was_available = self._available
         try:
             await self.redis.ping()
         except _PING_ERRORS:
             self._available = False
             return False
+        if not was_available:
+            # Connections pooled before the outage are dead (a restarted Redis
+            # closed them) and would fail the first requests after recovery,
+            # sending them back to the local fallback: open fresh ones instead.
+            with contextlib.suppress(*_PING_ERRORS):
+                await self.redis.connection_pool.disconnect()
+            await self._warm()
         self._available = True
         return True
 

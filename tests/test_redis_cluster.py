@@ -59,8 +59,11 @@ def _free(port: int) -> bool:
     return True
 
 
-def test_up_with_redis_gives_each_user_exactly_the_quota(redis: RedisServer) -> None:
+def test_up_with_redis_gives_each_user_exactly_the_quota(
+    redis: RedisServer, tmp_path: Path
+) -> None:
     port = free_block(3)
+    log = (tmp_path / "up.log").open("wb")
     up = subprocess.Popen(
         [
             *(sys.executable, "-m", "router", "up", "--backend", "redis"),
@@ -68,8 +71,8 @@ def test_up_with_redis_gives_each_user_exactly_the_quota(redis: RedisServer) -> 
             *("--rule", "api=5/minute"),
         ],
         cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         url = f"http://127.0.0.1:{port}"
@@ -81,7 +84,7 @@ def test_up_with_redis_gives_each_user_exactly_the_quota(redis: RedisServer) -> 
                 except httpx.HTTPError:
                     return False
 
-            assert wait_for(healthy, 30), "router never became healthy"
+            assert wait_for(healthy, 30), (tmp_path / "up.log").read_text()
             allowed: collections.Counter[str] = collections.Counter()
             nodes: dict[str, set[str]] = collections.defaultdict(set)
             for user in [f"user-{i}" for i in range(10)]:
@@ -104,6 +107,7 @@ def test_up_with_redis_gives_each_user_exactly_the_quota(redis: RedisServer) -> 
         except subprocess.TimeoutExpired:
             up.kill()
             up.wait(10)
+        log.close()
 
 
 CONFIG = """
