@@ -5,14 +5,7 @@
 -- ARGV: none read here; the rule fields come from check.lua's per-rule ARGV
 --   (p.limit, p.period).
 do
-  local function read(key)
-    local s = redis.call('GET', key)
-    if not s then
-      return nil
-    end
-    local a, b = string.match(s, '^(%S+) (%S+)$')
-    return tonumber(a), tonumber(b)
-  end
+  local read = read_numbers
 
   ALG.fixed_window = {
     decide = function(key, now, p, cost)

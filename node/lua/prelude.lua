@@ -71,3 +71,17 @@ local function ttl_ms(fresh_at, now)
   end
   return string.format('%d', ms)
 end
+
+-- A plain state (token bucket, fixed and sliding window): space-separated numbers,
+-- '%.17g' each, read back in order; nothing at all for a fresh (absent) state.
+local function read_numbers(key)
+  local s = redis.call('GET', key)
+  if not s then
+    return nil
+  end
+  local numbers = {}
+  for part in string.gmatch(s, '%S+') do
+    numbers[#numbers + 1] = tonumber(part)
+  end
+  return unpack(numbers)
+end

@@ -5,14 +5,7 @@
 -- ARGV: none read here; the rule fields come from check.lua's per-rule ARGV
 --   (p.limit, p.period).
 do
-  local function read(key)
-    local s = redis.call('GET', key)
-    if not s then
-      return nil
-    end
-    local a, b, c = string.match(s, '^(%S+) (%S+) (%S+)$')
-    return tonumber(a), tonumber(b), tonumber(c)
-  end
+  local read = read_numbers
 
   local function reset(start, prev, curr, now, period)
     if curr ~= 0 then

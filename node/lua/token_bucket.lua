@@ -4,14 +4,7 @@
 -- ARGV: none read here; the rule fields come from check.lua's per-rule ARGV
 --   (p.capacity = burst, p.rate = limit / period).
 do
-  local function read(key)
-    local s = redis.call('GET', key)
-    if not s then
-      return nil
-    end
-    local a, b = string.match(s, '^(%S+) (%S+)$')
-    return tonumber(a), tonumber(b)
-  end
+  local read = read_numbers
 
   -- node.algorithms._tb_reset
   local function reset(tokens, capacity, rate, lag)
