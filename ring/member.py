@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import check_fields
+
 __all__ = ["Member"]
 
 _FIELDS = frozenset({"id", "url", "weight"})
@@ -59,14 +61,7 @@ class Member:
         Unknown keys are rejected: a misspelt ``"wieght"`` would otherwise
         quietly become weight 1 and move keys.
         """
-        if not isinstance(data, Mapping):
-            raise ValueError(f"member must be a mapping, got {type(data).__name__}")
-        unknown = set(data) - _FIELDS
-        if unknown:
-            raise ValueError(f"member has unknown field(s): {', '.join(sorted(map(str, unknown)))}")
-        for required in ("id", "url"):
-            if required not in data:
-                raise ValueError(f"member is missing required field {required!r}")
+        check_fields(data, "member", _FIELDS, ("id", "url"))
         try:
             return cls(id=data["id"], url=data["url"], weight=data.get("weight", 1))
         except TypeError as exc:

@@ -41,7 +41,7 @@ from operator import attrgetter
 from typing import Any
 
 from ._ketama import build_continuum, md5, read_point
-from .errors import EmptyRingError
+from .errors import EmptyRingError, check_fields
 from .member import Member
 
 __all__ = ["RingView"]
@@ -217,14 +217,7 @@ class RingView:
         or a file decides where every key goes, so a payload we do not fully
         understand is safer refused than half-applied.
         """
-        if not isinstance(data, Mapping):
-            raise ValueError(f"ring must be a mapping, got {type(data).__name__}")
-        unknown = set(data) - _FIELDS
-        if unknown:
-            raise ValueError(f"ring has unknown field(s): {', '.join(sorted(map(str, unknown)))}")
-        for required in ("epoch", "nodes"):
-            if required not in data:
-                raise ValueError(f"ring is missing required field {required!r}")
+        check_fields(data, "ring", _FIELDS, ("epoch", "nodes"))
         nodes = data["nodes"]
         if not isinstance(nodes, list | tuple):
             raise ValueError(f"ring field 'nodes' must be a list, got {type(nodes).__name__}")
