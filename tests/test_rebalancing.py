@@ -97,6 +97,17 @@ async def send(
     await asyncio.gather(*(one_user(u) for u in users))
 
 
+async def exhaust_and_replicate(cluster: InProcessCluster) -> Tally:
+    """Exhaust every user with change tracking on, then run one replication round."""
+    for node in cluster.nodes.values():
+        node.store.dirty = set()
+    tally = await exhaust(cluster)
+    for node in cluster.nodes.values():
+        assert node.shard is not None
+        await node.shard.replicate_once()
+    return tally
+
+
 async def exhaust(cluster: InProcessCluster, users: list[str] = USERS) -> Tally:
     """Every user sends LIMIT + 2 requests: LIMIT admitted, 2 denied."""
     tally = Tally()
@@ -562,11 +573,7 @@ async def test_node_restart_is_a_crash_then_a_join() -> None:
 async def test_node_restart_is_noticed_on_the_first_refused_request() -> None:
     clock = FrozenClock()
     async with InProcessCluster(3, make_config(crash="replica"), clock=clock) as cluster:
-        for node in cluster.nodes.values():
-            node.store.dirty = set()
-        tally = await exhaust(cluster)
-        for node in cluster.nodes.values():
-            await node.shard.replicate_once()
+        tally = await exhaust_and_replicate(cluster)
         membership = cluster.router.membership
         epoch = membership.view.epoch
         cluster.restart_node("n3")
@@ -801,11 +808,7 @@ async def test_replicas_follow_a_change_of_successor() -> None:
     """After a join some keys have a new successor: it must get their replicas."""
     clock = FrozenClock()
     async with InProcessCluster(3, make_config(crash="replica"), clock=clock) as cluster:
-        for node in cluster.nodes.values():
-            node.store.dirty = set()
-        tally = await exhaust(cluster)
-        for node in cluster.nodes.values():
-            await node.shard.replicate_once()
+        tally = await exhaust_and_replicate(cluster)
         await cluster.add_node("n4")
         view = cluster.router.membership.view
         # Keys n1 keeps whose successor is now the newcomer.
@@ -868,11 +871,7 @@ async def test_partition_router_and_node_single_router() -> None:
     options = {"failure_threshold": 2}
     config = make_config(crash="replica", on_error="closed")
     async with InProcessCluster(3, config, clock=clock, router_options=options) as cluster:
-        for node in cluster.nodes.values():
-            node.store.dirty = set()
-        tally = await exhaust(cluster)
-        for node in cluster.nodes.values():
-            await node.shard.replicate_once()
+        tally = await exhaust_and_replicate(cluster)
         membership = cluster.router.membership
         v1 = membership.view
         cut_off = [u for u in USERS if v1.owner_id(u) == "n2"]
