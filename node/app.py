@@ -40,12 +40,19 @@ from node.backend import Backend, MemoryBackend
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig
 from node.decision import Verdict
+from node.lease import LeaseError
 from node.metrics import NodeMetrics
-from node.middleware import RateLimitMiddleware, not_owner_body, not_owner_headers
+from node.middleware import (
+    LEASE_EXPIRED_HEADERS,
+    RateLimitMiddleware,
+    lease_expired_body,
+    not_owner_body,
+    not_owner_headers,
+)
 from node.peers import INTERNAL_TOKEN_HEADER, Peers
 from node.rules import Rule
 from node.security import bearer, is_loopback, token_matches
-from node.shard import InFlight, NotOwner, Shard, StaleEpoch
+from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore
 from ring import RingView
 
@@ -204,6 +211,7 @@ class Node:
             Route("/internal/pull", self.pull, methods=["POST"]),
             Route("/internal/replica", self.replica, methods=["POST"]),
             Route("/internal/status", self.status, methods=["GET"]),
+            Route("/internal/lease", self.lease, methods=["POST"]),
         ]
 
     async def check(self, request: Request) -> Response:
@@ -225,6 +233,13 @@ class Node:
                 not_owner_body(exc),
                 status_code=421,
                 headers={k.decode(): v.decode() for k, v in not_owner_headers(exc)},
+            )
+        except LeaseExpired as exc:
+            self.metrics.error("lease_expired")
+            return JSONResponse(
+                lease_expired_body(exc),
+                status_code=503,
+                headers={k.decode(): v.decode() for k, v in LEASE_EXPIRED_HEADERS},
             )
         node = self.settings.node_id
         if batch:
@@ -259,6 +274,37 @@ class Node:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------------ internal
+
+    async def lease(self, request: Request) -> Response:
+        """The router's health probe: renews the lease it offered last time and
+        takes a new offer (node/lease.py). Token-protected like every internal
+        call: whoever renews a lease vouches that the node is still a member."""
+        if (refused := self._refuse(request)) is not None:
+            return refused
+        shard = self.shard
+        data: dict[str, Any] = {
+            "node": self.settings.node_id,
+            "epoch": self.epoch,
+            "backend_available": self.backend.available,
+        }
+        if shard is None:
+            return JSONResponse(data)  # a shared backend: no shard, no lease
+        try:
+            body = await self._internal_json(request)
+            grant = body.get("grant")
+            now = shard.monotonic()
+            if grant is not None:
+                seconds = body.get("seconds")
+                shard.lease.grant(grant, seconds, now)  # type: ignore[arg-type]
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except LeaseError as exc:
+            return JSONResponse(
+                {"error": "invalid_lease", "detail": str(exc), **data}, status_code=400
+            )
+        data["lease_left"] = shard.lease.left(now)
+        data["token"] = shard.lease.offer(now)
+        return JSONResponse(data)
 
     def _refuse(self, request: Request) -> Response | None:
         """Internal endpoints: the token when configured, otherwise loopback only."""
@@ -317,6 +363,11 @@ class Node:
             previous = RingView.from_dict(data["previous"]) if data.get("previous") else None
             crashed = [str(c) for c in data.get("crashed", [])]
             wait = bool(data.get("wait", True))
+            lease = data.get("lease")
+            if lease is not None and not (
+                isinstance(lease, int | float) and not isinstance(lease, bool) and isfinite(lease)
+            ):
+                raise ValueError(f"lease must be a number of seconds, got {lease!r}")
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
@@ -334,6 +385,8 @@ class Node:
             # A stale router: neither its view nor its rules replace newer ones.
             return JSONResponse({"epoch": self.shard.epoch, "applied": False, "sent": {}})
         self.authority.config = config  # the same epoch may carry new rules
+        if lease is not None:
+            self.shard.lease.required = lease > 0
         applied = self.shard.apply(view, previous, crashed)
         sent: dict[str, int] = {}
         if applied:

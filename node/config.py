@@ -390,6 +390,7 @@ class _Parser:
                 "burst",
                 "on_error",
                 "crash_policy",
+                "replicas",
                 "paths",
                 "methods",
                 "tiers",
@@ -429,6 +430,7 @@ class _Parser:
                 burst=data.get("burst") or 0,
                 on_error=data.get("on_error", "open"),
                 crash_policy=data.get("crash_policy"),
+                replicas=data.get("replicas", 1),
             )
         except RuleError as exc:
             raise self.fail(_rule_field(where, str(exc)), str(exc)) from None
@@ -449,6 +451,7 @@ _RULE_FIELDS = (
     (": burst must", "burst"),
     (": on_error must", "on_error"),
     (": crash_policy must", "crash_policy"),
+    (": replicas must", "replicas"),
 )
 
 

@@ -24,7 +24,7 @@ from node.identity import IdentityResolver
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.rules import Rule, parse_rule
 from node.security import bypass_matches, is_loopback, token_matches
-from node.shard import NotOwner
+from node.shard import LeaseExpired, NotOwner
 
 KEY_HEADER = b"x-ringlimit-key"
 FAILOVER_HEADER = b"x-ringlimit-failover"
@@ -151,6 +151,10 @@ class RateLimitMiddleware:
             await drain(receive)
             await send_json(send, 421, not_owner_body(exc), not_owner_headers(exc))
             return
+        except LeaseExpired as exc:
+            await drain(receive)
+            await send_json(send, 503, lease_expired_body(exc), LEASE_EXPIRED_HEADERS)
+            return
         headers = rate_limit_headers(rules, verdict, legacy=config.legacy_headers)
         if verdict.allowed:
             scope.setdefault("state", {})["ringlimit"] = {"key": user, "verdict": verdict}
@@ -173,6 +177,18 @@ def not_owner_body(exc: NotOwner) -> dict[str, object]:
         "this node does not own the key at its newest ring epoch; refresh the ring and retry",
         epoch=exc.epoch,
         owner=exc.owner,
+    )
+
+
+#: Tells a router that the node decided nothing: the owner is, for now, unavailable.
+LEASE_EXPIRED_HEADERS = [(b"x-ringlimit-unavailable", b"lease"), (b"retry-after", b"1")]
+
+
+def lease_expired_body(exc: LeaseExpired) -> dict[str, object]:
+    return error_body(
+        "lease_expired",
+        "this node has not heard from its router within its lease and decides nothing "
+        f"until it does ({exc})",
     )
 
 

@@ -28,6 +28,8 @@ ALGORITHM_ALIASES = {
 }
 ON_ERROR = ("open", "closed")
 CRASH_POLICIES = ("reset", "conservative", "replica")
+#: Copies of a state kept on the key's successors (crash policy ``replica``).
+MAX_REPLICAS = 3
 
 MAX_LIMIT = 10**9
 MAX_PERIOD = 366 * 86400.0
@@ -111,7 +113,9 @@ class Rule:
     ``limit``); window algorithms count whole windows and ignore it.
     ``on_error`` says what to do when the authority for a key cannot be reached:
     ``open`` admits, ``closed`` denies. ``crash_policy`` overrides the cluster's
-    policy for keys whose owner crashed.
+    policy for keys whose owner crashed; ``replicas`` is how many successors
+    hold a copy of each state (under ``replica``), so that losing that many
+    adjacent nodes at once still loses no more than a replication interval.
     """
 
     name: str
@@ -121,6 +125,7 @@ class Rule:
     burst: int = 0
     on_error: str = "open"
     crash_policy: str | None = None
+    replicas: int = 1
     #: capacity: the most units a fresh state admits at once.
     capacity: int = field(init=False, repr=False, compare=False)
     #: rate: units regained per second (buckets).
@@ -157,6 +162,9 @@ class Rule:
             raise RuleError(
                 f"rule {self.name!r}: crash_policy must be one of {', '.join(CRASH_POLICIES)}"
             )
+        replicas = self.replicas
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 3:
+            raise RuleError(f"rule {self.name!r}: replicas must be an integer 1..{MAX_REPLICAS}")
         bucket = self.algorithm in ("token_bucket", "gcra")
         object.__setattr__(self, "capacity", burst if bucket else self.limit)
         object.__setattr__(self, "rate", self.limit / period)
@@ -180,6 +188,8 @@ class Rule:
         }
         if self.crash_policy is not None:
             data["crash_policy"] = self.crash_policy
+        if self.replicas != 1:
+            data["replicas"] = self.replicas
         return data
 
     @classmethod
@@ -194,6 +204,7 @@ class Rule:
             "burst",
             "on_error",
             "crash_policy",
+            "replicas",
         }
         if unknown:
             raise RuleError(f"unknown rule field(s): {', '.join(sorted(unknown))}")
@@ -206,6 +217,7 @@ class Rule:
                 burst=data.get("burst") or 0,  # type: ignore[arg-type]
                 on_error=data.get("on_error", "open"),  # type: ignore[arg-type]
                 crash_policy=data.get("crash_policy"),  # type: ignore[arg-type]
+                replicas=data.get("replicas", 1),  # type: ignore[arg-type]
             )
         except KeyError as exc:
             raise RuleError(f"rule is missing field {exc.args[0]!r}") from None

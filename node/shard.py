@@ -33,6 +33,7 @@ from typing import Any
 from node.algorithms import REGISTRY
 from node.clock import Clock
 from node.config import ClusterConfig
+from node.lease import Lease, boot_clock
 from node.peers import PeerError, Peers
 from node.rules import Rule
 from node.store import MemoryStore, Record
@@ -56,6 +57,14 @@ class NotOwner(Exception):
         self.key = key
         self.epoch = epoch
         self.owner = owner
+
+
+class LeaseExpired(Exception):
+    """This node's lease lapsed: it may have been removed while it could not hear.
+
+    It decides nothing until a router renews the lease (node/lease.py), so a
+    node that wakes from a pause never answers from the state it held before.
+    """
 
 
 class StaleEpoch(Exception):
@@ -135,6 +144,8 @@ class Shard:
         config: Callable[[], ClusterConfig],
         *,
         handoff_wait: float = 5.0,
+        lease: Lease | None = None,
+        monotonic: Clock = boot_clock,
     ) -> None:
         self.id = node_id
         self.store = store
@@ -142,6 +153,8 @@ class Shard:
         self.peers = peers
         self._config = config
         self.handoff_wait = handoff_wait
+        self.lease = lease if lease is not None else Lease()
+        self.monotonic = monotonic
         #: None until a router sends a view: a standalone node decides every key.
         self.view: RingView | None = None
         self.previous: RingView | None = None
@@ -156,7 +169,7 @@ class Shard:
         self._pulling: dict[str, asyncio.Future[None]] = {}
         self._pulled: set[str] = set()
         self._replicas: dict[str, MemoryStore] = {}
-        self._successors: dict[str, str | None] = {}
+        self._successors: dict[str, tuple[str, ...]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ deciding
@@ -175,6 +188,9 @@ class Shard:
             raise NotOwner(key, view.epoch, None) from None
         if owner != self.id:
             raise NotOwner(key, view.epoch, owner)
+        lease = self.lease
+        if lease.required and not lease.valid(self.monotonic()):
+            raise LeaseExpired(f"lease expired at epoch {view.epoch}")
 
     async def admit(self, key: str, rules: Sequence[Rule]) -> bool:
         """Raise :class:`NotOwner` unless this node may decide ``key`` now.
@@ -306,18 +322,7 @@ class Shard:
         self.stats.views_applied += 1
         now = self.clock()
         if self.id in crashed and self.id not in view:
-            # This node was declared crashed and its keys have moved on under
-            # the crash policy: what it held is stale. Discard it all; it
-            # comes back (if ever) as a new member with nothing.
-            self.stats.keys_dropped += len(self.store.export(now, remove=True))
-            self.store.sweep(float("inf"), budget=None)
-            self._outbox.clear()
-            self._replicas.clear()
-            if self.store.dirty is not None:
-                self.store.dirty = set()
-            self._pending = {}
-            self._pulled.clear()
-            self._crashes = []
+            self._hand_back(view, now)
             return True
         if len(view):
             me_in = self.id in view
@@ -371,25 +376,73 @@ class Shard:
         self._pulled.clear()
         return True
 
+    def _hand_back(self, view: RingView, now: float) -> None:
+        """This node was removed as crashed, but its process lived on (a pause, a
+        partition, a slow host): it must stop deciding, and what it holds goes
+        to the keys' current owners rather than away.
+
+        The owners merge each state with theirs, keeping the more restrictive
+        (``MemoryStore.import_``): they decided from a replica or from nothing
+        while this node was away, and this node may hold admissions the replica
+        never saw. A repeated or late hand-back never gives quota twice. Only a
+        restarted process (memory gone) comes back empty.
+        """
+        self.lease.revoke()
+        records = self.store.export(now, remove=True)
+        leftovers = [r for pending in self._outbox.values() for r in pending]
+        self._outbox.clear()
+        self.store.sweep(float("inf"), budget=None)
+        self._replicas.clear()
+        if self.store.dirty is not None:
+            self.store.dirty = set()
+        self._pending = {}
+        self._pulled.clear()
+        if self._config().policies.rebalance != "handoff" or not len(view):
+            self.stats.keys_dropped += len(records) + len(leftovers)
+            return
+        for record in [*leftovers, *records]:
+            self._outbox.setdefault(view.owner_id(record[2]), []).append(record)
+        if records:
+            log.warning(
+                "removed from the ring while away: handing %d state(s) back to their owners",
+                len(records),
+            )
+
     def _promote_replicas(
         self, view: RingView, crashed: Sequence[str], now: float, config: ClusterConfig
     ) -> None:
+        """Crashed members' keys that this node now owns start from its replicas.
+
+        The rest of a crashed member's replicas are kept as replicas of the
+        keys' new owners: with ``replicas = 2`` this node may be the second copy
+        of a key whose new owner crashed at the same time, and the removal of
+        that owner (next) must find the copy here.
+        """
+        if self.id not in view or not len(view):
+            self._replicas.clear()
+            return
         for origin in crashed:
             replicas = self._replicas.pop(origin, None)
-            if replicas is None or self.id not in view:
+            if replicas is None:
                 continue
-
-            def mine(key: str) -> bool:
-                return view.owner_id(key) == self.id
-
-            records = [
-                r
-                for r in replicas.export(now, mine)
-                if (config.rule(r[0]) is not None)
-                and ((config.rule(r[0]).crash_policy or config.policies.crash) == "replica")  # type: ignore[union-attr]
-            ]
-            self.stats.replicas_promoted += self.store.import_(records, now, config.rule_map)
-            self._mark_dirty(records)
+            records = replicas.export(now)
+            promoted: list[Record] = []
+            kept: dict[str, list[Record]] = {}
+            for record in records:
+                owner = view.owner_id(record[2])
+                if owner != self.id:
+                    kept.setdefault(owner, []).append(record)
+                    continue
+                rule = config.rule(record[0])
+                if rule is not None and (rule.crash_policy or config.policies.crash) == "replica":
+                    promoted.append(record)
+            self.stats.replicas_promoted += self.store.import_(promoted, now, config.rule_map)
+            self._mark_dirty(promoted)
+            for owner, moved in kept.items():
+                store = self._replicas.get(owner)
+                if store is None:
+                    store = self._replicas[owner] = MemoryStore()
+                store.import_(moved, now, config.rule_map)
         for origin in list(self._replicas):
             if origin not in view:
                 del self._replicas[origin]
@@ -507,6 +560,13 @@ class Shard:
     ) -> int:
         now = self.clock()
         incoming = [Crash.from_wire(data, now) for data in crashes]
+        records, foreign = self._split_foreign(records, epoch)
+        if foreign:
+            # A transfer from an older view (a member handing back what it held
+            # while away, late) may carry keys that moved on since: they go to
+            # their owner now. (A newer view's transfer is kept whole: this node
+            # is about to get that view, under which it owns those keys.)
+            self.spawn(self._forward(foreign))
         taken = self.store.import_(records, now, self._config().rule_map)
         self._mark_dirty(records)
         self.stats.keys_received += taken
@@ -529,6 +589,41 @@ class Shard:
             elif epoch > self.epoch:
                 self._finals.setdefault(epoch, set()).add(sender)
         return taken
+
+    def _split_foreign(
+        self, records: list[Record], epoch: int
+    ) -> tuple[list[Record], list[Record]]:
+        """Records this node keeps, and those another member owns under a newer view."""
+        view = self.view
+        if view is None or epoch >= view.epoch or not len(view) or self.id not in view:
+            return records, []
+        mine: list[Record] = []
+        foreign: list[Record] = []
+        for record in records:
+            (mine if view.owner_id(record[2]) == self.id else foreign).append(record)
+        return mine, foreign
+
+    async def _forward(self, records: list[Record]) -> None:
+        """Pass states on to their owners, without a final mark (not a handoff of ours)."""
+        view = self.view
+        if view is None or not len(view):
+            return
+        by_owner: dict[str, list[Record]] = {}
+        for record in records:
+            by_owner.setdefault(view.owner_id(record[2]), []).append(record)
+        for owner, batch in by_owner.items():
+            try:
+                await self.peers.post(
+                    view.member(owner).url,
+                    "/internal/import",
+                    {"from": self.id, "epoch": view.epoch, "records": batch, "final": False},
+                )
+                self.stats.keys_sent += len(batch)
+            except PeerError as exc:
+                current = self.view
+                log.warning("passing %d state(s) on to %s failed: %s", len(batch), owner, exc)
+                if current is not None:
+                    self._stash(batch, current, self.clock())
 
     def serve_pull(self, keys: Sequence[str], to: str, epoch: int) -> list[Record]:
         """Give up the named keys' states to their new owner (from the outbox or the store)."""
@@ -568,25 +663,28 @@ class Shard:
         )
 
     async def replicate_once(self) -> int:
-        """Send every state changed since the last round to its key's successor."""
+        """Send every state changed since the last round to its key's successors
+        (as many as the state's rule asks for: ``replicas``)."""
         view = self.view
         dirty = self.store.dirty
         if view is None or len(view) < 2 or not dirty:
             return 0
         self.store.dirty = set()
         now = self.clock()
+        rules = self._config().rule_map
+        depth = 1 + max((rule.replicas for rule in rules.values()), default=1)
         by_target: dict[str, list[Record]] = {}
         successors = self._successors
         for record in self.store.export_keys(dirty, now):
             key = record[2]
-            target = successors.get(key, "")
-            if target == "":
-                chain = view.successors(key, 2)
-                target = chain[1].id if len(chain) > 1 else None
+            targets = successors.get(key)
+            if targets is None:
+                targets = tuple(m.id for m in view.successors(key, depth)[1:])
                 if len(successors) > 1_000_000:
                     successors.clear()
-                successors[key] = target
-            if target is not None:
+                successors[key] = targets
+            rule = rules.get(record[0])
+            for target in targets[: rule.replicas if rule is not None else 1]:
                 by_target.setdefault(target, []).append(record)
         sent = 0
         for target, records in by_target.items():

@@ -103,6 +103,11 @@ class RouterSettings:
     failure_threshold: int = 3
     health_timeout: float = 0.5
     ready_timeout: float = 10.0
+    #: Seconds of lease per renewal (None: the detection time); router/removal.py
+    #: and node/lease.py say why.
+    lease: float | None = None
+    removal_interval: float | None = None
+    removal_quorum: float = 0.5
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_buffered_body: int = 1 << 20
     health_checks: bool = True
@@ -131,6 +136,9 @@ class Router:
             health_interval=settings.health_interval,
             failure_threshold=settings.failure_threshold,
             health_timeout=settings.health_timeout,
+            lease=settings.lease,
+            removal_interval=settings.removal_interval,
+            removal_quorum=settings.removal_quorum,
             client=client,
         )
         self.metrics = RouterMetrics()
@@ -321,12 +329,21 @@ class Router:
             try:
                 answer = await self.forwarder.request(method, member.url + path_qs, headers, body)
             except NodeTimeout:
-                # Sent, unanswered: the node may have decided; do not send it again.
+                # Sent, unanswered: the node may have decided (and passed the
+                # request on to the application), so it is never sent again. A rule
+                # that fails closed answers 503 as for an unreachable owner; an open
+                # one cannot admit without resending, so the client gets a 504.
                 self.metrics.outcome(member.id, "node_timeout")
+                rules = config.rules_for(method, scope["path"], resolver.tier(scope))
+                closed = next((r for r in rules if r.on_error == "closed"), None)
                 await send_json(
                     send,
-                    504,
-                    error_body("node_timeout", f"node {member.id} did not answer in time"),
+                    504 if closed is None else 503,
+                    error_body(
+                        "node_timeout" if closed is None else "limiter_unavailable",
+                        f"node {member.id} did not answer in time",
+                        **({"rule": closed.name} if closed is not None else {}),
+                    ),
                     [(b"x-ringlimit-node", member.id.encode())],
                 )
                 return
@@ -339,6 +356,14 @@ class Router:
                 return
             if answer.status == 421 and await self._stale(answer, member):
                 continue
+            if answer.status == 503 and _lease_expired(answer):
+                # The owner decided nothing (it has not heard from a router within
+                # its lease): as if it were unreachable.
+                self.metrics.outcome(member.id, "lease_expired")
+                await self._owner_unreachable(
+                    scope, send, view, member, user, method, path_qs, headers, body, "lease expired"
+                )
+                return
             self.metrics.forwarded(member.id, answer.status, time.perf_counter() - started)
             await _respond(send, answer, member.id)
             return
@@ -607,6 +632,11 @@ class Router:
         if answer.status == 421 and await self._stale(answer, member):
             retry.extend(indices)
             return
+        if answer.status == 503 and _lease_expired(answer):
+            for i in indices:
+                results[i] = _unreachable_result(checks[i], member.id)
+            self.metrics.outcome(member.id, "lease_expired")
+            return
         if answer.status != 200:
             detail = answer.body[:200].decode("utf-8", "replace")
             for i in indices:
@@ -707,6 +737,10 @@ AnyCheck = CheckRequest | Check
 
 #: One decision-API result: a node's, as the JSON bytes it sent, or the router's own.
 Result = bytes | dict[str, Any]
+
+
+def _lease_expired(answer: Answer) -> bool:
+    return any(k == b"x-ringlimit-unavailable" and v == b"lease" for k, v in answer.headers)
 
 
 def _json(data: Any) -> bytes:

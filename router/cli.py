@@ -102,7 +102,39 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     router.add_argument("--health-interval", type=float, default=1.0)
     router.add_argument("--failure-threshold", type=int, default=3)
     router.add_argument("--health-timeout", type=float, default=0.5)
-    router.add_argument("--forward-timeout", type=float, default=30.0)
+    router.add_argument(
+        "--forward-timeout",
+        type=float,
+        default=3.0,
+        help="seconds a node (and the application behind it) has to answer a forwarded "
+        "request (default 3: below the crash detection time, so no client waits on a paused "
+        "node longer than it takes to notice it)",
+    )
+    router.add_argument(
+        "--lease",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="lease granted to nodes per health probe; a node decides only while its lease "
+        "runs, and is removed only after it ended (default: the detection time, "
+        "failure-threshold x (health-interval + health-timeout))",
+    )
+    router.add_argument(
+        "--removal-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="remove at most one member per this many seconds on health checks alone "
+        "(default: the detection time)",
+    )
+    router.add_argument(
+        "--removal-quorum",
+        type=float,
+        default=0.5,
+        metavar="FRACTION",
+        help="remove members on health checks only while more than this fraction of the ring "
+        "answers, and never below it (default 0.5: a majority)",
+    )
     router.add_argument(
         "--coalesce-window",
         type=float,
@@ -273,6 +305,9 @@ def _run_router(args: argparse.Namespace) -> int:
         failure_threshold=args.failure_threshold,
         health_timeout=args.health_timeout,
         timeouts=Timeouts(total=args.forward_timeout),
+        lease=args.lease,
+        removal_interval=args.removal_interval,
+        removal_quorum=args.removal_quorum,
         health_checks=not args.no_health_checks,
         coalesce_window=args.coalesce_window / 1e6,
     )

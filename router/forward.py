@@ -30,7 +30,10 @@ class NodeTimeout(Exception):
 @dataclass(frozen=True)
 class Timeouts:
     connect: float = 0.5
-    total: float = 30.0
+    #: Below the default crash detection time (3 x (1 + 0.5) s), so a client whose
+    #: owner paused is answered before the owner is removed. Raise it (with
+    #: --forward-timeout) for applications that take longer to answer.
+    total: float = 3.0
 
 
 @dataclass(slots=True)

@@ -36,8 +36,10 @@ from typing import Any
 import httpx
 
 from node.config import ClusterConfig
+from node.lease import DEFAULT_DRIFT, lease_bound
 from node.peers import INTERNAL_TOKEN_HEADER
 from ring import Member, RingView
+from router.removal import RemovalBudget
 
 log = logging.getLogger("ringlimit.router")
 #: Views and crashes remembered for nodes that missed pushes.
@@ -63,6 +65,11 @@ class Health:
     state: str = "active"  # joining | active | leaving
     epoch_seen: int = 0
     backend_available: bool = True
+    #: The node's last lease offer (node/lease.py) and when it reached us.
+    token: str | None = None
+    offered_at: float = float("-inf")
+    #: When every lease granted to this member has certainly ended (loop time).
+    lease_until: float = float("-inf")
 
 
 class Membership:
@@ -77,6 +84,9 @@ class Membership:
         health_interval: float = 1.0,
         failure_threshold: int = 3,
         health_timeout: float = 0.5,
+        lease: float | None = None,
+        removal_interval: float | None = None,
+        removal_quorum: float = 0.5,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         self.config = config
@@ -91,6 +101,25 @@ class Membership:
         self.health_interval = health_interval
         self.failure_threshold = failure_threshold
         self.health_timeout = health_timeout
+        #: Detection time: a member answering nothing is due for removal after it.
+        detection = failure_threshold * (health_interval + health_timeout)
+        #: Seconds of lease granted per renewal (None: leases are off until start()
+        #: turns on health checks: only a router that removes members needs them).
+        self.lease_seconds = lease if lease is not None else detection
+        self.leasing = False
+        self.budget = RemovalBudget(
+            detection if removal_interval is None else removal_interval, removal_quorum
+        )
+        #: Counters for /metrics: removals, deferred removals by reason, self-suspicion.
+        self.stats: dict[str, int] = {
+            "removed_crashed": 0,
+            "deferred_quorum": 0,
+            "deferred_rate": 0,
+            "deferred_lease": 0,
+            "self_suspected": 0,
+            "lease_renewals": 0,
+        }
+        self.suspect_self = False
         self.lock = asyncio.Lock()
         self.changed = asyncio.Event()
         self.crashes = 0
@@ -107,6 +136,7 @@ class Membership:
         self._crashed_at: dict[int, tuple[str, ...]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._newer_check: asyncio.Task[bool] | None = None
+        self._joins: dict[str, asyncio.Future[RingView]] = {}
         self._newer_checked_at = float("-inf")
 
     # ------------------------------------------------------------------ start / stop
@@ -114,6 +144,7 @@ class Membership:
     async def start(self, seeds: Iterable[Member] = (), *, health: bool = True) -> None:
         """Recover membership (state file, then the nodes), else build it from seeds."""
         seeds = list(seeds)
+        self.leasing = health
         recovered = self._load_state()
         candidates = list(recovered) if recovered is not None else []
         known = {m.id for m in candidates}
@@ -139,10 +170,16 @@ class Membership:
                 self.health[member.id] = Health()
         self._save_state()
         if health:
+            # Leases lapsed while no router ran: renew them before serving.
+            await asyncio.gather(*(self._renew(m) for m in self.view))
             self._health_task = asyncio.create_task(self._health_loop())
 
     async def close(self) -> None:
-        tasks = [*self._background, *([self._health_task] if self._health_task else [])]
+        tasks: list[asyncio.Future[Any]] = [
+            *self._background,
+            *self._joins.values(),
+            *([self._health_task] if self._health_task else []),
+        ]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -154,51 +191,101 @@ class Membership:
     # ------------------------------------------------------------------ changes
 
     async def join(self, member: Member) -> RingView:
-        async with self.lock:
-            if member.id in self.view:
-                if self.view.member(member.id) != member:
-                    raise MembershipError(
-                        409,
-                        "already_member",
-                        f"node {member.id!r} is already in the ring with another url or weight",
-                    )
-                if await self._node_epoch(member) == self.view.epoch:
-                    return self.view  # a repeated registration of a healthy member
-                # The member registers again without the current view: it restarted and
-                # lost its state. Its old incarnation crashed; the new one joins.
-                log.warning("node %s re-registered after a restart: crash, then join", member.id)
-                await self._crash_locked(member.id)
-            self.joining[member.id] = member
-            try:
-                await self._wait_ready(member)
-                # First the newcomer gets the cluster's config, with the current
-                # view (in which it owns nothing): the states the old members are
-                # about to hand it are kept only for rules it knows, and a node
-                # started with --join has no rules of its own. If it was declared
-                # crashed before, this also makes it discard what it held.
-                crashed = (member.id,) if member.id in self.removed else ()
-                await self._push([member], self.view, None, crashed)
-                previous = self.view
-                new = self._next_view([*(m for m in previous if m.id != member.id), member])
-                # Old members lose keys to the newcomer: they go first. A member that
-                # does not take the view does not stop the change half-way (others
-                # already hold it): the change is adopted, then the failed ones are
-                # removed as crashed, under a newer epoch.
-                failed = await self._push(previous.members, new, previous, (), tolerate=True)
-                failed += await self._push([member], new, previous, (), tolerate=True)
-                self._remember(previous, ())
-                self._adopt(new)
-                self.health[member.id] = Health()
-                for member_id in failed:
-                    await self._crash_locked(member_id)
-            finally:
-                self.joining.pop(member.id, None)
-            if member.id in failed:
+        """Add a member: readiness first (outside the lock), then the push protocol.
+
+        The readiness wait is bounded by ``ready_timeout`` and holds no lock, so a
+        join that cannot become ready (a mistyped URL, a node still starting)
+        never delays the removal of a crashed member or another change.
+        """
+        underway = self._joins.get(member.id)
+        if underway is not None:
+            if self.joining.get(member.id) != member:
                 raise MembershipError(
-                    502, "join_failed", f"node {member.id} did not take the new view; removed"
+                    409,
+                    "join_in_progress",
+                    f"node {member.id!r} is joining with another url or weight; wait for it",
                 )
-            log.info("node %s joined: epoch %d", member.id, new.epoch)
-            return new
+            # The same registration twice (a node's retry, a rejoin by the health
+            # loop): both get the one outcome.
+            return await asyncio.shield(underway)
+        task = self._joins[member.id] = asyncio.ensure_future(self._join(member))
+        self.joining[member.id] = member
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._joins.pop(member.id, None)
+                self.joining.pop(member.id, None)
+            else:
+                task.add_done_callback(lambda _: self._join_done(member.id, task))
+
+    def _join_done(self, member_id: str, task: asyncio.Future[RingView]) -> None:
+        if self._joins.get(member_id) is task:
+            del self._joins[member_id]
+            self.joining.pop(member_id, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that went away is not an error
+
+    async def _join(self, member: Member) -> RingView:
+        async with self.lock:
+            if await self._already_joined(member):
+                return self.view
+        await self._wait_ready(member)
+        async with self.lock:
+            if await self._already_joined(member):
+                return self.view
+            return await self._join_locked(member)
+
+    async def _already_joined(self, member: Member) -> bool:
+        """True for a repeated registration of a healthy member (nothing to do)."""
+        if member.id not in self.view:
+            return False
+        if self.view.member(member.id) != member:
+            raise MembershipError(
+                409,
+                "already_member",
+                f"node {member.id!r} is already in the ring with another url or weight",
+            )
+        if await self._node_epoch(member) == self.view.epoch:
+            return True
+        # The member registers again without the current view: it restarted and
+        # lost its state. Its old incarnation crashed; the new one joins.
+        log.warning("node %s re-registered after a restart: crash, then join", member.id)
+        await self._crash_locked(member.id)
+        return False
+
+    async def _join_locked(self, member: Member) -> RingView:
+        # First the newcomer gets the cluster's config, with the current view
+        # (in which it owns nothing): the states the old members are about to
+        # hand it are kept only for rules it knows, and a node started with
+        # --join has no rules of its own. If it was removed as crashed before,
+        # this also makes it hand back what it held to the current owners.
+        crashed = (member.id,) if member.id in self.removed else ()
+        await self._push([member], self.view, None, crashed, seconds=self.ready_timeout)
+        health = Health(state="joining")
+        if self.leasing:
+            # Its lease before it owns anything, so its first requests are decided.
+            await self._renew(member, health)
+        previous = self.view
+        new = self._next_view([*(m for m in previous if m.id != member.id), member])
+        # Old members lose keys to the newcomer: they go first. A member that
+        # does not take the view does not stop the change half-way (others
+        # already hold it): the change is adopted, then the failed ones are
+        # removed as crashed, under a newer epoch.
+        failed = await self._push(previous.members, new, previous, (), tolerate=True)
+        failed += await self._push([member], new, previous, (), tolerate=True)
+        self._remember(previous, ())
+        self._adopt(new)
+        health.state = "active"
+        self.health[member.id] = health
+        for member_id in failed:
+            await self._crash_locked(member_id)
+        if member.id in failed:
+            raise MembershipError(
+                502, "join_failed", f"node {member.id} did not take the new view; removed"
+            )
+        log.info("node %s joined: epoch %d", member.id, new.epoch)
+        return new
 
     async def _node_epoch(self, member: Member) -> int | None:
         try:
@@ -394,17 +481,27 @@ class Membership:
         crashed: tuple[str, ...] | Iterable[str],
         *,
         tolerate: bool = False,
+        seconds: float | None = None,
     ) -> list[str]:
-        """Send a view; returns the ids that did not take it (raises unless ``tolerate``)."""
+        """Send a view; returns the ids that did not take it (raises unless ``tolerate``).
+
+        ``seconds`` bounds a push that carries no handoff (the default, the
+        client's push timeout, leaves room for a node to deliver its states).
+        """
         members = list(members)
         self._highest = max(self._highest, view.epoch)
-        payload = {
+        payload: dict[str, Any] = {
             "ring": view.to_dict(),
             "previous": previous.to_dict() if previous is not None else None,
             "crashed": list(crashed),
             "config": self.config.to_dict(),
             "wait": True,
         }
+        if self.leasing:
+            # Only the router that removes members on its own probes makes nodes
+            # require a lease; others leave the setting as it is.
+            payload["lease"] = self.lease_seconds
+        extra: dict[str, Any] = {} if seconds is None else {"timeout": seconds}
 
         async def push(member: Member) -> None:
             try:
@@ -412,6 +509,7 @@ class Membership:
                     member.url.rstrip("/") + "/internal/cluster",
                     json=payload,
                     headers=self._headers,
+                    **extra,
                 )
             except httpx.HTTPError as exc:
                 raise MembershipError(
@@ -455,7 +553,9 @@ class Membership:
             await self._push_all(self.view, None, ())
 
     async def _wait_ready(self, member: Member) -> None:
-        """Readiness gate: a joining node must answer before it is given any key."""
+        """Readiness gate: a joining node must answer, as itself, before it is
+        given any key. A URL that reaches another member, a router or anything
+        else that does not call itself ``member.id`` is refused at once."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ready_timeout
         while True:
@@ -464,7 +564,16 @@ class Membership:
                     member.url.rstrip("/") + "/healthz", timeout=self.health_timeout
                 )
                 if response.status_code == 200:
-                    return
+                    answered = _node_id(response)
+                    if answered == member.id:
+                        return
+                    raise MembershipError(
+                        409,
+                        "wrong_node",
+                        f"{member.url} answers as "
+                        + (f"node {answered!r}" if answered else "something that is not a node")
+                        + f", not as {member.id!r}: check the node's --url and --id",
+                    )
             except httpx.HTTPError:
                 pass
             if loop.time() > deadline:
@@ -475,6 +584,55 @@ class Membership:
                     f"{self.ready_timeout:g}s",
                 )
             await asyncio.sleep(0.05)
+
+    async def _renew(self, member: Member, health: Health | None = None) -> dict[str, Any] | None:
+        """Probe a member and renew its lease (node/lease.py); None if it did not answer.
+
+        Each probe grants the offer the previous one received, and the router
+        records, before sending, until when that grant may keep the node
+        deciding. A member whose lease ran out (first contact, a pause, this
+        router's own restart) is granted the fresh offer at once.
+        """
+        if health is None:
+            health = self.health.setdefault(member.id, Health())
+        loop = asyncio.get_running_loop()
+        url = member.url.rstrip("/") + "/internal/lease"
+        for _ in range(3):
+            body: dict[str, Any] = {"grant": None}
+            if self.leasing and health.token is not None:
+                body = {"grant": health.token, "seconds": self.lease_seconds}
+                health.lease_until = max(
+                    health.lease_until,
+                    lease_bound(health.offered_at, self.lease_seconds, DEFAULT_DRIFT),
+                )
+            try:
+                response = await self._client.post(
+                    url, json=body, headers=self._headers, timeout=self.health_timeout
+                )
+                data = response.json()
+                if not isinstance(data, dict):
+                    raise ValueError("not a JSON object")
+            except (httpx.HTTPError, ValueError) as exc:
+                log.debug("probe of %s failed: %s", member.id, exc)
+                return None
+            if response.status_code == 400 and data.get("error") == "invalid_lease":
+                health.token = None  # offered by an earlier incarnation: start over
+                continue
+            if response.status_code != 200:
+                return None
+            token = data.get("token")
+            health.token = token if isinstance(token, str) else None
+            health.offered_at = loop.time()
+            if body["grant"] is not None:
+                self.stats["lease_renewals"] += 1
+            left = data.get("lease_left")
+            if (
+                not self.leasing
+                or health.token is None
+                or (isinstance(left, int | float) and left > 0)
+            ):
+                return data
+        return data
 
     @typing.overload
     async def _discover(self, members: list[Member]) -> RingView | None: ...
@@ -516,23 +674,23 @@ class Membership:
     async def check_health(self) -> None:
         view = self.view
 
-        async def probe(member: Member) -> None:
+        async def probe(member: Member) -> bool:
             health = self.health.setdefault(member.id, Health())
-            try:
-                response = await self._client.get(
-                    member.url.rstrip("/") + "/healthz", timeout=self.health_timeout
-                )
-                data = response.json()
-                health.failures = 0
-                health.epoch_seen = int(data.get("epoch", 0))
-                health.backend_available = bool(data.get("backend_available", True))
-            except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+            data = await self._renew(member, health)
+            if data is None:
                 health.failures += 1
-                return
+                return False
+            health.failures = 0
+            try:
+                health.epoch_seen = int(data.get("epoch", 0))
+            except (TypeError, ValueError):
+                health.epoch_seen = 0
+            health.backend_available = bool(data.get("backend_available", True))
             if health.epoch_seen < view.epoch and not self.lock.locked():
                 # In the background: a rejoin can take a readiness wait and several
                 # pushes, and must not delay the detection of other nodes' crashes.
                 self._in_background(member.id, self.refresh_node(member, health.epoch_seen))
+            return True
 
         async def probe_removed(member: Member) -> None:
             try:
@@ -545,7 +703,7 @@ class Membership:
                 log.warning("node %s answers again after its removal: it rejoins", member.id)
                 self._in_background(member.id, self._rejoin(member))
 
-        await asyncio.gather(*(probe(m) for m in view))
+        answered = await asyncio.gather(*(probe(m) for m in view))
         degraded = self.backend_degraded
         if degraded != self._was_degraded:
             self._was_degraded = degraded
@@ -553,13 +711,48 @@ class Membership:
                 log.warning("shared backend down on a node: routing stickily to local limiters")
             else:
                 log.warning("shared backend back on every node: routing as configured again")
-        for member in view:
-            health = self.health.get(member.id)
-            if health is not None and health.failures >= self.failure_threshold:
-                await self.crash(member.id)
+        failed = [m.id for m, ok in zip(view, answered, strict=True) if not ok]
+        await self._remove_failed(view, failed)
         await asyncio.gather(
             *(probe_removed(m) for m in list(self.removed.values()) if m.id not in self.view)
         )
+
+    async def _remove_failed(self, view: RingView, unreachable: list[str]) -> None:
+        """Remove the members that failed ``failure_threshold`` probes in a row,
+        within the removal budget (router/removal.py)."""
+        due = [
+            m.id
+            for m in view
+            if (h := self.health.get(m.id)) is not None and h.failures >= self.failure_threshold
+        ]
+        now = asyncio.get_running_loop().time()
+        plan = self.budget.plan(
+            now,
+            view.ids,
+            unreachable,
+            due,
+            {m: h.lease_until for m, h in self.health.items()},
+        )
+        if plan.suspect_self != self.suspect_self:
+            self.suspect_self = plan.suspect_self
+            if plan.suspect_self:
+                self.stats["self_suspected"] += 1
+                log.warning(
+                    "%d of %d members unreachable at once: suspecting this router's own "
+                    "network or host; keeping the ring (on_error answers for their keys)",
+                    len(unreachable),
+                    len(view),
+                )
+            else:
+                log.warning("members reachable again: no longer suspecting this router")
+        for member_id, reason in plan.deferred.items():
+            self.stats[f"deferred_{reason}"] += 1
+            if reason != "lease":
+                log.info("removal of %s deferred (%s budget)", member_id, reason)
+        for member_id in plan.remove:
+            if await self.crash(member_id) is not None:
+                self.budget.removed(asyncio.get_running_loop().time())
+                self.stats["removed_crashed"] += 1
 
     @property
     def backend_degraded(self) -> bool:
@@ -597,3 +790,13 @@ class Membership:
             raise MembershipError(
                 500, "bad_state_file", f"{self.state_file}: cannot read ring state: {exc}"
             ) from None
+
+
+def _node_id(response: httpx.Response) -> str | None:
+    """The id a /healthz answer gives (nodes say ``node``; routers say nothing)."""
+    try:
+        data = response.json()
+    except ValueError:
+        return None
+    value = data.get("node") if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
