@@ -1,0 +1,330 @@
+"""Reliability, in process: leases, the removal budget, joins that cannot block
+crash removal, returning members and replicas on several successors.
+
+Like tests/test_rebalancing.py (whose helpers these tests share), everything
+runs in one event loop on frozen clocks: the states' clock and, for leases,
+the nodes' monotonic clock, which the tests advance past a lease by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import httpx
+import pytest
+
+from node.clock import FrozenClock
+from node.config import ClusterConfig, Policies, ScopedRule
+from node.rules import Rule
+from ring import Member
+from router.testing import InProcessCluster, node_url
+from tests.test_rebalancing import (
+    LIMIT,
+    PERIOD,
+    USERS,
+    Tally,
+    exhaust,
+    exhaust_and_replicate,
+    make_config,
+    send,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def leased(cluster: InProcessCluster) -> FrozenClock:
+    """Turn leases on as a router with health checks does, on a frozen monotonic clock."""
+    monotonic = FrozenClock(0.0)
+    for node in cluster.nodes.values():
+        assert node.shard is not None
+        node.shard.monotonic = monotonic
+    membership = cluster.router.membership
+    membership.leasing = True
+    await membership.push_config(membership.config)
+    await membership.check_health()
+    return monotonic
+
+
+# --------------------------------------------------------------------------- leases
+
+
+async def test_a_node_whose_lease_ran_out_decides_nothing() -> None:
+    config = make_config(on_error="closed")
+    options = {"health_interval": 1.0, "health_timeout": 0.5, "failure_threshold": 3}
+    async with InProcessCluster(3, config, clock=FrozenClock(), router_options=options) as cluster:
+        monotonic = await leased(cluster)
+        lease = cluster.router.membership.lease_seconds
+        assert lease == pytest.approx(4.5)
+        tally = Tally()
+        await send(cluster.client, tally, USERS, 3)
+        assert sum(tally.allowed.values()) == 3 * len(USERS) and tally.other == Counter()
+        stored = {n: len(node.store) for n, node in cluster.nodes.items()}
+        # The router stops renewing (it paused, or the nodes did): past the lease
+        # the nodes refuse, and the closed rule answers 503 for them, deciding nothing.
+        monotonic.advance(lease + 0.01)
+        during = Tally()
+        await send(cluster.client, during, USERS, 1)
+        assert during.other == Counter({503: len(USERS)})
+        assert {n: len(node.store) for n, node in cluster.nodes.items()} == stored
+        response = await cluster.client.post("/v1/check", json={"key": USERS[0], "rule": "api"})
+        assert response.status_code == 503
+        assert response.json()["reason"] == "owner_unreachable"
+        # One probe round renews every lease (a lapsed one is granted at once).
+        await cluster.router.membership.check_health()
+        await send(cluster.client, tally, USERS, 1)
+        assert sum(tally.allowed.values()) == 4 * len(USERS)
+        assert cluster.router.membership.stats["lease_renewals"] >= 6
+
+
+async def test_a_leased_node_failing_probes_is_removed_only_after_its_lease() -> None:
+    options = {"health_interval": 1.0, "health_timeout": 0.5, "failure_threshold": 1}
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        await leased(cluster)
+        membership = cluster.router.membership
+        cluster.take_down("n2")
+        await membership.check_health()
+        # Due (one failure), but its lease may still run: deferred, not removed.
+        assert "n2" in membership.view
+        assert membership.stats["deferred_lease"] == 1
+        # Time passes beyond the lease of the last offer n2 made (loop time cannot be
+        # advanced by hand: the offer is moved back instead).
+        health = membership.health["n2"]
+        health.offered_at -= 2 * membership.lease_seconds
+        health.lease_until = health.offered_at
+        await membership.check_health()
+        assert "n2" not in membership.view
+        assert membership.stats["removed_crashed"] == 1
+
+
+# --------------------------------------------------------------------------- removal budget
+
+
+async def test_a_router_that_reaches_no_node_keeps_the_ring_and_every_counter() -> None:
+    """A cluster-wide blip (every probe fails at once): no removal, no lost counter."""
+    options = {"failure_threshold": 1}
+    config = make_config(on_error="closed")
+    async with InProcessCluster(3, config, clock=FrozenClock(), router_options=options) as cluster:
+        tally = await exhaust_and_replicate(cluster)
+        membership = cluster.router.membership
+        epoch = membership.view.epoch
+        for node_id in cluster.nodes:
+            cluster.take_down(node_id)
+        for _ in range(5):
+            await membership.check_health()
+        assert membership.view.epoch == epoch and len(membership.view) == 3
+        assert membership.suspect_self and membership.stats["self_suspected"] == 1
+        assert membership.stats["deferred_quorum"] == 15
+        for node_id in cluster.nodes:
+            cluster.bring_back(node_id)
+        await membership.check_health()
+        assert not membership.suspect_self
+        await send(cluster.client, tally, USERS, 2)
+        assert tally.other == Counter()
+        assert tally.excess() == 0, tally.over()
+
+
+async def test_crash_removals_are_one_per_interval() -> None:
+    options = {"failure_threshold": 1, "removal_interval": 3600.0}
+    async with InProcessCluster(
+        5, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        membership = cluster.router.membership
+        cluster.take_down("n1")
+        cluster.take_down("n2")
+        await membership.check_health()
+        await membership.check_health()
+        assert [m for m in ("n1", "n2") if m not in membership.view] == ["n1"]
+        assert membership.stats["deferred_rate"] >= 2
+
+
+# --------------------------------------------------------------------------- joins
+
+
+async def test_a_join_that_cannot_become_ready_never_delays_a_crash_removal() -> None:
+    options = {"failure_threshold": 1, "ready_timeout": 30.0}
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        membership = cluster.router.membership
+        loop = asyncio.get_running_loop()
+        joins = [
+            asyncio.create_task(
+                cluster.client.post("/admin/nodes", json={"id": f"x{i}", "url": f"http://x{i}.bad"})
+            )
+            for i in range(3)
+        ]
+        await asyncio.sleep(0.05)
+        assert len(membership.joining) == 3
+        cluster.take_down("n2")
+        started = loop.time()
+        await asyncio.wait_for(membership.check_health(), timeout=5.0)
+        assert "n2" not in membership.view
+        assert loop.time() - started < 1.0
+        for join in joins:
+            join.cancel()
+        await asyncio.gather(*joins, return_exceptions=True)
+
+
+async def test_a_join_that_never_becomes_ready_fails_on_its_own() -> None:
+    options = {"ready_timeout": 0.3}
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        epoch = cluster.router.membership.view.epoch
+        response = await cluster.client.post(
+            "/admin/nodes", json={"id": "x1", "url": "http://x1.bad"}
+        )
+        assert response.status_code == 504
+        assert response.json()["error"] == "not_ready"
+        assert cluster.router.membership.view.epoch == epoch
+        assert cluster.router.membership.joining == {}
+
+
+@pytest.mark.parametrize(
+    ("url", "answer"),
+    [(node_url("n2"), "node 'n2'"), ("http://router.cluster", "not a node")],
+)
+async def test_a_join_at_a_url_that_answers_as_someone_else_is_refused(
+    url: str, answer: str
+) -> None:
+    async with InProcessCluster(3, make_config(), clock=FrozenClock()) as cluster:
+        epoch = cluster.router.membership.view.epoch
+        response = await cluster.client.post("/admin/nodes", json={"id": "n9", "url": url})
+        assert response.status_code == 409
+        body = response.json()
+        assert body["error"] == "wrong_node" and answer in body["detail"]
+        assert cluster.router.membership.view.epoch == epoch
+
+
+async def test_the_same_registration_twice_at_once_is_one_join() -> None:
+    async with InProcessCluster(3, make_config(), clock=FrozenClock()) as cluster:
+        cluster._make_node("n4")
+        member = Member("n4", node_url("n4"))
+        membership = cluster.router.membership
+        views = await asyncio.gather(membership.join(member), membership.join(member))
+        assert views[0] == views[1] == membership.view
+        assert "n4" in membership.view and membership.view.epoch == 2
+
+
+# --------------------------------------------------------------------------- returning members
+
+
+async def test_a_member_back_from_a_pause_merges_with_what_its_successor_decided() -> None:
+    """While n1 was away its successor admitted from a stale replica; n1's own states
+    are more restrictive and win the merge, so nobody is admitted twice afterwards."""
+    options = {"failure_threshold": 1}
+    async with InProcessCluster(
+        3, make_config(crash="replica"), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        for node in cluster.nodes.values():
+            node.store.dirty = set()
+        membership = cluster.router.membership
+        users = [u for u in USERS if membership.view.owner_id(u) == "n1"]
+        tally = Tally()
+        await send(cluster.client, tally, users, LIMIT // 2)
+        for node in cluster.nodes.values():
+            assert node.shard is not None
+            await node.shard.replicate_once()
+        # n1 admits the other half, but pauses before replicating it.
+        await send(cluster.client, tally, users, LIMIT // 2)
+        cluster.take_down("n1")
+        await membership.check_health()
+        assert "n1" not in membership.view
+        # Its successors decide from the replicas: two more each, within the
+        # replica bound (what n1 admitted since its last replication round).
+        await send(cluster.client, tally, users, 2)
+        assert tally.excess() == 2 * len(users)
+        cluster.bring_back("n1")
+        await membership.check_health()
+        await membership.settle()
+        assert "n1" in membership.view
+        # Handed back and merged: n1's exhausted states win over the successors'
+        # (which still had 8 left each), so nobody is admitted again in the period.
+        before = sum(tally.allowed.values())
+        await send(cluster.client, tally, users, 3)
+        assert tally.other == Counter()
+        assert sum(tally.allowed.values()) == before
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+def two_replicas() -> ClusterConfig:
+    rule = Rule("api", LIMIT, PERIOD, algorithm="sliding_log", replicas=2)
+    return ClusterConfig(rules=(ScopedRule(rule),), policies=Policies(crash="replica"))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_two_adjacent_members_lost_together(replicas: int) -> None:
+    """A key's owner and its first successor crash together: with two replicas the
+    second successor still has the key's history; with one it starts fresh."""
+    config = two_replicas() if replicas == 2 else make_config(crash="replica")
+    async with InProcessCluster(5, config, clock=FrozenClock()) as cluster:
+        tally = await exhaust_and_replicate(cluster)
+        membership = cluster.router.membership
+        view = membership.view
+        owner, successor = (m.id for m in view.successors(USERS[0], 2))
+        users = [u for u in USERS if [m.id for m in view.successors(u, 2)] in ([owner, successor],)]
+        cluster.take_down(owner)
+        cluster.take_down(successor)
+        # The owner is removed first (the harder order: its keys go to the
+        # successor, which is dead too), then the successor.
+        await membership.crash(owner)
+        await membership.crash(successor)
+        extra = Tally()
+        await send(cluster.client, extra, users, 2)
+        assert extra.other == Counter()
+        admitted = sum(extra.allowed.values())
+        if replicas == 2:
+            assert admitted == 0
+        else:
+            assert admitted == 2 * len(users)  # what a second replica is for
+        del tally
+
+
+async def test_replicas_above_the_maximum_are_refused() -> None:
+    with pytest.raises(ValueError, match="replicas"):
+        Rule("api", 1, 1.0, replicas=4)
+    with pytest.raises(ValueError, match="replicas"):
+        Rule("api", 1, 1.0, replicas=0)
+    assert Rule.from_dict(Rule("api", 1, 1.0, replicas=2).to_dict()).replicas == 2
+
+
+async def test_a_late_transfer_of_keys_that_moved_on_is_passed_to_their_owner() -> None:
+    """A hand-back from an older view reaches a node that no longer owns some keys:
+    it passes those on instead of keeping states nobody will ask it for."""
+    async with InProcessCluster(3, make_config(), clock=FrozenClock()) as cluster:
+        tally = await exhaust(cluster)
+        old_view = cluster.router.membership.view
+        await cluster.add_node("n4")
+        new_view = cluster.router.membership.view
+        moved_users = [u for u in USERS if new_view.owner_id(u) == "n4"]
+        assert moved_users
+        # n1 receives, from "nobody", an old-epoch transfer of exhausted states of
+        # keys now owned by n4, after n4 dropped them.
+        records = []
+        source = cluster.nodes["n4"]
+        now = cluster.clock()
+        records = source.store.export(now, lambda k: k in moved_users, remove=True)
+        shard = cluster.nodes["n1"].shard
+        assert shard is not None
+        shard.receive("ghost", old_view.epoch, records, False)
+        await asyncio.sleep(0)
+        for _ in range(50):
+            if not shard._tasks:
+                break
+            await asyncio.sleep(0.01)
+        await send(cluster.client, tally, moved_users, 2)
+        assert tally.excess() == 0, tally.over()
+
+
+def test_the_in_process_cluster_url_is_not_a_node() -> None:
+    assert httpx.URL(node_url("n1")).host == "n1.cluster"
