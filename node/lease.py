@@ -25,8 +25,9 @@ the lease to a point already in the past: no effect. Clock assumptions: the
 node's monotonic clock runs no slower than ``1 / (1 + drift)`` of the
 router's (``drift`` is 1% by default, far above what NTP-disciplined or
 free-running quartz clocks differ by); a faster node clock only shortens its
-lease. The clocks need not agree on the time. The node's clock must advance while the process or host
-is paused (``CLOCK_BOOTTIME`` does across a suspend; see :func:`boot_clock`).
+lease. The clocks need not agree on the time. The node's clock must advance
+while the process or host is paused (``CLOCK_BOOTTIME`` does across a
+suspend; see :func:`boot_clock`).
 
 Everything here is pure: the clock is an argument.
 """
