@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -57,14 +57,16 @@ class NodeMetrics:
 
     def add_counters(self, name: str, doc: str, read: Callable[[], dict[str, float]]) -> None:
         """Expose a dict of counters (e.g. handoff statistics) read at scrape time."""
-        self.registry.register(_DictCollector(name, doc, read))
+        self.registry.register(DictCollector(name, doc, read))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _DictCollector(Collector):
-    def __init__(self, name: str, doc: str, read: Callable[[], dict[str, float]]) -> None:
+class DictCollector(Collector):
+    """A dict of counters read at scrape time, one sample per key (label ``kind``)."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], Mapping[str, float]]) -> None:
         self.name, self.doc, self.read = name, doc, read
 
     def collect(self) -> Iterator[CounterMetricFamily]:

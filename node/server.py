@@ -116,6 +116,13 @@ class _Server(uvicorn.Server):
                 loop.remove_signal_handler(sig)
 
 
+#: A ``--join`` node gives up after this many attempts or seconds, whichever first.
+JOIN_ATTEMPTS = 30
+JOIN_DEADLINE = 120.0
+#: ... and after this many answers saying the router cannot reach it at its --url.
+JOIN_NOT_READY_ATTEMPTS = 3
+
+
 def serve_node(
     node: Node,
     *,
@@ -126,7 +133,8 @@ def serve_node(
     weight: int = 1,
     admin_token: str | None = None,
     linger: float = 1.0,
-) -> None:
+) -> int:
+    """Serve until told to stop; the exit status is 1 if a ``--join`` failed."""
     url = advertise or f"http://{host}:{port}"
     state: dict[str, Any] = {"leaving": False}
 
@@ -156,27 +164,43 @@ def serve_node(
         server.should_exit = True
 
     async def register(server: _Server) -> None:
+        """Join through the router: bounded in attempts and time, and every way it
+        can fail ends in one log line that says what to check."""
         while not server.started:  # noqa: ASYNC110 (uvicorn offers no event)
             await asyncio.sleep(0.02)
         payload = {"id": node.settings.node_id, "url": url, "weight": weight}
+        router = join.rstrip("/")  # type: ignore[union-attr]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + JOIN_DEADLINE
+        not_ready = 0
+        problem = "no attempt made"
         async with httpx.AsyncClient(timeout=30.0) as client:
-            for attempt in range(50):
+            for attempt in range(JOIN_ATTEMPTS):
                 try:
                     response = await client.post(
-                        f"{join.rstrip('/')}/admin/nodes",  # type: ignore[union-attr]
-                        json=payload,
-                        headers=_auth(admin_token),
+                        f"{router}/admin/nodes", json=payload, headers=_auth(admin_token)
                     )
                     if response.status_code == 200:
                         log.warning("joined the ring through %s", join)
                         return
-                    log.warning("join refused: %s %s", response.status_code, response.text[:200])
-                    if response.status_code in (400, 401, 403, 409):
-                        server.should_exit = True
-                        return
+                    problem = f"router answered {response.status_code}: {response.text[:200]}"
+                    if response.status_code == 504:
+                        # The router could not reach this node at its --url.
+                        not_ready += 1
+                        problem = (
+                            f"the router at {router} could not reach this node at {url} "
+                            "(check --url / --host: it must be the address the router can use)"
+                        )
+                    elif 400 <= response.status_code < 500 and response.status_code != 429:
+                        break  # refused for good: a wrong token, id, url, or a conflict
                 except httpx.HTTPError as exc:
-                    log.warning("router not reachable yet (%s)", type(exc).__name__)
+                    problem = f"router {router} not reachable ({type(exc).__name__})"
+                if not_ready >= JOIN_NOT_READY_ATTEMPTS or loop.time() > deadline:
+                    break
+                log.warning("join attempt %d failed: %s; retrying", attempt + 1, problem)
                 await asyncio.sleep(min(0.1 * (attempt + 1), 2.0))
+        log.error("could not join the ring; giving up: %s", problem)
+        state["join_failed"] = True
         server.should_exit = True
 
     config = uvicorn.Config(node, host=host, port=port, **uvicorn_options())
@@ -189,6 +213,7 @@ def serve_node(
             task.cancel()
 
     _run(main())
+    return 1 if state.get("join_failed") else 0
 
 
 def _auth(token: str | None) -> dict[str, str]:

@@ -143,6 +143,9 @@ class Router:
         )
         self.metrics = RouterMetrics()
         self.metrics.watch(lambda: self.membership.view.epoch, lambda: len(self.membership.view))
+        self.metrics.watch_membership(
+            lambda: self.membership.stats, lambda: float(self.membership.suspect_self)
+        )
         self.forwarder: Forwarder | None = forwarder
         self._resolver_for: tuple[object, IdentityResolver] | None = None
         self._turn = itertools.count()
@@ -358,8 +361,11 @@ class Router:
                 continue
             if answer.status == 503 and _lease_expired(answer):
                 # The owner decided nothing (it has not heard from a router within
-                # its lease): as if it were unreachable.
+                # its lease): as if it were unreachable. Perhaps it was removed and
+                # this router has not been told: look for a newer view first.
                 self.metrics.outcome(member.id, "lease_expired")
+                if await self.membership.newer_view(member):
+                    continue
                 await self._owner_unreachable(
                     scope, send, view, member, user, method, path_qs, headers, body, "lease expired"
                 )
@@ -633,6 +639,9 @@ class Router:
             retry.extend(indices)
             return
         if answer.status == 503 and _lease_expired(answer):
+            if await self.membership.newer_view(member):
+                retry.extend(indices)
+                return
             for i in indices:
                 results[i] = _unreachable_result(checks[i], member.id)
             self.metrics.outcome(member.id, "lease_expired")

@@ -340,7 +340,7 @@ def _run_node(args: argparse.Namespace) -> int:
         fenced=bool(args.fenced or args.join),
     )
     node = create_app(settings, backend=backend, app=app)
-    serve_node(
+    return serve_node(
         node,
         host=args.host,
         port=args.port,
@@ -349,7 +349,6 @@ def _run_node(args: argparse.Namespace) -> int:
         weight=args.weight,
         admin_token=admin_token,
     )
-    return 0
 
 
 def _redis_backend(url: str, config: ClusterConfig) -> Backend:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from node.metrics import DictCollector
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0)
 
@@ -45,6 +47,26 @@ class RouterMetrics:
     def watch(self, epoch: Callable[[], float], nodes: Callable[[], float]) -> None:
         self._epoch.set_function(epoch)
         self._nodes.set_function(nodes)
+
+    def watch_membership(
+        self, stats: Callable[[], Mapping[str, float]], suspect_self: Callable[[], float]
+    ) -> None:
+        """Membership's own counters: removals, removals the budget deferred (by
+        reason), self-suspicions and lease renewals; and whether it suspects
+        itself now (it cannot reach most members)."""
+        self.registry.register(
+            DictCollector(
+                "ringlimit_router_membership",
+                "Membership events: removed_crashed, deferred_quorum, deferred_rate, "
+                "deferred_lease, self_suspected, lease_renewals.",
+                stats,
+            )
+        )
+        Gauge(
+            "ringlimit_router_suspect_self",
+            "1 while this router cannot reach most members and removes nobody.",
+            registry=self.registry,
+        ).set_function(suspect_self)
 
     def forwarded(self, node: str, status: int, seconds: float) -> None:
         outcome = (

@@ -104,6 +104,52 @@ async def test_a_leased_node_failing_probes_is_removed_only_after_its_lease() ->
         assert membership.stats["removed_crashed"] == 1
 
 
+async def test_a_partition_with_two_routers_decides_no_key_twice_under_leases() -> None:
+    """The case docs/rebalancing.md bounds by one quota per key without leases
+    (tests/test_rebalancing.py measures it): a second router still reaches a node
+    the first one removed. With leases the node stopped deciding before the first
+    router removed it, so the second router finds it refusing, learns the newer
+    view from the other members, and nobody is admitted twice."""
+    options = {"failure_threshold": 1}
+    async with InProcessCluster(
+        3, make_config(crash="replica"), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        for node in cluster.nodes.values():
+            node.store.dirty = set()
+        seeds = [Member(n, node_url(n)) for n in cluster.nodes]
+        other_side = cluster.detached_client()
+        second = cluster.new_router("http://router2.cluster", client=other_side, seeds=seeds)
+        await second.start()
+        try:
+            monotonic = await leased(cluster)
+            tally = Tally()
+            await send(cluster.client, tally, USERS, LIMIT // 2)
+            for node in cluster.nodes.values():
+                assert node.shard is not None
+                await node.shard.replicate_once()
+            membership = cluster.router.membership
+            # {router, n1, n3} | {router2, n2}: n2 hears from no router granting leases.
+            cluster.take_down("n2")
+            await membership.check_health()
+            assert "n2" in membership.view  # its lease may still run
+            monotonic.advance(membership.lease_seconds + 0.01)
+            health = membership.health["n2"]
+            health.offered_at -= 2 * membership.lease_seconds
+            health.lease_until = health.offered_at
+            await membership.check_health()
+            assert "n2" not in membership.view
+            await asyncio.gather(
+                send(cluster.client, tally, USERS, LIMIT),
+                send(cluster.client, tally, USERS, LIMIT, base="http://router2.cluster"),
+            )
+            assert tally.other == Counter()
+            assert tally.excess() == 0, tally.over()
+            assert second.membership.view == membership.view
+        finally:
+            await second.close()
+            await other_side.aclose()
+
+
 # --------------------------------------------------------------------------- removal budget
 
 
@@ -122,6 +168,9 @@ async def test_a_router_that_reaches_no_node_keeps_the_ring_and_every_counter() 
         assert membership.view.epoch == epoch and len(membership.view) == 3
         assert membership.suspect_self and membership.stats["self_suspected"] == 1
         assert membership.stats["deferred_quorum"] == 15
+        metrics = (await cluster.client.get("/metrics")).text
+        assert "ringlimit_router_suspect_self 1.0" in metrics
+        assert 'ringlimit_router_membership_total{kind="deferred_quorum"} 15.0' in metrics
         for node_id in cluster.nodes:
             cluster.bring_back(node_id)
         await membership.check_health()
