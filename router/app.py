@@ -48,6 +48,7 @@ from node.peers import INTERNAL_TOKEN_HEADER
 from node.security import bearer, is_loopback, token_matches
 from ring import EmptyRingError, Member, RingView
 from router.coalesce import Coalescer
+from router.coordinator import CoordinatorError, EtcdCoordinator
 from router.fastclient import FastForwarder
 from router.forward import (
     AiohttpForwarder,
@@ -108,6 +109,10 @@ class RouterSettings:
     lease: float | None = None
     removal_interval: float | None = None
     removal_quorum: float = 0.5
+    #: Shared membership in etcd (router/coordinator.py); None: this router alone.
+    coordinator: EtcdCoordinator | None = None
+    #: This router's admin URL as other routers reach it (the leader's address).
+    advertise: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_buffered_body: int = 1 << 20
     health_checks: bool = True
@@ -139,6 +144,8 @@ class Router:
             lease=settings.lease,
             removal_interval=settings.removal_interval,
             removal_quorum=settings.removal_quorum,
+            coordinator=settings.coordinator,
+            advertise=settings.advertise,
             client=client,
         )
         self.metrics = RouterMetrics()
@@ -698,11 +705,57 @@ class Router:
             return refused
         return JSONResponse(self.membership.describe())
 
+    async def _to_leader(self, request: Request, body: bytes = b"") -> Response | None:
+        """With etcd, membership changes are the leader's: pass them on (None: we lead)."""
+        membership = self.membership
+        if membership.coordinator is None or membership.leading:
+            return None
+        try:
+            leader = await membership.coordinator.leader()
+        except CoordinatorError as exc:
+            return JSONResponse(error_body("coordinator_unavailable", str(exc)), status_code=503)
+        if not leader or leader == membership.advertise:
+            return JSONResponse(
+                error_body("no_leader", "no router leads the cluster right now; retry shortly"),
+                status_code=503,
+                headers={"retry-after": "1"},
+            )
+        headers = {
+            k: v for k, v in request.headers.items() if k in ("authorization", "content-type")
+        }
+        try:
+            answer = await membership.client.request(
+                request.method,
+                leader.rstrip("/") + request.url.path,
+                content=body,
+                headers=headers,
+                timeout=httpx.Timeout(
+                    membership.ready_timeout + membership.push_timeout, connect=1.0
+                ),
+            )
+        except httpx.HTTPError as exc:
+            return JSONResponse(
+                error_body(
+                    "leader_unreachable",
+                    f"the leading router at {leader} did not answer ({type(exc).__name__})",
+                ),
+                status_code=502,
+            )
+        return Response(
+            answer.content,
+            status_code=answer.status_code,
+            media_type="application/json",
+            headers={"x-ringlimit-leader": leader},
+        )
+
     async def admin_join(self, request: Request) -> Response:
         if (refused := self._admin_refused(request)) is not None:
             return refused
         try:
-            data = parse_json(await read_body(request, 65536), self.config)
+            raw = await read_body(request, 65536)
+            if (forwarded := await self._to_leader(request, raw)) is not None:
+                return forwarded
+            data = parse_json(raw, self.config)
             if not isinstance(data, dict):
                 raise ApiError(400, "invalid_request", "body must be an object {id, url, weight}")
             extra = set(data) - {"id", "url", "weight"}
@@ -728,6 +781,8 @@ class Router:
     async def admin_leave(self, request: Request) -> Response:
         if (refused := self._admin_refused(request)) is not None:
             return refused
+        if (forwarded := await self._to_leader(request)) is not None:
+            return forwarded
         try:
             await self.membership.leave(request.path_params["node_id"])
         except MembershipError as exc:

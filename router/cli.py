@@ -18,6 +18,7 @@ import argparse
 import importlib
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -39,6 +40,7 @@ from router import __version__
 if TYPE_CHECKING:
     from node.asgi import ASGIApp
     from node.backend import Backend
+    from router.coordinator import EtcdCoordinator
 
 DEFAULT_RULE = "10/minute"
 #: Subcommands that live in the source checkout, and the module that runs each.
@@ -142,6 +144,31 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         metavar="MICROSECONDS",
         help="hold single decision-API checks up to this long to batch them per node "
         "(default 300; 0 turns coalescing off)",
+    )
+    router.add_argument(
+        "--coordinator",
+        default=os.environ.get("RINGLIMIT_COORDINATOR"),
+        metavar="etcd://HOST:PORT[,HOST:PORT...]",
+        help="keep the ring in etcd, shared by every router of the cluster; one router leads "
+        "(changes, health checks, leases) and the others follow (also RINGLIMIT_COORDINATOR)",
+    )
+    router.add_argument(
+        "--cluster",
+        default="default",
+        help="the cluster's name: its key prefix in etcd (default 'default')",
+    )
+    router.add_argument(
+        "--advertise",
+        metavar="URL",
+        help="this router's URL as the other routers reach it (admin calls go to the leader "
+        "there; default http://HOST:PORT)",
+    )
+    router.add_argument(
+        "--coordinator-ttl",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="the leader's etcd lease: another router takes over this long after it is lost",
     )
     router.add_argument(
         "--no-health-checks",
@@ -308,12 +335,39 @@ def _run_router(args: argparse.Namespace) -> int:
         lease=args.lease,
         removal_interval=args.removal_interval,
         removal_quorum=args.removal_quorum,
+        coordinator=_coordinator(args),
+        advertise=args.advertise or f"http://{_reachable(args.host)}:{args.port}",
         health_checks=not args.no_health_checks,
         coalesce_window=args.coalesce_window / 1e6,
     )
     _warn_modes(config)
     serve_router(create_router(settings), host=args.host, port=args.port)
     return 0
+
+
+def _coordinator(args: argparse.Namespace) -> EtcdCoordinator | None:
+    from router.coordinator import EtcdCoordinator, parse_endpoints
+
+    if not args.coordinator:
+        return None
+    if args.state_file:
+        print(
+            "ringlimit: --state-file is ignored with --coordinator (etcd holds the ring)",
+            file=sys.stderr,
+        )
+    try:
+        return EtcdCoordinator(
+            parse_endpoints(args.coordinator), cluster=args.cluster, ttl=args.coordinator_ttl
+        )
+    except ValueError as exc:
+        raise SystemExit(f"ringlimit: {exc}") from None
+
+
+def _reachable(host: str) -> str:
+    """A bind address other hosts cannot use as such (0.0.0.0) -> this host's name."""
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host else host
 
 
 def _run_node(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from node.config import ClusterConfig
 from node.lease import DEFAULT_DRIFT, lease_bound
 from node.peers import INTERNAL_TOKEN_HEADER
 from ring import Member, RingView
+from router.coordinator import CoordinatorError, EtcdCoordinator, ViewRecord
 from router.removal import RemovalBudget
 
 log = logging.getLogger("ringlimit.router")
@@ -87,6 +88,8 @@ class Membership:
         lease: float | None = None,
         removal_interval: float | None = None,
         removal_quorum: float = 0.5,
+        coordinator: EtcdCoordinator | None = None,
+        advertise: str | None = None,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         self.config = config
@@ -120,10 +123,18 @@ class Membership:
             "lease_renewals": 0,
         }
         self.suspect_self = False
+        #: With a coordinator (etcd) the ring is shared by several routers and one
+        #: of them leads: it alone makes changes, probes members and grants leases.
+        self.coordinator = coordinator
+        self.advertise = advertise
+        self.leading = coordinator is None
+        self._revision = 0
+        self._coordination: list[asyncio.Task[Any]] = []
         self.lock = asyncio.Lock()
         self.changed = asyncio.Event()
         self.crashes = 0
         self._owned = client is None
+        self.push_timeout = push_timeout
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(push_timeout, connect=1.0))
         # Sent per request (not as client defaults) so a shared client carries no secret.
         self._headers = {INTERNAL_TOKEN_HEADER: internal_token} if internal_token else {}
@@ -144,7 +155,11 @@ class Membership:
     async def start(self, seeds: Iterable[Member] = (), *, health: bool = True) -> None:
         """Recover membership (state file, then the nodes), else build it from seeds."""
         seeds = list(seeds)
-        self.leasing = health
+        # With etcd, leases are the leader's: on only while this router leads.
+        self.leasing = health and self.coordinator is None
+        if self.coordinator is not None:
+            await self._start_coordinated(seeds, health)
+            return
         recovered = self._load_state()
         candidates = list(recovered) if recovered is not None else []
         known = {m.id for m in candidates}
@@ -174,7 +189,160 @@ class Membership:
             await asyncio.gather(*(self._renew(m) for m in self.view))
             self._health_task = asyncio.create_task(self._health_loop())
 
+    async def _start_coordinated(self, seeds: list[Member], health: bool) -> None:
+        """The ring from etcd; the first view from the seeds only if etcd has none."""
+        assert self.coordinator is not None
+        await self.coordinator.connect()
+        record = await self.coordinator.load()
+        if record is None and seeds:
+            await asyncio.gather(*(self._wait_ready(m) for m in seeds))
+            view = RingView.of(seeds, epoch=1)
+            first = ViewRecord(view, RingView.empty(), (), self.config, settled=False)
+            committed = await self.coordinator.commit(first, expected=0)
+            if committed is None:
+                log.warning("etcd already holds a ring: it wins over the --node seeds")
+                record = await self.coordinator.load()
+            else:
+                await self._push_all(view, RingView.empty(), ())
+                self._adopt(view)
+                record = await self._settle(committed)
+        if record is not None:
+            self._take(record, force=True)
+        self._coordination = [asyncio.create_task(self._watch())]
+        if health:
+            loop = asyncio.get_running_loop()
+            self._coordination.append(
+                asyncio.create_task(
+                    self.coordinator.lead(
+                        self.advertise or "", self._on_lead, self._on_lose, loop.time
+                    )
+                )
+            )
+            self._health_task = asyncio.create_task(self._health_loop())
+
+    def _take(self, record: ViewRecord, *, force: bool = False) -> None:
+        """Follow etcd's record: remember its revision, adopt a settled newer view."""
+        self._revision = max(self._revision, record.revision)
+        self._highest = max(self._highest, record.view.epoch)
+        if (record.settled or force) and record.view.epoch > self.view.epoch:
+            if record.config != self.config:
+                log.warning("taking the cluster config from etcd (epoch %d)", record.view.epoch)
+                self.config = record.config
+            for member in record.view:
+                self.health.setdefault(member.id, Health())
+            self._adopt(record.view)
+            log.info("adopted epoch %d from etcd", record.view.epoch)
+
+    async def _watch(self) -> None:
+        assert self.coordinator is not None
+        async for record in self.coordinator.watch():
+            self._take(record)
+
+    async def _on_lead(self) -> None:
+        """Leadership won: finish a change the last leader left half-done.
+
+        Leases the previous leader granted may run for up to one lease after
+        it stepped down: no member is removed before they have certainly ended.
+        """
+        now = asyncio.get_running_loop().time()
+        bound = now + self.lease_seconds * (1 + DEFAULT_DRIFT)
+        for health in self.health.values():
+            health.lease_until = max(health.lease_until, bound)
+            health.failures = 0
+        self.leasing = True
+        self._spawn(self._take_lead())
+
+    async def _take_lead(self) -> None:
+        # Leases first (granted, then required by a push of the current view), so
+        # that no node is left without one; then any change left half-done.
+        async with self.lock:
+            await asyncio.gather(*(self._renew(m) for m in self.view))
+            await self._push_all(self.view, None, ())
+        self.leading = True
+        await self._roll_forward()
+
+    async def _on_lose(self) -> None:
+        self.leading = False
+        self.leasing = False
+
+    async def _roll_forward(self) -> None:
+        assert self.coordinator is not None
+        async with self.lock:
+            try:
+                record = await self.coordinator.load()
+            except CoordinatorError as exc:
+                log.warning("could not read the ring from etcd: %s", exc)
+                return
+            if record is None or record.settled:
+                return
+            view = record.view
+            log.warning("finishing the change to epoch %d left by the last leader", view.epoch)
+            previous = record.previous if record.previous is not None else RingView.empty()
+            crashed = record.crashed
+            newcomers = [m for m in view if m.id not in previous]
+            # The order of a join: newcomers learn the config first, then whoever
+            # loses keys, then the newcomers get the view.
+            ready = self.ready_timeout
+            await self._push(newcomers, previous, None, (), tolerate=True, seconds=ready)
+            failed = await self._push(previous.members, view, previous, crashed, tolerate=True)
+            failed += await self._push(newcomers, view, previous, (), tolerate=True)
+            self._remember(previous, record.crashed)
+            for member in view:
+                self.health.setdefault(member.id, Health())
+            self._adopt(view)
+            await self._settle(record)
+            for member_id in failed:
+                if member_id in view:
+                    await self._crash_locked(member_id)
+
+    async def _commit(
+        self, view: RingView, previous: RingView, crashed: tuple[str, ...]
+    ) -> ViewRecord | None:
+        """Record a change in etcd before carrying it out (no coordinator: nothing)."""
+        if self.coordinator is None:
+            return None
+        record = ViewRecord(view, previous, crashed, self.config, settled=False)
+        try:
+            committed = await self.coordinator.commit(record, expected=self._revision)
+        except CoordinatorError as exc:
+            raise MembershipError(503, "coordinator_unavailable", str(exc)) from None
+        if committed is None:
+            latest = await self.coordinator.load()
+            if latest is not None:
+                self._take(latest)
+            raise MembershipError(
+                409, "ring_changed", "another router changed the ring first; retry"
+            )
+        self._revision = committed.revision
+        return committed
+
+    async def _settle(self, record: ViewRecord | None) -> ViewRecord | None:
+        """Mark a committed change as carried out, so every router adopts it."""
+        if self.coordinator is None or record is None:
+            return record
+        done = ViewRecord(
+            record.view, record.previous, record.crashed, record.config, True, record.revision
+        )
+        try:
+            settled = await self.coordinator.commit(done, expected=record.revision)
+        except CoordinatorError as exc:
+            log.warning("could not mark epoch %d settled: %s", record.view.epoch, exc)
+            return None
+        if settled is not None:
+            self._revision = settled.revision
+        return settled
+
     async def close(self) -> None:
+        was_leading = self.leading and self.coordinator is not None
+        for coordination in self._coordination:
+            coordination.cancel()
+        for coordination in self._coordination:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await coordination
+        if self.coordinator is not None:
+            if was_leading and self.advertise:
+                await self.coordinator.resign(self.advertise)
+            await self.coordinator.close()
         tasks: list[asyncio.Future[Any]] = [
             *self._background,
             *self._joins.values(),
@@ -187,6 +355,11 @@ class Membership:
                 await task
         if self._owned:
             await self._client.aclose()
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The control plane's HTTP client (pushes, probes, calls to the leader)."""
+        return self._client
 
     # ------------------------------------------------------------------ changes
 
@@ -268,6 +441,7 @@ class Membership:
             await self._renew(member, health)
         previous = self.view
         new = self._next_view([*(m for m in previous if m.id != member.id), member])
+        committed = await self._commit(new, previous, ())
         # Old members lose keys to the newcomer: they go first. A member that
         # does not take the view does not stop the change half-way (others
         # already hold it): the change is adopted, then the failed ones are
@@ -276,6 +450,7 @@ class Membership:
         failed += await self._push([member], new, previous, (), tolerate=True)
         self._remember(previous, ())
         self._adopt(new)
+        await self._settle(committed)
         health.state = "active"
         self.health[member.id] = health
         for member_id in failed:
@@ -305,6 +480,7 @@ class Membership:
             previous = self.view
             leaving = previous.member(member_id)
             new = self._next_view(m for m in previous if m.id != member_id)
+            committed = await self._commit(new, previous, ())
             try:
                 await self._push([leaving], new, previous, (), tolerate=False)
             except MembershipError:
@@ -314,6 +490,7 @@ class Membership:
             failed = await self._push(new.members, new, previous, (), tolerate=True)
             self._remember(previous, ())
             self._adopt(new)
+            await self._settle(committed)
             self.health.pop(member_id, None)
             for other in failed:
                 await self._crash_locked(other)
@@ -330,6 +507,7 @@ class Membership:
             return None
         previous = self.view
         new = self._next_view(m for m in previous if m.id != member_id)
+        committed = await self._commit(new, previous, (member_id,))
         await self._push(new.members, new, previous, (member_id,), tolerate=True)
         self._remember(previous, (member_id,))
         crashed = previous.member(member_id)
@@ -337,6 +515,7 @@ class Membership:
         while len(self.removed) > MAX_REMOVED:
             del self.removed[next(iter(self.removed))]
         self._adopt(new)
+        await self._settle(committed)
         self.health.pop(member_id, None)
         self.crashes += 1
         log.warning("node %s removed as crashed: epoch %d", member_id, new.epoch)
@@ -588,50 +767,50 @@ class Membership:
     async def _renew(self, member: Member, health: Health | None = None) -> dict[str, Any] | None:
         """Probe a member and renew its lease (node/lease.py); None if it did not answer.
 
-        Each probe grants the offer the previous one received, and the router
-        records, before sending, until when that grant may keep the node
-        deciding. A member whose lease ran out (first contact, a pause, this
-        router's own restart) is granted the fresh offer at once.
+        Two round trips: the probe takes the node's offer, and the grant follows
+        at once, so each round leaves the node a whole lease less one round
+        trip (a router slowed down by load still renews in time). Before the
+        grant is sent the router records until when it may keep the node
+        deciding (the offer's arrival plus the lease, with the drift allowance).
         """
         if health is None:
             health = self.health.setdefault(member.id, Health())
-        loop = asyncio.get_running_loop()
-        url = member.url.rstrip("/") + "/internal/lease"
-        for _ in range(3):
-            body: dict[str, Any] = {"grant": None}
-            if self.leasing and health.token is not None:
-                body = {"grant": health.token, "seconds": self.lease_seconds}
-                health.lease_until = max(
-                    health.lease_until,
-                    lease_bound(health.offered_at, self.lease_seconds, DEFAULT_DRIFT),
-                )
-            try:
-                response = await self._client.post(
-                    url, json=body, headers=self._headers, timeout=self.health_timeout
-                )
-                data = response.json()
-                if not isinstance(data, dict):
-                    raise ValueError("not a JSON object")
-            except (httpx.HTTPError, ValueError) as exc:
-                log.debug("probe of %s failed: %s", member.id, exc)
-                return None
-            if response.status_code == 400 and data.get("error") == "invalid_lease":
-                health.token = None  # offered by an earlier incarnation: start over
-                continue
-            if response.status_code != 200:
-                return None
-            token = data.get("token")
-            health.token = token if isinstance(token, str) else None
-            health.offered_at = loop.time()
-            if body["grant"] is not None:
-                self.stats["lease_renewals"] += 1
-            left = data.get("lease_left")
-            if (
-                not self.leasing
-                or health.token is None
-                or (isinstance(left, int | float) and left > 0)
-            ):
-                return data
+        data = await self._lease_call(member, None)
+        if data is None:
+            return None
+        token = data.get("token")
+        health.token = token if isinstance(token, str) else None
+        health.offered_at = asyncio.get_running_loop().time()
+        if not self.leasing or health.token is None:
+            return data
+        health.lease_until = max(
+            health.lease_until,
+            lease_bound(health.offered_at, self.lease_seconds, DEFAULT_DRIFT),
+        )
+        granted = await self._lease_call(member, health.token)
+        if granted is not None:
+            self.stats["lease_renewals"] += 1
+            return granted
+        return data
+
+    async def _lease_call(self, member: Member, grant: str | None) -> dict[str, Any] | None:
+        body: dict[str, Any] = {"grant": grant}
+        if grant is not None:
+            body["seconds"] = self.lease_seconds
+        try:
+            response = await self._client.post(
+                member.url.rstrip("/") + "/internal/lease",
+                json=body,
+                headers=self._headers,
+                timeout=self.health_timeout,
+            )
+            data = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("probe of %s failed: %s", member.id, exc)
+            return None
+        if response.status_code != 200 or not isinstance(data, dict):
+            log.debug("probe of %s: HTTP %d", member.id, response.status_code)
+            return None
         return data
 
     @typing.overload
@@ -668,8 +847,12 @@ class Membership:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval)
-            with contextlib.suppress(Exception):
+            if not self.leading:
+                continue  # with etcd, only the leader probes, removes and grants leases
+            try:
                 await self.check_health()
+            except Exception:
+                log.exception("health check round failed")
 
     async def check_health(self) -> None:
         view = self.view
@@ -763,7 +946,10 @@ class Membership:
     def describe(self) -> dict[str, Any]:
         nodes = [{**m.to_dict(), "state": self.health.get(m.id, Health()).state} for m in self.view]
         nodes += [{**m.to_dict(), "state": "joining"} for m in self.joining.values()]
-        return {"epoch": self.view.epoch, "nodes": nodes}
+        data: dict[str, Any] = {"epoch": self.view.epoch, "nodes": nodes}
+        if self.coordinator is not None:
+            data["coordinator"] = {"etcd": self.coordinator.where, "leading": self.leading}
+        return data
 
     def _save_state(self) -> None:
         if self.state_file is None:

@@ -110,7 +110,9 @@ async def test_a_partition_with_two_routers_decides_no_key_twice_under_leases() 
     the first one removed. With leases the node stopped deciding before the first
     router removed it, so the second router finds it refusing, learns the newer
     view from the other members, and nobody is admitted twice."""
-    options = {"failure_threshold": 1}
+    # A long lease: it must outlast the traffic below in real time, until the
+    # test moves the clocks past it.
+    options = {"failure_threshold": 1, "lease": 60.0}
     async with InProcessCluster(
         3, make_config(crash="replica"), clock=FrozenClock(), router_options=options
     ) as cluster:

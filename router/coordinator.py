@@ -1,0 +1,346 @@
+"""Many routers, one ring: membership kept in etcd.
+
+Without a coordinator one router owns membership (its state file is the only
+record of the ring). With ``--coordinator etcd://host:port[,host:port...]``
+every router of a cluster shares one record in etcd, under
+``/ringlimit/<cluster>/``:
+
+``view``
+    the newest ring view as a JSON record: the view, the one before it, the
+    members it removed as crashed, the cluster config, and ``settled`` (false
+    from the moment a change is committed until its push protocol is done).
+``leader``
+    the leading router's admin URL, attached to an etcd lease.
+
+Why it is safe:
+
+* **One history of epochs.** A change is committed with one transaction
+  conditioned on the ``view`` key's revision the change was built from
+  (:meth:`EtcdCoordinator.commit`). Two routers building on the same view
+  cannot both succeed; the loser reloads and retries or reports a conflict.
+* **One leader at a time** carries out changes (admin calls reach it through
+  any router), runs health checks and grants node leases. Leadership is an
+  etcd key on an etcd lease of ``ttl`` seconds. The leader steps down on its
+  own once it has not refreshed that lease for ``ttl`` seconds, measured from
+  when it *sent* the refresh, so it has stopped acting before etcd can expire
+  the key and elect another.
+* **Roll forward.** The push protocol runs after the commit, so a leader that
+  dies mid-change leaves ``settled = false``; the next leader pushes the same
+  view again in the same order (pushing a view twice is harmless) and marks
+  it settled. Other routers adopt a view once it is settled, or earlier from a
+  node that refuses them with a newer epoch (as without a coordinator).
+
+Pure parts (the record's wire form) are plain functions; the etcd client is
+passed in and only this module talks to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from node.config import ClusterConfig
+from ring import RingView
+
+log = logging.getLogger("ringlimit.router")
+
+_CLUSTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+class CoordinatorError(Exception):
+    """etcd could not be reached or answered something unusable."""
+
+
+@dataclass(frozen=True)
+class ViewRecord:
+    """What etcd holds about the ring: enough for any router to carry on."""
+
+    view: RingView
+    previous: RingView | None
+    crashed: tuple[str, ...]
+    config: ClusterConfig
+    settled: bool
+    #: etcd's mod revision of the record (0 for one not read from etcd).
+    revision: int = 0
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "version": 1,
+                "ring": self.view.to_dict(),
+                "previous": self.previous.to_dict() if self.previous is not None else None,
+                "crashed": list(self.crashed),
+                "config": self.config.to_dict(),
+                "settled": self.settled,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, revision: int) -> ViewRecord:
+        try:
+            data = json.loads(raw)
+            if data.get("version") != 1:
+                raise ValueError(f"unknown record version {data.get('version')!r}")
+            return cls(
+                RingView.from_dict(data["ring"]),
+                RingView.from_dict(data["previous"]) if data.get("previous") else None,
+                tuple(str(c) for c in data.get("crashed", [])),
+                ClusterConfig.from_dict(data["config"], source="etcd record"),
+                bool(data["settled"]),
+                revision,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CoordinatorError(f"the ring record in etcd is unreadable: {exc}") from None
+
+
+def parse_endpoints(spec: str) -> list[tuple[str, int]]:
+    """``etcd://h1:2379,h2:2379`` -> ``[("h1", 2379), ("h2", 2379)]``."""
+    if not spec.startswith("etcd://"):
+        raise ValueError(f"coordinator {spec!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
+    endpoints = []
+    for part in spec[len("etcd://") :].split(","):
+        parsed = urlsplit(f"etcd://{part.strip()}")
+        try:
+            port = parsed.port or 2379
+        except ValueError:
+            raise ValueError(f"coordinator {spec!r}: bad port in {part!r}") from None
+        if not parsed.hostname or parsed.path not in ("", "/"):
+            raise ValueError(f"coordinator {spec!r}: expected HOST:PORT, got {part!r}")
+        endpoints.append((parsed.hostname, port))
+    return endpoints
+
+
+class EtcdCoordinator:
+    """The ring record and the leadership, in etcd (via ``aetcd``)."""
+
+    def __init__(
+        self,
+        endpoints: list[tuple[str, int]],
+        *,
+        cluster: str = "default",
+        ttl: float = 5.0,
+        timeout: float = 2.0,
+    ) -> None:
+        if not _CLUSTER_NAME.match(cluster):
+            raise ValueError(f"cluster name {cluster!r}: use [A-Za-z0-9._-], 1-64 characters")
+        if not endpoints:
+            raise ValueError("no etcd endpoint given")
+        self.endpoints = endpoints
+        self.prefix = f"/ringlimit/{cluster}/".encode()
+        self.ttl = max(2, round(ttl))
+        self.timeout = timeout
+        self._client: Any = None
+        self._endpoint = 0
+
+    @property
+    def where(self) -> str:
+        return ",".join(f"{host}:{port}" for host, port in self.endpoints)
+
+    def _key(self, name: str) -> bytes:
+        return self.prefix + name.encode()
+
+    # ------------------------------------------------------------------ connection
+
+    async def connect(self) -> None:
+        import aetcd
+
+        errors = []
+        for i in range(len(self.endpoints)):
+            host, port = self.endpoints[(self._endpoint + i) % len(self.endpoints)]
+            client = aetcd.Client(
+                host=host, port=port, timeout=self.timeout, connect_wait_timeout=self.timeout
+            )
+            try:
+                await client.connect()
+                await client.status()
+            except Exception as exc:  # aetcd raises several grpc-derived types
+                errors.append(f"{host}:{port}: {type(exc).__name__}")
+                with contextlib.suppress(Exception):
+                    await client.close()
+                continue
+            old, self._client = self._client, client
+            self._endpoint = (self._endpoint + i) % len(self.endpoints)
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    await old.close()
+            return
+        raise CoordinatorError(f"etcd not reachable at {'; '.join(errors)}")
+
+    async def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.close()
+            self._client = None
+
+    async def _call(self, what: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        """One etcd call; on a connection failure, the next endpoint, once."""
+        for attempt in range(2):
+            if self._client is None:
+                await self.connect()
+            try:
+                return await call(self._client)
+            except CoordinatorError:
+                raise
+            except Exception as exc:
+                if attempt == 1:
+                    raise CoordinatorError(f"etcd {what} failed: {type(exc).__name__}") from None
+                self._endpoint += 1
+                self._client = None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ------------------------------------------------------------------ the record
+
+    async def load(self) -> ViewRecord | None:
+        got = await self._call("read", lambda c: c.get(self._key("view")))
+        if got is None:
+            return None
+        return ViewRecord.from_json(got.value, got.mod_revision)
+
+    async def commit(self, record: ViewRecord, expected: int) -> ViewRecord | None:
+        """Write ``record`` if the view key is still at revision ``expected`` (0: absent).
+
+        Returns the record with its new revision, or None when another router
+        changed the ring first (reload and rebuild the change on the new view).
+        """
+        key = self._key("view")
+        raw = record.to_json()
+
+        async def txn(client: Any) -> tuple[bool, Any]:
+            compare = (
+                [client.transactions.create(key) == 0]
+                if expected == 0
+                else [client.transactions.mod(key) == expected]
+            )
+            ok, _ = await client.transaction(
+                compare=compare, success=[client.transactions.put(key, raw)], failure=[]
+            )
+            got = await client.get(key) if ok else None
+            return ok, got
+
+        ok, got = await self._call("commit", txn)
+        if not ok:
+            return None
+        revision = got.mod_revision if got is not None else 0
+        return ViewRecord(
+            record.view, record.previous, record.crashed, record.config, record.settled, revision
+        )
+
+    async def watch(self) -> AsyncIterator[ViewRecord]:
+        """Every new record, as committed (reconnecting when etcd goes away)."""
+        key = self._key("view")
+        while True:
+            try:
+                watcher = await self._call("watch", lambda c: c.watch(key))
+                async for event in watcher:
+                    if event.kv.value:
+                        try:
+                            yield ViewRecord.from_json(event.kv.value, event.kv.mod_revision)
+                        except CoordinatorError as exc:
+                            log.warning("%s", exc)
+            except CoordinatorError as exc:
+                log.warning("watching etcd: %s; retrying", exc)
+            except Exception as exc:
+                log.warning("watching etcd: %s; retrying", type(exc).__name__)
+                self._client = None
+            await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------------ leadership
+
+    async def leader(self) -> str | None:
+        got = await self._call("read leader", lambda c: c.get(self._key("leader")))
+        return got.value.decode() if got is not None else None
+
+    async def lead(
+        self,
+        url: str,
+        on_lead: Callable[[], Awaitable[None]],
+        on_lose: Callable[[], Awaitable[None]],
+        clock: Callable[[], float],
+    ) -> None:
+        """Campaign for leadership forever; call ``on_lead`` / ``on_lose`` on changes.
+
+        The leader refreshes its etcd lease every ttl/3 seconds and gives up
+        leadership (``on_lose``) when ``ttl`` seconds have passed since the
+        last refresh it *sent* that succeeded: by then etcd may have expired
+        the key, but this router has already stopped acting as leader.
+        """
+        key = self._key("leader")
+        value = url.encode()
+        while True:
+            leading = False
+            try:
+                lease = await self._call("lease", lambda c: c.lease(self.ttl))
+                sent = clock()
+
+                async def campaign(client: Any, lease: Any = lease) -> bool:
+                    ok, _ = await client.transaction(
+                        compare=[client.transactions.create(key) == 0],
+                        success=[client.transactions.put(key, value, lease)],
+                        failure=[],
+                    )
+                    return bool(ok)
+
+                leading = await self._call("campaign", campaign)
+                if not leading:
+                    with contextlib.suppress(Exception):
+                        await lease.revoke()
+                    await self._wait_for_vacancy(key)
+                    continue
+                log.warning("leading the cluster's membership (etcd %s)", self.where)
+                await on_lead()
+                last_ok = sent
+                while True:
+                    await asyncio.sleep(self.ttl / 3)
+                    sent = clock()
+                    try:
+                        await asyncio.wait_for(lease.refresh(), timeout=self.ttl / 3)
+                        last_ok = sent
+                    except Exception as exc:
+                        log.warning("leader lease refresh failed: %s", type(exc).__name__)
+                    if clock() - last_ok >= self.ttl * 0.8:
+                        raise CoordinatorError("leader lease not refreshed in time")
+                    got = await self._call("read leader", lambda c: c.get(key))
+                    if got is None or got.value != value:
+                        raise CoordinatorError("leadership taken over")
+            except asyncio.CancelledError:
+                if leading:
+                    await on_lose()
+                raise
+            except CoordinatorError as exc:
+                if leading:
+                    log.warning("stepping down as leader: %s", exc)
+                    await on_lose()
+                else:
+                    log.warning("leader election: %s", exc)
+                await asyncio.sleep(0.5)
+
+    async def resign(self, url: str) -> None:
+        """Give leadership up at once (a clean shutdown), if this router holds it."""
+        key = self._key("leader")
+        value = url.encode()
+
+        async def txn(client: Any) -> None:
+            await client.transaction(
+                compare=[client.transactions.value(key) == value],
+                success=[client.transactions.delete(key)],
+                failure=[],
+            )
+
+        with contextlib.suppress(CoordinatorError):
+            await self._call("resign", txn)
+
+    async def _wait_for_vacancy(self, key: bytes) -> None:
+        """Wait until the leader key is gone (bounded: re-check every ttl)."""
+        for _ in range(1000):
+            got = await self._call("read leader", lambda c: c.get(key))
+            if got is None:
+                return
+            await asyncio.sleep(min(1.0, self.ttl / 3))

@@ -1,0 +1,245 @@
+"""Many routers on one ring, through a real etcd (router/coordinator.py).
+
+Routers and nodes run in process (httpx ASGI mounts) on a frozen state clock;
+etcd is the real server the ``etcd_endpoint`` fixture starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from node.clock import FrozenClock
+from ring import Member, RingView
+from router.coordinator import (
+    CoordinatorError,
+    EtcdCoordinator,
+    ViewRecord,
+    parse_endpoints,
+)
+from router.testing import ROUTER_URL, InProcessCluster, node_url
+from tests.test_rebalancing import LIMIT, USERS, Tally, make_config, send
+
+pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
+
+SECOND = "http://router2.cluster"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def coordinator(endpoint: str, ttl: float = 2.0) -> EtcdCoordinator:
+    return EtcdCoordinator(parse_endpoints(endpoint), cluster="test", ttl=ttl)
+
+
+async def wait_until(predicate, seconds: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(seconds / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    assert predicate(), "condition not met in time"
+
+
+def options(endpoint: str, url: str) -> dict[str, object]:
+    return {
+        "coordinator": coordinator(endpoint),
+        "advertise": url,
+        "health_checks": True,
+        "health_interval": 0.1,
+        # Generous: these tests are about views and leadership, not detection, and
+        # an in-process event loop under load may delay probes by seconds.
+        "health_timeout": 2.0,
+        "failure_threshold": 3,
+        "lease": 30.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("spec", "endpoints"),
+    [
+        ("etcd://h1:2379", [("h1", 2379)]),
+        ("etcd://h1:1,h2:2", [("h1", 1), ("h2", 2)]),
+        ("etcd://h1", [("h1", 2379)]),
+    ],
+)
+def test_endpoints(spec: str, endpoints: list[tuple[str, int]]) -> None:
+    assert parse_endpoints(spec) == endpoints
+
+
+@pytest.mark.parametrize("spec", ["http://h1:2379", "etcd://h1:x", "etcd://h1:1/path", "etcd://"])
+def test_bad_endpoints(spec: str) -> None:
+    with pytest.raises(ValueError, match="coordinator"):
+        parse_endpoints(spec)
+
+
+async def test_unreachable_etcd_is_one_clear_error() -> None:
+    dead = EtcdCoordinator([("127.0.0.1", 1)], timeout=0.5)
+    with pytest.raises(CoordinatorError, match=r"etcd not reachable at 127\.0\.0\.1:1"):
+        await dead.connect()
+
+
+async def test_a_commit_built_on_an_old_revision_loses(etcd_endpoint: str) -> None:
+    """Two routers building on the same view cannot both change the ring."""
+    a, b = coordinator(etcd_endpoint), coordinator(etcd_endpoint)
+    await a.connect()
+    await b.connect()
+    try:
+        config = make_config()
+        one = RingView.of([Member("n1", "http://n1")], epoch=1)
+        first = await a.commit(ViewRecord(one, None, (), config, True), expected=0)
+        assert first is not None and first.revision > 0
+        assert await b.commit(ViewRecord(one, None, (), config, True), expected=0) is None
+        two_a = RingView.of([*one, Member("n2", "http://n2")], epoch=2)
+        two_b = RingView.of([*one, Member("n3", "http://n3")], epoch=2)
+        results = await asyncio.gather(
+            a.commit(ViewRecord(two_a, one, (), config, False), expected=first.revision),
+            b.commit(ViewRecord(two_b, one, (), config, False), expected=first.revision),
+        )
+        assert sum(r is not None for r in results) == 1
+        stored = await a.load()
+        assert stored is not None and stored.view in (two_a, two_b)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_two_routers_share_one_ring_and_any_takes_admin_calls(etcd_endpoint: str) -> None:
+    config = make_config()
+    async with InProcessCluster(
+        3, config, clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
+    ) as cluster:
+        second = cluster.new_router(SECOND, seeds=[], **options(etcd_endpoint, SECOND))
+        await second.start()
+        try:
+            first = cluster.router.membership
+            other = second.membership
+            await wait_until(lambda: first.leading != other.leading)
+            assert other.view == first.view and first.view.epoch == 1
+            follower = SECOND if first.leading else ROUTER_URL
+            # Users alternate between the routers: one count per user, whoever routes.
+            tally = Tally()
+            half = USERS[: len(USERS) // 2]
+            await asyncio.gather(
+                send(cluster.client, tally, half, LIMIT // 2),
+                send(cluster.client, tally, half, LIMIT // 2, base=SECOND),
+            )
+            # A join through the follower is carried out by the leader.
+            cluster._make_node("n4")
+            response = await cluster.client.post(
+                f"{follower}/admin/nodes", json={"id": "n4", "url": node_url("n4")}
+            )
+            assert response.status_code == 200, response.text
+            assert response.headers["x-ringlimit-leader"] in (ROUTER_URL, SECOND)
+            await wait_until(lambda: first.view.epoch == other.view.epoch == 2)
+            assert "n4" in first.view and first.view == other.view
+            response = await cluster.client.delete(f"{follower}/admin/nodes/n2")
+            assert response.status_code == 200, response.text
+            await wait_until(lambda: first.view.epoch == other.view.epoch == 3)
+            await asyncio.gather(
+                send(cluster.client, tally, half, LIMIT),
+                send(cluster.client, tally, half, LIMIT, base=SECOND),
+            )
+            assert tally.other == Counter()
+            assert all(tally.allowed[u] == LIMIT for u in half), tally.over()
+            # etcd holds the same, settled.
+            record = await first.coordinator.load()  # type: ignore[union-attr]
+            assert record is not None and record.settled and record.view == first.view
+        finally:
+            await second.close()
+
+
+async def test_seeds_make_the_first_view_only_if_etcd_has_none(etcd_endpoint: str) -> None:
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
+    ) as cluster:
+        seeds = [Member("n1", node_url("n1"))]  # a different ring: etcd's wins
+        second = cluster.new_router(SECOND, seeds=seeds, **options(etcd_endpoint, SECOND))
+        await second.start()
+        try:
+            assert second.membership.view == cluster.router.membership.view
+            assert len(second.membership.view) == 3
+        finally:
+            await second.close()
+
+
+async def test_a_new_leader_rolls_forward_a_change_its_predecessor_left_half_done(
+    etcd_endpoint: str,
+) -> None:
+    """The leader committed epoch 2 (n4 joins) and died before pushing it: the
+    next leader pushes it in the same order and marks it settled."""
+    config = make_config()
+    async with InProcessCluster(
+        3, config, clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
+    ) as cluster:
+        membership = cluster.router.membership
+        await wait_until(lambda: membership.leading)
+        tally = Tally()
+        await send(cluster.client, tally, USERS, LIMIT)
+        # The leader "dies": it stops leading without resigning; its etcd lease
+        # expires after the ttl.
+        for task in membership._coordination:
+            task.cancel()
+        membership.leading = False
+        record = await membership.coordinator.load()  # type: ignore[union-attr]
+        assert record is not None
+        cluster._make_node("n4")
+        half_done = RingView.of([*record.view, Member("n4", node_url("n4"))], epoch=2)
+        etcd = coordinator(etcd_endpoint)
+        await etcd.connect()
+        try:
+            committed = await etcd.commit(
+                ViewRecord(half_done, record.view, (), config, settled=False), record.revision
+            )
+            assert committed is not None
+            second = cluster.new_router(SECOND, seeds=[], **options(etcd_endpoint, SECOND))
+            await second.start()
+            try:
+                await wait_until(lambda: second.membership.leading, seconds=15.0)
+                await wait_until(lambda: second.membership.view.epoch == 2)
+                final = await etcd.load()
+                for _ in range(250):  # marked settled right after the push
+                    if final is not None and final.settled:
+                        break
+                    await asyncio.sleep(0.02)
+                    final = await etcd.load()
+                assert final is not None and final.settled and final.view == half_done
+                assert all(n.shard.epoch == 2 for n in cluster.nodes.values())  # type: ignore[union-attr]
+                # The moved users' states went to n4 in the push: still exhausted.
+                await send(cluster.client, tally, USERS, 2, base=SECOND)
+                assert tally.other == Counter()
+                assert tally.excess() == 0, tally.over()
+            finally:
+                await second.close()
+        finally:
+            await etcd.close()
+
+
+async def test_only_the_leader_changes_the_ring(etcd_endpoint: str) -> None:
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
+    ) as cluster:
+        second = cluster.new_router(SECOND, seeds=[], **options(etcd_endpoint, SECOND))
+        await second.start()
+        try:
+            first, other = cluster.router.membership, second.membership
+            await wait_until(lambda: first.leading != other.leading)
+            follower = other if first.leading else first
+            # A follower that builds a change itself (bypassing the admin API)
+            # still cannot fork the history: its commit is conditioned on the
+            # revision it knows, and the leader moves first.
+            leader = first if first.leading else other
+            cluster._make_node("n4")
+            cluster._make_node("n5")
+            await leader.join(Member("n4", node_url("n4")))
+            follower._revision = 1  # stale on purpose
+            follower.leading = True
+            with pytest.raises(Exception, match="another router changed the ring"):
+                await follower.join(Member("n5", node_url("n5")))
+            follower.leading = False
+            await wait_until(lambda: follower.view.epoch == leader.view.epoch == 2)
+        finally:
+            await second.close()
