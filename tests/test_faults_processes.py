@@ -258,7 +258,7 @@ def test_sigstop_of_a_node_admits_nobody_twice(procs: Procs, tmp_path: Path) -> 
     }
     # n2 admitted nothing after its pause: not the requests it found in its
     # sockets (its lease had lapsed; without the lease it admits them from its
-    # old state: 8-9 here), nor any after its rejoin (its users had spent their
+    # old state: 2-9 in our runs), nor any after its rejoin (its users had spent their
     # last 3 on the successors meanwhile, and the states came back).
     assert stale == 0
     # Counts are exact after the rejoin: on the nodes, each user's quota was
