@@ -49,8 +49,17 @@ class Proc:
             self.popen.send_signal(signal.SIGKILL)
             self.popen.wait(10)
 
+    def pause(self) -> None:
+        """SIGSTOP: the process keeps its sockets but runs nothing (a GC or VM pause)."""
+        self.popen.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.popen.send_signal(signal.SIGCONT)
+
     def stop(self, timeout: float = 15.0) -> None:
         if self.alive():
+            # A stopped process would not act on SIGTERM: resume it first.
+            self.popen.send_signal(signal.SIGCONT)
             self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout)
