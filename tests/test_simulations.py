@@ -406,18 +406,21 @@ def test_report_schema_fields() -> None:
         "scenario",
         "totals",
         "events",
+        "detection",
         "modes",
         "timeline",
         "event_windows",
         "run",
     }
+    assert report["detection"] is None  # no pause: failure detection is not replayed
     n_buckets = len(report["timeline"]["requests"])
     assert sum(report["timeline"]["requests"]) == report["totals"]["requests"]
     for mode, data in report["modes"].items():
         assert len(report["timeline"]["allowed"][mode]) == n_buckets
         assert sum(report["timeline"]["allowed"][mode]) == data["allowed"]
         assert len(data["events"]) == len(report["events"])
-        assert set(data["policy"]) == {"join", "leave", "crash"}
+        assert set(data["policy"]) == {"join", "leave", "crash", "return"}
+        assert data["unavailable"] == {"requests": 0, "admitted": 0, "denied": 0, "no_nodes": 0}
         charged = data["baseline"]["over_admission"] + sum(
             e["over_admission"] for e in data["events"]
         )
