@@ -56,6 +56,8 @@ class Outage:
     resume: float | None = None
     removed_at: float | None = None
     rejoined_at: float | None = None
+    #: its last answered probe before the pause (the router's lease bound counts from it)
+    last_answer: float | None = None
 
     @property
     def until(self) -> float:
@@ -75,6 +77,7 @@ class Outage:
             "resumed_s": _r(self.resume),
             "removed_s": _r(self.removed_at),
             "rejoined_s": _r(self.rejoined_at),
+            "last_answer_s": _r(self.last_answer),
         }
 
 
@@ -218,7 +221,10 @@ def detect(
             if leases:
                 # The grant of the previous offer, recorded before it is sent.
                 state.lease_until = max(state.lease_until, bound(state.last))
-            if paused(node, t) is not None:
+            stopped = paused(node, t)
+            if stopped is not None:
+                if stopped.last_answer is None:
+                    stopped.last_answer = state.last
                 state.failures += 1
                 state.pending = state.last + lease
                 failed.append(node)
