@@ -647,3 +647,14 @@ def test_the_expansion_never_removes_beyond_the_budget(doc: dict[str, Any]) -> N
     for outage in found.outages:
         if outage.removed_at is None and outage.resume is not None:
             assert outage.resume >= outage.end
+
+
+def test_cli_set_overrides_a_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["blip", "--quiet", "--set", "detection.budget=false"]) == 0
+    table = capsys.readouterr().out
+    assert "detection (no budget): 3 removal(s), 3 return(s)" in table
+    assert "crash n3 (probes)" in table and "join n1 (returns)" in table
+    assert main(["blip", "--quiet", "--set", "budget=false"]) == 2
+    assert "--set 'budget=false': expected TABLE.KEY=VALUE" in capsys.readouterr().err
+    assert main(["blip", "--quiet", "--set", "modes.returning=keep"]) == 2
+    assert "modes.returning: must be one of hand_back, discard" in capsys.readouterr().err
