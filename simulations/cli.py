@@ -28,6 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, metavar="N", help="override the scenario's seed")
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TABLE.KEY=VALUE",
+        help="override one scenario setting before it is validated, VALUE in TOML "
+        "(e.g. --set detection.budget=false --set modes.returning=discard); repeatable",
+    )
+    parser.add_argument(
         "--modes",
         metavar="LIST",
         help=f"comma-separated modes to run (default: the scenario's; 'global' always runs): "
@@ -72,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         print("ringlimit simulate: a scenario file is required (or --list)", file=sys.stderr)
         return 2
     try:
-        scenario = load_scenario(resolve(args.scenario))
+        scenario = load_scenario(resolve(args.scenario), overrides=args.set)
         if args.modes:
             wanted = tuple(m.strip() for m in args.modes.split(",") if m.strip())
             unknown = [m for m in wanted if m not in MODES]

@@ -16,7 +16,8 @@ import numpy as np
 from ring import Member, RingView
 
 from .arrivals import user_name
-from .scenario import Change, Scenario, ScenarioError, expand_events
+from .detection import Detection
+from .scenario import Change, Scenario, ScenarioError, expand_with_detection
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Epoch:
     view: RingView
     #: node indices of the members, sorted by id (round-robin order)
     alive: list[int]
-    #: owners[user] = node index of the ring owner
+    #: owners[user] = node index of the ring owner (-1: the ring is empty)
     owners: np.ndarray
     _owner_list: list[int] | None = field(default=None, repr=False)
 
@@ -66,8 +67,18 @@ class Timeline:
     names: list[str]
     epochs: list[Epoch]
     changes: list[ChangeInfo]
-    #: affected[user]: some change moves the user's key (owner differs between epochs)
+    #: affected[user]: some change moves the user's key (owner differs between epochs),
+    #: or its owner is paused at some time
     affected: np.ndarray
+    #: what the router's probes did (None: the scenario has no pauses)
+    detection: Detection | None = None
+    #: (node index, start, end, until) per paused node, absolute times: the process
+    #: is stopped in [start, end), and its keys answered per on_error in [start, until)
+    outages: list[tuple[int, float, float, float]] = field(default_factory=list)
+
+    def paused(self, node: int, now: float) -> bool:
+        """Whether ``node``'s process is stopped at ``now`` (it sends nothing)."""
+        return any(n == node and start <= now < end for n, start, end, _ in self.outages)
 
     @property
     def change_times(self) -> np.ndarray:
@@ -78,6 +89,8 @@ class Timeline:
 
 
 def _owners(view: RingView, names: list[str], index: dict[str, int]) -> np.ndarray:
+    if not len(view):
+        return np.full(len(names), -1, dtype=np.int32)
     owner_id = view.owner_id
     return np.fromiter(
         map(index.__getitem__, map(owner_id, names)), dtype=np.int32, count=len(names)
@@ -114,7 +127,12 @@ def build_timeline(scenario: Scenario, jobs: int = 1) -> Timeline:
 
     ``jobs`` > 1 looks owners up in that many forked processes (one view each).
     """
-    changes = expand_events(scenario.events, {n.id: n.weight for n in scenario.nodes})
+    changes, detection = expand_with_detection(
+        scenario.events,
+        {n.id: n.weight for n in scenario.nodes},
+        scenario.detection,
+        scenario.duration,
+    )
     node_ids: list[str] = [n.id for n in scenario.nodes]
     for change in changes:
         if change.node not in node_ids:
@@ -179,4 +197,14 @@ def build_timeline(scenario: Scenario, jobs: int = 1) -> Timeline:
                 moved_elsewhere=elsewhere,
             )
         )
-    return Timeline(scenario, node_ids, names, epochs, infos, affected)
+    outages: list[tuple[int, float, float, float]] = []
+    if detection is not None:
+        for outage in detection.outages:
+            node = index[outage.node]
+            lo, hi = start + outage.start, start + outage.until
+            outages.append((node, lo, start + outage.end, hi))
+            # Its keys are answered per on_error meanwhile: those users are decided.
+            for epoch in epochs:
+                if epoch.start < hi and epoch.end > lo:
+                    affected |= epoch.owners == node
+    return Timeline(scenario, node_ids, names, epochs, infos, affected, detection, outages)

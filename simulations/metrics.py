@@ -34,7 +34,10 @@ from .modes import ModeResult, policy_table
 from .scenario import Scenario
 
 #: Bump when a field changes meaning or is removed; adding fields keeps the version.
-SCHEMA_VERSION = 1
+#: 2: ``pause`` events and failure detection (scenario.events[] may be a pause, with
+#: ``nodes`` instead of ``node``; events[] may be made by the router's probes:
+#: ``cause``), ``policy.return``, ``modes.<mode>.unavailable``, ``detection``.
+SCHEMA_VERSION = 2
 
 
 def _f(x: float | None, digits: int = 6) -> float | None:
@@ -245,6 +248,7 @@ def score_mode(common: _Common, result: ModeResult) -> dict[str, Any]:
             "worst_user": _worst(diff, common, -1),
         },
         "mismatches": int(mism.size),
+        "unavailable": dict(result.unavailable),
         "baseline": per_class[0],
         "events": events,
         "load": _load(common, result),
@@ -382,6 +386,7 @@ def build_report(
                 "weight": change.weight,
                 "source_event": change.source,
                 "restart": change.restart,
+                "cause": change.cause,
                 "members_before": info.members_before,
                 "members_after": info.members_after,
                 "keys_moved": info.keys_moved,
@@ -405,6 +410,9 @@ def build_report(
             "reference_denied": n - ref_allowed,
         },
         "events": events,
+        "detection": (
+            None if timeline.detection is None else timeline.detection.to_dict(scenario.detection)
+        ),
         "modes": modes,
         "timeline": {
             "bucket_s": scenario.report.bucket,

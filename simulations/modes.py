@@ -74,15 +74,34 @@ CHUNK = 262_144
 
 
 def policy_table(scenario: Scenario) -> dict[str, dict[str, str]]:
-    """For each mode, the policy applied to ``join``, ``leave`` (graceful) and ``crash``."""
+    """For each mode, the policy applied to ``join``, ``leave`` (graceful) and ``crash``,
+    and ``return``: what a member removed on probes while paused does with the
+    states it held when it comes back (``hand_back``, ``discard``)."""
+    back = scenario.returning
     return {
-        "global": {"join": "none", "leave": "none", "crash": "none"},
-        "handoff": {"join": "handoff", "leave": "handoff", "crash": scenario.handoff_crash_policy},
-        "reset": {"join": "reset", "leave": "reset", "crash": "reset"},
-        "conservative": {"join": "handoff", "leave": "handoff", "crash": "conservative"},
-        "replica": {"join": "handoff", "leave": "handoff", "crash": "replica"},
-        "round_robin": {"join": "local", "leave": "local", "crash": "local"},
+        "global": {"join": "none", "leave": "none", "crash": "none", "return": "none"},
+        "handoff": {
+            "join": "handoff",
+            "leave": "handoff",
+            "crash": scenario.handoff_crash_policy,
+            "return": back,
+        },
+        # A node whose rebalance policy is reset drops what it would hand back.
+        "reset": {"join": "reset", "leave": "reset", "crash": "reset", "return": "discard"},
+        "conservative": {
+            "join": "handoff",
+            "leave": "handoff",
+            "crash": "conservative",
+            "return": back,
+        },
+        "replica": {"join": "handoff", "leave": "handoff", "crash": "replica", "return": back},
+        "round_robin": {"join": "local", "leave": "local", "crash": "local", "return": "local"},
     }
+
+
+#: ``unavailable`` counts: answered per ``on_error`` (admitted unlimited when every
+#: rule is ``open``, else denied), and of those, denied because the ring was empty.
+_NO_OUTAGE: dict[str, int] = {"requests": 0, "admitted": 0, "denied": 0, "no_nodes": 0}
 
 
 @dataclass
@@ -103,6 +122,8 @@ class ModeResult:
     index: np.ndarray | None = None
     #: live keys (user indices) at the end of each epoch: the reference's, for :func:`complete`
     live: list[np.ndarray] | None = None
+    #: requests whose owner could not decide (paused, lease lapsed, empty ring)
+    unavailable: dict[str, int] = field(default_factory=lambda: dict(_NO_OUTAGE))
 
 
 # --------------------------------------------------------------------------- hot loops
@@ -205,6 +226,16 @@ class _Mode:
         #: (time, sequence, callback): things that happen between arrivals
         self.timers: list[tuple[float, int, Callable[[float, Epoch], None]]] = []
         self._sequence = itertools.count()
+        #: owners that cannot decide at times (paused nodes, an empty ring): the
+        #: reference is a limiter that never fails, so it has none
+        self.outages = [] if self.name == "global" else timeline.outages
+        self.check_down = self.name != "global" and (
+            bool(self.outages) or any(not e.alive for e in timeline.epochs)
+        )
+        #: the router answers an unreachable owner's keys per on_error: admitted
+        #: (unlimited) only if every rule fails open
+        self.fail_open = all(r.on_error == "open" for r in self.rules)
+        self.unavailable = dict(_NO_OUTAGE)
 
     def _slots(self) -> int:
         return len(self.timeline.node_ids)
@@ -233,6 +264,7 @@ class _Mode:
             len(self.times),
             self.index,
             self.live,
+            self.unavailable,
         )
 
     def finish(self) -> None:
@@ -263,25 +295,58 @@ class _Mode:
     def route(self, a: int, b: int, users: np.ndarray, epoch: Epoch) -> np.ndarray:
         raise NotImplementedError
 
+    def down(self, times: np.ndarray, nodes: np.ndarray) -> np.ndarray | None:
+        """Which of these routed arrivals no owner decides (None: all are decided).
+
+        An owner is down while paused and until its lease is renewed
+        (``Timeline.outages``); with an empty ring (``nodes`` = -1) nobody is.
+        """
+        mask = nodes < 0
+        lo, hi = float(times[0]), float(times[-1])
+        for node, start, _, until in self.outages:
+            if start <= hi and until > lo:
+                mask |= (nodes == node) & (times >= start) & (times < until)
+        return mask if mask.any() else None
+
     def decide_range(self, i0: int, i1: int, epoch: Epoch) -> None:
         times, users, rule, cost, rules = self.times, self.users, self.rule, self.cost, self.rules
         stores, dirty, decide = self.stores, self.dirty, self.decide
         counts = self.requests[epoch.index]
+        sink = self.n_slots  # arrivals nobody decides are routed here
         for a in range(i0, i1, CHUNK):
             b = min(i1, a + CHUNK)
             chunk_times = times[a:b]
             chunk_users = users[a:b]
             nodes = self.route(a, b, chunk_users, epoch)
-            per_node = np.bincount(nodes, minlength=self.n_slots)
-            if self.count_in_loop:
-                counts += per_node
+            down = self.down(chunk_times, nodes) if self.check_down and b > a else None
             out = np.empty(b - a, dtype=bool)
+            if down is not None:
+                # Answered per on_error; an empty ring answers 503 no_nodes.
+                empty = nodes < 0
+                out[down] = self.fail_open
+                out[empty] = False
+                n_down, n_empty = int(down.sum()), int(empty.sum())
+                admitted = (n_down - n_empty) if self.fail_open else 0
+                self.unavailable["requests"] += n_down
+                self.unavailable["admitted"] += admitted
+                self.unavailable["denied"] += n_down - admitted
+                self.unavailable["no_nodes"] += n_empty
+                if self.count_in_loop:
+                    counts += np.bincount(nodes[~empty], minlength=self.n_slots)
+                nodes = np.where(down, sink, nodes)
+                per_node = np.bincount(nodes, minlength=self.n_slots + 1)
+            else:
+                per_node = np.bincount(nodes, minlength=self.n_slots)
+                if self.count_in_loop:
+                    counts += per_node
             order = np.argsort(nodes, kind="stable")
             lo = 0
             for node in np.flatnonzero(per_node).tolist():
                 hi = lo + int(per_node[node])
                 sel = order[lo:hi]
                 lo = hi
+                if node == sink:
+                    continue
                 store = stores[node]
                 assert store is not None, "a request was routed to a node that is not a member"
                 t, u = chunk_times[sel].tolist(), chunk_users[sel].tolist()
@@ -341,6 +406,8 @@ class RoundRobinMode(_Mode):
     name = "round_robin"
 
     def route(self, a: int, b: int, users: np.ndarray, epoch: Epoch) -> np.ndarray:
+        if not epoch.alive:
+            return np.full(b - a, -1, dtype=np.int64)
         alive = np.asarray(epoch.alive, dtype=np.int64)
         return alive[np.arange(a, b, dtype=np.int64) % len(alive)]
 
@@ -414,6 +481,8 @@ class StickyMode(_Mode):
         self.node_index = {node_id: i for i, node_id in enumerate(timeline.node_ids)}
         self.count_in_loop = False
         self.exhaustions: list[_Exhaustion] = []
+        #: stores of members removed on probes while paused: they come back with them
+        self.away: dict[int, MemoryStore] = {}
 
     def route(self, a: int, b: int, users: np.ndarray, epoch: Epoch) -> np.ndarray:
         return epoch.owners[users]
@@ -428,7 +497,7 @@ class StickyMode(_Mode):
         ]
         for e, epoch in enumerate(self.timeline.epochs):
             routed = epoch.owners[users[edges[e] : edges[e + 1]]]
-            self.requests[e] += np.bincount(routed, minlength=self.n_slots)
+            self.requests[e] += np.bincount(routed[routed >= 0], minlength=self.n_slots)
         for exhaustion in list(self.exhaustions):
             self._expire(exhaustion, self.scenario.end, self.timeline.epochs[-1])
 
@@ -445,6 +514,7 @@ class StickyMode(_Mode):
             )
         if pending:
             owners = epoch.owners[np.fromiter(pending, dtype=np.int64, count=len(pending))]
+            owners = owners[owners >= 0]
             self.keys[epoch.index] -= np.bincount(owners, minlength=self.n_slots)
 
     # -- membership changes -------------------------------------------------
@@ -455,13 +525,16 @@ class StickyMode(_Mode):
             by_target.setdefault(owner_of[record[2]], []).append(record)
         taken = 0
         for target, group in by_target.items():
+            if target < 0:  # the ring is empty: nobody to give them to
+                continue
             store = self.stores[target]
             assert store is not None, "a key moved to a node that is not a member"
             taken += store.import_(group, now, self.rules_by_name)
         return taken
 
     def _state_of(self, epoch: Epoch, rule: Rule, key: int) -> Any:
-        store = self.stores[epoch.owners[key]]
+        owner = epoch.owners[key]
+        store = self.stores[owner] if owner >= 0 else None
         return None if store is None else store.table(rule).states.get(key)
 
     def apply(self, info: ChangeInfo, before: Epoch, after: Epoch) -> dict[str, Any]:
@@ -478,6 +551,8 @@ class StickyMode(_Mode):
             "states_dropped": 0,
             "states_lost": 0,
         }
+        if info.change.cause == "return":
+            self._returning(node, before, now, action)
         carried = self._untouched_moving(before, after, node if kind == "crash" else None, now)
         if kind == "join":
             self.stores[node] = MemoryStore()
@@ -485,6 +560,9 @@ class StickyMode(_Mode):
             lost = self.stores[node]
             assert lost is not None
             action["states_lost"] = len(lost)  # swept at the epoch end: all live
+            if info.change.cause == "probe":
+                # Removed while paused: its process, and what it holds, lives on.
+                self.away[node] = lost
             self.stores[node] = None
         new_owner = after.owner_list()
         for n in before.alive:
@@ -513,6 +591,28 @@ class StickyMode(_Mode):
             self.on_crash(info, before, after, action)
         self.after_change(info, before, after, action)
         return action
+
+    def _returning(self, node: int, current: Epoch, now: float, action: dict[str, Any]) -> None:
+        """A member removed while paused is back: before it rejoins, what it held goes
+        to the keys' current owners, merged keeping the more restrictive state
+        (``MemoryStore.import_``), as ``node/shard.py`` ``_hand_back`` does; or,
+        with ``modes.returning = "discard"`` (the node before the change), away."""
+        held = self.away.pop(node, None)
+        records = [] if held is None else held.export(now, remove=True)
+        action["states_handed_back"] = 0
+        action["states_discarded"] = 0
+        if self.policy["return"] != "hand_back" or not current.alive:
+            action["states_discarded"] = len(records)
+            return
+        owners = current.owner_list()
+        action["states_handed_back"] = self._import_grouped(records, owners, now)
+        # A key whose state the merge replaced holds a real state now, not the
+        # conservative placeholder: it must outlive the placeholder's period.
+        keys = {record[2] for record in records}
+        for exhaustion in self.exhaustions:
+            for key in keys & exhaustion.keys.keys():
+                if self._state_of(current, exhaustion.rule, key) is not exhaustion.keys[key]:
+                    del exhaustion.keys[key]
 
     def _prune_asked(self, exhaustion: _Exhaustion, now: float) -> None:
         """Forget the keys asked about before ``now``: their state is a normal one now."""
@@ -561,6 +661,8 @@ class StickyMode(_Mode):
         for rule in self.rules:
             state = exhausted_state(rule, info.at)
             for target, keys in groups:
+                if target < 0:  # the ring is empty: nobody owns them
+                    continue
                 store = self.stores[target]
                 assert store is not None
                 states = store.table(rule).states
@@ -589,7 +691,8 @@ class StickyMode(_Mode):
         self.exhaustions.remove(exhaustion)
         self._prune_asked(exhaustion, exhaustion.until)
         for key, state in exhaustion.keys.items():
-            store = self.stores[epoch.owners[key]]
+            owner = epoch.owners[key]
+            store = self.stores[owner] if owner >= 0 else None
             if store is None:
                 continue
             states = store.table(exhaustion.rule).states
@@ -667,6 +770,8 @@ class ReplicaMode(StickyMode):
             changed = self.dirty[n]
             if not changed:
                 continue
+            if self.outages and self.timeline.paused(n, now):
+                continue  # a stopped process sends nothing: it catches up when it runs
             store = self.stores[n]
             assert store is not None
             for rule in self.rules:
@@ -802,4 +907,5 @@ def complete(result: ModeResult, reference: ModeResult, timeline: Timeline) -> M
         result.decisions,
         None,
         None,
+        result.unavailable,
     )

@@ -108,6 +108,9 @@ def format_report(report: dict[str, Any]) -> str:
         "keys held",
         "slowest agree",
     ]
+    outages = any(m.get("unavailable", {}).get("requests") for m in report["modes"].values())
+    if outages:
+        headers.append("on_error")
     rows = []
     for mode, m in report["modes"].items():
         pol = m["policy"]
@@ -136,7 +139,26 @@ def format_report(report: dict[str, Any]) -> str:
                 slowest,
             ]
         )
-    lines += _table(headers, rows, right=set(range(2, 13)))
+        if outages:
+            down = m["unavailable"]
+            rows[-1].append(f"+{down['admitted']:,}/-{down['denied']:,}")
+    lines += _table(headers, rows, right=set(range(2, 14)))
+    detection = report.get("detection")
+    if detection:
+        deferred = ", ".join(f"{k} {v}" for k, v in detection["deferred"].items() if v)
+        lines.append("")
+        lines.append(
+            f"detection ({'removal budget' if detection['budget'] else 'no budget'}): "
+            f"{detection['removals']} removal(s), {detection['rejoins']} return(s) "
+            f"(returning members: {report['scenario']['returning']}); "
+            f"deferred: {deferred or 'none'}; "
+            f"{detection['suspect_self_rounds']} round(s) suspecting itself"
+        )
+        if outages:
+            lines.append(
+                "on_error: requests whose owner could not decide (paused, lease lapsed, "
+                "empty ring), +admitted/-denied"
+            )
     if report["events"]:
         lines.append("")
         modes = [m for m in report["modes"] if m != "global"]
@@ -144,6 +166,9 @@ def format_report(report: dict[str, Any]) -> str:
         rows = []
         for ev in report["events"]:
             label = f"{ev['type']} {ev['node']}" + (" (restart)" if ev["restart"] else "")
+            cause = ev.get("cause", "event")
+            if cause != "event":
+                label += " (probes)" if cause == "probe" else " (returns)"
             cells = [
                 str(ev["index"]),
                 f"{ev['at_s']:g}s",

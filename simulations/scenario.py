@@ -17,19 +17,25 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from node.lease import MAX_LEASE
 from node.rules import Rule, RuleError, parse_rule
 
 #: Every mode the simulator knows, in report order. ``global`` is the reference.
 MODES = ("global", "handoff", "reset", "conservative", "replica", "round_robin")
 #: Modes that route each user to the ring owner of its key.
 STICKY_MODES = ("handoff", "reset", "conservative", "replica")
-EVENT_TYPES = ("join", "leave", "crash", "restart")
+EVENT_TYPES = ("join", "leave", "crash", "restart", "pause")
 POPULARITIES = ("uniform", "zipf")
 PROCESSES = ("poisson", "bursty")
 #: What handoff mode may do with the keys of a crashed node (a crash cannot hand off).
 HANDOFF_CRASH_POLICIES = ("reset", "conservative")
+#: What a member removed on probes whose process lived on does with its states
+#: when it comes back: merge them into the current owners (the node since the
+#: removal budget), or throw them away (the node before it).
+RETURNING_POLICIES = ("hand_back", "discard")
+ON_ERROR = ("open", "closed")
 
 MAX_USERS = 50_000_000
 MAX_NODES = 1_000
@@ -49,6 +55,9 @@ _UNITS = {
     "hour": 3600.0,
     "hours": 3600.0,
 }
+if TYPE_CHECKING:
+    from .detection import Detection
+
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
 
 
@@ -117,8 +126,18 @@ class EventSpec:
     weight: int = 1
     graceful: bool = True
     downtime: float = 0.0
+    #: pause only: every paused node (``node`` is the first), and for how long
+    nodes: tuple[str, ...] = ()
+    duration: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        if self.type == "pause":
+            return {
+                "at_s": self.at,
+                "type": self.type,
+                "nodes": list(self.nodes),
+                "duration_s": self.duration,
+            }
         data: dict[str, Any] = {"at_s": self.at, "type": self.type, "node": self.node}
         if self.type == "join":
             data["weight"] = self.weight
@@ -127,6 +146,41 @@ class EventSpec:
             if self.weight:
                 data["weight"] = self.weight
         return data
+
+
+@dataclass(frozen=True, slots=True)
+class DetectionSpec:
+    """The router's failure detection, as ``router/membership.py`` runs it.
+
+    Only ``pause`` events go through it (a ``crash`` event is applied at its
+    time, as before). ``budget = false`` is the router before the removal
+    budget: every member that failed ``failure_threshold`` probes is removed
+    at once, with no quorum, no rate limit and no lease.
+    """
+
+    health_interval: float = 1.0
+    failure_threshold: int = 3
+    health_timeout: float = 0.5
+    removal_quorum: float = 0.5
+    removal_interval: float = 4.5
+    lease: float = 4.5
+    budget: bool = True
+
+    @property
+    def detection_time(self) -> float:
+        """``f·(h + T_h)``: the default lease and removal interval."""
+        return self.failure_threshold * (self.health_interval + self.health_timeout)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "health_interval_s": self.health_interval,
+            "failure_threshold": self.failure_threshold,
+            "health_timeout_s": self.health_timeout,
+            "removal_quorum": self.removal_quorum,
+            "removal_interval_s": self.removal_interval,
+            "lease_s": self.lease,
+            "budget": self.budget,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,11 +218,17 @@ class Scenario:
     handoff_crash_policy: str
     events: tuple[EventSpec, ...]
     report: ReportSpec
+    returning: str = "hand_back"
+    detection: DetectionSpec = field(default_factory=DetectionSpec)
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def end(self) -> float:
         return self.clock_start + self.duration
+
+    @property
+    def has_pauses(self) -> bool:
+        return any(e.type == "pause" for e in self.events)
 
     def with_seed(self, seed: int) -> Scenario:
         return replace(self, seed=int(seed))
@@ -191,7 +251,9 @@ class Scenario:
             "modes": list(self.modes),
             "replication_interval_s": self.replication_interval,
             "handoff_crash_policy": self.handoff_crash_policy,
+            "returning": self.returning,
             "events": [e.to_dict() for e in self.events],
+            "detection": self.detection.to_dict(),
             "report": self.report.to_dict(),
         }
 
@@ -353,11 +415,13 @@ def parse_duration(value: object) -> float:
     return seconds
 
 
-_TOP = frozenset({"scenario", "cluster", "users", "arrivals", "rules", "modes", "events", "report"})
+_TOP = frozenset(
+    {"scenario", "cluster", "users", "arrivals", "rules", "modes", "events", "detection", "report"}
+)
 
 
-def load_scenario(path: str | Path) -> Scenario:
-    """Read and validate a scenario file."""
+def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:
+    """Read and validate a scenario file; ``overrides``: ``TABLE.KEY=VALUE`` (TOML) each."""
     path = Path(path)
     try:
         with path.open("rb") as fh:
@@ -366,7 +430,27 @@ def load_scenario(path: str | Path) -> Scenario:
         raise ScenarioError(f"{path}: no such scenario file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"{path}: not valid TOML: {exc}") from None
+    for item in overrides:
+        _override(data, item)
     return parse_scenario(data, source=str(path))
+
+
+def _override(data: dict[str, Any], item: str) -> None:
+    """Apply ``--set TABLE.KEY=VALUE``; the scenario is validated afterwards as usual."""
+    target, sep, text = item.partition("=")
+    table, dot, key = target.strip().partition(".")
+    if not sep or not dot or not table or not key or "." in key:
+        raise ScenarioError(
+            f"--set {item!r}: expected TABLE.KEY=VALUE, e.g. detection.budget=false"
+        )
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()  # a bare word: a string (modes.returning=discard)
+    section = data.setdefault(table, {})
+    if not isinstance(section, dict):
+        raise ScenarioError(f"--set {item!r}: {table} is not a table")
+    section[key] = value
 
 
 def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Scenario:
@@ -388,7 +472,7 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
     rules = _read_rules(top)
 
     md = top.sub("modes", required=False)
-    md.only({"run", "replication_interval", "handoff_crash_policy"})
+    md.only({"run", "replication_interval", "handoff_crash_policy", "returning"})
     run = md.data.get("run", list(MODES))
     if not isinstance(run, list) or not all(isinstance(m, str) for m in run):
         raise md.error("run", f"must be an array of mode names, got {_kind(run)}")
@@ -399,8 +483,10 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
             )
     replication_interval = md.duration("replication_interval", "100ms")
     handoff_crash = md.string("handoff_crash_policy", "reset", choices=HANDOFF_CRASH_POLICIES)
+    returning = md.string("returning", "hand_back", choices=RETURNING_POLICIES)
 
-    events = _read_events(top, duration, nodes)
+    detection = _read_detection(top.sub("detection", required=False))
+    events = _read_events(top, duration, nodes, detection)
 
     rp = top.sub("report", required=False)
     rp.only({"bucket", "window", "event_window", "event_bucket", "agreement_tolerance"})
@@ -434,6 +520,8 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
         handoff_crash_policy=handoff_crash,
         events=events,
         report=ReportSpec(bucket, window, event_window, event_bucket, tolerance),
+        returning=returning,
+        detection=detection,
         raw=data,
     )
 
@@ -531,13 +619,14 @@ def _read_rules(top: _Reader) -> tuple[Rule, ...]:
     rules: list[Rule] = []
     for i, item in enumerate(raw):
         rd = _Reader(top.source, f"rules[{i}]", item)
-        rd.only({"limit", "algorithm", "burst", "name"})
+        rd.only({"limit", "algorithm", "burst", "name", "on_error"})
         text = rd.string("limit")
         algorithm = rd.string("algorithm", "token_bucket")
         burst = rd.integer("burst", 0, low=0) or None
         name = rd.string("name", "") or None
+        on_error = rd.string("on_error", "open", choices=ON_ERROR)
         try:
-            rule = parse_rule(text, name=name, algorithm=algorithm, burst=burst)
+            rule = parse_rule(text, name=name, algorithm=algorithm, burst=burst, on_error=on_error)
         except RuleError as exc:
             key = "algorithm" if "algorithm" in str(exc) else "limit"
             raise rd.error(key, str(exc)) from None
@@ -547,8 +636,33 @@ def _read_rules(top: _Reader) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
+def _read_detection(dt: _Reader) -> DetectionSpec:
+    dt.only(
+        {
+            "health_interval",
+            "failure_threshold",
+            "health_timeout",
+            "removal_quorum",
+            "removal_interval",
+            "lease",
+            "budget",
+        }
+    )
+    h = dt.duration("health_interval", 1.0)
+    f = dt.integer("failure_threshold", 3, low=1, high=1000)
+    timeout = dt.duration("health_timeout", 0.5)
+    quorum = dt.number("removal_quorum", 0.5, low=0.0, high=0.99)
+    detection = f * (h + timeout)
+    interval = dt.duration("removal_interval", detection, allow_zero=True)
+    lease = dt.duration("lease", detection)
+    if lease > MAX_LEASE:
+        raise dt.error("lease", f"must be <= {MAX_LEASE:g}s (the node refuses longer grants)")
+    budget = dt.boolean("budget", True)
+    return DetectionSpec(h, f, timeout, quorum, interval, lease, budget)
+
+
 def _read_events(
-    top: _Reader, duration: float, nodes: tuple[NodeSpec, ...]
+    top: _Reader, duration: float, nodes: tuple[NodeSpec, ...], detection: DetectionSpec
 ) -> tuple[EventSpec, ...]:
     raw = top.data.get("events", [])
     if not isinstance(raw, list):
@@ -557,6 +671,9 @@ def _read_events(
     for i, item in enumerate(raw):
         ev = _Reader(top.source, f"events[{i}]", item)
         kind = ev.string("type", choices=EVENT_TYPES)
+        if kind == "pause":
+            events.append(_read_pause(ev, i, duration))
+            continue
         allowed = {"at", "type", "node"}
         if kind == "join":
             allowed |= {"weight"}
@@ -580,18 +697,51 @@ def _read_events(
                 "downtime", f"the node would rejoin at {at + downtime:g}s, after the run ends"
             )
         events.append(EventSpec(i, at, kind, node, weight, graceful, downtime))
-    _check_membership(top, events, nodes)
+    _check_membership(top, events, nodes, detection, duration)
     return tuple(events)
 
 
-def _check_membership(top: _Reader, events: list[EventSpec], nodes: tuple[NodeSpec, ...]) -> None:
-    """Replay the membership changes: joins must be new, removals must be members."""
+def _read_pause(ev: _Reader, index: int, duration: float) -> EventSpec:
+    ev.only({"at", "type", "node", "nodes", "duration"})
+    at = ev.duration("at", allow_zero=True)
+    if at >= duration:
+        raise ev.error("at", f"must be before the end of the run ({duration:g}s), got {at:g}s")
+    if ev.has("node") == ev.has("nodes"):
+        raise ev.error("nodes", "a pause names either node = 'id' or nodes = ['id', ...]")
+    if ev.has("node"):
+        ids = [_check_id(ev, "node", ev.data["node"])]
+    else:
+        raw = ev.data["nodes"]
+        if not isinstance(raw, list) or not raw:
+            raise ev.error("nodes", f"must be a non-empty array of node ids, got {_kind(raw)}")
+        ids = [_check_id(ev, f"nodes[{j}]", v) for j, v in enumerate(raw)]
+        for j, node_id in enumerate(ids):
+            if node_id in ids[:j]:
+                raise ev.error(f"nodes[{j}]", f"duplicate node id {node_id!r}")
+    length = ev.duration("duration")
+    return EventSpec(index, at, "pause", ids[0], nodes=tuple(ids), duration=length)
+
+
+def _check_membership(
+    top: _Reader,
+    events: list[EventSpec],
+    nodes: tuple[NodeSpec, ...],
+    detection: DetectionSpec,
+    duration: float,
+) -> None:
+    """Replay the membership changes: joins must be new, removals must be members,
+    a paused node must be a member when its pause starts and not be paused already."""
+    weights = {n.id: n.weight for n in nodes}
+    try:
+        changes = expand_events(events, weights, detection, duration)
+    except PauseError as exc:
+        raise _Reader(top.source, f"events[{exc.source}]", {}).error("nodes", str(exc)) from None
     members = {n.id for n in nodes}
-    for change in expand_events(events, {n.id: n.weight for n in nodes}):
+    for change in changes:
         ev = _Reader(top.source, f"events[{change.source}]", {})
         if change.kind == "join":
             if change.node in members:
-                what = "rejoins" if change.restart else "joins"
+                what = "rejoins" if change.restart or change.cause == "return" else "joins"
                 raise ev.error(
                     "node", f"{change.node!r} {what} at {change.at:g}s but is already a member"
                 )
@@ -602,20 +752,32 @@ def _check_membership(top: _Reader, events: list[EventSpec], nodes: tuple[NodeSp
                     "node",
                     f"{change.node!r} is not a member at {change.at:g}s (nothing to {change.kind})",
                 )
-            if len(members) == 1:
+            if len(members) == 1 and change.cause == "event":
                 raise ev.error(
                     "node", f"removing {change.node!r} at {change.at:g}s would leave the ring empty"
                 )
             members.remove(change.node)
 
 
+class PauseError(ValueError):
+    """A pause that cannot happen (its node is not a member then, or already paused)."""
+
+    def __init__(self, source: int, message: str) -> None:
+        super().__init__(message)
+        self.source = source
+
+
 @dataclass(frozen=True, slots=True)
 class Change:
-    """One membership change on the ring, after expanding restarts.
+    """One membership change on the ring, after expanding restarts and pauses.
 
     ``kind`` is ``join``, ``leave`` (graceful) or ``crash``. A restart is a
     leave (or a crash when ``graceful = false``) followed, ``downtime`` later,
-    by a join of the same id with empty state.
+    by a join of the same id with empty state. ``cause`` says who made it:
+    ``event`` (the scenario's own event), ``probe`` (the router's failure
+    detection removed a paused member, see :mod:`simulations.detection`) or
+    ``return`` (such a member rejoins when it answers again, after handing
+    back or discarding what it held, per ``modes.returning``).
     """
 
     at: float
@@ -624,24 +786,53 @@ class Change:
     weight: int
     source: int
     restart: bool
+    cause: str = "event"
 
 
 def expand_events(
-    events: list[EventSpec] | tuple[EventSpec, ...], weights: dict[str, int]
+    events: list[EventSpec] | tuple[EventSpec, ...],
+    weights: dict[str, int],
+    detection: DetectionSpec | None = None,
+    duration: float = math.inf,
 ) -> list[Change]:
-    """Membership changes in time order (file order breaks ties)."""
-    weights = dict(weights)
+    """Membership changes in time order (file order breaks ties).
+
+    With ``pause`` events, the router's probe rounds are replayed (through the
+    real removal budget) to find which paused members it removes and when
+    they return: :func:`simulations.detection.detect`.
+    """
+    return expand_with_detection(events, weights, detection, duration)[0]
+
+
+def expand_with_detection(
+    events: list[EventSpec] | tuple[EventSpec, ...],
+    weights: dict[str, int],
+    detection: DetectionSpec | None = None,
+    duration: float = math.inf,
+) -> tuple[list[Change], Detection | None]:
+    """:func:`expand_events`, and what the probes did (None without pauses)."""
+    scheduled = _scheduled(events)
+    pauses = [ev for ev in events if ev.type == "pause"]
+    if not pauses:
+        return _with_weights(scheduled, weights), None
+    from .detection import detect
+
+    found = detect(weights, scheduled, pauses, detection or DetectionSpec(), duration)
+    found.changes = _with_weights(found.changes, weights)
+    return found.changes, found
+
+
+def _scheduled(events: list[EventSpec] | tuple[EventSpec, ...]) -> list[Change]:
+    """The events' own membership changes, time-sorted (file order breaks ties)."""
     staged: list[tuple[float, int, Change]] = []
     order = 0
-    # A joining node's weight comes from its join event; a restarted node keeps its
-    # weight unless the restart names a new one.
     for ev in events:
         if ev.type == "join":
             change = Change(ev.at, "join", ev.node, ev.weight or 1, ev.index, False)
             staged.append((ev.at, order, change))
         elif ev.type in ("leave", "crash"):
             staged.append((ev.at, order, Change(ev.at, ev.type, ev.node, 0, ev.index, False)))
-        else:
+        elif ev.type == "restart":
             kind = "leave" if ev.graceful else "crash"
             staged.append((ev.at, order, Change(ev.at, kind, ev.node, 0, ev.index, True)))
             order += 1
@@ -649,8 +840,15 @@ def expand_events(
             staged.append((back, order, Change(back, "join", ev.node, ev.weight, ev.index, True)))
         order += 1
     staged.sort(key=lambda item: (item[0], item[1]))
+    return [change for _, _, change in staged]
+
+
+def _with_weights(changes: list[Change], weights: dict[str, int]) -> list[Change]:
+    """A joining node's weight comes from its join event; a restarted or returning
+    node keeps its weight unless the restart names a new one."""
+    weights = dict(weights)
     out: list[Change] = []
-    for _, _, change in staged:
+    for change in changes:
         if change.kind == "join":
             weight = change.weight or weights.get(change.node, 1)
             weights[change.node] = weight

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from node.lease import DEFAULT_DRIFT, lease_bound
 from ring import diff as ring_diff
 from simulations import SCHEMA_VERSION, ScenarioError, load_scenario, parse_scenario, simulate
 from simulations.arrivals import generate, user_name
@@ -23,6 +27,7 @@ from simulations.cli import SCENARIO_DIR, main
 from simulations.cluster import build_timeline
 from simulations.modes import run_mode
 from simulations.report import dumps, format_report, stable
+from simulations.scenario import expand_with_detection
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny.json"
 ALGORITHMS = ["token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_window"]
@@ -406,18 +411,21 @@ def test_report_schema_fields() -> None:
         "scenario",
         "totals",
         "events",
+        "detection",
         "modes",
         "timeline",
         "event_windows",
         "run",
     }
+    assert report["detection"] is None  # no pause: failure detection is not replayed
     n_buckets = len(report["timeline"]["requests"])
     assert sum(report["timeline"]["requests"]) == report["totals"]["requests"]
     for mode, data in report["modes"].items():
         assert len(report["timeline"]["allowed"][mode]) == n_buckets
         assert sum(report["timeline"]["allowed"][mode]) == data["allowed"]
         assert len(data["events"]) == len(report["events"])
-        assert set(data["policy"]) == {"join", "leave", "crash"}
+        assert set(data["policy"]) == {"join", "leave", "crash", "return"}
+        assert data["unavailable"] == {"requests": 0, "admitted": 0, "denied": 0, "no_nodes": 0}
         charged = data["baseline"]["over_admission"] + sum(
             e["over_admission"] for e in data["events"]
         )
@@ -426,3 +434,227 @@ def test_report_schema_fields() -> None:
     worst = report["modes"]["round_robin"]["over_admission"]["worst_user"]
     assert worst["user"] == user_name(int(worst["user"].split("-")[1]))
     assert "over-admit" in format_report(report)
+
+
+# --------------------------------------------------------------------------- pauses and detection
+
+
+def _blip(**overrides: Any) -> dict[str, Any]:
+    """The bundled blip scenario (issue 17), with some settings replaced."""
+    import tomllib
+
+    with (SCENARIO_DIR / "blip.toml").open("rb") as fh:
+        doc = tomllib.load(fh)
+    for key, value in overrides.items():
+        table, _, name = key.partition("__")
+        doc.setdefault(table, {})[name] = value
+    return doc
+
+
+STICKY = ("handoff", "reset", "conservative", "replica")
+
+
+def test_a_cluster_wide_blip_under_the_removal_budget_keeps_every_counter() -> None:
+    result = simulate(parse_scenario(_blip()))
+    report = result.report
+    detection = report["detection"]
+    assert detection["budget"] is True
+    # Nobody answers: the router suspects itself and removes no one.
+    assert detection["removals"] == 0 and report["events"] == []
+    assert detection["suspect_self_rounds"] > 0 and detection["deferred"]["quorum"] > 0
+    users = report["totals"]["users"]
+    assert report["totals"]["users_throttled"] == users  # every user spent the quota
+    outages = detection["outages"]
+    assert len(outages) == 3
+    for outage in outages:
+        assert outage["removed_s"] is None
+        # Its lease ran out during the 12 s: it decides again from the first round after.
+        assert 52.0 <= outage["resumed_s"] <= 52.0 + 1.5
+    resumed = max(o["resumed_s"] for o in outages)
+    after = result.arrivals.times >= resumed
+    ref = result.results["global"].allowed
+    for mode in STICKY:
+        data = report["modes"][mode]
+        assert data["over_admission"]["total"] == 0, mode
+        assert data["over_admission"]["per_window"] == 0, mode
+        # on_error = closed: the blip's requests were denied, and counted as such.
+        down = data["unavailable"]
+        assert down["requests"] > 100 and down["denied"] == down["requests"]
+        assert down["admitted"] == down["no_nodes"] == 0
+        # Counters kept: after the blip every decision is the reference's.
+        assert np.array_equal(result.results[mode].allowed[after], ref[after]), mode
+
+
+def test_the_same_blip_without_the_budget_loses_every_counter() -> None:
+    doc = _blip(detection__budget=False, modes__returning="discard")
+    report = run(doc)
+    detection = report["detection"]
+    # The router before the budget removed every member (the ring went empty), and
+    # each came back as a new member that threw away what it held.
+    assert detection["removals"] == 3 and detection["rejoins"] == 3
+    kinds = [(e["type"], e["cause"]) for e in report["events"]]
+    assert kinds == [("crash", "probe")] * 3 + [("join", "return")] * 3
+    assert report["events"][2]["members_after"] == 0
+    users = report["totals"]["users"]
+    quota = 10
+    for mode in ("handoff", "replica", "conservative"):
+        data = report["modes"][mode]
+        # About one fresh quota per user: nearly all 30 x 10.
+        assert data["over_admission"]["total"] >= 0.9 * users * quota, mode
+        assert data["unavailable"]["no_nodes"] > 0
+        assert sum(e.get("states_discarded", 0) for e in data["events"]) > 0
+    # Handing back instead recovers what the last-but-one returners held.
+    back = run(_blip(detection__budget=False))
+    for mode in ("replica", "conservative"):
+        assert back["modes"][mode]["over_admission"]["total"] == 0
+    assert (
+        back["modes"]["handoff"]["over_admission"]["total"]
+        < report["modes"]["handoff"]["over_admission"]["total"]
+    )
+
+
+def _pause_one(returning: str) -> dict[str, Any]:
+    scenario = load_scenario(SCENARIO_DIR / "pause_one.toml", [f"modes.returning={returning}"])
+    return simulate(scenario).report
+
+
+def test_one_long_pause_is_removed_within_the_budget_and_hands_back_its_states() -> None:
+    back, discard = _pause_one("hand_back"), _pause_one("discard")
+    for report in (back, discard):
+        detection = report["detection"]
+        assert detection["removals"] == 1 and detection["rejoins"] == 1
+        (outage,) = detection["outages"]
+        # Removed after f failed probes *and* after its lease bound, then back at the
+        # first probe round after the pause.
+        lease_end = outage["last_answer_s"] + detection["lease_s"] * 1.01
+        assert outage["removed_s"] >= lease_end
+        assert detection["deferred"]["lease"] >= 1
+        assert outage["end_s"] <= outage["rejoined_s"] <= outage["end_s"] + 1.5
+        assert [(e["type"], e["cause"]) for e in report["events"]] == [
+            ("crash", "probe"),
+            ("join", "return"),
+        ]
+    handed = back["modes"]["handoff"]["events"][1]
+    assert handed["states_handed_back"] > 0 and handed["states_discarded"] == 0
+    assert discard["modes"]["handoff"]["events"][1]["states_discarded"] > 0
+    # Crash policy reset: what was admitted while it was away is lost either way, but
+    # discarding its states on return gives every one of its users a fresh quota.
+    kept = back["modes"]["handoff"]["over_admission"]["total"]
+    lost = discard["modes"]["handoff"]["over_admission"]["total"]
+    assert 0 < kept < lost / 2
+    # The replica held everything: nothing lost in either case.
+    assert back["modes"]["replica"]["over_admission"]["total"] == 0
+    assert back["scenario"]["returning"] == "hand_back"
+    assert back["modes"]["handoff"]["policy"]["return"] == "hand_back"
+    assert discard["modes"]["handoff"]["policy"]["return"] == "discard"
+
+
+def test_on_error_open_admits_a_paused_nodes_keys_unlimited() -> None:
+    doc = _blip(detection__budget=True)
+    doc["rules"][0]["on_error"] = "open"
+    report = run(doc)
+    for mode in STICKY:
+        data = report["modes"][mode]
+        down = data["unavailable"]
+        assert down["requests"] > 0 and down["admitted"] == down["requests"]
+        # Every one of them was over the quota: each is an over-admission.
+        assert data["over_admission"]["total"] == down["admitted"]
+
+
+def test_pauses_of_scenarios_decide_the_same_in_full_and_subset_runs() -> None:
+    scenario = load_scenario(SCENARIO_DIR / "pause_one.toml")
+    assert stable(simulate(scenario, full=True).report) == stable(simulate(scenario).report)
+
+
+@st.composite
+def _pause_runs(draw: st.DrawFn) -> dict[str, Any]:
+    n = draw(st.integers(2, 7))
+    nodes = [f"n{i}" for i in range(1, n + 1)]
+    events = []
+    for _ in range(draw(st.integers(1, 4))):
+        paused = draw(st.lists(st.sampled_from(nodes), min_size=1, max_size=n, unique=True))
+        events.append(
+            {
+                "at": draw(st.floats(0.5, 50.0)),
+                "type": "pause",
+                "nodes": paused,
+                "duration": draw(st.floats(0.5, 25.0)),
+            }
+        )
+    detection = {
+        "health_interval": draw(st.sampled_from([0.2, 0.5, 1.0])),
+        "failure_threshold": draw(st.integers(1, 4)),
+        "health_timeout": draw(st.sampled_from([0.1, 0.5])),
+        "removal_quorum": draw(st.sampled_from([0.0, 0.3, 0.5, 0.66])),
+    }
+    if draw(st.booleans()):
+        detection["removal_interval"] = draw(st.sampled_from([0.0, 1.0, 10.0]))
+    doc = make(
+        scenario={"name": "p", "duration": 80, "seed": 1},
+        cluster={"nodes": nodes},
+        events=events,
+        detection=detection,
+    )
+    return doc
+
+
+@given(_pause_runs())
+@settings(max_examples=60)
+def test_the_expansion_never_removes_beyond_the_budget(doc: dict[str, Any]) -> None:
+    try:
+        scenario = parse_scenario(doc)
+    except ScenarioError as exc:
+        # Overlapping pauses of one node, and pauses of a node that is not a member
+        # (removed and not back yet) are refused.
+        assert "already paused" in str(exc) or "nothing to pause" in str(exc)
+        return
+    spec = scenario.detection
+    changes, found = expand_with_detection(
+        scenario.events, {x.id: x.weight for x in scenario.nodes}, spec, scenario.duration
+    )
+    assert found is not None
+    pauses = [(node, ev.at, ev.at + ev.duration) for ev in scenario.events for node in ev.nodes]
+
+    def paused_at(node: str, t: float) -> bool:
+        return any(p == node and lo <= t < hi for p, lo, hi in pauses)
+
+    members = {x.id for x in scenario.nodes}
+    last_removal = -math.inf
+    outage_of = {(o.node, o.removed_at): o for o in found.outages if o.removed_at is not None}
+    for change in changes:
+        if change.kind == "join":
+            assert change.node not in members
+            members.add(change.node)
+            continue
+        assert change.cause == "probe"
+        size = len(members)
+        # Most of the ring answered the round (probed one timeout before the decision)...
+        answering = sum(not paused_at(m, change.at - spec.health_timeout) for m in members)
+        assert answering > spec.removal_quorum * size
+        # ... the ring left holds more than the quorum of today's members ...
+        assert size - 1 > spec.removal_quorum * size
+        # ... at most one removal per interval (and never two in one round) ...
+        assert change.at - last_removal >= max(spec.removal_interval, 1e-9)
+        last_removal = change.at
+        # ... and only once every lease the router granted it has ended.
+        outage = outage_of[(change.node, change.at)]
+        assert outage.last_answer is not None
+        assert change.at >= lease_bound(outage.last_answer, spec.lease, DEFAULT_DRIFT)
+        assert change.at >= outage.last_answer + spec.failure_threshold * spec.health_interval
+        members.remove(change.node)
+    assert len(members) >= 1
+    # A paused member the budget kept decides again once its pause is over.
+    for outage in found.outages:
+        if outage.removed_at is None and outage.resume is not None:
+            assert outage.resume >= outage.end
+
+
+def test_cli_set_overrides_a_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["blip", "--quiet", "--set", "detection.budget=false"]) == 0
+    table = capsys.readouterr().out
+    assert "detection (no budget): 3 removal(s), 3 return(s)" in table
+    assert "crash n3 (probes)" in table and "join n1 (returns)" in table
+    assert main(["blip", "--quiet", "--set", "budget=false"]) == 2
+    assert "--set 'budget=false': expected TABLE.KEY=VALUE" in capsys.readouterr().err
+    assert main(["blip", "--quiet", "--set", "modes.returning=keep"]) == 2
+    assert "modes.returning: must be one of hand_back, discard" in capsys.readouterr().err
