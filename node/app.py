@@ -488,11 +488,12 @@ class ResultEncoder:
 
     def __call__(self, verdict: Verdict) -> str:
         d = verdict.decision
-        reset, retry = d.reset_after, d.retry_after
+        reset, retry, available = d.reset_after, d.retry_after, d.available_after
         if (
             d.reason
             or len(verdict.decisions) > 1
             or not isfinite(reset)
+            or not isfinite(available)
             or (retry is not None and not isfinite(retry))
         ):
             return _dumps(result_dict(verdict, self.node))
@@ -502,7 +503,8 @@ class ResultEncoder:
         return (
             f'{{"allowed":{"true" if verdict.allowed else "false"},"limit":{d.limit!r},'
             f'"remaining":{d.remaining!r},"reset_after":{round(reset, 6)!r},"retry_after":'
-            f'{"null" if retry is None else repr(round(retry, 6))},"rule":{rule}{self._tail}'
+            f'{"null" if retry is None else repr(round(retry, 6))},"rule":{rule},'
+            f'"available_after":{round(available, 6)!r}{self._tail}'
         )
 
 

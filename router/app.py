@@ -821,6 +821,7 @@ def _unreachable_result(check: AnyCheck, node_id: str) -> dict[str, Any]:
         "reset_after": 0.0,
         "retry_after": None,
         "rule": rule.name,
+        "available_after": 0.0,
         "node": node_id,
         "reason": "owner_unreachable",
     }
