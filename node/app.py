@@ -140,7 +140,10 @@ class Node:
             )
         self.fronted = app if app is not None else echo_app(settings.node_id)
         self.limited = RateLimitMiddleware(
-            self.fronted, authority=self.authority, internal_token=settings.internal_token
+            self.fronted,
+            authority=self.authority,
+            internal_token=settings.internal_token,
+            wall_clock=clock,
         )
         self.control = Starlette(routes=self._routes(), lifespan=self._lifespan)
         self._encoder: ResultEncoder | None = None
