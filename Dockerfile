@@ -7,6 +7,8 @@ COPY pyproject.toml README.md ./
 COPY ring ./ring
 COPY node ./node
 COPY router ./router
+COPY simulations ./simulations
+COPY benchmarks ./benchmarks
 RUN pip install --no-cache-dir . && useradd --system ringlimit
 USER ringlimit
 ENTRYPOINT ["ringlimit"]

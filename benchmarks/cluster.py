@@ -1105,8 +1105,25 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return settings
 
 
+def missing_extras(settings: Settings) -> list[str]:
+    """The ``bench`` extra's modules this run needs and cannot import."""
+    import importlib.util
+
+    needed = []
+    if settings.engine_seconds:
+        needed.append("limits")
+    if "slowapi" in settings.rows:
+        needed += ["limits", "slowapi"]
+    return [m for m in dict.fromkeys(needed) if importlib.util.find_spec(m) is None]
+
+
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
+    missing = missing_extras(settings)
+    if missing:
+        raise ValueError(
+            f"the benchmark needs {' and '.join(missing)}: pip install 'ringlimit[bench]'"
+        )
     tool = settings.tool
     if tool == "wrk" and not wrk_available():
         raise ValueError("--loadgen wrk: wrk is not installed")
@@ -1120,8 +1137,13 @@ def run(args: argparse.Namespace) -> int:
         markdown_path = None
     elif args.markdown:
         markdown_path = Path(args.markdown)
+    elif quick:
+        markdown_path = None
     else:
-        markdown_path = None if quick else DEFAULT_MARKDOWN
+        # Outside a source checkout (an installed wheel) the report goes to the
+        # working directory, not into site-packages.
+        in_checkout = (ROOT / "pyproject.toml").exists()
+        markdown_path = DEFAULT_MARKDOWN if in_checkout else Path("ringlimit-bench.md")
 
     # A SIGTERM stops us like Ctrl-C: through the finally below, which stops everything.
     def on_term(signum: int, frame: FrameType | None) -> None:

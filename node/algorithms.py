@@ -18,6 +18,10 @@ for operation so that both give identical decisions:
   whole up to rounding error counts as whole.
 * A clock that steps backwards never refills anything: elapsed time is
   clamped at zero and stored times never move back.
+* ``available_after`` is the time until ``remaining`` grows by at least one
+  unit (the draft's ``t``, see :class:`node.decision.Decision`), 0.0 when the
+  quota is whole. It equals the ``retry_after`` of a request of cost
+  ``remaining + 1``, so a denied request's ``retry_after`` is never below it.
 
 Each algorithm also has ``fresh_at(state, rule)``: the time from which the
 state is indistinguishable from ``None``, so the store can evict it. And
@@ -51,9 +55,20 @@ DecideFn = Callable[[State, float, Rule, int], tuple[State, Decision]]
 _decision = partial(tuple.__new__, Decision)
 
 
-def _impossible(state: State, rule: Rule, remaining: int, reset_after: float) -> tuple:
+def _impossible(
+    state: State, rule: Rule, remaining: int, reset_after: float, available_after: float
+) -> tuple:
     return state, _decision(
-        (False, rule.limit, remaining, reset_after, None, rule.name, COST_EXCEEDS_CAPACITY)
+        (
+            False,
+            rule.limit,
+            remaining,
+            reset_after,
+            None,
+            rule.name,
+            COST_EXCEEDS_CAPACITY,
+            available_after,
+        )
     )
 
 
@@ -78,33 +93,42 @@ def token_bucket(state: State, now: float, rule: Rule, cost: int) -> tuple[State
     lag = last - now
     need = cost or 1
     if need > capacity:
+        whole = _floor(tokens + EPS)
         return _impossible(
-            state, rule, _floor(tokens + EPS), _tb_reset(tokens, capacity, rate, lag)
+            state,
+            rule,
+            whole,
+            _tb_reset(tokens, capacity, rate, lag),
+            _tb_next(whole, tokens, capacity, rate, lag),
         )
     if tokens + EPS >= need:
         if cost:
             tokens -= cost
             state = (tokens, last)
+        whole = _floor(tokens + EPS)
         return state, _decision(
             (
                 True,
                 rule.limit,
-                _floor(tokens + EPS),
+                whole,
                 _tb_reset(tokens, capacity, rate, lag),
                 None,
                 rule.name,
                 None,
+                _tb_next(whole, tokens, capacity, rate, lag),
             )
         )
+    whole = _floor(tokens + EPS)
     return state, _decision(
         (
             False,
             rule.limit,
-            _floor(tokens + EPS),
+            whole,
             _tb_reset(tokens, capacity, rate, lag),
             lag + (need - tokens) / rate,
             rule.name,
             None,
+            _tb_next(whole, tokens, capacity, rate, lag),
         )
     )
 
@@ -112,6 +136,14 @@ def token_bucket(state: State, now: float, rule: Rule, cost: int) -> tuple[State
 def _tb_reset(tokens: float, capacity: int, rate: float, lag: float) -> float:
     reset = (capacity - tokens) / rate
     return reset + lag if reset > 0.0 else reset
+
+
+def _tb_next(whole: int, tokens: float, capacity: int, rate: float, lag: float) -> float:
+    """Seconds until ``whole + 1`` tokens (0.0 when the bucket is full)."""
+    if whole >= capacity:
+        return 0.0
+    wait = (whole + 1 - tokens) / rate
+    return wait + lag if wait > 0.0 else 0.0
 
 
 def token_bucket_fresh_at(state: State, rule: Rule) -> float:
@@ -129,33 +161,45 @@ def gcra(state: State, now: float, rule: Rule, cost: int) -> tuple[State, Decisi
     tolerance = rule.capacity * interval
     tat = state if state is not None and state > now else now
     need = cost or 1
-    if need > rule.capacity:
-        return _impossible(state, rule, _gcra_remaining(tat, now, tolerance, interval), tat - now)
+    capacity = rule.capacity
+    if need > capacity:
+        remaining = _gcra_remaining(tat, now, tolerance, interval)
+        return _impossible(
+            state,
+            rule,
+            remaining,
+            tat - now,
+            _gcra_next(remaining, capacity, tat, now, tolerance, interval),
+        )
     allow_at = tat + need * interval - tolerance
     if now + UNIT_EPS * interval >= allow_at:
         if cost:
             tat += cost * interval
             state = tat
+        remaining = _gcra_remaining(tat, now, tolerance, interval)
         return state, _decision(
             (
                 True,
                 rule.limit,
-                _gcra_remaining(tat, now, tolerance, interval),
+                remaining,
                 tat - now,
                 None,
                 rule.name,
                 None,
+                _gcra_next(remaining, capacity, tat, now, tolerance, interval),
             )
         )
+    remaining = _gcra_remaining(tat, now, tolerance, interval)
     return state, _decision(
         (
             False,
             rule.limit,
-            _gcra_remaining(tat, now, tolerance, interval),
+            remaining,
             tat - now,
             allow_at - now,
             rule.name,
             None,
+            _gcra_next(remaining, capacity, tat, now, tolerance, interval),
         )
     )
 
@@ -163,6 +207,16 @@ def gcra(state: State, now: float, rule: Rule, cost: int) -> tuple[State, Decisi
 def _gcra_remaining(tat: float, now: float, tolerance: float, interval: float) -> int:
     remaining = _floor((tolerance - (tat - now)) / interval + UNIT_EPS)
     return remaining if remaining > 0 else 0
+
+
+def _gcra_next(
+    remaining: int, capacity: int, tat: float, now: float, tolerance: float, interval: float
+) -> float:
+    """Seconds until ``remaining + 1`` units conform (0.0 when the burst is whole)."""
+    if remaining >= capacity:
+        return 0.0
+    wait = tat + (remaining + 1) * interval - tolerance - now
+    return wait if wait > 0.0 else 0.0
 
 
 def gcra_fresh_at(state: State, rule: Rule) -> float:
@@ -208,17 +262,18 @@ def fixed_window(state: State, now: float, rule: Rule, cost: int) -> tuple[State
             count = 0
     need = cost or 1
     reset_after = start + period - now
+    # Units come back all at once at the window's end: that is both times.
     if need > limit:
-        return _impossible(state, rule, limit - count, reset_after if count else 0.0)
+        reset = reset_after if count else 0.0
+        return _impossible(state, rule, limit - count, reset, reset)
     if count + need <= limit:
         if cost:
             count += cost
             state = (start, count)
-        return state, _decision(
-            (True, limit, limit - count, reset_after if count else 0.0, None, rule.name, None)
-        )
+        reset = reset_after if count else 0.0
+        return state, _decision((True, limit, limit - count, reset, None, rule.name, None, reset))
     return state, _decision(
-        (False, limit, limit - count, reset_after, reset_after, rule.name, None)
+        (False, limit, limit - count, reset_after, reset_after, rule.name, None, reset_after)
     )
 
 
@@ -242,8 +297,15 @@ def sliding_log(state: State, now: float, rule: Rule, cost: int) -> tuple[State,
         live = ()
     count = len(live)
     need = cost or 1
+    # One more unit comes back when the oldest live entry expires.
     if need > limit:
-        return _impossible(state, rule, limit - count, live[-1] + period - now if live else 0.0)
+        return _impossible(
+            state,
+            rule,
+            limit - count,
+            live[-1] + period - now if live else 0.0,
+            live[0] + period - now if live else 0.0,
+        )
     if count + need <= limit:
         if cost:
             stamp = now if not live or now >= live[-1] else live[-1]
@@ -258,6 +320,7 @@ def sliding_log(state: State, now: float, rule: Rule, cost: int) -> tuple[State,
                 None,
                 rule.name,
                 None,
+                live[0] + period - now if live else 0.0,
             )
         )
     return state, _decision(
@@ -269,6 +332,7 @@ def sliding_log(state: State, now: float, rule: Rule, cost: int) -> tuple[State,
             live[count + need - limit - 1] + period - now,
             rule.name,
             None,
+            live[0] + period - now,
         )
     )
 
@@ -305,11 +369,13 @@ def sliding_window(state: State, now: float, rule: Rule, cost: int) -> tuple[Sta
     need = cost or 1
     if need > limit:
         remaining = _floor(limit - estimate + EPS)
+        remaining = remaining if remaining > 0 else 0
         return _impossible(
             state,
             rule,
-            remaining if remaining > 0 else 0,
+            remaining,
             _sw_reset(start, prev, curr, now, period),
+            _sw_next(remaining, start, prev, curr, now, period, limit),
         )
     if estimate + need <= limit + EPS:
         if cost:
@@ -317,36 +383,63 @@ def sliding_window(state: State, now: float, rule: Rule, cost: int) -> tuple[Sta
             estimate += cost
             state = (start, prev, curr)
         remaining = _floor(limit - estimate + EPS)
+        remaining = remaining if remaining > 0 else 0
         return state, _decision(
             (
                 True,
                 limit,
-                remaining if remaining > 0 else 0,
+                remaining,
                 _sw_reset(start, prev, curr, now, period),
                 None,
                 rule.name,
                 None,
+                _sw_next(remaining, start, prev, curr, now, period, limit),
             )
         )
     remaining = _floor(limit - estimate + EPS)
-    if curr + need <= limit:
-        # Wait inside this window until enough of the previous window has slid out.
-        retry_at = start + period * (1.0 - (limit - curr - need) / prev)
-    else:
-        # Wait until the current count becomes the previous one and has slid enough.
-        retry_at = start + period + period * (1.0 - (limit - need) / curr)
-    retry_after = retry_at - now
+    remaining = remaining if remaining > 0 else 0
+    retry_after = _sw_wait(need, start, prev, curr, now, period, limit)
     return state, _decision(
         (
             False,
             limit,
-            remaining if remaining > 0 else 0,
+            remaining,
             _sw_reset(start, prev, curr, now, period),
-            retry_after if retry_after > 0.0 else 0.0,
+            retry_after,
             rule.name,
             None,
+            _sw_next(remaining, start, prev, curr, now, period, limit),
         )
     )
+
+
+def _sw_wait(
+    need: int, start: float, prev: int, curr: int, now: float, period: float, limit: int
+) -> float:
+    """Seconds until ``need`` units fit under the estimate (``need <= limit``)."""
+    if curr + need <= limit and prev:
+        # Wait inside this window until enough of the previous window has slid out.
+        retry_at = start + period * (1.0 - (limit - curr - need) / prev)
+    elif curr:
+        # Wait until the current count becomes the previous one and has slid enough.
+        retry_at = start + period + period * (1.0 - (limit - need) / curr)
+    else:
+        return 0.0
+    wait = retry_at - now
+    return wait if wait > 0.0 else 0.0
+
+
+def _sw_next(
+    remaining: int, start: float, prev: int, curr: int, now: float, period: float, limit: int
+) -> float:
+    """Seconds until ``remaining + 1`` units fit (0.0 when the quota is whole).
+
+    Unlike the other algorithms this can exceed the period: units admitted
+    early in a window keep weighing on the estimate through the next one.
+    """
+    if remaining >= limit:
+        return 0.0
+    return _sw_wait(remaining + 1, start, prev, curr, now, period, limit)
 
 
 def _sw_reset(start: float, prev: int, curr: int, now: float, period: float) -> float:

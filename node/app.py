@@ -60,6 +60,21 @@ log = logging.getLogger("ringlimit.node")
 
 CONTROL_PREFIXES = ("/v1/", "/internal/")
 CONTROL_PATHS = frozenset({"/healthz", "/metrics"})
+
+#: Help of the ``ringlimit_handoff_*`` metrics, one per field of ``HandoffStats``.
+HANDOFF_METRICS = {
+    "keys_sent": "States handed to new owners (handoffs and answered pulls).",
+    "keys_received": "States taken over from other nodes (handoffs and pulls).",
+    "keys_dropped": "States dropped: their key moved under the reset policy, their new "
+    "owner left, or their rule was unknown.",
+    "pulls": "Pulls of a key's state from its previous owner on first use.",
+    "pull_failures": "Pulls that failed (the key was decided on what this node knew).",
+    "replicas_sent": "State copies sent to successors (crash policy replica).",
+    "replicas_promoted": "Replicated states taken over after their owner crashed.",
+    "conservative_keys": "States set exhausted after a crash (crash policy conservative).",
+    "views_applied": "Ring views this node applied.",
+    "last_transfer_seconds": "Duration of this node's most recent outgoing state transfer.",
+}
 MAX_INTERNAL_BODY = 512 << 20
 
 
@@ -125,7 +140,7 @@ class Node:
             shard = self.shard
             self.metrics.add_counters(
                 "ringlimit_handoff",
-                "Handoff, pull and replica counts of this node.",
+                HANDOFF_METRICS,
                 lambda: {
                     k: v for k, v in shard.stats.__dict__.items() if isinstance(v, int | float)
                 },
@@ -135,12 +150,15 @@ class Node:
             backend = self.backend
             self.metrics.add_counters(
                 "ringlimit_backend_fallback",
-                "Decisions made by the local fallback while the shared backend was down.",
+                {"decisions": "Decisions made by the local fallback while the backend was down."},
                 lambda: {"decisions": getattr(backend, "fallbacks", 0)},
             )
         self.fronted = app if app is not None else echo_app(settings.node_id)
         self.limited = RateLimitMiddleware(
-            self.fronted, authority=self.authority, internal_token=settings.internal_token
+            self.fronted,
+            authority=self.authority,
+            internal_token=settings.internal_token,
+            wall_clock=clock,
         )
         self.control = Starlette(routes=self._routes(), lifespan=self._lifespan)
         self._encoder: ResultEncoder | None = None
@@ -488,11 +506,12 @@ class ResultEncoder:
 
     def __call__(self, verdict: Verdict) -> str:
         d = verdict.decision
-        reset, retry = d.reset_after, d.retry_after
+        reset, retry, available = d.reset_after, d.retry_after, d.available_after
         if (
             d.reason
             or len(verdict.decisions) > 1
             or not isfinite(reset)
+            or not isfinite(available)
             or (retry is not None and not isfinite(retry))
         ):
             return _dumps(result_dict(verdict, self.node))
@@ -502,7 +521,8 @@ class ResultEncoder:
         return (
             f'{{"allowed":{"true" if verdict.allowed else "false"},"limit":{d.limit!r},'
             f'"remaining":{d.remaining!r},"reset_after":{round(reset, 6)!r},"retry_after":'
-            f'{"null" if retry is None else repr(round(retry, 6))},"rule":{rule}{self._tail}'
+            f'{"null" if retry is None else repr(round(retry, 6))},"rule":{rule},'
+            f'"available_after":{round(available, 6)!r}{self._tail}'
         )
 
 

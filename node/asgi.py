@@ -19,7 +19,11 @@ def dumps(data: Any) -> bytes:
 
 
 async def send_json(
-    send: Send, status: int, body: Any, headers: Iterable[tuple[bytes, bytes]] = ()
+    send: Send,
+    status: int,
+    body: Any,
+    headers: Iterable[tuple[bytes, bytes]] = (),
+    content_type: bytes = b"application/json",
 ) -> None:
     payload = dumps(body)
     await send(
@@ -27,7 +31,7 @@ async def send_json(
             "type": "http.response.start",
             "status": status,
             "headers": [
-                (b"content-type", b"application/json"),
+                (b"content-type", content_type),
                 (b"content-length", str(len(payload)).encode()),
                 *headers,
             ],

@@ -25,6 +25,11 @@ from typing import Any
 
 from node.rules import CRASH_POLICIES, Rule, RuleError, parse_period, parse_rate
 
+#: ``headers.legacy_reset``: ``X-RateLimit-Reset`` as a Unix time, or in seconds.
+LEGACY_RESETS = ("epoch", "delta")
+#: ``headers.denial_body``: RFC 9457 problem details, or ringlimit's plain JSON.
+DENIAL_FORMATS = ("problem", "json")
+
 IDENTITY_SOURCES = ("header", "query", "client")
 REBALANCE_POLICIES = ("handoff", "reset")
 BACKENDS = ("memory", "redis")
@@ -177,6 +182,10 @@ class ClusterConfig:
     policies: Policies = field(default_factory=Policies)
     limits: Limits = field(default_factory=Limits)
     legacy_headers: bool = True
+    #: ``X-RateLimit-Reset`` as a Unix time ("epoch") or in seconds ("delta").
+    legacy_reset: str = "epoch"
+    #: 429 bodies: RFC 9457 problem details ("problem") or ringlimit's JSON ("json").
+    denial_format: str = "problem"
     bypass_header: str = "X-Ringlimit-Bypass"
     bypass_sha256: tuple[str, ...] = ()
     backend: str = "memory"
@@ -206,6 +215,16 @@ class ClusterConfig:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
         if self.balance not in BALANCES:
             raise ConfigError(f"balance must be one of {', '.join(BALANCES)}")
+        if self.legacy_reset not in LEGACY_RESETS:
+            raise ConfigError(
+                f"headers.legacy_reset must be one of {', '.join(LEGACY_RESETS)}, "
+                f"got {self.legacy_reset!r}"
+            )
+        if self.denial_format not in DENIAL_FORMATS:
+            raise ConfigError(
+                f"headers.denial_body must be one of {', '.join(DENIAL_FORMATS)}, "
+                f"got {self.denial_format!r}"
+            )
         object.__setattr__(self, "_by_name", by_name)
         object.__setattr__(self, "_defaults", tuple(s.rule for s in self.rules if s.is_default))
         object.__setattr__(self, "_cache", {})
@@ -246,7 +265,11 @@ class ClusterConfig:
             "identity": self.identity.to_dict(),
             "policies": self.policies.to_dict(),
             "limits": self.limits.to_dict(),
-            "headers": {"legacy": self.legacy_headers},
+            "headers": {
+                "legacy": self.legacy_headers,
+                "legacy_reset": self.legacy_reset,
+                "denial_body": self.denial_format,
+            },
             "bypass": {"header": self.bypass_header, "token_sha256": list(self.bypass_sha256)},
             "backend": self.backend,
             "balance": self.balance,
@@ -329,7 +352,9 @@ class _Parser:
             "limits",
             {"max_key_length", "max_batch", "max_body", "max_cost"},
         )
-        headers = self.table(data.get("headers"), "headers", {"legacy"})
+        headers = self.table(
+            data.get("headers"), "headers", {"legacy", "legacy_reset", "denial_body"}
+        )
         bypass = self.table(data.get("bypass"), "bypass", {"header", "token_sha256", "tokens"})
         try:
             identity = Identity(
@@ -365,6 +390,8 @@ class _Parser:
                 policies=policies,
                 limits=limits,
                 legacy_headers=legacy,
+                legacy_reset=headers.get("legacy_reset", "epoch"),
+                denial_format=headers.get("denial_body", "problem"),
                 bypass_header=bypass_header,
                 bypass_sha256=tuple(h.lower() for h in hashes),
                 backend=data.get("backend", "memory"),

@@ -19,6 +19,13 @@ class Decision(NamedTuple):
     ``reset_after``: seconds until the quota is whole again (a fresh state).
     ``retry_after``: seconds until this same request would be allowed; ``None``
     when allowed, and also when it never can be (``reason`` says why).
+    ``available_after``: seconds until at least one more unit is available than
+    ``remaining`` says (0.0 when the quota is already whole). This is the
+    ``t`` parameter of the ``RateLimit`` field, which draft-ietf-httpapi-
+    ratelimit-headers-10 section 4.1.2 defines as "the number of seconds until
+    additional quota ... is made available"; ``reset_after`` is not, since a
+    token bucket refills one token long before it is full again. A denied
+    request's ``retry_after`` is never below it (it waits for more units).
     """
 
     allowed: bool
@@ -28,6 +35,7 @@ class Decision(NamedTuple):
     retry_after: float | None
     rule: str
     reason: str | None = None
+    available_after: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -37,6 +45,7 @@ class Decision(NamedTuple):
             "reset_after": round(self.reset_after, 6),
             "retry_after": None if self.retry_after is None else round(self.retry_after, 6),
             "rule": self.rule,
+            "available_after": round(self.available_after, 6),
             **({"reason": self.reason} if self.reason else {}),
         }
 

@@ -1,19 +1,56 @@
-"""Rate-limit response fields: the IETF draft's and the legacy ``X-RateLimit-*``.
+"""Rate-limit response fields and 429 bodies, as draft-ietf-httpapi-ratelimit-headers-10 says.
 
-``RateLimit-Policy`` lists every rule that applied (``"api";q=100;w=60``) and
-``RateLimit`` gives each one's remaining quota and seconds to reset
-(``"api";r=42;t=17``), following draft-ietf-httpapi-ratelimit-headers. The legacy
-fields describe the most restrictive rule only, since they can hold one value
-each; ``X-RateLimit-Reset`` is in delta-seconds, like ``t``.
+``RateLimit-Policy`` lists every rule that applied (``"api";q=100;w=60``,
+section 3) and ``RateLimit`` gives each one's remaining quota and the seconds
+until more of it is available (``"api";r=42;t=17``, section 4). How a rule
+becomes a policy item:
+
+* ``q`` is never below any ``r`` a client can see (section 3.1.1: the quota
+  allocated). A token bucket or GCRA rule with ``burst`` B holds B units and
+  refills them in ``B / rate`` seconds, so ``10/minute`` with burst 20 is
+  advertised as ``q=20;w=120``: the same sustained rate, and ``r`` (at most
+  B) never exceeds ``q``.
+* ``w`` must be a whole number of seconds (section 3.1.3: "Sub-second
+  precision is not supported"), so a window that is not one is scaled to the
+  smallest whole number of seconds that holds a whole number of windows, and
+  ``q`` with it: ``10/0.1s`` is ``q=100;w=1``, ``10/1.5s`` is ``q=20;w=3``.
+* ``t`` is :attr:`node.decision.Decision.available_after` rounded up (section
+  4.1.2: "the number of seconds until additional quota ... is made
+  available"): 12 for a drained ``5/minute`` bucket, not the 60 it takes to be
+  whole again.
+* ``Retry-After`` (on a 429 only) is never earlier than the ``t`` of any rule
+  that denied (section 6: it "SHOULD NOT reference a point in time earlier
+  than the reset parameter"), nor than the true retry time.
+
+The legacy ``X-RateLimit-*`` fields describe the most restrictive rule only,
+since they hold one value each; they repeat its ``q``, ``r`` and ``t``, with
+``X-RateLimit-Reset`` either in delta-seconds (``t`` itself) or as the Unix
+time of that moment (``legacy_reset="epoch"``, what GitHub's API and
+flask-limiter/slowapi send).
+
+A 429 body is either ``application/problem+json`` (RFC 9457) with the draft's
+``quota-exceeded`` problem type and every violated policy (section 5.1), or
+ringlimit's plain JSON; both keep the same ringlimit members.
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from functools import lru_cache
+from typing import Any
 
 from node.decision import Decision, Verdict
 from node.rules import Rule
+
+#: Section 5.1 and 10.2.1 of the draft.
+QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded"
+QUOTA_EXCEEDED_TITLE = "Request cannot be satisfied as assigned quota has been exceeded"
+PROBLEM_JSON = b"application/problem+json"
+PLAIN_JSON = b"application/json"
+
+#: Periods are read to the millisecond; finer fractions are float noise (0.1 is not exact).
+_PERIOD_DENOMINATOR = 1000
 
 
 def whole_seconds(seconds: float) -> int:
@@ -26,28 +63,76 @@ def retry_after_value(retry_after: float) -> str:
     return str(max(1, math.ceil(retry_after)))
 
 
+@lru_cache(maxsize=4096)
+def quota_window(rule: Rule) -> tuple[int, int]:
+    """``(q, w)`` of a rule's policy item: whole seconds, and ``q >= capacity``.
+
+    Buckets advertise their capacity over the time it takes to refill it;
+    windows their limit over their period. A window that is not a whole number
+    of seconds (n/d in lowest terms) becomes n seconds and ``q * d``: the same
+    rate, in the units the draft allows.
+    """
+    period = Fraction(rule.period).limit_denominator(_PERIOD_DENOMINATOR)
+    if rule.algorithm in ("token_bucket", "gcra"):
+        quota = rule.capacity
+        window = period * quota / rule.limit
+    else:
+        quota = rule.limit
+        window = period
+    return quota * window.denominator, window.numerator
+
+
+def policy_item(rule: Rule) -> str:
+    quota, window = quota_window(rule)
+    return f'"{rule.name}";q={quota};w={window}'
+
+
 def policy_value(rules: tuple[Rule, ...] | list[Rule]) -> str:
     if type(rules) is tuple:
         return _policy_bytes(rules).decode()
-    return ", ".join(f'"{r.name}";q={r.limit};w={whole_seconds(r.period)}' for r in rules)
+    return ", ".join(policy_item(r) for r in rules)
 
 
 @lru_cache(maxsize=1024)
 def _policy_bytes(rules: tuple[Rule, ...]) -> bytes:
     """``RateLimit-Policy`` of a tuple of rules (rules are immutable: computed once)."""
-    return ", ".join(f'"{r.name}";q={r.limit};w={whole_seconds(r.period)}' for r in rules).encode()
+    return ", ".join(policy_item(r) for r in rules).encode()
 
 
 def ratelimit_value(decisions: tuple[Decision, ...]) -> str:
     return ", ".join(
-        f'"{d.rule}";r={d.remaining};t={whole_seconds(d.reset_after)}' for d in decisions
+        f'"{d.rule}";r={d.remaining};t={whole_seconds(d.available_after)}' for d in decisions
     )
 
 
+def retry_after_seconds(verdict: Verdict) -> int | None:
+    """Whole seconds for ``Retry-After`` on a denial; ``None`` when retrying cannot help.
+
+    At least the acting decision's retry time rounded up, and at least the
+    ``t`` of every denying rule (draft section 6).
+    """
+    decision = verdict.decision
+    if verdict.allowed or decision.retry_after is None:
+        return None
+    seconds = max(1, math.ceil(decision.retry_after))
+    for d in verdict.decisions:
+        if not d.allowed:
+            seconds = max(seconds, whole_seconds(d.available_after))
+    return seconds
+
+
 def rate_limit_headers(
-    rules: tuple[Rule, ...] | list[Rule], verdict: Verdict, *, legacy: bool = True
+    rules: tuple[Rule, ...] | list[Rule],
+    verdict: Verdict,
+    *,
+    legacy: bool = True,
+    legacy_reset: str = "epoch",
+    now: float | None = None,
 ) -> list[tuple[bytes, bytes]]:
-    """The headers for a decided request, as raw ASGI header pairs."""
+    """The headers for a decided request, as raw ASGI header pairs.
+
+    ``now`` (Unix time) is needed only for ``legacy_reset="epoch"``.
+    """
     decision = verdict.decision
     headers = [
         (
@@ -57,17 +142,37 @@ def rate_limit_headers(
         (b"ratelimit", ratelimit_value(verdict.decisions).encode()),
     ]
     if legacy:
-        headers += [
-            (b"x-ratelimit-limit", str(decision.limit).encode()),
-            (b"x-ratelimit-remaining", str(decision.remaining).encode()),
-            (b"x-ratelimit-reset", str(whole_seconds(decision.reset_after)).encode()),
-        ]
-    if not verdict.allowed and decision.retry_after is not None:
-        headers.append((b"retry-after", retry_after_value(decision.retry_after).encode()))
+        headers += legacy_headers(rules, decision, legacy_reset, now)
+    retry = retry_after_seconds(verdict)
+    if retry is not None:
+        headers.append((b"retry-after", str(retry).encode()))
     return headers
 
 
+def legacy_headers(
+    rules: tuple[Rule, ...] | list[Rule], decision: Decision, reset: str, now: float | None
+) -> list[tuple[bytes, bytes]]:
+    """``X-RateLimit-Limit/-Remaining/-Reset`` of one decision, matching its policy item."""
+    limit = decision.limit
+    for rule in rules:
+        if rule.name == decision.rule:
+            limit = quota_window(rule)[0]
+            break
+    if reset == "delta":
+        value = whole_seconds(decision.available_after)
+    else:
+        if now is None:
+            raise ValueError("legacy_reset='epoch' needs the current Unix time")
+        value = math.ceil(now + decision.available_after - 1e-9)
+    return [
+        (b"x-ratelimit-limit", str(limit).encode()),
+        (b"x-ratelimit-remaining", str(decision.remaining).encode()),
+        (b"x-ratelimit-reset", str(value).encode()),
+    ]
+
+
 def denial_body(verdict: Verdict) -> dict[str, object]:
+    """ringlimit's own JSON for a denial: the acting rule, and every violated one."""
     decision = verdict.decision
     if decision.retry_after is None:
         detail = (
@@ -89,4 +194,44 @@ def denial_body(verdict: Verdict) -> dict[str, object]:
     }
     if decision.reason:
         body["reason"] = decision.reason
+    body["violated_rules"] = violated(verdict)
     return body
+
+
+def violated(verdict: Verdict) -> list[str]:
+    return [d.rule for d in verdict.decisions if not d.allowed]
+
+
+def problem_body(verdict: Verdict, status: int) -> dict[str, Any]:
+    """RFC 9457 problem details for a denial.
+
+    A 429 uses the draft's ``quota-exceeded`` type with ``violated-policies``
+    naming every rule that denied (section 5.1). A 503 (a rule that fails
+    closed while its backend is down) exceeded no quota, so it is a plain
+    ``about:blank`` problem. ringlimit's own members follow as extensions, so a
+    client written against the plain JSON body reads the same fields.
+    """
+    own = denial_body(verdict)
+    if status == 429:
+        problem: dict[str, Any] = {
+            "type": QUOTA_EXCEEDED,
+            "title": QUOTA_EXCEEDED_TITLE,
+            "status": status,
+            "detail": own["detail"],
+            "violated-policies": violated(verdict),
+        }
+    else:
+        problem = {
+            "type": "about:blank",
+            "title": "Service Unavailable",
+            "status": status,
+            "detail": own["detail"],
+        }
+    return {**problem, **{k: v for k, v in own.items() if k != "detail"}}
+
+
+def denial_response(verdict: Verdict, status: int, format: str) -> tuple[dict[str, Any], bytes]:
+    """``(body, content type)`` of a denial in the configured format."""
+    if format == "json":
+        return denial_body(verdict), PLAIN_JSON
+    return problem_body(verdict, status), PROBLEM_JSON

@@ -10,11 +10,21 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import unquote_to_bytes
 
 from node.config import Identity
 
 Headers = Iterable[tuple[bytes, bytes]]
+
+
+class InvalidUserId(ValueError):
+    """A user id that is not valid UTF-8: answered with a 400, never guessed at.
+
+    Decoding such bytes some other way (latin-1, say) would map two different
+    byte strings onto one text id (``\\xe9`` and ``\\xc3\\xa9`` both become
+    ``é``), and the two users would share a quota. Every id is text in the
+    decision API (JSON), on the ring and in handoffs, so UTF-8 it must be.
+    """
 
 
 def header_text(value: bytes) -> str:
@@ -38,6 +48,14 @@ def header(headers: Headers, name: bytes) -> str | None:
     return None
 
 
+def user_text(value: bytes, where: str) -> str:
+    """A user id's bytes as text; :class:`InvalidUserId` unless they are UTF-8."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidUserId(f"the user id in {where} is not valid UTF-8") from None
+
+
 class IdentityResolver:
     """Extracts the user id (and tier) as an :class:`Identity` configuration says."""
 
@@ -50,9 +68,14 @@ class IdentityResolver:
         )
 
     def user(self, scope: Mapping[str, Any]) -> str | None:
+        """The user id; raises :class:`InvalidUserId` when it is not UTF-8."""
         identity = self.identity
         if identity.source == "header":
-            found = header(scope["headers"], self._header)
+            found = None
+            for key, value in scope["headers"]:
+                if key == self._header:
+                    found = user_text(value, f"header {identity.name!r}")
+                    break
         elif identity.source == "query":
             found = _query_value(scope.get("query_string", b""), identity.name)
         else:
@@ -98,9 +121,21 @@ def _is_trusted(address: str, networks: tuple[ipaddress._BaseNetwork, ...]) -> b
 
 
 def _query_value(query_string: bytes, name: str) -> str | None:
+    """The first non-empty ``name=value`` of a query string, percent-decoded as UTF-8.
+
+    Decoded to bytes first (raw and percent-encoded bytes alike), so that
+    ``%E9`` and ``%C3%A9`` stay different (the first is refused), where
+    ``parse_qsl`` would turn every invalid sequence into U+FFFD, one user.
+    """
     if not query_string:
         return None
-    for key, value in parse_qsl(query_string.decode("latin-1"), keep_blank_values=False):
-        if key == name:
-            return value
+    wanted = name.encode()
+    for part in query_string.split(b"&"):
+        key, sep, value = part.partition(b"=")
+        if not sep or not value:
+            continue
+        if unquote_to_bytes(key.replace(b"+", b" ")) == wanted:
+            return user_text(
+                unquote_to_bytes(value.replace(b"+", b" ")), f"query parameter {name!r}"
+            )
     return None

@@ -1,4 +1,10 @@
-"""Prometheus metrics of one node, in a registry of its own (no global state)."""
+"""Prometheus metrics of one node, in a registry of its own (no global state).
+
+Every metric is listed in ``docs/metrics.md``. Names follow Prometheus'
+conventions: a ``ringlimit_`` prefix, the base unit in the name
+(``_seconds``), ``_total`` on counters, and one unit per metric (a label never
+mixes keys with seconds).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0)
@@ -55,25 +62,77 @@ class NodeMetrics:
         self.keys.set_function(keys)
         self.epoch.set_function(epoch)
 
-    def add_counters(self, name: str, doc: str, read: Callable[[], dict[str, float]]) -> None:
-        """Expose a dict of counters (e.g. handoff statistics) read at scrape time."""
-        self.registry.register(DictCollector(name, doc, read))
+    def add_counters(
+        self, prefix: str, docs: dict[str, str], read: Callable[[], dict[str, float]]
+    ) -> None:
+        """Expose a dict of statistics read at scrape time, one metric per entry.
+
+        ``<prefix>_<entry>_total`` for counts, ``<prefix>_<entry>`` (a gauge)
+        for entries ending in ``_seconds``; ``docs`` gives each entry's help.
+        """
+        self.registry.register(StatsCollector(prefix, docs, read))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render(self.registry)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The text exposition of ``registry`` without the ``_created`` series.
+
+    prometheus-client adds a ``<name>_created`` timestamp to every counter and
+    histogram; Prometheus' text format has no use for it and it doubles the
+    series count. ``disable_created_metrics()`` would drop it for the whole
+    process (global state); filtering here keeps it per registry.
+    """
+    return generate_latest(_WithoutCreated(registry))
+
+
+class _WithoutCreated(Collector):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            created = family.name + "_created"
+            family.samples = [s for s in family.samples if s.name != created]
+            yield family
 
 
 class DictCollector(Collector):
-    """A dict of counters read at scrape time, one sample per key (label ``kind``)."""
+    """A dict of event counts read at scrape time, one sample per key (label ``kind``).
+
+    For counts of one unit only (events); statistics that mix units go
+    through :class:`StatsCollector`.
+    """
 
     def __init__(self, name: str, doc: str, read: Callable[[], Mapping[str, float]]) -> None:
         self.name, self.doc, self.read = name, doc, read
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self.name, self.doc, labels=["kind"])
         for kind, value in self.read().items():
             family.add_metric([kind], float(value))
         yield family
+
+    def describe(self) -> list[Any]:
+        return []
+
+
+class StatsCollector(Collector):
+    """A dict of statistics read at scrape time, one metric per entry (own name, own unit)."""
+
+    def __init__(
+        self, prefix: str, docs: dict[str, str], read: Callable[[], dict[str, float]]
+    ) -> None:
+        self.prefix, self.docs, self.read = prefix, docs, read
+
+    def collect(self) -> Iterator[Metric]:
+        for entry, value in self.read().items():
+            doc = self.docs.get(entry, entry.replace("_", " "))
+            if entry.endswith("_seconds"):
+                yield GaugeMetricFamily(f"{self.prefix}_{entry}", doc, value=float(value))
+            else:
+                yield CounterMetricFamily(f"{self.prefix}_{entry}", doc, value=float(value))
 
     def describe(self) -> list[Any]:
         return []

@@ -17,10 +17,11 @@ from urllib.parse import unquote
 
 from node.asgi import ASGIApp, Message, Receive, Scope, Send, drain, error_body, send_json
 from node.authority import Authority
+from node.clock import Clock, system_clock
 from node.config import ClusterConfig, ScopedRule
 from node.decision import BACKEND_UNAVAILABLE
-from node.headers import denial_body, rate_limit_headers
-from node.identity import IdentityResolver
+from node.headers import denial_response, rate_limit_headers
+from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.rules import Rule, parse_rule
 from node.security import bypass_matches, is_loopback, token_matches
@@ -49,6 +50,7 @@ class RateLimitMiddleware:
         rules: Sequence[str | Rule] = (),
         internal_token: str | None = None,
         trust_router: bool | None = None,
+        wall_clock: Clock = system_clock,
     ) -> None:
         # Believe X-Ringlimit-Key/-Failover only behind a ringlimit router (a node, which
         # passes its authority in). Standalone, any client could write them and pick
@@ -62,6 +64,8 @@ class RateLimitMiddleware:
         self.app = app
         self.authority = authority
         self.internal_token = internal_token
+        #: Unix time, for ``X-RateLimit-Reset`` as a timestamp (``headers.legacy_reset``).
+        self.wall_clock = wall_clock
         self._resolver_for: tuple[object, IdentityResolver] | None = None
 
     def _resolver(self, config: ClusterConfig) -> IdentityResolver:
@@ -117,7 +121,12 @@ class RateLimitMiddleware:
         if routed_key is not None and trusted:
             user: str | None = unquote(routed_key.decode("latin-1"), errors="replace")
         else:
-            user = self._resolver(config).user(scope)
+            try:
+                user = self._resolver(config).user(scope)
+            except InvalidUserId as exc:
+                await drain(receive)
+                await send_json(send, 400, error_body("invalid_user_id", str(exc)))
+                return
         if not user:
             await drain(receive)
             await send_json(
@@ -155,7 +164,13 @@ class RateLimitMiddleware:
             await drain(receive)
             await send_json(send, 503, lease_expired_body(exc), LEASE_EXPIRED_HEADERS)
             return
-        headers = rate_limit_headers(rules, verdict, legacy=config.legacy_headers)
+        headers = rate_limit_headers(
+            rules,
+            verdict,
+            legacy=config.legacy_headers,
+            legacy_reset=config.legacy_reset,
+            now=self.wall_clock(),
+        )
         if verdict.allowed:
             scope.setdefault("state", {})["ringlimit"] = {"key": user, "verdict": verdict}
             await self.app(scope, receive, _adding(send, headers))
@@ -168,7 +183,8 @@ class RateLimitMiddleware:
         decision = verdict.decision
         closed = decision.reason == BACKEND_UNAVAILABLE and decision.retry_after is None
         status = 503 if closed else 429
-        await send_json(send, status, denial_body(verdict), headers)
+        body, content_type = denial_response(verdict, status, config.denial_format)
+        await send_json(send, status, body, headers, content_type)
 
 
 def not_owner_body(exc: NotOwner) -> dict[str, object]:

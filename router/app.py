@@ -43,7 +43,7 @@ from node.app import (
 )
 from node.asgi import Receive, Scope, Send, drain, error_body, send_json
 from node.config import ClusterConfig
-from node.identity import IdentityResolver
+from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.security import bearer, is_loopback, token_matches
 from ring import EmptyRingError, Member, RingView
@@ -263,7 +263,13 @@ class Router:
         started = time.perf_counter()
         resolver = self._resolver()
         config = self.config
-        user = resolver.user(scope)
+        try:
+            user = resolver.user(scope)
+        except InvalidUserId as exc:
+            await drain(receive)
+            self.metrics.outcome("-", "invalid_user_id")
+            await send_json(send, 400, error_body("invalid_user_id", str(exc)))
+            return
         if not user:
             await drain(receive)
             self.metrics.outcome("-", "missing_user_id")
@@ -876,6 +882,7 @@ def _unreachable_result(check: AnyCheck, node_id: str) -> dict[str, Any]:
         "reset_after": 0.0,
         "retry_after": None,
         "rule": rule.name,
+        "available_after": 0.0,
         "node": node_id,
         "reason": "owner_unreachable",
     }

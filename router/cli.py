@@ -43,8 +43,10 @@ if TYPE_CHECKING:
     from router.coordinator import EtcdCoordinator
 
 DEFAULT_RULE = "10/minute"
-#: Subcommands that live in the source checkout, and the module that runs each.
+#: Subcommands imported only when they run (numpy and friends are slow to load).
 LAZY_COMMANDS = {"simulate": "simulations.cli", "bench": "benchmarks.cluster"}
+#: What to install when an optional dependency of a command is missing.
+EXTRAS = {"simulate": "sim", "bench": "bench"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -208,8 +210,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     nodes.add_argument("--weight", type=int, default=1)
     nodes.set_defaults(run=_run_nodes)
 
-    _lazy_command(commands, command, "simulate", "run a rebalancing simulation", _no_simulations)
-    _lazy_command(commands, command, "bench", "the side-by-side benchmark", _no_bench)
+    _lazy_command(commands, command, "simulate", "run a rebalancing simulation")
+    _lazy_command(commands, command, "bench", "the side-by-side benchmark")
     return parser
 
 
@@ -218,20 +220,33 @@ def _lazy_command(
     chosen: str | None,
     name: str,
     help: str,
-    unavailable: Callable[[argparse.Namespace], int],
 ) -> None:
-    """A subcommand that lives in the source checkout (``simulations``, ``benchmarks``),
-    imported only when it is the one about to run (numpy and friends are slow to load)."""
+    """A subcommand imported only when it is the one about to run (``simulations``,
+    ``benchmarks``: both ship in the wheel; numpy and friends are slow to load)."""
     parser = commands.add_parser(name, help=help)
-    parser.set_defaults(run=unavailable)
     if chosen != name:
         return
     try:
         module = importlib.import_module(LAZY_COMMANDS[name])
-    except ImportError:
+    except ImportError as exc:
+        parser.set_defaults(run=_missing(name, exc))
         return
     module.add_arguments(parser)
     parser.set_defaults(run=module.run)
+
+
+def _missing(name: str, exc: ImportError) -> Callable[[argparse.Namespace], int]:
+    """One line naming what is missing and the extra that installs it."""
+
+    def run(args: argparse.Namespace) -> int:
+        print(
+            f"ringlimit {name}: {exc.name or exc} is not installed: "
+            f"pip install 'ringlimit[{EXTRAS[name]}]'",
+            file=sys.stderr,
+        )
+        return 2
+
+    return run
 
 
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -468,16 +483,6 @@ def _warn_modes(config: ClusterConfig) -> None:
             "get up to N times the limit. For demonstrations and benchmarks only.",
             file=sys.stderr,
         )
-
-
-def _no_simulations(args: argparse.Namespace) -> int:
-    print("ringlimit: simulations are not installed (run from a source checkout)", file=sys.stderr)
-    return 2
-
-
-def _no_bench(args: argparse.Namespace) -> int:
-    print("ringlimit: the benchmark runs from a source checkout", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

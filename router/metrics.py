@@ -1,13 +1,13 @@
-"""Prometheus metrics of the router, in a registry of its own."""
+"""Prometheus metrics of the router, in a registry of its own (listed in docs/metrics.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from node.metrics import DictCollector
+from node.metrics import DictCollector, render
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0)
 
@@ -86,4 +86,5 @@ class RouterMetrics:
         self._checks.labels(node).inc(count)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The text exposition, without ``_created`` series (see :func:`node.metrics.render`)."""
+        return render(self.registry)

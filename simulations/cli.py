@@ -7,6 +7,7 @@ The ``ringlimit`` console script mounts this as its ``simulate`` subcommand
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -98,6 +99,14 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         print("ringlimit simulate: --jobs must be >= 1", file=sys.stderr)
         return 2
+    # Optional dependencies are checked before a long run, each in one line.
+    for module, why in (("numpy", "simulations need"), ("matplotlib", "--plots needs")):
+        if (module == "numpy" or args.plots) and importlib.util.find_spec(module) is None:
+            print(
+                f"ringlimit simulate: {why} {module}: pip install 'ringlimit[sim]'",
+                file=sys.stderr,
+            )
+            return 2
 
     from .report import format_report, write_json
     from .runner import say, simulate
@@ -120,11 +129,8 @@ def run(args: argparse.Namespace) -> int:
         path = write_json(result.report, args.json)
         say(f"wrote {path}", verbose)
     if args.plots:
-        try:
-            from .plots import write_plots
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            print(f"ringlimit simulate: --plots needs matplotlib ({exc})", file=sys.stderr)
-            return 1
+        from .plots import write_plots
+
         for path in write_plots(result.report, args.plots):
             say(f"wrote {path}", verbose)
     return 0

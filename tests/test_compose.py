@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,14 @@ def test_the_demo_upstream_imports() -> None:
 def test_the_dockerfile_installs_the_cli() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "pip install" in dockerfile and 'ENTRYPOINT ["ringlimit"]' in dockerfile
-    for package in ("ring", "node", "router"):
+    # Every package of the wheel (simulate and bench are commands of the same CLI).
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
+    assert {"simulations", "benchmarks"} <= set(packages)
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for package in packages:
         assert f"COPY {package} ./{package}" in dockerfile
+        assert package not in ignored
 
 
 @pytest.mark.skipif(

@@ -55,13 +55,16 @@ async def test_standalone_with_rule_strings() -> None:
 
 async def test_allowed_requests_reach_the_app_with_headers_added() -> None:
     authority, clock = frozen(Rule("api", 2, 10.0))
-    app = RateLimitMiddleware(sample_app.app, authority=authority, trust_router=False)
+    app = RateLimitMiddleware(
+        sample_app.app, authority=authority, trust_router=False, wall_clock=clock
+    )
     async with client(app) as c:
         response = await c.post("/items?q=1", headers={"X-User-Id": "u1"}, content=b"payload")
         assert response.status_code == 201
         assert response.headers["x-sample-app"] == "yes"  # the app's own headers are kept
         assert response.headers["ratelimit"] == '"api";r=1;t=5'
-        assert response.headers["x-ratelimit-reset"] == "5"
+        # The legacy reset is a Unix time by default: the same moment as t.
+        assert response.headers["x-ratelimit-reset"] == str(int(clock() + 5))
         seen = response.json()
         assert (seen["method"], seen["path"], seen["query"], seen["body"]) == (
             "POST",
@@ -300,16 +303,20 @@ def test_reset_rounds_up_and_is_never_negative() -> None:
 def test_headers_for_a_denied_multi_rule_verdict() -> None:
     rules = (Rule("a", 10, 60.0), Rule("b", 2, 1.5))
     decisions = (
-        Decision(True, 10, 7, 18.0, None, "a"),
-        Decision(False, 2, 0, 1.5, 0.25, "b"),
+        Decision(True, 10, 7, 18.0, None, "a", None, 6.0),
+        Decision(False, 2, 0, 1.5, 0.25, "b", None, 0.25),
     )
     verdict = Verdict(False, decisions[1], decisions)
-    headers = dict(rate_limit_headers(rules, verdict))
-    assert headers[b"ratelimit-policy"] == b'"a";q=10;w=60, "b";q=2;w=2'
-    assert headers[b"ratelimit"] == b'"a";r=7;t=18, "b";r=0;t=2'
-    assert headers[b"x-ratelimit-limit"] == b"2"
+    headers = dict(rate_limit_headers(rules, verdict, now=1000.5))
+    # 2 per 1.5 s is advertised in whole seconds: 4 per 3 s.
+    assert headers[b"ratelimit-policy"] == b'"a";q=10;w=60, "b";q=4;w=3'
+    assert headers[b"ratelimit"] == b'"a";r=7;t=6, "b";r=0;t=1'
+    assert headers[b"x-ratelimit-limit"] == b"4"
     assert headers[b"x-ratelimit-remaining"] == b"0"
+    assert headers[b"x-ratelimit-reset"] == b"1001"
     assert headers[b"retry-after"] == b"1"
+    delta = dict(rate_limit_headers(rules, verdict, legacy_reset="delta"))
+    assert delta[b"x-ratelimit-reset"] == b"1"
     legacy_off = dict(rate_limit_headers(rules, verdict, legacy=False))
     assert not [h for h in legacy_off if h.startswith(b"x-ratelimit")]
     assert legacy_off[b"retry-after"] == b"1"

@@ -86,6 +86,7 @@ async def test_single_check_answers_every_field(node_client: Any) -> None:
         "reset_after": 12.0,
         "retry_after": None,
         "rule": "api",
+        "available_after": 12.0,
         "node": "n7",
     }
     # The rule may be omitted: the default (unscoped) rules apply.
@@ -97,6 +98,8 @@ async def test_single_check_answers_every_field(node_client: Any) -> None:
     assert denied["allowed"] is False
     assert denied["retry_after"] == pytest.approx(12.0)
     assert denied["remaining"] == 0 and denied["reset_after"] == pytest.approx(60.0)
+    # The draft's t: one more unit in 12 s, long before the bucket is whole again.
+    assert denied["available_after"] == pytest.approx(12.0)
 
 
 async def test_cost_zero_peeks_and_a_cost_over_capacity_is_never_allowed(node_client: Any) -> None:

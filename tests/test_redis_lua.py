@@ -97,6 +97,9 @@ def assert_same_verdict(lua, py, context: str) -> None:
         assert got.remaining == want.remaining, context
         assert got.reason == want.reason, context
         assert got.reset_after == pytest.approx(want.reset_after, abs=TIME_TOLERANCE), context
+        assert got.available_after == pytest.approx(want.available_after, abs=TIME_TOLERANCE), (
+            context
+        )
         assert (got.retry_after is None) == (want.retry_after is None), context
         if want.retry_after is not None:
             assert got.retry_after == pytest.approx(want.retry_after, abs=TIME_TOLERANCE), context

@@ -88,10 +88,12 @@ async def test_exact_quota_then_429_with_every_header_and_the_json_body() -> Non
             response = await get(cluster, "alice")
             assert response.status_code == 200, response.text
             assert response.headers["ratelimit-policy"] == '"api";q=5;w=60'
-            assert response.headers["ratelimit"] == f'"api";r={4 - i};t={12 * (i + 1)}'
+            # t: one more token in 12 s (draft section 4.1.2), however many are spent.
+            assert response.headers["ratelimit"] == f'"api";r={4 - i};t=12'
             assert response.headers["x-ratelimit-limit"] == "5"
             assert response.headers["x-ratelimit-remaining"] == str(4 - i)
-            assert response.headers["x-ratelimit-reset"] == str(12 * (i + 1))
+            # The legacy reset is the same moment as a Unix time.
+            assert response.headers["x-ratelimit-reset"] == str(int(clock()) + 12)
             assert response.headers["x-ringlimit-node"] == owner
             assert "retry-after" not in response.headers
             assert response.json() == {
@@ -106,11 +108,15 @@ async def test_exact_quota_then_429_with_every_header_and_the_json_body() -> Non
             assert denied.status_code == 429
             assert denied.headers["retry-after"] == "12"
             assert denied.headers["ratelimit-policy"] == '"api";q=5;w=60'
-            assert denied.headers["ratelimit"] == '"api";r=0;t=60'
+            # t and Retry-After name the same moment (11.5 s, rounded up).
+            assert denied.headers["ratelimit"] == '"api";r=0;t=12'
+            assert denied.headers["content-type"] == "application/problem+json"
             assert denied.headers["x-ratelimit-remaining"] == "0"
             assert denied.headers["x-ratelimit-limit"] == "5"
             assert denied.headers["x-ringlimit-node"] == owner
             body = denied.json()
+            assert body["type"] == "https://iana.org/assignments/http-problem-types#quota-exceeded"
+            assert body["status"] == 429 and body["violated-policies"] == ["api"]
             assert body["error"] == "rate_limited"
             assert body["rule"] == "api"
             assert body["limit"] == 5

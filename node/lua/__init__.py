@@ -23,7 +23,8 @@ for the common one-rule check. All scripts share one calling convention:
     capacity, rate, interval (floats as ``repr``, so they parse to the exact
     values the engine uses).
 reply
-    ``[now, allowed, *per rule (allowed, remaining, reset_after, retry_after, reason)]``
+    ``[now, allowed, *per rule (allowed, remaining, reset_after, retry_after, reason,
+    available_after)]``
     with floats as ``'%.17g'`` strings (Redis truncates Lua numbers to integers),
     ``nil`` for no ``retry_after``/``reason``.
 
@@ -129,7 +130,7 @@ def unpack_reply(reply: Sequence[object], rules: Sequence[Rule]) -> tuple[float,
     decisions: list[Decision] = []
     i = 2
     for rule in rules:
-        allowed, remaining, reset_after, retry_after, reason = reply[i : i + 5]
+        allowed, remaining, reset_after, retry_after, reason, available = reply[i : i + 6]
         decisions.append(
             Decision(
                 bool(allowed),
@@ -139,8 +140,9 @@ def unpack_reply(reply: Sequence[object], rules: Sequence[Rule]) -> tuple[float,
                 None if retry_after is None else float(retry_after),  # type: ignore[arg-type]
                 rule.name,
                 None if reason is None else _text(reason),  # type: ignore[arg-type]
+                float(available),  # type: ignore[arg-type]
             )
         )
-        i += 5
+        i += 6
     verdict = Verdict(bool(reply[1]), most_restrictive(decisions), tuple(decisions))
     return float(reply[0]), verdict  # type: ignore[arg-type]

@@ -6,9 +6,9 @@
 -- ARGV[1] now ('' = Redis TIME), ARGV[2] cost, ARGV[3] TTL slack in ms (see prelude),
 --   then 6 per rule i, from ARGV[4 + 6 * (i - 1)]: algorithm, limit, period, capacity,
 --   rate, interval (floats as Python repr, so they parse to the engine's exact values).
--- Reply: { now (ARGV[1], or '%.17g' of TIME), allowed (1/0), then 5 per rule: allowed (1/0),
+-- Reply: { now (ARGV[1], or '%.17g' of TIME), allowed (1/0), then 6 per rule: allowed (1/0),
 --   remaining (integer), reset_after ('%.17g'), retry_after ('%.17g' or nil),
---   reason (string or nil) }.
+--   reason (string or nil), available_after ('%.17g') }.
 
 local n = #KEYS
 if n == 0 or #ARGV ~= 3 + 6 * n then
@@ -66,5 +66,6 @@ for i = 1, n do
   reply[#reply + 1] = fmt(d[3])
   reply[#reply + 1] = d[4] ~= nil and fmt(d[4]) or false
   reply[#reply + 1] = d[5] or false
+  reply[#reply + 1] = fmt(d[6])
 end
 return reply

@@ -29,7 +29,7 @@ do
         if count ~= 0 then
           reset = reset_after
         end
-        return { false, limit - count, reset, nil, COST_EXCEEDS_CAPACITY }
+        return { false, limit - count, reset, nil, COST_EXCEEDS_CAPACITY, reset }
       end
       if count + need <= limit then
         local pending = nil
@@ -41,9 +41,9 @@ do
         if count ~= 0 then
           reset = reset_after
         end
-        return { true, limit - count, reset }, pending
+        return { true, limit - count, reset, nil, nil, reset }, pending
       end
-      return { false, limit - count, reset_after, reset_after }
+      return { false, limit - count, reset_after, reset_after, nil, reset_after }
     end,
 
     commit = function(key, s, now, p)

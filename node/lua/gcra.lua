@@ -13,6 +13,18 @@ do
     return 0
   end
 
+  -- node.algorithms._gcra_next: seconds until remaining + 1 units conform.
+  local function next_unit(r, capacity, tat, now, tolerance, interval)
+    if r >= capacity then
+      return 0.0
+    end
+    local wait = tat + (r + 1) * interval - tolerance - now
+    if wait > 0.0 then
+      return wait
+    end
+    return 0.0
+  end
+
   ALG.gcra = {
     decide = function(key, now, p, cost)
       local interval = p.interval
@@ -29,9 +41,13 @@ do
       if need == 0 then
         need = 1
       end
-      if need > p.capacity then
+      local capacity = p.capacity
+      local r
+      if need > capacity then
+        r = remaining(tat, now, tolerance, interval)
         return {
-          false, remaining(tat, now, tolerance, interval), tat - now, nil, COST_EXCEEDS_CAPACITY,
+          false, r, tat - now, nil, COST_EXCEEDS_CAPACITY,
+          next_unit(r, capacity, tat, now, tolerance, interval),
         }
       end
       local allow_at = tat + need * interval - tolerance
@@ -41,9 +57,16 @@ do
           tat = tat + cost * interval
           pending = tat
         end
-        return { true, remaining(tat, now, tolerance, interval), tat - now }, pending
+        r = remaining(tat, now, tolerance, interval)
+        return {
+          true, r, tat - now, nil, nil, next_unit(r, capacity, tat, now, tolerance, interval),
+        }, pending
       end
-      return { false, remaining(tat, now, tolerance, interval), tat - now, allow_at - now }
+      r = remaining(tat, now, tolerance, interval)
+      return {
+        false, r, tat - now, allow_at - now, nil,
+        next_unit(r, capacity, tat, now, tolerance, interval),
+      }
     end,
 
     commit = function(key, tat, now, p)

@@ -6,8 +6,8 @@
 -- Every algorithm fragment registers ALG.<name> = {decide = ..., commit = ...}:
 --   decide(key, now, p, cost) -> decision, pending
 --     reads the state (never writes); decision = {allowed, remaining, reset_after,
---     retry_after or nil, reason or nil}; pending is the state to store, or nil when
---     nothing changes (peeks and denials).
+--     retry_after or nil, reason or nil, available_after}; pending is the state to
+--     store, or nil when nothing changes (peeks and denials).
 --   commit(key, pending, now, p)
 --     stores pending with a TTL that ends when the state is fresh again (fresh_at).
 -- The arithmetic repeats node/algorithms.py operation for operation (same formulas,

@@ -27,8 +27,15 @@ do
       end
       local count = total - drop
       local newest = nil
+      local oldest = nil
       if count > 0 then
         newest = score_at(key, total - 1)
+        oldest = score_at(key, drop)
+      end
+      -- One more unit comes back when the oldest live entry expires.
+      local available = 0.0
+      if oldest ~= nil then
+        available = oldest + period - now
       end
       local need = cost
       if need == 0 then
@@ -39,7 +46,7 @@ do
         if newest ~= nil then
           reset = newest + period - now
         end
-        return { false, limit - count, reset, nil, COST_EXCEEDS_CAPACITY }
+        return { false, limit - count, reset, nil, COST_EXCEEDS_CAPACITY, available }
       end
       if count + need <= limit then
         local pending = nil
@@ -49,6 +56,10 @@ do
             stamp = newest
           end
           newest = stamp
+          if oldest == nil then
+            oldest = stamp
+            available = oldest + period - now
+          end
           count = count + cost
           pending = { drop, cutoff, stamp, cost }
         end
@@ -56,10 +67,12 @@ do
         if newest ~= nil then
           reset = newest + period - now
         end
-        return { true, limit - count, reset }, pending
+        return { true, limit - count, reset, nil, nil, available }, pending
       end
       local oldest_needed = score_at(key, drop + count + need - limit - 1)
-      return { false, limit - count, newest + period - now, oldest_needed + period - now }
+      return {
+        false, limit - count, newest + period - now, oldest_needed + period - now, nil, available,
+      }
     end,
 
     commit = function(key, s, now, p)

@@ -17,6 +17,33 @@ do
     return 0.0
   end
 
+  -- node.algorithms._sw_wait: seconds until need units fit under the estimate.
+  local function wait_for(need, start, prev, curr, now, period, limit)
+    local retry_at
+    if curr + need <= limit and prev ~= 0 then
+      -- Wait inside this window until enough of the previous window has slid out.
+      retry_at = start + period * (1.0 - (limit - curr - need) / prev)
+    elseif curr ~= 0 then
+      -- Wait until the current count becomes the previous one and has slid enough.
+      retry_at = start + period + period * (1.0 - (limit - need) / curr)
+    else
+      return 0.0
+    end
+    local wait = retry_at - now
+    if wait > 0.0 then
+      return wait
+    end
+    return 0.0
+  end
+
+  -- node.algorithms._sw_next: seconds until remaining + 1 units fit.
+  local function next_unit(r, start, prev, curr, now, period, limit)
+    if r >= limit then
+      return 0.0
+    end
+    return wait_for(r + 1, start, prev, curr, now, period, limit)
+  end
+
   local function fresh_at(start, curr, period)
     if curr ~= 0 then
       return start + 2 * period
@@ -62,6 +89,7 @@ do
         end
         return {
           false, remaining, reset(start, prev, curr, now, period), nil, COST_EXCEEDS_CAPACITY,
+          next_unit(remaining, start, prev, curr, now, period, limit),
         }
       end
       if estimate + need <= limit + EPS then
@@ -75,25 +103,20 @@ do
         if not (remaining > 0) then
           remaining = 0
         end
-        return { true, remaining, reset(start, prev, curr, now, period) }, pending
+        return {
+          true, remaining, reset(start, prev, curr, now, period), nil, nil,
+          next_unit(remaining, start, prev, curr, now, period, limit),
+        }, pending
       end
       remaining = floor(limit - estimate + EPS)
       if not (remaining > 0) then
         remaining = 0
       end
-      local retry_at
-      if curr + need <= limit then
-        -- Wait inside this window until enough of the previous window has slid out.
-        retry_at = start + period * (1.0 - (limit - curr - need) / prev)
-      else
-        -- Wait until the current count becomes the previous one and has slid enough.
-        retry_at = start + period + period * (1.0 - (limit - need) / curr)
-      end
-      local retry_after = retry_at - now
-      if not (retry_after > 0.0) then
-        retry_after = 0.0
-      end
-      return { false, remaining, reset(start, prev, curr, now, period), retry_after }
+      return {
+        false, remaining, reset(start, prev, curr, now, period),
+        wait_for(need, start, prev, curr, now, period, limit), nil,
+        next_unit(remaining, start, prev, curr, now, period, limit),
+      }
     end,
 
     commit = function(key, s, now, p)

@@ -15,6 +15,18 @@ do
     return r
   end
 
+  -- node.algorithms._tb_next: seconds until whole + 1 tokens (0 when full).
+  local function next_unit(whole, tokens, capacity, rate, lag)
+    if whole >= capacity then
+      return 0.0
+    end
+    local wait = (whole + 1 - tokens) / rate
+    if wait > 0.0 then
+      return wait + lag
+    end
+    return 0.0
+  end
+
   ALG.token_bucket = {
     decide = function(key, now, p, cost)
       local capacity = p.capacity
@@ -36,10 +48,12 @@ do
       if need == 0 then
         need = 1
       end
+      local whole
       if need > capacity then
+        whole = floor(tokens + EPS)
         return {
-          false, floor(tokens + EPS), reset(tokens, capacity, rate, lag), nil,
-          COST_EXCEEDS_CAPACITY,
+          false, whole, reset(tokens, capacity, rate, lag), nil, COST_EXCEEDS_CAPACITY,
+          next_unit(whole, tokens, capacity, rate, lag),
         }
       end
       if tokens + EPS >= need then
@@ -48,11 +62,16 @@ do
           tokens = tokens - cost
           pending = { tokens, last }
         end
-        return { true, floor(tokens + EPS), reset(tokens, capacity, rate, lag) }, pending
+        whole = floor(tokens + EPS)
+        return {
+          true, whole, reset(tokens, capacity, rate, lag), nil, nil,
+          next_unit(whole, tokens, capacity, rate, lag),
+        }, pending
       end
+      whole = floor(tokens + EPS)
       return {
-        false, floor(tokens + EPS), reset(tokens, capacity, rate, lag),
-        lag + (need - tokens) / rate,
+        false, whole, reset(tokens, capacity, rate, lag), lag + (need - tokens) / rate, nil,
+        next_unit(whole, tokens, capacity, rate, lag),
       }
     end,
 

@@ -1,0 +1,111 @@
+"""``/metrics`` of the router and the nodes: Prometheus' naming conventions, no
+``_created`` series, and every metric documented in ``docs/metrics.md``.
+
+The pages are read with prometheus-client's own text parser (not by the code
+that wrote them), after traffic that makes every labelled series appear.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from node.clock import FrozenClock
+from node.config import ClusterConfig, ScopedRule
+from node.metrics import NodeMetrics
+from node.rules import Rule
+from router.testing import InProcessCluster, node_url
+
+pytestmark = pytest.mark.anyio
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+NAME = re.compile(r"^ringlimit_[a-z][a-z0-9_]*[a-z0-9]$")
+LABEL = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def documented() -> set[str]:
+    """Every metric name in the first column of the doc's tables."""
+    names = set()
+    for line in DOC.read_text().splitlines():
+        match = re.match(r"^\|\s*`(ringlimit_[a-z0-9_]+)`", line)
+        if match:
+            names.add(match.group(1))
+    return names
+
+
+def check_page(text: str) -> set[str]:
+    """Assert the conventions on one exposition page; return its series names."""
+    assert "_created" not in text
+    exposed = set()
+    for family in text_string_to_metric_families(text):
+        assert NAME.match(family.name), family.name
+        assert family.documentation, family.name
+        for sample in family.samples:
+            assert not sample.name.endswith("_created"), sample.name
+            assert all(LABEL.match(label) for label in sample.labels), sample
+        if family.type == "counter":
+            assert {s.name for s in family.samples} <= {family.name + "_total"}, family.name
+            exposed.add(family.name + "_total")
+        else:
+            assert not family.name.endswith("_total"), family.name
+            exposed.add(family.name)
+        if family.type == "histogram":
+            assert family.name.endswith("_seconds"), family.name
+    return exposed
+
+
+async def test_router_and_node_pages_follow_the_conventions_and_are_documented() -> None:
+    config = ClusterConfig(rules=(ScopedRule(Rule("api", 1, 60.0)),))
+    async with InProcessCluster(3, config, clock=FrozenClock()) as cluster:
+        for user in ("a", "a", "b"):
+            await cluster.client.get("/hello", headers={"X-User-Id": user})
+        await cluster.client.get("/hello")
+        await cluster.client.post("/v1/check", json={"key": "a"})
+        router_page = (await cluster.client.get("/metrics")).text
+        node_pages = [
+            (await cluster.client.get(node_url(n) + "/metrics")).text for n in ("n1", "n2", "n3")
+        ]
+    exposed = check_page(router_page)
+    assert "ringlimit_router_forwarded_total" in exposed
+    for page in node_pages:
+        exposed |= check_page(page)
+    assert {"ringlimit_decisions_total", "ringlimit_decision_seconds"} <= exposed
+    assert "ringlimit_handoff_keys_sent_total" in exposed
+    assert "ringlimit_handoff_last_transfer_seconds" in exposed
+    missing = exposed - documented()
+    assert not missing, f"not in docs/metrics.md: {sorted(missing)}"
+
+
+def test_dict_statistics_become_one_metric_each_with_units() -> None:
+    metrics = NodeMetrics("n1")
+    metrics.add_counters(
+        "ringlimit_backend_fallback", {"decisions": "Fallback decisions."}, lambda: {"decisions": 3}
+    )
+    metrics.add_counters(
+        "ringlimit_handoff", {}, lambda: {"keys_sent": 5, "last_transfer_seconds": 0.25}
+    )
+    metrics.count("api", True)
+    text = metrics.render().decode()
+    exposed = check_page(text)
+    assert {
+        "ringlimit_backend_fallback_decisions_total",
+        "ringlimit_handoff_keys_sent_total",
+        "ringlimit_handoff_last_transfer_seconds",
+    } <= exposed
+    assert "ringlimit_handoff_last_transfer_seconds 0.25" in text
+    assert exposed <= documented()
+
+
+def test_documented_names_follow_the_conventions() -> None:
+    names = documented()
+    assert len(names) >= 15
+    for name in names:
+        assert NAME.match(name), name
