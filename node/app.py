@@ -52,6 +52,7 @@ from node.middleware import (
 from node.peers import INTERNAL_TOKEN_HEADER, Peers
 from node.rules import Rule
 from node.security import bearer, is_loopback, token_matches
+from node.shadow import denied_names
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore
 from ring import RingView
@@ -465,6 +466,9 @@ def result_dict(verdict: Verdict, node: str) -> dict[str, Any]:
     result["node"] = node
     if len(verdict.decisions) > 1:
         result["decisions"] = [d.to_dict() for d in verdict.decisions]
+    denied = denied_names(verdict)
+    if denied:
+        result["shadow_denied"] = denied
     return result
 
 
@@ -491,6 +495,7 @@ class ResultEncoder:
         reset, retry = d.reset_after, d.retry_after
         if (
             d.reason
+            or d.allowed != verdict.allowed
             or len(verdict.decisions) > 1
             or not isfinite(reset)
             or (retry is not None and not isfinite(retry))

@@ -14,6 +14,10 @@ from functools import lru_cache
 
 from node.decision import Decision, Verdict
 from node.rules import Rule
+from node.shadow import denied_names, has_shadow
+
+#: Names the shadow rules that would have denied a request they let through.
+SHADOW_HEADER = b"ringlimit-shadow"
 
 
 def whole_seconds(seconds: float) -> int:
@@ -47,7 +51,14 @@ def ratelimit_value(decisions: tuple[Decision, ...]) -> str:
 def rate_limit_headers(
     rules: tuple[Rule, ...] | list[Rule], verdict: Verdict, *, legacy: bool = True
 ) -> list[tuple[bytes, bytes]]:
-    """The headers for a decided request, as raw ASGI header pairs."""
+    """The headers for a decided request, as raw ASGI header pairs.
+
+    Shadow rules are left out of the rate-limit fields (a client must not slow
+    down for a limit that is not enforced); the ones that would have denied are
+    named in ``RingLimit-Shadow``.
+    """
+    if has_shadow(rules):
+        return _with_shadow(tuple(rules), verdict, legacy=legacy)
     decision = verdict.decision
     headers = [
         (
@@ -64,6 +75,22 @@ def rate_limit_headers(
         ]
     if not verdict.allowed and decision.retry_after is not None:
         headers.append((b"retry-after", retry_after_value(decision.retry_after).encode()))
+    return headers
+
+
+def _with_shadow(
+    rules: tuple[Rule, ...], verdict: Verdict, *, legacy: bool
+) -> list[tuple[bytes, bytes]]:
+    enforced = tuple(r for r in rules if not r.shadow)
+    headers: list[tuple[bytes, bytes]] = []
+    if enforced:
+        decisions = tuple(d for r, d in zip(rules, verdict.decisions, strict=True) if not r.shadow)
+        headers = rate_limit_headers(
+            enforced, Verdict(verdict.allowed, verdict.decision, decisions), legacy=legacy
+        )
+    denied = denied_names(verdict)
+    if denied:
+        headers.append((SHADOW_HEADER, ", ".join(f'"{name}"' for name in denied).encode()))
     return headers
 
 
