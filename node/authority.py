@@ -62,7 +62,8 @@ class Authority:
         if metrics is not None:
             metrics.observe(time.perf_counter() - started)
             metrics.count(verdict.decision.rule, verdict.allowed)
-            if not verdict.decision.allowed or len(verdict.decisions) > 1:
+            # A read (cost 0) is not a request a shadow rule would have denied.
+            if cost and (not verdict.decision.allowed or len(verdict.decisions) > 1):
                 for name in denied_names(verdict):
                     metrics.shadow_denied(name)
         return verdict
@@ -126,10 +127,10 @@ class Authority:
         if metrics is not None:
             metrics.observe(time.perf_counter() - started)
             tally: dict[tuple[str, bool], int] = {}
-            for verdict in verdicts:
+            for (_, _, cost), verdict in zip(checks, verdicts, strict=True):
                 outcome = (verdict.decision.rule, verdict.allowed)
                 tally[outcome] = tally.get(outcome, 0) + 1
-                if not verdict.decision.allowed or len(verdict.decisions) > 1:
+                if cost and (not verdict.decision.allowed or len(verdict.decisions) > 1):
                     for name in denied_names(verdict):
                         metrics.shadow_denied(name)
             for (rule, allowed), n in tally.items():

@@ -225,15 +225,14 @@ class _Reader:
                 raise self.fail(key_node, where, "keys must be strings")
             if key in out:
                 raise self.fail(key_node, f"{where}.{key}", "given twice")
-            if key not in allowed:
-                if key in _REFUSED and not (key == "detailed_metric" and _false(value_node)):
-                    raise self.fail(key_node, f"{where}.{key}", f"not supported: {_REFUSED[key]}")
-                if key not in _REFUSED:
-                    raise self.fail(
-                        key_node,
-                        f"{where}.{key}",
-                        f"unknown field (expected one of: {', '.join(allowed)})",
-                    )
+            if key in _REFUSED and not (key == "detailed_metric" and _false(value_node)):
+                raise self.fail(key_node, f"{where}.{key}", f"not supported: {_REFUSED[key]}")
+            if key not in allowed and key not in _REFUSED:
+                raise self.fail(
+                    key_node,
+                    f"{where}.{key}",
+                    f"unknown field (expected one of: {', '.join(allowed)})",
+                )
             out[key] = (key_node, value_node)
         return out
 
