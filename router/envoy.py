@@ -100,7 +100,6 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         self.envoy = envoy
         self.headers = frozenset(headers)
         self.api_token = api_token
-        self.calls: dict[str, int] = {}
 
     async def ShouldRateLimit(
         self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext
@@ -125,7 +124,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         return response
 
     def _count(self, code: str) -> None:
-        self.calls[code] = self.calls.get(code, 0) + 1
+        self.router.metrics.envoy_call(code)
 
     # ------------------------------------------------------------------ planning
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import subprocess
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,8 @@ from node.config import ClusterConfig
 from router.envoy import UINT32_MAX
 from router.envoy_config import EnvoyConfig, parse_envoy_config, with_envoy_rules
 from router.testing import InProcessCluster
-from tests.processes import Procs, free_port
+from tests.processes import Procs, free_port, wait_for
+from tests.test_cli import alive, children_of, free_block
 
 pytestmark = pytest.mark.anyio
 
@@ -237,6 +241,8 @@ async def test_no_decision_at_all_is_unavailable_for_failure_mode_deny() -> None
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await stub.ShouldRateLimit(request("api", [("user", "a")]))
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        metrics = (await cluster.client.get("/metrics")).text
+        assert 'ringlimit_router_envoy_calls_total{code="unavailable"} 1.0' in metrics
 
 
 async def test_the_api_token_guards_the_grpc_service_too() -> None:
@@ -280,3 +286,37 @@ def test_ringlimit_router_serves_grpc(procs: Procs, tmp_path: Path) -> None:
         f"{router_url}/v1/check", json={"key": "api/ip=198.51.100.7", "rule": "api.ip", "cost": 0}
     )
     assert check.json()["remaining"] == 0
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find child processes")
+def test_ringlimit_up_serves_grpc(procs: Procs, tmp_path: Path) -> None:
+    config = tmp_path / "api.yaml"
+    config.write_text(CONFIG)
+    port, grpc_port = free_block(3), free_port()
+    proc = procs.start(
+        "up",
+        [
+            *("up", "--nodes", "2", "--port", str(port)),
+            *("--grpc-port", str(grpc_port), "--envoy-config", str(config)),
+        ],
+    )
+    children: list[int] = []
+    try:
+        assert wait_for(lambda: "try:" in proc.output() or not proc.alive(), 40), proc.output()
+        children = children_of(proc.popen.pid)
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+            codes = [
+                stub.ShouldRateLimit(request("api", [("ip", "a")]), timeout=10).overall_code
+                for _ in range(3)
+            ]
+        assert codes == [OK, OK, OVER]
+    finally:
+        proc.popen.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(20)
+        wait_for(lambda: not any(alive(pid) for pid in children), 10)
+        for pid in children:  # never leave our own processes behind, even on failure
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
