@@ -325,8 +325,12 @@ def _run_router(args: argparse.Namespace) -> int:
     )
     if envoy is not None:
         config = with_envoy_rules(config, envoy)
-    if envoy is not None and args.grpc_port is None:
-        print("ringlimit: --envoy-config needs --grpc-port (where Envoy asks)", file=sys.stderr)
+    if (envoy is None) != (args.grpc_port is None):
+        print(
+            "ringlimit: --grpc-port and --envoy-config go together (where Envoy asks, "
+            "and the limits it asks about)",
+            file=sys.stderr,
+        )
         return 2
     headers = tuple(h.strip() for h in args.envoy_headers.split(",") if h.strip())
     from router.envoy import HEADER_SETS
@@ -416,13 +420,16 @@ def _run_up(args: argparse.Namespace) -> int:
     config = cluster_config(args)
     if args.nodes < 1:
         raise ValueError("--nodes must be at least 1")
+    if bool(args.envoy_config) != (args.grpc_port is not None):
+        raise ValueError(
+            "--grpc-port and --envoy-config go together (where Envoy asks, and the limits "
+            "it asks about)"
+        )
     if args.envoy_config:
         from router.envoy_config import load_envoy_configs, with_envoy_rules
 
         # Read here too, so a bad file is one line before any process starts.
         with_envoy_rules(config, load_envoy_configs(args.envoy_config, on_error=args.on_error))
-        if args.grpc_port is None:
-            raise ValueError("--envoy-config needs --grpc-port (where Envoy asks)")
     _warn_modes(config)
     return run_cluster(args, config)
 

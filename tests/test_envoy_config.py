@@ -226,5 +226,10 @@ def test_the_router_command_reports_a_bad_file_in_one_line(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
     assert f"{bad}: line 4: descriptors[0].colour: unknown field" in err
-    assert main(["up", "--envoy-config", str(tmp_path / "missing.yaml")]) == 2
+    missing = str(tmp_path / "missing.yaml")
+    assert main(["up", "--grpc-port", "0", "--envoy-config", missing]) == 2
     assert "missing.yaml: no such file" in capsys.readouterr().err
+    assert main(["up", "--envoy-config", str(bad)]) == 2
+    assert "go together" in capsys.readouterr().err
+    assert main(["router", "--grpc-port", "0"]) == 2
+    assert "go together" in capsys.readouterr().err
