@@ -306,6 +306,8 @@ class Settings:
     rows: tuple[str, ...] = tuple(ROWS)
     #: The clusters' crash policy; None: ringlimit's default (replica: replication on).
     crash_policy: str | None = None
+    #: The Envoy row (benchmarks/envoy.py): ShouldRateLimit over gRPC, sticky vs Redis.
+    envoy: bool = True
 
 
 def cluster_toml(settings: Settings) -> str:
@@ -855,6 +857,15 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         *target_lines(targets(report)),
     ]
+    if report.get("envoy"):
+        from benchmarks.envoy import lines as envoy_lines
+
+        parts += [
+            "",
+            "## Envoy's rate limit service (gRPC ShouldRateLimit, one descriptor per call)",
+            "",
+            *envoy_lines(report["envoy"]),
+        ]
     if report.get("engine", {}).get("medians"):
         parts += ["", "## Engine (in-process, one rule)", "", *engine_lines(report["engine"])]
     if report.get("notes"):
@@ -1064,6 +1075,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "streams every changed state to a second node)",
     )
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--skip-envoy", action="store_true", help="no ShouldRateLimit (gRPC) row")
     parser.add_argument("--skip-handoff", action="store_true")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -1089,6 +1101,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         else (args.handoff_keys or (100_000 if quick else 1_000_000)),
         tool=args.loadgen,
         crash_policy=args.crash_policy,
+        envoy=not getattr(args, "skip_envoy", False),
     )
     if args.rows:
         chosen = tuple(r.strip() for r in args.rows.split(",") if r.strip())
@@ -1128,7 +1141,7 @@ def run(args: argparse.Namespace) -> int:
     if tool == "wrk" and not wrk_available():
         raise ValueError("--loadgen wrk: wrk is not installed")
     tool_name = "wrk" if tool == "wrk" or (tool == "auto" and wrk_available()) else "python"
-    needs_redis = bool(set(settings.rows) & {"redis", "slowapi"})
+    needs_redis = bool(set(settings.rows) & {"redis", "slowapi"}) or settings.envoy
     if needs_redis and not _have("redis-server"):
         raise ValueError("redis-server is not on the PATH (needed by the redis and slowapi rows)")
     quick = bool(args.quick)
@@ -1162,6 +1175,7 @@ def run(args: argparse.Namespace) -> int:
         + settings.engine_seconds * 1.3
         + settings.memory_keys / 100_000
         + settings.handoff_keys / 40_000
+        + (settings.repeats * 2 * (settings.duration + 1) + 12 if settings.envoy else 0)
     )
     progress = Progress(total, enabled=not args.no_progress)
     started = time.time()
@@ -1225,6 +1239,14 @@ def run(args: argparse.Namespace) -> int:
             summary["limited"] = rows[key].limited
             report["rows"][key] = summary
         add_ratios(report["rows"])
+        if settings.envoy:
+            from benchmarks.envoy import run_envoy
+
+            with progress.step(
+                "envoy: ShouldRateLimit, sticky vs Redis",
+                settings.repeats * 2 * (settings.duration + 1) + 12,
+            ):
+                report["envoy"] = run_envoy(settings, procs, workdir)
         if settings.engine_seconds > 0:
             with progress.step("engine: ours vs limits", settings.engine_seconds * 1.3):
                 report["engine"] = run_engine(settings)
@@ -1313,6 +1335,12 @@ def print_report(report: dict[str, Any]) -> None:
     )
     for line in table_lines(report):
         print(line)
+    if report.get("envoy"):
+        from benchmarks.envoy import lines as envoy_lines
+
+        print()
+        for line in envoy_lines(report["envoy"]):
+            print(line)
     if report.get("engine", {}).get("medians"):
         print()
         for line in engine_lines(report["engine"]):

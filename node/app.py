@@ -52,6 +52,7 @@ from node.middleware import (
 from node.peers import INTERNAL_TOKEN_HEADER, Peers
 from node.rules import Rule
 from node.security import bearer, is_loopback, token_matches
+from node.shadow import denied_names
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore
 from ring import RingView
@@ -483,6 +484,9 @@ def result_dict(verdict: Verdict, node: str) -> dict[str, Any]:
     result["node"] = node
     if len(verdict.decisions) > 1:
         result["decisions"] = [d.to_dict() for d in verdict.decisions]
+    denied = denied_names(verdict)
+    if denied:
+        result["shadow_denied"] = denied
     return result
 
 
@@ -509,6 +513,7 @@ class ResultEncoder:
         reset, retry, available = d.reset_after, d.retry_after, d.available_after
         if (
             d.reason
+            or d.allowed != verdict.allowed
             or len(verdict.decisions) > 1
             or not isfinite(reset)
             or not isfinite(available)

@@ -15,6 +15,7 @@ from node.config import ClusterConfig
 from node.decision import Verdict
 from node.metrics import NodeMetrics
 from node.rules import Rule
+from node.shadow import denied_names, has_shadow, merge, split
 from node.shard import Shard
 from node.store import MemoryStore
 
@@ -53,12 +54,47 @@ class Authority:
         started = time.perf_counter()
         if self.shard is not None:
             await self.shard.admit(key, rules)
-        verdict = await self.backend.check(key, rules, cost)
+        if has_shadow(rules):
+            verdict = (await self._with_shadow([(key, rules, cost)]))[0]
+        else:
+            verdict = await self.backend.check(key, rules, cost)
         metrics = self.metrics
         if metrics is not None:
             metrics.observe(time.perf_counter() - started)
             metrics.count(verdict.decision.rule, verdict.allowed)
+            # A read (cost 0) is not a request a shadow rule would have denied.
+            if cost and (not verdict.decision.allowed or len(verdict.decisions) > 1):
+                for name in denied_names(verdict):
+                    metrics.shadow_denied(name)
         return verdict
+
+    async def _with_shadow(
+        self, checks: Sequence[tuple[str, Sequence[Rule], int]]
+    ) -> list[Verdict]:
+        """Decide checks that have shadow rules (see node/shadow.py): the enforced
+        rules atomically first, then each shadow rule alone, consuming only when
+        the request was allowed."""
+        parts = [split(tuple(rules)) for _, rules, _ in checks]
+        enforced_checks = [
+            (key, enforced, cost)
+            for (key, _, cost), (enforced, _) in zip(checks, parts, strict=True)
+            if enforced
+        ]
+        enforced_verdicts = iter(await self.backend.check_many(enforced_checks))
+        firsts: list[Verdict | None] = [
+            next(enforced_verdicts) if enforced else None for enforced, _ in parts
+        ]
+        shadow_checks = [
+            (key, (rule,), cost if first is None or first.allowed else 0)
+            for (key, _, cost), (_, shadow), first in zip(checks, parts, firsts, strict=True)
+            for rule in shadow
+        ]
+        shadow_verdicts = iter(await self.backend.check_many(shadow_checks))
+        out = []
+        for (_, rules, _), (_, shadow), first in zip(checks, parts, firsts, strict=True):
+            decisions = [next(shadow_verdicts).decision for _ in shadow]
+            out.append(merge(rules, first, decisions))
+        return out
 
     async def decide_many(self, checks: Sequence[tuple[str, Sequence[Rule], int]]) -> list[Verdict]:
         started = time.perf_counter()
@@ -72,14 +108,31 @@ class Authority:
                 # still be ours when the batch is decided (no await from here on).
                 for key, _, _ in checks:
                     shard.check_owner(key)
-        verdicts = await self.backend.check_many(checks)
+        if any(has_shadow(rules) for _, rules, _ in checks):
+            plain = [i for i, (_, rules, _) in enumerate(checks) if not has_shadow(rules)]
+            shadowed = [i for i, (_, rules, _) in enumerate(checks) if has_shadow(rules)]
+            found: list[Verdict | None] = [None] * len(checks)
+            for i, verdict in zip(
+                plain, await self.backend.check_many([checks[i] for i in plain]), strict=True
+            ):
+                found[i] = verdict
+            for i, verdict in zip(
+                shadowed, await self._with_shadow([checks[i] for i in shadowed]), strict=True
+            ):
+                found[i] = verdict
+            verdicts = [v for v in found if v is not None]
+        else:
+            verdicts = await self.backend.check_many(checks)
         metrics = self.metrics
         if metrics is not None:
             metrics.observe(time.perf_counter() - started)
             tally: dict[tuple[str, bool], int] = {}
-            for verdict in verdicts:
+            for (_, _, cost), verdict in zip(checks, verdicts, strict=True):
                 outcome = (verdict.decision.rule, verdict.allowed)
                 tally[outcome] = tally.get(outcome, 0) + 1
+                if cost and (not verdict.decision.allowed or len(verdict.decisions) > 1):
+                    for name in denied_names(verdict):
+                        metrics.shadow_denied(name)
             for (rule, allowed), n in tally.items():
                 metrics.count(rule, allowed, n)
         return verdicts

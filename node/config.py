@@ -49,12 +49,17 @@ class ScopedRule:
     paths: tuple[str, ...] = ()
     methods: tuple[str, ...] = ()
     tiers: tuple[str, ...] = ()
+    #: Applies only where it is named (decision API, Envoy's gRPC API): never to a
+    #: proxied request and never as a default. Rules from ``--envoy-config`` are so.
+    named_only: bool = False
 
     @property
     def is_default(self) -> bool:
-        return not (self.paths or self.methods or self.tiers)
+        return not (self.paths or self.methods or self.tiers or self.named_only)
 
     def matches(self, method: str, path: str, tier: str | None) -> bool:
+        if self.named_only:
+            return False
         if self.methods and method.upper() not in self.methods:
             return False
         if self.tiers and (tier is None or tier not in self.tiers):
@@ -66,6 +71,8 @@ class ScopedRule:
         for name in ("paths", "methods", "tiers"):
             if getattr(self, name):
                 data[name] = list(getattr(self, name))
+        if self.named_only:
+            data["named_only"] = True
         return data
 
 
@@ -418,6 +425,8 @@ class _Parser:
                 "on_error",
                 "crash_policy",
                 "replicas",
+                "shadow",
+                "named_only",
                 "paths",
                 "methods",
                 "tiers",
@@ -458,15 +467,20 @@ class _Parser:
                 on_error=data.get("on_error", "open"),
                 crash_policy=data.get("crash_policy"),
                 replicas=data.get("replicas", 1),
+                shadow=data.get("shadow", False),
             )
         except RuleError as exc:
             raise self.fail(_rule_field(where, str(exc)), str(exc)) from None
         methods = tuple(m.upper() for m in self.strings(data.get("methods"), f"{where}.methods"))
+        named_only = data.get("named_only", False)
+        if not isinstance(named_only, bool):
+            raise self.fail(f"{where}.named_only", f"must be true or false, got {named_only!r}")
         return ScopedRule(
             rule=rule,
             paths=self.strings(data.get("paths"), f"{where}.paths"),
             methods=methods,
             tiers=self.strings(data.get("tiers"), f"{where}.tiers"),
+            named_only=named_only,
         )
 
 
@@ -479,6 +493,7 @@ _RULE_FIELDS = (
     (": on_error must", "on_error"),
     (": crash_policy must", "crash_policy"),
     (": replicas must", "replicas"),
+    (": shadow must", "shadow"),
 )
 
 

@@ -42,6 +42,10 @@ from typing import Any
 
 from node.decision import Decision, Verdict
 from node.rules import Rule
+from node.shadow import denied_names, has_shadow
+
+#: Names the shadow rules that would have denied a request they let through.
+SHADOW_HEADER = b"ringlimit-shadow"
 
 #: Section 5.1 and 10.2.1 of the draft.
 QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded"
@@ -131,8 +135,15 @@ def rate_limit_headers(
 ) -> list[tuple[bytes, bytes]]:
     """The headers for a decided request, as raw ASGI header pairs.
 
-    ``now`` (Unix time) is needed only for ``legacy_reset="epoch"``.
+    ``now`` (Unix time) is needed only for ``legacy_reset="epoch"``. Shadow
+    rules are left out of the rate-limit fields (a client must not slow down
+    for a limit that is not enforced); the ones that would have denied are
+    named in ``RingLimit-Shadow``.
     """
+    if has_shadow(rules):
+        return _with_shadow(
+            tuple(rules), verdict, legacy=legacy, legacy_reset=legacy_reset, now=now
+        )
     decision = verdict.decision
     headers = [
         (
@@ -169,6 +180,31 @@ def legacy_headers(
         (b"x-ratelimit-remaining", str(decision.remaining).encode()),
         (b"x-ratelimit-reset", str(value).encode()),
     ]
+
+
+def _with_shadow(
+    rules: tuple[Rule, ...],
+    verdict: Verdict,
+    *,
+    legacy: bool,
+    legacy_reset: str,
+    now: float | None,
+) -> list[tuple[bytes, bytes]]:
+    enforced = tuple(r for r in rules if not r.shadow)
+    headers: list[tuple[bytes, bytes]] = []
+    if enforced:
+        decisions = tuple(d for r, d in zip(rules, verdict.decisions, strict=True) if not r.shadow)
+        headers = rate_limit_headers(
+            enforced,
+            Verdict(verdict.allowed, verdict.decision, decisions),
+            legacy=legacy,
+            legacy_reset=legacy_reset,
+            now=now,
+        )
+    denied = denied_names(verdict)
+    if denied:
+        headers.append((SHADOW_HEADER, ", ".join(f'"{name}"' for name in denied).encode()))
+    return headers
 
 
 def denial_body(verdict: Verdict) -> dict[str, object]:

@@ -45,6 +45,12 @@ class NodeMetrics:
         self.epoch = Gauge(
             "ringlimit_ring_epoch", "Newest ring epoch known.", registry=self.registry
         )
+        self.shadow_denials = Counter(
+            "ringlimit_shadow_denials_total",
+            "Requests a shadow rule would have denied (it let them through), by rule.",
+            ["rule"],
+            registry=self.registry,
+        )
         self._children: dict[tuple[str, str], Any] = {}
         self.observe = self.latency.observe
 
@@ -54,6 +60,9 @@ class NodeMetrics:
         if child is None:
             child = self._children[key] = self.decisions.labels(*key)
         child.inc(n)
+
+    def shadow_denied(self, rule: str, n: int = 1) -> None:
+        self.shadow_denials.labels(rule).inc(n)
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind).inc()

@@ -126,6 +126,8 @@ class Rule:
     on_error: str = "open"
     crash_policy: str | None = None
     replicas: int = 1
+    #: A shadow rule is decided and counted but never denies (see docs/configuration.md).
+    shadow: bool = False
     #: capacity: the most units a fresh state admits at once.
     capacity: int = field(init=False, repr=False, compare=False)
     #: rate: units regained per second (buckets).
@@ -165,6 +167,8 @@ class Rule:
         replicas = self.replicas
         if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 3:
             raise RuleError(f"rule {self.name!r}: replicas must be an integer 1..{MAX_REPLICAS}")
+        if not isinstance(self.shadow, bool):
+            raise RuleError(f"rule {self.name!r}: shadow must be true or false")
         bucket = self.algorithm in ("token_bucket", "gcra")
         object.__setattr__(self, "capacity", burst if bucket else self.limit)
         object.__setattr__(self, "rate", self.limit / period)
@@ -190,6 +194,8 @@ class Rule:
             data["crash_policy"] = self.crash_policy
         if self.replicas != 1:
             data["replicas"] = self.replicas
+        if self.shadow:
+            data["shadow"] = True
         return data
 
     @classmethod
@@ -205,6 +211,7 @@ class Rule:
             "on_error",
             "crash_policy",
             "replicas",
+            "shadow",
         }
         if unknown:
             raise RuleError(f"unknown rule field(s): {', '.join(sorted(unknown))}")
@@ -218,6 +225,7 @@ class Rule:
                 on_error=data.get("on_error", "open"),  # type: ignore[arg-type]
                 crash_policy=data.get("crash_policy"),  # type: ignore[arg-type]
                 replicas=data.get("replicas", 1),  # type: ignore[arg-type]
+                shadow=data.get("shadow", False),  # type: ignore[arg-type]
             )
         except KeyError as exc:
             raise RuleError(f"rule is missing field {exc.args[0]!r}") from None
@@ -256,13 +264,19 @@ def parse_rule(
     algorithm: str = "token_bucket",
     burst: int | None = None,
     on_error: str = "open",
+    shadow: bool = False,
 ) -> Rule:
     """Build a rule from the strings users already know.
 
     ``"100/minute"`` gets the name ``100-per-minute``; ``"api=100/minute"`` is named
-    ``api``. The name is what response headers and metrics show.
+    ``api``. The name is what response headers and metrics show. A trailing
+    ``";shadow"`` (``"api=100/minute;shadow"``) makes it a shadow rule.
     """
     spec = text
+    head, sep, flag = text.rpartition(";")
+    if sep and flag.strip().lower() == "shadow":
+        text = spec = head
+        shadow = True
     if "=" in text and name is None:
         name, spec = (part.strip() for part in text.split("=", 1))
     limit, period = parse_rate(spec)
@@ -273,4 +287,5 @@ def parse_rule(
         algorithm=algorithm,
         burst=burst or 0,
         on_error=on_error,
+        shadow=shadow,
     )

@@ -49,6 +49,7 @@ from node.security import bearer, is_loopback, token_matches
 from ring import EmptyRingError, Member, RingView
 from router.coalesce import Coalescer
 from router.coordinator import CoordinatorError, EtcdCoordinator
+from router.envoy_config import EnvoyConfig
 from router.fastclient import FastForwarder
 from router.forward import (
     AiohttpForwarder,
@@ -121,6 +122,12 @@ class RouterSettings:
     #: Hold single decision-API checks this long (seconds) to send them to their
     #: node as one batch; 0 sends each at once.
     coalesce_window: float = 0.0003
+    #: Envoy's rate limit service (router/envoy.py): served on ``grpc_port`` when set.
+    envoy: EnvoyConfig | None = None
+    grpc_port: int | None = None
+    grpc_host: str = "127.0.0.1"
+    #: Response headers ShouldRateLimit adds: "draft" (RateLimit fields), "envoy" (x-ratelimit-*).
+    envoy_headers: tuple[str, ...] = ()
 
 
 class Router:
@@ -171,6 +178,10 @@ class Router:
             else None
         )
         self.control = Starlette(routes=self._routes(), lifespan=self._lifespan)
+        self.grpc_server: Any = None
+        #: The port the gRPC service is bound to (when ``grpc_port`` was 0, the one chosen).
+        self.grpc_bound: int | None = None
+        self.envoy_servicer: Any = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -191,8 +202,23 @@ class Router:
                 else FastForwarder(timeouts=self.settings.timeouts)
             )
         await self.membership.start(self.settings.seeds, health=self.settings.health_checks)
+        if self.settings.grpc_port is not None:
+            from router.envoy import RateLimitServicer, start_grpc
+
+            self.envoy_servicer = RateLimitServicer(
+                self,
+                self.settings.envoy or EnvoyConfig({}),
+                headers=self.settings.envoy_headers,
+                api_token=self.settings.api_token,
+            )
+            self.grpc_server, self.grpc_bound = await start_grpc(
+                self.envoy_servicer, self.settings.grpc_host, self.settings.grpc_port
+            )
 
     async def close(self) -> None:
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=1.0)
+            self.grpc_server = None
         await self.membership.close()
         if self.forwarder is not None:
             await self.forwarder.close()

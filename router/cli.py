@@ -86,6 +86,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--node-port", type=int, default=0, help="first node port (default: router port + 1)"
     )
     _config_arguments(up)
+    _envoy_arguments(up)
     _fronting_arguments(up)
     _backend_arguments(up)
     up.add_argument("--state-file", help="where the router keeps its ring (default: none)")
@@ -179,6 +180,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "router of a cluster: the one that takes admin changes)",
     )
     _config_arguments(router)
+    _envoy_arguments(router)
+    router.add_argument(
+        "--envoy-headers",
+        default="",
+        metavar="SETS",
+        help="response headers ShouldRateLimit asks Envoy to add: 'draft' (RateLimit-Policy, "
+        "RateLimit), 'envoy' (x-ratelimit-*), both comma-separated, or '' (default: none)",
+    )
     _backend_arguments(router)
     router.add_argument("-v", "--verbose", action="store_true")
     router.set_defaults(run=_run_router)
@@ -271,6 +280,23 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--user-header", help="take the user id from this header")
 
 
+def _envoy_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Envoy's rate limit service (docs/envoy.md)")
+    group.add_argument(
+        "--grpc-port",
+        type=int,
+        metavar="P",
+        help="serve envoy.service.ratelimit.v3.RateLimitService on this port",
+    )
+    group.add_argument(
+        "--envoy-config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an envoyproxy/ratelimit YAML config, one domain per file (repeatable)",
+    )
+
+
 def _fronting_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("what the nodes serve")
     choice = group.add_mutually_exclusive_group()
@@ -330,11 +356,35 @@ def _tokens() -> tuple[str | None, str | None]:
 
 def _run_router(args: argparse.Namespace) -> int:
     from router.app import RouterSettings, create_router
+    from router.envoy_config import load_envoy_configs, with_envoy_rules
     from router.forward import Timeouts
     from router.server import serve_router
 
     config = cluster_config(args)
     admin_token, internal_token = _tokens()
+    envoy = (
+        load_envoy_configs(args.envoy_config, on_error=args.on_error) if args.envoy_config else None
+    )
+    if envoy is not None:
+        config = with_envoy_rules(config, envoy)
+    if (envoy is None) != (args.grpc_port is None):
+        print(
+            "ringlimit: --grpc-port and --envoy-config go together (where Envoy asks, "
+            "and the limits it asks about)",
+            file=sys.stderr,
+        )
+        return 2
+    headers = tuple(h.strip() for h in args.envoy_headers.split(",") if h.strip())
+    from router.envoy import HEADER_SETS
+
+    unknown = [h for h in headers if h not in HEADER_SETS]
+    if unknown:
+        print(
+            f"ringlimit: --envoy-headers: unknown set(s) {', '.join(unknown)} "
+            f"(expected {', '.join(HEADER_SETS)})",
+            file=sys.stderr,
+        )
+        return 2
     seeds = [_parse_seed(spec) for spec in args.node]
     settings = RouterSettings(
         config=config,
@@ -354,6 +404,10 @@ def _run_router(args: argparse.Namespace) -> int:
         advertise=args.advertise or f"http://{_reachable(args.host)}:{args.port}",
         health_checks=not args.no_health_checks,
         coalesce_window=args.coalesce_window / 1e6,
+        envoy=envoy,
+        grpc_port=args.grpc_port,
+        grpc_host=args.host,
+        envoy_headers=headers,
     )
     _warn_modes(config)
     serve_router(create_router(settings), host=args.host, port=args.port)
@@ -435,6 +489,16 @@ def _run_up(args: argparse.Namespace) -> int:
     config = cluster_config(args)
     if args.nodes < 1:
         raise ValueError("--nodes must be at least 1")
+    if bool(args.envoy_config) != (args.grpc_port is not None):
+        raise ValueError(
+            "--grpc-port and --envoy-config go together (where Envoy asks, and the limits "
+            "it asks about)"
+        )
+    if args.envoy_config:
+        from router.envoy_config import load_envoy_configs, with_envoy_rules
+
+        # Read here too, so a bad file is one line before any process starts.
+        with_envoy_rules(config, load_envoy_configs(args.envoy_config, on_error=args.on_error))
     _warn_modes(config)
     return run_cluster(args, config)
 

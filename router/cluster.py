@@ -93,6 +93,10 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
             router_argv += ["--node", seed]
         if args.state_file:
             router_argv += ["--state-file", args.state_file]
+        if getattr(args, "grpc_port", None) is not None:
+            router_argv += ["--grpc-port", str(args.grpc_port)]
+        for envoy_file in getattr(args, "envoy_config", ()):
+            router_argv += ["--envoy-config", str(Path(envoy_file).resolve())]
         cluster.processes.insert(0, ("router", _popen(router_argv)))
         router_url = f"http://{host}:{args.port}"
         ring = _wait_for_ring(router_url, cluster, lambda: stopping)

@@ -34,6 +34,13 @@ class RouterMetrics:
             ["node"],
             registry=self.registry,
         )
+        self._envoy = Counter(
+            "ringlimit_router_envoy_calls_total",
+            "Envoy ShouldRateLimit calls, by answer: ok, over_limit, invalid_argument, "
+            "unavailable, unauthenticated.",
+            ["code"],
+            registry=self.registry,
+        )
         self._latency = Histogram(
             "ringlimit_router_forward_seconds",
             "Time from request to forwarded answer.",
@@ -81,6 +88,9 @@ class RouterMetrics:
 
     def outcome(self, node: str, event: str) -> None:
         self._events.labels(node, event).inc()
+
+    def envoy_call(self, code: str) -> None:
+        self._envoy.labels(code).inc()
 
     def checks(self, node: str, count: int) -> None:
         self._checks.labels(node).inc(count)

@@ -218,6 +218,29 @@ def test_load_generator_pieces() -> None:
     assert cluster.cpu_seconds([os.getpid()]) > 0
 
 
+def test_envoy_row_summary_and_table() -> None:
+    from benchmarks import envoy
+
+    def one(calls_per_s: float, router: float) -> dict[str, object]:
+        return {
+            "calls_per_s": calls_per_s,
+            "p50_ms": 2.0,
+            "p99_ms": 9.0,
+            "errors": 0,
+            "cpu_us_per_call": {"router": router, "nodes": 50.0},
+        }
+
+    runs = {"sticky": [one(900, 300), one(1100, 200)], "redis": [one(600, 400), one(500, 500)]}
+    summary = envoy.summarise(runs, {"sticky": 500, "redis": 500})
+    assert summary["rows"]["sticky"]["calls_per_s"] == 1000
+    assert summary["rows"]["redis"]["cpu_us_per_call"]["router"] == 450
+    # The ratio is the median of per-round ratios (900/600, 1100/500), not of medians.
+    assert summary["sticky_vs_redis"] == pytest.approx((1.5 + 2.2) / 2)
+    table = "\n".join(envoy.lines(summary))
+    assert "| sticky | 1,000 | 2.00 | 9.00 | 250 | 50 | - | 0 | 500 (500) |" in table
+    assert "sticky vs Redis, ShouldRateLimit calls/s: 1.85x" in table
+
+
 @pytest.mark.benchmark
 @pytest.mark.timeout(900)
 def test_bench_quick_smoke(tmp_path: Path) -> None:
@@ -244,6 +267,9 @@ def test_bench_quick_smoke(tmp_path: Path) -> None:
     assert set(report["exactness"]) == set(ROWS) - {"direct"}
     assert report["handoff"]["complete"]
     assert report["engine"]["ratios"] and report["memory"]["bytes_per_key"] > 0
+    envoy = report["envoy"]
+    assert all(row["calls_per_s"] > 0 and row["errors"] == 0 for row in envoy["rows"].values())
+    assert {row["tight_ok"] for row in envoy["rows"].values()} == {envoy["tight_expected"]}
     assert {t["name"] for t in report["targets"]} >= {
         "router+sticky req/s vs direct-to-node floor",
         "decision API, batches of 100: decisions/s",

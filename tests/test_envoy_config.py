@@ -1,0 +1,235 @@
+"""envoyproxy/ratelimit's YAML config: realistic files, matching, and errors that
+name the file, the line and the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node.config import ClusterConfig, ConfigError, ScopedRule
+from node.rules import Rule
+from router.cli import main
+from router.envoy_config import (
+    load_envoy_config,
+    load_envoy_configs,
+    parse_envoy_config,
+    with_envoy_rules,
+)
+
+#: Written from envoyproxy/ratelimit's documented format (its README's examples).
+EDGE = """\
+# The edge proxy's limits.
+domain: edge_proxy_per_ip
+descriptors:
+  - key: remote_address
+    rate_limit:
+      unit: second
+      requests_per_unit: 10
+
+  # Black list IP
+  - key: remote_address
+    value: 50.0.0.5
+    rate_limit:
+      unit: second
+      requests_per_unit: 0
+"""
+
+MONGO = """\
+domain: mongo_cps
+descriptors:
+  - key: database
+    value: users
+    rate_limit:
+      unit: second
+      requests_per_unit: 500
+
+  - key: database
+    value: default
+    rate_limit:
+      unit: second
+      requests_per_unit: 500
+"""
+
+MESSAGING = """\
+---
+domain: messaging
+descriptors:
+  # Only allow 5 marketing messages a day
+  - key: message_type
+    value: marketing
+    descriptors:
+      - key: to_number
+        rate_limit:
+          unit: day
+          requests_per_unit: 5
+
+  # Only allow 100 messages a day to any unique phone number
+  - key: to_number
+    rate_limit:
+      unit: day
+      requests_per_unit: 100
+
+  - key: client_id
+    value: partner
+    rate_limit:
+      unlimited: true
+
+  - key: path
+    value: /api/*
+    shadow_mode: true
+    detailed_metric: false
+    rate_limit:
+      name: api_paths
+      unit: minute
+      requests_per_unit: 60
+
+  - key: path
+    value: /api/v2/*
+    rate_limit:
+      unit: minute
+      requests_per_unit: 20
+      replaces:
+        - name: api_paths
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_realistic_file_maps_descriptors_to_rules(tmp_path: Path) -> None:
+    domain = load_envoy_config(write(tmp_path, "messaging.yaml", MESSAGING))
+    assert domain.name == "messaging"
+    marketing = domain.limit_for([("message_type", "marketing"), ("to_number", "2061111111")])
+    assert marketing is not None and marketing.rule is not None
+    assert (marketing.rule.limit, marketing.rule.period) == (5, 86400.0)
+    assert marketing.rule.algorithm == "fixed_window"  # envoyproxy/ratelimit's counting
+    any_number = domain.limit_for([("to_number", "2061111111")])
+    assert any_number is not None and any_number.rule is not None
+    assert any_number.rule.limit == 100
+    assert any_number.rule.name == "messaging.to_number"
+    # An entry that is not the last one has no limit of its own.
+    assert domain.limit_for([("message_type", "marketing")]) is None
+    assert domain.limit_for([("message_type", "other"), ("to_number", "1")]) is None
+    partner = domain.limit_for([("client_id", "partner")])
+    assert partner is not None and partner.unlimited
+    # Wildcards: longest prefix first, exact before wildcard.
+    v1 = domain.limit_for([("path", "/api/v1/users")])
+    v2 = domain.limit_for([("path", "/api/v2/users")])
+    assert v1 is not None and v1.rule is not None and v1.rule.shadow and v1.name == "api_paths"
+    assert v2 is not None and v2.rule is not None and v2.replaces == ("api_paths",)
+    assert domain.limit_for([("path", "/other")]) is None
+
+
+def test_several_files_one_domain_each_and_the_rules_they_add(tmp_path: Path) -> None:
+    edge = EDGE.replace("requests_per_unit: 0", "requests_per_unit: 1")
+    envoy = load_envoy_configs([write(tmp_path, "a.yaml", edge), write(tmp_path, "b.yaml", MONGO)])
+    assert sorted(envoy.domains) == ["edge_proxy_per_ip", "mongo_cps"]
+    names = sorted(s.rule.name for s in envoy.rules)
+    assert names == [
+        "edge_proxy_per_ip.remote_address",
+        "edge_proxy_per_ip.remote_address_50.0.0.5",
+        "mongo_cps.database_default",
+        "mongo_cps.database_users",
+    ]
+    base = ClusterConfig(rules=(ScopedRule(Rule("api", 10, 60.0)),))
+    config = with_envoy_rules(base, envoy)
+    # Envoy's rules apply only where named: never to proxied requests or as defaults.
+    assert config.default_rules == base.default_rules
+    assert config.rules_for("GET", "/", None) == base.rules_for("GET", "/", None)
+    assert config.rule("mongo_cps.database_users") is not None
+    # The wire format keeps them named-only (nodes get the config from the router).
+    assert ClusterConfig.from_dict(config.to_dict()) == config
+    assert with_envoy_rules(config, envoy) == config  # given twice (ringlimit up): kept once
+    with pytest.raises(ConfigError, match="already defined"):
+        load_envoy_configs([tmp_path / "b.yaml", write(tmp_path, "c.yaml", MONGO)])
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "message"),
+    [
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: minute\n"
+            "      request_per_unit: 5\n",
+            6,
+            "descriptors[0].rate_limit.request_per_unit: unknown field",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: fortnight, "
+            "requests_per_unit: 5}\n",
+            4,
+            "descriptors[0].rate_limit.unit: unknown unit 'fortnight'",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    detailed_metric: true\n"
+            "    rate_limit: {unit: second, requests_per_unit: 5}\n",
+            4,
+            "descriptors[0].detailed_metric: not supported",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n"
+            "        quota_mode: true\n",
+            6,
+            "descriptors[0].descriptors[0].quota_mode: not supported",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, "
+            "requests_per_unit: -1}\n",
+            4,
+            "requests_per_unit: must be a positive integer",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, "
+            "requests_per_unit: 1, replaces: [{name: nobody}]}\n",
+            4,
+            "replaces: no rate limit is named 'nobody'",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    shadow_mode: yes please\n"
+            "    rate_limit: {unit: second, requests_per_unit: 1}\n",
+            4,
+            "descriptors[0].shadow_mode: must be true or false",
+        ),
+        ("domain: d\ndescriptors:\n  - value: x\n", 3, "descriptors[0]: missing 'key'"),
+        ("domain: d\ndescriptor:\n  - key: x\n", 2, "top level.descriptor: unknown field"),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n  - key: a\n",
+            4,
+            "descriptor a=* is given twice",
+        ),
+        ("domain: d\ndescriptors: [\n", 3, "not valid YAML"),
+    ],
+)
+def test_errors_name_the_file_the_line_and_the_field(text: str, line: int, message: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_envoy_config(text, "limits.yaml")
+    error = str(raised.value)
+    assert error.startswith(f"limits.yaml: line {line}: "), error
+    assert message in error
+
+
+def test_requests_per_unit_zero_is_refused_loudly() -> None:
+    """envoyproxy/ratelimit reads 0 as "deny everything"; ringlimit's rules need a
+    limit of at least 1, so the file is refused rather than read differently."""
+    with pytest.raises(ConfigError, match=r"line 14: .*requests_per_unit: must be a positive"):
+        parse_envoy_config(EDGE, "edge.yaml")
+
+
+def test_the_router_command_reports_a_bad_file_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = write(tmp_path, "bad.yaml", "domain: d\ndescriptors:\n  - key: a\n    colour: red\n")
+    assert main(["router", "--grpc-port", "0", "--envoy-config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert f"{bad}: line 4: descriptors[0].colour: unknown field" in err
+    missing = str(tmp_path / "missing.yaml")
+    assert main(["up", "--grpc-port", "0", "--envoy-config", missing]) == 2
+    assert "missing.yaml: no such file" in capsys.readouterr().err
+    assert main(["up", "--envoy-config", str(bad)]) == 2
+    assert "go together" in capsys.readouterr().err
+    assert main(["router", "--grpc-port", "0"]) == 2
+    assert "go together" in capsys.readouterr().err

@@ -1,0 +1,322 @@
+"""Envoy's RateLimitService on the router, called by a real gRPC client.
+
+The router serves gRPC on a real port (127.0.0.1) in its own event loop;
+its nodes are in process (router/testing.py) on a frozen clock, so counts
+are exact and nothing depends on timing. The client uses the same generated
+protos (xds-protos) a gateway would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from google.protobuf.wrappers_pb2 import UInt64Value
+
+from node.clock import FrozenClock
+from node.config import ClusterConfig
+from router.envoy import UINT32_MAX
+from router.envoy_config import EnvoyConfig, parse_envoy_config, with_envoy_rules
+from router.testing import InProcessCluster
+from tests.processes import Procs, free_port, wait_for
+from tests.test_cli import alive, children_of, free_block
+
+pytestmark = pytest.mark.anyio
+
+OK = rls_pb2.RateLimitResponse.OK
+OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
+
+CONFIG = """\
+domain: api
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 20}
+  - key: ip
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: account
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: trial
+    shadow_mode: true
+    rate_limit: {name: trial, unit: minute, requests_per_unit: 2}
+  - key: client
+    value: partner
+    rate_limit: {unlimited: true}
+  - key: plan
+    rate_limit: {name: plan, unit: hour, requests_per_unit: 1}
+  - key: plan
+    value: gold
+    rate_limit: {unit: hour, requests_per_unit: 1000, replaces: [{name: plan}]}
+"""
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def request(
+    domain: str, *descriptors: Sequence[tuple[str, str]], hits: int = 0, **kw: Any
+) -> rls_pb2.RateLimitRequest:
+    return rls_pb2.RateLimitRequest(
+        domain=domain,
+        hits_addend=hits,
+        descriptors=[
+            ratelimit_pb2.RateLimitDescriptor(
+                entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key=k, value=v) for k, v in d],
+                **kw,
+            )
+            for d in descriptors
+        ],
+    )
+
+
+@contextlib.asynccontextmanager
+async def envoy_cluster(
+    nodes: int = 3, *, on_error: str = "open", **router: Any
+) -> AsyncIterator[tuple[InProcessCluster, rls_pb2_grpc.RateLimitServiceStub]]:
+    envoy = EnvoyConfig({"api": parse_envoy_config(CONFIG, "api.yaml", on_error=on_error)})
+    config = with_envoy_rules(ClusterConfig(), envoy)
+    options = {"envoy": envoy, "grpc_port": 0, **router}
+    cluster = InProcessCluster(nodes, config, clock=FrozenClock(), router_options=options)
+    async with cluster as c:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{c.router.grpc_bound}")
+        try:
+            yield c, rls_pb2_grpc.RateLimitServiceStub(channel)
+        finally:
+            await channel.close()
+
+
+async def test_exact_counts_through_join_and_leave() -> None:
+    users = [f"u{i}" for i in range(40)]
+    async with envoy_cluster() as (cluster, stub):
+
+        async def round_(calls: int) -> int:
+            answers = await asyncio.gather(
+                *(
+                    stub.ShouldRateLimit(request("api", [("user", u)], hits=3))
+                    for u in users
+                    for _ in range(calls)
+                )
+            )
+            return sum(3 for a in answers if a.overall_code == OK)
+
+        allowed = await round_(4)  # 12 of 20 each
+        await cluster.add_node("n4")
+        allowed += await round_(4)  # 18 of 20, then two denials (3 > 2 left)
+        await cluster.remove_node("n2")
+        allowed += await round_(2)
+        assert allowed == len(users) * 18  # every user: 6 calls of 3 admitted, never more
+        # The two units each user has left are still there, wherever the user lives now.
+        last = await asyncio.gather(
+            *(stub.ShouldRateLimit(request("api", [("user", u)], hits=2)) for u in users)
+        )
+        assert all(a.overall_code == OK and a.statuses[0].limit_remaining == 0 for a in last)
+        owners = {cluster.owner(f"api/user={u}") for u in users}
+        assert "n4" in owners and "n2" not in owners
+
+
+async def test_several_descriptors_are_decided_all_or_nothing() -> None:
+    async with envoy_cluster() as (cluster, stub):
+        # An account and an ip whose keys live on different nodes.
+        ip = next(
+            f"10.0.0.{i}"
+            for i in range(1, 200)
+            if cluster.owner(f"api/ip=10.0.0.{i}") != cluster.owner("api/account=acme")
+        )
+        both = request("api", [("account", "acme")], [("ip", ip)])
+        answers = [await stub.ShouldRateLimit(both) for _ in range(3)]
+        assert [a.overall_code for a in answers] == [OK, OK, OVER]
+        denied = answers[2]
+        assert [s.code for s in denied.statuses] == [OK, OVER]
+        assert denied.statuses[0].limit_remaining == 8  # the denied call consumed nothing
+        alone = [
+            await stub.ShouldRateLimit(request("api", [("account", "acme")])) for _ in range(9)
+        ]
+        assert [a.overall_code for a in alone] == [OK] * 8 + [OVER]
+        # One descriptor given twice costs twice, in one decision.
+        twice = request("api", [("ip", "192.0.2.1")], [("ip", "192.0.2.1")])
+        assert (await stub.ShouldRateLimit(twice)).overall_code == OK
+        again = await stub.ShouldRateLimit(twice)
+        assert again.overall_code == OVER
+        assert (await stub.ShouldRateLimit(request("api", [("ip", "192.0.2.1")]))).overall_code == (
+            OVER
+        )
+
+
+async def test_shadow_mode_never_denies_but_counts() -> None:
+    async with envoy_cluster() as (cluster, stub):
+        answers = [
+            await stub.ShouldRateLimit(request("api", [("trial", "t1")], [("user", "bob")]))
+            for _ in range(5)
+        ]
+        assert [a.overall_code for a in answers] == [OK] * 5
+        assert all(s.code == OK for a in answers for s in a.statuses)
+        assert [a.statuses[0].limit_remaining for a in answers] == [1, 0, 0, 0, 0]
+        assert [a.statuses[1].limit_remaining for a in answers] == [19, 18, 17, 16, 15]
+        shadow_headers = [
+            {h.key: h.value for h in a.response_headers_to_add}.get("ringlimit-shadow")
+            for a in answers
+        ]
+        assert shadow_headers == [None, None, '"trial"', '"trial"', '"trial"']
+        metrics = ""
+        for node_id in cluster.nodes:
+            metrics += (await cluster.client.get(f"http://{node_id}.cluster/metrics")).text
+        assert 'ringlimit_shadow_denials_total{rule="trial"} 3.0' in metrics
+
+
+async def test_statuses_for_no_limit_unlimited_replaces_and_headers() -> None:
+    async with envoy_cluster(envoy_headers=("draft", "envoy")) as (_, stub):
+        answer = await stub.ShouldRateLimit(
+            request("api", [("nothing", "x")], [("client", "partner")], [("user", "carol")])
+        )
+        assert answer.overall_code == OK
+        none, unlimited, user = answer.statuses
+        assert none.code == OK and not none.HasField("current_limit")
+        assert unlimited.code == OK and unlimited.limit_remaining == UINT32_MAX
+        assert user.current_limit.requests_per_unit == 20
+        assert user.current_limit.unit == rls_pb2.RateLimitResponse.RateLimit.MINUTE
+        assert user.limit_remaining == 19
+        # The frozen clock stands 40 s into its minute: the window resets in 20 s.
+        assert user.duration_until_reset.seconds == 20
+        headers = {h.key: h.value for h in answer.response_headers_to_add}
+        assert headers["ratelimit-policy"] == '"api.user";q=20;w=60'
+        assert headers["ratelimit"] == '"api.user";r=19;t=20'
+        assert headers["x-ratelimit-limit"] == "20, 20;w=60"
+        assert headers["x-ratelimit-remaining"] == "19"
+        # A matched limit that replaces another: the replaced one is not applied.
+        gold = await stub.ShouldRateLimit(request("api", [("plan", "gold")], [("plan", "basic")]))
+        gold2 = await stub.ShouldRateLimit(request("api", [("plan", "gold")], [("plan", "basic")]))
+        assert gold2.overall_code == OK and not gold.statuses[1].HasField("current_limit")
+        # An unknown domain limits nothing (as envoyproxy/ratelimit).
+        other = await stub.ShouldRateLimit(request("elsewhere", [("user", "carol")]))
+        assert other.overall_code == OK and not other.statuses[0].HasField("current_limit")
+
+
+async def test_refused_requests_are_invalid_argument() -> None:
+    async with envoy_cluster() as (_, stub):
+        cases = [
+            request("", [("user", "a")]),
+            request("api"),
+            request(
+                "api",
+                [("user", "a")],
+                limit=ratelimit_pb2.RateLimitDescriptor.RateLimitOverride(
+                    requests_per_unit=5, unit=2
+                ),
+            ),
+            request("api", [("user", "a")], hits_addend=UInt64Value(value=10**12)),
+        ]
+        for case in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stub.ShouldRateLimit(case)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # Per-descriptor hits_addend is the cost.
+        heavy = request("api", [("user", "d")], hits_addend=UInt64Value(value=15))
+        assert (await stub.ShouldRateLimit(heavy)).statuses[0].limit_remaining == 5
+
+
+@pytest.mark.parametrize(("on_error", "code"), [("open", OK), ("closed", OVER)])
+async def test_an_unreachable_owner_applies_on_error(on_error: str, code: int) -> None:
+    async with envoy_cluster(on_error=on_error) as (cluster, stub):
+        owner = cluster.owner("api/user=erin")
+        cluster.take_down(owner)
+        answer = await stub.ShouldRateLimit(request("api", [("user", "erin")]))
+        assert answer.overall_code == code
+
+
+async def test_no_decision_at_all_is_unavailable_for_failure_mode_deny() -> None:
+    async with envoy_cluster(nodes=1) as (cluster, stub):
+        await cluster.remove_node("n1")
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.ShouldRateLimit(request("api", [("user", "a")]))
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        metrics = (await cluster.client.get("/metrics")).text
+        assert 'ringlimit_router_envoy_calls_total{code="unavailable"} 1.0' in metrics
+
+
+async def test_the_api_token_guards_the_grpc_service_too() -> None:
+    async with envoy_cluster(api_token="api-s3cret") as (_, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.ShouldRateLimit(request("api", [("user", "a")]))
+        assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        answer = await stub.ShouldRateLimit(
+            request("api", [("user", "a")]), metadata=(("authorization", "Bearer api-s3cret"),)
+        )
+        assert answer.overall_code == OK
+
+
+@pytest.mark.integration
+def test_ringlimit_router_serves_grpc(procs: Procs, tmp_path: Path) -> None:
+    config = tmp_path / "api.yaml"
+    config.write_text(CONFIG)
+    _, node_url = procs.node("n1")
+    _, node2_url = procs.node("n2")
+    grpc_port = free_port()
+    _, router_url = procs.router(
+        None,
+        "--node",
+        f"n1={node_url}",
+        "--node",
+        f"n2={node2_url}",
+        "--grpc-port",
+        str(grpc_port),
+        "--envoy-config",
+        str(config),
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+        codes = [
+            stub.ShouldRateLimit(request("api", [("ip", "198.51.100.7")]), timeout=10).overall_code
+            for _ in range(3)
+        ]
+    assert codes == [OK, OK, OVER]
+    # The same key through the decision API: the same counter (one authority per key).
+    check = httpx.post(
+        f"{router_url}/v1/check", json={"key": "api/ip=198.51.100.7", "rule": "api.ip", "cost": 0}
+    )
+    assert check.json()["remaining"] == 0
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find child processes")
+def test_ringlimit_up_serves_grpc(procs: Procs, tmp_path: Path) -> None:
+    config = tmp_path / "api.yaml"
+    config.write_text(CONFIG)
+    port, grpc_port = free_block(3), free_port()
+    proc = procs.start(
+        "up",
+        [
+            *("up", "--nodes", "2", "--port", str(port)),
+            *("--grpc-port", str(grpc_port), "--envoy-config", str(config)),
+        ],
+    )
+    children: list[int] = []
+    try:
+        assert wait_for(lambda: "try:" in proc.output() or not proc.alive(), 40), proc.output()
+        children = children_of(proc.popen.pid)
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+            codes = [
+                stub.ShouldRateLimit(request("api", [("ip", "a")]), timeout=10).overall_code
+                for _ in range(3)
+            ]
+        assert codes == [OK, OK, OVER]
+    finally:
+        proc.popen.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(20)
+        wait_for(lambda: not any(alive(pid) for pid in children), 10)
+        for pid in children:  # never leave our own processes behind, even on failure
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
