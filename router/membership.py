@@ -255,11 +255,15 @@ class Membership:
     async def _take_lead(self) -> None:
         # Leases first (granted, then required by a push of the current view), so
         # that no node is left without one; then any change left half-done.
-        async with self.lock:
-            await asyncio.gather(*(self._renew(m) for m in self.view))
-            await self._push_all(self.view, None, ())
-        self.leading = True
-        await self._roll_forward()
+        try:
+            async with self.lock:
+                await asyncio.gather(*(self._renew(m) for m in self.view))
+                await self._push_all(self.view, None, ())
+            self.leading = True
+            log.warning("took the lead at epoch %d", self.view.epoch)
+            await self._roll_forward()
+        except Exception:
+            log.exception("taking the lead failed")
 
     async def _on_lose(self) -> None:
         self.leading = False

@@ -1,0 +1,219 @@
+"""Two routers on one ring through a real etcd, as separate processes.
+
+Each test starts etcd (the ``etcd_endpoint`` fixture), two routers with
+``--coordinator`` and three nodes that join through either router, sends paced
+traffic alternating between the routers (tests/cluster.py ``Load``), and
+kills the leading router (kill -9) while traffic runs, or in the middle of a
+join. The follower must take the lead within the coordinator's ttl, finish or
+roll forward the change, and every user must be admitted exactly ``LIMIT``
+times: one history of epochs and one count per user, whichever router routes.
+
+Run: ``pytest -m etcd tests/test_coordinator_processes.py -v -s``
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.cluster import LIMIT, Load, admin_ring, finish, metric, report, scrape
+from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
+
+pytestmark = [pytest.mark.integration, pytest.mark.etcd, pytest.mark.timeout(90)]
+
+TTL = 2.0
+FLAGS = [
+    *("--rule", f"api={LIMIT}/hour", "--algorithm", "sliding_log", "--on-error", "closed"),
+    *("--health-interval", "0.2", "--failure-threshold", "3", "--health-timeout", "0.3"),
+    *("--forward-timeout", "2", "--replication-interval", "0.1"),
+    *("--coordinator-ttl", str(TTL), "--cluster", "proc"),
+]
+USERS = [f"user-{i}" for i in range(60)]
+
+
+def start(procs: Procs, endpoint: str) -> tuple[list[tuple[Proc, str]], dict[str, str]]:
+    """Two routers (the first one seeds the ring) and three nodes."""
+    nodes: dict[str, str] = {}
+    for node_id in ("n1", "n2", "n3"):
+        _, url = procs.node(node_id, None, "--fenced")
+        nodes[node_id] = url
+    seeds = [x for node_id, url in nodes.items() for x in ("--node", f"{node_id}={url}")]
+    routers = []
+    for i in range(2):
+        port = free_port()
+        proc = procs.start(
+            f"router{i}",
+            ["router", "--port", str(port), "--coordinator", endpoint, *FLAGS, *seeds],
+        )
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        routers.append((proc, url))
+    assert wait_for(lambda: leader_of(routers) is not None, timeout=15.0)
+    return routers, nodes
+
+
+def leader_of(routers: list[tuple[Proc, str]]) -> tuple[Proc, str] | None:
+    for proc, url in routers:
+        if not proc.alive():
+            continue
+        try:
+            if admin_ring(url)["coordinator"]["leading"]:
+                return proc, url
+        except (httpx.HTTPError, KeyError, ValueError):
+            continue
+    return None
+
+
+def epochs(routers: list[tuple[Proc, str]]) -> list[int]:
+    out = []
+    for proc, url in routers:
+        if proc.alive():
+            try:
+                out.append(int(admin_ring(url)["epoch"]))
+            except (httpx.HTTPError, ValueError):
+                out.append(-1)
+    return out
+
+
+def exact(load: Load, nodes: dict[str, str]) -> None:
+    """Nobody over the limit; and the nodes admitted exactly LIMIT per user (a
+    client may have lost the answer of a request the killed router forwarded:
+    one per user at most, as each user sends one request at a time)."""
+    assert load.excess() == 0, load.over()
+    assert all(load.allowed(u) >= LIMIT - 1 for u in load.users)
+    admitted = sum(
+        metric(scrape(url), "ringlimit_decisions_total", rule="api", outcome="allowed")
+        for url in nodes.values()
+    )
+    assert admitted == LIMIT * len(load.users), admitted
+
+
+def test_killing_the_leading_router_under_traffic_keeps_every_count(
+    procs: Procs, etcd_endpoint: str
+) -> None:
+    routers, nodes = start(procs, etcd_endpoint)
+    leader = leader_of(routers)
+    assert leader is not None
+    follower = next(r for r in routers if r[1] != leader[1])
+    load = Load([url for _, url in routers], users=USERS, pace=0.1)
+    thread = load.start()
+    assert wait_for(lambda: load.progress > 0.3, timeout=30.0)
+    killed_at = time.monotonic()
+    leader[0].kill9()
+    assert wait_for(lambda: leader_of([follower]) is not None, timeout=TTL * 4 + 5), _describe(
+        follower[1]
+    )
+    took_over = time.monotonic() - killed_at
+    # The new leader changes the ring: a node joins through it.
+    _, n4 = procs.node("n4", None, "--fenced")
+    nodes["n4"] = n4
+    response = httpx.post(f"{follower[1]}/admin/nodes", json={"id": "n4", "url": n4}, timeout=30.0)
+    assert response.status_code == 200, response.text
+    # The killed router's clients lose their answers (connection refused):
+    # only the survivor is used from now on.
+    load.routers = [follower[1]]
+    finish(thread, load, timeout=60.0)
+    report(
+        "leader kill -9 under traffic",
+        took_over_s=round(took_over, 2),
+        ttl_s=TTL,
+        epoch=admin_ring(follower[1])["epoch"],
+        statuses=dict(load.statuses()),
+        errors=load.errors,
+    )
+    # Requests sent to the dead router failed; the users' counts are still
+    # exact among the answered ones: send each user's remaining share now.
+    top_up(load, follower[1])
+    exact(load, nodes)
+    assert took_over < TTL * 4 + 5
+
+
+def top_up(load: Load, router: str) -> None:
+    """Requests that failed (the dead router) are sent again, one by one, until
+    every user has LIMIT + 2 answers: then each must have exactly LIMIT 200s."""
+    with httpx.Client(timeout=10.0) as client:
+        for user in load.users:
+            answered = [s for s in load.log.get(user, []) if s.status in (200, 429)]
+            for _ in range(max(0, LIMIT + 2 - len(answered))):
+                response = client.get(f"{router}/api", headers={"X-User-Id": user})
+                assert response.status_code in (200, 429), response.text
+                load.log[user].append(
+                    type(load.log[user][0])(time.monotonic(), response.status_code, None, False)
+                    if load.log.get(user)
+                    else _sent(response.status_code)
+                )
+
+
+def _sent(status: int) -> Any:
+    from tests.cluster import Sent
+
+    return Sent(time.monotonic(), status, None, False)
+
+
+def test_killing_the_leader_in_the_middle_of_a_join(procs: Procs, etcd_endpoint: str) -> None:
+    """The join either never happened or is rolled forward by the next leader:
+    either way one history, and nobody's count is lost in the handoff."""
+    routers, _ = start(procs, etcd_endpoint)
+    leader = leader_of(routers)
+    assert leader is not None
+    follower = next(r for r in routers if r[1] != leader[1])
+    load = Load([url for _, url in routers], users=USERS, pace=0.1, per_user=LIMIT // 2)
+    thread = load.start()
+    finish(thread, load, timeout=60.0)
+    _, n4 = procs.node("n4", None, "--fenced")
+    answer: dict[str, Any] = {}
+
+    def join() -> None:
+        try:
+            answer["response"] = httpx.post(
+                f"{leader[1]}/admin/nodes", json={"id": "n4", "url": n4}, timeout=30.0
+            )
+        except httpx.HTTPError as exc:
+            answer["error"] = type(exc).__name__
+
+    joining = threading.Thread(target=join, daemon=True)
+    joining.start()
+    time.sleep(0.15)  # the readiness wait and the commit take about this long
+    leader[0].kill9()
+    joining.join(35.0)
+    assert wait_for(lambda: leader_of([follower]) is not None, timeout=TTL * 4 + 5)
+    # Whatever etcd holds is what every node ends up with.
+    assert wait_for(lambda: _nodes_agree(follower[1]), timeout=20.0)
+    ring = admin_ring(follower[1])
+    report(
+        "leader kill -9 during a join",
+        join=answer.get("error") or answer["response"].status_code,
+        epoch=ring["epoch"],
+        members=[n["id"] for n in ring["nodes"]],
+    )
+    rest = Load([follower[1]], users=USERS, pace=0.05, per_user=LIMIT // 2 + 3)
+    thread = rest.start()
+    finish(thread, rest, timeout=60.0)
+    for user in USERS:
+        total = load.allowed(user) + rest.allowed(user)
+        assert total == LIMIT, (user, load.allowed(user), rest.allowed(user))
+
+
+def _nodes_agree(router: str) -> bool:
+    ring = admin_ring(router)
+    epoch = ring["epoch"]
+    with httpx.Client(timeout=2.0) as client:
+        for node in ring["nodes"]:
+            try:
+                data = client.get(f"{node['url']}/healthz").json()
+            except (httpx.HTTPError, ValueError):
+                return False
+            if data.get("epoch") != epoch:
+                return False
+    return True
+
+
+def _describe(router: str) -> object:
+    try:
+        return admin_ring(router)
+    except httpx.HTTPError as exc:
+        return repr(exc)
