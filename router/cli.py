@@ -410,6 +410,8 @@ def _run_router(args: argparse.Namespace) -> int:
         envoy_headers=headers,
     )
     _warn_modes(config)
+    if settings.coordinator is not None and not _etcd_reachable(settings.coordinator):
+        return 1
     serve_router(create_router(settings), host=args.host, port=args.port)
     return 0
 
@@ -430,6 +432,29 @@ def _coordinator(args: argparse.Namespace) -> EtcdCoordinator | None:
         )
     except ValueError as exc:
         raise SystemExit(f"ringlimit: {exc}") from None
+
+
+def _etcd_reachable(coordinator: EtcdCoordinator) -> bool:
+    """Before serving: one line, not a traceback, when etcd is not there."""
+    import asyncio
+
+    from router.coordinator import CoordinatorError
+
+    async def check() -> None:
+        try:
+            await coordinator.connect()
+        finally:
+            await coordinator.close()
+
+    try:
+        asyncio.run(check())
+    except CoordinatorError as exc:
+        print(
+            f"ringlimit: cannot start the router: {exc} (check --coordinator and that etcd runs)",
+            file=sys.stderr,
+        )
+        return False
+    return True
 
 
 def _reachable(host: str) -> str:

@@ -243,3 +243,28 @@ async def test_only_the_leader_changes_the_ring(etcd_endpoint: str) -> None:
             await wait_until(lambda: follower.view.epoch == leader.view.epoch == 2)
         finally:
             await second.close()
+
+
+def test_a_router_without_its_etcd_says_so_in_one_line() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router",
+            "router",
+            "--port",
+            "0",
+            "--coordinator",
+            "etcd://127.0.0.1:1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("ringlimit: cannot start the router: etcd not reachable")
