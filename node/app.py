@@ -50,11 +50,13 @@ from node.middleware import (
     not_owner_headers,
 )
 from node.peers import INTERNAL_TOKEN_HEADER, Peers
+from node.rates import RateMeter
 from node.rules import Rule
 from node.security import bearer, is_loopback, token_matches
 from node.shadow import denied_names
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore
+from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
 from ring import RingView
 
 log = logging.getLogger("ringlimit.node")
@@ -77,6 +79,8 @@ HANDOFF_METRICS = {
     "last_transfer_seconds": "Duration of this node's most recent outgoing state transfer.",
 }
 MAX_INTERNAL_BODY = 512 << 20
+#: The most keys one ``/internal/top`` answer lists per rule and kind.
+MAX_TOP = 1000
 
 
 @dataclass
@@ -92,6 +96,11 @@ class NodeSettings:
     #: Refuse every key until a router sends a view (a node that is part of a
     #: cluster must not decide on its own, e.g. right after a restart).
     fenced: bool = False
+    #: Counters per rule and kind in the top-limited-keys sketch (node/topkeys.py),
+    #: the seconds per window, and how many ranks /metrics exports (0: none).
+    top_capacity: int = DEFAULT_CAPACITY
+    top_window: float = DEFAULT_WINDOW
+    top_metrics: int = 10
 
 
 class Node:
@@ -113,6 +122,10 @@ class Node:
         self.backend = backend if backend is not None else MemoryBackend(self.store, clock)
         self.peers = peers if peers is not None else Peers(token=settings.internal_token)
         self.metrics = NodeMetrics(settings.node_id)
+        now = clock()
+        self.top = TopKeys(settings.top_capacity, settings.top_window, now=now)
+        #: Decisions per second (all, and denied) over the last ~10 s, sampled by the sweep.
+        self.rates = {"decided": RateMeter(now=now), "denied": RateMeter(now=now)}
         self.shard: Shard | None = None
         if settings.sticky and isinstance(self.backend, MemoryBackend):
             self.shard = Shard(
@@ -131,12 +144,15 @@ class Node:
             shard=self.shard,
             metrics=self.metrics,
             node_id=settings.node_id,
+            top=self.top,
         )
         self.store.on_store_full = self._store_full
         #: Without a shard (shared backend) the node still knows the newest epoch it
         #: was sent, so a router does not mistake it for a restarted node.
         self.pushed_epoch = 0
         self.metrics.watch(lambda: len(self.store), lambda: self.epoch)
+        if settings.top_metrics > 0:
+            self.metrics.watch_top(self._top_gauges)
         if self.shard is not None:
             shard = self.shard
             self.metrics.add_counters(
@@ -209,10 +225,31 @@ class Node:
             if close is not None:
                 await close()
 
+    def _top_gauges(self) -> list[tuple[str, str, int, float]]:
+        n = self.settings.top_metrics
+        return [
+            (rule, kind, position, float(entry.hits))
+            for rule in self.top.rules()
+            for kind in KINDS
+            for position, entry in enumerate(self.top.top(rule, kind, n), start=1)
+        ]
+
+    def _totals(self) -> tuple[dict[str, int], float]:
+        totals = self.metrics.decision_totals()
+        return totals, float(totals.get("allowed", 0) + totals.get("denied", 0))
+
+    def sample(self, now: float) -> None:
+        """Once per sweep: rotate the top-keys window, sample the decision rates."""
+        self.top.rotate(now)
+        totals, decided = self._totals()
+        self.rates["decided"].sample(now, decided)
+        self.rates["denied"].sample(now, float(totals.get("denied", 0)))
+
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.settings.sweep_interval)
             now = self.clock()
+            self.sample(now)
             self.store.sweep(now, budget=50_000)
             if self.shard is not None:
                 self.shard.sweep_replicas(now)
@@ -231,6 +268,7 @@ class Node:
             Route("/internal/replica", self.replica, methods=["POST"]),
             Route("/internal/status", self.status, methods=["GET"]),
             Route("/internal/lease", self.lease, methods=["POST"]),
+            Route("/internal/top", self.top_keys, methods=["GET"]),
         ]
 
     async def check(self, request: Request) -> Response:
@@ -467,6 +505,52 @@ class Node:
             return {"taken": shard.receive_replicas(str(data["from"]), list(data["records"]))}
 
         return await self._internal_call(request, "replica", handle, {"taken": 0})
+
+    async def top_keys(self, request: Request) -> Response:
+        """This node's most limited keys per rule, its decision totals and rates.
+
+        What the router merges for ``GET /admin/top`` and the ring page. Keys
+        are plain here (an internal endpoint): the router hashes them on the
+        way out when ``privacy.show_keys = "hashed"``.
+        """
+        if (refused := self._refuse(request)) is not None:
+            return refused
+        params = request.query_params
+        rule = params.get("rule")
+        if rule is not None and self.authority.config.rule(rule) is None:
+            return JSONResponse(
+                {"error": "unknown_rule", "detail": f"no rule named {rule!r}"}, status_code=400
+            )
+        try:
+            n = int(params.get("n", "20"))
+            if not 1 <= n <= MAX_TOP:
+                raise ValueError
+        except ValueError:
+            return JSONResponse(
+                {"error": "invalid_n", "detail": f"n must be an integer from 1 to {MAX_TOP}"},
+                status_code=400,
+            )
+        now = self.clock()
+        totals, decided = self._totals()
+        top = self.top
+        rules = [rule] if rule is not None else top.rules()
+        return JSONResponse(
+            {
+                "node": self.settings.node_id,
+                "epoch": self.epoch,
+                "keys": len(self.store),
+                "window": top.window,
+                "decisions": totals,
+                "rate": round(self.rates["decided"].rate(now, decided), 3),
+                "denied_rate": round(
+                    self.rates["denied"].rate(now, float(totals.get("denied", 0))), 3
+                ),
+                "top": {
+                    name: {kind: [list(e) for e in top.top(name, kind, n)] for kind in KINDS}
+                    for name in rules
+                },
+            }
+        )
 
     async def status(self, request: Request) -> Response:
         if (refused := self._refuse(request)) is not None:

@@ -12,12 +12,16 @@ from collections.abc import Sequence
 from node.backend import Backend, MemoryBackend
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig
-from node.decision import Verdict
+from node.decision import BACKEND_UNAVAILABLE, STORE_FULL, Verdict
 from node.metrics import NodeMetrics
 from node.rules import Rule
 from node.shadow import denied_names, has_shadow, merge, split
 from node.shard import Shard
 from node.store import MemoryStore
+from node.topkeys import TopKeys
+
+#: Denials that say nothing about the user (the node could not decide or store).
+_NOT_THE_USERS = frozenset({BACKEND_UNAVAILABLE, STORE_FULL})
 
 
 class Authority:
@@ -36,12 +40,15 @@ class Authority:
         shard: Shard | None = None,
         metrics: NodeMetrics | None = None,
         node_id: str = "local",
+        top: TopKeys | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
         self.shard = shard
         self.metrics = metrics
         self.node_id = node_id
+        #: Denied and near-limit keys per rule (node/topkeys.py), when kept.
+        self.top = top
 
     @classmethod
     def in_memory(
@@ -66,6 +73,8 @@ class Authority:
             if cost and (not verdict.decision.allowed or len(verdict.decisions) > 1):
                 for name in denied_names(verdict):
                     metrics.shadow_denied(name)
+        if self.top is not None:
+            self._note(self.top, key, verdict)
         return verdict
 
     async def _with_shadow(
@@ -135,4 +144,19 @@ class Authority:
                         metrics.shadow_denied(name)
             for (rule, allowed), n in tally.items():
                 metrics.count(rule, allowed, n)
+        top = self.top
+        if top is not None:
+            note = self._note
+            for check, verdict in zip(checks, verdicts, strict=True):
+                note(top, check[0], verdict)
         return verdicts
+
+    @staticmethod
+    def _note(top: TopKeys, key: str, verdict: Verdict) -> None:
+        """Denied and near-limit decisions go to the sketch; the rest cost a
+        comparison each (the hot path)."""
+        for d in verdict.decisions:
+            # Near the limit: remaining <= 10 % of it (topkeys.NEAR_LIMIT_FRACTION).
+            if (d.allowed and d.remaining * 10 > d.limit) or d.reason in _NOT_THE_USERS:
+                continue
+            top.record(d.rule, key, not d.allowed)

@@ -81,6 +81,20 @@ class NodeMetrics:
         """
         self.registry.register(StatsCollector(prefix, docs, read))
 
+    def decision_totals(self) -> dict[str, int]:
+        """Decisions so far by outcome, all rules together (for the ring page's rates)."""
+        totals = {"allowed": 0, "denied": 0}
+        for family in self.decisions.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    outcome = sample.labels.get("outcome", "")
+                    totals[outcome] = totals.get(outcome, 0) + int(sample.value)
+        return totals
+
+    def watch_top(self, read: Callable[[], list[tuple[str, str, int, float]]]) -> None:
+        """Top limited keys as gauges, read at scrape time: ``(rule, kind, rank, count)``."""
+        self.registry.register(TopCollector(read))
+
     def render(self) -> bytes:
         return render(self.registry)
 
@@ -105,6 +119,32 @@ class _WithoutCreated(Collector):
             created = family.name + "_created"
             family.samples = [s for s in family.samples if s.name != created]
             yield family
+
+
+class TopCollector(Collector):
+    """``ringlimit_top_limited{rule, kind, rank}``: the count of the rank-th key.
+
+    The key itself is never a label: series stay bounded (rules x 2 kinds x
+    N ranks) however many users there are, and no user id reaches the
+    monitoring system. ``GET /admin/top`` on the router says who they are.
+    """
+
+    def __init__(self, read: Callable[[], list[tuple[str, str, int, float]]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "ringlimit_top_limited",
+            "Events of the rank-th most limited key of this node, by rule and kind "
+            "(denied, near_limit), over the last one to two windows.",
+            labels=["rule", "kind", "rank"],
+        )
+        for rule, kind, position, count in self.read():
+            family.add_metric([rule, kind, str(position)], count)
+        yield family
+
+    def describe(self) -> list[Any]:
+        return []
 
 
 class DictCollector(Collector):

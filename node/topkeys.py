@@ -1,0 +1,224 @@
+"""Top limited users: a bounded space-saving sketch of denied and near-limit keys.
+
+An operator asks "who is being limited right now?". Counting every key
+exactly would cost memory proportional to the number of users; the
+space-saving algorithm (Metwally, Agrawal and El Abbadi, "Efficient
+computation of frequent and top-k elements in data streams", ICDT 2005)
+keeps ``capacity`` counters and still guarantees, for a stream of ``N``
+events:
+
+* every monitored key ``x`` has ``count(x) - error(x) <= true(x) <= count(x)``;
+* the smallest counter (the *floor*) is at most ``N / capacity``, and every
+  key that is not monitored occurred at most ``floor`` times, so a key with
+  more than ``N / capacity`` events is always in the sketch.
+
+Only denied and near-limit decisions reach the sketch (see
+:data:`NEAR_LIMIT_FRACTION`), so the cost on the hot path is one comparison
+per decision, plus a dict update and a heap push for those that count.
+
+:class:`TopKeys` keeps one sketch per rule and kind (``denied``,
+``near_limit``) over a window that rotates: the answer covers the current
+window and the previous one (between ``window`` and ``2 * window`` seconds
+of history), so a user limited an hour ago does not stay on top forever.
+Rotation is driven by the caller's clock (the node's sweep loop), never read
+here.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+#: An allowed decision is *near the limit* when at most this fraction of the
+#: limit remains after it (``remaining <= 10 % of limit``).
+NEAR_LIMIT_FRACTION = 0.1
+KINDS = ("denied", "near_limit")
+DEFAULT_CAPACITY = 256
+DEFAULT_WINDOW = 60.0
+
+
+class Entry(NamedTuple):
+    """One key's estimate: ``hits - error <= true count <= hits``."""
+
+    key: str
+    hits: int
+    error: int
+
+
+class SpaceSaving:
+    """The space-saving summary with weighted increments, in O(log capacity) each.
+
+    Counters live in a dict; the minimum is found through a heap of
+    ``(count, key)`` entries that may be stale (a key's count grew since the
+    entry was pushed). Stale entries are skipped when popped, and the heap is
+    rebuilt from the dict when it grows past a few times ``capacity``, so its
+    size stays bounded.
+    """
+
+    __slots__ = ("_heap", "capacity", "counts", "errors", "total")
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self.counts: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+        self.total = 0
+        self._heap: list[tuple[int, str]] = []
+
+    def add(self, key: str, weight: int = 1) -> None:
+        counts = self.counts
+        self.total += weight
+        count = counts.get(key)
+        if count is not None:
+            count += weight
+        elif len(counts) < self.capacity:
+            count = weight
+            self.errors[key] = 0
+        else:
+            floor, victim = self._pop_min()
+            del counts[victim]
+            del self.errors[victim]
+            count = floor + weight
+            self.errors[key] = floor
+        counts[key] = count
+        heap = self._heap
+        heapq.heappush(heap, (count, key))
+        if len(heap) > 4 * self.capacity + 64:
+            self._heap = [(c, k) for k, c in counts.items()]
+            heapq.heapify(self._heap)
+
+    def _pop_min(self) -> tuple[int, str]:
+        heap, counts = self._heap, self.counts
+        while True:
+            count, key = heapq.heappop(heap)
+            if counts.get(key) == count:
+                return count, key
+
+    @property
+    def floor(self) -> int:
+        """The most an unmonitored key can have occurred (0 until the sketch is full)."""
+        if len(self.counts) < self.capacity:
+            return 0
+        heap, counts = self._heap, self.counts
+        while counts.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0][0]
+
+    def entries(self) -> list[Entry]:
+        return [Entry(k, c, self.errors[k]) for k, c in self.counts.items()]
+
+    def top(self, n: int) -> list[Entry]:
+        return rank(self.entries(), n)
+
+
+def rank(entries: Iterable[Entry], n: int) -> list[Entry]:
+    """The ``n`` largest counts, ties broken by key (a stable, repeatable order)."""
+    return heapq.nsmallest(n, entries, key=lambda e: (-e.hits, e.key))
+
+
+def merge_windows(sketches: Sequence[SpaceSaving]) -> list[Entry]:
+    """Several sketches of the same keys (successive windows of one node), merged.
+
+    A key missing from a full sketch may still have occurred up to that
+    sketch's floor, so it is counted at the floor, and the floor is added to
+    its error: ``count - error <= true <= count`` still holds for the union
+    stream, and any key missing from every sketch occurred at most the sum of
+    the floors.
+    """
+    floors = [s.floor for s in sketches]
+    keys: set[str] = set()
+    for sketch in sketches:
+        keys.update(sketch.counts)
+    merged = []
+    for key in keys:
+        count = error = 0
+        for sketch, floor in zip(sketches, floors, strict=True):
+            c = sketch.counts.get(key)
+            if c is None:
+                count += floor
+                error += floor
+            else:
+                count += c
+                error += sketch.errors[key]
+        merged.append(Entry(key, count, error))
+    return merged
+
+
+def merge_disjoint(lists: Iterable[Iterable[Entry]]) -> list[Entry]:
+    """Answers of several nodes merged by summing per key.
+
+    Right under sticky routing: a key is decided by one node (its owner), so
+    its events are counted in one sketch and the others hold 0 for it. During
+    a handoff both the old and the new owner may report the key: each counted
+    decisions it really made, so the sum is still the cluster's count.
+    """
+    merged: dict[str, Entry] = {}
+    for entries in lists:
+        for entry in entries:
+            seen = merged.get(entry.key)
+            if seen is not None:
+                entry = Entry(entry.key, seen.hits + entry.hits, seen.error + entry.error)
+            merged[entry.key] = entry
+    return list(merged.values())
+
+
+def is_near_limit(remaining: int, limit: int) -> bool:
+    """``remaining <= 10 %`` of ``limit`` (integers: no float on the hot path)."""
+    return remaining * 10 <= limit
+
+
+class TopKeys:
+    """Denied and near-limit keys of one node, per rule, over a rotating window."""
+
+    def __init__(
+        self, capacity: int = DEFAULT_CAPACITY, window: float = DEFAULT_WINDOW, now: float = 0.0
+    ) -> None:
+        if window <= 0:
+            raise ValueError(f"window must be positive, got {window}")
+        self.capacity = capacity
+        self.window = window
+        self.started = now
+        self.denied: dict[str, SpaceSaving] = {}
+        self.near: dict[str, SpaceSaving] = {}
+        self._previous: dict[str, dict[str, SpaceSaving]] = {"denied": {}, "near_limit": {}}
+
+    def record(self, rule: str, key: str, denied: bool) -> None:
+        """One denied or near-limit decision (the hot path: keep it small)."""
+        sketches = self.denied if denied else self.near
+        sketch = sketches.get(rule)
+        if sketch is None:
+            sketch = sketches[rule] = SpaceSaving(self.capacity)
+        sketch.add(key)
+
+    def rotate(self, now: float) -> bool:
+        """Start a new window once the current one is ``window`` seconds old."""
+        if now - self.started < self.window:
+            return False
+        elapsed = now - self.started
+        if elapsed >= 2 * self.window:
+            # Nothing recorded in the window before this one is recent any more.
+            self._previous = {"denied": {}, "near_limit": {}}
+        else:
+            self._previous = {"denied": self.denied, "near_limit": self.near}
+        self.denied, self.near = {}, {}
+        self.started = now
+        return True
+
+    def rules(self) -> list[str]:
+        names = set(self.denied) | set(self.near)
+        for previous in self._previous.values():
+            names |= set(previous)
+        return sorted(names)
+
+    def top(self, rule: str, kind: str, n: int) -> list[Entry]:
+        """The ``n`` keys with the most ``kind`` events for ``rule`` in the last
+        one to two windows."""
+        current = self.denied if kind == "denied" else self.near
+        sketches = [s for s in (self._previous[kind].get(rule), current.get(rule)) if s is not None]
+        if not sketches:
+            return []
+        if len(sketches) == 1:
+            return sketches[0].top(n)
+        return rank(merge_windows(sketches), n)

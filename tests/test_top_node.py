@@ -1,0 +1,89 @@
+"""A node's top limited keys: what its decisions put in the sketch, and how it shows them."""
+
+from __future__ import annotations
+
+import pytest
+
+from node.app import NodeSettings, create_app
+from node.clock import FrozenClock
+from node.config import ClusterConfig, ScopedRule
+from node.rules import Rule
+from tests.test_node_api import assert_error, client_for
+from tests.test_router import metric
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+CONFIG = ClusterConfig(
+    rules=(ScopedRule(Rule("api", 5, 60.0)), ScopedRule(Rule("big", 100, 60.0), paths=("/x",)))
+)
+
+
+async def test_denied_and_near_limit_decisions_are_counted_per_rule() -> None:
+    clock = FrozenClock()
+    node = create_app(NodeSettings(node_id="n1", config=CONFIG), clock=clock)
+    async with client_for(node) as client:
+        for _ in range(8):  # 5 allowed (the 5th leaves 0: near the limit), 3 denied
+            await client.post("/v1/check", json={"key": "alice", "rule": "api"})
+        batch = {"checks": [{"key": "bob", "rule": "api"}] * 6}
+        await client.post("/v1/check", json=batch)  # 1 near, 1 denied
+        for _ in range(3):  # far from the limit: not counted
+            await client.post("/v1/check", json={"key": "carol", "rule": "big"})
+        await client.get("/", headers={"X-User-Id": "dave"})  # proxied: 4 remain, not near
+
+        answer = (await client.get("/internal/top", params={"n": 5})).json()
+        assert answer["node"] == "n1"
+        assert answer["decisions"] == {"allowed": 14, "denied": 4}
+        assert answer["top"] == {
+            "api": {
+                "denied": [["alice", 3, 0], ["bob", 1, 0]],
+                "near_limit": [["alice", 1, 0], ["bob", 1, 0]],
+            }
+        }
+        clock.advance(2.0)
+        assert answer["rate"] >= 0
+        rated = (await client.get("/internal/top", params={"rule": "api", "n": 1})).json()
+        assert rated["rate"] == pytest.approx(18 / 2.0)
+        assert rated["denied_rate"] == pytest.approx(4 / 2.0)
+        assert rated["top"] == {
+            "api": {"denied": [["alice", 3, 0]], "near_limit": [["alice", 1, 0]]}
+        }
+
+        page = (await client.get("/metrics")).text
+        assert metric(page, "ringlimit_top_limited", rule="api", kind="denied", rank="1") == 3
+        assert metric(page, "ringlimit_top_limited", rule="api", kind="denied", rank="2") == 1
+        assert "alice" not in page  # keys are never labels
+
+        for params in ({"rule": "nope"}, {"n": "0"}, {"n": "x"}, {"n": "1001"}):
+            assert_error(await client.get("/internal/top", params=params), 400)
+
+
+async def test_internal_top_needs_the_token_when_one_is_configured() -> None:
+    node = create_app(NodeSettings(node_id="n1", config=CONFIG, internal_token="s3cret"))
+    async with client_for(node) as client:
+        assert_error(await client.get("/internal/top"), 401)
+        ok = await client.get("/internal/top", headers={"X-Ringlimit-Token": "s3cret"})
+        assert ok.status_code == 200
+    node = create_app(NodeSettings(node_id="n1", config=CONFIG))
+    async with client_for(node, client=("10.1.2.3", 5000)) as client:
+        assert_error(await client.get("/internal/top"), 403)  # loopback-only without a token
+
+
+async def test_denials_that_are_not_the_users_fault_are_not_counted() -> None:
+    config = ClusterConfig(rules=(ScopedRule(Rule("strict", 1, 60.0, on_error="closed")),))
+    node = create_app(NodeSettings(node_id="n1", config=config, max_keys=1), clock=FrozenClock())
+    async with client_for(node) as client:
+        for key in ("first", "first", "later", "later"):
+            await client.post("/v1/check", json={"key": key, "rule": "strict"})
+        # "first" was near its limit, then over it; "later" was refused for lack of
+        # room in the store (a closed rule), which says nothing about that user.
+        answer = (await client.get("/internal/top")).json()
+        assert answer["decisions"]["denied"] == 3
+        assert answer["top"] == {
+            "strict": {"denied": [["first", 1, 0]], "near_limit": [["first", 1, 0]]}
+        }
