@@ -34,6 +34,7 @@ IDENTITY_SOURCES = ("header", "query", "client")
 REBALANCE_POLICIES = ("handoff", "reset")
 BACKENDS = ("memory", "redis")
 BALANCES = ("sticky", "round-robin")
+SHOW_KEYS = ("plain", "hashed")
 _CACHE_LIMIT = 4096
 
 
@@ -177,6 +178,32 @@ class Limits:
         }
 
 
+@dataclass(frozen=True)
+class Privacy:
+    """How user ids leave the cluster on operator endpoints (``GET /admin/top``, the page).
+
+    ``hashed`` shows ``HMAC-SHA256(salt, id)`` (16 hex digits) instead of the
+    id: an operator can still tell users apart and follow one across
+    refreshes, but ids never leave the cluster, and without the salt a hash
+    cannot be tested against a guessed id. Without a ``salt`` each router
+    draws a random one at start (hashes then change when it restarts).
+    """
+
+    show_keys: str = "plain"
+    salt: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.show_keys not in SHOW_KEYS:
+            raise ConfigError(
+                f"privacy.show_keys must be one of {', '.join(SHOW_KEYS)}, got {self.show_keys!r}"
+            )
+        if self.salt is not None and (not isinstance(self.salt, str) or not self.salt):
+            raise ConfigError("privacy.salt must be a non-empty string")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"show_keys": self.show_keys, **({"salt": self.salt} if self.salt else {})}
+
+
 def hash_token(token: str) -> str:
     """How bypass tokens are stored: only their SHA-256, never the token itself."""
     return hashlib.sha256(token.encode()).hexdigest()
@@ -188,6 +215,7 @@ class ClusterConfig:
     identity: Identity = field(default_factory=Identity)
     policies: Policies = field(default_factory=Policies)
     limits: Limits = field(default_factory=Limits)
+    privacy: Privacy = field(default_factory=Privacy)
     legacy_headers: bool = True
     #: ``X-RateLimit-Reset`` as a Unix time ("epoch") or in seconds ("delta").
     legacy_reset: str = "epoch"
@@ -272,6 +300,7 @@ class ClusterConfig:
             "identity": self.identity.to_dict(),
             "policies": self.policies.to_dict(),
             "limits": self.limits.to_dict(),
+            "privacy": self.privacy.to_dict(),
             "headers": {
                 "legacy": self.legacy_headers,
                 "legacy_reset": self.legacy_reset,
@@ -308,7 +337,17 @@ def load_config(path: str | Path) -> ClusterConfig:
 class _Parser:
     """Turns plain data into a config, remembering where each value came from."""
 
-    _TOP = {"rules", "identity", "policies", "limits", "headers", "bypass", "backend", "balance"}
+    _TOP = {
+        "rules",
+        "identity",
+        "policies",
+        "limits",
+        "privacy",
+        "headers",
+        "bypass",
+        "backend",
+        "balance",
+    }
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -362,6 +401,7 @@ class _Parser:
         headers = self.table(
             data.get("headers"), "headers", {"legacy", "legacy_reset", "denial_body"}
         )
+        priv = self.table(data.get("privacy"), "privacy", {"show_keys", "salt"})
         bypass = self.table(data.get("bypass"), "bypass", {"header", "token_sha256", "tokens"})
         try:
             identity = Identity(
@@ -382,6 +422,7 @@ class _Parser:
                 ),
             )
             limits = Limits(**lim)
+            privacy = Privacy(show_keys=priv.get("show_keys", "plain"), salt=priv.get("salt"))
             hashes = list(self.strings(bypass.get("token_sha256"), "bypass.token_sha256"))
             # Plain tokens are accepted for convenience and hashed at once.
             hashes += [hash_token(t) for t in self.strings(bypass.get("tokens"), "bypass.tokens")]
@@ -396,6 +437,7 @@ class _Parser:
                 identity=identity,
                 policies=policies,
                 limits=limits,
+                privacy=privacy,
                 legacy_headers=legacy,
                 legacy_reset=headers.get("legacy_reset", "epoch"),
                 denial_format=headers.get("denial_body", "problem"),

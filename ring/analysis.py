@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 from .view import RingView
 
-__all__ = ["KeyMove", "diff", "moved_fraction", "ownership"]
+__all__ = ["KeyMove", "diff", "hash_share", "moved_fraction", "ownership"]
+
+#: Points on the continuum are 32-bit (libketama).
+_SPACE = 1 << 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +75,19 @@ def ownership(view: RingView, keys: Iterable[str]) -> dict[str, int]:
     for key in keys:
         counts[owner_id(key)] += 1
     return counts
+
+
+def hash_share(view: RingView) -> dict[str, float]:
+    """Each member's share of the hash space: the fraction of keys it owns.
+
+    Exact from the arcs of the continuum (no sampling), for showing the ring
+    to an operator; a member's arc ends at each of its points, and the first
+    point also owns the wrap-around past the last one.
+    """
+    shares = dict.fromkeys(view.ids, 0.0)
+    points, owners = view._points, view._owners
+    previous = points[-1] - _SPACE if points else 0
+    for point, owner in zip(points, owners, strict=False):
+        shares[owner.id] += (point - previous) / _SPACE
+        previous = point
+    return shares

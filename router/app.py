@@ -42,11 +42,13 @@ from node.app import (
     read_body,
 )
 from node.asgi import Receive, Scope, Send, drain, error_body, send_json
-from node.config import ClusterConfig
+from node.config import ClusterConfig, Privacy
 from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.security import bearer, is_loopback, token_matches
+from node.topkeys import NEAR_LIMIT_FRACTION
 from ring import EmptyRingError, Member, RingView
+from ring.analysis import hash_share
 from router.coalesce import Coalescer
 from router.coordinator import CoordinatorError, EtcdCoordinator
 from router.envoy_config import EnvoyConfig
@@ -61,6 +63,9 @@ from router.forward import (
 )
 from router.membership import Membership, MembershipError
 from router.metrics import RouterMetrics
+from router.top import KeyHider, Report, ask_nodes, merge_top, node_status, number, random_salt
+from router.ui import HEADERS as UI_HEADERS
+from router.ui import PAGE as UI_PAGE
 
 log = logging.getLogger("ringlimit.router")
 
@@ -128,6 +133,8 @@ class RouterSettings:
     grpc_host: str = "127.0.0.1"
     #: Response headers ShouldRateLimit adds: "draft" (RateLimit fields), "envoy" (x-ratelimit-*).
     envoy_headers: tuple[str, ...] = ()
+    #: How long ``/admin/top`` and the ring page wait for each node's answer.
+    admin_timeout: float = 2.0
 
 
 class Router:
@@ -161,6 +168,11 @@ class Router:
             lambda: self.membership.stats, lambda: float(self.membership.suspect_self)
         )
         self.forwarder: Forwarder | None = forwarder
+        #: Reaches the nodes' /internal/top (shared with membership when given).
+        self._client = client
+        self._owns_client = client is None
+        self._salt = random_salt()
+        self._hider: tuple[Privacy, KeyHider] | None = None
         self._resolver_for: tuple[object, IdentityResolver] | None = None
         self._turn = itertools.count()
         self._owners: tuple[RingView | None, dict[str, Member]] = (None, {})
@@ -222,6 +234,9 @@ class Router:
         await self.membership.close()
         if self.forwarder is not None:
             await self.forwarder.close()
+        if self._owns_client and self._client is not None:
+            await self._client.aclose()
+            self._client = None
 
     @property
     def config(self) -> ClusterConfig:
@@ -495,6 +510,9 @@ class Router:
             Route("/admin/ring", self.admin_ring, methods=["GET"]),
             Route("/admin/nodes", self.admin_join, methods=["POST"]),
             Route("/admin/nodes/{node_id}", self.admin_leave, methods=["DELETE"]),
+            Route("/admin/top", self.admin_top, methods=["GET"]),
+            Route("/admin/ui", self.admin_ui, methods=["GET"]),
+            Route("/admin/ui/data", self.admin_ui_data, methods=["GET"]),
         ]
 
     async def healthz(self, request: Request) -> Response:
@@ -820,6 +838,113 @@ class Router:
         except MembershipError as exc:
             return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
         return JSONResponse(self.membership.describe())
+
+    # ------------------------------------------------------------------ operators
+
+    def _hide(self) -> KeyHider:
+        privacy = self.config.privacy
+        cached = self._hider
+        if cached is None or cached[0] is not privacy:
+            cached = self._hider = (privacy, KeyHider(privacy, self._salt))
+        return cached[1]
+
+    async def _node_reports(self, params: dict[str, str]) -> dict[str, Report]:
+        if self._client is None:
+            self._client = httpx.AsyncClient()
+        return await ask_nodes(
+            self._client,
+            self.membership.view.members,
+            dict(self._token_header),
+            params,
+            self.settings.admin_timeout,
+        )
+
+    async def admin_top(self, request: Request) -> Response:
+        """``GET /admin/top?rule=R&n=20``: the most limited keys, merged across nodes."""
+        if (refused := self._admin_refused(request)) is not None:
+            return refused
+        params = request.query_params
+        rule = params.get("rule")
+        if rule is not None and self.config.rule(rule) is None:
+            return JSONResponse(
+                error_body("unknown_rule", f"no rule named {rule!r}"), status_code=400
+            )
+        try:
+            n = int(params.get("n", "20"))
+            if not 1 <= n <= 1000:
+                raise ValueError
+        except ValueError:
+            return JSONResponse(
+                error_body("invalid_n", "n must be an integer from 1 to 1000"), status_code=400
+            )
+        reports = await self._node_reports({"n": str(n), **({"rule": rule} if rule else {})})
+        return JSONResponse(
+            {
+                "rule": rule,
+                "n": n,
+                "keys": self.config.privacy.show_keys,
+                "near_limit": f"allowed with at most {NEAR_LIMIT_FRACTION:.0%} of the limit left",
+                "window_seconds": _window(reports),
+                "rules": merge_top(reports, [rule] if rule else None, n, self._hide()),
+                "nodes": node_status(reports),
+            }
+        )
+
+    async def admin_ui(self, request: Request) -> Response:
+        """The ring page (router/ui.py). It holds no data and no secret, so it
+        needs no token; without an admin token, admin pages are loopback-only."""
+        if (
+            self.settings.admin_token is None
+            and (refused := self._admin_refused(request)) is not None
+        ):
+            return refused
+        return Response(UI_PAGE, media_type="text/html; charset=utf-8", headers=UI_HEADERS)
+
+    async def admin_ui_data(self, request: Request) -> Response:
+        """What the ring page shows: nodes, shares, rates, top keys, events."""
+        if (refused := self._admin_refused(request)) is not None:
+            return refused
+        membership = self.membership
+        view = membership.view
+        reports = await self._node_reports({"n": "10"})
+        shares = hash_share(view) if len(view) else {}
+        nodes = []
+        for entry in membership.describe()["nodes"]:
+            report = reports.get(entry["id"])
+            nodes.append(
+                {
+                    **entry,
+                    "share": shares.get(entry["id"]),
+                    "reachable": report is not None,
+                    "rate": number(report, "rate"),
+                    "denied_rate": number(report, "denied_rate"),
+                    "allowed": number(report, "decisions", "allowed"),
+                    "denied": number(report, "decisions", "denied"),
+                    "keys": number(report, "keys"),
+                    "node_epoch": number(report, "epoch"),
+                }
+            )
+        return JSONResponse(
+            {
+                "generated_at": time.time(),
+                "epoch": view.epoch,
+                "keys": self.config.privacy.show_keys,
+                "nodes": nodes,
+                "totals": {
+                    "rate": sum(n["rate"] or 0.0 for n in nodes),
+                    "denied_rate": sum(n["denied_rate"] or 0.0 for n in nodes),
+                },
+                "top": merge_top(reports, None, 10, self._hide()),
+                "events": [e.to_dict() for e in membership.events.last(20)],
+            },
+            headers={"cache-control": "no-store"},
+        )
+
+
+def _window(reports: dict[str, Report]) -> list[float] | None:
+    """The history an answer covers: one to two windows of the nodes' sketches."""
+    window = next((w for r in reports.values() if (w := number(r, "window")) is not None), None)
+    return None if window is None else [window, 2 * window]
 
 
 @lru_cache(maxsize=65536)

@@ -40,6 +40,7 @@ from node.lease import DEFAULT_DRIFT, lease_bound
 from node.peers import INTERNAL_TOKEN_HEADER
 from ring import Member, RingView
 from router.coordinator import CoordinatorError, EtcdCoordinator, ViewRecord
+from router.events import EventLog
 from router.removal import RemovalBudget
 
 log = logging.getLogger("ringlimit.router")
@@ -130,6 +131,8 @@ class Membership:
         self.leading = coordinator is None
         self._revision = 0
         self._coordination: list[asyncio.Task[Any]] = []
+        #: The last membership changes, for operators (router/events.py).
+        self.events = EventLog()
         self.lock = asyncio.Lock()
         self.changed = asyncio.Event()
         self.crashes = 0
@@ -554,6 +557,7 @@ class Membership:
         return task
 
     def _adopt(self, view: RingView) -> None:
+        self.events.change(self.view, view, crashed=self.removed)
         self.view = view
         for member_id in [m for m in self.removed if m in view]:
             del self.removed[member_id]
