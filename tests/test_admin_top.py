@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from node.clock import FrozenClock
-from node.config import ClusterConfig, Privacy, ScopedRule
+from node.config import ClusterConfig, ConfigError, Privacy, ScopedRule
 from node.rules import Rule
 from ring import Member, RingView
 from ring.analysis import hash_share, ownership
@@ -191,3 +191,23 @@ def test_event_log_is_bounded_and_newest_first() -> None:
     for epoch in range(4, 20):
         log.change(RingView.of([a], epoch - 1), RingView.of([a, b], epoch))
     assert len(log.last(100)) == 5
+
+
+def test_privacy_config_parses_round_trips_and_hides_its_salt() -> None:
+    config = ClusterConfig.from_dict(
+        {
+            "rules": [{"name": "api", "rate": "5/minute"}],
+            "privacy": {"show_keys": "hashed", "salt": "s4lt"},
+        }
+    )
+    assert config.privacy == Privacy("hashed", "s4lt")
+    assert ClusterConfig.from_dict(config.to_dict()).privacy == config.privacy  # pushed to nodes
+    assert "s4lt" not in repr(config)
+    assert ClusterConfig.from_dict({}).privacy == Privacy("plain", None)
+    for bad, where in (
+        ({"show_keys": "rot13"}, "privacy.show_keys"),
+        ({"salt": ""}, "privacy.salt"),
+        ({"pepper": "x"}, "privacy: unknown key(s) pepper"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(where)):
+            ClusterConfig.from_dict({"privacy": bad})
