@@ -102,10 +102,11 @@ function renderNodes(data) {
     const swatch = el("span", null, "swatch");
     swatch.style.background = COLORS[i % COLORS.length];
     name.append(swatch, el("span", node.id));
+    // A joining or leaving node may not answer yet: its state says more.
+    const state = node.reachable || node.state !== "active" ? node.state : "unreachable";
     row.append(
       name,
-      el("td", node.reachable ? node.state : "unreachable",
-         node.reachable ? "state-" + node.state : "unreachable"),
+      el("td", state, state === "unreachable" ? "unreachable" : "state-" + state),
       el("td", node.share === null ? "\u2013" : fmt(node.share * 100, 1) + " %"),
       el("td", fmt(node.rate, 1), "rate"),
       el("td", fmt(node.denied_rate, 1), "denied-rate"),

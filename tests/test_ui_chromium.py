@@ -10,6 +10,7 @@ docs/img/ring_page.png.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import os
 import re
@@ -71,8 +72,10 @@ def chromium(tmp: Path, url: str, *action: str, budget_ms: int = 5000) -> str:
         proc.communicate()
         raise
     finally:
-        if proc.poll() is None:
+        # Chromium's helpers (zygote, renderer, GPU) share its session: none outlives it.
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
             proc.wait(10)
     assert proc.returncode == 0, f"chromium exited with {proc.returncode}"
     return out.decode("utf-8", "replace")
