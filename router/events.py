@@ -22,7 +22,8 @@ DEFAULT_LIMIT = 100
 class Event(NamedTuple):
     at: float
     epoch: int
-    kind: str  # joined | left | crashed | replaced
+    kind: str  # joined | left | crashed | replaced | recovered
+    #: The member; for ``recovered``, every member of the view, comma-separated.
     node: str
 
     def to_dict(self) -> dict[str, Any]:
@@ -48,6 +49,11 @@ class EventLog:
         for member_id in sorted(before.keys() & after.keys()):
             if before[member_id] != after[member_id]:  # a new url or weight
                 self.events.append(Event(at, new.epoch, "replaced", member_id))
+
+    def recovered(self, view: RingView) -> None:
+        """The router started with a ring it did not make (its state file, or the
+        nodes' newest view): nothing changed, but an operator wants to know."""
+        self.events.append(Event(self.clock(), view.epoch, "recovered", ", ".join(view.ids)))
 
     def last(self, n: int) -> list[Event]:
         """The ``n`` newest events, newest first."""

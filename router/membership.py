@@ -175,6 +175,7 @@ class Membership:
         )
         if best is not None and len(best):
             self.view = best
+            self.events.recovered(best)
             for member in best:
                 self.health.setdefault(member.id, Health())
             log.info("recovered ring at epoch %d: %s", best.epoch, ", ".join(best.ids))

@@ -188,6 +188,8 @@ def test_event_log_is_bounded_and_newest_first() -> None:
         (2, "joined", "b"),
         (1, "joined", "a"),
     ]
+    log.recovered(RingView.of([a, b], 7))
+    assert log.last(1)[0][1:] == (7, "recovered", "a, b")
     for epoch in range(4, 20):
         log.change(RingView.of([a], epoch - 1), RingView.of([a, b], epoch))
     assert len(log.last(100)) == 5
@@ -211,3 +213,10 @@ def test_privacy_config_parses_round_trips_and_hides_its_salt() -> None:
     ):
         with pytest.raises(ConfigError, match=re.escape(where)):
             ClusterConfig.from_dict({"privacy": bad})
+
+
+async def test_a_restarted_router_says_it_recovered_the_ring() -> None:
+    async with InProcessCluster(2, CONFIG, clock=FrozenClock()) as cluster:
+        await cluster.restart_router(seeds=[Member(n, f"http://{n}.cluster") for n in ("n1", "n2")])
+        events = (await cluster.client.get("/admin/ui/data")).json()["events"]
+        assert [(e["kind"], e["node"], e["epoch"]) for e in events] == [("recovered", "n1, n2", 1)]
