@@ -12,16 +12,13 @@ from collections.abc import Sequence
 from node.backend import Backend, MemoryBackend
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig
-from node.decision import BACKEND_UNAVAILABLE, STORE_FULL, Verdict
+from node.decision import Verdict
 from node.metrics import NodeMetrics
 from node.rules import Rule
 from node.shadow import denied_names, has_shadow, merge, split
 from node.shard import Shard
 from node.store import MemoryStore
 from node.topkeys import TopKeys
-
-#: Denials that say nothing about the user (the node could not decide or store).
-_NOT_THE_USERS = frozenset({BACKEND_UNAVAILABLE, STORE_FULL})
 
 
 class Authority:
@@ -73,8 +70,11 @@ class Authority:
             if cost and (not verdict.decision.allowed or len(verdict.decisions) > 1):
                 for name in denied_names(verdict):
                     metrics.shadow_denied(name)
-        if self.top is not None:
-            self._note(self.top, key, verdict)
+        top = self.top
+        if top is not None and cost:  # a read (cost 0) is not a request either
+            d = verdict.decision
+            if not verdict.allowed or d.remaining * 10 <= d.limit or len(verdict.decisions) > 1:
+                top.note(((key, verdict),))
         return verdict
 
     async def _with_shadow(
@@ -146,17 +146,18 @@ class Authority:
                 metrics.count(rule, allowed, n)
         top = self.top
         if top is not None:
-            note = self._note
-            for check, verdict in zip(checks, verdicts, strict=True):
-                note(top, check[0], verdict)
+            # A comprehension picks the few that may count (denied, near the limit, or
+            # several rules): the common allowed check costs a comparison and no call.
+            picked = [
+                (check[0], v)
+                for check, v in zip(checks, verdicts, strict=True)
+                if (
+                    not v.allowed
+                    or v.decision.remaining * 10 <= v.decision.limit
+                    or len(v.decisions) > 1
+                )
+                and check[2]  # a read (cost 0) is not a request
+            ]
+            if picked:
+                top.note(picked)
         return verdicts
-
-    @staticmethod
-    def _note(top: TopKeys, key: str, verdict: Verdict) -> None:
-        """Denied and near-limit decisions go to the sketch; the rest cost a
-        comparison each (the hot path)."""
-        for d in verdict.decisions:
-            # Near the limit: remaining <= 10 % of it (topkeys.NEAR_LIMIT_FRACTION).
-            if (d.allowed and d.remaining * 10 > d.limit) or d.reason in _NOT_THE_USERS:
-                continue
-            top.record(d.rule, key, not d.allowed)

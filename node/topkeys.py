@@ -14,7 +14,7 @@ events:
 
 Only denied and near-limit decisions reach the sketch (see
 :data:`NEAR_LIMIT_FRACTION`), so the cost on the hot path is one comparison
-per decision, plus a dict update and a heap push for those that count.
+per decision, plus a few dict operations (O(1)) for those that count.
 
 :class:`TopKeys` keeps one sketch per rule and kind (``denied``,
 ``near_limit``) over a window that rotates: the answer covers the current
@@ -30,10 +30,14 @@ import heapq
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from node.decision import BACKEND_UNAVAILABLE, STORE_FULL, Verdict
+
 #: An allowed decision is *near the limit* when at most this fraction of the
 #: limit remains after it (``remaining <= 10 % of limit``).
 NEAR_LIMIT_FRACTION = 0.1
 KINDS = ("denied", "near_limit")
+#: Denials (and fail-open allowances) that say nothing about the user.
+NOT_THE_USERS = frozenset({BACKEND_UNAVAILABLE, STORE_FULL})
 DEFAULT_CAPACITY = 256
 DEFAULT_WINDOW = 60.0
 
@@ -47,16 +51,19 @@ class Entry(NamedTuple):
 
 
 class SpaceSaving:
-    """The space-saving summary with weighted increments, in O(log capacity) each.
+    """The space-saving summary, on Metwally et al.'s *stream-summary* structure.
 
-    Counters live in a dict; the minimum is found through a heap of
-    ``(count, key)`` entries that may be stale (a key's count grew since the
-    entry was pushed). Stale entries are skipped when popped, and the heap is
-    rebuilt from the dict when it grows past a few times ``capacity``, so its
-    size stays bounded.
+    Keys are grouped in buckets by count (``count -> {key: None}``, ordered
+    by arrival), and the smallest count is tracked, so a unit increment and
+    an eviction are O(1): move the key to the next bucket, or take the oldest
+    key of the smallest bucket. (A heap of ``(count, key)`` pairs would
+    compare strings whenever counts tie, which they nearly always do when
+    many distinct keys pass through.) A weighted increment that empties the
+    smallest bucket finds the next one by a scan of the buckets (at most
+    ``capacity``); the node only adds 1 at a time.
     """
 
-    __slots__ = ("_heap", "capacity", "counts", "errors", "total")
+    __slots__ = ("_buckets", "_min", "capacity", "counts", "errors", "total")
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         if capacity < 1:
@@ -65,46 +72,48 @@ class SpaceSaving:
         self.counts: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.total = 0
-        self._heap: list[tuple[int, str]] = []
+        self._buckets: dict[int, dict[str, None]] = {}
+        self._min = 0
 
     def add(self, key: str, weight: int = 1) -> None:
-        counts = self.counts
+        counts, buckets = self.counts, self._buckets
         self.total += weight
         count = counts.get(key)
         if count is not None:
-            count += weight
+            bucket = buckets[count]
+            del bucket[key]
+            if not bucket:
+                del buckets[count]
+                if count == self._min:
+                    self._min = count + weight if weight == 1 else -1
         elif len(counts) < self.capacity:
-            count = weight
             self.errors[key] = 0
+            count = 0
+            if weight < self._min or not counts:
+                self._min = weight
         else:
-            floor, victim = self._pop_min()
-            del counts[victim]
-            del self.errors[victim]
-            count = floor + weight
-            self.errors[key] = floor
+            count = self._min
+            bucket = buckets[count]
+            victim = next(iter(bucket))
+            del bucket[victim], counts[victim], self.errors[victim]
+            if not bucket:
+                del buckets[count]
+                self._min = count + weight if weight == 1 else -1
+            self.errors[key] = count
+        count += weight
         counts[key] = count
-        heap = self._heap
-        heapq.heappush(heap, (count, key))
-        if len(heap) > 4 * self.capacity + 64:
-            self._heap = [(c, k) for k, c in counts.items()]
-            heapq.heapify(self._heap)
-
-    def _pop_min(self) -> tuple[int, str]:
-        heap, counts = self._heap, self.counts
-        while True:
-            count, key = heapq.heappop(heap)
-            if counts.get(key) == count:
-                return count, key
+        target = buckets.get(count)
+        if target is None:
+            buckets[count] = {key: None}
+        else:
+            target[key] = None
+        if self._min < 0:
+            self._min = min(buckets)
 
     @property
     def floor(self) -> int:
         """The most an unmonitored key can have occurred (0 until the sketch is full)."""
-        if len(self.counts) < self.capacity:
-            return 0
-        heap, counts = self._heap, self.counts
-        while counts.get(heap[0][1]) != heap[0][0]:
-            heapq.heappop(heap)
-        return heap[0][0]
+        return self._min if len(self.counts) >= self.capacity else 0
 
     def entries(self) -> list[Entry]:
         return [Entry(k, c, self.errors[k]) for k, c in self.counts.items()]
@@ -183,6 +192,30 @@ class TopKeys:
         self.denied: dict[str, SpaceSaving] = {}
         self.near: dict[str, SpaceSaving] = {}
         self._previous: dict[str, dict[str, SpaceSaving]] = {"denied": {}, "near_limit": {}}
+
+    def note(self, decided: Iterable[tuple[str, Verdict]]) -> None:
+        """Count the denied and near-limit decisions among ``(key, verdict)`` pairs.
+
+        Called once per request or batch, with the pairs the caller already
+        picked (likely candidates); each rule's decision is looked at here.
+        Denials that say nothing about the user (the backend is down, the
+        store is full) are not counted.
+        """
+        denied_sketches, near_sketches = self.denied, self.near
+        for key, verdict in decided:
+            for d in verdict.decisions:
+                if d.allowed:
+                    if d.remaining * 10 > d.limit or d.reason in NOT_THE_USERS:
+                        continue
+                    sketches = near_sketches
+                elif d.reason in NOT_THE_USERS:
+                    continue
+                else:
+                    sketches = denied_sketches
+                sketch = sketches.get(d.rule)
+                if sketch is None:
+                    sketch = sketches[d.rule] = SpaceSaving(self.capacity)
+                sketch.add(key)
 
     def record(self, rule: str, key: str, denied: bool) -> None:
         """One denied or near-limit decision (the hot path: keep it small)."""

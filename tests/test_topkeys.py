@@ -33,6 +33,11 @@ def check_bounds(sketch: SpaceSaving, exact: Counter[str]) -> None:
     assert sketch.total == total
     assert sum(sketch.counts.values()) == total  # counters always sum to the stream
     assert len(sketch.counts) <= sketch.capacity
+    # The buckets index exactly the counters, and the tracked minimum is theirs.
+    assert {k: c for c, b in sketch._buckets.items() for k in b} == sketch.counts
+    assert all(sketch._buckets.values())
+    if sketch.counts:
+        assert sketch._min == min(sketch.counts.values())
     floor = sketch.floor
     assert floor * sketch.capacity <= total  # the floor is at most N / capacity
     for key, true in exact.items():
@@ -116,7 +121,7 @@ def test_space_saving_keeps_the_heavy_hitter_among_many_one_off_keys() -> None:
     top = sketch.top(1)[0]
     assert top.key == "hot"
     assert top.hits - top.error <= 2000 <= top.hits
-    assert len(sketch._heap) <= 4 * 8 + 64 + 1  # the lazy heap stays bounded
+    assert sum(map(len, sketch._buckets.values())) == len(sketch.counts) == 8
 
 
 def test_capacity_must_be_positive() -> None:
