@@ -234,7 +234,7 @@ class Membership:
                 self.config = record.config
             for member in record.view:
                 self.health.setdefault(member.id, Health())
-            self._adopt(record.view)
+            self._adopt(record.view, record.crashed)
             log.info("adopted epoch %d from etcd", record.view.epoch)
 
     async def _watch(self) -> None:
@@ -297,7 +297,7 @@ class Membership:
             self._remember(previous, record.crashed)
             for member in view:
                 self.health.setdefault(member.id, Health())
-            self._adopt(view)
+            self._adopt(view, crashed)
             await self._settle(record)
             for member_id in failed:
                 if member_id in view:
@@ -557,8 +557,8 @@ class Membership:
         task.add_done_callback(self._background.discard)
         return task
 
-    def _adopt(self, view: RingView) -> None:
-        self.events.change(self.view, view, crashed=self.removed)
+    def _adopt(self, view: RingView, crashed: Iterable[str] = ()) -> None:
+        self.events.change(self.view, view, crashed={*self.removed, *crashed})
         self.view = view
         for member_id in [m for m in self.removed if m in view]:
             del self.removed[member_id]

@@ -87,3 +87,24 @@ async def test_denials_that_are_not_the_users_fault_are_not_counted() -> None:
         assert answer["top"] == {
             "strict": {"denied": [["first", 1, 0]], "near_limit": [["first", 1, 0]]}
         }
+
+
+async def test_shadow_rules_count_would_be_denials_and_reads_count_nothing() -> None:
+    config = ClusterConfig(rules=(ScopedRule(Rule("trial", 2, 60.0, shadow=True)),))
+    node = create_app(NodeSettings(node_id="n1", config=config), clock=FrozenClock())
+    async with client_for(node) as client:
+        for _ in range(5):  # never denied (shadow), but 3 would have been
+            assert (await client.get("/", headers={"X-User-Id": "eve"})).status_code == 200
+        for _ in range(3):  # reads: cost 0
+            await client.post("/v1/check", json={"key": "mallory", "rule": "trial", "cost": 0})
+        await client.post("/v1/check", json={"key": "mallory", "rule": "trial", "cost": 2})
+        await client.post("/v1/check", json={"key": "mallory", "rule": "trial", "cost": 0})
+        top = (await client.get("/internal/top")).json()["top"]
+        # eve: the 2nd request left 0 (near), the next 3 would have been denied.
+        # mallory: only the request that spent counts (near: 0 left), not the reads.
+        assert top == {
+            "trial": {
+                "denied": [["eve", 3, 0]],
+                "near_limit": [["eve", 1, 0], ["mallory", 1, 0]],
+            }
+        }
