@@ -72,7 +72,13 @@ ROWS: dict[str, str] = {
     "api_single": "6a decision API, single, coalesced",
     "api_single_nc": "6b decision API, single, not coalesced",
     "api_batch": "6c decision API, batches of 100",
+    # The cost of extra replicas (crash policy replica, rule `replicas = N`): not in
+    # the default run; `ringlimit bench --rows sticky,sticky_r2,sticky_r3`.
+    "sticky_r2": "2b router -> nodes, sticky, replicas = 2",
+    "sticky_r3": "2c router -> nodes, sticky, replicas = 3",
 }
+#: Rows run when --rows is not given.
+DEFAULT_ROWS = tuple(k for k in ROWS if k not in ("sticky_r2", "sticky_r3"))
 ROLES = ("router", "nodes", "redis")
 BATCH = 100
 
@@ -303,15 +309,20 @@ class Settings:
     memory_keys: int = 1_000_000
     handoff_keys: int = 1_000_000
     tool: str = "auto"
-    rows: tuple[str, ...] = tuple(ROWS)
+    rows: tuple[str, ...] = DEFAULT_ROWS
     #: The clusters' crash policy; None: ringlimit's default (replica: replication on).
     crash_policy: str | None = None
     #: The Envoy row (benchmarks/envoy.py): ShouldRateLimit over gRPC, sticky vs Redis.
     envoy: bool = True
 
 
-def cluster_toml(settings: Settings) -> str:
-    """The rules every ringlimit process of the benchmark runs with."""
+def cluster_toml(settings: Settings, replicas: int = 1) -> str:
+    """The rules every ringlimit process of the benchmark runs with (``replicas``:
+    copies of each ``bench`` state on successors, for the replica-cost rows)."""
+    if replicas != 1:
+        return cluster_toml(Settings(**{**settings.__dict__, "crash_policy": "replica"})).replace(
+            'paths = ["/load/*"]\n', f'paths = ["/load/*"]\nreplicas = {replicas}\n', 1
+        )
     return (
         f'[[rules]]\nname = "bench"\nrate = "{settings.load_rate}"\npaths = ["/load/*"]\n\n'
         f'[[rules]]\nname = "tight"\nrate = "{settings.tight_limit}/hour"\n'
@@ -413,6 +424,20 @@ def start_rows(procs: Processes, settings: Settings, workdir: Path) -> dict[str,
                 {"router": [npid], "nodes": node_pids},
                 f"{nurl}/v1/check",
             )
+    for replicas, key in ((2, "sticky_r2"), (3, "sticky_r3")):
+        if key not in wanted:
+            continue
+        replica_cfg = workdir / f"cluster-r{replicas}.toml"
+        replica_cfg.write_text(cluster_toml(settings, replicas))
+        node_pids, seeds = nodes(f"p{replicas}-", "--config", str(replica_cfg))
+        rpid, rurl = router(f"router-r{replicas}", seeds, "--config", str(replica_cfg))
+        rows[key] = Row(
+            key,
+            f"{rurl}/load/x",
+            "proxy",
+            {"router": [rpid], "nodes": node_pids},
+            f"{rurl}/tight/x",
+        )
     if "redis" in wanted:
         node_pids, seeds = nodes("r", "--backend", "redis", "--redis-url", f"{redis_url}/0")
         rpid, rurl = router("router-redis", seeds, "--backend", "redis")
