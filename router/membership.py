@@ -258,27 +258,33 @@ class Membership:
     async def follow_once(self, leader_url: str, headers: dict[str, str]) -> bool:
         """One poll of the leader's ring; True if a newer view was adopted.
 
-        The leader's ``/admin/ring`` gives its epoch and members; the view
-        itself (and the config) is fetched from a member, as from a node
-        refusing a key (:meth:`catch_up`): the leader adopts a view only after
-        its members took it, so any of them has it.
+        The leader adopts a view only after pushing it to its members, so the
+        view it shows is one the nodes already hold: adopting it here is as safe
+        as learning it from a node that refuses a key (:meth:`catch_up`), and
+        works for nodes that keep no view (the Redis backend's).
         """
         try:
             response = await self._client.get(
                 leader_url.rstrip("/") + "/admin/ring", headers=headers, timeout=2.0
             )
             data = response.json()
-            epoch = int(data["epoch"])
-            urls = [n["url"] for n in data["nodes"] if n.get("state") != "joining"]
+            nodes = [
+                {k: n[k] for k in ("id", "url", "weight")}
+                for n in data["nodes"]
+                if n.get("state") != "joining"
+            ]
+            view = RingView.from_dict({"epoch": data["epoch"], "nodes": nodes})
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.debug("could not poll the leader at %s: %s", leader_url, exc)
             return False
-        before = self.view.epoch
-        for url in urls:
-            if self.view.epoch >= epoch:
-                break
-            await self.catch_up(epoch, url)
-        return self.view.epoch > before
+        if view.epoch <= self.view.epoch or not len(view):
+            return False
+        self._highest = max(self._highest, view.epoch)
+        for member in view:
+            self.health.setdefault(member.id, Health())
+        self._adopt(view)
+        log.info("adopted epoch %d from the leader at %s", view.epoch, leader_url)
+        return True
 
     async def _watch(self) -> None:
         assert self.coordinator is not None
