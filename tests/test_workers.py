@@ -87,6 +87,23 @@ def test_a_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert f"cannot bind 127.0.0.1:{port}" in err
 
 
+def test_workers_without_their_etcd_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "router",
+            "--workers",
+            "2",
+            "--port",
+            str(free_port()),
+            "--coordinator",
+            "etcd://127.0.0.1:1",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.strip().count("\n") == 0 and "etcd not reachable at 127.0.0.1:1" in err, err
+
+
 def test_workers_share_one_port_and_one_membership(procs: Procs) -> None:
     cluster = start_cluster(procs, [*RULE, "--workers", "2"], spare=("n4",))
     url = cluster.router
