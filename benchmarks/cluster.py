@@ -1103,6 +1103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-envoy", action="store_true", help="no ShouldRateLimit (gRPC) row")
     parser.add_argument("--skip-handoff", action="store_true")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--scale",
+        metavar="K,K,...",
+        help="only the scaling runs (benchmarks/scale.py): for each K, K router workers and 2K "
+        "nodes, sticky vs Redis, e.g. --scale 1,2,4",
+    )
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -1157,7 +1163,7 @@ def missing_extras(settings: Settings) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    missing = missing_extras(settings)
+    missing = [] if getattr(args, "scale", None) else missing_extras(settings)
     if missing:
         raise ValueError(
             f"the benchmark needs {' and '.join(missing)}: pip install 'ringlimit[bench]'"
@@ -1169,6 +1175,10 @@ def run(args: argparse.Namespace) -> int:
     needs_redis = bool(set(settings.rows) & {"redis", "slowapi"}) or settings.envoy
     if needs_redis and not _have("redis-server"):
         raise ValueError("redis-server is not on the PATH (needed by the redis and slowapi rows)")
+    if getattr(args, "scale", None):
+        from benchmarks.scale import run_command
+
+        return run_command(args, settings, tool_name)
     quick = bool(args.quick)
     markdown_path: Path | None
     if args.markdown == "-":

@@ -135,6 +135,13 @@ class RouterSettings:
     envoy_headers: tuple[str, ...] = ()
     #: How long ``/admin/top`` and the ring page wait for each node's answer.
     admin_timeout: float = 2.0
+    #: Without a coordinator: the leading router's admin URL, which makes this one a
+    #: follower (router/workers.py): admin changes are passed on to it, and its ring
+    #: is polled every ``follow_interval`` seconds.
+    leader_url: str | None = None
+    follow_interval: float = 0.2
+    #: This router's name in ``X-Ringlimit-Router`` on proxied answers (workers: w0, w1...).
+    name: str | None = None
 
 
 class Router:
@@ -179,6 +186,9 @@ class Router:
         self._token_header = (
             [(INTERNAL_TOKEN_HEADER, settings.internal_token)] if settings.internal_token else []
         )
+        self._extra_headers = (
+            [(b"x-ringlimit-router", settings.name.encode())] if settings.name else []
+        )
         self._raw_token = (
             [(INTERNAL_TOKEN_HEADER.lower().encode(), settings.internal_token.encode())]
             if settings.internal_token
@@ -214,6 +224,10 @@ class Router:
                 else FastForwarder(timeouts=self.settings.timeouts)
             )
         await self.membership.start(self.settings.seeds, health=self.settings.health_checks)
+        if self.settings.leader_url is not None:
+            self.membership.follow(
+                self.settings.leader_url, self._admin_headers(), self.settings.follow_interval
+            )
         if self.settings.grpc_port is not None:
             from router.envoy import RateLimitServicer, start_grpc
 
@@ -425,7 +439,7 @@ class Router:
                 )
                 return
             self.metrics.forwarded(member.id, answer.status, time.perf_counter() - started)
-            await _respond(send, answer, member.id)
+            await _respond(send, answer, member.id, self._extra_headers)
             return
         self.metrics.outcome(member.id if member else "-", "ring_changing")
         await send_json(
@@ -496,7 +510,7 @@ class Router:
                 continue
             except NodeTimeout:
                 break
-            await _respond(send, answer, other.id)
+            await _respond(send, answer, other.id, self._extra_headers)
             return
         await send_json(send, 502, error_body("no_node_available", f"no node answered ({reason})"))
 
@@ -755,15 +769,29 @@ class Router:
             return refused
         return JSONResponse(self.membership.describe())
 
-    async def _to_leader(self, request: Request, body: bytes = b"") -> Response | None:
-        """With etcd, membership changes are the leader's: pass them on (None: we lead)."""
+    def _admin_headers(self) -> dict[str, str]:
+        token = self.settings.admin_token
+        return {"authorization": f"Bearer {token}"} if token else {}
+
+    async def _leader(self) -> str | Response | None:
+        """The leading router's URL, None if this router leads, or an error answer."""
         membership = self.membership
-        if membership.coordinator is None or membership.leading:
+        if membership.coordinator is None:
+            return self.settings.leader_url  # a follower (router/workers.py), or alone
+        if membership.leading:
             return None
         try:
-            leader = await membership.coordinator.leader()
+            return await membership.coordinator.leader() or ""
         except CoordinatorError as exc:
             return JSONResponse(error_body("coordinator_unavailable", str(exc)), status_code=503)
+
+    async def _to_leader(self, request: Request, body: bytes = b"") -> Response | None:
+        """Membership changes are the leader's (with etcd, or when following a
+        leading router): pass them on. None: this router makes the change."""
+        membership = self.membership
+        leader = await self._leader()
+        if leader is None or isinstance(leader, Response):
+            return leader
         if not leader or leader == membership.advertise:
             return JSONResponse(
                 error_body("no_leader", "no router leads the cluster right now; retry shortly"),
@@ -791,6 +819,9 @@ class Router:
                 ),
                 status_code=502,
             )
+        if answer.status_code == 200 and self.settings.leader_url is not None:
+            # Route by the new view at once, rather than on the next poll.
+            await membership.follow_once(leader, self._admin_headers())
         return Response(
             answer.content,
             status_code=answer.status_code,
@@ -1056,10 +1087,14 @@ async def _read_all(receive: Receive, limit: int) -> bytes | None:
     return b"".join(chunks) if len(chunks) != 1 else chunks[0]
 
 
-async def _respond(send: Send, answer: Answer, node_id: str) -> None:
+async def _respond(
+    send: Send, answer: Answer, node_id: str, extra: list[tuple[bytes, bytes]]
+) -> None:
     headers = answer.headers
     headers.append((b"content-length", str(len(answer.body)).encode()))
     headers.append((b"x-ringlimit-node", node_id.encode()))
+    if extra:
+        headers += extra
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
     await send({"type": "http.response.body", "body": answer.body})
 

@@ -53,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
+    args.argv = argv  # ``router --workers N`` starts N copies of this command
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -104,6 +105,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="a seed node (repeatable); nodes may also join later (ringlimit node --join)",
     )
     router.add_argument("--state-file", help="ring state kept across router restarts")
+    router.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N router processes on this port (SO_REUSEPORT), one membership: worker 0 leads "
+        "(or etcd elects one, with --coordinator); a worker that exits is restarted "
+        "(default 1)",
+    )
     router.add_argument("--health-interval", type=float, default=1.0)
     router.add_argument("--failure-threshold", type=int, default=3)
     router.add_argument("--health-timeout", type=float, default=0.5)
@@ -386,6 +396,11 @@ def _run_router(args: argparse.Namespace) -> int:
         )
         return 2
     seeds = [_parse_seed(spec) for spec in args.node]
+    from router.workers import worker_role
+
+    role = worker_role()
+    if role is None and args.workers != 1:
+        return _run_workers(args)
     settings = RouterSettings(
         config=config,
         seeds=seeds,
@@ -412,8 +427,71 @@ def _run_router(args: argparse.Namespace) -> int:
     _warn_modes(config)
     if settings.coordinator is not None and not _etcd_reachable(settings.coordinator):
         return 1
-    serve_router(create_router(settings), host=args.host, port=args.port)
+    if role is None:
+        serve_router(create_router(settings), host=args.host, port=args.port)
+        return 0
+    from dataclasses import replace
+
+    from router.workers import worker_sockets
+
+    follower = role.leader_url is not None
+    settings = replace(
+        settings,
+        name=role.name,
+        advertise=role.admin_url,
+        leader_url=role.leader_url,
+        # One worker makes the first view (etcd or seeds); a follower learns it.
+        seeds=seeds if role.index == 0 else [],
+        state_file=None if follower else settings.state_file,
+        health_checks=settings.health_checks and not follower,
+    )
+    serve_router(
+        create_router(settings), host=args.host, port=args.port, sockets=worker_sockets(role)
+    )
     return 0
+
+
+def _run_workers(args: argparse.Namespace) -> int:
+    """``--workers N``: a supervisor of N router processes (router/workers.py)."""
+    from router.workers import Supervisor
+
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    if args.grpc_port is not None:
+        raise ValueError(
+            "--grpc-port serves from one process: run it with --workers 1 (or a router of its own)"
+        )
+    if args.advertise:
+        raise ValueError(
+            "--advertise names one router: with --workers each worker advertises its own "
+            "admin port on --host"
+        )
+    coordinated = bool(args.coordinator)
+    if coordinated:
+        coordinator = _coordinator(args)
+        if coordinator is not None and not _etcd_reachable(coordinator):
+            return 1  # one line here, rather than N workers failing in a loop
+    try:
+        supervisor = Supervisor(
+            args.argv,
+            args.workers,
+            host=args.host,
+            port=args.port,
+            admin_host=args.host if coordinated else "127.0.0.1",
+            advertise_host=_reachable(args.host) if coordinated else "127.0.0.1",
+            coordinated=coordinated,
+        )
+    except OSError as exc:
+        print(f"ringlimit: cannot bind {args.host}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    try:
+        return supervisor.run()
+    except OSError as exc:
+        print(
+            f"ringlimit: cannot bind {args.host}:{args.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def _coordinator(args: argparse.Namespace) -> EtcdCoordinator | None:

@@ -16,7 +16,9 @@ the newest view they know (re-discovery), adopting it when it is newer.
 
 Several routers may share a cluster; one of them takes admin changes, the
 others learn new views from the nodes (a node refusing a key tells the router
-its newer epoch, and the router fetches that view).
+its newer epoch, and the router fetches that view). A router given the
+leader's URL (``follow``: the workers of ``ringlimit router --workers N``
+without etcd) also polls the leader's ring, so it converges within one poll.
 """
 
 from __future__ import annotations
@@ -152,6 +154,8 @@ class Membership:
         self._newer_check: asyncio.Task[bool] | None = None
         self._joins: dict[str, asyncio.Future[RingView]] = {}
         self._newer_checked_at = float("-inf")
+        #: The leading router's URL when this one follows it (router/workers.py).
+        self.leader_url: str | None = None
 
     # ------------------------------------------------------------------ start / stop
 
@@ -236,6 +240,51 @@ class Membership:
                 self.health.setdefault(member.id, Health())
             self._adopt(record.view, record.crashed)
             log.info("adopted epoch %d from etcd", record.view.epoch)
+
+    def follow(self, leader_url: str, headers: dict[str, str], interval: float) -> None:
+        """Follow the router at ``leader_url``: poll its ring every ``interval``
+        seconds and adopt each newer view (from the nodes, with their config)."""
+        self.leader_url = leader_url
+        self._coordination.append(
+            asyncio.create_task(self._follow_loop(leader_url, headers, interval))
+        )
+
+    async def _follow_loop(self, leader_url: str, headers: dict[str, str], interval: float) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.follow_once(leader_url, headers)
+            await asyncio.sleep(interval)
+
+    async def follow_once(self, leader_url: str, headers: dict[str, str]) -> bool:
+        """One poll of the leader's ring; True if a newer view was adopted.
+
+        The leader adopts a view only after pushing it to its members, so the
+        view it shows is one the nodes already hold: adopting it here is as safe
+        as learning it from a node that refuses a key (:meth:`catch_up`), and
+        works for nodes that keep no view (the Redis backend's).
+        """
+        try:
+            response = await self._client.get(
+                leader_url.rstrip("/") + "/admin/ring", headers=headers, timeout=2.0
+            )
+            data = response.json()
+            nodes = [
+                {k: n[k] for k in ("id", "url", "weight")}
+                for n in data["nodes"]
+                if n.get("state") != "joining"
+            ]
+            view = RingView.from_dict({"epoch": data["epoch"], "nodes": nodes})
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log.debug("could not poll the leader at %s: %s", leader_url, exc)
+            return False
+        if view.epoch <= self.view.epoch or not len(view):
+            return False
+        self._highest = max(self._highest, view.epoch)
+        for member in view:
+            self.health.setdefault(member.id, Health())
+        self._adopt(view)
+        log.info("adopted epoch %d from the leader at %s", view.epoch, leader_url)
+        return True
 
     async def _watch(self) -> None:
         assert self.coordinator is not None
@@ -958,6 +1007,8 @@ class Membership:
         data: dict[str, Any] = {"epoch": self.view.epoch, "nodes": nodes}
         if self.coordinator is not None:
             data["coordinator"] = {"etcd": self.coordinator.where, "leading": self.leading}
+        elif self.leader_url is not None:
+            data["leader"] = self.leader_url
         return data
 
     def _save_state(self) -> None:

@@ -41,6 +41,8 @@ class Sent:
     degraded: bool
     #: Seconds from sending to the answer (the client's wait).
     took: float = 0.0
+    #: ``X-Ringlimit-Router``: the router worker that answered (router --workers).
+    router: str | None = None
 
 
 @dataclass
@@ -92,6 +94,7 @@ class Load:
                                     response.headers.get("x-ringlimit-node"),
                                     "x-ringlimit-degraded" in response.headers,
                                     time.monotonic() - sent_at,
+                                    response.headers.get("x-ringlimit-router"),
                                 )
                             )
                     except (aiohttp.ClientError, TimeoutError):

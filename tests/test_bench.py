@@ -275,3 +275,63 @@ def test_bench_quick_smoke(tmp_path: Path) -> None:
         "decision API, batches of 100: decisions/s",
     }
     assert "| configuration |" in done.stdout and md.read_text().startswith("# Benchmark")
+
+
+def _scale_run(rps: float, router_cpu: float, seconds: float = 2.0) -> dict:
+    return {
+        "load": {"rps": rps, "p99_ms": 10.0, "seconds": seconds},
+        "cpu_seconds": {"router": router_cpu, "nodes": 1.0},
+        "cpu_us_per_request": {"router": 50.0, "nodes": 40.0},
+    }
+
+
+def test_scale_option_summary_and_table() -> None:
+    from benchmarks import scale
+
+    assert scale.parse_scale("1,2,4") == [1, 2, 4]
+    for bad in ("", "0", "1,1", "a"):
+        with pytest.raises(ValueError, match="--scale"):
+            scale.parse_scale(bad)
+    exact = cluster.check_exactness("sticky", {"allowed": 500, "denied": 2000}, 1, 100, 5)
+    rows = [
+        scale.summarise(1, "sticky", [_scale_run(1000, 1.0), _scale_run(1200, 1.2)], exact),
+        scale.summarise(2, "sticky", [_scale_run(2000, 3.0), _scale_run(2400, 3.0)], exact),
+        scale.summarise(1, "redis", [_scale_run(800, 1.0)], exact),
+        scale.summarise(2, "redis", [_scale_run(800, 1.0)], exact),
+    ]
+    scale.add_speedups(rows)
+    sticky2 = rows[1]
+    assert (sticky2["routers"], sticky2["nodes"]) == (2, 4)
+    assert sticky2["rps"] == 2200 and sticky2["vs_smallest_k"] == pytest.approx(2.0)
+    # Router CPU: 3 s over 2 s of run, shared by 2 workers = 75% of a core each.
+    assert sticky2["cpu_pct_per_process"]["router"] == pytest.approx(75.0)
+    # Nodes: 1 s over 2 s for 4 nodes = 12.5% each.
+    assert sticky2["cpu_pct_per_process"]["nodes"] == pytest.approx(12.5)
+    assert rows[3]["vs_smallest_k"] == pytest.approx(1.0)
+    table = "\n".join(scale.scale_lines({"rows": rows}))
+    assert "| 2 | 2 + 4 | sticky | 2,200 | 10.00 | 2.00x | 75 | 12 | - | 500 (500) ok |" in table
+
+
+@pytest.mark.timeout(120)
+def test_bench_scale_1_smoke(tmp_path: Path) -> None:
+    """``--scale 1``: one router worker and two nodes, sticky and Redis, briefly."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    out = tmp_path / "scale.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "router", "bench", "--quick", "--scale", "1"),
+            *("--duration", "1", "--json", str(out), "--no-progress"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())["scale"]
+    assert [(r["k"], r["mode"]) for r in report["rows"]] == [(1, "sticky"), (1, "redis")]
+    for row in report["rows"]:
+        assert row["rps"] > 0 and row["cpu_pct_per_process"]["router"] > 0, row
+        assert row["tight"]["allowed"] <= row["tight"]["expected"], row
+    assert "| K | routers + nodes |" in done.stdout

@@ -1,0 +1,279 @@
+"""``ringlimit router --workers N``: N router processes behind one public port.
+
+One router process is one core. With ``--workers N`` a small parent process
+(this module's :class:`Supervisor`) starts N workers, each a whole router
+(``python -m router router ...`` with the same arguments), and gives each
+
+* its own listening socket on the public port, bound with ``SO_REUSEPORT``:
+  the kernel spreads new connections over the workers' sockets;
+* a private admin socket with a port of its own (on 127.0.0.1, or on ``--host``
+  with ``--coordinator``), whose URL is the worker's address for the other
+  workers: a worker that does not lead passes admin calls to the leader there.
+
+The sockets are bound by the parent, so a port in use is one line before any
+worker starts, and passed to the workers as inherited file descriptors
+(:func:`worker_sockets`). The parent closes its copy of a public socket once
+the worker has it: a worker that dies takes its socket out of the port's
+group, and the kernel stops sending it connections. Admin sockets stay open in
+the parent so that a restarted worker keeps its admin URL.
+
+Exactly one worker leads membership:
+
+* with ``--coordinator`` every worker is an ordinary router of the etcd
+  cluster (router/coordinator.py elects one of them, or a router elsewhere);
+* without, worker 0 leads (state file, health checks, leases, admin changes)
+  and the others are followers: no health checks, no state file, admin calls
+  forwarded to worker 0 (``RouterSettings.leader_url``), and new views learnt
+  from the nodes' refusals (a newer epoch: catch up) and from a poll of
+  worker 0's ring every ``FOLLOW_INTERVAL`` seconds.
+
+The parent restarts a worker that exits (one line each time) unless the
+workers keep dying at start (``CRASH_LOOP`` exits within ``CRASH_WINDOW``
+seconds of their start): then it stops them all and exits 1. SIGTERM or
+SIGINT to the parent stops every worker (SIGTERM each, then SIGKILL after a
+grace period) and exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+#: Environment of a worker: its index, inherited socket fds and the leader's URL.
+WORKER_ENV = "RINGLIMIT_WORKER"
+#: A worker that exits this soon after its start counts towards a crash loop.
+CRASH_WINDOW = 5.0
+CRASH_LOOP = 3
+#: Seconds a worker has to stop after SIGTERM before it is killed.
+STOP_GRACE = 15.0
+
+
+@dataclass(frozen=True)
+class WorkerRole:
+    """What a worker process is told by its parent (through ``RINGLIMIT_WORKER``)."""
+
+    index: int
+    count: int
+    public_fd: int
+    admin_fd: int
+    #: This worker's admin URL (its ``--advertise``).
+    admin_url: str
+    #: Without a coordinator: worker 0's admin URL for the others (None for worker 0).
+    leader_url: str | None
+
+    def encode(self) -> str:
+        return ";".join(
+            [
+                str(self.index),
+                str(self.count),
+                str(self.public_fd),
+                str(self.admin_fd),
+                self.admin_url,
+                self.leader_url or "",
+            ]
+        )
+
+    @classmethod
+    def decode(cls, value: str) -> WorkerRole:
+        index, count, public_fd, admin_fd, admin_url, leader_url = value.split(";")
+        return cls(
+            int(index), int(count), int(public_fd), int(admin_fd), admin_url, leader_url or None
+        )
+
+    @property
+    def name(self) -> str:
+        """The worker's name in ``X-Ringlimit-Router`` and in log lines."""
+        return f"w{self.index}"
+
+
+def worker_role() -> WorkerRole | None:
+    """This process's role when a supervisor started it as a worker, else None."""
+    value = os.environ.get(WORKER_ENV)
+    return WorkerRole.decode(value) if value else None
+
+
+def worker_sockets(role: WorkerRole) -> list[socket.socket]:
+    """The public and admin sockets inherited from the parent."""
+    return [socket.socket(fileno=role.public_fd), socket.socket(fileno=role.admin_fd)]
+
+
+def bind_public(host: str, port: int) -> socket.socket:
+    """A socket on the public port that other workers' sockets may share."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.set_inheritable(True)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_admin(host: str) -> socket.socket:
+    """A worker's private socket, on a port the kernel picks."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.set_inheritable(True)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    """Linux: a worker gets SIGTERM if the supervisor dies (kill -9) without stopping it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+@dataclass
+class _Worker:
+    index: int
+    admin: socket.socket
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    quick_exits: int = 0
+
+
+class Supervisor:
+    """Starts the workers, restarts one that exits, stops them all when told."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        count: int,
+        *,
+        host: str,
+        port: int,
+        admin_host: str,
+        advertise_host: str,
+        coordinated: bool,
+    ) -> None:
+        self.argv = list(argv)
+        self.count = count
+        self.host = host
+        self.port = port
+        self.advertise_host = advertise_host
+        self.coordinated = coordinated
+        self.stopping = False
+        self.workers = [_Worker(i, bind_admin(admin_host)) for i in range(count)]
+
+    def admin_url(self, index: int) -> str:
+        return _url(self.advertise_host, self.workers[index].admin.getsockname()[1])
+
+    def _role(self, worker: _Worker, public: socket.socket) -> WorkerRole:
+        leader = None if self.coordinated or worker.index == 0 else self.admin_url(0)
+        return WorkerRole(
+            worker.index,
+            self.count,
+            public.fileno(),
+            worker.admin.fileno(),
+            self.admin_url(worker.index),
+            leader,
+        )
+
+    def start(self, worker: _Worker) -> None:
+        public = bind_public(self.host, self.port)
+        try:
+            if self.port == 0:
+                self.port = public.getsockname()[1]
+            role = self._role(worker, public)
+            worker.process = subprocess.Popen(
+                [sys.executable, "-m", "router", *self.argv],
+                env={**os.environ, WORKER_ENV: role.encode()},
+                pass_fds=(public.fileno(), worker.admin.fileno()),
+                preexec_fn=_die_with_parent,  # no threads in this process
+            )
+        finally:
+            public.close()  # the worker holds it now; when it dies, so does its socket
+        worker.started = time.monotonic()
+        print(
+            f"ringlimit router: worker {worker.index} pid {worker.process.pid} on "
+            f"{_url(self.host, self.port)}, admin {role.admin_url}"
+            + (" (leads)" if role.leader_url is None and not self.coordinated else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def run(self) -> int:
+        """Supervise until SIGTERM/SIGINT (0) or a crash loop (1)."""
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self.stopping = True
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for worker in self.workers:
+                self.start(worker)
+            while not self.stopping:
+                for worker in self.workers:
+                    if self.stopping or worker.process is None:
+                        continue
+                    code = worker.process.poll()
+                    if code is None:
+                        continue
+                    if not self._restart(worker, code):
+                        return 1
+                time.sleep(0.1)
+            return 0
+        finally:
+            self.stop()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            for worker in self.workers:
+                worker.admin.close()
+
+    def _restart(self, worker: _Worker, code: int) -> bool:
+        """One line for the exit; restart it unless it is crash-looping (False)."""
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        quick = time.monotonic() - worker.started < CRASH_WINDOW
+        worker.quick_exits = worker.quick_exits + 1 if quick else 0
+        if worker.quick_exits >= CRASH_LOOP:
+            print(
+                f"ringlimit router: worker {worker.index} {how}, {CRASH_LOOP} times within "
+                f"{CRASH_WINDOW:g} s of its start; stopping every worker",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        print(
+            f"ringlimit router: worker {worker.index} {how}; restarting it "
+            "(the other workers kept serving)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.start(worker)
+        return True
+
+    def stop(self) -> None:
+        running = [w.process for w in self.workers if w.process and w.process.poll() is None]
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for process in running:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -1,0 +1,215 @@
+"""``ringlimit router --workers N`` (router/workers.py) with real processes on 127.0.0.1.
+
+Two router workers share one public port; users' requests land on either
+(``X-Ringlimit-Router`` says which), and the counts stay exact through a join
+and a graceful leave made through that port, whichever worker takes them. A
+worker killed with SIGKILL is reported and restarted while the other serves.
+With ``--coordinator`` the workers are routers of one etcd cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from router.cli import main
+from router.workers import WorkerRole, bind_public
+from tests.cluster import (
+    LIMIT,
+    USERS,
+    Load,
+    add_node,
+    admin_ring,
+    finish,
+    gone,
+    kill_all,
+    report,
+    start_cluster,
+)
+from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+RULE = ["--rule", f"api={LIMIT}/minute", "--algorithm", "sliding_log"]
+LINE = re.compile(r"worker (\d+) pid (\d+) on \S+, admin (\S+)")
+
+
+def workers(proc: Proc) -> dict[int, tuple[int, str]]:
+    """Worker index -> (pid, admin URL), from the supervisor's lines (latest start wins)."""
+    found: dict[int, tuple[int, str]] = {}
+    for index, pid, admin in LINE.findall(proc.output()):
+        found[int(index)] = (int(pid), admin)
+    return found
+
+
+def answered_by(url: str, n: int) -> Counter[str]:
+    """Which workers answer ``n`` requests, each on a new connection."""
+    seen: Counter[str] = Counter()
+    with httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        for i in range(n):
+            response = client.get(f"{url}/spread", headers={"X-User-Id": f"spread-{i}"})
+            assert response.status_code in (200, 429), response.text
+            seen[response.headers.get("x-ringlimit-router", "?")] += 1
+    return seen
+
+
+def test_role_round_trip_and_shared_port() -> None:
+    role = WorkerRole(1, 2, 7, 8, "http://127.0.0.1:5", "http://127.0.0.1:4")
+    assert WorkerRole.decode(role.encode()) == role
+    lead = WorkerRole(0, 2, 7, 8, "http://127.0.0.1:4", None)
+    assert WorkerRole.decode(lead.encode()) == lead and lead.name == "w0"
+    first = bind_public("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        second = bind_public("127.0.0.1", port)  # SO_REUSEPORT: one port, two sockets
+        second.close()
+    finally:
+        first.close()
+
+
+def test_a_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["router", "--workers", "2", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.strip().count("\n") == 0, err
+    assert f"cannot bind 127.0.0.1:{port}" in err
+
+
+def test_workers_without_their_etcd_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "router",
+            "--workers",
+            "2",
+            "--port",
+            str(free_port()),
+            "--coordinator",
+            "etcd://127.0.0.1:1",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.strip().count("\n") == 0 and "etcd not reachable at 127.0.0.1:1" in err, err
+
+
+def test_workers_share_one_port_and_one_membership(procs: Procs) -> None:
+    cluster = start_cluster(procs, [*RULE, "--workers", "2"], spare=("n4",))
+    url = cluster.router
+    assert wait_for(lambda: len(workers(cluster.router_proc)) == 2, timeout=10.0)
+    started = workers(cluster.router_proc)
+    # Both workers route by the ring the nodes joined (through either worker).
+    for _, admin in started.values():
+        wait_healthy(admin, cluster.router_proc)
+        assert wait_for(lambda a=admin: len(admin_ring(a)["nodes"]) == 3, timeout=10.0)
+    assert "leader" not in admin_ring(started[0][1])
+    assert admin_ring(started[1][1])["leader"] == started[0][1]
+
+    load = Load([url])
+    thread = load.start()
+    assert wait_for(lambda: load.progress >= 0.3, timeout=20.0)
+    add_node(url, "n4", cluster.urls["n4"])  # through the public port: either worker
+    assert wait_for(lambda: load.progress >= 0.55, timeout=20.0)
+    cluster.nodes["n2"].popen.send_signal(signal.SIGTERM)  # leaves through the public port
+    assert wait_for(lambda: gone(started[0][1], "n2"), timeout=15.0)
+    finish(thread, load)
+    routers = Counter(s.router for sent in load.log.values() for s in sent)
+    statuses = load.statuses()
+    report(
+        "workers join+leave",
+        routers=dict(routers),
+        statuses=dict(statuses),
+        excess=load.excess(),
+        errors=load.errors,
+    )
+    assert set(routers) == {"w0", "w1"}, routers
+    assert load.errors == 0
+    assert set(statuses) <= {200, 429}, statuses
+    assert load.excess() == 0, load.over()
+    assert all(load.allowed(u) == LIMIT for u in USERS)
+    # Both workers converge on the final ring (the follower polls the leader).
+    final = admin_ring(started[0][1])
+    assert [n["id"] for n in final["nodes"]] == ["n1", "n3", "n4"]
+    assert wait_for(lambda: admin_ring(started[1][1])["epoch"] == final["epoch"], timeout=5.0)
+
+    # kill -9 of the follower: the port keeps answering, and the worker comes back.
+    follower_pid = started[1][0]
+    os.kill(follower_pid, signal.SIGKILL)
+    seen = answered_by(url, 20)
+    assert seen["w0"] > 0 and seen["?"] == 0, seen
+    assert wait_for(lambda: workers(cluster.router_proc)[1][0] != follower_pid, timeout=10.0)
+    assert "worker 1 killed by signal 9; restarting it" in cluster.router_proc.output()
+    restarted = workers(cluster.router_proc)[1]
+    assert restarted[1] == started[1][1]  # the same admin URL
+    wait_healthy(restarted[1], cluster.router_proc)
+    assert wait_for(lambda: "w1" in answered_by(url, 10), timeout=10.0, interval=0.2)
+    kill_all(procs)
+
+
+@pytest.mark.etcd
+def test_workers_on_etcd(procs: Procs, etcd_endpoint: str) -> None:
+    """Two workers of one etcd cluster: one leads, admin calls work through the port."""
+    seeds = []
+    for node_id in ("n1", "n2"):
+        _, node_url = procs.node(node_id, None, "--fenced")
+        seeds += ["--node", f"{node_id}={node_url}"]
+    _, spare = procs.node("n3", None, "--fenced")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    flags = ["--coordinator", etcd_endpoint, "--cluster", "workers", "--coordinator-ttl", "2"]
+    proc = procs.start(
+        "router", ["router", "--port", str(port), "--workers", "2", *RULE, *flags, *seeds]
+    )
+    wait_healthy(url, proc)
+    assert wait_for(lambda: len(workers(proc)) == 2, timeout=10.0)
+    admins = [admin for _, admin in workers(proc).values()]
+    for admin in admins:
+        wait_healthy(admin, proc)
+
+    def leaders() -> list[bool]:
+        return [admin_ring(a)["coordinator"]["leading"] for a in admins]
+
+    assert wait_for(lambda: sorted(leaders()) == [False, True], timeout=15.0), leaders()
+    users = USERS[:60]
+    load = Load([url], users=users)
+    thread = load.start()
+    assert wait_for(lambda: load.progress >= 0.3, timeout=20.0)
+    add_node(url, "n3", spare)
+    finish(thread, load)
+    epochs = {admin_ring(a)["epoch"] for a in admins}
+    routers = Counter(s.router for sent in load.log.values() for s in sent)
+    report("workers on etcd", routers=dict(routers), epochs=sorted(epochs), excess=load.excess())
+    assert wait_for(lambda: len({admin_ring(a)["epoch"] for a in admins}) == 1, timeout=5.0)
+    assert [n["id"] for n in admin_ring(admins[0])["nodes"]] == ["n1", "n2", "n3"]
+    assert set(routers) == {"w0", "w1"}, routers
+    assert load.errors == 0
+    assert load.excess() == 0, load.over()
+    assert all(load.allowed(u) == LIMIT for u in users)
+    kill_all(procs)
+
+
+def test_a_crash_loop_stops_the_workers(procs: Procs, tmp_path: Path) -> None:
+    """Workers that cannot start (an unreadable state file) are not restarted forever."""
+    state = tmp_path / "ring.json"
+    state.write_text("not json")
+    proc = procs.start(
+        "router",
+        ["router", "--port", str(free_port()), "--workers", "2", "--state-file", str(state)],
+    )
+    deadline = time.monotonic() + 60.0
+    while proc.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not proc.alive()
+    assert proc.popen.returncode == 1
+    assert "worker 0 exited with code 3, 3 times within" in proc.output(), proc.output()
