@@ -11,6 +11,10 @@ exits: it now refuses every key with its new epoch (421), which is how a
 router that was not told about the leave (a second router with a stale
 view) learns it, instead of finding the node gone and falling back to the
 rule's ``on_error``.
+
+SIGHUP stops a node without a leave: ``ringlimit up`` sends it to its nodes
+when it tears the whole cluster down (router first), where there is nobody
+left to hand counters to.
 """
 
 from __future__ import annotations
@@ -109,11 +113,15 @@ class _Server(uvicorn.Server):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, self)
+        loop.add_signal_handler(signal.SIGHUP, self._exit_now)
         try:
             yield
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+
+    def _exit_now(self) -> None:
+        self.should_exit = True
 
 
 #: A ``--join`` node gives up after this many attempts or seconds, whichever first.
@@ -133,6 +141,7 @@ def serve_node(
     weight: int = 1,
     admin_token: str | None = None,
     linger: float = 1.0,
+    join_timeout: float = JOIN_DEADLINE,
 ) -> int:
     """Serve until told to stop; the exit status is 1 if a ``--join`` failed."""
     url = advertise or f"http://{host}:{port}"
@@ -171,7 +180,7 @@ def serve_node(
         payload = {"id": node.settings.node_id, "url": url, "weight": weight}
         router = join.rstrip("/")  # type: ignore[union-attr]
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + JOIN_DEADLINE
+        deadline = loop.time() + join_timeout
         not_ready = 0
         problem = "no attempt made"
         async with httpx.AsyncClient(timeout=30.0) as client:
@@ -194,11 +203,16 @@ def serve_node(
                     elif 400 <= response.status_code < 500 and response.status_code != 429:
                         break  # refused for good: a wrong token, id, url, or a conflict
                 except httpx.HTTPError as exc:
-                    problem = f"router {router} not reachable ({type(exc).__name__})"
+                    problem = (
+                        f"router {router} not reachable ({type(exc).__name__}); check --join "
+                        "and that the router is running"
+                    )
                 if not_ready >= JOIN_NOT_READY_ATTEMPTS or loop.time() > deadline:
                     break
-                log.warning("join attempt %d failed: %s; retrying", attempt + 1, problem)
-                await asyncio.sleep(min(0.1 * (attempt + 1), 2.0))
+                # Retries are expected (a node may start before its router): quiet
+                # unless -v; the outcome is one line either way.
+                log.info("join attempt %d failed: %s; retrying", attempt + 1, problem)
+                await asyncio.sleep(max(0.0, min(0.1 * (attempt + 1), 2.0, deadline - loop.time())))
         log.error("could not join the ring; giving up: %s", problem)
         state["join_failed"] = True
         server.should_exit = True

@@ -36,13 +36,21 @@ from node.config import (
 from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
 from ring import Member
 from router import __version__
+from router.restart import RESTART_MODES
 
 if TYPE_CHECKING:
     from node.asgi import ASGIApp
     from node.backend import Backend
+    from router.app import RouterSettings
     from router.coordinator import EtcdCoordinator
 
 DEFAULT_RULE = "10/minute"
+
+
+class CommandError(Exception):
+    """An expected failure (something unreachable, a port taken): one line, no traceback."""
+
+
 #: Subcommands imported only when they run (numpy and friends are slow to load).
 LAZY_COMMANDS = {"simulate": "simulations.cli", "bench": "benchmarks.cluster"}
 #: What to install when an optional dependency of a command is missing.
@@ -66,6 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, RuleError, ValueError) as exc:
         print(f"ringlimit: error: {exc}", file=sys.stderr)
         return 2
+    except CommandError as exc:
+        print(f"ringlimit: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
@@ -91,6 +102,21 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _fronting_arguments(up)
     _backend_arguments(up)
     up.add_argument("--state-file", help="where the router keeps its ring (default: none)")
+    up.add_argument(
+        "--restart",
+        choices=RESTART_MODES,
+        default="always",
+        help="which nodes that exit are restarted under the same id and port: always (default: "
+        "crashed ones and ones that left gracefully, as in a rolling restart), on-crash, never",
+    )
+    up.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        metavar="N",
+        help="restart a node at most N times per 60 s (with a doubling backoff); past that it "
+        "stays down and the cluster serves without it (default 5)",
+    )
     up.add_argument("-v", "--verbose", action="store_true")
     up.set_defaults(run=_run_up)
 
@@ -207,6 +233,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     node.add_argument("--host", default="127.0.0.1")
     node.add_argument("--port", type=int, required=True)
     node.add_argument("--join", metavar="ROUTER_URL", help="register with this router")
+    node.add_argument(
+        "--join-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="give up joining (and exit 1) after this long (default 120)",
+    )
     node.add_argument("--url", help="the URL the router should use (default http://HOST:PORT)")
     node.add_argument("--weight", type=int, default=1)
     node.add_argument("--max-keys", type=int, help="cap on states held (see docs)")
@@ -365,10 +398,9 @@ def _tokens() -> tuple[str | None, str | None]:
 
 
 def _run_router(args: argparse.Namespace) -> int:
-    from router.app import RouterSettings, create_router
+    from router.app import RouterSettings
     from router.envoy_config import load_envoy_configs, with_envoy_rules
     from router.forward import Timeouts
-    from router.server import serve_router
 
     config = cluster_config(args)
     admin_token, internal_token = _tokens()
@@ -428,7 +460,8 @@ def _run_router(args: argparse.Namespace) -> int:
     if settings.coordinator is not None and not _etcd_reachable(settings.coordinator):
         return 1
     if role is None:
-        serve_router(create_router(settings), host=args.host, port=args.port)
+        _check_port(args.host, args.port, "the router")
+        _serve_router(settings, args)
         return 0
     from dataclasses import replace
 
@@ -445,9 +478,7 @@ def _run_router(args: argparse.Namespace) -> int:
         state_file=None if follower else settings.state_file,
         health_checks=settings.health_checks and not follower,
     )
-    serve_router(
-        create_router(settings), host=args.host, port=args.port, sockets=worker_sockets(role)
-    )
+    _serve_router(settings, args, worker_sockets(role))
     return 0
 
 
@@ -492,6 +523,32 @@ def _run_workers(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _serve_router(
+    settings: RouterSettings, args: argparse.Namespace, sockets: list[socket.socket] | None = None
+) -> None:
+    """Serve; a router that cannot start (no seed answers, a bad state file, etcd
+    gone) says so in one line."""
+    from router.app import create_router
+    from router.coordinator import CoordinatorError
+    from router.membership import MembershipError
+    from router.server import serve_router
+
+    try:
+        serve_router(create_router(settings), host=args.host, port=args.port, sockets=sockets)
+    except MembershipError as exc:
+        hint = (
+            "check --state-file"
+            if exc.error == "bad_state_file"
+            else "check the --node seeds (ID=URL) and that those nodes are running"
+        )
+        raise CommandError(f"the router could not start: {exc.detail}; {hint}") from None
+    except CoordinatorError as exc:
+        raise CommandError(
+            f"the router could not start: {exc}; check --coordinator (RINGLIMIT_COORDINATOR) "
+            "and that etcd is running"
+        ) from None
 
 
 def _coordinator(args: argparse.Namespace) -> EtcdCoordinator | None:
@@ -566,6 +623,7 @@ def _run_node(args: argparse.Namespace) -> int:
         fenced=bool(args.fenced or args.join),
     )
     node = create_app(settings, backend=backend, app=app)
+    _check_port(args.host, args.port, f"node {args.id}")
     return serve_node(
         node,
         host=args.host,
@@ -574,6 +632,7 @@ def _run_node(args: argparse.Namespace) -> int:
         advertise=args.url,
         weight=args.weight,
         admin_token=admin_token,
+        join_timeout=args.join_timeout,
     )
 
 
@@ -587,7 +646,7 @@ def _redis_backend(url: str, config: ClusterConfig) -> Backend:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from router.cluster import run_cluster
+    from router.cluster import StartError, run_cluster
 
     config = cluster_config(args)
     if args.nodes < 1:
@@ -603,7 +662,10 @@ def _run_up(args: argparse.Namespace) -> int:
         # Read here too, so a bad file is one line before any process starts.
         with_envoy_rules(config, load_envoy_configs(args.envoy_config, on_error=args.on_error))
     _warn_modes(config)
-    return run_cluster(args, config)
+    try:
+        return run_cluster(args, config)
+    except StartError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def _run_nodes(args: argparse.Namespace) -> int:
@@ -612,28 +674,70 @@ def _run_nodes(args: argparse.Namespace) -> int:
     admin_token, _ = _tokens()
     headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
     base = args.router.rstrip("/")
-    with httpx.Client(timeout=60.0, headers=headers) as client:
-        if args.action == "list":
-            response = client.get(f"{base}/admin/ring")
-        elif args.action == "add":
-            if not args.node_id or not args.node_url:
-                raise ValueError("usage: ringlimit nodes add ID URL")
-            response = client.post(
-                f"{base}/admin/nodes",
-                json={"id": args.node_id, "url": args.node_url, "weight": args.weight},
+    if args.action == "add" and (not args.node_id or not args.node_url):
+        raise ValueError("usage: ringlimit nodes add ID URL")
+    if args.action == "remove" and not args.node_id:
+        raise ValueError("usage: ringlimit nodes remove ID")
+    try:
+        with httpx.Client(timeout=60.0, headers=headers) as client:
+            if args.action == "list":
+                response = client.get(f"{base}/admin/ring")
+            elif args.action == "add":
+                response = client.post(
+                    f"{base}/admin/nodes",
+                    json={"id": args.node_id, "url": args.node_url, "weight": args.weight},
+                )
+            else:
+                response = client.delete(f"{base}/admin/nodes/{args.node_id}")
+    except httpx.HTTPError as exc:
+        raise CommandError(
+            f"cannot reach the router at {base} ({_http_problem(exc)}); "
+            "check --router and that the router is running"
+        ) from None
+    try:
+        data = response.json()
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        if response.status_code != 200:
+            print(f"ringlimit: {data.get('error')}: {data.get('detail')}", file=sys.stderr)
+            return 1
+        lines = [f"epoch {data['epoch']}"]
+        for node in data["nodes"]:
+            lines.append(
+                f"  {node['id']:<10} {node['url']:<32} weight={node['weight']} {node['state']}"
             )
-        else:
-            if not args.node_id:
-                raise ValueError("usage: ringlimit nodes remove ID")
-            response = client.delete(f"{base}/admin/nodes/{args.node_id}")
-    data = response.json()
-    if response.status_code != 200:
-        print(f"ringlimit: {data.get('error')}: {data.get('detail')}", file=sys.stderr)
-        return 1
-    print(f"epoch {data['epoch']}")
-    for node in data["nodes"]:
-        print(f"  {node['id']:<10} {node['url']:<32} weight={node['weight']} {node['state']}")
+    except (ValueError, KeyError, TypeError):
+        raise CommandError(
+            f"{base} answered HTTP {response.status_code}, not as a ringlimit router's admin "
+            "API; check --router (the router's URL, not a node's)"
+        ) from None
+    print("\n".join(lines))
     return 0
+
+
+def _http_problem(exc: Exception) -> str:
+    """A short reason for an HTTP failure: 'connection refused', 'timed out', ..."""
+    import httpx
+
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out"
+    if isinstance(exc, httpx.ConnectError):
+        text = str(exc)
+        if "refused" in text.lower():
+            return "connection refused"
+        return f"cannot connect: {text}" if text else "cannot connect"
+    if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
+        return f"not a usable URL: {exc}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _check_port(host: str, port: int, role: str) -> None:
+    from router.cluster import StartError, check_ports
+
+    try:
+        check_ports(host, [(port, role)], choose="--port")
+    except StartError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def _parse_seed(spec: str) -> Member:

@@ -1,70 +1,410 @@
-"""``ringlimit up``: a router and N node processes on 127.0.0.1, stopped together.
+"""``ringlimit up``: a router and N node processes on 127.0.0.1, supervised.
 
 Every node is its own process (a node is the single authority for its keys
 and must not be split into workers). Nodes start fenced: they refuse every
 key until the router, seeded with all of them, pushes the first ring view and
-the cluster config, so no node ever decides with rules of its own.
+the cluster config, so no node ever decides with rules of its own. Each node
+is also started with ``--join`` to the router, which makes SIGTERM to it a
+graceful leave (it hands its counters off before it exits) and makes a
+restarted node register again.
+
+``up`` is a supervisor, not a tripwire: a node that exits is reported in one
+line (how it exited, and what the router did about it, read from the
+router's ``GET /admin/ring`` events), the cluster keeps serving, and the node
+is restarted under the same id and port per the restart policy
+(router/restart.py). Only the router's exit stops the cluster: nothing serves
+without it.
+
+The children get their own process group, so a Ctrl-C in the terminal
+reaches ``up`` alone, which stops the router first and then the nodes (whose
+leave then fails fast instead of shuffling counters between dying nodes);
+and they are killed by the kernel if ``up`` itself dies without stopping them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any, TextIO
 
 import httpx
 
 from node.config import ClusterConfig
+from router.restart import Decision, RestartPolicy, decide, describe_exit
+
+#: How long ``up`` waits for the router to act on a node's exit before saying it did not.
+ACTION_WAIT = 30.0
+#: How long a restarted node has to rejoin the ring before ``up`` says it did not.
+REJOIN_WAIT = 60.0
+#: prctl(2): the signal a child gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+
+CRASH_EFFECTS = {
+    "replica": "its users go on from their replicas",
+    "reset": "its users start with fresh quotas",
+    "conservative": "its users start exhausted until their limits refill",
+}
+
+
+class StartError(Exception):
+    """``up`` cannot start: one line that says what and where."""
+
+
+@dataclass
+class Child:
+    """One supervised process: its command line, its current process, its restarts."""
+
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen[bytes] | None = None
+    #: Times (monotonic) of the restarts decided for it.
+    restarts: list[float] = field(default_factory=list)
+    restart_at: float | None = None
+    #: The router's newest event number when this incarnation started.
+    seq_at_start: int = 0
+    #: An exit whose report waits for the router's action: (text, since_seq, deadline).
+    report: tuple[str, str, int, float] | None = None
+    #: Waiting for a restarted incarnation to rejoin: (since_seq, deadline).
+    rejoin: tuple[int, float] | None = None
 
 
 class Cluster:
-    """Processes started together and stopped together."""
+    """The processes of ``ringlimit up``, supervised and stopped together."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+    def __init__(
+        self,
+        router_url: str,
+        config: ClusterConfig,
+        policy: RestartPolicy,
+        *,
+        env: dict[str, str] | None = None,
+        admin_token: str | None = None,
+        out: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.router_url = router_url
+        self.config = config
+        self.policy = policy
         #: Secrets (the Redis URL may hold a password) go through the environment,
         #: not the command line, where any local user could read them.
         self.env = env
+        self.out = out or sys.stderr
+        self.clock = clock
+        self.router: Child | None = None
+        self.nodes: list[Child] = []
+        self._client = httpx.Client(
+            timeout=1.0,
+            headers={"authorization": f"Bearer {admin_token}"} if admin_token else {},
+        )
 
-    def start(self, name: str, argv: list[str]) -> None:
-        process = subprocess.Popen([sys.executable, "-m", "router", *argv], env=self.env)
-        self.processes.append((name, process))
+    # ------------------------------------------------------------------ processes
+
+    def start_router(self, argv: list[str]) -> None:
+        self.router = Child("router", argv)
+        self._spawn(self.router)
+
+    def start_node(self, name: str, argv: list[str]) -> None:
+        child = Child(name, argv)
+        self.nodes.append(child)
+        self._spawn(child)
+
+    def _spawn(self, child: Child) -> None:
+        child.popen = subprocess.Popen(
+            [sys.executable, "-m", "router", *child.argv],
+            env=self.env,
+            preexec_fn=_child_setup(os.getpid()),  # up runs no threads: safe
+        )
 
     def stop(self, timeout: float = 10.0) -> None:
-        # The router first, so no request reaches a node that is going away.
-        for _, process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for _, process in self.processes:
-            remaining = max(0.1, deadline - time.monotonic())
-            try:
-                process.wait(remaining)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """The router first, so no request reaches a node that is going away; then
+        the nodes, with SIGHUP: they exit without a leave, there being nobody left
+        to hand their counters to (SIGTERM would try, and fail, to leave)."""
+        if self.router is not None:
+            _terminate([self.router], timeout)
+        _terminate(self.nodes, timeout, signal.SIGHUP)
+        self._client.close()
 
     def failed(self) -> str | None:
-        for name, process in self.processes:
-            if process.poll() is not None:
-                return f"{name} exited with code {process.returncode}"
+        """Why the cluster cannot start or go on (a child exited), else None."""
+        for child in [*([self.router] if self.router else []), *self.nodes]:
+            if child.popen is not None and child.popen.poll() is not None:
+                return f"{child.name} {describe_exit(child.popen.returncode)}"
         return None
+
+    def pids(self) -> dict[str, int]:
+        children = [*([self.router] if self.router else []), *self.nodes]
+        return {c.name: c.popen.pid for c in children if c.popen is not None}
+
+    # ------------------------------------------------------------------ supervising
+
+    def supervise(self) -> str | None:
+        """One round: report exits, restart nodes when due, follow rejoins.
+
+        Returns why the cluster must stop (the router exited), else None.
+        """
+        now = self.clock()
+        router = self.router
+        if router is not None and router.popen is not None and router.popen.poll() is not None:
+            return f"the router {describe_exit(router.popen.returncode)}"
+        ring: dict[str, Any] | None = None
+        for child in self.nodes:
+            if child.popen is not None and child.popen.poll() is not None:
+                ring = self._ring()
+                self._exited(child, ring, now)
+        for child in self.nodes:
+            if child.restart_at is not None and now >= child.restart_at:
+                self._restart(child, ring if ring is not None else self._ring())
+        if any(c.report is not None or c.rejoin is not None for c in self.nodes):
+            ring = self._ring()
+            for child in self.nodes:
+                self._follow(child, ring, now)
+        return None
+
+    def _exited(self, child: Child, ring: dict[str, Any] | None, now: float) -> None:
+        assert child.popen is not None
+        what = f"{child.name} (pid {child.popen.pid}) {describe_exit(child.popen.returncode)}"
+        code = child.popen.returncode
+        child.popen = None
+        child.rejoin = None
+        event = _last_event(ring, child.name, child.seq_at_start)
+        in_ring = _in_ring(ring, child.name)
+        graceful = code == 0 and event is not None and event["event"] == "left" and not in_ring
+        decision = decide(self.policy, child.restarts, graceful=graceful, now=now)
+        if decision.restart:
+            child.restarts.append(now)
+            child.restart_at = now + decision.delay
+        text = _decision_text(decision)
+        if event is not None and not in_ring:
+            self._say(f"{what}; {self._action(event)}; {text}")
+        else:
+            # The router has not acted yet: it will remove the node on its health
+            # checks, or when the restarted node registers (crash, then join).
+            child.report = (what, text, _last_seq(ring), now + ACTION_WAIT)
+
+    def _restart(self, child: Child, ring: dict[str, Any] | None) -> None:
+        child.restart_at = None
+        child.seq_at_start = _last_seq(ring)
+        child.rejoin = (child.seq_at_start, self.clock() + REJOIN_WAIT)
+        self._spawn(child)
+
+    def _follow(self, child: Child, ring: dict[str, Any] | None, now: float) -> None:
+        if child.report is not None:
+            what, text, since, deadline = child.report
+            event = _first_event(ring, child.name, since, ("crashed", "left"))
+            if event is not None:
+                child.report = None
+                self._say(f"{what}; {self._action(event)}; {text}")
+            elif now > deadline:
+                child.report = None
+                action = (
+                    "the router did not answer"
+                    if ring is None
+                    else f"the router has not removed it within {ACTION_WAIT:g} s"
+                )
+                self._say(f"{what}; {action}; {text}")
+        if child.rejoin is not None and child.report is None:
+            since, deadline = child.rejoin
+            event = _first_event(ring, child.name, since, ("joined",))
+            pid = child.popen.pid if child.popen is not None else None
+            if event is not None:
+                child.rejoin = None
+                self._say(
+                    f"{child.name} is back (pid {pid}): rejoined the ring at epoch {event['epoch']}"
+                )
+            elif now > deadline:
+                child.rejoin = None
+                self._say(
+                    f"{child.name} (pid {pid}) restarted but has not rejoined the ring "
+                    f"within {REJOIN_WAIT:g} s"
+                )
+
+    def _action(self, event: dict[str, Any]) -> str:
+        """What the router did, in words, from one of its membership events."""
+        epoch = event.get("epoch")
+        if event.get("event") == "left":
+            moved = (
+                "with their counters (handoff)"
+                if self.config.policies.rebalance == "handoff"
+                else "with fresh counters (rebalance policy reset)"
+            )
+            return (
+                f"it left the ring gracefully at epoch {epoch}: its users moved to the "
+                f"other nodes {moved}"
+            )
+        reason = event.get("reason")
+        because = f" ({reason})" if reason else ""
+        return f"the router removed it as crashed{because} at epoch {epoch}: {self._crash_effect()}"
+
+    def _crash_effect(self) -> str:
+        policies = {s.rule.crash_policy or self.config.policies.crash for s in self.config.rules}
+        policies = policies or {self.config.policies.crash}
+        if len(policies) == 1:
+            policy = next(iter(policies))
+            return f"crash policy {policy}, {CRASH_EFFECTS.get(policy, 'see docs/rebalancing.md')}"
+        per_rule = ", ".join(
+            f"{s.rule.name}={s.rule.crash_policy or self.config.policies.crash}"
+            for s in self.config.rules
+        )
+        return f"crash policies {per_rule} (docs/rebalancing.md)"
+
+    def _ring(self) -> dict[str, Any] | None:
+        try:
+            response = self._client.get(f"{self.router_url}/admin/ring")
+            data = response.json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return data if response.status_code == 200 and isinstance(data, dict) else None
+
+    def _say(self, line: str) -> None:
+        print(f"ringlimit: {line}", file=self.out, flush=True)
+
+
+def _decision_text(decision: Decision) -> str:
+    return decision.reason
+
+
+def _events(ring: dict[str, Any] | None) -> list[dict[str, Any]]:
+    events = ring.get("events") if ring else None
+    return [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
+
+
+def _last_seq(ring: dict[str, Any] | None) -> int:
+    return max((int(e.get("seq", 0)) for e in _events(ring)), default=0)
+
+
+def _last_event(ring: dict[str, Any] | None, node: str, since: int) -> dict[str, Any] | None:
+    """The router's newest event about ``node`` after event number ``since``."""
+    found = [e for e in _events(ring) if e.get("node") == node and e.get("seq", 0) > since]
+    return found[-1] if found else None
+
+
+def _first_event(
+    ring: dict[str, Any] | None, node: str, since: int, kinds: Iterable[str]
+) -> dict[str, Any] | None:
+    kinds = tuple(kinds)
+    for event in _events(ring):
+        if event.get("node") == node and event.get("seq", 0) > since and event["event"] in kinds:
+            return event
+    return None
+
+
+def _in_ring(ring: dict[str, Any] | None, node: str) -> bool:
+    nodes = ring.get("nodes") if ring else None
+    return isinstance(nodes, list) and any(
+        isinstance(n, dict) and n.get("id") == node and n.get("state") != "joining" for n in nodes
+    )
+
+
+def _terminate(children: list[Child], timeout: float, how: int = signal.SIGTERM) -> None:
+    processes = [c.popen for c in children if c.popen is not None]
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(how)
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _child_setup(parent: int) -> Callable[[], None]:
+    """Run in each child before it execs: its own process group (a terminal's
+    Ctrl-C goes to ``up`` alone), and SIGKILL when ``up`` dies (Linux), so no
+    node outlives a supervisor killed with ``kill -9``."""
+
+    def setup() -> None:
+        os.setpgrp()
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # up died before the prctl took effect
+            os._exit(1)
+
+    return setup
+
+
+# ---------------------------------------------------------------------- preflight
+
+
+def check_ports(
+    host: str, ports: Iterable[tuple[int, str]], choose: str = "--port, --node-port"
+) -> None:
+    """Each port must be free, else one line names it and whose it was to be."""
+    for port, role in ports:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                raise StartError(
+                    f"cannot listen on {host}:{port} for {role}: {exc.strerror or exc}; "
+                    f"stop what uses it or choose another port ({choose})"
+                ) from None
+
+
+def check_redis(url: str) -> None:
+    """``up --backend redis`` with no Redis there is a mistake: say so at once."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError) as exc:
+        raise StartError(
+            f"cannot reach Redis at {_redact(url)} ({type(exc).__name__}: {exc}); "
+            "start redis-server or point --redis-url (RINGLIMIT_REDIS_URL) at one"
+        ) from None
+
+
+def _redact(url: str) -> str:
+    """A Redis URL without its password, for messages."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        return f"{scheme}://***@{rest.rpartition('@')[2]}"
+    return url
+
+
+# ---------------------------------------------------------------------- run
 
 
 def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
     host = "127.0.0.1"
     first_node_port = args.node_port or args.port + 1
+    ports = [(args.port, "the router")]
+    ports += [(first_node_port + i, f"node n{i + 1}") for i in range(args.nodes)]
+    check_ports(host, ports)
+    if config.backend == "redis":
+        check_redis(args.redis_url)
+    policy = RestartPolicy(mode=args.restart, max_restarts=args.max_restarts)
+    router_url = f"http://{host}:{args.port}"
     workdir = Path(tempfile.mkdtemp(prefix="ringlimit-"))
     config_file = workdir / "cluster.json"
     config_file.write_text(json.dumps(config.to_dict()))
-    cluster = Cluster({**os.environ, "RINGLIMIT_REDIS_URL": args.redis_url})
+    cluster = Cluster(
+        router_url,
+        config,
+        policy,
+        env={**os.environ, "RINGLIMIT_REDIS_URL": args.redis_url},
+        admin_token=os.environ.get("RINGLIMIT_ADMIN_TOKEN") or None,
+    )
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -73,23 +413,26 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    nodes = []
+    seeds = []
     try:
         for i in range(args.nodes):
             node_id, port = f"n{i + 1}", first_node_port + i
             argv = ["node", "--id", node_id, "--port", str(port), "--host", host, "--fenced"]
+            argv += ["--join", router_url]
             argv += ["--config", str(config_file), "--backend", config.backend]
             argv += ["--balance", config.balance]
             if args.upstream:
                 argv += ["--upstream", args.upstream]
             if args.app:
                 argv += ["--app", args.app]
-            cluster.start(node_id, argv)
-            nodes.append(f"{node_id}=http://{host}:{port}")
+            if args.verbose:
+                argv += ["--verbose"]
+            cluster.start_node(node_id, argv)
+            seeds.append(f"{node_id}=http://{host}:{port}")
         router_argv = ["router", "--port", str(args.port), "--host", host]
         router_argv += ["--config", str(config_file), "--backend", config.backend]
         router_argv += ["--balance", config.balance]
-        for seed in nodes:
+        for seed in seeds:
             router_argv += ["--node", seed]
         if args.state_file:
             router_argv += ["--state-file", args.state_file]
@@ -97,8 +440,9 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
             router_argv += ["--grpc-port", str(args.grpc_port)]
         for envoy_file in getattr(args, "envoy_config", ()):
             router_argv += ["--envoy-config", str(Path(envoy_file).resolve())]
-        cluster.processes.insert(0, ("router", _popen(router_argv)))
-        router_url = f"http://{host}:{args.port}"
+        if args.verbose:
+            router_argv += ["--verbose"]
+        cluster.start_router(router_argv)
         ring = _wait_for_ring(router_url, cluster, lambda: stopping)
         if ring is None:
             if stopping:
@@ -106,9 +450,9 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
             reason = cluster.failed() or "not ready within 30 s"
             print(f"ringlimit: the cluster did not start: {reason}", file=sys.stderr)
             return 1
-        _print_banner(router_url, ring, config)
+        _print_banner(router_url, ring, config, cluster.pids(), policy)
         while not stopping:
-            problem = cluster.failed()
+            problem = cluster.supervise()
             if problem:
                 print(f"ringlimit: {problem}; stopping the cluster", file=sys.stderr)
                 return 1
@@ -121,14 +465,10 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
         workdir.rmdir()
 
 
-def _popen(argv: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "router", *argv], env=os.environ.copy())
-
-
-def _wait_for_ring(url: str, cluster: Cluster, stopping: object) -> dict | None:
+def _wait_for_ring(url: str, cluster: Cluster, stopping: Callable[[], bool]) -> dict | None:
     deadline = time.monotonic() + 30.0
     with httpx.Client(timeout=1.0) as client:
-        while time.monotonic() < deadline and not stopping():  # type: ignore[operator]
+        while time.monotonic() < deadline and not stopping():
             if cluster.failed():
                 return None
             try:
@@ -141,12 +481,24 @@ def _wait_for_ring(url: str, cluster: Cluster, stopping: object) -> dict | None:
     return None
 
 
-def _print_banner(url: str, ring: dict, config: ClusterConfig) -> None:
+def _print_banner(
+    url: str, ring: dict, config: ClusterConfig, pids: dict[str, int], policy: RestartPolicy
+) -> None:
     rules = ", ".join(f"{s.rule.name} ({s.rule.algorithm})" for s in config.rules)
     print(f"ringlimit router: {url}   backend={config.backend} balance={config.balance}")
     print(f"rules: {rules}")
     print(f"ring epoch {ring['epoch']}:")
     for node in ring["nodes"]:
-        print(f"  {node['id']}  {node['url']}  weight={node['weight']}")
+        pid = pids.get(node["id"])
+        print(f"  {node['id']}  {node['url']}  weight={node['weight']}  pid={pid}")
+    restarted = {
+        "always": "reported and restarted",
+        "on-crash": "reported, and restarted unless they left gracefully",
+        "never": "reported, not restarted",
+    }[policy.mode]
+    print(
+        f"nodes that exit are {restarted} (--restart {policy.mode}, at most "
+        f"{policy.max_restarts} per {policy.window:g} s); SIGTERM to a node is a graceful leave"
+    )
     print(f"try:  curl -i -H 'X-User-Id: alice' {url}/hello     (Ctrl-C stops everything)")
     sys.stdout.flush()

@@ -52,6 +52,9 @@ MAX_HISTORY = 32
 #: How many crashed members the router keeps probing, to let them rejoin.
 MAX_REMOVED = 256
 
+#: Membership changes listed by ``GET /admin/ring`` (``ringlimit up`` reports from them).
+MAX_EVENTS = 64
+
 
 class MembershipError(Exception):
     """A change that cannot be made; ``status`` is the HTTP status to answer with."""
@@ -350,7 +353,7 @@ class Membership:
             await self._settle(record)
             for member_id in failed:
                 if member_id in view:
-                    await self._crash_locked(member_id)
+                    await self._crash_locked(member_id, reason="did not take a new view")
 
     async def _commit(
         self, view: RingView, previous: RingView, crashed: tuple[str, ...]
@@ -481,7 +484,7 @@ class Membership:
         # The member registers again without the current view: it restarted and
         # lost its state. Its old incarnation crashed; the new one joins.
         log.warning("node %s re-registered after a restart: crash, then join", member.id)
-        await self._crash_locked(member.id)
+        await self._crash_locked(member.id, reason="it registered again after a restart")
         return False
 
     async def _join_locked(self, member: Member) -> RingView:
@@ -511,7 +514,7 @@ class Membership:
         health.state = "active"
         self.health[member.id] = health
         for member_id in failed:
-            await self._crash_locked(member_id)
+            await self._crash_locked(member_id, reason="did not take a new view")
         if member.id in failed:
             raise MembershipError(
                 502, "join_failed", f"node {member.id} did not take the new view; removed"
@@ -543,23 +546,26 @@ class Membership:
             except MembershipError:
                 log.warning("node %s did not take the leave; treating it as a crash", member_id)
                 self.health.pop(member_id, None)
-                return await self._crash_locked(member_id) or self.view
+                return (
+                    await self._crash_locked(member_id, reason="did not take the leave")
+                    or self.view
+                )
             failed = await self._push(new.members, new, previous, (), tolerate=True)
             self._remember(previous, ())
             self._adopt(new)
             await self._settle(committed)
             self.health.pop(member_id, None)
             for other in failed:
-                await self._crash_locked(other)
+                await self._crash_locked(other, reason="did not take a new view")
             log.info("node %s left: epoch %d", member_id, new.epoch)
             return new
 
-    async def crash(self, member_id: str) -> RingView | None:
+    async def crash(self, member_id: str, reason: str = "unreachable") -> RingView | None:
         """Drop a node that stopped answering; its keys follow the crash policy."""
         async with self.lock:
-            return await self._crash_locked(member_id)
+            return await self._crash_locked(member_id, reason=reason)
 
-    async def _crash_locked(self, member_id: str) -> RingView | None:
+    async def _crash_locked(self, member_id: str, *, reason: str) -> RingView | None:
         if member_id not in self.view:
             return None
         previous = self.view
@@ -575,7 +581,7 @@ class Membership:
         await self._settle(committed)
         self.health.pop(member_id, None)
         self.crashes += 1
-        log.warning("node %s removed as crashed: epoch %d", member_id, new.epoch)
+        log.warning("node %s removed as crashed (%s): epoch %d", member_id, reason, new.epoch)
         # If it is only slow, or cut off from our probes but not from other
         # routers, it must stop deciding: tell it too (best effort, not waited
         # for). It discards its states and may rejoin later as a new member.
@@ -991,7 +997,7 @@ class Membership:
             if reason != "lease":
                 log.info("removal of %s deferred (%s budget)", member_id, reason)
         for member_id in plan.remove:
-            if await self.crash(member_id) is not None:
+            if await self.crash(member_id, reason="failed its health checks") is not None:
                 self.budget.removed(asyncio.get_running_loop().time())
                 self.stats["removed_crashed"] += 1
 
@@ -1009,6 +1015,7 @@ class Membership:
             data["coordinator"] = {"etcd": self.coordinator.where, "leading": self.leading}
         elif self.leader_url is not None:
             data["leader"] = self.leader_url
+        data["events"] = [e.to_dict() for e in reversed(self.events.last(MAX_EVENTS))]
         return data
 
     def _save_state(self) -> None:

@@ -1,4 +1,11 @@
-"""Running a router process."""
+"""Running a router process.
+
+The router starts (recovers or builds its ring, which may mean waiting for
+seed nodes) before uvicorn serves, rather than in uvicorn's lifespan: a start
+that cannot succeed (no seed answers, an unreadable state file) is an
+expected failure that must end in one line, and uvicorn reports lifespan
+failures as tracebacks.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,24 @@ import socket
 
 import uvicorn
 
-from node.server import uvicorn_options
+from node.server import _run, uvicorn_options
 from router.app import Router
 
 
 def serve_router(
     router: Router, *, host: str, port: int, sockets: list[socket.socket] | None = None
 ) -> None:
-    """Serve on ``host:port``, or on ``sockets`` already bound (router/workers.py)."""
-    config = uvicorn.Config(router, host=host, port=port, **uvicorn_options())
-    uvicorn.Server(config).run(sockets=sockets)
+    """Serve on ``host:port``, or on ``sockets`` already bound (router/workers.py);
+    raises MembershipError if the router cannot start."""
+    config = uvicorn.Config(
+        router, host=host, port=port, **{**uvicorn_options(), "lifespan": "off"}
+    )
+
+    async def main() -> None:
+        await router.start()
+        try:
+            await uvicorn.Server(config).serve(sockets=sockets)
+        finally:
+            await router.close()
+
+    _run(main())

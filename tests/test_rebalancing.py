@@ -233,6 +233,7 @@ async def test_admin_api_join_and_leave() -> None:
                 {"id": "n1", "url": node_url("n1"), "weight": 1, "state": "active"},
                 {"id": "n2", "url": node_url("n2"), "weight": 1, "state": "active"},
             ],
+            "events": [],
         }
         cluster._make_node("n3")
         response = await cluster.client.post(
@@ -264,6 +265,12 @@ async def test_admin_api_join_and_leave() -> None:
         late = await cluster.client.post("/admin/nodes", json={"id": "n9", "url": node_url("n9")})
         assert late.status_code == 504
         assert cluster.router.membership.view.epoch == 3
+        # The changes, oldest first, as `ringlimit up` reads them to report node exits.
+        events = (await cluster.client.get("/admin/ring")).json()["events"]
+        assert [(e["seq"], e["event"], e["node"], e["epoch"]) for e in events] == [
+            (1, "joined", "n3", 2),
+            (2, "left", "n1", 3),
+        ]
 
 
 # --------------------------------------------------------------------------- fencing

@@ -1,0 +1,222 @@
+"""``ringlimit up`` as a supervisor, as real processes: a node killed with -9 or
+SIGTERM is reported in one line, the cluster keeps serving, the node comes back,
+and every user's count stays exact.
+
+``up`` runs in its own session; it stops every child on SIGTERM, its children
+die with it if it is killed (PR_SET_PDEATHSIG), and the test still kills every
+process it saw as a last resort.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.processes import ROOT, wait_for
+from tests.test_cli import alive, children_of, free_block
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find child processes"),
+]
+
+LIMIT = 5
+
+
+class Up:
+    """A ``ringlimit up`` subprocess, its output in a file, and every pid it ever had."""
+
+    def __init__(self, tmp: Path, port: int, *extra: str) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tmp / "up.log"
+        argv = ["up", "--nodes", "3", "--port", str(port), *extra]
+        with open(self.log, "wb") as out:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "router", *argv],
+                cwd=ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.seen: set[int] = set()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def pid_of(self, name: str) -> int | None:
+        """The pid of the child running ``name`` (a node id, or 'router')."""
+        for pid in children_of(self.popen.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            self.seen.add(pid)
+            named = (name == "router" and b"router" in argv[3:4]) or name.encode() in argv
+            if named and alive(pid):
+                return pid
+        return None
+
+    def wait_output(self, pattern: str, timeout: float) -> re.Match[str]:
+        found = wait_for(lambda: re.search(pattern, self.output(), re.M), timeout, 0.1)
+        match = re.search(pattern, self.output(), re.M)
+        assert found and match, f"no {pattern!r} in:\n{self.output()}"
+        return match
+
+    def stop(self) -> int | None:
+        """SIGTERM to ``up`` alone; then, whatever happened, nothing of it is left."""
+        for name in ("router", "n1", "n2", "n3"):
+            self.pid_of(name)
+        code = None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+        try:
+            code = self.popen.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+        gone = wait_for(lambda: not any(alive(pid) for pid in self.seen), 10)
+        for pid in self.seen:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        assert gone, f"processes left running: {[p for p in self.seen if alive(p)]}"
+        return code
+
+
+@pytest.fixture
+def up_factory(tmp_path: Path) -> Iterator[list[Up]]:
+    started: list[Up] = []
+    try:
+        yield started
+    finally:
+        for up in started:
+            with contextlib.suppress(Exception):
+                up.stop()
+
+
+def send(client: httpx.Client, user: str) -> httpx.Response:
+    return client.get(f"/sv/{user}", headers={"X-User-Id": user})
+
+
+def line_for(up: Up, pattern: str, timeout: float = 60.0) -> str:
+    match = up.wait_output(pattern, timeout)
+    return match.group(0)
+
+
+def test_up_survives_kill_9_and_sigterm_of_nodes_with_exact_counts(
+    tmp_path: Path, up_factory: list[Up]
+) -> None:
+    port = free_block(4)
+    up = Up(
+        tmp_path,
+        port,
+        *("--rule", f"{LIMIT}/hour", "--algorithm", "sliding_log", "--on-error", "closed"),
+    )
+    up_factory.append(up)
+    up.wait_output(r"^try:", 60)
+    assert up.popen.poll() is None, up.output()
+    allowed: dict[str, int] = {}
+    owner: dict[str, str] = {}
+    with httpx.Client(base_url=up.url, timeout=10.0) as client:
+        # Exhausted users (all 5 spent, and one more refused) and half-used ones (2 of 5).
+        exhausted = [f"sv-x-{i}" for i in range(45)]
+        half = [f"sv-h-{i}" for i in range(30)]
+        for user in exhausted:
+            codes = [send(client, user) for _ in range(LIMIT + 1)]
+            assert [r.status_code for r in codes] == [200] * LIMIT + [429], user
+            owner[user] = codes[0].headers["x-ringlimit-node"]
+            allowed[user] = LIMIT
+        for user in half:
+            codes = [send(client, user) for _ in range(2)]
+            assert [r.status_code for r in codes] == [200, 200], user
+            owner[user] = codes[0].headers["x-ringlimit-node"]
+            allowed[user] = 2
+        assert {owner[u] for u in exhausted} == {"n1", "n2", "n3"}, "users cover every node"
+        # Replication (every 0.1 s) lands before the crash: the replica bound of
+        # docs/rebalancing.md (what n2 admitted in its last interval) is then 0.
+        time.sleep(1.0)
+
+        # --- kill -9 of n2: reported, the cluster keeps serving, n2 comes back.
+        victim = up.pid_of("n2")
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        survivor = next(u for u in exhausted if owner[u] == "n1")
+        served = [send(client, survivor).status_code for _ in range(3)]
+        assert served == [429] * 3, "n1's users are served while n2 is down"
+        report = line_for(up, rf"^ringlimit: n2 \(pid {victim}\) killed by SIGKILL; .*$")
+        assert "removed it as crashed" in report and "crash policy replica" in report, report
+        assert "restarting it in 0.5 s (restart 1 of at most 5" in report, report
+        back = line_for(up, r"^ringlimit: n2 is back \(pid (\d+)\): rejoined the ring at .*$")
+        assert str(victim) not in back
+        for user in exhausted:
+            assert send(client, user).status_code == 429, (user, owner[user])
+        for user in half:
+            assert send(client, user).status_code == 200, user
+            allowed[user] += 1
+
+        # --- SIGTERM of n3: a graceful leave (handoff), reported, n3 comes back.
+        leaver = up.pid_of("n3")
+        assert leaver is not None
+        os.kill(leaver, signal.SIGTERM)
+        report = line_for(up, rf"^ringlimit: n3 \(pid {leaver}\) exited with code 0; .*$")
+        assert "left the ring gracefully" in report and "with their counters" in report, report
+        assert "restarting it" in report, report
+        line_for(up, r"^ringlimit: n3 is back \(pid \d+\): rejoined the ring at .*$")
+        for user in exhausted:
+            assert send(client, user).status_code == 429, (user, owner[user])
+        for user in half:
+            codes = [send(client, user).status_code for _ in range(3)]
+            assert codes == [200, 200, 429], (user, owner[user], codes)
+            allowed[user] += 2
+        ring = client.get("/admin/ring").json()
+    assert sorted(n["id"] for n in ring["nodes"]) == ["n1", "n2", "n3"]
+    events = [(e["event"], e["node"]) for e in ring["events"]]
+    assert events == [("crashed", "n2"), ("joined", "n2"), ("left", "n3"), ("joined", "n3")]
+    assert all(count == LIMIT for count in allowed.values())
+    # Each report is one line; nothing in the output is a traceback.
+    assert "Traceback" not in up.output()
+    assert up.stop() == 0
+
+
+def test_up_with_restart_never_reports_the_health_check_removal_and_dies_with_its_children(
+    tmp_path: Path, up_factory: list[Up]
+) -> None:
+    port = free_block(4)
+    up = Up(tmp_path, port, "--restart", "never", "--rule", f"{LIMIT}/hour")
+    up_factory.append(up)
+    up.wait_output(r"^try:", 60)
+    assert "reported, not restarted (--restart never" in up.output()
+    with httpx.Client(base_url=up.url, timeout=10.0) as client:
+        users = [f"sv-n-{i}" for i in range(12)]
+        owners = {u: send(client, u).headers["x-ringlimit-node"] for u in users}
+        time.sleep(1.0)
+        victim = up.pid_of("n2")
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        report = line_for(up, rf"^ringlimit: n2 \(pid {victim}\) killed by SIGKILL; .*$")
+        assert "removed it as crashed (failed its health checks)" in report, report
+        assert report.endswith("not restarted (--restart never)"), report
+        assert up.pid_of("n2") is None
+        for user in users:  # n2's users are served by the others, with their replicas
+            response = send(client, user)
+            assert response.status_code == 200, (user, owners[user])
+            assert response.headers["x-ringlimit-node"] in {"n1", "n3"}
+    children = [pid for name in ("router", "n1", "n3") if (pid := up.pid_of(name))]
+    assert len(children) == 3
+    # kill -9 of `up` itself: the kernel stops its children (no orphaned cluster).
+    up.popen.send_signal(signal.SIGKILL)
+    up.popen.wait(10)
+    assert wait_for(lambda: not any(alive(pid) for pid in children), 10), [
+        pid for pid in children if alive(pid)
+    ]
