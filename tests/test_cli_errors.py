@@ -1,0 +1,182 @@
+"""Expected failures of every ``ringlimit`` command end in one line on stderr
+(what, where, what to check) and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.processes import ROOT, free_port
+
+pytestmark = pytest.mark.integration
+
+
+def ringlimit(*argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "router", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def one_line_failure(result: subprocess.CompletedProcess[str], *fragments: str) -> str:
+    """The failure's single stderr line, after checking the exit code and the absence
+    of a traceback; every fragment must be in it."""
+    assert result.returncode != 0, result
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port something else listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def not_a_router() -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 that is not a ringlimit router (404 in HTML)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_error(404)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["list"], ["remove", "n1"], ["add", "n4", "http://127.0.0.1:9"]],
+    ids=["list", "remove", "add"],
+)
+def test_nodes_with_no_router_there(argv: list[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    one_line_failure(
+        ringlimit("nodes", *argv, "--router", url),
+        f"cannot reach the router at {url}",
+        "connection refused",
+        "check --router",
+    )
+
+
+def test_nodes_with_a_url_that_is_not_a_router(not_a_router: str) -> None:
+    one_line_failure(
+        ringlimit("nodes", "list", "--router", not_a_router),
+        f"{not_a_router} answered HTTP 404",
+        "check --router",
+    )
+
+
+def test_nodes_with_a_url_without_a_scheme() -> None:
+    one_line_failure(
+        ringlimit("nodes", "list", "--router", "127.0.0.1:8000"),
+        "cannot reach the router at 127.0.0.1:8000",
+        "not a usable URL",
+    )
+
+
+def test_a_node_joining_an_absent_router_gives_up_in_one_line() -> None:
+    router = f"http://127.0.0.1:{free_port()}"
+    port = str(free_port())
+    result = ringlimit(
+        "node", "--id", "n1", "--port", port, "--join", router, "--join-timeout", "1"
+    )
+    one_line_failure(result, "could not join the ring", router, "check --join")
+
+
+def test_up_with_a_port_in_use(taken_port: int) -> None:
+    one_line_failure(
+        ringlimit("up", "--nodes", "2", "--port", str(taken_port)),
+        f"cannot listen on 127.0.0.1:{taken_port} for the router",
+        "--port",
+    )
+    one_line_failure(
+        ringlimit("up", "--nodes", "2", "--port", str(taken_port - 1)),
+        f"cannot listen on 127.0.0.1:{taken_port} for node n1",
+        "--node-port",
+    )
+
+
+@pytest.mark.parametrize("command", ["router", "node"])
+def test_router_or_node_with_its_port_in_use(command: str, taken_port: int) -> None:
+    argv = ["--port", str(taken_port)] + (["--id", "n1"] if command == "node" else [])
+    one_line_failure(
+        ringlimit(command, *argv), f"cannot listen on 127.0.0.1:{taken_port}", "--port"
+    )
+
+
+@pytest.mark.parametrize("command", ["up", "router", "node"])
+def test_a_missing_config_file(command: str, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.toml"
+    argv = [command, "--config", str(missing), "--port", str(free_port())]
+    if command == "node":
+        argv += ["--id", "n1"]
+    result = ringlimit(*argv)
+    assert result.returncode == 2
+    one_line_failure(result, f"{missing}: no such file")
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("rules = [\n", "not valid TOML"),
+        ('[[rules]]\nname = "api"\nrate = "many/hour"\n', "rules[0]"),
+        ("colour = 1\n", "colour"),
+    ],
+    ids=["syntax", "bad-value", "unknown-key"],
+)
+def test_a_bad_config_file(text: str, problem: str, tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(text)
+    one_line_failure(ringlimit("up", "--config", str(config)), str(config), problem)
+
+
+def test_up_with_redis_backend_and_no_redis() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    one_line_failure(
+        ringlimit("up", "--backend", "redis", "--redis-url", url, "--port", str(free_port())),
+        f"cannot reach Redis at {url}",
+        "--redis-url",
+    )
+
+
+def test_a_router_whose_seed_node_never_answers() -> None:
+    seed = f"http://127.0.0.1:{free_port()}"
+    result = ringlimit("router", "--port", str(free_port()), "--node", f"n1={seed}")
+    one_line_failure(
+        result, "the router could not start", f"node n1 at {seed}", "check the --node seeds"
+    )
+
+
+def test_a_router_with_an_unreadable_state_file(tmp_path: Path) -> None:
+    state = tmp_path / "ring.json"
+    state.write_text("{ not json")
+    result = ringlimit("router", "--port", str(free_port()), "--state-file", str(state))
+    one_line_failure(result, "the router could not start", str(state), "check --state-file")
