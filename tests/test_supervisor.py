@@ -151,13 +151,16 @@ def test_up_survives_kill_9_and_sigterm_of_nodes_with_exact_counts(
         victim = up.pid_of("n2")
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
         survivor = next(u for u in exhausted if owner[u] == "n1")
         served = [send(client, survivor).status_code for _ in range(3)]
         assert served == [429] * 3, "n1's users are served while n2 is down"
         report = line_for(up, rf"^ringlimit: n2 \(pid {victim}\) killed by SIGKILL; .*$")
+        reported = time.monotonic() - killed_at
         assert "removed it as crashed" in report and "crash policy replica" in report, report
         assert "restarting it in 0.5 s (restart 1 of at most 5" in report, report
         back = line_for(up, r"^ringlimit: n2 is back \(pid (\d+)\): rejoined the ring at .*$")
+        crash_back = time.monotonic() - killed_at
         assert str(victim) not in back
         for user in exhausted:
             assert send(client, user).status_code == 429, (user, owner[user])
@@ -169,10 +172,13 @@ def test_up_survives_kill_9_and_sigterm_of_nodes_with_exact_counts(
         leaver = up.pid_of("n3")
         assert leaver is not None
         os.kill(leaver, signal.SIGTERM)
+        termed_at = time.monotonic()
         report = line_for(up, rf"^ringlimit: n3 \(pid {leaver}\) exited with code 0; .*$")
         assert "left the ring gracefully" in report and "with their counters" in report, report
         assert "restarting it" in report, report
+        left = time.monotonic() - termed_at
         line_for(up, r"^ringlimit: n3 is back \(pid \d+\): rejoined the ring at .*$")
+        leave_back = time.monotonic() - termed_at
         for user in exhausted:
             assert send(client, user).status_code == 429, (user, owner[user])
         for user in half:
@@ -184,6 +190,11 @@ def test_up_survives_kill_9_and_sigterm_of_nodes_with_exact_counts(
     events = [(e["event"], e["node"]) for e in ring["events"]]
     assert events == [("crashed", "n2"), ("joined", "n2"), ("left", "n3"), ("joined", "n3")]
     assert all(count == LIMIT for count in allowed.values())
+    print(
+        f"\nkill -9: reported after {reported:.1f} s, back after {crash_back:.1f} s; "
+        f"SIGTERM: reported after {left:.1f} s, back after {leave_back:.1f} s; "
+        f"{len(allowed)} users, {sum(allowed.values())} admitted (expected {LIMIT * len(allowed)})"
+    )
     # Each report is one line; nothing in the output is a traceback.
     assert "Traceback" not in up.output()
     assert up.stop() == 0
