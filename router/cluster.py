@@ -43,7 +43,7 @@ from typing import Any, TextIO
 import httpx
 
 from node.config import ClusterConfig
-from router.restart import Decision, RestartPolicy, decide, describe_exit
+from router.restart import RestartPolicy, decide, describe_exit
 
 #: How long ``up`` waits for the router to act on a node's exit before saying it did not.
 ACTION_WAIT = 30.0
@@ -158,7 +158,7 @@ class Cluster:
         now = self.clock()
         router = self.router
         if router is not None and router.popen is not None and router.popen.poll() is not None:
-            return f"the router {describe_exit(router.popen.returncode)}"
+            return f"the router (pid {router.popen.pid}) {describe_exit(router.popen.returncode)}"
         ring: dict[str, Any] | None = None
         for child in self.nodes:
             if child.popen is not None and child.popen.poll() is not None:
@@ -186,9 +186,12 @@ class Cluster:
         if decision.restart:
             child.restarts.append(now)
             child.restart_at = now + decision.delay
-        text = _decision_text(decision)
+        text = decision.reason
         if event is not None and not in_ring:
             self._say(f"{what}; {self._action(event)}; {text}")
+        elif ring is not None and not in_ring:
+            # This incarnation never got into the ring (it failed while starting).
+            self._say(f"{what} before it joined the ring; {text}")
         else:
             # The router has not acted yet: it will remove the node on its health
             # checks, or when the restarted node registers (crash, then join).
@@ -270,10 +273,6 @@ class Cluster:
 
     def _say(self, line: str) -> None:
         print(f"ringlimit: {line}", file=self.out, flush=True)
-
-
-def _decision_text(decision: Decision) -> str:
-    return decision.reason
 
 
 def _events(ring: dict[str, Any] | None) -> list[dict[str, Any]]:
