@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.processes import ROOT, free_port
+from tests.test_cli import free_block
 
 pytestmark = pytest.mark.integration
 
@@ -117,8 +118,9 @@ def test_up_with_a_port_in_use(taken_port: int) -> None:
         f"cannot listen on 127.0.0.1:{taken_port} for the router",
         "--port",
     )
+    router = str(free_port())
     one_line_failure(
-        ringlimit("up", "--nodes", "2", "--port", str(taken_port - 1)),
+        ringlimit("up", "--nodes", "2", "--port", router, "--node-port", str(taken_port)),
         f"cannot listen on 127.0.0.1:{taken_port} for node n1",
         "--node-port",
     )
@@ -160,8 +162,9 @@ def test_a_bad_config_file(text: str, problem: str, tmp_path: Path) -> None:
 
 def test_up_with_redis_backend_and_no_redis() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
+    port = str(free_block(4))
     one_line_failure(
-        ringlimit("up", "--backend", "redis", "--redis-url", url, "--port", str(free_port())),
+        ringlimit("up", "--backend", "redis", "--redis-url", url, "--port", port),
         f"cannot reach Redis at {url}",
         "--redis-url",
     )
@@ -180,3 +183,4 @@ def test_a_router_with_an_unreadable_state_file(tmp_path: Path) -> None:
     state.write_text("{ not json")
     result = ringlimit("router", "--port", str(free_port()), "--state-file", str(state))
     one_line_failure(result, "the router could not start", str(state), "check --state-file")
+
