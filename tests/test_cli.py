@@ -44,10 +44,25 @@ def test_the_console_script_is_installed() -> None:
 
 
 def free_block(count: int, attempts: int = 50) -> int:
-    """A port P with P..P+count-1 all free on 127.0.0.1 (``up`` uses P and P+1..P+N)."""
-    rng = random.Random(os.getpid())
+    """A port P with P..P+count-1 all free on 127.0.0.1 (``up`` uses P and P+1..P+N).
+
+    Taken below the kernel's ephemeral range when there is room: a port in that
+    range can be handed to any outgoing connection on the machine between this
+    check and the moment a child binds it (so can a restarted node's port).
+    """
+    low = 32_768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(attempts):
-        base = rng.randrange(20_000, 60_000)
+        base = (
+            rng.randrange(10_000, low - count)
+            if low - count > 10_000
+            else rng.randrange(20_000, 60_000)
+        )
         sockets = []
         try:
             for port in range(base, base + count):
