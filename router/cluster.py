@@ -73,11 +73,11 @@ class Child:
     #: Times (monotonic) of the restarts decided for it.
     restarts: list[float] = field(default_factory=list)
     restart_at: float | None = None
-    #: The router's newest event number when this incarnation started.
-    seq_at_start: int = 0
-    #: An exit whose report waits for the router's action: (text, since_seq, deadline).
+    #: The ring's epoch when this incarnation started (events after it are its own).
+    epoch_at_start: int = 0
+    #: An exit whose report waits for the router's action: (what, next, epoch, deadline).
     report: tuple[str, str, int, float] | None = None
-    #: Waiting for a restarted incarnation to rejoin: (since_seq, deadline).
+    #: Waiting for a restarted incarnation to rejoin: (epoch, deadline).
     rejoin: tuple[int, float] | None = None
 
 
@@ -179,9 +179,9 @@ class Cluster:
         code = child.popen.returncode
         child.popen = None
         child.rejoin = None
-        event = _last_event(ring, child.name, child.seq_at_start)
+        event = _last_event(ring, child.name, child.epoch_at_start)
         in_ring = _in_ring(ring, child.name)
-        graceful = code == 0 and event is not None and event["event"] == "left" and not in_ring
+        graceful = code == 0 and event is not None and event.get("kind") == "left" and not in_ring
         decision = decide(self.policy, child.restarts, graceful=graceful, now=now)
         if decision.restart:
             child.restarts.append(now)
@@ -195,12 +195,12 @@ class Cluster:
         else:
             # The router has not acted yet: it will remove the node on its health
             # checks, or when the restarted node registers (crash, then join).
-            child.report = (what, text, _last_seq(ring), now + ACTION_WAIT)
+            child.report = (what, text, _epoch(ring), now + ACTION_WAIT)
 
     def _restart(self, child: Child, ring: dict[str, Any] | None) -> None:
         child.restart_at = None
-        child.seq_at_start = _last_seq(ring)
-        child.rejoin = (child.seq_at_start, self.clock() + REJOIN_WAIT)
+        child.epoch_at_start = _epoch(ring)
+        child.rejoin = (child.epoch_at_start, self.clock() + REJOIN_WAIT)
         self._spawn(child)
 
     def _follow(self, child: Child, ring: dict[str, Any] | None, now: float) -> None:
@@ -237,7 +237,7 @@ class Cluster:
     def _action(self, event: dict[str, Any]) -> str:
         """What the router did, in words, from one of its membership events."""
         epoch = event.get("epoch")
-        if event.get("event") == "left":
+        if event.get("kind") == "left":
             moved = (
                 "with their counters (handoff)"
                 if self.config.policies.rebalance == "handoff"
@@ -247,9 +247,7 @@ class Cluster:
                 f"it left the ring gracefully at epoch {epoch}: its users moved to the "
                 f"other nodes {moved}"
             )
-        reason = event.get("reason")
-        because = f" ({reason})" if reason else ""
-        return f"the router removed it as crashed{because} at epoch {epoch}: {self._crash_effect()}"
+        return f"the router removed it as crashed at epoch {epoch}: {self._crash_effect()}"
 
     def _crash_effect(self) -> str:
         policies = {s.rule.crash_policy or self.config.policies.crash for s in self.config.rules}
@@ -280,13 +278,15 @@ def _events(ring: dict[str, Any] | None) -> list[dict[str, Any]]:
     return [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
 
 
-def _last_seq(ring: dict[str, Any] | None) -> int:
-    return max((int(e.get("seq", 0)) for e in _events(ring)), default=0)
+def _epoch(ring: dict[str, Any] | None) -> int:
+    epoch = ring.get("epoch") if ring else None
+    return epoch if isinstance(epoch, int) else 0
 
 
 def _last_event(ring: dict[str, Any] | None, node: str, since: int) -> dict[str, Any] | None:
-    """The router's newest event about ``node`` after event number ``since``."""
-    found = [e for e in _events(ring) if e.get("node") == node and e.get("seq", 0) > since]
+    """The router's newest event about ``node`` at an epoch after ``since`` (each
+    change makes a new epoch, so epochs order the events)."""
+    found = [e for e in _events(ring) if e.get("node") == node and e.get("epoch", 0) > since]
     return found[-1] if found else None
 
 
@@ -295,7 +295,11 @@ def _first_event(
 ) -> dict[str, Any] | None:
     kinds = tuple(kinds)
     for event in _events(ring):
-        if event.get("node") == node and event.get("seq", 0) > since and event["event"] in kinds:
+        if (
+            event.get("node") == node
+            and event.get("epoch", 0) > since
+            and event.get("kind") in kinds
+        ):
             return event
     return None
 

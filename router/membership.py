@@ -52,7 +52,7 @@ MAX_HISTORY = 32
 #: How many crashed members the router keeps probing, to let them rejoin.
 MAX_REMOVED = 256
 
-#: Membership changes listed by ``GET /admin/ring`` (``ringlimit up`` reports from them).
+#: Membership events listed by ``GET /admin/ring`` (``ringlimit up`` reports from them).
 MAX_EVENTS = 64
 
 

@@ -183,4 +183,3 @@ def test_a_router_with_an_unreadable_state_file(tmp_path: Path) -> None:
     state.write_text("{ not json")
     result = ringlimit("router", "--port", str(free_port()), "--state-file", str(state))
     one_line_failure(result, "the router could not start", str(state), "check --state-file")
-

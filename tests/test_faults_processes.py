@@ -408,7 +408,10 @@ def test_router_kill_9_and_restart_under_traffic(procs: Procs, tmp_path: Path) -
         epoch=f"{before['epoch']}->{after['epoch']}",
     )
     kill_all(procs)
-    assert after == before
+    # The membership events are each router process's own history, not the ring.
+    assert {k: v for k, v in after.items() if k != "events"} == {
+        k: v for k, v in before.items() if k != "events"
+    }
     assert set(statuses) <= {200, 429, 503}, statuses
     # Exact on the nodes: every user admitted its quota, once. A client may have
     # seen fewer: a request the node admitted whose answer died with the router.

@@ -227,13 +227,17 @@ async def test_admin_api_join_and_leave() -> None:
     clock = FrozenClock()
     async with InProcessCluster(2, make_config(), clock=clock) as cluster:
         ring = (await cluster.client.get("/admin/ring")).json()
+        events = ring.pop("events")
+        assert [(e["kind"], e["node"], e["epoch"]) for e in events] == [
+            ("joined", "n1", 1),
+            ("joined", "n2", 1),
+        ]
         assert ring == {
             "epoch": 1,
             "nodes": [
                 {"id": "n1", "url": node_url("n1"), "weight": 1, "state": "active"},
                 {"id": "n2", "url": node_url("n2"), "weight": 1, "state": "active"},
             ],
-            "events": [],
         }
         cluster._make_node("n3")
         response = await cluster.client.post(
@@ -267,9 +271,9 @@ async def test_admin_api_join_and_leave() -> None:
         assert cluster.router.membership.view.epoch == 3
         # The changes, oldest first, as `ringlimit up` reads them to report node exits.
         events = (await cluster.client.get("/admin/ring")).json()["events"]
-        assert [(e["seq"], e["event"], e["node"], e["epoch"]) for e in events] == [
-            (1, "joined", "n3", 2),
-            (2, "left", "n1", 3),
+        assert [(e["kind"], e["node"], e["epoch"]) for e in events][2:] == [
+            ("joined", "n3", 2),
+            ("left", "n1", 3),
         ]
 
 
