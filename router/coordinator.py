@@ -41,7 +41,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -175,10 +175,10 @@ class EtcdCoordinator:
         raise CoordinatorError(f"etcd not reachable at {'; '.join(errors)}")
 
     async def close(self) -> None:
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                await self._client.close()
-            self._client = None
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(client.close(), timeout=self.timeout)
 
     async def _call(self, what: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """One etcd call; on a connection failure, the next endpoint, once."""
@@ -233,10 +233,11 @@ class EtcdCoordinator:
             record.view, record.previous, record.crashed, record.config, record.settled, revision
         )
 
-    async def watch(self) -> AsyncIterator[ViewRecord]:
+    async def watch(self) -> AsyncGenerator[ViewRecord, None]:
         """Every new record, as committed (reconnecting when etcd goes away)."""
         key = self._key("view")
         while True:
+            watcher = None
             try:
                 watcher = await self._call("watch", lambda c: c.watch(key))
                 async for event in watcher:
@@ -250,6 +251,12 @@ class EtcdCoordinator:
             except Exception as exc:
                 log.warning("watching etcd: %s; retrying", type(exc).__name__)
                 self._client = None
+            finally:
+                # A watch is a gRPC stream: cancel it here, bounded, rather than
+                # leave it to the event loop's shutdown (where it can hang).
+                if watcher is not None:
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                        await asyncio.wait_for(watcher.cancel(), timeout=self.timeout)
             await asyncio.sleep(0.5)
 
     # ------------------------------------------------------------------ leadership

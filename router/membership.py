@@ -291,8 +291,11 @@ class Membership:
 
     async def _watch(self) -> None:
         assert self.coordinator is not None
-        async for record in self.coordinator.watch():
-            self._take(record)
+        # aclosing: on cancellation the generator (a gRPC stream) is closed now,
+        # not at the event loop's shutdown.
+        async with contextlib.aclosing(self.coordinator.watch()) as records:
+            async for record in records:
+                self._take(record)
 
     async def _on_lead(self) -> None:
         """Leadership won: finish a change the last leader left half-done.
