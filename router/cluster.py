@@ -64,7 +64,13 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ringlimit-"))
     config_file = workdir / "cluster.json"
     config_file.write_text(json.dumps(config.to_dict()))
-    cluster = Cluster({**os.environ, "RINGLIMIT_REDIS_URL": args.redis_url})
+    cluster = Cluster(
+        {
+            **os.environ,
+            "RINGLIMIT_REDIS_URL": args.redis_url,
+            "RINGLIMIT_REDIS_PIPELINE": args.redis_pipeline,
+        }
+    )
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
