@@ -41,6 +41,7 @@ from node.clock import Clock, system_clock
 from node.config import ClusterConfig
 from node.decision import Verdict
 from node.lease import LeaseError
+from node.memory import release_free_memory
 from node.metrics import NodeMetrics
 from node.middleware import (
     LEASE_EXPIRED_HEADERS,
@@ -253,6 +254,7 @@ class Node:
             self.store.sweep(now, budget=50_000)
             if self.shard is not None:
                 self.shard.sweep_replicas(now)
+            release_free_memory()
 
     # ------------------------------------------------------------------ routes
 

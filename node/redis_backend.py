@@ -6,6 +6,17 @@ script layout, KEYS/ARGV and the state layout). One check is one ``EVALSHA``:
 all rules of a request are decided and consumed atomically inside Redis;
 :meth:`RedisBackend.check_many` pipelines its calls in one round trip.
 
+Pipelining. With ``pipeline=True`` (what ``ringlimit node --backend redis``
+runs by default; ``--redis-pipeline off`` for one round trip per check),
+concurrent checks share round trips: each check is queued, and whatever is
+queued while the previous round trip is in flight goes out as one pipeline of
+``EVALSHA`` calls (:class:`node.roundtrips.RoundTrips`; no timer, so a lone
+check is not delayed). Every check is still its own atomic script with its own
+outcome: an error reply (say ``WRONGTYPE``) fails that check only, ``NOSCRIPT``
+replies are reloaded and re-run alone, and a round trip that finds Redis
+unavailable fails its checks, and every check queued behind it, with
+:class:`BackendUnavailable`, as one call does without pipelining.
+
 Keys. ``<prefix>:{<user key>}:<rule name>:<algorithm code>``, e.g.
 ``rl:{alice}:api:tb``. The user key is the Redis-Cluster hash tag, so every
 key one script touches lives in one slot. ``%``, ``{`` and ``}`` in user keys
@@ -70,11 +81,15 @@ from node.decision import (
     most_restrictive,
 )
 from node.lua import SCRIPTS, Script, pack_args, script_for, unpack_reply
+from node.roundtrips import RoundTrips
 from node.rules import Rule
 
 logger = logging.getLogger("ringlimit.redis")
 
 T = TypeVar("T")
+
+#: One EVALSHA of a pipeline: (script, KEYS, ARGV).
+Call = tuple[Script, list[str], list[str]]
 
 #: Short algorithm codes used in key names.
 ALGORITHM_CODES = {
@@ -153,6 +168,12 @@ class RedisBackend:
     instead of trying too. ``ttl_slack`` (seconds) is added to every key's
     TTL: with an injected ``clock`` that runs apart from Redis's own, it keeps
     Redis from expiring a state the injected clock still needs.
+
+    ``pipeline=True`` coalesces concurrent checks into pipelined round trips
+    (see the module docstring): at most ``pipeline_depth`` round trips in
+    flight (each on its own connection), at most ``max_batch`` checks in each;
+    a check queued longer than ``queue_timeout`` fails as overloaded, as a
+    check waiting for a call slot does without pipelining.
     """
 
     name = "redis"
@@ -168,6 +189,9 @@ class RedisBackend:
         max_connections: int = 64,
         queue_timeout: float = 1.0,
         ttl_slack: float = 0.0,
+        pipeline: bool = False,
+        pipeline_depth: int = 1,
+        max_batch: int = 256,
     ) -> None:
         if not prefix or "{" in prefix or "}" in prefix:
             raise ValueError(f"prefix {prefix!r} must be non-empty and free of braces")
@@ -177,6 +201,8 @@ class RedisBackend:
             raise ValueError("max_connections must be >= 1")
         if ttl_slack < 0:
             raise ValueError("ttl_slack must be >= 0")
+        if not 1 <= pipeline_depth <= max_connections:
+            raise ValueError("pipeline_depth must be between 1 and max_connections")
         self.url = url
         #: The URL as logs and errors show it: never with its password.
         self.where = redact_url(url)
@@ -200,6 +226,20 @@ class RedisBackend:
         )
         self.redis: Redis = Redis.from_pool(pool)
         self._available = True
+        #: The round trips checks share (None: one round trip per check).
+        self.round_trips: RoundTrips[Call] | None = None
+        if pipeline:
+            self.round_trips = RoundTrips(
+                self._send_round,
+                depth=pipeline_depth,
+                max_batch=max_batch,
+                queue_timeout=queue_timeout,
+                overloaded=self._overloaded,
+            )
+
+    @property
+    def pipelined(self) -> bool:
+        return self.round_trips is not None
 
     # ------------------------------------------------------------------ protocol
 
@@ -216,6 +256,8 @@ class RedisBackend:
         keys = [state_key(self.prefix, key, rule) for rule in rules]
         now = None if self.clock is None else self.clock()
         args = pack_args(now, cost, rules, self._slack_ms)
+        if self.round_trips is not None:
+            return unpack_reply(await self.round_trips.call((script, keys, args)), rules)[1]
         execute = self.redis.execute_command
 
         async def call() -> Any:
@@ -232,20 +274,26 @@ class RedisBackend:
         if not checks:
             return []
         now = None if self.clock is None else self.clock()
-        calls: list[tuple[Script, list[str], list[str]]] = []
+        calls: list[Call] = []
         for key, rules, cost in checks:
             keys = [state_key(self.prefix, key, rule) for rule in rules]
             calls.append((script_for(rules), keys, pack_args(now, cost, rules, self._slack_ms)))
+        if self.round_trips is not None:
+            # Queued together, so they share a round trip (with whatever else is queued).
+            submit = self.round_trips.submit
+            outcomes = await asyncio.gather(*[submit(c) for c in calls], return_exceptions=True)
+            replies: list[Any] = []
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                replies.append(outcome)
+            return [
+                unpack_reply(reply, rules)[1]
+                for reply, (_key, rules, _cost) in zip(replies, checks, strict=True)
+            ]
 
         async def call() -> list[Any]:
-            replies = await self._pipeline(calls)
-            missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-            if missing:
-                # A call that got NOSCRIPT did nothing, so running it again is safe.
-                await self._load({calls[i][0] for i in missing})
-                again = await self._pipeline([calls[i] for i in missing])
-                for i, reply in zip(missing, again, strict=True):
-                    replies[i] = reply
+            replies = await self._pipeline_reloading(calls)
             for reply in replies:
                 if isinstance(reply, Exception):
                     raise reply
@@ -290,6 +338,8 @@ class RedisBackend:
 
     async def close(self) -> None:
         """Close every connection; never raises for a slow or gone Redis."""
+        if self.round_trips is not None:
+            await self.round_trips.close()
         try:
             await self.redis.aclose()
         except _PING_ERRORS as exc:
@@ -348,7 +398,39 @@ class RedisBackend:
             self._slots.release()
             raise BackendUnavailable(f"redis at {self.where}: failed while this call was queued")
 
-    async def _pipeline(self, calls: Sequence[tuple[Script, list[str], list[str]]]) -> list[Any]:
+    async def _send_round(self, calls: list[Call]) -> list[Any]:
+        """One coalesced round trip: a reply, or the exception that fails it, per call."""
+        try:
+            replies = await self._pipeline_reloading(calls)
+        except Exception as exc:
+            self._raise_unavailable(exc)
+            raise
+        self._available = True
+        for i, reply in enumerate(replies):
+            if isinstance(reply, Exception) and _is_unavailable(reply):
+                replies[i] = self._unavailable(reply)
+        return replies
+
+    def _overloaded(self) -> BackendUnavailable:
+        self._available = False
+        return BackendUnavailable(
+            f"redis at {self.where}: queued for more than {self.queue_timeout}s "
+            f"({self.round_trips.queued if self.round_trips else 0} checks queued; overloaded)"
+        )
+
+    async def _pipeline_reloading(self, calls: Sequence[Call]) -> list[Any]:
+        """One pipeline; calls that got ``NOSCRIPT`` are loaded and run once more."""
+        replies = await self._pipeline(calls)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            # A call that got NOSCRIPT did nothing, so running it again is safe.
+            await self._load({calls[i][0] for i in missing})
+            again = await self._pipeline([calls[i] for i in missing])
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        return replies
+
+    async def _pipeline(self, calls: Sequence[Call]) -> list[Any]:
         async with self.redis.pipeline(transaction=False) as pipe:
             for script, keys, args in calls:
                 pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
@@ -363,9 +445,20 @@ class RedisBackend:
     def _raise_unavailable(self, exc: Exception) -> None:
         """Turn an availability failure into :class:`BackendUnavailable`; else return."""
         if _is_unavailable(exc):
-            self._available = False
-            self._failures += 1
-            raise BackendUnavailable(f"redis at {self.where}: {type(exc).__name__}: {exc}") from exc
+            raise self._unavailable(exc) from exc
+
+    def _unavailable(self, exc: Exception) -> BackendUnavailable:
+        """Record an availability failure: queued checks fail at once, not try too."""
+        self._available = False
+        self._failures += 1
+        if self.round_trips is not None:
+            where = self.where
+            self.round_trips.fail_queued(
+                lambda: BackendUnavailable(f"redis at {where}: failed while this call was queued")
+            )
+        failure = BackendUnavailable(f"redis at {self.where}: {type(exc).__name__}: {exc}")
+        failure.__cause__ = exc
+        return failure
 
 
 class Primary(Protocol):

@@ -353,6 +353,13 @@ def _backend_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--redis-url", default=os.environ.get("RINGLIMIT_REDIS_URL", "redis://127.0.0.1:6379/0")
     )
+    group.add_argument(
+        "--redis-pipeline",
+        choices=["on", "off"],
+        default=os.environ.get("RINGLIMIT_REDIS_PIPELINE", "on"),
+        help="redis: concurrent checks share pipelined round trips (on, the default) or "
+        "each check is its own round trip (off: the naive baseline)",
+    )
     group.add_argument("--balance", choices=BALANCES, help="sticky (default) or round-robin")
 
 
@@ -613,7 +620,7 @@ def _run_node(args: argparse.Namespace) -> int:
         app = load_app(args.app)
     backend = None
     if config.backend == "redis":
-        backend = _redis_backend(args.redis_url, config)
+        backend = _redis_backend(args.redis_url, config, pipeline=args.redis_pipeline == "on")
     settings = NodeSettings(
         node_id=args.id,
         config=config,
@@ -636,13 +643,15 @@ def _run_node(args: argparse.Namespace) -> int:
     )
 
 
-def _redis_backend(url: str, config: ClusterConfig) -> Backend:
+def _redis_backend(url: str, config: ClusterConfig, *, pipeline: bool = True) -> Backend:
     from node.backend import MemoryBackend
     from node.clock import system_clock
     from node.redis_backend import FallbackBackend, RedisBackend
     from node.store import MemoryStore
 
-    return FallbackBackend(RedisBackend(url), MemoryBackend(MemoryStore(), system_clock))
+    return FallbackBackend(
+        RedisBackend(url, pipeline=pipeline), MemoryBackend(MemoryStore(), system_clock)
+    )
 
 
 def _run_up(args: argparse.Namespace) -> int:

@@ -405,7 +405,11 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
         router_url,
         config,
         policy,
-        env={**os.environ, "RINGLIMIT_REDIS_URL": args.redis_url},
+        env={
+            **os.environ,
+            "RINGLIMIT_REDIS_URL": args.redis_url,
+            "RINGLIMIT_REDIS_PIPELINE": args.redis_pipeline,
+        },
         admin_token=os.environ.get("RINGLIMIT_ADMIN_TOKEN") or None,
     )
     stopping = False

@@ -601,7 +601,7 @@ def test_token_bucket_timeline() -> None:
     for i in range(5):
         state, d = token_bucket(state, T0, rule, 1)
         assert d.allowed and d.remaining == 4 - i
-    assert state == (0.0, T0)
+    assert state == complex(0.0, T0)
     assert d.reset_after == 10.0  # empty -> full takes 5 * 2 s
     _, d = token_bucket(state, T0, rule, 1)
     assert (d.allowed, d.remaining, d.retry_after) == (False, 0, 2.0)

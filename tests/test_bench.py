@@ -95,7 +95,12 @@ def _report() -> dict:
                 },
             ],
         },
-        "memory": {"keys": 1_000_000, "bytes_per_key": 190.0, "detail": "x"},
+        "memory": {
+            "keys": 1_000_000,
+            "bytes_per_key": 190.0,
+            "node_rss_bytes_per_key": 145.0,
+            "detail": "x",
+        },
         "handoff": {"keys": 1_000_000, "seconds": 8.0, "complete": True, "detail": "y"},
         "notes": ["a note"],
     }
@@ -142,17 +147,22 @@ def test_targets_pass_and_short() -> None:
     assert targets["decision API, batches of 100: decisions/s"].ok
     assert targets["engine: token_bucket vs limits:fixed_window"].ok
     assert not any(name.startswith("engine: fixed_window") for name in targets)  # no 1x targets
-    assert targets["memory per token-bucket key at 1,000,000 keys"].ok
+    # A real node's RSS is the measure when there is one (the store estimate is not).
+    assert targets["node RSS per token-bucket key at 1,000,000 keys"].measured == 145.0
+    assert targets["node RSS per token-bucket key at 1,000,000 keys"].ok
     assert targets["handoff of 1,000,000 keys, node A -> B"].ok
     assert targets["exactness, sticky: allowed == users x limit"].ok
     # Round-robin local over-admits by design: reported in the table, not a target.
     assert not any("round_robin" in name for name in targets)
     slow = _report()
     slow["handoff"]["complete"] = False
-    slow["memory"]["bytes_per_key"] = 250.0
+    slow["memory"]["node_rss_bytes_per_key"] = 151.0
     short = {t.name: t for t in cluster.targets(slow)}
     assert short["handoff of 1,000,000 keys, node A -> B"].ok is None
-    assert short["memory per token-bucket key at 1,000,000 keys"].ok is False
+    assert short["node RSS per token-bucket key at 1,000,000 keys"].ok is False
+    del slow["memory"]["node_rss_bytes_per_key"]
+    estimate = {t.name: t for t in cluster.targets(slow)}
+    assert estimate["memory per token-bucket key at 1,000,000 keys (store estimate)"].ok is False
 
 
 def test_table_markdown_and_json() -> None:

@@ -135,7 +135,7 @@ def test_one_denying_rule_blocks_and_burns_nothing() -> None:
     assert verdict.decision.retry_after == 59.0
     # The bucket spent one token at w + 1 and then nothing: 1 left, not 0.
     assert verdict.decisions[0] == Decision(True, 2, 1, 0.5, None, "per-second", None, 0.5)
-    assert store.get(bucket, "k") == (1.0, w + 1)
+    assert store.get(bucket, "k") == complex(1.0, w + 1)
 
 
 def test_decide_all_validates() -> None:

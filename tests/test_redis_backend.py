@@ -40,6 +40,12 @@ pytestmark = pytest.mark.redis
 FAST = 0.5
 
 
+@pytest.fixture(params=[False, True], ids=["one-by-one", "pipelined"])
+def pipeline(request: pytest.FixtureRequest) -> bool:
+    """Tests that hold with and without coalesced pipelining run in both modes."""
+    return bool(request.param)
+
+
 def run(scenario: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
     return asyncio.run(scenario())
 
@@ -84,13 +90,13 @@ def blackhole() -> Iterator[tuple[int, list[Any]]]:
 # --------------------------------------------------------------------------- deciding
 
 
-def test_checks_match_the_memory_backend(redis_url: str) -> None:
+def test_checks_match_the_memory_backend(redis_url: str, pipeline: bool) -> None:
     clock = FrozenClock(1_700_000_000.25)
     rules = [Rule(f"r{i}", 3, 10.0, alg, burst=4) for i, alg in enumerate(ALGORITHMS)]
     sets = [rules[:1], rules[1:2], rules[2:3], rules[3:4], rules[4:5], rules, rules[1:4]]
 
     async def scenario() -> None:
-        backend = RedisBackend(redis_url, clock=clock, ttl_slack=3600.0)
+        backend = RedisBackend(redis_url, clock=clock, ttl_slack=3600.0, pipeline=pipeline)
         memory = MemoryBackend(MemoryStore(), clock)
         await backend.start()
         try:
@@ -110,14 +116,14 @@ def test_checks_match_the_memory_backend(redis_url: str) -> None:
     run(scenario)
 
 
-def test_check_many_pipelines_and_matches(redis_url: str) -> None:
+def test_check_many_pipelines_and_matches(redis_url: str, pipeline: bool) -> None:
     clock = FrozenClock(5_000.0)
     a = Rule("a", 2, 60.0, "sliding_log")
     b = Rule("b", 5, 60.0, "gcra")
     batch = [("u1", [a], 1), ("u2", [a, b], 1), ("u1", [a], 1), ("u1", [a, b], 1), ("u3", [b], 9)]
 
     async def scenario() -> None:
-        backend = RedisBackend(redis_url, clock=clock, ttl_slack=3600.0)
+        backend = RedisBackend(redis_url, clock=clock, ttl_slack=3600.0, pipeline=pipeline)
         memory = MemoryBackend(MemoryStore(), clock)
         try:
             assert await backend.check_many([]) == []
@@ -132,13 +138,13 @@ def test_check_many_pipelines_and_matches(redis_url: str) -> None:
     run(scenario)
 
 
-def test_reloads_scripts_after_noscript(redis_url: str) -> None:
+def test_reloads_scripts_after_noscript(redis_url: str, pipeline: bool) -> None:
     clock = FrozenClock(100.0)
     single = [Rule("one", 5, 60.0)]
     multi = [Rule("x", 5, 60.0, "fixed_window"), Rule("y", 5, 60.0, "sliding_window")]
 
     async def scenario() -> None:
-        backend = RedisBackend(redis_url, clock=clock)
+        backend = RedisBackend(redis_url, clock=clock, pipeline=pipeline)
         await backend.start()
         try:
             with sync_client(redis_url) as client:
@@ -284,11 +290,13 @@ def test_multi_rule_scripts_run_on_a_cluster_node(redis_cluster_server: RedisSer
 # --------------------------------------------------------------------------- failures
 
 
-def test_unreachable_redis_fails_fast() -> None:
+def test_unreachable_redis_fails_fast(pipeline: bool) -> None:
     port = free_port()  # nothing listens there
 
     async def scenario() -> None:
-        backend = RedisBackend(f"redis://127.0.0.1:{port}/0", clock=FrozenClock())
+        backend = RedisBackend(
+            f"redis://127.0.0.1:{port}/0", clock=FrozenClock(), pipeline=pipeline
+        )
         try:
             await backend.start()  # reports, does not raise
             assert not backend.available
@@ -326,14 +334,14 @@ def test_hung_redis_times_out_in_milliseconds() -> None:
         assert len(accepted) == 3
 
 
-def test_a_burst_on_a_healthy_redis_is_no_outage(redis_url: str) -> None:
+def test_a_burst_on_a_healthy_redis_is_no_outage(redis_url: str, pipeline: bool) -> None:
     """More concurrent checks than connections queue up; they are not failures."""
     rule = [Rule("burst", 10**6, 60.0)]
 
     async def scenario() -> None:
         # A generous queue bound: 1000 checks through 8 connections take far longer
         # than the 100 ms that a wait held to the Redis timeout would allow.
-        backend = RedisBackend(redis_url, max_connections=8, queue_timeout=10.0)
+        backend = RedisBackend(redis_url, max_connections=8, queue_timeout=10.0, pipeline=pipeline)
         with sync_client(redis_url) as client:
             before = client.info("clients")["connected_clients"]
             await backend.start()
@@ -400,9 +408,9 @@ def test_the_queue_wait_is_bounded() -> None:
         asyncio.run(scenario(port))
 
 
-def test_bad_calls_are_errors_not_outages(redis_url: str) -> None:
+def test_bad_calls_are_errors_not_outages(redis_url: str, pipeline: bool) -> None:
     async def scenario() -> None:
-        backend = RedisBackend(redis_url, clock=FrozenClock())
+        backend = RedisBackend(redis_url, clock=FrozenClock(), pipeline=pipeline)
         try:
             with pytest.raises(ValueError, match="cost"):
                 await backend.check("u", [Rule("r", 1, 1.0)], -1)
@@ -420,7 +428,7 @@ def test_bad_calls_are_errors_not_outages(redis_url: str) -> None:
 
 
 def test_fallback_degrades_and_recovers(
-    redis_server: RedisServer, redis_url: str, caplog: pytest.LogCaptureFixture
+    redis_server: RedisServer, redis_url: str, caplog: pytest.LogCaptureFixture, pipeline: bool
 ) -> None:
     caplog.set_level(logging.INFO, logger="ringlimit.redis")
     opened = Rule("open", 3, 60.0, "token_bucket", on_error="open")
@@ -433,7 +441,7 @@ def test_fallback_degrades_and_recovers(
         return result
 
     async def scenario() -> None:
-        primary = RedisBackend(redis_url, timeout=0.1)
+        primary = RedisBackend(redis_url, timeout=0.1, pipeline=pipeline)
         local = MemoryBackend(MemoryStore(), system_clock)
         backend = FallbackBackend(primary, local, probe_interval=0.1)
         calls = 0

@@ -80,6 +80,9 @@ def redis_state(client: redis.Redis, user: str, rule: Rule):
     if rule.algorithm == "gcra":
         (tat,) = fields
         return tat
+    if rule.algorithm == "token_bucket":
+        tokens, updated_at = fields
+        return complex(tokens, updated_at)
     return tuple(fields)
 
 

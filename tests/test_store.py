@@ -327,7 +327,7 @@ def test_import_skips_unknown_rules_and_changed_algorithms() -> None:
     ]
     rules = {"api": tb, "api2": Rule("api2", 5, 10.0, "gcra")}
     assert store.import_(records, T0, rules) == 1
-    assert store.get(tb, "a") == (2.0, T0 - 1.0)
+    assert store.get(tb, "a") == complex(2.0, T0 - 1.0)
     assert store.get(rules["api2"], "c") is None
 
 

@@ -1,0 +1,46 @@
+"""Giving freed memory back to the operating system.
+
+A node's memory churns: every batch of checks parses JSON, builds results
+and drops them, the states dict and the replication sets grow by doubling
+and free their old tables, and handoffs move millions of records through
+transient lists. CPython returns what it frees to the C allocator, but
+glibc's ``malloc`` keeps freed blocks below the top of its heap (and,
+once a large block has been freed, serves even large requests from that
+heap), so the process's RSS stays at its high-water mark: measured on a real
+node filled with 1,000,000 token-bucket keys, about 10 bytes per key of RSS
+was memory the node had already freed. ``malloc_trim(0)`` hands such free
+pages back; on an idle or steadily loaded heap it takes a fraction of a
+millisecond, so the node runs it with every periodic sweep.
+
+Elsewhere than glibc (musl, macOS) :func:`release_free_memory` does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from collections.abc import Callable
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim  # type: ignore[no-any-return]
+
+
+_TRIM = _malloc_trim()
+
+
+def release_free_memory() -> bool:
+    """Return the C heap's free pages to the OS; True if that was possible here."""
+    if _TRIM is None:
+        return False
+    _TRIM(0)
+    return True
