@@ -217,3 +217,29 @@ def _describe(router: str) -> object:
         return admin_ring(router)
     except httpx.HTTPError as exc:
         return repr(exc)
+
+
+def test_a_node_killed_under_traffic_through_both_routers(procs: Procs, etcd_endpoint: str) -> None:
+    """The leader removes the dead node (its replicas promoted); the follower adopts
+    the view through etcd; users who had spent their quota stay denied on both."""
+    routers, _ = start(procs, etcd_endpoint)
+    urls = [url for _, url in routers]
+    spend = Load(urls, users=USERS, pace=0.05, per_user=LIMIT)
+    finish(spend.start(), spend, timeout=60.0)
+    time.sleep(0.5)  # a few replication rounds: every state is on its successor
+    epoch = admin_ring(urls[0])["epoch"]
+    victim = next(p for p in procs.started if p.name == "n2")
+    victim.kill9()
+    killed_at = time.monotonic()
+    assert wait_for(lambda: all(admin_ring(u)["epoch"] > epoch for u in urls), timeout=20.0)
+    removed = time.monotonic() - killed_at
+    assert all("n2" not in [n["id"] for n in admin_ring(u)["nodes"]] for u in urls)
+    more = Load(urls, users=USERS, pace=0.05, per_user=3)
+    finish(more.start(), more, timeout=60.0)
+    report(
+        "node kill -9, two routers on etcd",
+        removed_s=round(removed, 2),
+        statuses=dict(more.statuses()),
+    )
+    assert spend.excess() == 0 and all(spend.allowed(u) == LIMIT for u in USERS)
+    assert more.statuses()[200] == 0, more.over()
