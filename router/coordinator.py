@@ -193,7 +193,7 @@ class EtcdCoordinator:
                 if attempt == 1:
                     raise CoordinatorError(f"etcd {what} failed: {type(exc).__name__}") from None
                 self._endpoint += 1
-                self._client = None
+                await self.close()  # its channel too: a leaked gRPC channel can hang the loop
         raise AssertionError("unreachable")  # pragma: no cover
 
     # ------------------------------------------------------------------ the record
@@ -250,7 +250,7 @@ class EtcdCoordinator:
                 log.warning("watching etcd: %s; retrying", exc)
             except Exception as exc:
                 log.warning("watching etcd: %s; retrying", type(exc).__name__)
-                self._client = None
+                await self.close()
             finally:
                 # A watch is a gRPC stream: cancel it here, bounded, rather than
                 # leave it to the event loop's shutdown (where it can hang).
