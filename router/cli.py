@@ -35,6 +35,7 @@ from node.config import (
 )
 from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
 from ring import Member
+from ring.member import check_id, check_url, check_weight
 from router import __version__
 from router.restart import RESTART_MODES
 
@@ -462,6 +463,7 @@ def _run_router(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         grpc_host=args.host,
         envoy_headers=headers,
+        own_urls=_own_urls(args.host, args.port),
     )
     _warn_modes(config)
     if settings.coordinator is not None and not _etcd_reachable(settings.coordinator):
@@ -611,6 +613,12 @@ def _run_node(args: argparse.Namespace) -> int:
     from node.apps import UpstreamApp, load_app
     from node.server import serve_node
 
+    check_id(args.id)
+    if args.url is not None:
+        check_url(args.url)
+    check_weight(args.weight)
+    if args.join is not None:
+        check_url(args.join)
     config = cluster_config(args)
     admin_token, internal_token = _tokens()
     app: ASGIApp | None = None
@@ -687,6 +695,10 @@ def _run_nodes(args: argparse.Namespace) -> int:
         raise ValueError("usage: ringlimit nodes add ID URL")
     if args.action == "remove" and not args.node_id:
         raise ValueError("usage: ringlimit nodes remove ID")
+    if args.action == "add":
+        Member.parse(args.node_id, args.node_url, args.weight)
+    elif args.action == "remove":
+        check_id(args.node_id)
     try:
         with httpx.Client(timeout=60.0, headers=headers) as client:
             if args.action == "list":
@@ -751,9 +763,25 @@ def _check_port(host: str, port: int, role: str) -> None:
 
 def _parse_seed(spec: str) -> Member:
     node_id, sep, url = spec.partition("=")
-    if not sep or not url.startswith(("http://", "https://")):
+    if not sep:
         raise ValueError(f"--node {spec!r}: expected ID=http://HOST:PORT")
-    return Member(node_id, url)
+    try:
+        return Member.parse(node_id, url)
+    except ValueError as exc:
+        raise ValueError(f"--node {spec!r}: {exc}") from None
+
+
+def _own_urls(host: str, port: int) -> tuple[str, ...]:
+    """The URLs a router bound to ``host:port`` answers on (for refusing joins at them)."""
+    hosts = {host}
+    if host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""):
+        hosts |= {"127.0.0.1", "localhost"}
+    return tuple(
+        f"{scheme}://{f'[{h}]' if ':' in h else h}:{port}"
+        for h in sorted(hosts)
+        if h
+        for scheme in ("http", "https")
+    )
 
 
 def _warn_modes(config: ClusterConfig) -> None:
