@@ -40,6 +40,7 @@ from node.backend import Backend, MemoryBackend
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig
 from node.decision import Verdict
+from node.failures import Failures
 from node.lease import LeaseError
 from node.memory import release_free_memory
 from node.metrics import NodeMetrics
@@ -164,6 +165,13 @@ class Node:
                     k: v for k, v in shard.stats.__dict__.items() if isinstance(v, int | float)
                 },
             )
+        #: Errors the node's background loops survived (with the shard's: /metrics).
+        self.failures = Failures(log)
+        self.metrics.add_counters(
+            "ringlimit_background_errors",
+            "Errors the node's background loops survived: sweep_loop, replication_loop.",
+            self._failure_counts,
+        )
         fallbacks = getattr(self.backend, "fallbacks", None)
         if fallbacks is not None:
             backend = self.backend
@@ -250,12 +258,22 @@ class Node:
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.settings.sweep_interval)
-            now = self.clock()
-            self.sample(now)
-            self.store.sweep(now, budget=50_000)
-            if self.shard is not None:
-                self.shard.sweep_replicas(now)
-            release_free_memory()
+            try:
+                now = self.clock()
+                self.sample(now)
+                self.store.sweep(now, budget=50_000)
+                if self.shard is not None:
+                    self.shard.sweep_replicas(now)
+                release_free_memory()
+            except Exception as exc:  # eviction outlives any one failure, never silently
+                self.failures.record("sweep_loop", exc)
+
+    def _failure_counts(self) -> dict[str, float]:
+        counts: dict[str, float] = dict(self.failures.counts)
+        if self.shard is not None:
+            for kind, n in self.shard.failures.counts.items():
+                counts[kind] = counts.get(kind, 0) + n
+        return counts
 
     # ------------------------------------------------------------------ routes
 

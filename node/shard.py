@@ -24,7 +24,6 @@ See docs/rebalancing.md for what each event costs in the worst case.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Any
 from node.algorithms import MAX_SPAN, REGISTRY
 from node.clock import Clock
 from node.config import ClusterConfig
+from node.failures import Failures
 from node.lease import Lease, boot_clock
 from node.peers import PeerError, Peers
 from node.rules import Rule
@@ -165,6 +165,8 @@ class Shard:
         self.view: RingView | None = None
         self.previous: RingView | None = None
         self.stats = HandoffStats()
+        #: Errors the replication loop survived (/metrics).
+        self.failures = Failures(log)
         #: Crashes still covered by the conservative policy (newest last).
         self._crashes: list[Crash] = []
         self._pending: dict[str, float] = {}
@@ -716,8 +718,10 @@ class Shard:
             if self.replication_wanted():
                 if self.store.dirty is None:
                     self.store.dirty = set()
-                with contextlib.suppress(Exception):
+                try:
                     await self.replicate_once()
+                except Exception as exc:  # the loop outlives any one failure, never silently
+                    self.failures.record("replication_loop", exc)
             else:
                 self.store.dirty = None
 

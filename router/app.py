@@ -177,6 +177,7 @@ class Router:
         self.metrics.watch_membership(
             lambda: self.membership.stats, lambda: float(self.membership.suspect_self)
         )
+        self.metrics.watch_failures(self.membership.failures.snapshot)
         self.forwarder: Forwarder | None = forwarder
         #: Reaches the nodes' /internal/top (shared with membership when given).
         self._client = client
