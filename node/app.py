@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from node.api import ApiError, CheckRequest, parse_checks, parse_json
 from node.apps import echo_app
-from node.asgi import ASGIApp, Receive, Scope, Send
+from node.asgi import ASGIApp, Receive, Scope, Send, odd_target
 from node.authority import Authority
 from node.backend import Backend, MemoryBackend
 from node.clock import Clock, system_clock
@@ -208,6 +208,8 @@ class Node:
             path = scope["path"]
             if path.startswith(CONTROL_PREFIXES) or path in CONTROL_PATHS:
                 await self.control(scope, receive, send)
+            elif path[:1] != "/":
+                await odd_target(scope, receive, send)  # OPTIONS *, CONNECT host:port
             else:
                 await self.limited(scope, receive, send)
         else:

@@ -41,7 +41,7 @@ from node.app import (
     parse_checks_fast,
     read_body,
 )
-from node.asgi import Receive, Scope, Send, drain, error_body, send_json
+from node.asgi import Receive, Scope, Send, drain, error_body, odd_target, send_json
 from node.config import ClusterConfig, Privacy
 from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
@@ -273,6 +273,9 @@ class Router:
         if scope["type"] == "http" and not (
             scope["path"] in CONTROL_PATHS or scope["path"].startswith("/admin/")
         ):
+            if scope["path"][:1] != "/":
+                await odd_target(scope, receive, send)  # OPTIONS *, CONNECT host:port
+                return
             if scope["path"].startswith("/internal"):
                 # The nodes' internal API is never reachable through the front door.
                 await drain(receive)

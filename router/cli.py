@@ -33,6 +33,7 @@ from node.config import (
     ScopedRule,
     load_config,
 )
+from node.frontdoor import FrontDoor
 from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
 from ring import Member
 from ring.member import check_id, check_url, check_weight
@@ -226,6 +227,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "RateLimit), 'envoy' (x-ratelimit-*), both comma-separated, or '' (default: none)",
     )
     _backend_arguments(router)
+    _front_door_arguments(router)
     router.add_argument("-v", "--verbose", action="store_true")
     router.set_defaults(run=_run_router)
 
@@ -252,6 +254,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _config_arguments(node)
     _fronting_arguments(node)
     _backend_arguments(node)
+    _front_door_arguments(node)
     node.add_argument("-v", "--verbose", action="store_true")
     node.set_defaults(run=_run_node)
 
@@ -364,6 +367,35 @@ def _backend_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--balance", choices=BALANCES, help="sticky (default) or round-robin")
 
 
+def _front_door_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connections (docs/configuration.md)")
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        help="open client connections at most (default: half of ulimit -n)",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection has to send a request's headers (default 10)",
+    )
+    group.add_argument(
+        "--keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection is kept (default 5)",
+    )
+
+
+def _front_door(args: argparse.Namespace) -> FrontDoor:
+    return FrontDoor(
+        keep_alive=args.keep_alive,
+        header_timeout=args.header_timeout,
+        max_connections=args.max_connections,
+    )
+
+
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     """The config from --config, then flags on top (flags win)."""
     config = load_config(args.config) if args.config else ClusterConfig()
@@ -436,6 +468,7 @@ def _run_router(args: argparse.Namespace) -> int:
         )
         return 2
     seeds = [_parse_seed(spec) for spec in args.node]
+    _front_door(args)  # checked before anything starts: a bad value is one line
     from router.workers import worker_role
 
     role = worker_role()
@@ -545,7 +578,13 @@ def _serve_router(
     from router.server import serve_router
 
     try:
-        serve_router(create_router(settings), host=args.host, port=args.port, sockets=sockets)
+        serve_router(
+            create_router(settings),
+            host=args.host,
+            port=args.port,
+            sockets=sockets,
+            front_door=_front_door(args),
+        )
     except MembershipError as exc:
         hint = (
             "check --state-file"
@@ -619,6 +658,7 @@ def _run_node(args: argparse.Namespace) -> int:
     check_weight(args.weight)
     if args.join is not None:
         check_url(args.join)
+    front_door = _front_door(args)
     config = cluster_config(args)
     admin_token, internal_token = _tokens()
     app: ASGIApp | None = None
@@ -648,6 +688,7 @@ def _run_node(args: argparse.Namespace) -> int:
         weight=args.weight,
         admin_token=admin_token,
         join_timeout=args.join_timeout,
+        front_door=front_door,
     )
 
 
