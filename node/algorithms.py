@@ -517,14 +517,20 @@ def _sw_abs(rel: list[Any], now: float) -> State:
 #: The widest span a relative time can have: a GCRA state is at most
 #: burst * period / limit ahead, with burst and period at their maxima.
 MAX_SPAN = float(MAX_LIMIT) * MAX_PERIOD
+#: How far ahead of the sender's now a time that records the past (a bucket's
+#: update, a window's start, a logged request) may be: only a sender whose clock
+#: stepped back produces one. Further ahead, the state would stop refilling.
+MAX_AHEAD = 3600.0
 #: Float slack below an empty bucket (``tokens -= cost`` after ``tokens + EPS >= cost``).
 _TOKENS_FLOOR = -1e-6
 
 
-def _time(value: Any, what: str) -> float:
+def _time(value: Any, what: str, ahead: float = MAX_SPAN) -> float:
     # NaN fails both comparisons; so do infinities and anything that is not a number.
-    if type(value) not in (float, int) or not -MAX_SPAN <= value <= MAX_SPAN:
-        raise ValueError(f"{what} must be a finite number of seconds, got {value!r}")
+    if type(value) not in (float, int) or not -MAX_SPAN <= value <= ahead:
+        raise ValueError(
+            f"{what} must be a finite number of seconds, at most {ahead:g} ahead, got {value!r}"
+        )
     return float(value)
 
 
@@ -541,6 +547,7 @@ def _arity(rel: Any, n: int, shape: str) -> None:
 
 _NUM = (float, int)
 _S = MAX_SPAN
+_A = MAX_AHEAD
 _L = MAX_LIMIT
 
 # Each check is written out (no helper calls on success): a million-key handoff
@@ -555,13 +562,13 @@ def _tb_check(rel: Any) -> None:
         and type(rel[0]) in _NUM
         and _TOKENS_FLOOR <= rel[0] <= _L
         and type(rel[1]) in _NUM
-        and -_S <= rel[1] <= _S
+        and -_S <= rel[1] <= _A
     ):
         _arity(rel, 2, "[tokens, updated_at]")
         tokens = rel[0]
         if type(tokens) not in _NUM or not _TOKENS_FLOOR <= tokens <= _L:
             raise ValueError(f"tokens must be a finite number 0..{_L}, got {tokens!r}")
-        _time(rel[1], "updated_at")
+        _time(rel[1], "updated_at", _A)
 
 
 def _gcra_check(rel: Any) -> None:
@@ -575,12 +582,12 @@ def _fw_check(rel: Any) -> None:
         type(rel) is list
         and len(rel) == 2
         and type(rel[0]) in _NUM
-        and -_S <= rel[0] <= _S
+        and -_S <= rel[0] <= _A
         and type(rel[1]) is int
         and 0 <= rel[1] <= _L
     ):
         _arity(rel, 2, "[window_start, count]")
-        _time(rel[0], "window_start")
+        _time(rel[0], "window_start", _A)
         _count(rel[1], "count")
 
 
@@ -588,8 +595,8 @@ def _log_check(rel: Any) -> None:
     if type(rel) is not list or len(rel) > MAX_LOG_LIMIT:
         raise ValueError(f"state must be a list of at most {MAX_LOG_LIMIT} times")
     for t in rel:
-        if type(t) not in _NUM or not -_S <= t <= _S:
-            _time(t, "a logged time")
+        if type(t) not in _NUM or not -_S <= t <= _A:
+            _time(t, "a logged time", _A)
 
 
 def _sw_check(rel: Any) -> None:
@@ -597,14 +604,14 @@ def _sw_check(rel: Any) -> None:
         type(rel) is list
         and len(rel) == 3
         and type(rel[0]) in _NUM
-        and -_S <= rel[0] <= _S
+        and -_S <= rel[0] <= _A
         and type(rel[1]) is int
         and 0 <= rel[1] <= _L
         and type(rel[2]) is int
         and 0 <= rel[2] <= _L
     ):
         _arity(rel, 3, "[window_start, previous, current]")
-        _time(rel[0], "window_start")
+        _time(rel[0], "window_start", _A)
         _count(rel[1], "previous")
         _count(rel[2], "current")
 

@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from node.api import ApiError, CheckRequest, parse_checks, parse_json
 from node.apps import echo_app
-from node.asgi import ASGIApp, Receive, Scope, Send, odd_target
+from node.asgi import ASGIApp, Receive, Scope, Send, json_http_errors, odd_target
 from node.authority import Authority
 from node.backend import Backend, MemoryBackend
 from node.clock import Clock, system_clock
@@ -187,7 +187,9 @@ class Node:
             internal_token=settings.internal_token,
             wall_clock=clock,
         )
-        self.control = Starlette(routes=self._routes(), lifespan=self._lifespan)
+        self.control = Starlette(
+            routes=self._routes(), lifespan=self._lifespan, exception_handlers=json_http_errors()
+        )
         self._encoder: ResultEncoder | None = None
 
     @property

@@ -76,3 +76,23 @@ async def odd_target(scope: Scope, receive: Receive, send: Send) -> None:
         400,
         error_body("invalid_target", "the request target must be a path starting with /"),
     )
+
+
+def json_http_errors() -> dict[Any, Any]:
+    """Starlette ``exception_handlers`` that answer its own 404 and 405 (an unknown
+    path or method on a control endpoint) with a JSON error body like every other
+    4xx, instead of Starlette's plain text."""
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse
+
+    names = {404: "not_found", 405: "method_not_allowed"}
+
+    async def handler(request: Any, exc: Exception) -> Any:
+        assert isinstance(exc, HTTPException)
+        return JSONResponse(
+            error_body(names.get(exc.status_code, "http_error"), exc.detail),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
+
+    return {HTTPException: handler}

@@ -105,6 +105,9 @@ def _canned(status: int, reason: str, error: str, detail: str) -> bytes:
 
 
 _TIMEOUT = _canned(408, "Request Timeout", "request_timeout", "request headers took too long")
+_MALFORMED = _canned(
+    400, "Bad Request", "invalid_http", "the request is not HTTP/1.1 this server can read"
+)
 _TOO_LARGE = _canned(
     431, "Request Header Fields Too Large", "headers_too_large", "request headers are too large"
 )
@@ -201,10 +204,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 raise _HeadersTooLarge  # the parser stops; uvicorn calls send_400_response
 
         def send_400_response(self, msg: str) -> None:
-            if getattr(self, "_oversized", False):
-                self._close_waiting(_TOO_LARGE)
-            else:
-                super().send_400_response(msg)
+            """What the HTTP parser cannot read gets a JSON error, like any bad input."""
+            self._close_waiting(_TOO_LARGE if getattr(self, "_oversized", False) else _MALFORMED)
 
         def on_headers_complete(self) -> None:
             self._stop_waiting()

@@ -38,7 +38,15 @@ def uvicorn_options(front_door: FrontDoor | None = None) -> dict[str, Any]:
     """uvloop and httptools when installed, no access log: the hot-path settings;
     and the connection limits and timeouts of ``front_door`` (node/frontdoor.py)."""
     front_door = front_door or FrontDoor()
-    options: dict[str, Any] = {"access_log": False, "log_level": "warning", "lifespan": "on"}
+    # proxy_headers off: X-Forwarded-For is read by node/identity.py, which believes it
+    # only from configured proxies; uvicorn's rewrite of the client address would
+    # make the loopback checks of the admin and internal APIs see the header's value.
+    options: dict[str, Any] = {
+        "access_log": False,
+        "log_level": "warning",
+        "lifespan": "on",
+        "proxy_headers": False,
+    }
     try:
         import uvloop  # noqa: F401
 

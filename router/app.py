@@ -41,7 +41,16 @@ from node.app import (
     parse_checks_fast,
     read_body,
 )
-from node.asgi import Receive, Scope, Send, drain, error_body, odd_target, send_json
+from node.asgi import (
+    Receive,
+    Scope,
+    Send,
+    drain,
+    error_body,
+    json_http_errors,
+    odd_target,
+    send_json,
+)
 from node.config import ClusterConfig, Privacy
 from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
@@ -203,7 +212,9 @@ class Router:
             if settings.coalesce_window > 0
             else None
         )
-        self.control = Starlette(routes=self._routes(), lifespan=self._lifespan)
+        self.control = Starlette(
+            routes=self._routes(), lifespan=self._lifespan, exception_handlers=json_http_errors()
+        )
         self.grpc_server: Any = None
         #: The port the gRPC service is bound to (when ``grpc_port`` was 0, the one chosen).
         self.grpc_bound: int | None = None

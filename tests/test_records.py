@@ -96,6 +96,7 @@ def test_every_exported_state_passes(
         ([["a", "token_bucket", "k", [0.0, 0.0]], 5], "record 1: must be a list"),
         ([["a", "token_bucket", "k", [math.inf, 0.0]]], "record 0: tokens"),
         ([["a", "gcra", "k", [math.nan]]], "record 0: tat must be a finite"),
+        ([["a", "token_bucket", "k", [1.0, 1e9]]], "updated_at .* at most 3600 ahead"),
         ([["a", "fixed_window", "k", [0.0, 1.5]]], "count must be an integer"),
         ([["a", "sliding_window", "k", [0.0, 1]]], "must be a list"),
         ([["a", "sliding_log", "k", [0.0] * 100_001]], "at most 100000"),
