@@ -43,7 +43,7 @@ from node.decision import Verdict
 from node.failures import Failures
 from node.lease import LeaseError
 from node.memory import release_free_memory
-from node.metrics import NodeMetrics
+from node.metrics import DictCollector, NodeMetrics
 from node.middleware import (
     LEASE_EXPIRED_HEADERS,
     RateLimitMiddleware,
@@ -167,10 +167,12 @@ class Node:
             )
         #: Errors the node's background loops survived (with the shard's: /metrics).
         self.failures = Failures(log)
-        self.metrics.add_counters(
-            "ringlimit_background_errors",
-            "Errors the node's background loops survived: sweep_loop, replication_loop.",
-            self._failure_counts,
+        self.metrics.registry.register(
+            DictCollector(
+                "ringlimit_background_errors",
+                "Errors the node's background loops survived: sweep_loop, replication_loop.",
+                self._failure_counts,
+            )
         )
         fallbacks = getattr(self.backend, "fallbacks", None)
         if fallbacks is not None:
