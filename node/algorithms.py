@@ -38,7 +38,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from node.decision import COST_EXCEEDS_CAPACITY, Decision
-from node.rules import Rule
+from node.rules import MAX_LIMIT, MAX_LOG_LIMIT, MAX_PERIOD, Rule
 
 EPS = 1e-9
 #: GCRA's slack in units: its theoretical arrival time picks up rounding of about
@@ -506,6 +506,127 @@ def _sw_abs(rel: list[Any], now: float) -> State:
     return (now + float(rel[0]), int(rel[1]), int(rel[2]))
 
 
+# --------------------------------------------------------------------------- checking the format
+# A state arrives from a peer (handoff, pull, replica) in the relative format above.
+# Each check below accepts exactly what the matching ``to_relative`` can produce
+# (within generous bounds that hold for every valid rule), so a record that passes
+# becomes a state every decision, eviction and later export can work with: no
+# NaN or infinity (a state that never refills or never expires), no wrong arity
+# (an exception on every request of that user), no negative or fractional count.
+
+#: The widest span a relative time can have: a GCRA state is at most
+#: burst * period / limit ahead, with burst and period at their maxima.
+MAX_SPAN = float(MAX_LIMIT) * MAX_PERIOD
+#: How far ahead of the sender's now a time that records the past (a bucket's
+#: update, a window's start, a logged request) may be: only a sender whose clock
+#: stepped back produces one. Further ahead, the state would stop refilling.
+MAX_AHEAD = 3600.0
+#: Float slack below an empty bucket (``tokens -= cost`` after ``tokens + EPS >= cost``).
+_TOKENS_FLOOR = -1e-6
+
+
+def _time(value: Any, what: str, ahead: float = MAX_SPAN) -> float:
+    # NaN fails both comparisons; so do infinities and anything that is not a number.
+    if type(value) not in (float, int) or not -MAX_SPAN <= value <= ahead:
+        raise ValueError(
+            f"{what} must be a finite number of seconds, at most {ahead:g} ahead, got {value!r}"
+        )
+    return float(value)
+
+
+def _count(value: Any, what: str) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_LIMIT:
+        raise ValueError(f"{what} must be an integer 0..{MAX_LIMIT}, got {value!r}")
+    return value
+
+
+def _arity(rel: Any, n: int, shape: str) -> None:
+    if type(rel) is not list or len(rel) != n:
+        raise ValueError(f"state must be a list {shape}, got {rel!r}"[:200])
+
+
+_NUM = (float, int)
+_S = MAX_SPAN
+_A = MAX_AHEAD
+_L = MAX_LIMIT
+
+# Each check is written out (no helper calls on success): a million-key handoff
+# is checked record by record, so these are on a bulk path. On failure they
+# call the helpers above, which say what was wrong.
+
+
+def _tb_check(rel: Any) -> None:
+    if not (
+        type(rel) is list
+        and len(rel) == 2
+        and type(rel[0]) in _NUM
+        and _TOKENS_FLOOR <= rel[0] <= _L
+        and type(rel[1]) in _NUM
+        and -_S <= rel[1] <= _A
+    ):
+        _arity(rel, 2, "[tokens, updated_at]")
+        tokens = rel[0]
+        if type(tokens) not in _NUM or not _TOKENS_FLOOR <= tokens <= _L:
+            raise ValueError(f"tokens must be a finite number 0..{_L}, got {tokens!r}")
+        _time(rel[1], "updated_at", _A)
+
+
+def _gcra_check(rel: Any) -> None:
+    if not (type(rel) is list and len(rel) == 1 and type(rel[0]) in _NUM and -_S <= rel[0] <= _S):
+        _arity(rel, 1, "[tat]")
+        _time(rel[0], "tat")
+
+
+def _fw_check(rel: Any) -> None:
+    if not (
+        type(rel) is list
+        and len(rel) == 2
+        and type(rel[0]) in _NUM
+        and -_S <= rel[0] <= _A
+        and type(rel[1]) is int
+        and 0 <= rel[1] <= _L
+    ):
+        _arity(rel, 2, "[window_start, count]")
+        _time(rel[0], "window_start", _A)
+        _count(rel[1], "count")
+
+
+def _log_check(rel: Any) -> None:
+    if type(rel) is not list or len(rel) > MAX_LOG_LIMIT:
+        raise ValueError(f"state must be a list of at most {MAX_LOG_LIMIT} times")
+    for t in rel:
+        if type(t) not in _NUM or not -_S <= t <= _A:
+            _time(t, "a logged time", _A)
+
+
+def _sw_check(rel: Any) -> None:
+    if not (
+        type(rel) is list
+        and len(rel) == 3
+        and type(rel[0]) in _NUM
+        and -_S <= rel[0] <= _A
+        and type(rel[1]) is int
+        and 0 <= rel[1] <= _L
+        and type(rel[2]) is int
+        and 0 <= rel[2] <= _L
+    ):
+        _arity(rel, 3, "[window_start, previous, current]")
+        _time(rel[0], "window_start", _A)
+        _count(rel[1], "previous")
+        _count(rel[2], "current")
+
+
+def check_relative(algorithm: str, rel: Any) -> None:
+    """Raise ``ValueError`` unless ``rel`` is a valid relative state of ``algorithm``.
+
+    Pure: it looks at nothing but its arguments.
+    """
+    found = REGISTRY.get(algorithm) if type(algorithm) is str else None
+    if found is None:
+        raise ValueError(f"unknown algorithm {algorithm!r}"[:200])
+    found.check(rel)
+
+
 class Algorithm(NamedTuple):
     """An algorithm's free functions, looked up by name."""
 
@@ -514,19 +635,23 @@ class Algorithm(NamedTuple):
     fresh_at: Callable[[State, Rule], float]
     to_relative: Callable[[State, float], list[Any]]
     from_relative: Callable[[list[Any], float], State]
+    #: Raises ValueError unless its argument is a valid relative state.
+    check: Callable[[Any], None]
 
 
 REGISTRY: dict[str, Algorithm] = {
     "token_bucket": Algorithm(
-        "token_bucket", token_bucket, token_bucket_fresh_at, _tb_rel, _tb_abs
+        "token_bucket", token_bucket, token_bucket_fresh_at, _tb_rel, _tb_abs, _tb_check
     ),
-    "gcra": Algorithm("gcra", gcra, gcra_fresh_at, _gcra_rel, _gcra_abs),
+    "gcra": Algorithm("gcra", gcra, gcra_fresh_at, _gcra_rel, _gcra_abs, _gcra_check),
     "fixed_window": Algorithm(
-        "fixed_window", fixed_window, fixed_window_fresh_at, _fw_rel, _fw_abs
+        "fixed_window", fixed_window, fixed_window_fresh_at, _fw_rel, _fw_abs, _fw_check
     ),
-    "sliding_log": Algorithm("sliding_log", sliding_log, sliding_log_fresh_at, _log_rel, _log_abs),
+    "sliding_log": Algorithm(
+        "sliding_log", sliding_log, sliding_log_fresh_at, _log_rel, _log_abs, _log_check
+    ),
     "sliding_window": Algorithm(
-        "sliding_window", sliding_window, sliding_window_fresh_at, _sw_rel, _sw_abs
+        "sliding_window", sliding_window, sliding_window_fresh_at, _sw_rel, _sw_abs, _sw_check
     ),
 }
 

@@ -34,15 +34,16 @@ from starlette.routing import Route
 
 from node.api import ApiError, CheckRequest, parse_checks, parse_json
 from node.apps import echo_app
-from node.asgi import ASGIApp, Receive, Scope, Send
+from node.asgi import ASGIApp, Receive, Scope, Send, json_http_errors, odd_target
 from node.authority import Authority
 from node.backend import Backend, MemoryBackend
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig
 from node.decision import Verdict
+from node.failures import Failures
 from node.lease import LeaseError
 from node.memory import release_free_memory
-from node.metrics import NodeMetrics
+from node.metrics import DictCollector, NodeMetrics
 from node.middleware import (
     LEASE_EXPIRED_HEADERS,
     RateLimitMiddleware,
@@ -56,9 +57,10 @@ from node.rules import Rule
 from node.security import bearer, is_loopback, token_matches
 from node.shadow import denied_names
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
-from node.store import MemoryStore
+from node.store import MemoryStore, check_records
 from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
 from ring import RingView
+from ring.member import check_id
 
 log = logging.getLogger("ringlimit.node")
 
@@ -163,6 +165,15 @@ class Node:
                     k: v for k, v in shard.stats.__dict__.items() if isinstance(v, int | float)
                 },
             )
+        #: Errors the node's background loops survived (with the shard's: /metrics).
+        self.failures = Failures(log)
+        self.metrics.registry.register(
+            DictCollector(
+                "ringlimit_background_errors",
+                "Errors the node's background loops survived: sweep_loop, replication_loop.",
+                self._failure_counts,
+            )
+        )
         fallbacks = getattr(self.backend, "fallbacks", None)
         if fallbacks is not None:
             backend = self.backend
@@ -178,7 +189,9 @@ class Node:
             internal_token=settings.internal_token,
             wall_clock=clock,
         )
-        self.control = Starlette(routes=self._routes(), lifespan=self._lifespan)
+        self.control = Starlette(
+            routes=self._routes(), lifespan=self._lifespan, exception_handlers=json_http_errors()
+        )
         self._encoder: ResultEncoder | None = None
 
     @property
@@ -199,6 +212,8 @@ class Node:
             path = scope["path"]
             if path.startswith(CONTROL_PREFIXES) or path in CONTROL_PATHS:
                 await self.control(scope, receive, send)
+            elif path[:1] != "/":
+                await odd_target(scope, receive, send)  # OPTIONS *, CONNECT host:port
             else:
                 await self.limited(scope, receive, send)
         else:
@@ -249,12 +264,22 @@ class Node:
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.settings.sweep_interval)
-            now = self.clock()
-            self.sample(now)
-            self.store.sweep(now, budget=50_000)
-            if self.shard is not None:
-                self.shard.sweep_replicas(now)
-            release_free_memory()
+            try:
+                now = self.clock()
+                self.sample(now)
+                self.store.sweep(now, budget=50_000)
+                if self.shard is not None:
+                    self.shard.sweep_replicas(now)
+                release_free_memory()
+            except Exception as exc:  # eviction outlives any one failure, never silently
+                self.failures.record("sweep_loop", exc)
+
+    def _failure_counts(self) -> dict[str, float]:
+        counts: dict[str, float] = dict(self.failures.counts)
+        if self.shard is not None:
+            for kind, n in self.shard.failures.counts.items():
+                counts[kind] = counts.get(kind, 0) + n
+        return counts
 
     # ------------------------------------------------------------------ routes
 
@@ -420,8 +445,13 @@ class Node:
             config = ClusterConfig.from_dict(data["config"], source="pushed config")
             view = RingView.from_dict(data["ring"])
             previous = RingView.from_dict(data["previous"]) if data.get("previous") else None
-            crashed = [str(c) for c in data.get("crashed", [])]
-            wait = bool(data.get("wait", True))
+            crashed = data.get("crashed", [])
+            if type(crashed) is not list:
+                raise ValueError("crashed must be a list of member ids")
+            crashed = [check_id(c) for c in crashed]
+            wait = data.get("wait", True)
+            if type(wait) is not bool:
+                raise ValueError(f"wait must be true or false, got {wait!r}"[:120])
             lease = data.get("lease")
             if lease is not None and not (
                 isinstance(lease, int | float) and not isinstance(lease, bool) and isfinite(lease)
@@ -482,12 +512,15 @@ class Node:
 
     async def import_states(self, request: Request) -> Response:
         def handle(shard: Shard, data: dict[str, Any]) -> dict[str, Any]:
+            crashes = data.get("crashes", [])
+            if type(crashes) is not list or not all(type(c) is dict for c in crashes):
+                raise ValueError("crashes must be a list of objects")
             taken = shard.receive(
-                str(data["from"]),
-                int(data["epoch"]),
-                list(data["records"]),
-                bool(data["final"]),
-                list(data.get("crashes", [])),
+                _sender(data),
+                _epoch(data),
+                self._records(data),
+                _flag(data, "final"),
+                crashes,
             )
             return {"taken": taken}
 
@@ -497,14 +530,16 @@ class Node:
 
     async def pull(self, request: Request) -> Response:
         def handle(shard: Shard, data: dict[str, Any]) -> dict[str, Any]:
-            keys = [str(k) for k in data["keys"]]
-            return {"records": shard.serve_pull(keys, str(data["to"]), int(data["epoch"]))}
+            keys = data["keys"]
+            if type(keys) is not list or not all(type(k) is str for k in keys):
+                raise ValueError("keys must be a list of strings")
+            return {"records": shard.serve_pull(keys, _sender(data, "to"), _epoch(data))}
 
         return await self._internal_call(request, "pull", handle, {"records": []})
 
     async def replica(self, request: Request) -> Response:
         def handle(shard: Shard, data: dict[str, Any]) -> dict[str, Any]:
-            return {"taken": shard.receive_replicas(str(data["from"]), list(data["records"]))}
+            return {"taken": shard.receive_replicas(_sender(data), self._records(data))}
 
         return await self._internal_call(request, "replica", handle, {"taken": 0})
 
@@ -554,6 +589,12 @@ class Node:
             }
         )
 
+    def _records(self, data: dict[str, Any]) -> list[Any]:
+        """A transfer's records, all valid (node/store.py) or the whole call refused."""
+        return check_records(
+            data["records"], max_key_length=self.authority.config.limits.max_key_length
+        )
+
     async def status(self, request: Request) -> Response:
         if (refused := self._refuse(request)) is not None:
             return refused
@@ -561,6 +602,25 @@ class Node:
         if self.shard is not None:
             data.update(self.shard.status())
         return JSONResponse(data)
+
+
+def _sender(data: dict[str, Any], field: str = "from") -> str:
+    """A peer's member id in an internal call (ring/member.py's rules)."""
+    return check_id(data[field])
+
+
+def _epoch(data: dict[str, Any]) -> int:
+    epoch = data["epoch"]
+    if type(epoch) is not int or epoch < 0:
+        raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}"[:120])
+    return epoch
+
+
+def _flag(data: dict[str, Any], field: str) -> bool:
+    value = data[field]
+    if type(value) is not bool:
+        raise ValueError(f"{field} must be true or false, got {value!r}"[:120])
+    return value
 
 
 def result_dict(verdict: Verdict, node: str) -> dict[str, Any]:

@@ -50,3 +50,49 @@ async def drain(receive: Receive) -> None:
 
 def error_body(error: str, detail: str, **extra: Any) -> dict[str, Any]:
     return {"error": error, "detail": detail, **extra}
+
+
+#: What ``OPTIONS *`` (a question about the server, not a resource) is told.
+ALLOW = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"
+
+
+async def odd_target(scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer a request whose target is not a path (``OPTIONS *``, ``CONNECT
+    host:port``, ...): nothing behind this server can take it, so it is never
+    routed. ``OPTIONS *`` gets 204 with the methods; anything else 400."""
+    await drain(receive)
+    if scope["method"] == "OPTIONS" and scope["path"] == "*":
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 204,
+                "headers": [(b"allow", ALLOW), (b"content-length", b"0")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b""})
+        return
+    await send_json(
+        send,
+        400,
+        error_body("invalid_target", "the request target must be a path starting with /"),
+    )
+
+
+def json_http_errors() -> dict[Any, Any]:
+    """Starlette ``exception_handlers`` that answer its own 404 and 405 (an unknown
+    path or method on a control endpoint) with a JSON error body like every other
+    4xx, instead of Starlette's plain text."""
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse
+
+    names = {404: "not_found", 405: "method_not_allowed"}
+
+    async def handler(request: Any, exc: Exception) -> Any:
+        assert isinstance(exc, HTTPException)
+        return JSONResponse(
+            error_body(names.get(exc.status_code, "http_error"), exc.detail),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
+
+    return {HTTPException: handler}

@@ -29,13 +29,24 @@ import httpx
 import uvicorn
 
 from node.app import Node
+from node.frontdoor import FrontDoor, limited_protocol, raise_fd_limit
 
 log = logging.getLogger("ringlimit.node")
 
 
-def uvicorn_options() -> dict[str, Any]:
-    """uvloop and httptools when installed, no access log: the hot-path settings."""
-    options: dict[str, Any] = {"access_log": False, "log_level": "warning", "lifespan": "on"}
+def uvicorn_options(front_door: FrontDoor | None = None) -> dict[str, Any]:
+    """uvloop and httptools when installed, no access log: the hot-path settings;
+    and the connection limits and timeouts of ``front_door`` (node/frontdoor.py)."""
+    front_door = front_door or FrontDoor()
+    # proxy_headers off: X-Forwarded-For is read by node/identity.py, which believes it
+    # only from configured proxies; uvicorn's rewrite of the client address would
+    # make the loopback checks of the admin and internal APIs see the header's value.
+    options: dict[str, Any] = {
+        "access_log": False,
+        "log_level": "warning",
+        "lifespan": "on",
+        "proxy_headers": False,
+    }
     try:
         import uvloop  # noqa: F401
 
@@ -45,9 +56,10 @@ def uvicorn_options() -> dict[str, Any]:
     try:
         import httptools  # noqa: F401
 
-        options["http"] = _coalescing_protocol() or "httptools"
+        options["http"] = _coalescing_protocol(front_door) or "httptools"
     except ImportError:
         options["http"] = "h11"
+    options.update(front_door.uvicorn_options(options["http"]))
     return options
 
 
@@ -87,18 +99,14 @@ class _CoalescedWrites:
         return getattr(self._transport, name)
 
 
-def _coalescing_protocol() -> type | None:
-    """uvicorn's httptools protocol on a :class:`_CoalescedWrites` transport."""
+def _coalescing_protocol(front_door: FrontDoor) -> type | None:
+    """uvicorn's httptools protocol on a :class:`_CoalescedWrites` transport,
+    within the limits of ``front_door``."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # pragma: no cover (uvicorn moved it: plain httptools then)
         return None
-
-    class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(_CoalescedWrites(transport, self.loop))  # type: ignore[arg-type]
-
-    return CoalescingHttpToolsProtocol
+    return limited_protocol(HttpToolsProtocol, front_door, wrap=_CoalescedWrites)
 
 
 class _Server(uvicorn.Server):
@@ -142,6 +150,7 @@ def serve_node(
     admin_token: str | None = None,
     linger: float = 1.0,
     join_timeout: float = JOIN_DEADLINE,
+    front_door: FrontDoor | None = None,
 ) -> int:
     """Serve until told to stop; the exit status is 1 if a ``--join`` failed."""
     url = advertise or f"http://{host}:{port}"
@@ -217,7 +226,8 @@ def serve_node(
         state["join_failed"] = True
         server.should_exit = True
 
-    config = uvicorn.Config(node, host=host, port=port, **uvicorn_options())
+    raise_fd_limit()
+    config = uvicorn.Config(node, host=host, port=port, **uvicorn_options(front_door))
     server = _Server(config, on_signal)
 
     async def main() -> None:

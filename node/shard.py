@@ -24,19 +24,19 @@ See docs/rebalancing.md for what each event costs in the worst case.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from node.algorithms import REGISTRY
+from node.algorithms import MAX_SPAN, REGISTRY
 from node.clock import Clock
 from node.config import ClusterConfig
+from node.failures import Failures
 from node.lease import Lease, boot_clock
 from node.peers import PeerError, Peers
 from node.rules import Rule
-from node.store import MemoryStore, Record
+from node.store import MemoryStore, Record, check_records
 from ring import EmptyRingError, RingView
 
 log = logging.getLogger("ringlimit.node")
@@ -115,12 +115,14 @@ class Crash:
 
     @classmethod
     def from_wire(cls, data: dict[str, Any], now: float) -> Crash:
-        return cls(
-            RingView.from_dict(data["view"]),
-            frozenset(str(c) for c in data["crashed"]),
-            now - float(data["age"]),
-            now + float(data["left"]),
-        )
+        """Parse a peer's crash; ``ValueError``/``KeyError``/``TypeError`` if malformed."""
+        age, left, crashed = data["age"], data["left"], data["crashed"]
+        for value in (age, left):
+            if type(value) not in (int, float) or not -MAX_SPAN <= value <= MAX_SPAN:
+                raise ValueError(f"crash age/left must be finite seconds, got {value!r}"[:120])
+        if type(crashed) is not list or not all(type(c) is str for c in crashed):
+            raise ValueError("crash 'crashed' must be a list of member ids")
+        return cls(RingView.from_dict(data["view"]), frozenset(crashed), now - age, now + left)
 
 
 @dataclass
@@ -163,6 +165,8 @@ class Shard:
         self.view: RingView | None = None
         self.previous: RingView | None = None
         self.stats = HandoffStats()
+        #: Errors the replication loop survived (/metrics).
+        self.failures = Failures(log)
         #: Crashes still covered by the conservative policy (newest last).
         self._crashes: list[Crash] = []
         self._pending: dict[str, float] = {}
@@ -273,7 +277,7 @@ class Shard:
                             break
                         continue
                     raise
-            records = answer.get("records", [])
+            records = check_records(answer.get("records", []))
             self.store.import_(records, self.clock(), self._config().rule_map)
             self._mark_dirty(records)
             self.stats.keys_received += len(records)
@@ -714,8 +718,10 @@ class Shard:
             if self.replication_wanted():
                 if self.store.dirty is None:
                     self.store.dirty = set()
-                with contextlib.suppress(Exception):
+                try:
                     await self.replicate_once()
+                except Exception as exc:  # the loop outlives any one failure, never silently
+                    self.failures.record("replication_loop", exc)
             else:
                 self.store.dirty = None
 

@@ -27,13 +27,48 @@ from typing import Any
 from node.algorithms import REGISTRY, Algorithm, State
 from node.decision import STORE_FULL, Verdict, most_restrictive
 from node.limiter import decide_all
-from node.rules import Rule
+from node.rules import MAX_NAME, Rule
 
 #: Builds a Verdict without the NamedTuple's Python-level __new__ (hot path).
 _verdict = partial(tuple.__new__, Verdict)
 
 #: One exported state: [rule name, algorithm, key, state relative to the exporter's now].
 Record = list[Any]
+
+
+def check_records(records: Any, *, max_key_length: int = 1024) -> list[Record]:
+    """``records`` if every one is a valid exported state, else ``ValueError``
+    naming the first bad record and what is wrong with it.
+
+    A transfer is all or nothing: the caller refuses it whole (4xx) rather than
+    store a state no decision could be made on (a NaN time, a key that is not a
+    string, a state of the wrong shape), which would fail that user's every
+    request, or the node's next handoff. Pure: it reads nothing but its input.
+    """
+    if type(records) is not list:
+        raise ValueError(f"records must be a list, got {type(records).__name__}")
+    checks = _CHECKS
+    for index, record in enumerate(records):
+        try:
+            if type(record) is not list or len(record) != 4:
+                raise ValueError("must be a list [rule, algorithm, key, state]")
+            name, algorithm, key, relative = record
+            if type(name) is not str or not 0 < len(name) <= MAX_NAME:
+                raise ValueError(f"rule name must be a string of 1..{MAX_NAME} characters")
+            if type(key) is not str or not 0 < len(key) <= max_key_length:
+                raise ValueError(f"key must be a string of 1..{max_key_length} characters")
+            if not key.isascii():
+                key.encode()  # a lone surrogate cannot be sent on (UnicodeEncodeError)
+            check = checks.get(algorithm) if type(algorithm) is str else None
+            if check is None:
+                raise ValueError(f"unknown algorithm {algorithm!r}"[:120])
+            check(relative)
+        except ValueError as exc:
+            raise ValueError(f"record {index}: {exc}") from None
+    return records
+
+
+_CHECKS = {name: algorithm.check for name, algorithm in REGISTRY.items()}
 
 
 class Table:

@@ -41,7 +41,16 @@ from node.app import (
     parse_checks_fast,
     read_body,
 )
-from node.asgi import Receive, Scope, Send, drain, error_body, send_json
+from node.asgi import (
+    Receive,
+    Scope,
+    Send,
+    drain,
+    error_body,
+    json_http_errors,
+    odd_target,
+    send_json,
+)
 from node.config import ClusterConfig, Privacy
 from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
@@ -49,6 +58,7 @@ from node.security import bearer, is_loopback, token_matches
 from node.topkeys import NEAR_LIMIT_FRACTION
 from ring import EmptyRingError, Member, RingView
 from ring.analysis import hash_share
+from ring.member import check_id, check_url, check_weight, same_url
 from router.coalesce import Coalescer
 from router.coordinator import CoordinatorError, EtcdCoordinator
 from router.envoy_config import EnvoyConfig
@@ -124,6 +134,8 @@ class RouterSettings:
     health_checks: bool = True
     #: "fast" (router/fastclient.py, plain http) or "aiohttp" (also https).
     forwarder: str = "fast"
+    #: The URLs this router answers on: a join at one of them is refused.
+    own_urls: Sequence[str] = ()
     #: Hold single decision-API checks this long (seconds) to send them to their
     #: node as one batch; 0 sends each at once.
     coalesce_window: float = 0.0003
@@ -174,6 +186,7 @@ class Router:
         self.metrics.watch_membership(
             lambda: self.membership.stats, lambda: float(self.membership.suspect_self)
         )
+        self.metrics.watch_failures(self.membership.failures.snapshot)
         self.forwarder: Forwarder | None = forwarder
         #: Reaches the nodes' /internal/top (shared with membership when given).
         self._client = client
@@ -199,7 +212,9 @@ class Router:
             if settings.coalesce_window > 0
             else None
         )
-        self.control = Starlette(routes=self._routes(), lifespan=self._lifespan)
+        self.control = Starlette(
+            routes=self._routes(), lifespan=self._lifespan, exception_handlers=json_http_errors()
+        )
         self.grpc_server: Any = None
         #: The port the gRPC service is bound to (when ``grpc_port`` was 0, the one chosen).
         self.grpc_bound: int | None = None
@@ -269,6 +284,9 @@ class Router:
         if scope["type"] == "http" and not (
             scope["path"] in CONTROL_PATHS or scope["path"].startswith("/admin/")
         ):
+            if scope["path"][:1] != "/":
+                await odd_target(scope, receive, send)  # OPTIONS *, CONNECT host:port
+                return
             if scope["path"].startswith("/internal"):
                 # The nodes' internal API is never reachable through the front door.
                 await drain(receive)
@@ -834,30 +852,33 @@ class Router:
             return refused
         try:
             raw = await read_body(request, 65536)
+            member = parse_join(parse_json(raw, self.config))
             if (forwarded := await self._to_leader(request, raw)) is not None:
                 return forwarded
-            data = parse_json(raw, self.config)
-            if not isinstance(data, dict):
-                raise ApiError(400, "invalid_request", "body must be an object {id, url, weight}")
-            extra = set(data) - {"id", "url", "weight"}
-            if extra:
-                raise ApiError(
-                    400, "invalid_request", f"unknown field(s): {', '.join(sorted(extra))}"
-                )
-            if not isinstance(data.get("url"), str) or not data["url"].startswith(
-                ("http://", "https://")
-            ):
-                raise ApiError(400, "invalid_url", "url must be an http(s) URL")
-            member = Member.from_dict({"weight": 1, **data})
+            self._check_url_free(member)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        except (ValueError, TypeError) as exc:
-            return JSONResponse(error_body("invalid_node", str(exc)), status_code=400)
         try:
             await self.membership.join(member)
         except MembershipError as exc:
             return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
         return JSONResponse(self.membership.describe())
+
+    def _check_url_free(self, member: Member) -> None:
+        """Refuse a join at a URL another member (or this router) answers on: the
+        readiness check would refuse it too, but only after a round trip."""
+        own = [
+            *self.settings.own_urls,
+            *([self.settings.advertise] if self.settings.advertise else []),
+        ]
+        if any(same_url(member.url, url) for url in own):
+            raise ApiError(409, "url_is_router", f"{member.url} is this router's own URL")
+        others = [*self.membership.view, *self.membership.joining.values()]
+        for other in others:
+            if other.id != member.id and same_url(other.url, member.url):
+                raise ApiError(
+                    409, "url_in_use", f"{member.url} is already the URL of node {other.id!r}"
+                )
 
     async def admin_leave(self, request: Request) -> Response:
         if (refused := self._admin_refused(request)) is not None:
@@ -976,6 +997,27 @@ def _window(reports: dict[str, Report]) -> list[float] | None:
     """The history an answer covers: one to two windows of the nodes' sketches."""
     window = next((w for r in reports.values() if (w := number(r, "window")) is not None), None)
     return None if window is None else [window, 2 * window]
+
+
+def parse_join(data: Any) -> Member:
+    """The member an admin join asks for, or an :class:`ApiError` naming the bad field."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_request", "body must be an object {id, url, weight}")
+    extra = set(data) - {"id", "url", "weight"}
+    if extra:
+        raise ApiError(
+            400, "invalid_request", f"unknown field(s): {', '.join(sorted(map(str, extra)))}"
+        )
+    for name, check, default in (
+        ("id", check_id, None),
+        ("url", check_url, None),
+        ("weight", check_weight, 1),
+    ):
+        try:
+            check(data.get(name, default))
+        except ValueError as exc:
+            raise ApiError(400, f"invalid_{name}", str(exc)) from None
+    return Member.from_dict({"weight": 1, **data})
 
 
 @lru_cache(maxsize=65536)

@@ -33,8 +33,10 @@ from node.config import (
     ScopedRule,
     load_config,
 )
+from node.frontdoor import FrontDoor
 from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
 from ring import Member
+from ring.member import check_id, check_url, check_weight
 from router import __version__
 from router.restart import RESTART_MODES
 
@@ -225,6 +227,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "RateLimit), 'envoy' (x-ratelimit-*), both comma-separated, or '' (default: none)",
     )
     _backend_arguments(router)
+    _front_door_arguments(router)
     router.add_argument("-v", "--verbose", action="store_true")
     router.set_defaults(run=_run_router)
 
@@ -251,6 +254,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _config_arguments(node)
     _fronting_arguments(node)
     _backend_arguments(node)
+    _front_door_arguments(node)
     node.add_argument("-v", "--verbose", action="store_true")
     node.set_defaults(run=_run_node)
 
@@ -363,6 +367,35 @@ def _backend_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--balance", choices=BALANCES, help="sticky (default) or round-robin")
 
 
+def _front_door_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connections (docs/configuration.md)")
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        help="open client connections at most (default: half of ulimit -n)",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection has to send a request's headers (default 10)",
+    )
+    group.add_argument(
+        "--keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection is kept (default 5)",
+    )
+
+
+def _front_door(args: argparse.Namespace) -> FrontDoor:
+    return FrontDoor(
+        keep_alive=args.keep_alive,
+        header_timeout=args.header_timeout,
+        max_connections=args.max_connections,
+    )
+
+
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     """The config from --config, then flags on top (flags win)."""
     config = load_config(args.config) if args.config else ClusterConfig()
@@ -435,6 +468,7 @@ def _run_router(args: argparse.Namespace) -> int:
         )
         return 2
     seeds = [_parse_seed(spec) for spec in args.node]
+    _front_door(args)  # checked before anything starts: a bad value is one line
     from router.workers import worker_role
 
     role = worker_role()
@@ -462,6 +496,7 @@ def _run_router(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         grpc_host=args.host,
         envoy_headers=headers,
+        own_urls=_own_urls(args.host, args.port),
     )
     _warn_modes(config)
     if settings.coordinator is not None and not _etcd_reachable(settings.coordinator):
@@ -543,7 +578,13 @@ def _serve_router(
     from router.server import serve_router
 
     try:
-        serve_router(create_router(settings), host=args.host, port=args.port, sockets=sockets)
+        serve_router(
+            create_router(settings),
+            host=args.host,
+            port=args.port,
+            sockets=sockets,
+            front_door=_front_door(args),
+        )
     except MembershipError as exc:
         hint = (
             "check --state-file"
@@ -611,6 +652,13 @@ def _run_node(args: argparse.Namespace) -> int:
     from node.apps import UpstreamApp, load_app
     from node.server import serve_node
 
+    check_id(args.id)
+    if args.url is not None:
+        check_url(args.url)
+    check_weight(args.weight)
+    if args.join is not None:
+        check_url(args.join)
+    front_door = _front_door(args)
     config = cluster_config(args)
     admin_token, internal_token = _tokens()
     app: ASGIApp | None = None
@@ -640,6 +688,7 @@ def _run_node(args: argparse.Namespace) -> int:
         weight=args.weight,
         admin_token=admin_token,
         join_timeout=args.join_timeout,
+        front_door=front_door,
     )
 
 
@@ -687,6 +736,10 @@ def _run_nodes(args: argparse.Namespace) -> int:
         raise ValueError("usage: ringlimit nodes add ID URL")
     if args.action == "remove" and not args.node_id:
         raise ValueError("usage: ringlimit nodes remove ID")
+    if args.action == "add":
+        Member.parse(args.node_id, args.node_url, args.weight)
+    elif args.action == "remove":
+        check_id(args.node_id)
     try:
         with httpx.Client(timeout=60.0, headers=headers) as client:
             if args.action == "list":
@@ -751,9 +804,25 @@ def _check_port(host: str, port: int, role: str) -> None:
 
 def _parse_seed(spec: str) -> Member:
     node_id, sep, url = spec.partition("=")
-    if not sep or not url.startswith(("http://", "https://")):
+    if not sep:
         raise ValueError(f"--node {spec!r}: expected ID=http://HOST:PORT")
-    return Member(node_id, url)
+    try:
+        return Member.parse(node_id, url)
+    except ValueError as exc:
+        raise ValueError(f"--node {spec!r}: {exc}") from None
+
+
+def _own_urls(host: str, port: int) -> tuple[str, ...]:
+    """The URLs a router bound to ``host:port`` answers on (for refusing joins at them)."""
+    hosts = {host}
+    if host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""):
+        hosts |= {"127.0.0.1", "localhost"}
+    return tuple(
+        f"{scheme}://{f'[{h}]' if ':' in h else h}:{port}"
+        for h in sorted(hosts)
+        if h
+        for scheme in ("http", "https")
+    )
 
 
 def _warn_modes(config: ClusterConfig) -> None:

@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from node.config import ClusterConfig
+from node.failures import Failures
 from node.lease import DEFAULT_DRIFT, lease_bound
 from node.peers import INTERNAL_TOKEN_HEADER
 from ring import Member, RingView
@@ -138,6 +139,8 @@ class Membership:
         self._coordination: list[asyncio.Task[Any]] = []
         #: The last membership changes, for operators (router/events.py).
         self.events = EventLog()
+        #: Errors the health loop and background repairs survived (/metrics).
+        self.failures = Failures(log)
         self.lock = asyncio.Lock()
         self.changed = asyncio.Event()
         self.crashes = 0
@@ -613,7 +616,13 @@ class Membership:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._report)
         return task
+
+    def _report(self, task: asyncio.Task[Any]) -> None:
+        """A background repair that failed is counted and logged, not lost."""
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.failures.record("background_task", exc)
 
     def _adopt(self, view: RingView, crashed: Iterable[str] = ()) -> None:
         self.events.change(self.view, view, crashed={*self.removed, *crashed})
@@ -918,8 +927,8 @@ class Membership:
                 continue  # with etcd, only the leader probes, removes and grants leases
             try:
                 await self.check_health()
-            except Exception:
-                log.exception("health check round failed")
+            except Exception as exc:  # the loop outlives any one failure, never silently
+                self.failures.record("health_loop", exc)
 
     async def check_health(self) -> None:
         view = self.view

@@ -75,6 +75,16 @@ class RouterMetrics:
             registry=self.registry,
         ).set_function(suspect_self)
 
+    def watch_failures(self, counts: Callable[[], Mapping[str, float]]) -> None:
+        """Errors background loops survived, by kind (node/failures.py)."""
+        self.registry.register(
+            DictCollector(
+                "ringlimit_router_background_errors",
+                "Errors the router's background loops survived: health_loop, background_task.",
+                counts,
+            )
+        )
+
     def forwarded(self, node: str, status: int, seconds: float) -> None:
         outcome = (
             "2xx" if status < 300 else "429" if status == 429 else "4xx" if status < 500 else "5xx"

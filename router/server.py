@@ -13,17 +13,24 @@ import socket
 
 import uvicorn
 
+from node.frontdoor import FrontDoor, raise_fd_limit
 from node.server import _run, uvicorn_options
 from router.app import Router
 
 
 def serve_router(
-    router: Router, *, host: str, port: int, sockets: list[socket.socket] | None = None
+    router: Router,
+    *,
+    host: str,
+    port: int,
+    sockets: list[socket.socket] | None = None,
+    front_door: FrontDoor | None = None,
 ) -> None:
     """Serve on ``host:port``, or on ``sockets`` already bound (router/workers.py);
     raises MembershipError if the router cannot start."""
+    raise_fd_limit()
     config = uvicorn.Config(
-        router, host=host, port=port, **{**uvicorn_options(), "lifespan": "off"}
+        router, host=host, port=port, **{**uvicorn_options(front_door), "lifespan": "off"}
     )
 
     async def main() -> None:

@@ -79,6 +79,7 @@ class InProcessCluster:
             "config": self.config,
             "internal_token": self.internal_token,
             "health_checks": False,
+            "own_urls": (url,),
             **self.router_options,
             **settings,
         }

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -28,7 +28,14 @@ def free_port() -> int:
 
 
 class Proc:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log: Path,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log
@@ -39,6 +46,7 @@ class Proc:
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
         )
 
     def alive(self) -> bool:
@@ -81,9 +89,19 @@ class Procs:
         self.started: list[Proc] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> Proc:
         proc = Proc(
-            name, argv, {**self.env, **(env or {})}, self.tmp / f"{name}-{len(self.started)}.log"
+            name,
+            argv,
+            {**self.env, **(env or {})},
+            self.tmp / f"{name}-{len(self.started)}.log",
+            preexec_fn,
         )
         self.started.append(proc)
         return proc
@@ -96,10 +114,14 @@ class Procs:
         return proc, url
 
     def router(
-        self, port: int | None = None, *extra: str, healthy: bool = True
+        self,
+        port: int | None = None,
+        *extra: str,
+        healthy: bool = True,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> tuple[Proc, str]:
         port = port or free_port()
-        proc = self.start("router", ["router", "--port", str(port), *extra])
+        proc = self.start("router", ["router", "--port", str(port), *extra], preexec_fn=preexec_fn)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, require_ok=healthy)
         return proc, url

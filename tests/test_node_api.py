@@ -435,6 +435,72 @@ INTERNAL_BAD: list[tuple[str, str, bytes]] = [
 ]
 
 
+def _import(*records: str, extra: str = "") -> bytes:
+    head = '{"from": "n1", "epoch": 1, "final": true'
+    return (head + extra + ', "records": [' + ", ".join(records) + "]}").encode()
+
+
+#: A valid record exhausting "a" (it must not land when the transfer is refused).
+EXHAUSTED_A = '["api", "token_bucket", "a", [0.0, 0.0]]'
+#: Records of every shape a transfer must refuse, whole.
+BAD_RECORDS = [
+    '["api", "token_bucket", "a", [1e999, 0.0]]',
+    '["api", "token_bucket", "a", [0.0, -1e999]]',
+    '["api", "token_bucket", "a", [NaN, 0.0]]',
+    '["api", "token_bucket", "a", [0.0]]',
+    '["api", "token_bucket", "a", [0.0, 0.0, 0.0]]',
+    '["api", "token_bucket", "a", ["0", 0.0]]',
+    '["api", "token_bucket", "a", [true, 0.0]]',
+    '["api", "token_bucket", "a", [-5.0, 0.0]]',
+    '["api", "token_bucket", "a", {"tokens": 0}]',
+    '["api", "token_bucket", 5, [0.0, 0.0]]',
+    '["api", "token_bucket", null, [0.0, 0.0]]',
+    '["api", "token_bucket", "", [0.0, 0.0]]',
+    '["api", "token_bucket", "\\ud800", [0.0, 0.0]]',
+    '["api", "token_bucket", "a"]',
+    '["api", "no_such_algorithm", "a", [0.0, 0.0]]',
+    '[5, "token_bucket", "a", [0.0, 0.0]]',
+    '["api", "gcra", "a", [1e308, 1]]',
+    '["api", "fixed_window", "a", [0.0, 2.5]]',
+    '["api", "fixed_window", "a", [0.0, -1]]',
+    '["api", "sliding_log", "a", [0.0, NaN]]',
+    '["api", "sliding_window", "a", [0.0, 1, 1e999]]',
+    '"a record"',
+]
+for _bad in BAD_RECORDS:
+    INTERNAL_BAD += [
+        ("POST", "/internal/import", _import(EXHAUSTED_A, _bad)),
+        ("POST", "/internal/replica", b'{"from": "n1", "records": [%s]}' % _bad.encode()),
+    ]
+INTERNAL_BAD += [
+    ("POST", "/internal/import", _import(EXHAUSTED_A, extra=', "from": "a/b"')),
+    ("POST", "/internal/import", _import(EXHAUSTED_A, extra=', "final": "yes"')),
+    ("POST", "/internal/import", _import(EXHAUSTED_A, extra=', "epoch": -1')),
+    ("POST", "/internal/import", _import(EXHAUSTED_A, extra=', "crashes": 5')),
+    (
+        "POST",
+        "/internal/import",
+        _import(
+            EXHAUSTED_A,
+            extra=', "crashes": [{"view": {"epoch": 1, "nodes": []}, "crashed": ["n1"], '
+            '"age": 0, "left": 1e999}]',
+        ),
+    ),
+    ("POST", "/internal/pull", b'{"keys": [5], "to": "n1", "epoch": 1}'),
+    ("POST", "/internal/pull", b'{"keys": ["a"], "to": "n1", "epoch": 1.5}'),
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 2, "nodes": []}, "crashed": 5}',
+    ),
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 2, "nodes": []}, "crashed": ["a/b"]}',
+    ),
+]
+
+
 @pytest.fixture
 async def fenced_in_ring() -> AsyncIterator[tuple[Node, httpx.AsyncClient]]:
     """A node that got a view with itself as the only member (epoch 1)."""

@@ -18,6 +18,7 @@ from node.clock import FrozenClock
 from node.config import ClusterConfig, Policies, ScopedRule
 from node.rules import Rule
 from ring import Member
+from router.membership import MembershipError
 from router.testing import InProcessCluster, node_url
 from tests.test_rebalancing import (
     LIMIT,
@@ -240,18 +241,26 @@ async def test_a_join_that_never_becomes_ready_fails_on_its_own() -> None:
 
 
 @pytest.mark.parametrize(
-    ("url", "answer"),
-    [(node_url("n2"), "node 'n2'"), ("http://router.cluster", "not a node")],
+    ("url", "answer", "up_front"),
+    [
+        (node_url("n2"), "node 'n2'", "url_in_use"),
+        ("http://router.cluster", "not a node", "url_is_router"),
+    ],
 )
 async def test_a_join_at_a_url_that_answers_as_someone_else_is_refused(
-    url: str, answer: str
+    url: str, answer: str, up_front: str
 ) -> None:
     async with InProcessCluster(3, make_config(), clock=FrozenClock()) as cluster:
         epoch = cluster.router.membership.view.epoch
+        # The admin API refuses a URL it knows is taken before any round trip ...
         response = await cluster.client.post("/admin/nodes", json={"id": "n9", "url": url})
         assert response.status_code == 409
-        body = response.json()
-        assert body["error"] == "wrong_node" and answer in body["detail"]
+        assert response.json()["error"] == up_front
+        # ... and readiness refuses whatever answers as someone else.
+        with pytest.raises(MembershipError) as refused:
+            await cluster.router.membership.join(Member("n9", url))
+        assert refused.value.status == 409 and refused.value.error == "wrong_node"
+        assert answer in refused.value.detail
         assert cluster.router.membership.view.epoch == epoch
 
 

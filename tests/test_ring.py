@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import struct
 from bisect import bisect_left
 from collections.abc import Sequence
@@ -25,13 +26,16 @@ from ring import (
     ownership,
 )
 from ring._ketama import ketama_hash
+from ring.member import MAX_WEIGHT, check_id, check_url, same_url
 
 USER_KEYS = [f"user:{i}" for i in range(10_000)]
 THREE = [Member(f"n{i}", f"http://127.0.0.1:800{i}") for i in (1, 2, 3)]
 
 # -- strategies -------------------------------------------------------------
 
-member_ids = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789.:-_", min_size=1, max_size=12)
+member_ids = st.text(
+    alphabet="abcdefghijklmnopqrstuvwxyzABC0123456789.:_-", min_size=1, max_size=12
+).filter(lambda s: set(s) != {"."})
 keys = st.text(max_size=40)
 key_lists = st.lists(keys, min_size=1, max_size=40)
 # A fixed batch on top of hypothesis' keys so every example checks plenty of arcs.
@@ -358,6 +362,14 @@ def test_duplicate_ids_are_rejected() -> None:
         ({"id": "n1", "url": "u", "weight": 1.5}, TypeError, "weight must be an int"),
         ({"id": 1, "url": "u"}, TypeError, "id must be a str"),
         ({"id": "n1", "url": None}, TypeError, "url must be a str"),
+        ({"id": "a/b", "url": "u"}, ValueError, "is invalid: 1 to 64 characters"),
+        ({"id": "a?b", "url": "u"}, ValueError, "is invalid"),
+        ({"id": "a#b", "url": "u"}, ValueError, "is invalid"),
+        ({"id": "\ud800", "url": "u"}, ValueError, "is invalid"),
+        ({"id": "é", "url": "u"}, ValueError, "is invalid"),
+        ({"id": "..", "url": "u"}, ValueError, "not only dots"),
+        ({"id": "n" * 65, "url": "u"}, ValueError, "is invalid"),
+        ({"id": "n1", "url": "u", "weight": 1001}, ValueError, "weight must be from 1 to 1000"),
     ],
 )
 def test_member_validation(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
@@ -371,7 +383,7 @@ def test_member_validation(kwargs: dict[str, Any], error: type[Exception], match
 @settings(max_examples=60, deadline=None)
 @given(
     ids=st.lists(
-        st.text(min_size=1, max_size=10).filter(lambda s: s == s.strip()),
+        st.from_regex(r"[A-Za-z0-9._:-]{1,10}", fullmatch=True).filter(lambda s: set(s) != {"."}),
         max_size=5,
         unique=True,
     ),
@@ -380,7 +392,11 @@ def test_member_validation(kwargs: dict[str, Any], error: type[Exception], match
 )
 def test_to_dict_from_dict_round_trip(ids: list[str], weights: list[int], epoch: int) -> None:
     view = RingView.of(
-        (Member(i, f"http://{i}", w) for i, w in zip(ids, weights, strict=False)), epoch
+        (
+            Member(i, f"http://host{n}:{8000 + n}", w)
+            for n, (i, w) in enumerate(zip(ids, weights, strict=False))
+        ),
+        epoch,
     )
     data = view.to_dict()
     assert data["epoch"] == epoch
@@ -394,7 +410,7 @@ def test_to_dict_from_dict_round_trip(ids: list[str], weights: list[int], epoch:
 def test_member_dict_round_trip_and_default_weight() -> None:
     assert Member.from_dict(THREE[0].to_dict()) == THREE[0]
     assert THREE[0].to_dict() == {"id": "n1", "url": "http://127.0.0.1:8001", "weight": 1}
-    assert Member.from_dict({"id": "a", "url": "u"}).weight == 1
+    assert Member.from_dict({"id": "a", "url": "http://u"}).weight == 1
 
 
 GOOD_NODE = {"id": "n1", "url": "http://127.0.0.1:8001", "weight": 1}
@@ -467,3 +483,67 @@ def test_ownership_lists_members_with_no_keys_and_counts_everything() -> None:
     assert ownership(RingView.empty(), []) == {}
     with pytest.raises(EmptyRingError):
         ownership(RingView.empty(), ["k"])
+
+
+# -- what may name and locate a member --------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=70))
+def test_check_id_accepts_exactly_the_safe_charset(value: str) -> None:
+    ok = re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", value, re.ASCII) is not None and set(value) != {"."}
+    if ok:
+        assert check_id(value) == value
+        assert Member(value, "http://x").id == value
+    else:
+        with pytest.raises(ValueError, match="member id"):
+            check_id(value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://a", "http://127.0.0.1:8001", "https://n1.example:443/", "http://[::1]:9"],
+)
+def test_check_url_accepts_plain_http_urls(url: str) -> None:
+    assert check_url(url) == url
+    assert Member.parse("n1", url).url == url
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("ftp://a", "http:// or https://"),
+        ("a:80", "http:// or https://"),
+        ("http://", "no host"),
+        ("http://a:0", "port"),
+        ("http://a:99999", "invalid"),
+        ("http://a:x", "invalid"),
+        ("http://a:", "port"),
+        ("http://a/x", "no path"),
+        ("http://a?x=1", "no path"),
+        ("http://a#x", "no path"),
+        ("http://u:p@a", "user info"),
+        ("http://a b", "whitespace"),
+        ("http://\u00e9", "ASCII"),
+        ("http://a\x00", "ASCII"),
+        (5, "must be a string"),
+    ],
+)
+def test_check_url_refuses_what_would_send_requests_elsewhere(url: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_url(url)
+    with pytest.raises(ValueError):
+        Member.from_dict({"id": "n1", "url": url})
+
+
+def test_same_url_ignores_case_default_ports_and_loopback_spelling() -> None:
+    assert same_url("http://LOCALHOST:80/", "http://127.0.0.1")
+    assert same_url("https://a", "https://a:443")
+    assert not same_url("http://a:1", "http://a:2")
+    assert not same_url("http://a", "https://a")
+
+
+def test_weight_is_bounded() -> None:
+    assert Member("n1", "http://a", MAX_WEIGHT).weight == MAX_WEIGHT
+    with pytest.raises(ValueError, match="from 1 to"):
+        Member.from_dict({"id": "n1", "url": "http://a", "weight": MAX_WEIGHT + 1})

@@ -707,6 +707,20 @@ ADMIN_BAD: list[tuple[str, bytes, int]] = [
     ("unknown field", b'{"id": "n9", "url": "http://127.0.0.1:1", "zone": "a"}', 400),
     ("oversized body", b'{"id": "' + b"n" * 70_000 + b'"}', 413),
     ("existing id, other url", b'{"id": "n1", "url": "http://elsewhere.cluster"}', 409),
+    ("weight a million", b'{"id": "n9", "url": "http://127.0.0.1:1", "weight": 1000000}', 400),
+    ("weight above the bound", b'{"id": "n9", "url": "http://127.0.0.1:1", "weight": 1001}', 400),
+    ("id lone surrogate", b'{"id": "\\ud800", "url": "http://127.0.0.1:1"}', 400),
+    ("id with a slash", b'{"id": "a/b", "url": "http://127.0.0.1:1"}', 400),
+    ("id with a question mark", b'{"id": "a?b", "url": "http://127.0.0.1:1"}', 400),
+    ("id with a hash", b'{"id": "a#b", "url": "http://127.0.0.1:1"}', 400),
+    ("id dot dot", b'{"id": "..", "url": "http://127.0.0.1:1"}', 400),
+    ("id too long", b'{"id": "' + b"n" * 65 + b'", "url": "http://127.0.0.1:1"}', 400),
+    ("url with a path", b'{"id": "n9", "url": "http://127.0.0.1:1/x"}', 400),
+    ("url with a query", b'{"id": "n9", "url": "http://127.0.0.1:1?x=1"}', 400),
+    ("url with user info", b'{"id": "n9", "url": "http://u:p@127.0.0.1:1"}', 400),
+    ("url port out of range", b'{"id": "n9", "url": "http://127.0.0.1:99999"}', 400),
+    ("url of another member", b'{"id": "n9", "url": "http://n1.cluster"}', 409),
+    ("url of the router", b'{"id": "n9", "url": "http://router.cluster/"}', 409),
 ]
 
 

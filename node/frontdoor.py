@@ -1,0 +1,224 @@
+"""The front door of a router or node process: connection limits and timeouts.
+
+uvicorn on its own closes a keep-alive connection 5 s after its last response,
+but a connection that never sends a request, or sends its headers a byte at a
+time, stays open for ever; enough of them use up the process's file
+descriptors, and then every new connection fails. Here:
+
+* **Header timeout.** A connection has ``header_timeout`` seconds, from when
+  it opens or its last response ends, to send a request's complete headers;
+  data trickling in does not extend it. Then it is closed (``408`` if it had
+  started a request).
+* **Header size.** More than ``max_header_bytes`` before the headers end is a
+  ``431`` and a closed connection.
+* **Connection cap.** At most ``max_connections`` connections are open. A
+  new connection over the cap closes the connection that has waited longest
+  for a request (an idle one never holds a slot a working client needs); when
+  every connection is busy with a request, requests get ``503`` (uvicorn's
+  ``limit_concurrency``) rather than a reset. The default cap leaves half of
+  the descriptor limit (``ulimit -n``, raised to its hard limit at start) for
+  the connections a process opens itself (router to nodes, node to upstream).
+
+docs/configuration.md says what to raise in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FrontDoor", "raise_fd_limit"]
+
+#: Descriptors kept for everything that is not a client connection (listening
+#: sockets, logs, the event loop's own, connections to peers at rest).
+RESERVED_FDS = 64
+
+
+@dataclass(frozen=True)
+class FrontDoor:
+    #: Seconds an idle keep-alive connection is kept after a response (uvicorn's).
+    keep_alive: float = 5.0
+    #: Seconds a connection has to send a request's complete headers.
+    header_timeout: float = 10.0
+    #: Bytes a request's line and headers may take.
+    max_header_bytes: int = 64 * 1024
+    #: Open client connections at most (None: from the descriptor limit).
+    max_connections: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("keep_alive", "header_timeout"):
+            value = getattr(self, name)
+            if not 0 < value <= 3600:
+                raise ValueError(f"{name} must be above 0 and at most 3600 seconds")
+        if not 1024 <= self.max_header_bytes <= 1 << 24:
+            raise ValueError("max_header_bytes must be from 1024 to 16 MiB")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+
+    def connection_cap(self) -> int:
+        """The cap in force: the configured one, or half the free descriptors."""
+        if self.max_connections is not None:
+            return self.max_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 20
+        return max(16, (soft - RESERVED_FDS) // 2)
+
+    def uvicorn_options(self, http: Any) -> dict[str, Any]:
+        """``uvicorn.Config`` keyword arguments; ``http`` is the protocol in use."""
+        cap = self.connection_cap()
+        options: dict[str, Any] = {
+            "timeout_keep_alive": self.keep_alive,
+            "h11_max_incomplete_event_size": self.max_header_bytes,
+            "limit_concurrency": cap,
+        }
+        if isinstance(http, type):
+            # Our protocol keeps its connections within the cap itself; uvicorn's
+            # limit answers 503 only when all of them are busy (one over: the
+            # connection being served counts itself).
+            options["limit_concurrency"] = cap + 1
+        return options
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft descriptor limit to the hard one (what servers usually do);
+    returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def _canned(status: int, reason: str, error: str, detail: str) -> bytes:
+    body = json.dumps({"error": error, "detail": detail}).encode()
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode() + body
+
+
+_TIMEOUT = _canned(408, "Request Timeout", "request_timeout", "request headers took too long")
+_MALFORMED = _canned(
+    400, "Bad Request", "invalid_http", "the request is not HTTP/1.1 this server can read"
+)
+_TOO_LARGE = _canned(
+    431, "Request Header Fields Too Large", "headers_too_large", "request headers are too large"
+)
+
+
+class _HeadersTooLarge(Exception):
+    """Raised from a parser callback to stop parsing an oversized request."""
+
+
+def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> type:
+    """``base`` (uvicorn's httptools protocol) with the header timeout, header
+    size limit and connection cap of ``front_door``. ``wrap(transport, loop)``,
+    when given, wraps the transport (node/server.py coalesces writes)."""
+    cap = front_door.connection_cap()
+    header_timeout = front_door.header_timeout
+    max_header_bytes = front_door.max_header_bytes
+
+    class LimitedProtocol(base):  # type: ignore[valid-type,misc]
+        _waiting = False
+        _waiting_since = 0.0
+        _header_bytes = 0
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(wrap(transport, self.loop) if wrap else transport)
+            self._wait_for_request()
+            if len(self.connections) > cap:
+                self._make_room()
+
+        def _make_room(self) -> None:
+            """Close the connection that has waited longest for a request."""
+            oldest = None
+            for other in self.connections:
+                if (
+                    other is not self
+                    and getattr(other, "_waiting", False)
+                    and (oldest is None or other._waiting_since < oldest._waiting_since)
+                ):
+                    oldest = other
+            if oldest is not None:
+                oldest._close_waiting(None)
+
+        def _wait_for_request(self) -> None:
+            self._waiting = True
+            self._waiting_since = self.loop.time()
+            self._header_bytes = 0
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
+
+        def _stop_waiting(self) -> None:
+            self._waiting = False
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self._waiting:
+                self._close_waiting(_TIMEOUT if self._header_bytes else None)
+
+        def _close_waiting(self, answer: bytes | None) -> None:
+            self._stop_waiting()
+            self.connections.discard(self)
+            if not self.transport.is_closing():
+                if answer is not None:
+                    self.transport.write(answer)
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._waiting:
+                self._header_bytes += len(data)
+            super().data_received(data)
+            if self._waiting and self._header_bytes > max_header_bytes:
+                self._close_waiting(_TOO_LARGE)
+
+        def on_message_begin(self) -> None:
+            self._parsed_bytes = 0
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._count_parsed(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count_parsed(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def _count_parsed(self, n: int) -> None:
+            """Headers that arrived whole in one read are measured as they are parsed."""
+            self._parsed_bytes = getattr(self, "_parsed_bytes", 0) + n
+            if self._parsed_bytes > max_header_bytes:
+                self._oversized = True
+                raise _HeadersTooLarge  # the parser stops; uvicorn calls send_400_response
+
+        def send_400_response(self, msg: str) -> None:
+            """What the HTTP parser cannot read gets a JSON error, like any bad input."""
+            self._close_waiting(_TOO_LARGE if getattr(self, "_oversized", False) else _MALFORMED)
+
+        def on_headers_complete(self) -> None:
+            self._stop_waiting()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            cycle = self.cycle
+            if not self.transport.is_closing() and (cycle is None or cycle.response_complete):
+                self._wait_for_request()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_waiting()
+            super().connection_lost(exc)
+
+    return LimitedProtocol

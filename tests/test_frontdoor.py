@@ -1,0 +1,150 @@
+"""The front door of real router and node processes: unusual request targets,
+header timeouts and sizes, and idle connections under a low descriptor limit.
+
+Every answer is a status line (never a 500, a reset or a hang); idle
+connections never starve working clients.
+"""
+
+from __future__ import annotations
+
+import resource
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.processes import Procs, free_port, procs  # noqa: F401 (fixture)
+
+pytestmark = [pytest.mark.integration, pytest.mark.reliability]
+
+RULE = ["--rule", "1000/hour"]
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def exchange(port: int, data: bytes, timeout: float = 3.0) -> bytes:
+    """Send raw bytes; everything the server answers until it closes or a response ends."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        out = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return out
+            out += chunk
+            head, sep, body = out.partition(b"\r\n\r\n")
+            if sep:
+                length = [
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ]
+                if length and len(body) >= length[0]:
+                    return out
+
+
+def status(answer: bytes) -> int:
+    assert answer.startswith(b"HTTP/1.1 "), answer[:200]
+    return int(answer[9:12])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """One node and a router, shared by the tests of this module (stopped at its end)."""
+    manager = Procs(tmp_path_factory.mktemp("frontdoor"))
+    try:
+        _, node = manager.node("n1", None, *RULE, "--header-timeout", "1")
+        _, router = manager.router(None, "--node", f"n1={node}", *RULE, "--header-timeout", "1")
+        yield router, node
+    finally:
+        manager.stop_all()
+
+
+@pytest.mark.parametrize("who", ["router", "node"])
+@pytest.mark.parametrize(
+    ("request_bytes", "expected"),
+    [
+        (b"OPTIONS * HTTP/1.1\r\nHost: x\r\nX-User-Id: a\r\n\r\n", 204),
+        (b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", 204),
+        (b"CONNECT example.com:443 HTTP/1.1\r\nHost: x\r\nX-User-Id: a\r\n\r\n", 400),
+        (b"GET http://example.com/hello HTTP/1.1\r\nHost: x\r\nX-User-Id: a\r\n\r\n", 200),
+        (b"GET //x/../../a HTTP/1.1\r\nHost: x\r\nX-User-Id: a\r\n\r\n", 200),
+        (b"BREW /hello HTTP/1.1\r\nHost: x\r\nX-User-Id: a\r\n\r\n", 400),
+        (b"GET /hello HTTP/1.0\r\nX-User-Id: a\r\n\r\n", 200),
+    ],
+)
+def test_unusual_request_targets_get_an_answer(
+    cluster: tuple[str, str], who: str, request_bytes: bytes, expected: int
+) -> None:
+    router, node = cluster
+    answer = exchange(port_of(router if who == "router" else node), request_bytes)
+    assert status(answer) == expected, answer[:300]
+    if expected == 204:
+        assert b"allow: get, head, post" in answer.lower()
+
+
+def test_slow_headers_are_cut_off_and_huge_headers_refused(cluster: tuple[str, str]) -> None:
+    router, _ = cluster
+    port = port_of(router)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        started = time.monotonic()
+        sock.sendall(b"GET /hello HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(8):  # a header line every 0.2 s: trickling does not extend the time
+            time.sleep(0.2)
+            try:
+                sock.sendall(b"X-A: b\r\n")
+            except OSError:
+                break
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+        assert status(answer) == 408 and b"request_timeout" in answer
+        assert time.monotonic() - started < 3.0
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:
+        assert idle.recv(10) == b""  # an idle connection is closed too (after 1 s)
+    huge = b"GET /hello HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n"
+    answer = exchange(port, huge)
+    assert status(answer) == 431 and b"headers_too_large" in answer
+    with httpx.Client(timeout=2) as client:  # the router still serves
+        assert client.get(f"{router}/hello", headers={"X-User-Id": "a"}).status_code == 200
+
+
+def _low_fd_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+
+def test_idle_connections_do_not_starve_requests_under_a_low_fd_limit(
+    procs: Procs,  # noqa: F811
+) -> None:
+    """300 idle connections to a router allowed 256 descriptors: fresh requests
+    still succeed (the longest-idle connections make room), never a reset."""
+    _, node = procs.node("n1", None, *RULE)
+    router_proc, router = procs.router(
+        free_port(), "--node", f"n1={node}", *RULE, preexec_fn=_low_fd_limit
+    )
+    port = port_of(router)
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        time.sleep(0.3)
+        outcomes: dict[int | str, int] = {}
+        for i in range(40):
+            try:
+                with httpx.Client(timeout=2.0) as client:
+                    code: int | str = client.get(
+                        f"{router}/hello", headers={"X-User-Id": f"u{i}"}
+                    ).status_code
+            except httpx.HTTPError as exc:
+                code = type(exc).__name__
+            outcomes[code] = outcomes.get(code, 0) + 1
+        assert set(outcomes) <= {200, 503}, outcomes
+        assert outcomes.get(200, 0) >= 35, outcomes
+        assert router_proc.alive()
+    finally:
+        for sock in idle:
+            sock.close()
