@@ -337,6 +337,30 @@ def cluster_toml(settings: Settings, replicas: int = 1) -> str:
     ) + (f'\n[policies]\ncrash = "{settings.crash_policy}"\n' if settings.crash_policy else "")
 
 
+def start_nodes(
+    procs: Processes, prefix: str, count: int, cfg: Path, *extra: str
+) -> tuple[list[int], list[str], list[str]]:
+    """``count`` fenced nodes ``<prefix>1..``: their pids, the router's ``--node``
+    seed flags, and their /healthz URLs (to wait on)."""
+    pids: list[int] = []
+    seeds: list[str] = []
+    health: list[str] = []
+    for i in range(1, count + 1):
+        port = free_port()
+        node_id = f"{prefix}{i}"
+        pids.append(
+            procs.ringlimit(
+                node_id,
+                "node",
+                *("--id", node_id, "--port", str(port), "--fenced"),
+                *("--config", str(cfg), *extra),
+            )
+        )
+        seeds += ["--node", f"{node_id}=http://127.0.0.1:{port}"]
+        health.append(f"http://127.0.0.1:{port}/healthz")
+    return pids, seeds, health
+
+
 def start_rows(procs: Processes, settings: Settings, workdir: Path) -> dict[str, Row]:
     """Start every deployment the chosen rows need; answer how to load each row."""
     cfg = workdir / "cluster.toml"
@@ -349,20 +373,8 @@ def start_rows(procs: Processes, settings: Settings, workdir: Path) -> dict[str,
     redis_pid, redis_url = 0, ""
 
     def nodes(prefix: str, *extra: str) -> tuple[list[int], list[str]]:
-        pids, seeds = [], []
-        for i in range(1, settings.nodes + 1):
-            port = free_port()
-            node_id = f"{prefix}{i}"
-            pids.append(
-                procs.ringlimit(
-                    node_id,
-                    "node",
-                    *("--id", node_id, "--port", str(port), "--fenced"),
-                    *("--config", str(cfg), *extra),
-                )
-            )
-            seeds += ["--node", f"{node_id}=http://127.0.0.1:{port}"]
-            ready.append(f"http://127.0.0.1:{port}/healthz")
+        pids, seeds, health = start_nodes(procs, prefix, settings.nodes, cfg, *extra)
+        ready.extend(health)
         return pids, seeds
 
     def router(name: str, seeds: list[str], *extra: str) -> tuple[int, str]:

@@ -42,6 +42,7 @@ from benchmarks.cluster import (
     measure,
     median,
     row_load,
+    start_nodes,
     tight_load,
     wait_http,
     wait_redis,
@@ -95,20 +96,7 @@ def start_scale(
     rows: dict[str, Row] = {}
     for mode in MODES:
         extra = ["--backend", "redis", "--redis-url", f"{redis_url}/0"] if mode == "redis" else []
-        pids, seeds, ready = [], [], []
-        for i in range(1, 2 * k + 1):
-            port = free_port()
-            node_id = f"k{k}{mode[0]}{i}"
-            pids.append(
-                procs.ringlimit(
-                    node_id,
-                    "node",
-                    *("--id", node_id, "--port", str(port), "--fenced", "--config", str(cfg)),
-                    *extra,
-                )
-            )
-            seeds += ["--node", f"{node_id}=http://127.0.0.1:{port}"]
-            ready.append(f"http://127.0.0.1:{port}/healthz")
+        pids, seeds, ready = start_nodes(procs, f"k{k}{mode[0]}", 2 * k, cfg, *extra)
         for url in ready:
             wait_http(url, procs)
         port = free_port()
