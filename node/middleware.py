@@ -161,6 +161,8 @@ class RateLimitMiddleware:
             await send_json(send, 421, not_owner_body(exc), not_owner_headers(exc))
             return
         except LeaseExpired as exc:
+            if authority.metrics is not None:
+                authority.metrics.error("lease_expired")
             await drain(receive)
             await send_json(send, 503, lease_expired_body(exc), LEASE_EXPIRED_HEADERS)
             return

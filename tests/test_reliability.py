@@ -72,6 +72,11 @@ async def test_a_node_whose_lease_ran_out_decides_nothing() -> None:
         during = Tally()
         await send(cluster.client, during, USERS, 1)
         assert during.other == Counter({503: len(USERS)})
+        refused = sum(
+            node.metrics.errors.labels("lease_expired")._value.get()
+            for node in cluster.nodes.values()
+        )
+        assert refused == len(USERS)  # counted on the proxy path too
         assert {n: len(node.store) for n, node in cluster.nodes.items()} == stored
         response = await cluster.client.post("/v1/check", json={"key": USERS[0], "rule": "api"})
         assert response.status_code == 503
