@@ -44,6 +44,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -1343,11 +1344,7 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
         procs.stop_all()
         signal.signal(signal.SIGTERM, previous)
-        for path in workdir.iterdir():
-            with contextlib.suppress(OSError):
-                path.unlink()
-        with contextlib.suppress(OSError):
-            workdir.rmdir()
+        shutil.rmtree(workdir, ignore_errors=True)
     report["meta"]["seconds"] = time.time() - started
     report["meta"]["loadavg_after"] = _loadavg()
     report["notes"] += default_notes(report)

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import sys
 import tempfile
@@ -264,11 +265,7 @@ def run_command(args: argparse.Namespace, settings: Settings, tool: str) -> int:
     finally:
         procs.stop_all()
         signal.signal(signal.SIGTERM, previous)
-        for path in workdir.iterdir():
-            with contextlib.suppress(OSError):
-                path.unlink()
-        with contextlib.suppress(OSError):
-            workdir.rmdir()
+        shutil.rmtree(workdir, ignore_errors=True)
     report = {
         "meta": {
             "command": "ringlimit bench --scale " + ",".join(map(str, scales)),

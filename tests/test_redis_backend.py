@@ -383,7 +383,10 @@ def test_calls_queued_behind_a_failure_fail_at_once() -> None:
         assert sum("queued" in str(r) for r in results) == 18
 
 
-def test_the_queue_wait_is_bounded() -> None:
+def test_the_queue_wait_is_bounded(pipeline: bool) -> None:
+    """A check waits at most ``queue_timeout`` behind a round trip that hangs (one
+    connection busy, or the pipeline's one round trip in flight)."""
+
     async def scenario(port: int) -> None:
         backend = RedisBackend(
             f"redis://127.0.0.1:{port}/0",
@@ -391,6 +394,7 @@ def test_the_queue_wait_is_bounded() -> None:
             timeout=0.3,
             max_connections=1,
             queue_timeout=0.05,
+            pipeline=pipeline,
         )
         try:
             first = asyncio.create_task(backend.check("a", [Rule("r", 1, 1.0)], 1))

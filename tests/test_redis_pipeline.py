@@ -187,31 +187,6 @@ def test_checks_queued_behind_a_failed_round_trip_fail_at_once() -> None:
         assert len(accepted) == 1, "queued checks tried a Redis already found down"
 
 
-def test_the_queue_wait_is_bounded_while_a_round_trip_hangs() -> None:
-    async def scenario(port: int) -> None:
-        backend = RedisBackend(
-            f"redis://127.0.0.1:{port}/0",
-            clock=FrozenClock(),
-            timeout=0.3,
-            queue_timeout=0.05,
-            pipeline=True,
-        )
-        try:
-            first = asyncio.create_task(backend.check("a", [Rule("r", 1, 1.0)], 1))
-            await asyncio.sleep(0.01)
-            started = time.monotonic()
-            with pytest.raises(BackendUnavailable, match="overloaded"):
-                await backend.check("b", [Rule("r", 1, 1.0)], 1)
-            assert time.monotonic() - started < 0.25
-            with pytest.raises(BackendUnavailable):
-                await first
-        finally:
-            await backend.close()
-
-    with blackhole() as (port, _accepted):
-        asyncio.run(scenario(port))
-
-
 def test_redis_killed_while_pipelines_are_in_flight(redis_server: RedisServer) -> None:
     """Every check answers quickly: a verdict, or BackendUnavailable; then Redis returns."""
     url = redis_server.url
