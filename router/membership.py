@@ -350,6 +350,11 @@ class Membership:
             # loses keys, then the newcomers get the view.
             ready = self.ready_timeout
             await self._push(newcomers, previous, None, (), tolerate=True, seconds=ready)
+            # Leases before the view that makes the newcomers owners (as in a join):
+            # the push above made them require one, and without it they would
+            # refuse their first requests (lease_expired) and the router would
+            # fail those open. (The first view of a cluster is such a roll-forward.)
+            await asyncio.gather(*(self._renew(m) for m in newcomers))
             failed = await self._push(previous.members, view, previous, crashed, tolerate=True)
             failed += await self._push(newcomers, view, previous, (), tolerate=True)
             self._remember(previous, record.crashed)
@@ -368,19 +373,26 @@ class Membership:
         if self.coordinator is None:
             return None
         record = ViewRecord(view, previous, crashed, self.config, settled=False)
-        try:
-            committed = await self.coordinator.commit(record, expected=self._revision)
-        except CoordinatorError as exc:
-            raise MembershipError(503, "coordinator_unavailable", str(exc)) from None
-        if committed is None:
-            latest = await self.coordinator.load()
-            if latest is not None:
-                self._take(latest)
-            raise MembershipError(
-                409, "ring_changed", "another router changed the ring first; retry"
-            )
-        self._revision = committed.revision
-        return committed
+        # A write that did not change the view (the record of ``previous`` marked
+        # settled by the router that made it, after this one read it) moves the
+        # revision without invalidating the change: build on the new revision.
+        # Bounded: each retry needs another write to etcd in between.
+        for _ in range(3):
+            try:
+                committed = await self.coordinator.commit(record, expected=self._revision)
+                if committed is not None:
+                    self._revision = committed.revision
+                    return committed
+                latest = await self.coordinator.load()
+            except CoordinatorError as exc:
+                raise MembershipError(503, "coordinator_unavailable", str(exc)) from None
+            if latest is None:
+                break
+            self._take(latest)
+            self._revision = latest.revision
+            if latest.view != previous:
+                break
+        raise MembershipError(409, "ring_changed", "another router changed the ring first; retry")
 
     async def _settle(self, record: ViewRecord | None) -> ViewRecord | None:
         """Mark a committed change as carried out, so every router adopts it."""

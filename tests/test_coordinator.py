@@ -7,6 +7,7 @@ etcd is the real server the ``etcd_endpoint`` fixture starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 
 import pytest
@@ -218,6 +219,87 @@ async def test_a_new_leader_rolls_forward_a_change_its_predecessor_left_half_don
             await etcd.close()
 
 
+async def test_a_first_view_rolled_forward_is_decided_at_once(etcd_endpoint: str) -> None:
+    """A router started without seeds on an empty etcd (a ``--workers`` follower)
+    takes the lead at epoch 0 and finds the first view another router committed
+    and has not pushed yet. Its roll-forward grants the newcomers' leases before
+    they own keys, so their first requests are decided, not refused for a lapsed
+    lease and failed open. Health checks are slowed so that only the
+    roll-forward could have granted those leases."""
+    config = make_config()
+    cluster = InProcessCluster(3, config, clock=FrozenClock())  # its router never starts
+    first = RingView.of([Member(n, node_url(n)) for n in cluster.nodes], epoch=1)
+    etcd = coordinator(etcd_endpoint)
+    await etcd.connect()
+    led = asyncio.Event()
+
+    async def on_lead() -> None:
+        led.set()
+
+    async def nothing() -> None:
+        pass
+
+    # The router that makes the first view leads, and dies before pushing it.
+    maker = asyncio.create_task(
+        etcd.lead("http://maker", on_lead, nothing, asyncio.get_running_loop().time)
+    )
+    try:
+        await asyncio.wait_for(led.wait(), timeout=10.0)
+        slow = {**options(etcd_endpoint, SECOND), "health_interval": 60.0}
+        second = cluster.new_router(SECOND, seeds=[], **slow)
+        await second.start()
+        try:
+            assert second.membership.view.epoch == 0
+            made = await etcd.commit(ViewRecord(first, RingView.empty(), (), config, False), 0)
+            assert made is not None
+            maker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await maker
+            await etcd.resign("http://maker")
+            await wait_until(lambda: second.membership.view.epoch == 1, seconds=15.0)
+            tally = Tally()
+            await send(cluster.client, tally, USERS, LIMIT + 2, base=SECOND)
+            assert tally.other == Counter()
+            assert tally.excess() == 0, tally.over()
+            assert all(tally.allowed[u] == LIMIT for u in USERS)
+        finally:
+            await second.close()
+    finally:
+        maker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await maker
+        await etcd.close()
+        await cluster.client.aclose()
+
+
+async def test_a_revision_moved_by_settling_the_same_view_does_not_refuse_a_change(
+    etcd_endpoint: str,
+) -> None:
+    """The router that made a view marks it settled after the leader read it:
+    etcd's revision moved, the view did not, and the leader's next change goes
+    through (a change built on another view still loses, as below)."""
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
+    ) as cluster:
+        membership = cluster.router.membership
+        await wait_until(lambda: membership.leading)
+        etcd = coordinator(etcd_endpoint)
+        await etcd.connect()
+        try:
+            record = await etcd.load()
+            assert record is not None and record.view == membership.view
+            again = await etcd.commit(record, record.revision)  # same view, new revision
+            assert again is not None and again.revision > record.revision
+            membership._revision = record.revision  # read before that write
+            cluster._make_node("n4")
+            await membership.join(Member("n4", node_url("n4")))
+            assert membership.view.epoch == 2
+            stored = await etcd.load()
+            assert stored is not None and stored.view == membership.view and stored.settled
+        finally:
+            await etcd.close()
+
+
 async def test_only_the_leader_changes_the_ring(etcd_endpoint: str) -> None:
     async with InProcessCluster(
         3, make_config(), clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
@@ -234,8 +316,14 @@ async def test_only_the_leader_changes_the_ring(etcd_endpoint: str) -> None:
             leader = first if first.leading else other
             cluster._make_node("n4")
             cluster._make_node("n5")
+            # The follower has not heard of the leader's change (its watch is
+            # stopped): it builds on epoch 1 and a revision of then.
+            for task in follower._coordination:
+                task.cancel()
+            stale = follower._revision
             await leader.join(Member("n4", node_url("n4")))
-            follower._revision = 1  # stale on purpose
+            assert follower.view.epoch == 1
+            follower._revision = stale
             follower.leading = True
             with pytest.raises(Exception, match="another router changed the ring"):
                 await follower.join(Member("n5", node_url("n5")))
