@@ -242,10 +242,14 @@ class _Reader:
         return yaml.constructor.SafeConstructor().construct_object(node)
 
     def string(self, node: yaml.Node, where: str) -> str:
+        """The scalar's text as written, as envoyproxy/ratelimit (Go's yaml into a
+        string field) reads it: ``value: 02134`` is "02134", not the octal number
+        1116 that YAML 1.1 resolves it to, and ``1.10`` stays "1.10"."""
         value = self.scalar(node, where, "a string")
-        if isinstance(value, bool) or value is None:
+        if value is None:
             raise self.fail(node, where, f"must be a string, got {node.value!r}")
-        return str(value)
+        assert isinstance(node, yaml.ScalarNode)
+        return str(node.value)
 
     def boolean(self, node: yaml.Node, where: str) -> bool:
         value = self.scalar(node, where, "true or false")

@@ -100,12 +100,14 @@ def run(args: argparse.Namespace) -> int:
         print("ringlimit simulate: --jobs must be >= 1", file=sys.stderr)
         return 2
     # Optional dependencies are checked before a long run, each in one line.
-    for module, why in (("numpy", "simulations need"), ("matplotlib", "--plots needs")):
+    # numpy is a core dependency (reinstalling ringlimit brings it back); matplotlib
+    # comes with the `sim` extra.
+    for module, why, install in (
+        ("numpy", "simulations need", "pip install ringlimit"),
+        ("matplotlib", "--plots needs", "pip install 'ringlimit[sim]'"),
+    ):
         if (module == "numpy" or args.plots) and importlib.util.find_spec(module) is None:
-            print(
-                f"ringlimit simulate: {why} {module}: pip install 'ringlimit[sim]'",
-                file=sys.stderr,
-            )
+            print(f"ringlimit simulate: {why} {module}: {install}", file=sys.stderr)
             return 2
 
     from .report import format_report, write_json

@@ -233,3 +233,29 @@ def test_the_router_command_reports_a_bad_file_in_one_line(
     assert "go together" in capsys.readouterr().err
     assert main(["router", "--grpc-port", "0"]) == 2
     assert "go together" in capsys.readouterr().err
+
+
+def test_scalars_are_read_as_written_like_envoyproxy_ratelimit(tmp_path: Path) -> None:
+    """YAML 1.1 would make ``02134`` the octal 1116 and ``1.10`` the float 1.1: a
+    limit on those values would then never match, silently. Go's yaml reads a
+    string field as the text written, and so does ringlimit."""
+    text = """\
+domain: zips
+descriptors:
+  - key: zip
+    value: 02134
+    rate_limit: {unit: minute, requests_per_unit: 3}
+  - key: version
+    value: 1.10
+    rate_limit: {unit: minute, requests_per_unit: 4}
+  - key: flag
+    value: yes
+    rate_limit: {unit: minute, requests_per_unit: 5}
+"""
+    domain = load_envoy_config(write(tmp_path, "zips.yaml", text))
+    for entry, limit in ((("zip", "02134"), 3), (("version", "1.10"), 4), (("flag", "yes"), 5)):
+        found = domain.limit_for([entry])
+        assert found is not None and found.rule is not None, entry
+        assert found.rule.limit == limit
+    assert domain.limit_for([("zip", "1116")]) is None
+    assert domain.limit_for([("version", "1.1")]) is None

@@ -323,3 +323,21 @@ async def test_query_user_ids_keep_distinct_bytes_distinct() -> None:
         assert (await c.get("/?user=%FF")).status_code == 400
         assert (await c.get("/?user=%C3%A9")).status_code == 429
         assert (await c.get("/?user=a+b")).json()["user"] == "a b"
+
+
+@pytestmark_anyio
+async def test_the_router_refuses_user_ids_that_are_not_utf8() -> None:
+    """The router hashes the user id onto the ring: it refuses the same ids the
+    node does, before routing, so distinct bytes never share an owner's key."""
+    from router.testing import InProcessCluster
+
+    config = ClusterConfig(rules=(ScopedRule(Rule("one", 1, 60.0)),))
+    async with InProcessCluster(2, config, clock=FrozenClock()) as cluster:
+        first = await cluster.client.get("/api", headers=[(b"X-User-Id", "é".encode())])
+        assert first.status_code == 200
+        latin = await cluster.client.get("/api", headers=[(b"X-User-Id", b"\xe9")])
+        assert latin.status_code == 400, latin.text
+        assert latin.json()["error"] == "invalid_user_id"
+        assert "x-ringlimit-node" not in latin.headers  # refused by the router itself
+        again = await cluster.client.get("/api", headers=[(b"X-User-Id", "é".encode())])
+        assert again.status_code == 429
