@@ -150,6 +150,12 @@ class Processes:
         self.stop(None)
 
 
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """A failure as one line: what failed, with the tail of any output folded in."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def wait_http(url: str, procs: Processes, timeout: float = 30.0) -> None:
     import httpx
 
@@ -1340,6 +1346,10 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
         print("\nringlimit bench: interrupted; stopping everything it started", file=sys.stderr)
         return 130
+    except RuntimeError as exc:  # a process that would not start, a load generator that failed
+        progress.close()
+        print(f"ringlimit bench: {one_line(exc)}", file=sys.stderr)
+        return 1
     finally:
         progress.close()
         procs.stop_all()

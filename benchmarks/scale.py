@@ -42,6 +42,7 @@ from benchmarks.cluster import (
     free_port,
     measure,
     median,
+    one_line,
     row_load,
     start_nodes,
     tight_load,
@@ -260,7 +261,7 @@ def run_command(args: argparse.Namespace, settings: Settings, tool: str) -> int:
         print("\nringlimit bench: interrupted; stopping everything it started", file=sys.stderr)
         return 130
     except RuntimeError as exc:
-        print(f"ringlimit bench --scale: {exc}", file=sys.stderr)
+        print(f"ringlimit bench --scale: {one_line(exc)}", file=sys.stderr)
         return 1
     finally:
         procs.stop_all()

@@ -105,6 +105,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _backend_arguments(up)
     up.add_argument("--state-file", help="where the router keeps its ring (default: none)")
     up.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="router processes on the router port (SO_REUSEPORT), one membership: passed to "
+        "`ringlimit router --workers` (default 1)",
+    )
+    up.add_argument(
         "--restart",
         choices=RESTART_MODES,
         default="always",
@@ -365,6 +373,17 @@ def _backend_arguments(parser: argparse.ArgumentParser) -> None:
         "each check is its own round trip (off: the naive baseline)",
     )
     group.add_argument("--balance", choices=BALANCES, help="sticky (default) or round-robin")
+
+
+def _redis_pipeline(args: argparse.Namespace) -> bool:
+    """``--redis-pipeline``; argparse checks choices only of values given as flags,
+    so the environment's default is checked here."""
+    if args.redis_pipeline not in ("on", "off"):
+        raise ValueError(
+            f"--redis-pipeline (or RINGLIMIT_REDIS_PIPELINE) must be on or off, "
+            f"got {args.redis_pipeline!r}"
+        )
+    return bool(args.redis_pipeline == "on")
 
 
 def _front_door_arguments(parser: argparse.ArgumentParser) -> None:
@@ -666,9 +685,10 @@ def _run_node(args: argparse.Namespace) -> int:
         app = UpstreamApp(args.upstream)
     elif args.app:
         app = load_app(args.app)
+    pipeline = _redis_pipeline(args)
     backend = None
     if config.backend == "redis":
-        backend = _redis_backend(args.redis_url, config, pipeline=args.redis_pipeline == "on")
+        backend = _redis_backend(args.redis_url, config, pipeline=pipeline)
     settings = NodeSettings(
         node_id=args.id,
         config=config,
@@ -707,8 +727,16 @@ def _run_up(args: argparse.Namespace) -> int:
     from router.cluster import StartError, run_cluster
 
     config = cluster_config(args)
+    _redis_pipeline(args)
     if args.nodes < 1:
         raise ValueError("--nodes must be at least 1")
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    if args.workers > 1 and args.grpc_port is not None:
+        raise ValueError(
+            "--grpc-port serves from one process: run `up` with --workers 1 "
+            "(or a router of its own for Envoy)"
+        )
     if bool(args.envoy_config) != (args.grpc_port is not None):
         raise ValueError(
             "--grpc-port and --envoy-config go together (where Envoy asks, and the limits "
@@ -751,7 +779,7 @@ def _run_nodes(args: argparse.Namespace) -> int:
                 )
             else:
                 response = client.delete(f"{base}/admin/nodes/{args.node_id}")
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise CommandError(
             f"cannot reach the router at {base} ({_http_problem(exc)}); "
             "check --router and that the router is running"

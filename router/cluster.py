@@ -105,6 +105,7 @@ class Cluster:
         self.clock = clock
         self.router: Child | None = None
         self.nodes: list[Child] = []
+        self.admin_token = admin_token
         self._client = httpx.Client(
             timeout=1.0,
             headers={"authorization": f"Bearer {admin_token}"} if admin_token else {},
@@ -443,6 +444,8 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
             router_argv += ["--node", seed]
         if args.state_file:
             router_argv += ["--state-file", args.state_file]
+        if args.workers > 1:
+            router_argv += ["--workers", str(args.workers)]
         if getattr(args, "grpc_port", None) is not None:
             router_argv += ["--grpc-port", str(args.grpc_port)]
         for envoy_file in getattr(args, "envoy_config", ()):
@@ -474,15 +477,18 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
 
 def _wait_for_ring(url: str, cluster: Cluster, stopping: Callable[[], bool]) -> dict | None:
     deadline = time.monotonic() + 30.0
-    with httpx.Client(timeout=1.0) as client:
+    token = cluster.admin_token
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(timeout=1.0, headers=headers) as client:
         while time.monotonic() < deadline and not stopping():
             if cluster.failed():
                 return None
             try:
                 if client.get(f"{url}/healthz").status_code == 200:
-                    ring: dict = client.get(f"{url}/admin/ring").json()
-                    return ring
-            except httpx.HTTPError:
+                    ring = client.get(f"{url}/admin/ring").json()
+                    if isinstance(ring, dict) and "epoch" in ring and "nodes" in ring:
+                        return ring
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.1)
     return None

@@ -103,6 +103,30 @@ def test_nodes_with_a_url_without_a_scheme() -> None:
     )
 
 
+def test_nodes_with_a_url_httpx_cannot_parse() -> None:
+    """httpx.InvalidURL is not an httpx.HTTPError: caught on its own."""
+    one_line_failure(
+        ringlimit("nodes", "list", "--router", "http://127.0.0.1:1\x01"),
+        "cannot reach the router at",
+        "not a usable URL",
+    )
+
+
+def test_an_environment_default_outside_its_choices_is_one_line() -> None:
+    """argparse checks choices only of flags given: RINGLIMIT_REDIS_PIPELINE is checked too."""
+    import os
+
+    result = subprocess.run(
+        [sys.executable, "-m", "router", "node", "--id", "n1", "--port", str(free_port())],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "RINGLIMIT_REDIS_PIPELINE": "sideways"},
+    )
+    one_line_failure(result, "RINGLIMIT_REDIS_PIPELINE", "'sideways'")
+
+
 def test_a_node_joining_an_absent_router_gives_up_in_one_line() -> None:
     router = f"http://127.0.0.1:{free_port()}"
     port = str(free_port())
@@ -183,3 +207,29 @@ def test_a_router_with_an_unreadable_state_file(tmp_path: Path) -> None:
     state.write_text("{ not json")
     result = ringlimit("router", "--port", str(free_port()), "--state-file", str(state))
     one_line_failure(result, "the router could not start", str(state), "check --state-file")
+
+
+def test_bench_with_a_node_that_cannot_start_is_one_line() -> None:
+    """A process of the benchmark that exits at start (here: a bad setting in the
+    environment its nodes read) ends the run in one line, everything stopped."""
+    import os
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router",
+            "bench",
+            "--quick",
+            "--rows",
+            "direct,sticky",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RINGLIMIT_REDIS_PIPELINE": "sideways"},
+    )
+    line = one_line_failure(result, "ringlimit bench:")
+    assert "exited" in line or "not ready" in line, line

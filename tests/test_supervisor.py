@@ -36,7 +36,9 @@ LIMIT = 5
 class Up:
     """A ``ringlimit up`` subprocess, its output in a file, and every pid it ever had."""
 
-    def __init__(self, tmp: Path, port: int, *extra: str) -> None:
+    def __init__(
+        self, tmp: Path, port: int, *extra: str, env: dict[str, str] | None = None
+    ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = tmp / "up.log"
@@ -45,7 +47,7 @@ class Up:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "router", *argv],
                 cwd=ROOT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -252,3 +254,77 @@ def test_up_with_restart_never_reports_the_health_check_removal_and_dies_with_it
     assert wait_for(lambda: not any(alive(pid) for pid in children), 10), [
         pid for pid in children if alive(pid)
     ]
+
+
+def test_up_with_workers_and_a_token_replaces_every_node_with_exact_counts(
+    tmp_path: Path, up_factory: list[Up]
+) -> None:
+    """``up --workers 2`` with an admin token: a rolling replacement (a new node
+    joins through the port, then an old one gets SIGTERM and is not restarted)
+    of all three nodes keeps every user's count, whichever worker routes."""
+    from tests.processes import Procs, free_port
+
+    token = "up-admin-secret"
+    env = {"RINGLIMIT_ADMIN_TOKEN": token}
+    port = free_block(4)
+    up = Up(
+        tmp_path,
+        port,
+        *("--workers", "2", "--restart", "on-crash"),
+        *("--rule", f"{LIMIT}/hour", "--algorithm", "sliding_log", "--on-error", "closed"),
+        env=env,
+    )
+    up_factory.append(up)
+    up.wait_output(r"^try:", 60)
+    assert "ring epoch 1:" in up.output() and token not in up.output()
+    procs = Procs(tmp_path)
+    procs.env.update(env)
+    try:
+        allowed: dict[str, int] = {}
+        routers: set[str] = set()
+        users = [f"sv-r-{i}" for i in range(40)]
+
+        def spend(client: httpx.Client, times: int) -> None:
+            for user in users:
+                for _ in range(times):
+                    response = send(client, user)
+                    assert response.status_code in (200, 429), response.text
+                    routers.add(response.headers.get("x-ringlimit-router", "?"))
+                    allowed[user] = allowed.get(user, 0) + (response.status_code == 200)
+
+        # A new connection per request: the kernel spreads them over both workers.
+        limits = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(base_url=up.url, timeout=10.0, limits=limits) as client:
+            spend(client, 2)
+            for old, new in (("n1", "n4"), ("n2", "n5"), ("n3", "n6")):
+                procs.node(new, free_port(), "--join", up.url)
+                assert wait_for(lambda new=new: new in _ids(up.url, token), 30.0), _ids(
+                    up.url, token
+                )
+                leaver = up.pid_of(old)
+                assert leaver is not None
+                os.kill(leaver, signal.SIGTERM)
+                report = line_for(
+                    up, rf"^ringlimit: {old} \(pid {leaver}\) exited with code 0; .*$"
+                )
+                assert "left the ring gracefully" in report and "not restarted" in report, report
+                spend(client, 1)
+            spend(client, 3)  # 2 + 3 + 3 = 8 asked, LIMIT = 5 granted
+        assert _ids(up.url, token) == ["n4", "n5", "n6"]
+        assert routers == {"w0", "w1"}, routers
+        assert all(count == LIMIT for count in allowed.values()), {
+            u: n for u, n in allowed.items() if n != LIMIT
+        }
+        assert "Traceback" not in up.output()
+    finally:
+        procs.stop_all()
+
+
+def _ids(url: str, token: str) -> list[str]:
+    try:
+        ring = httpx.get(
+            f"{url}/admin/ring", headers={"authorization": f"Bearer {token}"}, timeout=5.0
+        ).json()
+        return sorted(n["id"] for n in ring["nodes"] if n["state"] == "active")
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
