@@ -137,6 +137,10 @@ JOIN_ATTEMPTS = 30
 JOIN_DEADLINE = 120.0
 #: ... and after this many answers saying the router cannot reach it at its --url.
 JOIN_NOT_READY_ATTEMPTS = 3
+#: A graceful leave (SIGTERM) retries a busy or failing-over router this often,
+#: within this many seconds (below a typical 30 s termination grace period).
+LEAVE_ATTEMPTS = 6
+LEAVE_DEADLINE = 20.0
 
 
 def serve_node(
@@ -167,18 +171,37 @@ def serve_node(
         asyncio.get_running_loop().create_task(_leave_then_exit(server))
 
     async def _leave_then_exit(server: _Server) -> None:
-        try:
-            async with httpx.AsyncClient(timeout=60.0) as client:
-                response = await client.delete(
-                    f"{join.rstrip('/')}/admin/nodes/{node.settings.node_id}",  # type: ignore[union-attr]
-                    headers=_auth(admin_token),
-                )
-                log.warning("left the ring: router answered %s", response.status_code)
-            if response.status_code == 200 and linger > 0:
+        """Leave through the router, retrying what a router failover or a concurrent
+        change answers (bounded: LEAVE_ATTEMPTS within LEAVE_DEADLINE seconds), so a
+        graceful leave does not become a crash because a leader was being elected."""
+        target = f"{join.rstrip('/')}/admin/nodes/{node.settings.node_id}"  # type: ignore[union-attr]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LEAVE_DEADLINE
+        status: int | None = None
+        problem = "no attempt made"
+        async with httpx.AsyncClient(timeout=60.0) as client:
+            for attempt in range(LEAVE_ATTEMPTS):
+                try:
+                    response = await client.delete(target, headers=_auth(admin_token))
+                    status = response.status_code
+                    if not _retry_admin_answer(response):
+                        break
+                    problem = f"router answered {status}: {response.text[:200]}"
+                except httpx.HTTPError as exc:
+                    status, problem = None, f"{type(exc).__name__}"
+                if loop.time() + 0.5 * (attempt + 1) > deadline:
+                    break
+                log.warning("graceful leave: %s; retrying", problem)
+                await asyncio.sleep(0.5 * (attempt + 1))
+        if status == 200:
+            log.warning("left the ring: router answered 200")
+            if linger > 0:
                 # Fenced by the new view: stale routers are told, not left guessing.
                 await asyncio.sleep(linger)
-        except httpx.HTTPError as exc:
-            log.warning("graceful leave failed (%s); exiting anyway", type(exc).__name__)
+        elif status is not None and not _retry_admin_answer_code(status):
+            log.warning("left the ring: router answered %s", status)
+        else:
+            log.warning("graceful leave failed (%s); exiting anyway", problem)
         server.should_exit = True
 
     async def register(server: _Server) -> None:
@@ -209,7 +232,7 @@ def serve_node(
                             f"the router at {router} could not reach this node at {url} "
                             "(check --url / --host: it must be the address the router can use)"
                         )
-                    elif 400 <= response.status_code < 500 and response.status_code != 429:
+                    elif not _retry_admin_answer(response):
                         break  # refused for good: a wrong token, id, url, or a conflict
                 except httpx.HTTPError as exc:
                     problem = (
@@ -238,6 +261,23 @@ def serve_node(
 
     _run(main())
     return 1 if state.get("join_failed") else 0
+
+
+def _retry_admin_answer_code(status: int) -> bool:
+    return status == 429 or status >= 500
+
+
+def _retry_admin_answer(response: httpx.Response) -> bool:
+    """Worth asking again: the router is busy or failing over (429, 5xx), or another
+    change went first (409 ``ring_changed``). Other 4xx answers are final."""
+    if _retry_admin_answer_code(response.status_code):
+        return True
+    if response.status_code == 409:
+        try:
+            return bool(response.json().get("error") == "ring_changed")
+        except (ValueError, AttributeError):
+            return False
+    return False
 
 
 def _auth(token: str | None) -> dict[str, str]:

@@ -1,0 +1,90 @@
+"""A ``--join`` node asks again when the router is failing over or another change
+went first, and so does its graceful leave on SIGTERM (node/server.py).
+
+The router's answers are scripted by a small HTTP server on 127.0.0.1 standing in
+for the admin API (the answers a leader election or a concurrent change gives:
+409 ``ring_changed``, 503 ``no_leader``), because a real router gives them only in
+a race; the node is a real process.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import signal
+import threading
+
+import pytest
+
+from tests.processes import Procs, free_port, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+class ScriptedRouter:
+    """Answers POST/DELETE /admin/nodes... from a script; records what it was asked."""
+
+    def __init__(self, answers: dict[str, list[tuple[int, dict[str, str]]]]) -> None:
+        self.answers = answers
+        self.asked: list[str] = []
+        scripted = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                self.rfile.read(length)
+                scripted.asked.append(self.command)
+                queue = scripted.answers.get(self.command, [])
+                status, body = queue.pop(0) if len(queue) > 1 else queue[0]
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_POST = do_DELETE = _answer
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> ScriptedRouter:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+CHANGED = (409, {"error": "ring_changed", "detail": "another router changed the ring first"})
+NO_LEADER = (503, {"error": "no_leader", "detail": "no router leads the ring right now"})
+TAKEN = (409, {"error": "already_member", "detail": "node n1 is in the ring with another url"})
+OK = (200, {"epoch": 2, "nodes": []})
+
+
+def test_join_and_leave_retry_a_failover_and_a_concurrent_change(procs: Procs) -> None:
+    script = {"POST": [CHANGED, NO_LEADER, OK], "DELETE": [NO_LEADER, CHANGED, OK]}
+    with ScriptedRouter(script) as router:
+        proc, _ = procs.node("n1", free_port(), "--join", router.url)
+        assert wait_for(lambda: "joined the ring" in proc.output(), 20.0), proc.output()
+        assert router.asked == ["POST"] * 3
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(30) == 0
+        assert router.asked == ["POST"] * 3 + ["DELETE"] * 3
+        assert "left the ring: router answered 200" in proc.output(), proc.output()
+
+
+def test_a_final_refusal_is_not_retried(procs: Procs) -> None:
+    with ScriptedRouter({"POST": [TAKEN]}) as router:
+        proc = procs.start(
+            "n1", ["node", "--id", "n1", "--port", str(free_port()), "--join", router.url]
+        )
+        assert proc.popen.wait(30) == 1
+        assert router.asked == ["POST"]
+        assert "could not join the ring; giving up: router answered 409" in proc.output()
