@@ -43,6 +43,7 @@ import logging
 import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -298,7 +299,7 @@ class EtcdCoordinator:
                 leading = await self._call("campaign", campaign)
                 if not leading:
                     with contextlib.suppress(Exception):
-                        await lease.revoke()
+                        await self._call("lease revoke", partial(_revoke, lease.id))
                     await self._wait_for_vacancy(key)
                     continue
                 log.warning("leading the cluster's membership (etcd %s)", self.where)
@@ -308,7 +309,12 @@ class EtcdCoordinator:
                     await asyncio.sleep(self.ttl / 3)
                     sent = clock()
                     try:
-                        await asyncio.wait_for(lease.refresh(), timeout=self.ttl / 3)
+                        # Through _call, by the lease's id: if the watch replaced a
+                        # broken client meanwhile, the refresh uses the new one.
+                        await asyncio.wait_for(
+                            self._call("lease refresh", partial(_refresh, lease.id)),
+                            timeout=self.ttl / 3,
+                        )
                         last_ok = sent
                     except Exception as exc:
                         log.warning("leader lease refresh failed: %s", type(exc).__name__)
@@ -351,3 +357,11 @@ class EtcdCoordinator:
             if got is None:
                 return
             await asyncio.sleep(min(1.0, self.ttl / 3))
+
+
+async def _refresh(lease_id: int, client: Any) -> Any:
+    return await client.refresh_lease(lease_id)
+
+
+async def _revoke(lease_id: int, client: Any) -> Any:
+    return await client.revoke_lease(lease_id)

@@ -214,13 +214,19 @@ class Membership:
             first = ViewRecord(view, RingView.empty(), (), self.config, settled=False)
             committed = await self.coordinator.commit(first, expected=0)
             if committed is None:
-                log.warning("etcd already holds a ring: it wins over the --node seeds")
                 record = await self.coordinator.load()
             else:
                 await self._push_all(view, RingView.empty(), ())
                 self._adopt(view)
                 record = await self._settle(committed)
         if record is not None:
+            if seeds and {m.id: m for m in seeds} != {m.id: m for m in record.view}:
+                log.warning(
+                    "etcd %s holds the ring at epoch %d (%s): it wins over the --node seeds",
+                    self.coordinator.where,
+                    record.view.epoch,
+                    ", ".join(record.view.ids) or "no nodes",
+                )
             self._take(record, force=True)
         self._coordination = [asyncio.create_task(self._watch())]
         if health:

@@ -64,7 +64,35 @@ def exposed(service: dict[str, Any]) -> set[int]:
 
 
 def test_the_services_are_there(services: dict[str, Any]) -> None:
-    assert {"redis", "demo", "router", "node1", "node2", "node3"} <= set(services)
+    assert {"redis", "demo", "etcd", "router", "router2", "node1", "node2", "node3"} <= set(
+        services
+    )
+
+
+def test_two_routers_share_one_ring_through_etcd(services: dict[str, Any]) -> None:
+    """Both routers coordinate through the etcd service, advertise their own service
+    name, carry the same rules and publish different host ports."""
+    from router.coordinator import parse_endpoints
+
+    etcd_ports = exposed(services["etcd"])
+    commands = {}
+    for name in ("router", "router2"):
+        service = services[name]
+        endpoints = parse_endpoints(service["environment"]["RINGLIMIT_COORDINATOR"])
+        assert endpoints and all(h == "etcd" and p in etcd_ports for h, p in endpoints)
+        assert "etcd" in service["depends_on"]
+        args = parse(service["command"])
+        assert args.run.__name__ == "_run_router"
+        assert args.advertise == f"http://{name}:{args.port}"
+        assert args.port in {int(p.split(":")[-1]) for p in service["ports"]}
+        commands[name] = args
+    assert commands["router"].rule == commands["router2"].rule
+    hosts = [
+        {int(p.split(":")[0]) for p in services[name]["ports"]} for name in ("router", "router2")
+    ]
+    assert not hosts[0] & hosts[1], "each router needs a host port of its own"
+    # Only the first router seeds the ring; etcd's view wins over seeds anyway.
+    assert commands["router"].node and not commands["router2"].node
 
 
 def test_every_node_command_parses_and_matches_its_service(services: dict[str, Any]) -> None:
