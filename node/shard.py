@@ -545,7 +545,19 @@ class Shard:
                     if not flying:
                         del self._in_flight[member_id]
 
-        await asyncio.gather(*(send(m.id, m.url) for m in view if m.id != self.id))
+        # Final marks matter only to members that wait for this node, i.e. when it
+        # was a member of the previous view; a node that was not (a newcomer taking
+        # its first config, a removed node handing back) sends only real transfers,
+        # so a paused peer cannot hold up its push.
+        previous = self.previous
+        marks = previous is not None and self.id in previous
+        await asyncio.gather(
+            *(
+                send(m.id, m.url)
+                for m in view
+                if m.id != self.id and (marks or self._outbox.get(m.id))
+            )
+        )
         for member_id in [m for m in self._outbox if m not in view]:
             self.stats.keys_dropped += len(self._outbox.pop(member_id))
         self.stats.last_transfer_seconds = asyncio.get_running_loop().time() - started

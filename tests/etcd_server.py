@@ -90,6 +90,19 @@ class EtcdServer:
             )
             response.raise_for_status()
 
+    def get(self, key: str) -> bytes | None:
+        """One key's value (the JSON gateway again), or None."""
+        import base64
+
+        with httpx.Client(timeout=5.0) as client:
+            response = client.post(
+                f"{self.client_url}/v3/kv/range",
+                json={"key": base64.b64encode(key.encode()).decode()},
+            )
+            response.raise_for_status()
+            kvs = response.json().get("kvs") or []
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+
     def stop(self) -> None:
         process, self.process = self.process, None
         if process is None or process.poll() is not None:

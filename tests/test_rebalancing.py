@@ -389,12 +389,17 @@ async def test_pull_on_miss_while_the_bulk_has_not_arrived(delivery: str) -> Non
         for node_id in ("n1", "n2", "n3"):
             await push_view(cluster, node_id, v2, v1, wait=False)
         await push_view(cluster, "n4", v2, v1, wait=True)
-        await asyncio.sleep(0)
+        if delivery == "slow":
+            # The old owners' transfers were spawned (wait=False): let them reach
+            # the gate (bounded: a few loop turns).
+            for _ in range(100):
+                if gate.held:
+                    break
+                await asyncio.sleep(0)
+            assert gate.held > 0
         joined = moved(v1, v2)
         assert joined
         assert len(n4.store) == 0
-        if delivery == "slow":
-            assert gate.held > 0
 
         async def ask(user: str) -> bool:
             response = await cluster.client.post(
