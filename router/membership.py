@@ -152,6 +152,10 @@ class Membership:
         self._health_task: asyncio.Task[None] | None = None
         self._was_degraded = False
         self._repairing: set[str] = set()
+        #: Members being removed (crash in progress): probed, but granted no lease.
+        self._condemned: set[str] = set()
+        #: Removals the health loop started that have not finished (router/removal.py).
+        self._removing: dict[str, asyncio.Task[Any]] = {}
         #: The highest epoch ever pushed: new views always go above it.
         self._highest = 0
         self._history: dict[int, RingView] = {}
@@ -263,8 +267,10 @@ class Membership:
 
     async def _follow_loop(self, leader_url: str, headers: dict[str, str], interval: float) -> None:
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 await self.follow_once(leader_url, headers)
+            except Exception as exc:  # the loop outlives any one failure, never silently
+                self.failures.record("follow_loop", exc)
             await asyncio.sleep(interval)
 
     async def follow_once(self, leader_url: str, headers: dict[str, str]) -> bool:
@@ -368,9 +374,7 @@ class Membership:
                 self.health.setdefault(member.id, Health())
             self._adopt(view, crashed)
             await self._settle(record)
-            for member_id in failed:
-                if member_id in view:
-                    await self._crash_locked(member_id, reason="did not take a new view")
+            await self._crash_unresponsive(failed)
 
     async def _commit(
         self, view: RingView, previous: RingView, crashed: tuple[str, ...]
@@ -537,8 +541,10 @@ class Membership:
         await self._settle(committed)
         health.state = "active"
         self.health[member.id] = health
-        for member_id in failed:
-            await self._crash_locked(member_id, reason="did not take a new view")
+        if member.id in failed:
+            # It owned nothing before this view: removed at once, not budgeted.
+            await self._crash_locked(member.id, reason="did not take its first view")
+        await self._crash_unresponsive([m for m in failed if m != member.id])
         if member.id in failed:
             raise MembershipError(
                 502, "join_failed", f"node {member.id} did not take the new view; removed"
@@ -569,18 +575,18 @@ class Membership:
                 await self._push([leaving], new, previous, (), tolerate=False)
             except MembershipError:
                 log.warning("node %s did not take the leave; treating it as a crash", member_id)
-                self.health.pop(member_id, None)
-                return (
-                    await self._crash_locked(member_id, reason="did not take the leave")
-                    or self.view
+                # An operator's removal: no quorum, but its lease still bounds it.
+                await self._crash_unresponsive(
+                    [member_id], reason="did not take the leave", budgeted=False
                 )
+                self.health.pop(member_id, None)
+                return self.view
             failed = await self._push(new.members, new, previous, (), tolerate=True)
             self._remember(previous, ())
             self._adopt(new)
             await self._settle(committed)
             self.health.pop(member_id, None)
-            for other in failed:
-                await self._crash_locked(other, reason="did not take a new view")
+            await self._crash_unresponsive(failed)
             log.info("node %s left: epoch %d", member_id, new.epoch)
             return new
 
@@ -595,6 +601,9 @@ class Membership:
         previous = self.view
         new = self._next_view(m for m in previous if m.id != member_id)
         committed = await self._commit(new, previous, (member_id,))
+        # A member that misses this push learns the view from the health loop
+        # (refresh_node, with the crashes it missed); removing it too would be a
+        # cascade, so it is not removed for this.
         await self._push(new.members, new, previous, (member_id,), tolerate=True)
         self._remember(previous, (member_id,))
         crashed = previous.member(member_id)
@@ -611,6 +620,53 @@ class Membership:
         # for). It discards its states and may rejoin later as a new member.
         self._spawn(self._push([crashed], new, previous, (member_id,), tolerate=True))
         return new
+
+    async def _crash_unresponsive(
+        self,
+        failed: Iterable[str],
+        *,
+        reason: str = "did not take a new view",
+        budgeted: bool = True,
+    ) -> None:
+        """Remove, as crashed, members that did not take a committed view (lock held).
+
+        Within the removal budget's quorum (router/removal.py): when so many
+        failed that removing them would leave no majority, this router suspects
+        itself (a blip of its own network or host) and keeps them; the health
+        loop sends them the view, with every crash they missed, once they answer
+        (refresh_node). And only once every lease granted to them has certainly
+        ended: they get no more renewals, and the removal waits out the rest, so
+        a member that is alive but failed the push (a pause, an error) cannot
+        decide on old state while its keys move on.
+        """
+        ids = [m for m in dict.fromkeys(failed) if m in self.view]
+        if not ids:
+            return
+        size = len(self.view)
+        if budgeted and size - len(ids) <= self.budget.quorum * size:
+            self.stats["deferred_quorum"] += len(ids)
+            log.warning(
+                "%d of %d members did not take epoch %d: suspecting this router's own "
+                "network or host; keeping them (they get the view when they answer)",
+                len(ids),
+                size,
+                self.view.epoch,
+            )
+            return
+        loop = asyncio.get_running_loop()
+        self._condemned.update(ids)
+        try:
+            until = max(
+                (h.lease_until for m in ids if (h := self.health.get(m)) is not None),
+                default=float("-inf"),
+            )
+            if until > loop.time():
+                self.stats["deferred_lease"] += len(ids)
+                await asyncio.sleep(until - loop.time())
+            for member_id in ids:
+                await self._crash_locked(member_id, reason=reason)
+        finally:
+            self._condemned.difference_update(ids)
 
     async def settle(self) -> None:
         """Wait for the repairs the health loop started (rejoins, refreshes)."""
@@ -875,7 +931,7 @@ class Membership:
         token = data.get("token")
         health.token = token if isinstance(token, str) else None
         health.offered_at = asyncio.get_running_loop().time()
-        if not self.leasing or health.token is None:
+        if not self.leasing or health.token is None or member.id in self._condemned:
             return data
         health.lease_until = max(
             health.lease_until,
@@ -944,11 +1000,15 @@ class Membership:
             if not self.leading:
                 continue  # with etcd, only the leader probes, removes and grants leases
             try:
-                await self.check_health()
+                # Removals run beside the loop: one waits for the lock (a change
+                # under way), and leases must keep being renewed meanwhile.
+                await self.check_health(wait=False)
             except Exception as exc:  # the loop outlives any one failure, never silently
                 self.failures.record("health_loop", exc)
 
-    async def check_health(self) -> None:
+    async def check_health(self, *, wait: bool = True) -> None:
+        """One round: probe every member (renewing leases), then start the
+        removals the budget allows; ``wait`` for them (the loop does not)."""
         view = self.view
 
         async def probe(member: Member) -> bool:
@@ -989,18 +1049,22 @@ class Membership:
             else:
                 log.warning("shared backend back on every node: routing as configured again")
         failed = [m.id for m, ok in zip(view, answered, strict=True) if not ok]
-        await self._remove_failed(view, failed)
+        removals = self._remove_failed(view, failed)
+        if wait and removals:
+            await asyncio.gather(*removals)
         await asyncio.gather(
             *(probe_removed(m) for m in list(self.removed.values()) if m.id not in self.view)
         )
 
-    async def _remove_failed(self, view: RingView, unreachable: list[str]) -> None:
-        """Remove the members that failed ``failure_threshold`` probes in a row,
-        within the removal budget (router/removal.py)."""
+    def _remove_failed(self, view: RingView, unreachable: list[str]) -> list[asyncio.Task[Any]]:
+        """Start removing the members that failed ``failure_threshold`` probes in
+        a row, within the removal budget (router/removal.py); returns the tasks."""
         due = [
             m.id
             for m in view
-            if (h := self.health.get(m.id)) is not None and h.failures >= self.failure_threshold
+            if (h := self.health.get(m.id)) is not None
+            and h.failures >= self.failure_threshold
+            and m.id not in self._removing
         ]
         now = asyncio.get_running_loop().time()
         plan = self.budget.plan(
@@ -1026,10 +1090,25 @@ class Membership:
             self.stats[f"deferred_{reason}"] += 1
             if reason != "lease":
                 log.info("removal of %s deferred (%s budget)", member_id, reason)
+        started: list[asyncio.Task[Any]] = []
         for member_id in plan.remove:
+            # The rate counts from the decision: a removal still waiting for the
+            # lock is one of this interval's.
+            self.budget.removed(now)
+            task = self._removing[member_id] = self._spawn(self._remove_crashed(member_id))
+            started.append(task)
+        return started
+
+    async def _remove_crashed(self, member_id: str) -> None:
+        # No renewal from the decision on: if it answers again while the removal
+        # waits for the lock, its lease must not outlive the removal.
+        self._condemned.add(member_id)
+        try:
             if await self.crash(member_id, reason="failed its health checks") is not None:
-                self.budget.removed(asyncio.get_running_loop().time())
                 self.stats["removed_crashed"] += 1
+        finally:
+            self._removing.pop(member_id, None)
+            self._condemned.discard(member_id)
 
     @property
     def backend_degraded(self) -> bool:

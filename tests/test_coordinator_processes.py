@@ -279,3 +279,74 @@ def test_a_node_killed_under_traffic_through_both_routers(procs: Procs, etcd_end
     )
     assert spend.excess() == 0 and all(spend.allowed(u) == LIMIT for u in USERS)
     assert more.statuses()[200] == 0, more.over()
+
+
+def test_conflicting_changes_through_both_routers_make_one_history(
+    procs: Procs, etcd_endpoint: str, etcd_server: EtcdServer
+) -> None:
+    """Under traffic through both routers, a join and a graceful leave are asked of
+    the two routers at the same moment (and a second join of the same id through
+    the other one): every answer is a success or a retryable conflict, the epochs
+    form one history (no epoch made twice, both routers and etcd end on the same
+    view), and every user's count is exact through the join and the leave."""
+    routers, _ = start(procs, etcd_endpoint)
+    urls = [url for _, url in routers]
+    load = Load(urls, users=USERS, pace=0.1)
+    thread = load.start()
+    assert wait_for(lambda: load.progress > 0.2, timeout=30.0)
+    _, n4 = procs.node("n4", None, "--fenced")
+    epoch = admin_ring(urls[0])["epoch"]
+    answers: dict[str, httpx.Response | str] = {}
+
+    def call(name: str, method: str, url: str, body: dict[str, Any] | None = None) -> None:
+        try:
+            answers[name] = httpx.request(method, url, json=body, timeout=40.0)
+        except httpx.HTTPError as exc:
+            answers[name] = type(exc).__name__
+
+    calls = [
+        threading.Thread(
+            target=call, args=("join", "POST", f"{urls[0]}/admin/nodes", {"id": "n4", "url": n4})
+        ),
+        threading.Thread(target=call, args=("leave", "DELETE", f"{urls[1]}/admin/nodes/n3")),
+        threading.Thread(
+            target=call, args=("join2", "POST", f"{urls[1]}/admin/nodes", {"id": "n4", "url": n4})
+        ),
+    ]
+    for thread_ in calls:
+        thread_.start()
+    for thread_ in calls:
+        thread_.join(60.0)
+    statuses = {
+        name: a.status_code if isinstance(a, httpx.Response) else a for name, a in answers.items()
+    }
+    # A change either happened or was refused as retryable (409 ring_changed /
+    # join_in_progress, 503 no_leader while the forward raced an election).
+    assert all(s in (200, 409, 503) for s in statuses.values()), statuses
+    for name, method, url, body in [
+        ("join", "POST", f"{urls[0]}/admin/nodes", {"id": "n4", "url": n4}),
+        ("leave", "DELETE", f"{urls[1]}/admin/nodes/n3", None),
+    ]:
+        if statuses[name] != 200:  # retried once, as a client would
+            call(name, method, url, body)
+    ring = admin_ring(urls[0])
+    assert sorted(n["id"] for n in ring["nodes"]) == ["n1", "n2", "n4"], (statuses, ring)
+    assert wait_for(lambda: len({admin_ring(u)["epoch"] for u in urls}) == 1, timeout=10.0)
+    record = _record(etcd_server)
+    assert record["settled"] is True and record["epoch"] == admin_ring(urls[1])["epoch"]
+    # One history: each change took its own epoch (a join and a leave: two).
+    assert record["epoch"] == epoch + 2, (epoch, record, statuses)
+    events = [e for e in admin_ring(urls[0]).get("events", []) if e.get("epoch", 0) > epoch]
+    seen = [e["epoch"] for e in events if e.get("kind") in ("joined", "left")]
+    assert len(seen) == len(set(seen)), events
+    finish(thread, load, timeout=90.0)
+    report(
+        "conflicting join + leave through two routers on etcd",
+        answers=statuses,
+        epochs=f"{epoch} -> {record['epoch']}",
+        statuses=dict(load.statuses()),
+    )
+    assert load.excess() == 0, load.over()
+    assert all(load.allowed(u) == LIMIT for u in USERS), {
+        u: load.allowed(u) for u in USERS if load.allowed(u) != LIMIT
+    }

@@ -56,7 +56,7 @@ async def test_health_loop_errors_are_counted_in_metrics_and_logged(
         membership = cluster.router.membership
         calls = []
 
-        async def broken() -> None:
+        async def broken(*, wait: bool = True) -> None:
             calls.append(1)
             raise RuntimeError("probe bug")
 

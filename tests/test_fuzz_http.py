@@ -247,6 +247,15 @@ PATHS = [
     "/internal/replica",
     "/internal/status",
     "/internal/lease",
+    "/internal/top",
+    "/internal/top?n=-1&rule=%00",
+    "/admin/top",
+    "/admin/top?rule=api&n=abc",
+    "/admin/top?n=99999999999999999999",
+    "/admin/ui",
+    "/admin/ui/data",
+    "/v1/check?key=%ff%fe",
+    "/hello?x=%zz&&=",
 ]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD", "TRACE", "BREW"]
 
@@ -281,6 +290,12 @@ def requests(
                 st.sampled_from(PATHS),
                 st.sampled_from(PATHS).flatmap(
                     lambda p: texts.map(lambda t: p.rstrip("/") + "/" + quote(t, safe=""))
+                ),
+                # Junk query strings (parameters the endpoint reads, and others).
+                st.sampled_from(PATHS).flatmap(
+                    lambda p: texts.map(
+                        lambda t: p + ("&" if "?" in p else "?") + quote(t, safe="=&")
+                    )
                 ),
             )
         )

@@ -31,7 +31,7 @@ from tests.test_rebalancing import (
     send,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.reliability]
 
 
 @pytest.fixture
@@ -277,6 +277,81 @@ async def test_the_same_registration_twice_at_once_is_one_join() -> None:
         views = await asyncio.gather(membership.join(member), membership.join(member))
         assert views[0] == views[1] == membership.view
         assert "n4" in membership.view and membership.view.epoch == 2
+
+
+async def test_a_change_holding_the_lock_never_stops_renewals_and_removal_follows_it() -> None:
+    """A join's pushes or a large leave's handoff hold the membership lock for
+    seconds: the health loop keeps renewing every lease meanwhile (else the
+    whole cluster's leases lapse), and a crash removal it decides waits for the
+    change, not the other way round."""
+    options = {"failure_threshold": 1}
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        await leased(cluster)
+        membership = cluster.router.membership
+        health = membership.health["n2"]
+        health.lease_until = float("-inf")  # its lease is over: due at once when down
+        cluster.take_down("n2")
+        renewals = membership.stats["lease_renewals"]
+        async with membership.lock:  # a change under way
+            await asyncio.wait_for(membership.check_health(wait=False), timeout=2.0)
+            assert membership.stats["lease_renewals"] >= renewals + 2  # n1 and n3
+            await asyncio.sleep(0.05)
+            assert "n2" in membership.view  # its removal waits for the change
+            # A second round does not start a second removal of the same member.
+            await asyncio.wait_for(membership.check_health(wait=False), timeout=2.0)
+            assert membership.stats["lease_renewals"] >= renewals + 4
+        await membership.settle()
+        assert "n2" not in membership.view
+        assert membership.stats["removed_crashed"] == 1
+
+
+async def test_a_blip_during_a_join_removes_no_majority() -> None:
+    """Most old members miss a join's view (a blip of the router's network): the
+    join completes, nobody is removed (the removal budget's quorum), and the
+    missed view reaches them through the health loop once they answer."""
+    async with InProcessCluster(3, make_config(), clock=FrozenClock()) as cluster:
+        tally = await exhaust(cluster)
+        membership = cluster.router.membership
+        cluster._make_node("n4")
+        cluster.take_down("n1")
+        cluster.take_down("n2")
+        await membership.join(Member("n4", node_url("n4")))
+        view = membership.view
+        assert sorted(view.ids) == ["n1", "n2", "n3", "n4"]
+        assert membership.crashes == 0
+        assert membership.stats["deferred_quorum"] == 2
+        cluster.bring_back("n1")
+        cluster.bring_back("n2")
+        await membership.check_health()
+        await membership.settle()
+        for node_id in ("n1", "n2", "n3", "n4"):
+            shard = cluster.nodes[node_id].shard
+            assert shard is not None and shard.epoch == view.epoch, node_id
+        await send(cluster.client, tally, USERS, 2)
+        assert tally.excess() == 0, tally.over()
+
+
+async def test_a_member_that_misses_a_view_is_removed_only_after_its_lease() -> None:
+    """One member fails the push of a committed join (alive but failing, or
+    paused): it is removed as crashed, but only once the lease it may still hold
+    has certainly ended, and it is granted no renewal meanwhile."""
+    options = {"lease": 0.4}
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        await leased(cluster)
+        membership = cluster.router.membership
+        loop = asyncio.get_running_loop()
+        lease_until = membership.health["n1"].lease_until
+        assert lease_until > loop.time()
+        cluster._make_node("n4")
+        cluster.take_down("n1")
+        await membership.join(Member("n4", node_url("n4")))
+        assert loop.time() >= lease_until
+        assert "n1" not in membership.view and "n4" in membership.view
+        assert membership.stats["deferred_lease"] == 1
 
 
 # --------------------------------------------------------------------------- returning members
