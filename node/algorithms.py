@@ -656,10 +656,6 @@ REGISTRY: dict[str, Algorithm] = {
 }
 
 
-def algorithm_for(rule: Rule) -> Algorithm:
-    return REGISTRY[rule.algorithm]
-
-
 def decide(state: State, now: float, rule: Rule, cost: int) -> tuple[State, Decision]:
     """Dispatch on the rule's algorithm (convenience; hot paths bind the function)."""
     return REGISTRY[rule.algorithm].decide(state, now, rule, cost)

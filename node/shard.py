@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from node.algorithms import MAX_SPAN, REGISTRY
@@ -137,7 +137,6 @@ class HandoffStats:
     conservative_keys: int = 0
     views_applied: int = 0
     last_transfer_seconds: float = 0.0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class Shard:
@@ -736,5 +735,5 @@ class Shard:
             "conservative_crashes": len(self._crashes),
             "outbox": {k: len(v) for k, v in self._outbox.items() if v},
             "replicas": {k: len(v) for k, v in self._replicas.items()},
-            "stats": {k: v for k, v in self.stats.__dict__.items() if k != "extra"},
+            "stats": dict(self.stats.__dict__),
         }
