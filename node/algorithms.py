@@ -659,6 +659,24 @@ REGISTRY: dict[str, Algorithm] = {
 }
 
 
+def exhausted(rule: Rule, at: float) -> tuple[State, float]:
+    """A state whose whole capacity was spent at ``at``, and when it is fresh again.
+
+    The conservative crash policy's starting point (node/shard.py ``_exhaust``, and
+    the simulations): a fresh state charged ``capacity`` units by the engine itself.
+    It is fresh again up to two periods later (sliding window), or later still for a
+    bucket with burst > limit.
+    """
+    algorithm = REGISTRY[rule.algorithm]
+    state, _ = algorithm.decide(None, at, rule, rule.capacity)
+    return state, algorithm.fresh_at(state, rule)
+
+
+def exhausted_for(rule: Rule) -> float:
+    """How long a state exhausted at once stays distinguishable from a fresh one."""
+    return exhausted(rule, 0.0)[1]
+
+
 def decide(state: State, now: float, rule: Rule, cost: int) -> tuple[State, Decision]:
     """Dispatch on the rule's algorithm (convenience; hot paths bind the function)."""
     return REGISTRY[rule.algorithm].decide(state, now, rule, cost)

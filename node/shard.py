@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from node.algorithms import MAX_SPAN, REGISTRY
+from node.algorithms import MAX_SPAN, exhausted, exhausted_for
 from node.clock import Clock
 from node.config import ClusterConfig
 from node.failures import Failures
@@ -44,13 +44,6 @@ log = logging.getLogger("ringlimit.node")
 #: Keys whose replica targets replication remembers (then it starts over). Small on
 #: purpose: a million-entry cache cost ~90 bytes per key of node memory.
 SUCCESSOR_CACHE = 65_536
-
-
-def exhausted_for(rule: Rule) -> float:
-    """How long a state exhausted at once stays distinguishable from a fresh one."""
-    algorithm = REGISTRY[rule.algorithm]
-    state, _ = algorithm.decide(None, 0.0, rule, rule.capacity)
-    return algorithm.fresh_at(state, rule)
 
 
 class NotOwner(Exception):
@@ -298,10 +291,9 @@ class Shard:
                 continue
             if self.store.get(rule, key) is not None:
                 continue
-            algorithm = REGISTRY[rule.algorithm]
-            state, _ = algorithm.decide(None, at, rule, rule.capacity)
+            state, fresh_at = exhausted(rule, at)
             # An exhausted bucket with burst > limit takes longer than a period to refill.
-            if algorithm.fresh_at(state, rule) <= now:
+            if fresh_at <= now:
                 continue
             self.store.put(rule, key, state)
             self.stats.conservative_keys += 1
