@@ -57,7 +57,7 @@ _decision = partial(tuple.__new__, Decision)
 
 def _impossible(
     state: State, rule: Rule, remaining: int, reset_after: float, available_after: float
-) -> tuple:
+) -> tuple[State, Decision]:
     return state, _decision(
         (
             False,
@@ -153,7 +153,8 @@ def _tb_next(whole: int, tokens: float, capacity: int, rate: float, lag: float) 
 
 
 def token_bucket_fresh_at(state: State, rule: Rule) -> float:
-    return state.imag + (rule.capacity - state.real) / rule.rate
+    fresh: float = state.imag + (rule.capacity - state.real) / rule.rate
+    return fresh
 
 
 # --------------------------------------------------------------------------- GCRA
@@ -283,7 +284,8 @@ def fixed_window(state: State, now: float, rule: Rule, cost: int) -> tuple[State
 
 
 def fixed_window_fresh_at(state: State, rule: Rule) -> float:
-    return state[0] + rule.period
+    start: float = state[0]
+    return start + rule.period
 
 
 # --------------------------------------------------------------------------- sliding log
@@ -456,6 +458,7 @@ def _sw_reset(start: float, prev: int, curr: int, now: float, period: float) -> 
 
 
 def sliding_window_fresh_at(state: State, rule: Rule) -> float:
+    start: float
     start, _prev, curr = state
     if curr:
         return start + 2 * rule.period
@@ -656,8 +659,22 @@ REGISTRY: dict[str, Algorithm] = {
 }
 
 
-def algorithm_for(rule: Rule) -> Algorithm:
-    return REGISTRY[rule.algorithm]
+def exhausted(rule: Rule, at: float) -> tuple[State, float]:
+    """A state whose whole capacity was spent at ``at``, and when it is fresh again.
+
+    The conservative crash policy's starting point (node/shard.py ``_exhaust``, and
+    the simulations): a fresh state charged ``capacity`` units by the engine itself.
+    It is fresh again up to two periods later (sliding window), or later still for a
+    bucket with burst > limit.
+    """
+    algorithm = REGISTRY[rule.algorithm]
+    state, _ = algorithm.decide(None, at, rule, rule.capacity)
+    return state, algorithm.fresh_at(state, rule)
+
+
+def exhausted_for(rule: Rule) -> float:
+    """How long a state exhausted at once stays distinguishable from a fresh one."""
+    return exhausted(rule, 0.0)[1]
 
 
 def decide(state: State, now: float, rule: Rule, cost: int) -> tuple[State, Decision]:

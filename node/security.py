@@ -45,9 +45,3 @@ def is_loopback(host: str | None) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def redact(url_or_text: str, secret: str | None) -> str:
-    if secret and secret in url_or_text:
-        return url_or_text.replace(secret, "***")
-    return url_or_text

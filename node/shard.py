@@ -26,10 +26,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from node.algorithms import MAX_SPAN, REGISTRY
+from node.algorithms import MAX_SPAN, exhausted, exhausted_for
 from node.clock import Clock
 from node.config import ClusterConfig
 from node.failures import Failures
@@ -44,13 +44,6 @@ log = logging.getLogger("ringlimit.node")
 #: Keys whose replica targets replication remembers (then it starts over). Small on
 #: purpose: a million-entry cache cost ~90 bytes per key of node memory.
 SUCCESSOR_CACHE = 65_536
-
-
-def exhausted_for(rule: Rule) -> float:
-    """How long a state exhausted at once stays distinguishable from a fresh one."""
-    algorithm = REGISTRY[rule.algorithm]
-    state, _ = algorithm.decide(None, 0.0, rule, rule.capacity)
-    return algorithm.fresh_at(state, rule)
 
 
 class NotOwner(Exception):
@@ -137,7 +130,6 @@ class HandoffStats:
     conservative_keys: int = 0
     views_applied: int = 0
     last_transfer_seconds: float = 0.0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class Shard:
@@ -299,10 +291,9 @@ class Shard:
                 continue
             if self.store.get(rule, key) is not None:
                 continue
-            algorithm = REGISTRY[rule.algorithm]
-            state, _ = algorithm.decide(None, at, rule, rule.capacity)
+            state, fresh_at = exhausted(rule, at)
             # An exhausted bucket with burst > limit takes longer than a period to refill.
-            if algorithm.fresh_at(state, rule) <= now:
+            if fresh_at <= now:
                 continue
             self.store.put(rule, key, state)
             self.stats.conservative_keys += 1
@@ -748,5 +739,5 @@ class Shard:
             "conservative_crashes": len(self._crashes),
             "outbox": {k: len(v) for k, v in self._outbox.items() if v},
             "replicas": {k: len(v) for k, v in self._replicas.items()},
-            "stats": {k: v for k, v in self.stats.__dict__.items() if k != "extra"},
+            "stats": dict(self.stats.__dict__),
         }

@@ -23,7 +23,7 @@ try:
     # CPython's bundled MD5 has no per-call OpenSSL context setup, which for
     # keys this short makes it about twice as fast as hashlib's. The digest is
     # MD5 either way, so the fallback changes speed, never placement.
-    from _md5 import md5 as _md5  # type: ignore[import-not-found]
+    from _md5 import md5 as _md5
 except ImportError:  # pragma: no cover - CPython builds without the builtin
     import hashlib
 

@@ -132,8 +132,6 @@ class RouterSettings:
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_buffered_body: int = 1 << 20
     health_checks: bool = True
-    #: "fast" (router/fastclient.py, plain http) or "aiohttp" (also https).
-    forwarder: str = "fast"
     #: The URLs this router answers on: a join at one of them is refused.
     own_urls: Sequence[str] = ()
     #: Hold single decision-API checks this long (seconds) to send them to their
@@ -233,9 +231,10 @@ class Router:
     async def start(self) -> None:
         if self.forwarder is None:
             tls = any(m.url.startswith("https://") for m in self.settings.seeds)
+            # router/fastclient.py speaks plain http only; aiohttp also https.
             self.forwarder = (
                 AiohttpForwarder(timeouts=self.settings.timeouts)
-                if tls or self.settings.forwarder == "aiohttp"
+                if tls
                 else FastForwarder(timeouts=self.settings.timeouts)
             )
         await self.membership.start(self.settings.seeds, health=self.settings.health_checks)
@@ -293,8 +292,16 @@ class Router:
                 await send_json(send, 404, error_body("not_found", "no such endpoint"))
                 return
             await self.proxy(scope, receive, send)
-        elif scope["type"] == "http" and scope["path"] == "/v1/check" and scope["method"] == "POST":
-            await self.check_asgi(scope, receive, send)  # the decision API's hot path
+        elif scope["type"] == "http" and scope["path"] == "/v1/check":
+            if scope["method"] == "POST":
+                await self.check_asgi(scope, receive, send)  # the decision API's hot path
+            else:
+                await send_json(
+                    send,
+                    405,
+                    error_body("method_not_allowed", "Method Not Allowed"),
+                    [(b"allow", b"POST")],
+                )
         else:
             await self.control(scope, receive, send)
 
@@ -306,9 +313,12 @@ class Router:
         Round-robin is only for a shared backend (Redis): while that backend
         is down the nodes fall back to local limiters, so the router routes
         stickily again and each user's fallback limiter lives on one node.
+        ``EmptyRingError`` when the view has no members.
         """
         if self.config.balance == "round-robin" and not self.membership.backend_degraded:
             members = view.members
+            if not members:
+                raise EmptyRingError(f"cannot place a key: ring at epoch {view.epoch} is empty")
             return members[next(self._turn) % len(members)]
         # Owners are remembered per view (a dict lookup instead of md5 + bisect).
         cache = self._owners
@@ -412,7 +422,7 @@ class Router:
             view = self.membership.view
             try:
                 member = self.pick(view, user)
-            except (EmptyRingError, ZeroDivisionError):
+            except EmptyRingError:
                 await send_json(send, 503, error_body("no_nodes", "the ring has no nodes"))
                 return
             try:
@@ -536,7 +546,6 @@ class Router:
 
     def _routes(self) -> list[Route]:
         return [
-            Route("/v1/check", self.check, methods=["POST"]),
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             Route("/admin/ring", self.admin_ring, methods=["GET"]),
@@ -565,19 +574,9 @@ class Router:
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def check(self, request: Request) -> Response:
-        """The decision API: each check goes to its owner; a batch is split and merged."""
-        config = self.config
-        try:
-            body = await read_body(request, config.limits.max_body)
-            checks, batch = parse_checks_fast(parse_json(body, config), config)
-        except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        status, payload = await self.answer_checks(checks, batch)
-        return Response(payload, status_code=status, media_type="application/json")
-
     async def check_asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """``POST /v1/check`` as :meth:`check` answers it, in raw ASGI (no Starlette)."""
+        """``POST /v1/check``, the decision API: each check goes to its owner; a batch
+        is split and merged. Raw ASGI (no Starlette): this is the hot path."""
         config = self.config
         limit = config.limits.max_body
         if self.settings.api_token is not None and not self._api_allowed(scope):
@@ -637,7 +636,7 @@ class Router:
             return (await self.route_checks([check]))[0]
         try:
             member = self.pick(self.membership.view, check.key)
-        except (EmptyRingError, ZeroDivisionError):
+        except EmptyRingError:
             return (await self.route_checks([check]))[0]
         result = await self.coalescer.submit(member.id, (member, check))
         if result is _RETRY:
@@ -1059,7 +1058,8 @@ def _complete(results: list[Result | None]) -> list[Result]:
 
 
 def _checks_payload(checks: Sequence[AnyCheck], indices: list[int]) -> bytes:
-    """``dumps({"checks": [_check_json(checks[i]) for i in indices]})``, formatted directly."""
+    """The node's batch body for ``checks[i]`` of ``indices``, formatted directly:
+    ``{"checks": [{"key", "cost", "rule" (when the check names one rule)}, ...]}``."""
     parts: list[str] = []
     append = parts.append
     for i in indices:
@@ -1087,13 +1087,6 @@ async def _send_json_bytes(send: Send, status: int, payload: bytes) -> None:
         }
     )
     await send({"type": "http.response.body", "body": payload})
-
-
-def _check_json(check: AnyCheck) -> dict[str, Any]:
-    data: dict[str, Any] = {"key": check.key, "cost": check.cost}
-    if len(check.rules) == 1:
-        data["rule"] = check.rules[0].name
-    return data
 
 
 def _unreachable_result(check: AnyCheck, node_id: str) -> dict[str, Any]:

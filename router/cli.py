@@ -57,6 +57,9 @@ class CommandError(Exception):
 LAZY_COMMANDS = {"simulate": "simulations.cli", "bench": "benchmarks.cluster"}
 #: What to install when an optional dependency of a command is missing.
 EXTRAS = {"simulate": "sim", "bench": "bench"}
+#: The modules each of those extras provides: a command whose import fails for want
+#: of one of them names its extra; any other ImportError is a bug, and is raised.
+EXTRA_MODULES = {"simulate": frozenset({"matplotlib"}), "bench": frozenset({"limits", "slowapi"})}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -286,13 +289,17 @@ def _lazy_command(
     help: str,
 ) -> None:
     """A subcommand imported only when it is the one about to run (``simulations``,
-    ``benchmarks``: both ship in the wheel; numpy and friends are slow to load)."""
+    ``benchmarks``: both ship in the wheel; numpy and friends are slow to load).
+    Only a missing module of the command's extra (``EXTRA_MODULES``) becomes a
+    one-line "pip install" hint; any other ImportError is raised."""
     parser = commands.add_parser(name, help=help)
     if chosen != name:
         return
     try:
         module = importlib.import_module(LAZY_COMMANDS[name])
     except ImportError as exc:
+        if (exc.name or "").partition(".")[0] not in EXTRA_MODULES[name]:
+            raise
         parser.set_defaults(run=_missing(name, exc))
         return
     module.add_arguments(parser)

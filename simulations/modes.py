@@ -61,7 +61,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from node.algorithms import REGISTRY
+from node.algorithms import REGISTRY, exhausted
 from node.rules import Rule
 from node.store import MemoryStore, Record
 
@@ -424,28 +424,19 @@ class RoundRobinMode(_Mode):
         return action
 
 
-def exhausted_state(rule: Rule, at: float) -> Any:
-    """A state whose whole capacity was spent at ``at``: the conservative starting point.
-
-    Built exactly as the node does it (``node.shard.Shard._exhaust``): a fresh
-    state charged ``capacity`` units by the engine itself.
-    """
-    state, decision = REGISTRY[rule.algorithm].decide(None, at, rule, rule.capacity)
-    assert decision.allowed
-    return state
-
-
 @dataclass
 class _Exhaustion:
     """Keys of a crashed node that start exhausted under ``rule`` until ``until``.
 
-    The node does this lazily: a key the crashed member owned that has no
-    state yet and is asked about before ``at + rule.period`` starts from
-    :func:`exhausted_state`; after that, a missing state is fresh. The
-    simulator puts the exhausted state in place at the crash, and when the
-    period is over removes it from every key that no request asked about in
-    between (``keys``: such keys, mapped to the state object their owner
-    holds). The two are the same.
+    The node does this lazily (``node.shard.Shard._exhaust``): a key the crashed
+    member owned that has no state yet and is asked about before ``until``
+    starts from the state ``node.algorithms.exhausted(rule, at)`` gives, which
+    is fresh from ``until`` on (up to two periods for a sliding window, longer
+    for a bucket with burst > limit); after that, a missing state is fresh.
+    The simulator puts the exhausted state in place at the crash, and at
+    ``until`` removes it from every key that no request asked about in between
+    (``keys``: such keys, mapped to the state object their owner holds). The
+    two are the same.
     """
 
     rule: Rule
@@ -607,7 +598,7 @@ class StickyMode(_Mode):
         owners = current.owner_list()
         action["states_handed_back"] = self._import_grouped(records, owners, now)
         # A key whose state the merge replaced holds a real state now, not the
-        # conservative placeholder: it must outlive the placeholder's period.
+        # conservative placeholder: it must outlive the placeholder's ``until``.
         keys = {record[2] for record in records}
         for exhaustion in self.exhaustions:
             for key in keys & exhaustion.keys.keys():
@@ -659,7 +650,8 @@ class StickyMode(_Mode):
         action["conservative_keys"] = int(affected.size)
         action["conservative_used"] = 0
         for rule in self.rules:
-            state = exhausted_state(rule, info.at)
+            # The node's own starting state, and when it is fresh again.
+            state, fresh_at = exhausted(rule, info.at)
             for target, keys in groups:
                 if target < 0:  # the ring is empty: nobody owns them
                     continue
@@ -673,7 +665,7 @@ class StickyMode(_Mode):
             exhaustion = _Exhaustion(
                 rule,
                 info.at,
-                info.at + rule.period,
+                fresh_at,
                 {k: state for k in affected.tolist() if self._state_of(after, rule, k) is state},
                 action,
                 seen=int(np.searchsorted(self.times, info.at, side="left")),
@@ -685,7 +677,7 @@ class StickyMode(_Mode):
         return lambda now, epoch: self._expire(exhaustion, now, epoch)
 
     def _expire(self, exhaustion: _Exhaustion, now: float, epoch: Epoch) -> None:
-        """The period is over: keys nobody asked about since the crash are fresh again."""
+        """The exhausted state is fresh: keys nobody asked about since the crash are too."""
         if exhaustion not in self.exhaustions:
             return
         self.exhaustions.remove(exhaustion)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -41,6 +42,45 @@ def test_help_and_version() -> None:
 def test_the_console_script_is_installed() -> None:
     result = run(["ringlimit", "--version"])
     assert result.returncode == 0 and __version__ in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "missing"),
+    [("simulate", "matplotlib.pyplot"), ("bench", "slowapi"), ("bench", "limits.storage")],
+)
+def test_a_lazy_command_missing_its_extra_says_which_to_install(
+    command: str,
+    missing: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """In process: the command's module fails to import for want of its extra."""
+    from router import cli
+
+    module = f"ringlimit_fake_{command}"
+    (tmp_path / f"{module}.py").write_text(
+        f"raise ModuleNotFoundError('not installed', name={missing!r})\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.LAZY_COMMANDS, command, module)
+    assert cli.main([command]) == 2
+    err = capsys.readouterr().err
+    assert f"ringlimit {command}: {missing} is not installed" in err
+    assert f"ringlimit[{cli.EXTRAS[command]}]" in err
+
+
+def test_a_lazy_command_does_not_hide_any_other_import_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from router import cli
+
+    (tmp_path / "ringlimit_fake_broken.py").write_text("import ringlimit_no_such_module\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.LAZY_COMMANDS, "simulate", "ringlimit_fake_broken")
+    with pytest.raises(ModuleNotFoundError) as raised:
+        cli.main(["simulate"])
+    assert raised.value.name == "ringlimit_no_such_module"
 
 
 def free_block(count: int, attempts: int = 50) -> int:

@@ -743,6 +743,27 @@ async def test_admin_leave_of_an_unknown_node_is_404() -> None:
         assert_error(await cluster.client.delete("/admin/nodes/nope"), 404, "unknown_node")
 
 
+async def test_the_decision_api_takes_only_post_on_router_and_node() -> None:
+    async with running(limited_config()) as cluster:
+        for url in ("/v1/check", node_url(cluster.owner("a")) + "/v1/check"):
+            for method in ("GET", "PUT", "DELETE"):
+                response = await cluster.client.request(method, url)
+                assert_error(response, 405, "method_not_allowed")
+                assert response.headers["allow"] == "POST", url
+
+
+@pytest.mark.parametrize("balance", ["sticky", "round-robin"])
+async def test_an_empty_ring_is_503_no_nodes_on_both_paths(balance: str) -> None:
+    config = make_config(Rule("api", 5, 60.0), balance=balance)
+    async with running(config, nodes=0) as cluster:
+        assert not len(cluster.router.membership.view)
+        assert_error(await get(cluster, "sam"), 503, "no_nodes")
+        single = await cluster.client.post("/v1/check", json={"key": "sam", "rule": "api"})
+        assert_error(single, 503, "no_nodes")
+        batch = await cluster.client.post("/v1/check", json={"checks": [{"key": "sam"}]})
+        assert batch.json()["results"][0]["error"] == "no_nodes"
+
+
 async def test_a_node_answering_an_error_is_not_reported_as_a_decision() -> None:
     """A node that cannot answer a routed check (here: its config lacks the rule)."""
     async with running(make_config(Rule("api", 5, 60.0))) as cluster:

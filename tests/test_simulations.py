@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from node.algorithms import REGISTRY
 from node.lease import DEFAULT_DRIFT, lease_bound
 from ring import diff as ring_diff
 from simulations import SCHEMA_VERSION, ScenarioError, load_scenario, parse_scenario, simulate
@@ -205,6 +206,66 @@ def test_conservative_crash_never_over_admits(algorithm: str) -> None:
     assert cons["false_denials"]["total"] > 0  # the price: false denials instead
     # ...while the same crash under reset does over-admit.
     assert report["modes"]["handoff"]["events"][0]["over_admission"] > 0
+
+
+@pytest.mark.parametrize(
+    ("rule", "fresh_at"),
+    [
+        # Exhausted at 10.3 in the window [10, 15): it still counts, weighted, until
+        # the end of the next window.
+        ({"limit": "3/5s", "algorithm": "sliding_window"}, 20.0),
+        # 10 tokens at 0.2/s: empty at 10.3, full again 50 s later (after the run).
+        ({"limit": "1/5s", "algorithm": "token_bucket", "burst": 10}, 60.3),
+        ({"limit": "1/5s", "algorithm": "gcra", "burst": 10}, 60.3),
+    ],
+    ids=["sliding_window", "token_bucket-burst", "gcra-burst"],
+)
+def test_conservative_exhaustion_lasts_until_the_state_refills_as_on_the_node(
+    rule: dict[str, Any], fresh_at: float
+) -> None:
+    """The node (node/shard.py ``_exhaust``) starts a crashed member's key exhausted
+    while that exhausted state is not yet fresh, which here is longer than a period.
+    The simulation used to end it at ``at + period``: keys first asked in between got
+    a fresh quota. Every verdict on the crashed member's keys is replayed here with
+    the engine, starting each key as the node does."""
+    crash_at = 10.3
+    doc = make(
+        users={"count": 600, "popularity": "uniform"},
+        arrivals={"rate": 150},
+        rules=[rule],
+        events=[{"at": crash_at, "type": "crash", "node": "n2"}],
+    )
+    result = simulate(parse_scenario(doc))
+    (spec,) = result.scenario.rules
+    algorithm = REGISTRY[spec.algorithm]
+    exhausted, _ = algorithm.decide(None, crash_at, spec, spec.capacity)
+    assert algorithm.fresh_at(exhausted, spec) == pytest.approx(fresh_at)
+    assert fresh_at > crash_at + spec.period
+    lost = result.timeline.epochs[0].owners == result.timeline.node_index("n2")
+    times, users = result.arrivals.times, result.arrivals.users
+    after = np.flatnonzero((times >= crash_at) & lost[users])
+    cost = result.scenario.arrivals.cost
+
+    def replay(until: float) -> tuple[list[bool], dict[int, float]]:
+        """Verdicts on the lost keys when an untouched key starts exhausted until ``until``."""
+        first: dict[int, float] = {}
+        states: dict[int, Any] = {}
+        verdicts = []
+        for i in after.tolist():
+            user, now = int(users[i]), float(times[i])
+            if user not in first:
+                first[user] = now
+                states[user] = exhausted if now < until else None  # nothing was handed over
+            states[user], decision = algorithm.decide(states[user], now, spec, cost)
+            verdicts.append(decision.allowed)
+        return verdicts, first
+
+    expected, first = replay(fresh_at)
+    assert replay(crash_at + spec.period)[0] != expected  # the scenario tells them apart
+    assert result.results["conservative"].allowed[after].tolist() == expected
+    event = result.report["modes"]["conservative"]["events"][0]
+    assert event["conservative_keys"] == int(lost.sum())
+    assert event["conservative_used"] == sum(t < fresh_at for t in first.values())
 
 
 def test_replica_excess_is_bounded_by_the_last_interval() -> None:
