@@ -1105,6 +1105,9 @@ class Membership:
         self._condemned.add(member_id)
         try:
             if await self.crash(member_id, reason="failed its health checks") is not None:
+                # And again from its end: the next removal waits one interval
+                # after this one took effect, however long it waited for the lock.
+                self.budget.removed(asyncio.get_running_loop().time())
                 self.stats["removed_crashed"] += 1
         finally:
             self._removing.pop(member_id, None)
