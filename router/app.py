@@ -239,9 +239,9 @@ class Router:
             )
         await self.membership.start(self.settings.seeds, health=self.settings.health_checks)
         if self.settings.leader_url is not None:
-            self.membership.follow(
-                self.settings.leader_url, self._admin_headers(), self.settings.follow_interval
-            )
+            headers = self._admin_headers()
+            await self.membership.first_follow(self.settings.leader_url, headers)
+            self.membership.follow(self.settings.leader_url, headers, self.settings.follow_interval)
         if self.settings.grpc_port is not None:
             from router.envoy import RateLimitServicer, start_grpc
 

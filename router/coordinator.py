@@ -234,14 +234,23 @@ class EtcdCoordinator:
             record.view, record.previous, record.crashed, record.config, record.settled, revision
         )
 
-    async def watch(self) -> AsyncGenerator[ViewRecord, None]:
-        """Every new record, as committed (reconnecting when etcd goes away)."""
+    async def watch(self, since: int = 0) -> AsyncGenerator[ViewRecord, None]:
+        """Every record committed after revision ``since`` (the one the caller
+        loaded), reconnecting when etcd goes away.
+
+        Each (re)connection watches from the revision after the last one seen,
+        so a change made between the caller's load and the watch's start (or
+        while reconnecting) is not missed: without it a router could stay on
+        an older view until the next change.
+        """
         key = self._key("view")
+        seen = since
         while True:
             watcher = None
             try:
-                watcher = await self._call("watch", lambda c: c.watch(key))
+                watcher = await self._call("watch", partial(_watch, key, seen))
                 async for event in watcher:
+                    seen = max(seen, event.kv.mod_revision)
                     if event.kv.value:
                         try:
                             yield ViewRecord.from_json(event.kv.value, event.kv.mod_revision)
@@ -252,6 +261,8 @@ class EtcdCoordinator:
             except Exception as exc:
                 log.warning("watching etcd: %s; retrying", type(exc).__name__)
                 await self.close()
+                # Perhaps that revision was compacted away: from now on, next time.
+                seen = 0
             finally:
                 # A watch is a gRPC stream: cancel it here, bounded, rather than
                 # leave it to the event loop's shutdown (where it can hang).
@@ -365,3 +376,8 @@ async def _refresh(lease_id: int, client: Any) -> Any:
 
 async def _revoke(lease_id: int, client: Any) -> Any:
     return await client.revoke_lease(lease_id)
+
+
+def _watch(key: bytes, seen: int, client: Any) -> Any:
+    """A watch of ``key`` from the revision after ``seen`` (0: from now)."""
+    return client.watch(key, start_revision=seen + 1 if seen > 0 else None)

@@ -265,6 +265,20 @@ class Membership:
             asyncio.create_task(self._follow_loop(leader_url, headers, interval))
         )
 
+    async def first_follow(
+        self, leader_url: str, headers: dict[str, str], limit: float = 5.0
+    ) -> None:
+        """Before a follower serves: the leader's view, if it has one within
+        ``limit`` seconds. A follower that served first would answer ``no_nodes``
+        until its first poll (the leader may still be making the first view);
+        a leader whose ring is really empty costs the follower ``limit`` once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while not len(self.view) and loop.time() < deadline:
+            if await self.follow_once(leader_url, headers):
+                return
+            await asyncio.sleep(0.1)
+
     async def _follow_loop(self, leader_url: str, headers: dict[str, str], interval: float) -> None:
         while True:
             try:
@@ -308,7 +322,7 @@ class Membership:
         assert self.coordinator is not None
         # aclosing: on cancellation the generator (a gRPC stream) is closed now,
         # not at the event loop's shutdown.
-        async with contextlib.aclosing(self.coordinator.watch()) as records:
+        async with contextlib.aclosing(self.coordinator.watch(self._revision)) as records:
             async for record in records:
                 self._take(record)
 
@@ -351,7 +365,10 @@ class Membership:
             except CoordinatorError as exc:
                 log.warning("could not read the ring from etcd: %s", exc)
                 return
-            if record is None or record.settled:
+            if record is None:
+                return
+            if record.settled:
+                self._take(record)  # a view this router may have missed
                 return
             view = record.view
             log.warning("finishing the change to epoch %d left by the last leader", view.epoch)

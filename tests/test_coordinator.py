@@ -83,6 +83,33 @@ async def test_unreachable_etcd_is_one_clear_error() -> None:
         await dead.connect()
 
 
+async def test_a_watch_from_the_loaded_revision_misses_no_change(etcd_endpoint: str) -> None:
+    """A change committed between a router's load and the start of its watch
+    still reaches the watch (it starts from the revision after the load)."""
+    a, b = coordinator(etcd_endpoint), coordinator(etcd_endpoint)
+    await a.connect()
+    await b.connect()
+    try:
+        config = make_config()
+        one = RingView.of([Member("n1", "http://n1")], epoch=1)
+        first = await a.commit(ViewRecord(one, None, (), config, True), expected=0)
+        assert first is not None
+        loaded = await b.load()
+        assert loaded is not None and loaded.revision == first.revision
+        two = RingView.of([*one, Member("n2", "http://n2")], epoch=2)
+        second = await a.commit(ViewRecord(two, one, (), config, True), expected=first.revision)
+        assert second is not None
+        records = b.watch(loaded.revision)  # started only now, after the change
+        try:
+            seen = await asyncio.wait_for(anext(records), timeout=5.0)
+        finally:
+            await records.aclose()
+        assert seen.view == two and seen.revision == second.revision
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_a_commit_built_on_an_old_revision_loses(etcd_endpoint: str) -> None:
     """Two routers building on the same view cannot both change the ring."""
     a, b = coordinator(etcd_endpoint), coordinator(etcd_endpoint)
