@@ -16,13 +16,16 @@ its state: the view, the per-member :class:`Health`, the lock and the counters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import typing
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from node.lease import DEFAULT_DRIFT, lease_bound
 from ring import Member, RingView
+from router.viewlog import MembershipError
 
 if typing.TYPE_CHECKING:
     from router.membership import Membership
@@ -44,8 +47,18 @@ class Health:
 
 
 class HealthMonitor:
-    def __init__(self, membership: Membership) -> None:
+    """The membership's probes; ``spawn`` runs a task the membership tracks
+    (waited for by ``settle()``, cancelled by ``close()``, failures counted)."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+    ) -> None:
         self.membership = membership
+        self._spawn = spawn
+        #: Members with a repair under way (a refresh or a rejoin): one at a time.
+        self._repairing: set[str] = set()
         self._was_degraded = False
         #: Members being removed (crash in progress): probed, but granted no lease.
         self.condemned: set[str] = set()
@@ -97,14 +110,27 @@ class HealthMonitor:
         if health.epoch_seen < view.epoch and not m.lock.locked():
             # In the background: a rejoin can take a readiness wait and several
             # pushes, and must not delay the detection of other nodes' crashes.
-            m._in_background(member.id, m.refresh_node(member, health.epoch_seen))
+            self._in_background(member.id, m.refresh_node(member, health.epoch_seen))
         return True
 
     async def _probe_removed(self, member: Member) -> None:
         m = self.membership
         if await m.nodes.answers(member, m.health_timeout) and not m.lock.locked():
             log.warning("node %s answers again after its removal: it rejoins", member.id)
-            m._in_background(member.id, m._rejoin(member))
+            self._in_background(member.id, self._rejoin(member))
+
+    async def _rejoin(self, member: Member) -> None:
+        with contextlib.suppress(MembershipError):
+            await self.membership.join(member)
+
+    def _in_background(self, member_id: str, coro: Coroutine[Any, Any, None]) -> None:
+        """Run one repair per member at a time, without blocking the health loop."""
+        if member_id in self._repairing:
+            coro.close()
+            return
+        self._repairing.add(member_id)
+        task = self._spawn(coro)
+        task.add_done_callback(lambda _: self._repairing.discard(member_id))
 
     def _report_degraded(self) -> None:
         degraded = self.membership.backend_degraded
@@ -174,7 +200,7 @@ class HealthMonitor:
             # The rate counts from the decision: a removal still waiting for the
             # lock is one of this interval's.
             m.budget.removed(now)
-            task = self.removing[member_id] = m._spawn(self._remove_crashed(member_id))
+            task = self.removing[member_id] = self._spawn(self._remove_crashed(member_id))
             started.append(task)
         return started
 

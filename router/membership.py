@@ -134,9 +134,8 @@ class Membership:
         #: The HTTP calls to nodes (router/nodeclient.py).
         self.nodes = NodeClient(self._client, internal_token)
         #: Probes, leases and removals on probe failures (router/health.py).
-        self.monitor = HealthMonitor(self)
+        self.monitor = HealthMonitor(self, self._spawn)
         self._health_task: asyncio.Task[None] | None = None
-        self._repairing: set[str] = set()
         self._background: set[asyncio.Task[Any]] = set()
         self._newer_check: asyncio.Task[bool] | None = None
         self._joins: dict[str, asyncio.Future[RingView]] = {}
@@ -635,19 +634,6 @@ class Membership:
         """Wait for the repairs the health loop started (rejoins, refreshes)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
-
-    async def _rejoin(self, member: Member) -> None:
-        with contextlib.suppress(MembershipError):
-            await self.join(member)
-
-    def _in_background(self, member_id: str, coro: Any) -> None:
-        """Run one repair per member at a time, without blocking the health loop."""
-        if member_id in self._repairing:
-            coro.close()
-            return
-        self._repairing.add(member_id)
-        task = self._spawn(coro)
-        task.add_done_callback(lambda _: self._repairing.discard(member_id))
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)

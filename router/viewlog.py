@@ -41,7 +41,7 @@ MAX_REMOVED = 256
 #: in which it owns nothing; ``losers`` and ``gainers`` are the two steps of a
 #: change; ``survivors`` carries a crash (nobody loses keys to another member);
 #: ``notify`` tells a removed member, best effort; ``refresh`` resends a view.
-Role = Literal["config", "losers", "gainers", "survivors", "notify", "refresh", "all"]
+Role = Literal["config", "losers", "gainers", "survivors", "notify", "refresh"]
 
 
 class MembershipError(Exception):
@@ -66,8 +66,8 @@ class Push:
     members: tuple[Member, ...]
     view: RingView
     previous: RingView | None
-    crashed: tuple[str, ...] = ()
-    role: Role = "all"
+    crashed: tuple[str, ...]
+    role: Role
     tolerate: bool = True
     ready: bool = False
 
@@ -87,10 +87,6 @@ class Change:
     pushes: tuple[Push, ...]
     welcome: Push | None = None
     afterwards: tuple[Push, ...] = ()
-
-    @property
-    def newcomers(self) -> tuple[Member, ...]:
-        return tuple(m for m in self.view if m.id not in self.previous)
 
 
 @dataclass(frozen=True)
