@@ -33,7 +33,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from node.api import ApiError, CheckRequest, parse_checks, parse_json
-from node.apps import echo_app
 from node.asgi import ASGIApp, Receive, Scope, Send, json_http_errors, odd_target
 from node.authority import Authority
 from node.backend import Backend, MemoryBackend
@@ -59,6 +58,7 @@ from node.shadow import denied_names
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore, check_records
 from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
+from node.upstream import echo_app
 from ring import RingView
 from ring.member import check_id
 
