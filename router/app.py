@@ -16,13 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from json.encoder import encode_basestring_ascii as _jstr
 from typing import Any
 from urllib.parse import quote
 
@@ -32,15 +30,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from node.api import ApiError, CheckRequest, parse_json
-from node.app import (
-    RESULTS_HEAD,
-    RESULTS_SEP,
-    RESULTS_TAIL,
-    Check,
-    parse_checks_fast,
-    read_body,
-)
 from node.asgi import (
     Receive,
     Scope,
@@ -56,6 +45,19 @@ from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.security import bearer, is_loopback, token_matches
 from node.topkeys import NEAR_LIMIT_FRACTION
+from node.wire import (
+    ApiError,
+    Check,
+    Result,
+    batch_body,
+    checks_payload,
+    dumps,
+    parse_checks,
+    parse_json,
+    read_body,
+    split_results,
+    unreachable_result,
+)
 from ring import EmptyRingError, Member, RingView
 from ring.analysis import hash_share
 from ring.member import check_id, check_url, check_weight, same_url
@@ -98,10 +100,6 @@ CONTROL_PATHS = frozenset({"/healthz", "/metrics", "/v1/check"})
 MAX_ATTEMPTS = 3
 #: Keys whose owner the router remembers (per ring view).
 OWNER_CACHE = 100_000
-#: How a node's batch answer is laid out, one result per line (node/app.py).
-_LINES_HEAD = RESULTS_HEAD.encode()
-_LINES_SEP = RESULTS_SEP.encode()
-_LINES_TAIL = RESULTS_TAIL.encode()
 #: A coalesced check that must be routed again (the node refused it: ring change).
 _RETRY = object()
 
@@ -584,7 +582,9 @@ class Router:
             await _send_json_bytes(
                 send,
                 401,
-                _json(error_body("unauthorized", "the decision API needs its token (Bearer)")),
+                dumps(
+                    error_body("unauthorized", "the decision API needs its token (Bearer)")
+                ).encode(),
             )
             return
         try:
@@ -596,22 +596,18 @@ class Router:
             body = await _read_all(receive, limit)
             if body is None:
                 raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
-            checks, batch = parse_checks_fast(parse_json(body, config), config)
+            checks, batch = parse_checks(parse_json(body, config), config)
         except ApiError as exc:
-            await _send_json_bytes(send, exc.status, _json(exc.body()))
+            await _send_json_bytes(send, exc.status, dumps(exc.body()).encode())
             return
         status, payload = await self.answer_checks(checks, batch)
         await _send_json_bytes(send, status, payload)
 
-    async def answer_checks(self, checks: Sequence[AnyCheck], batch: bool) -> tuple[int, bytes]:
+    async def answer_checks(self, checks: Sequence[Check], batch: bool) -> tuple[int, bytes]:
         """The status and JSON body answering valid checks."""
         if batch:
             results = await self.route_checks(checks)
-            return 200, (
-                b'{"results":['
-                + b",".join(r if type(r) is bytes else _json(r) for r in results)
-                + b"]}"
-            )
+            return 200, batch_body(results)
         result = await self.route_single(checks[0])
         if type(result) is bytes:
             return 200, result  # a node's decision
@@ -628,9 +624,9 @@ class Router:
                 if result.get("reason") == "owner_unreachable" and not result["allowed"]
                 else 200
             )
-        return status, _json(result)
+        return status, dumps(result).encode()
 
-    async def route_single(self, check: AnyCheck) -> Result:
+    async def route_single(self, check: Check) -> Result:
         """One check; concurrent singles for the same node leave as one batch."""
         if self.coalescer is None:
             return (await self.route_checks([check]))[0]
@@ -643,9 +639,7 @@ class Router:
             return (await self.route_checks([check]))[0]
         return result  # type: ignore[no-any-return]
 
-    async def _send_coalesced(
-        self, node_id: str, items: list[tuple[Member, AnyCheck]]
-    ) -> list[Any]:
+    async def _send_coalesced(self, node_id: str, items: list[tuple[Member, Check]]) -> list[Any]:
         checks = [check for _, check in items]
         results: list[Result | None] = [None] * len(checks)
         retry: list[int] = []
@@ -655,7 +649,7 @@ class Router:
             out[index] = _RETRY
         return out
 
-    async def route_checks(self, checks: Sequence[AnyCheck]) -> list[Result]:
+    async def route_checks(self, checks: Sequence[Check]) -> list[Result]:
         """One result per check, in order: a node's answer as JSON bytes, or the
         router's own (an error, an unreachable owner) as a dict."""
         results: list[Result | None] = [None] * len(checks)
@@ -697,11 +691,11 @@ class Router:
         self,
         member: Member,
         indices: list[int],
-        checks: Sequence[AnyCheck],
+        checks: Sequence[Check],
         results: list[Result | None],
         retry: list[int],
     ) -> None:
-        payload = _checks_payload(checks, indices)
+        payload = checks_payload(checks, indices)
         assert self.forwarder is not None
         try:
             answer = await self.forwarder.post_json(
@@ -720,7 +714,7 @@ class Router:
                 retry.extend(indices)  # our view was stale: route them again
                 return
             for i in indices:
-                results[i] = _unreachable_result(checks[i], member.id)
+                results[i] = unreachable_result(checks[i], member.id)
             self.metrics.outcome(member.id, "unreachable")
             return
         if answer.status == 421 and await self._stale(answer, member):
@@ -731,7 +725,7 @@ class Router:
                 retry.extend(indices)
                 return
             for i in indices:
-                results[i] = _unreachable_result(checks[i], member.id)
+                results[i] = unreachable_result(checks[i], member.id)
             self.metrics.outcome(member.id, "lease_expired")
             return
         if answer.status != 200:
@@ -740,7 +734,7 @@ class Router:
                 results[i] = {"error": "node_error", "status": answer.status, "detail": detail}
             return
         try:
-            answered = _results(answer.body)
+            answered = split_results(answer.body)
             if len(answered) != len(indices):
                 raise ValueError("wrong number of results")
         except (ValueError, KeyError, TypeError) as exc:
@@ -1025,54 +1019,12 @@ def _quote_key(user: str) -> str:
     return quote(user, safe="")
 
 
-#: A validated check (the fast parser's tuple, or node.api's dataclass).
-AnyCheck = CheckRequest | Check
-
-#: One decision-API result: a node's, as the JSON bytes it sent, or the router's own.
-Result = bytes | dict[str, Any]
-
-
 def _lease_expired(answer: Answer) -> bool:
     return any(k == b"x-ringlimit-unavailable" and v == b"lease" for k, v in answer.headers)
 
 
-def _json(data: Any) -> bytes:
-    """As Starlette's JSONResponse encodes."""
-    return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-
-
-def _results(body: bytes) -> list[Any]:
-    """The results of a node's batch answer, undecoded when it has one per line."""
-    if body.startswith(_LINES_HEAD):
-        if not body.endswith(_LINES_TAIL):
-            raise ValueError("truncated batch answer")
-        return body[len(_LINES_HEAD) : -len(_LINES_TAIL)].split(_LINES_SEP)
-    answered = json.loads(body)["results"]
-    if not isinstance(answered, list):
-        raise ValueError("results is not a list")
-    return answered
-
-
 def _complete(results: list[Result | None]) -> list[Result]:
     return [r if r is not None else {} for r in results]
-
-
-def _checks_payload(checks: Sequence[AnyCheck], indices: list[int]) -> bytes:
-    """The node's batch body for ``checks[i]`` of ``indices``, formatted directly:
-    ``{"checks": [{"key", "cost", "rule" (when the check names one rule)}, ...]}``."""
-    parts: list[str] = []
-    append = parts.append
-    for i in indices:
-        check = checks[i]
-        rules = check.rules
-        if len(rules) == 1:
-            append(
-                f'{{"key":{_jstr(check.key)},"cost":{int(check.cost)},'
-                f'"rule":{_jstr(rules[0].name)}}}'
-            )
-        else:
-            append(f'{{"key":{_jstr(check.key)},"cost":{int(check.cost)}}}')
-    return ('{"checks":[' + ",".join(parts) + "]}").encode()
 
 
 async def _send_json_bytes(send: Send, status: int, payload: bytes) -> None:
@@ -1087,22 +1039,6 @@ async def _send_json_bytes(send: Send, status: int, payload: bytes) -> None:
         }
     )
     await send({"type": "http.response.body", "body": payload})
-
-
-def _unreachable_result(check: AnyCheck, node_id: str) -> dict[str, Any]:
-    closed = any(r.on_error == "closed" for r in check.rules)
-    rule = check.rules[0]
-    return {
-        "allowed": not closed,
-        "limit": rule.limit,
-        "remaining": 0 if closed else rule.limit,
-        "reset_after": 0.0,
-        "retry_after": None,
-        "rule": rule.name,
-        "available_after": 0.0,
-        "node": node_id,
-        "reason": "owner_unreachable",
-    }
 
 
 async def _read_all(receive: Receive, limit: int) -> bytes | None:

@@ -36,10 +36,10 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from node.app import Check
 from node.headers import whole_seconds
 from node.rules import Rule
 from node.security import bearer, token_matches
+from node.wire import Check
 from router.envoy_config import UNIT_ENUM, EnvoyConfig, Limit
 
 if TYPE_CHECKING:
