@@ -49,7 +49,7 @@ from node.middleware import (
 )
 from node.peers import INTERNAL_TOKEN_HEADER, Peers
 from node.rates import RateMeter
-from node.security import bearer, is_loopback, token_matches
+from node.security import bearer, refusal
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore, check_records
 from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
@@ -389,22 +389,21 @@ class Node:
 
     def _refuse(self, request: Request) -> Response | None:
         """Internal endpoints: the token when configured, otherwise loopback only."""
-        expected = self.settings.internal_token
-        if expected is None:
-            host = request.client.host if request.client else None
-            if not is_loopback(host):
-                return JSONResponse(
-                    {
-                        "error": "forbidden",
-                        "detail": "internal API is loopback-only without a token",
-                    },
-                    status_code=403,
-                )
-            return None
         given = request.headers.get(INTERNAL_TOKEN_HEADER) or bearer(
             request.headers.get("authorization")
         )
-        if not token_matches(given, expected):
+        status = refusal(
+            given, self.settings.internal_token, request.client.host if request.client else None
+        )
+        if status == 403:
+            return JSONResponse(
+                {
+                    "error": "forbidden",
+                    "detail": "internal API is loopback-only without a token",
+                },
+                status_code=403,
+            )
+        if status is not None:
             return JSONResponse(
                 {"error": "unauthorized", "detail": "missing or wrong internal token"},
                 status_code=401,

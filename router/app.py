@@ -43,7 +43,7 @@ from node.asgi import (
 from node.config import ClusterConfig, Privacy
 from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
-from node.security import bearer, is_loopback, token_matches
+from node.security import bearer, refusal, token_matches
 from node.topkeys import NEAR_LIMIT_FRACTION
 from node.wire import (
     ApiError,
@@ -758,22 +758,25 @@ class Router:
         )
 
     def _admin_refused(self, request: Request) -> Response | None:
-        expected = self.settings.admin_token
-        if expected is None:
-            host = request.client.host if request.client else None
-            if is_loopback(host):
-                return None
+        status = refusal(
+            bearer(request.headers.get("authorization")),
+            self.settings.admin_token,
+            request.client.host if request.client else None,
+        )
+        if status == 403:
             return JSONResponse(
                 error_body("forbidden", "the admin API is loopback-only without an admin token"),
                 status_code=403,
             )
-        if token_matches(bearer(request.headers.get("authorization")), expected):
-            return None
-        return JSONResponse(
-            error_body("unauthorized", "missing or wrong admin token (Authorization: Bearer ...)"),
-            status_code=401,
-            headers={"www-authenticate": "Bearer"},
-        )
+        if status is not None:
+            return JSONResponse(
+                error_body(
+                    "unauthorized", "missing or wrong admin token (Authorization: Bearer ...)"
+                ),
+                status_code=401,
+                headers={"www-authenticate": "Bearer"},
+            )
+        return None
 
     async def admin_ring(self, request: Request) -> Response:
         if (refused := self._admin_refused(request)) is not None:
