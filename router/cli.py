@@ -675,8 +675,8 @@ def _reachable(host: str) -> str:
 
 def _run_node(args: argparse.Namespace) -> int:
     from node.app import NodeSettings, create_app
-    from node.apps import UpstreamApp, load_app
     from node.server import serve_node
+    from node.upstream import UpstreamApp, load_app
 
     check_id(args.id)
     if args.url is not None:

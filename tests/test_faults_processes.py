@@ -360,7 +360,7 @@ def test_kill_9_is_not_delayed_by_pending_bad_joins(procs: Procs, tmp_path: Path
         assert took <= 10.0 + SLACK + 2.0, (node_id, took)  # the ready timeout, not more
     for response in wrong.values():
         assert response.status_code == 409, response.text
-    # Refused before any round trip (router/app.py); readiness would say wrong_node.
+    # Refused before any round trip (router/admin.py); readiness would say wrong_node.
     assert wrong["member's url"].json()["error"] == "url_in_use"
     assert wrong["router's url"].json()["error"] == "url_is_router"
     assert after == before and [n["id"] for n in after["nodes"]] == ["n1", "n3"]
