@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from benchmarks.cluster import Processes, Settings
+    from benchmarks.bench import Processes, Settings
 
 ENVOY_YAML = """\
 domain: bench
@@ -131,7 +131,7 @@ def load(port: int, seconds: float, concurrency: int, users: int, key: str) -> d
 
 
 def run_envoy(settings: Settings, procs: Processes, workdir: Path) -> dict[str, Any]:
-    from benchmarks.cluster import cpu_seconds, free_port, wait_http, wait_redis
+    from benchmarks.bench import cpu_seconds, free_port, wait_http, wait_redis
 
     names: list[str] = []
     envoy_file = workdir / "envoy.yaml"

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.cluster import (
+from benchmarks.bench import (
     Processes,
     Row,
     Settings,

@@ -1474,7 +1474,7 @@ def _loadavg() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cluster", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
