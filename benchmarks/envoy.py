@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from benchmarks.bench import Processes, Settings
+    from benchmarks.deployments import Processes, Settings
 
 ENVOY_YAML = """\
 domain: bench
@@ -131,7 +131,8 @@ def load(port: int, seconds: float, concurrency: int, users: int, key: str) -> d
 
 
 def run_envoy(settings: Settings, procs: Processes, workdir: Path) -> dict[str, Any]:
-    from benchmarks.bench import cpu_seconds, free_port, wait_http, wait_redis
+    from benchmarks.deployments import free_port, wait_http, wait_redis
+    from benchmarks.measure import cpu_seconds
 
     names: list[str] = []
     envoy_file = workdir / "envoy.yaml"

@@ -195,11 +195,9 @@ class ChildProcess:
             self._log.flush()
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def describe(self, tail: int = 0) -> str:
-        """``node n1 (pid 12) exited with code 1``, with the last ``tail`` characters
-        of its output folded in when asked."""
-        text = f"{self.name} (pid {self.pid}) {self.exit_text()}"
-        return f"{text}: {self.output()[-tail:]}" if tail else text
+    def describe(self) -> str:
+        """``n1 (pid 12) exited with code 1``: the start of a one-line exit report."""
+        return f"{self.name} (pid {self.pid}) {self.exit_text()}"
 
 
 def stop_all(
@@ -274,16 +272,3 @@ def redis_probe(port: int, host: str = "127.0.0.1") -> Callable[[], bool | None]
         return None
 
     return probe
-
-
-def exited(children: Iterable[ChildProcess]) -> Callable[[], str | None]:
-    """A ``failed`` callable for :func:`wait_ready`: the first child that exited."""
-    chosen = list(children)
-
-    def failed() -> str | None:
-        for child in chosen:
-            if not child.alive():
-                return child.describe()
-        return None
-
-    return failed
