@@ -245,6 +245,13 @@ paths = ["/open/*"]
 """
 
 
+#: The SIGSTOP test's slack on a client's wait, tighter than SLACK: over four
+#: runs on the loaded 2-CPU machine the paced clients waited at most 1.04 s
+#: and the one-off probes (a new connection each, from a thread) 1.20 s, for
+#: a forward timeout of 1 s.
+WAIT_SLACK = 0.5
+
+
 def timed(call: Any) -> tuple[httpx.Response, float]:
     started = time.monotonic()
     response = call()
@@ -395,24 +402,24 @@ def test_sigstop_of_a_node_admits_nobody_twice(procs: Procs, tmp_path: Path) -> 
     # (lease lapsed), not by another node (never sent again).
     assert by_nodes == limit * len(everyone)
     assert after.statuses() == {429: len(everyone)}, after.statuses()
-    assert longest <= FORWARD_TIMEOUT + SLACK, longest
+    assert longest <= FORWARD_TIMEOUT + WAIT_SLACK, longest
     # The open rule: what reached the paused n2 is a 504 from the router after
     # the forward timeout (not admitted, not resent); the rest is decided as
     # for the closed rule (from the replicas, then by n2 again).
     assert set(open_statuses) <= {200, 429, 504}, open_statuses
     assert open_timeouts and {s.node for s in open_timeouts} == {"n2"}, open_statuses
-    assert longest_open <= FORWARD_TIMEOUT + SLACK, longest_open
+    assert longest_open <= FORWARD_TIMEOUT + WAIT_SLACK, longest_open
     # The same, one request each, bodies read: open rule on the proxy path and
     # on the decision API: 504 node_timeout; the closed rule: 503 naming it.
     for response, took in (proxy_open, api_open):
         assert response.status_code == 504, response.text
         assert response.json()["error"] == "node_timeout", response.text
-        assert FORWARD_TIMEOUT * 0.9 <= took <= FORWARD_TIMEOUT + SLACK, took
+        assert FORWARD_TIMEOUT * 0.9 <= took <= FORWARD_TIMEOUT + WAIT_SLACK, took
     assert proxy_open[0].headers["x-ringlimit-node"] == "n2"
     response, took = proxy_closed
     assert response.status_code == 503, response.text
     assert response.json()["error"] == "limiter_unavailable" and response.json()["rule"] == "api"
-    assert took <= FORWARD_TIMEOUT + SLACK, took
+    assert took <= FORWARD_TIMEOUT + WAIT_SLACK, took
     assert removed <= DETECTION + DETECTION + SLACK  # detection, then the lease bound
     assert [n["id"] for n in ring["nodes"]] == ["n1", "n2", "n3"]
     assert {n["state"] for n in ring["nodes"]} == {"active"}

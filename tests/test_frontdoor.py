@@ -143,6 +143,7 @@ def test_idle_connections_do_not_starve_requests_under_a_low_fd_limit(
             except httpx.HTTPError as exc:
                 code = type(exc).__name__
             outcomes[code] = outcomes.get(code, 0) + 1
+        print(f"\n[idle connections, ulimit -n 256] 300 idle; 40 fresh requests: {outcomes}")
         assert set(outcomes) <= {200, 503}, outcomes
         assert outcomes.get(200, 0) >= 35, outcomes
         assert router_proc.alive()
@@ -200,5 +201,9 @@ def test_every_connection_busy_gets_a_json_503_and_the_server_recovers(
             client.get(f"{router}/hello", headers={"X-User-Id": f"after-{i}"}).status_code
             for i in range(5)
         ]
+    print(
+        f"\n[every connection busy, --max-connections 2] third request: {status(refused)} "
+        f"{json.loads(payload)['error']} in {took:.3f}s; held requests then 200; after: {codes}"
+    )
     assert codes == [200] * 5, codes
     assert router_proc.alive()
