@@ -100,6 +100,7 @@ NOT_READY = (
 )
 
 
+@pytest.mark.reliability
 def test_a_mistyped_url_gives_up_after_a_bounded_number_of_attempts(procs: Procs) -> None:
     """A ``--join`` node whose ``--url`` is wrong (here a port nobody listens
     on): every join is answered 504 ``not_ready``. The node stops after
@@ -113,6 +114,7 @@ def test_a_mistyped_url_gives_up_after_a_bounded_number_of_attempts(procs: Procs
         status = proc.popen.wait(30)
         took = time.monotonic() - started
         output = proc.output()
+    print(f"\n[mistyped --url] exit {status} after {took:.2f}s, {len(router.asked)} join attempts")
     assert status == 1, output
     assert router.asked == ["POST"] * JOIN_NOT_READY_ATTEMPTS
     given_up = [line for line in output.splitlines() if "could not join the ring" in line]
