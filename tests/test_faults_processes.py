@@ -994,6 +994,110 @@ def test_router_partitioned_from_every_node_removes_nobody(
     assert "removed as crashed" not in router_proc.output()
 
 
+def test_one_node_partitioned_is_removed_then_hands_back(
+    procs: Procs, tmp_path: Path, partition: Partition
+) -> None:
+    """Issue 10's partition test, one node: n2 alone in a namespace, cut off
+    (silent loss both ways) from the router and the other nodes, which share
+    the router's namespace, for 4 s (3.3 D). The router still reaches 2 of 3
+    members: n2 is removed within the budget (D, then its lease), the only
+    removal; its users are decided from the replicas meanwhile. n2's lease
+    lapses on its own clock, so it decides nothing for anyone who can still
+    reach it. Healed, it hears it was removed, hands its states back to the
+    keys' owners (merged, most restrictive wins) and rejoins: excess 0 and
+    every follow-up of an exhausted user denied."""
+    limit = 10
+    token = secrets.token_hex(16)
+    procs.env["RINGLIMIT_INTERNAL_TOKEN"] = token
+    config = config_file(tmp_path, limit)
+    a, b = "10.213.0.1", "10.213.0.2"  # the router's side, n2's side
+    homes = {"n1": (partition.router_ns, a), "n2": (partition.nodes_ns, b)}
+    homes["n3"] = homes["n1"]
+    seeds: list[str] = []
+    started: dict[str, tuple[Proc, str]] = {}
+    for i, node_id in enumerate(("n1", "n2", "n3")):
+        ns, host = homes[node_id]
+        port = str(8001 + i)
+        with partition.inside(ns):
+            proc = procs.start(node_id, ["node", "--id", node_id, "--host", host, "--port", port])
+        url = f"http://{host}:{port}"
+        started[node_id] = (proc, url)
+        seeds += ["--node", f"{node_id}={url}"]
+    n2_proc, n2_url = started["n2"]
+    with partition.inside(partition.router_ns):
+        argv = ["router", "--host", "0.0.0.0", "--port", "8000", "--config", str(config)]
+        router_proc = procs.start("router", [*argv, *HEALTH, *seeds])
+        router = "http://127.0.0.1:8000"
+        for proc, url in [(router_proc, router), *started.values()]:
+            wait_healthy(url, proc)
+        assert wait_for(lambda: ring_ids(router) == ["n1", "n2", "n3"], timeout=20.0)
+        epoch = admin_ring(router)["epoch"]
+        v1 = view_of(admin_ring(router))
+        names = users(30)
+        on_n2 = [u for u in names if v1.owner_id(u) == "n2"]
+        spent = exhaust(router, names, limit)
+        time.sleep(3 * REPLICATION)
+        during = TimedLoad([router], users=names, per_user=16, pace=0.4, limit=limit)
+        thread = during.start()
+        time.sleep(0.3)
+        partition.cut()
+        try:
+            cut = time.monotonic()
+            assert wait_for(lambda: gone(router, "n2"), timeout=DETECTION + 5.0, interval=0.02)
+            removed = time.monotonic() - cut
+            time.sleep(max(0.0, 4.0 - (time.monotonic() - cut)))
+            with partition.inside(partition.nodes_ns):  # asked from n2's side
+                n2_lease = lease_left(n2_url, token)
+        finally:
+            partition.heal()
+        healed = time.monotonic()
+        assert wait_for(lambda: "n2" in ring_ids(router), timeout=15.0, interval=0.05)
+        rejoined = time.monotonic() - healed
+        finish(thread, during, timeout=30.0)
+        follow = Load([router], users=names, per_user=5, pace=0.01, limit=limit)
+        finish(follow.start(), follow)
+        ring = admin_ring(router)
+        text = scrape(router)
+    removals = re.findall(r"node (\S+) removed as crashed", router_proc.output())
+    handed_back = re.findall(r"handing (\d+) state\(s\) back", n2_proc.output())
+    statuses = during.statuses()
+    excess = sum(max(0, allowed([*spent, during, follow], u) - limit) for u in names)
+    longest = max(waits(during))
+    bound = DETECTION + DETECTION * 1.01 + SLACK
+    report(
+        "one node partitioned",
+        partitioned_s=4.0,
+        removed_after_s=round(removed, 2),
+        bound_s=round(bound, 2),
+        n2_lease_left_during=n2_lease,
+        rejoined_after_heal_s=round(rejoined, 2),
+        removals=removals,
+        handed_back=handed_back,
+        users_on_n2=len(on_n2),
+        excess=excess,
+        during=dict(statuses),
+        follow_up=dict(follow.statuses()),
+        longest_wait_s=round(longest, 3),
+        self_suspected=metric(text, "ringlimit_router_membership_total", kind="self_suspected"),
+        epoch=f"{epoch}->{ring['epoch']}",
+    )
+    kill_all(procs)
+    assert on_n2
+    assert removed <= bound, f"removal took {removed:.2f}s (bound {bound:.2f}s)"
+    assert removals == ["n2"], removals  # the only one: n1 and n3 stayed reachable
+    assert n2_lease == 0.0  # n2 fenced itself: it decided nothing while cut off
+    assert handed_back and int(handed_back[0]) > 0, n2_proc.output()[-2000:]
+    assert excess == 0, {u: allowed([*spent, during, follow], u) for u in names}
+    assert follow.statuses() == {429: 5 * len(names)}, follow.statuses()
+    assert during.errors == 0 and set(statuses) <= {429, 503}, statuses
+    assert statuses[503] > 0  # the partition was real
+    assert longest <= FORWARD_TIMEOUT + SLACK, longest
+    assert metric(text, "ringlimit_router_membership_total", kind="self_suspected") == 0
+    assert [n["id"] for n in ring["nodes"]] == ["n1", "n2", "n3"]
+    assert {n["state"] for n in ring["nodes"]} == {"active"}
+    assert ring["epoch"] == epoch + 2  # removed, rejoined
+
+
 # --------------------------------------------------------------------------- 7. two adjacent kills
 
 REPLICAS_RULES = """
