@@ -248,11 +248,12 @@ paths = ["/open/*"]
 """
 
 
-#: The SIGSTOP test's slack on a client's wait, tighter than SLACK: over six
-#: runs on the loaded 2-CPU machine the paced clients waited at most 1.04 s
-#: and the one-off probes (a new connection each, from a thread) 1.20 s, for
-#: a forward timeout of 1 s.
-WAIT_SLACK = 0.5
+#: The SIGSTOP test's slack on a client's wait: over six runs on the loaded
+#: 2-CPU machine the paced clients waited at most 1.04 s and the one-off probes
+#: (a new connection each, from a thread) 1.20 s, for a forward timeout of 1 s;
+#: a tighter slack (0.5 s) failed under a load average of 10. The failure this
+#: guards against is a wait as long as the pause (15 s before leases).
+WAIT_SLACK = SLACK
 
 
 def timed(call: Any) -> tuple[httpx.Response, float]:
