@@ -3,6 +3,7 @@ name the file, the line and the field."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,41 @@ descriptors:
         assert found.rule.limit == limit
     assert domain.limit_for([("zip", "1116")]) is None
     assert domain.limit_for([("version", "1.1")]) is None
+
+
+def test_up_takes_envoy_headers_and_hands_them_to_its_router(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``up`` checks the sets, then starts its router (a child) with them in its
+    environment, where ``ringlimit router`` reads them when not given the flag."""
+    import argparse
+
+    from router import cli
+
+    config = write(tmp_path, "mongo.yaml", MONGO)
+    envoy = ["--grpc-port", "0", "--envoy-config", str(config)]
+    assert main(["up", *envoy, "--envoy-headers", "draft,bogus"]) == 2
+    assert "--envoy-headers: unknown set(s) bogus (expected draft, envoy)" in (
+        capsys.readouterr().err
+    )
+    assert main(["up", "--envoy-headers", "draft"]) == 2
+    assert "--envoy-headers needs --grpc-port" in capsys.readouterr().err
+    monkeypatch.delenv(cli.ENVOY_HEADERS_ENV, raising=False)
+    seen: list[str | None] = []
+
+    def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
+        seen.append(os.environ.get(cli.ENVOY_HEADERS_ENV))
+        return 0
+
+    monkeypatch.setattr("router.cluster.run_cluster", run_cluster)
+    assert main(["up", *envoy, "--envoy-headers", "envoy, draft"]) == 0
+    assert main(["up", *envoy]) == 0  # the default: none
+    assert seen == ["envoy,draft", ""]
+    assert cli.ENVOY_HEADERS_ENV not in os.environ  # put back as it was
+    router = cli.build_parser("router")
+    assert cli.envoy_header_sets(router.parse_args(["router"])) == ()
+    monkeypatch.setenv(cli.ENVOY_HEADERS_ENV, "envoy,draft")
+    assert cli.envoy_header_sets(router.parse_args(["router"])) == ("envoy", "draft")
+    given = router.parse_args(["router", "--envoy-headers", "draft"])
+    assert cli.envoy_header_sets(given) == ("draft",)  # the flag wins
+    assert cli.envoy_header_sets(router.parse_args(["router", "--envoy-headers", ""])) == ()

@@ -25,9 +25,17 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.wrappers_pb2 import UInt64Value
 
 from node.clock import FrozenClock
-from node.config import ClusterConfig
+from node.config import ClusterConfig, ScopedRule
+from node.rules import ALGORITHMS, Rule
 from router.envoy import UINT32_MAX
-from router.envoy_config import EnvoyConfig, parse_envoy_config, with_envoy_rules
+from router.envoy_config import (
+    DescriptorNode,
+    EnvoyConfig,
+    EnvoyDomain,
+    Limit,
+    parse_envoy_config,
+    with_envoy_rules,
+)
 from router.testing import InProcessCluster
 from tests.processes import Procs, free_port, wait_for
 from tests.test_cli import alive, children_of, free_block
@@ -94,7 +102,8 @@ async def envoy_cluster(
     if envoy is None:
         domain = parse_envoy_config(text, "api.yaml", on_error=on_error)
         envoy = EnvoyConfig({domain.name: domain})
-    config = with_envoy_rules(config or ClusterConfig(), envoy)
+    if config is None:  # else the caller's config holds the rules
+        config = with_envoy_rules(ClusterConfig(), envoy)
     options = {"envoy": envoy, "grpc_port": 0, **router}
     cluster = InProcessCluster(nodes, config, clock=FrozenClock(), router_options=options)
     async with cluster as c:
@@ -409,6 +418,61 @@ async def test_statuses_for_no_limit_unlimited_replaces_and_headers() -> None:
         assert other.overall_code == OK and not other.statuses[0].HasField("current_limit")
 
 
+@pytest.mark.parametrize("sets", [(), ("draft",), ("envoy",), ("draft", "envoy")])
+async def test_each_header_set_and_the_default_none(sets: tuple[str, ...]) -> None:
+    draft = {"ratelimit-policy", "ratelimit"}
+    envoy = {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"}
+    expected = (draft if "draft" in sets else set()) | (envoy if "envoy" in sets else set())
+    async with envoy_cluster(envoy_headers=sets) as (cluster, stub):
+        both = request("api", [("ip", "192.0.2.50")], [("user", "dan")])
+        answers = []
+        for _ in range(3):
+            answers.append(await stub.ShouldRateLimit(both))
+            cluster.clock.advance(5)
+        assert [a.overall_code for a in answers] == [OK, OK, OVER]
+        for answer in answers:
+            assert {h.key for h in answer.response_headers_to_add} == expected
+        first, _, denied = ({h.key: h.value for h in a.response_headers_to_add} for a in answers)
+        if "draft" in sets:
+            assert first["ratelimit-policy"] == '"api.ip";q=2;w=60, "api.user";q=20;w=60'
+            assert first["ratelimit"] == '"api.ip";r=1;t=20, "api.user";r=19;t=20'
+            # Denied by the ip; the user's quota was read, not consumed.
+            assert denied["ratelimit"] == '"api.ip";r=0;t=10, "api.user";r=18;t=10'
+        if "envoy" in sets:
+            # The descriptor closest to its limit; the reset is the seconds until its
+            # window is whole again (the frozen clock: 40 s into the minute, then 50).
+            assert first["x-ratelimit-limit"] == "2, 2;w=60"
+            assert (first["x-ratelimit-remaining"], first["x-ratelimit-reset"]) == ("1", "20")
+            assert (denied["x-ratelimit-remaining"], denied["x-ratelimit-reset"]) == ("0", "10")
+            assert denied["x-ratelimit-reset"] == str(
+                answers[2].statuses[0].duration_until_reset.seconds
+            )
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+async def test_draft_headers_agree_with_the_http_path_for_every_algorithm(algorithm: str) -> None:
+    """The same rule decided for a user over HTTP and for a descriptor over gRPC, at
+    the same instants: the same RateLimit-Policy and RateLimit fields (node/headers.py),
+    so ``t`` is when more quota is available, not when it is whole again."""
+    bucket = algorithm in ("token_bucket", "gcra")
+    rule = Rule("r", 5, 60.0, algorithm, burst=8 if bucket else 0)
+    root = DescriptorNode(children={"k": DescriptorNode(limit=Limit(rule, "minute", 5))})
+    envoy = EnvoyConfig({"alg": EnvoyDomain("alg", "alg.yaml", root)})
+    config = ClusterConfig(rules=(ScopedRule(rule),))
+    async with envoy_cluster(envoy=envoy, config=config, envoy_headers=("draft",)) as (
+        cluster,
+        stub,
+    ):
+        for step in range(12):
+            http = await cluster.client.get("/hello", headers={"X-User-Id": "u"})
+            answer = await stub.ShouldRateLimit(request("alg", [("k", "u")]))
+            grpc_headers = {h.key: h.value for h in answer.response_headers_to_add}
+            assert (answer.overall_code == OK) == (http.status_code == 200), step
+            for name in ("ratelimit-policy", "ratelimit"):
+                assert grpc_headers[name] == http.headers[name], (step, name)
+            cluster.clock.advance(1.5)
+
+
 async def test_refused_requests_are_invalid_argument() -> None:
     async with envoy_cluster() as (_, stub):
         cases = [
@@ -505,6 +569,7 @@ def test_ringlimit_up_serves_grpc(procs: Procs, tmp_path: Path) -> None:
         [
             *("up", "--nodes", "2", "--port", str(port)),
             *("--grpc-port", str(grpc_port), "--envoy-config", str(config)),
+            *("--envoy-headers", "envoy"),
         ],
     )
     children: list[int] = []
@@ -513,11 +578,14 @@ def test_ringlimit_up_serves_grpc(procs: Procs, tmp_path: Path) -> None:
         children = children_of(proc.popen.pid)
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             stub = rls_pb2_grpc.RateLimitServiceStub(channel)
-            codes = [
-                stub.ShouldRateLimit(request("api", [("ip", "a")]), timeout=10).overall_code
-                for _ in range(3)
+            answers = [
+                stub.ShouldRateLimit(request("api", [("ip", "a")]), timeout=10) for _ in range(3)
             ]
-        assert codes == [OK, OK, OVER]
+        assert [a.overall_code for a in answers] == [OK, OK, OVER]
+        # --envoy-headers reached the router that up started.
+        headers = {h.key: h.value for h in answers[0].response_headers_to_add}
+        assert headers["x-ratelimit-limit"] == "2, 2;w=60"
+        assert "ratelimit" not in headers
     finally:
         proc.popen.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
