@@ -19,9 +19,10 @@ Each descriptor with a ``rate_limit`` becomes a ringlimit rule (a fixed
 window aligned on the unit, as envoyproxy/ratelimit counts), marked
 ``named_only`` so that it never applies to proxied requests, and ``shadow``
 when ``shadow_mode`` is set; ``requests_per_unit: 0`` (envoyproxy/ratelimit's
-blocklist idiom) becomes a blocked :class:`Limit`, decided by the router. Matching a request's descriptor walks the tree
-as envoyproxy/ratelimit does: at each entry the exact ``key_value`` first,
-then a value ending in ``*`` as a prefix, then the bare key (any value).
+blocklist idiom) becomes a blocked :class:`Limit`, decided by the router.
+Matching a request's descriptor walks the tree as envoyproxy/ratelimit does:
+at each entry the exact ``key_value`` first, then a value ending in ``*`` as
+a prefix, then the bare key (any value).
 
 Every error names the file, the line and the field. Fields whose semantics
 ringlimit does not implement are refused, never ignored.
