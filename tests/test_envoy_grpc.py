@@ -528,6 +528,43 @@ async def test_the_api_token_guards_the_grpc_service_too() -> None:
         assert answer.overall_code == OK
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="router/membership.py (_take) replaces the router's config with the one etcd "
+    "holds, which lacks the --envoy-config rules; the fix belongs there (see the envoy "
+    "helper's report): re-apply with_envoy_rules to every adopted config",
+)
+async def test_a_router_that_adopts_etcds_config_keeps_its_envoy_rules(
+    etcd_endpoint: str,
+) -> None:
+    """Adding --envoy-config to a running cluster on etcd: its router restarts with
+    the rules, finds etcd's record (a config without them) and takes it."""
+    envoy = EnvoyConfig({"api": parse_envoy_config(CONFIG, "api.yaml")})
+
+    def coordinated() -> dict[str, Any]:
+        coordinator = EtcdCoordinator(parse_endpoints(etcd_endpoint), cluster="envoy", ttl=2.0)
+        return {"coordinator": coordinator, "advertise": "http://router.cluster"}
+
+    async with InProcessCluster(
+        2, ClusterConfig(), clock=FrozenClock(), router_options=coordinated()
+    ) as cluster:
+        router = await cluster.restart_router(
+            seeds=[Member(n, node_url(n)) for n in cluster.nodes],
+            config=with_envoy_rules(ClusterConfig(), envoy),
+            envoy=envoy,
+            grpc_port=0,
+            **coordinated(),
+        )
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_bound}")
+        try:
+            stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+            answer = await stub.ShouldRateLimit(request("api", [("user", "a")]))
+            assert answer.overall_code == OK
+            assert "api.user" in {s.rule.name for s in router.config.rules}
+        finally:
+            await channel.close()
+
+
 @pytest.mark.integration
 def test_ringlimit_router_serves_grpc(procs: Procs, tmp_path: Path) -> None:
     config = tmp_path / "api.yaml"
@@ -596,40 +633,3 @@ def test_ringlimit_up_serves_grpc(procs: Procs, tmp_path: Path) -> None:
         for pid in children:  # never leave our own processes behind, even on failure
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="router/membership.py (_take) replaces the router's config with the one etcd "
-    "holds, which lacks the --envoy-config rules; the fix belongs there (see the envoy "
-    "helper's report): re-apply with_envoy_rules to every adopted config",
-)
-async def test_a_router_that_adopts_etcds_config_keeps_its_envoy_rules(
-    etcd_endpoint: str,
-) -> None:
-    """Adding --envoy-config to a running cluster on etcd: its router restarts with
-    the rules, finds etcd's record (a config without them) and takes it."""
-    envoy = EnvoyConfig({"api": parse_envoy_config(CONFIG, "api.yaml")})
-
-    def coordinated() -> dict[str, Any]:
-        coordinator = EtcdCoordinator(parse_endpoints(etcd_endpoint), cluster="envoy", ttl=2.0)
-        return {"coordinator": coordinator, "advertise": "http://router.cluster"}
-
-    async with InProcessCluster(
-        2, ClusterConfig(), clock=FrozenClock(), router_options=coordinated()
-    ) as cluster:
-        router = await cluster.restart_router(
-            seeds=[Member(n, node_url(n)) for n in cluster.nodes],
-            config=with_envoy_rules(ClusterConfig(), envoy),
-            envoy=envoy,
-            grpc_port=0,
-            **coordinated(),
-        )
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_bound}")
-        try:
-            stub = rls_pb2_grpc.RateLimitServiceStub(channel)
-            answer = await stub.ShouldRateLimit(request("api", [("user", "a")]))
-            assert answer.overall_code == OK
-            assert "api.user" in {s.rule.name for s in router.config.rules}
-        finally:
-            await channel.close()
