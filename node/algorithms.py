@@ -221,7 +221,9 @@ def _gcra_next(
     """Seconds until ``remaining + 1`` units conform (0.0 when the burst is whole)."""
     if remaining >= capacity:
         return 0.0
-    wait = tat + (remaining + 1) * interval - tolerance - now
+    # tat - now first: exact (Sterbenz), where tat + x - now would lose the few
+    # ulps of Unix time that decide whether a drained unit is still to come.
+    wait = (tat - now) + (remaining + 1) * interval - tolerance
     return wait if wait > 0.0 else 0.0
 
 

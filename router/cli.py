@@ -230,13 +230,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     _config_arguments(router)
     _envoy_arguments(router)
-    router.add_argument(
-        "--envoy-headers",
-        default="",
-        metavar="SETS",
-        help="response headers ShouldRateLimit asks Envoy to add: 'draft' (RateLimit-Policy, "
-        "RateLimit), 'envoy' (x-ratelimit-*), both comma-separated, or '' (default: none)",
-    )
     _backend_arguments(router)
     _front_door_arguments(router)
     router.add_argument("-v", "--verbose", action="store_true")
@@ -357,6 +350,37 @@ def _envoy_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="an envoyproxy/ratelimit YAML config, one domain per file (repeatable)",
     )
+    group.add_argument(
+        "--envoy-headers",
+        default=None,
+        metavar="SETS",
+        help="response headers ShouldRateLimit asks Envoy to add: 'draft' (RateLimit-Policy, "
+        f"RateLimit), 'envoy' (x-ratelimit-*), both comma-separated, or '' (default: "
+        f"${ENVOY_HEADERS_ENV}, else none)",
+    )
+
+
+#: How ``up`` hands ``--envoy-headers`` to its router (router/cluster.py builds the
+#: router's command line and passes the environment through); also read by a
+#: ``ringlimit router`` started without the flag.
+ENVOY_HEADERS_ENV = "RINGLIMIT_ENVOY_HEADERS"
+
+
+def envoy_header_sets(args: argparse.Namespace) -> tuple[str, ...]:
+    """The header sets asked for (flag, else environment); ValueError names unknown ones."""
+    from router.envoy import HEADER_SETS
+
+    spec = args.envoy_headers
+    if spec is None:
+        spec = os.environ.get(ENVOY_HEADERS_ENV, "")
+    headers = tuple(h.strip() for h in spec.split(",") if h.strip())
+    unknown = [h for h in headers if h not in HEADER_SETS]
+    if unknown:
+        raise ValueError(
+            f"--envoy-headers: unknown set(s) {', '.join(unknown)} "
+            f"(expected {', '.join(HEADER_SETS)})"
+        )
+    return headers
 
 
 def _fronting_arguments(parser: argparse.ArgumentParser) -> None:
@@ -482,16 +506,10 @@ def _run_router(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    headers = tuple(h.strip() for h in args.envoy_headers.split(",") if h.strip())
-    from router.envoy import HEADER_SETS
-
-    unknown = [h for h in headers if h not in HEADER_SETS]
-    if unknown:
-        print(
-            f"ringlimit: --envoy-headers: unknown set(s) {', '.join(unknown)} "
-            f"(expected {', '.join(HEADER_SETS)})",
-            file=sys.stderr,
-        )
+    try:
+        headers = envoy_header_sets(args)
+    except ValueError as exc:
+        print(f"ringlimit: {exc}", file=sys.stderr)
         return 2
     seeds = [_parse_seed(spec) for spec in args.node]
     _front_door(args)  # checked before anything starts: a bad value is one line
@@ -754,11 +772,22 @@ def _run_up(args: argparse.Namespace) -> int:
 
         # Read here too, so a bad file is one line before any process starts.
         with_envoy_rules(config, load_envoy_configs(args.envoy_config, on_error=args.on_error))
+    headers = envoy_header_sets(args)
+    if args.envoy_headers and args.grpc_port is None:
+        raise ValueError("--envoy-headers needs --grpc-port and --envoy-config")
     _warn_modes(config)
+    # The router is a child: the header sets reach it through its environment.
+    saved = os.environ.get(ENVOY_HEADERS_ENV)
+    os.environ[ENVOY_HEADERS_ENV] = ",".join(headers)
     try:
         return run_cluster(args, config)
     except StartError as exc:
         raise CommandError(str(exc)) from None
+    finally:
+        if saved is None:
+            del os.environ[ENVOY_HEADERS_ENV]
+        else:
+            os.environ[ENVOY_HEADERS_ENV] = saved
 
 
 def _run_nodes(args: argparse.Namespace) -> int:

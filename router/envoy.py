@@ -8,12 +8,25 @@ it is decided by the key's owner through the decision API's own path
 (:meth:`router.decisions.DecisionAPI.route_single`: coalesced, epoch-fenced, retried on
 a ring change), so a descriptor and a ``POST /v1/check`` can never disagree.
 
-Several descriptors in one request: nothing is consumed unless every enforced
-descriptor has room. With one distinct key the node decides it atomically; with
-several (they may live on several nodes) the router first reads each one's
-remaining quota (a check of cost 0), answers OVER_LIMIT without consuming if
-one lacks room, and only then consumes them all. See docs/envoy.md for what a
-race between those two steps can cost (never over-admission).
+Several descriptors in one request (see docs/envoy.md, "Several descriptors"):
+
+* never over-admission: a call is OK only if every enforced descriptor's
+  consume was allowed by its key's owner, so each key admits at most its limit;
+* one enforced key (the usual case) is decided atomically by its owner;
+* several enforced keys: the router reads each (a check of cost 0) and, if
+  one lacks room, answers OVER_LIMIT consuming nothing. Otherwise it consumes
+  the tightest key first (least room left after this call's cost): if a
+  concurrent call took its last units meanwhile, the call is denied having
+  consumed nothing. Only then are the others consumed, together; if one of
+  those ran out in between (a race on two nearly exhausted keys at once), the
+  keys that did consume keep it. The engine has no refund (a unit given back
+  could land in a later window, or after the key's state moved to another
+  node, and over-admit), so the bound is stated instead:
+  ``ringlimit_router_envoy_partial_consumptions_total`` counts such calls;
+* shadow descriptors are consumed on every call, whether or not an enforced
+  descriptor denies it, as envoyproxy/ratelimit increments every descriptor's
+  counter (src/redis/fixed_cache_impl.go, DoLimit); they never deny;
+* ``requests_per_unit: 0`` (blocked) is over the limit without a node call.
 
 Failures: an unreachable owner applies the rule's ``on_error`` (open: OK,
 closed: OVER_LIMIT), as for HTTP. When no decision can be made at all (no
@@ -27,7 +40,9 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -36,11 +51,12 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from node.headers import whole_seconds
+from node.decision import Decision
+from node.headers import policy_value, quota_window, ratelimit_value, whole_seconds
 from node.rules import Rule
 from node.security import bearer, token_matches
 from node.wire import Check
-from router.envoy_config import UNIT_ENUM, EnvoyConfig, Limit
+from router.envoy_config import UNIT_ENUM, UNITS, EnvoyConfig, Limit
 
 if TYPE_CHECKING:
     from router.app import Router
@@ -95,11 +111,15 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         *,
         headers: Sequence[str] = (),
         api_token: str | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.router = router
         self.envoy = envoy
         self.headers = frozenset(headers)
         self.api_token = api_token
+        #: Unix time, for a blocked descriptor's ``duration_until_reset`` only (its
+        #: window is aligned on the unit, as the nodes align fixed windows).
+        self.clock = clock
 
     async def ShouldRateLimit(
         self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext
@@ -178,24 +198,21 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
 
     async def decide(self, request: rls_pb2.RateLimitRequest) -> rls_pb2.RateLimitResponse:
         plan, items = self.plan(request)
-        if len(items) == 1:
-            items[0].result = await self._ask(items[0], items[0].cost)
-        elif items:
-            # Read first: consume nothing unless every enforced item has room.
-            peeks = await asyncio.gather(*(self._ask(item, 0) for item in items))
-            room = all(
-                item.rule.shadow or _has_room(peek, item.cost)
-                for item, peek in zip(items, peeks, strict=True)
-            )
-            if room:
-                results = await asyncio.gather(*(self._ask(item, item.cost) for item in items))
-            else:
-                results = [
-                    peek if item.rule.shadow else _as_denied(peek, item.cost)
-                    for item, peek in zip(items, peeks, strict=True)
-                ]
-            for item, result in zip(items, results, strict=True):
-                item.result = result
+        blocked = any(
+            isinstance(entry, Limit) and entry.blocked and not entry.shadow for entry in plan
+        )
+        enforced = [item for item in items if not item.rule.shadow]
+        shadow = [item for item in items if item.rule.shadow]
+        # Shadow items are counted whatever the enforced ones decide (as envoyproxy/
+        # ratelimit, which increments every descriptor's key): side by side with them.
+        outcomes = await asyncio.gather(
+            self._decide_enforced(enforced, blocked),
+            *(self._consume(item) for item in shadow),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
         return self._response(plan)
 
     async def _ask(self, item: _Item, cost: int) -> dict[str, Any]:
@@ -205,6 +222,38 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             detail = data.get("detail", data.get("error")) if isinstance(data, dict) else data
             raise Unavailable(f"no decision for {item.key!r}: {detail}")
         return data
+
+    async def _consume(self, item: _Item) -> None:
+        item.result = await self._ask(item, item.cost)
+
+    async def _decide_enforced(self, items: list[_Item], blocked: bool) -> None:
+        """All or nothing over the enforced items, never over-admitting (module docstring)."""
+        if not items:
+            return
+        if len(items) == 1 and not blocked:
+            await self._consume(items[0])  # one key: its owner decides atomically
+            return
+        peeks = await asyncio.gather(*(self._ask(item, 0) for item in items))
+        if blocked or not all(
+            _has_room(peek, item.cost) for item, peek in zip(items, peeks, strict=True)
+        ):
+            for item, peek in zip(items, peeks, strict=True):
+                item.result = _as_denied(peek, item.cost)
+            return
+        # The tightest key first: a race most likely takes its last units, and then
+        # nothing at all is consumed.
+        order = sorted(range(len(items)), key=lambda i: _slack(peeks[i], items[i].cost))
+        first = items[order[0]]
+        await self._consume(first)
+        assert first.result is not None
+        if not first.result["allowed"]:
+            for i in order[1:]:
+                items[i].result = peeks[i]  # they had room; not consumed
+            return
+        rest = [items[i] for i in order[1:]]
+        await asyncio.gather(*(self._consume(item) for item in rest))
+        if not all(item.result is not None and item.result["allowed"] for item in rest):
+            self.router.metrics.envoy_partial()
 
     def _response(self, plan: list[_Item | Limit | None]) -> rls_pb2.RateLimitResponse:
         response = rls_pb2.RateLimitResponse(overall_code=OK)
@@ -216,6 +265,14 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
                 status.code = OK
                 continue
             if isinstance(entry, Limit):
+                if entry.blocked:
+                    self._blocked(status, entry)
+                    if entry.shadow:
+                        if entry.label not in shadowed:
+                            shadowed.append(entry.label)
+                    else:
+                        response.overall_code = OVER_LIMIT
+                    continue
                 status.code = OK
                 status.limit_remaining = UINT32_MAX
                 continue
@@ -238,11 +295,19 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             status.current_limit.unit = _unit_enum(rule)
             status.current_limit.name = rule.name
             status.limit_remaining = 0 if denied else max(0, int(result.get("remaining", 0)))
-            reset = float(result.get("reset_after") or 0.0)
-            status.duration_until_reset.seconds = int(reset)
-            status.duration_until_reset.nanos = int((reset - int(reset)) * 1e9)
+            _set_duration(status, float(result.get("reset_after") or 0.0))
         self._headers(response, decided, shadowed)
         return response
+
+    def _blocked(self, status: rls_pb2.RateLimitResponse.DescriptorStatus, limit: Limit) -> None:
+        """``requests_per_unit: 0``: over the limit (OK if shadow), nothing counted."""
+        status.code = OK if limit.shadow else OVER_LIMIT
+        status.current_limit.requests_per_unit = 0
+        status.current_limit.unit = UNIT_ENUM[limit.unit]
+        status.current_limit.name = limit.label
+        status.limit_remaining = 0
+        period = UNITS[limit.unit]
+        _set_duration(status, period - self.clock() % period)
 
     def _headers(
         self,
@@ -260,33 +325,26 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         if not decided or not self.headers:
             return
         if "draft" in self.headers:
+            # The same functions as the HTTP path (node/headers.py), so both agree for
+            # every algorithm: q and w from quota_window, t from available_after.
             add.append(
                 base_pb2.HeaderValue(
-                    key="ratelimit-policy",
-                    value=", ".join(
-                        f'"{i.rule.name}";q={i.rule.limit};w={whole_seconds(i.rule.period)}'
-                        for i, _ in decided
-                    ),
+                    key="ratelimit-policy", value=policy_value([i.rule for i, _ in decided])
                 )
             )
             add.append(
                 base_pb2.HeaderValue(
                     key="ratelimit",
-                    value=", ".join(
-                        f'"{i.rule.name}";r={_remaining(r)};t={whole_seconds(r["reset_after"])}'
-                        for i, r in decided
-                    ),
+                    value=ratelimit_value(tuple(_decision(i, r) for i, r in decided)),
                 )
             )
         if "envoy" in self.headers:
-            # As envoyproxy/ratelimit: the descriptor closest to its limit.
+            # As envoyproxy/ratelimit: the descriptor closest to its limit; the reset is
+            # the seconds until its window is whole again (its duration_until_reset).
             item, result = min(decided, key=lambda d: (_remaining(d[1]), -d[1]["reset_after"]))
-            window = whole_seconds(item.rule.period)
+            quota, window = quota_window(item.rule)
             add.append(
-                base_pb2.HeaderValue(
-                    key="x-ratelimit-limit",
-                    value=f"{item.rule.limit}, {item.rule.limit};w={window}",
-                )
+                base_pb2.HeaderValue(key="x-ratelimit-limit", value=f"{quota}, {quota};w={window}")
             )
             add.append(
                 base_pb2.HeaderValue(key="x-ratelimit-remaining", value=str(_remaining(result)))
@@ -298,8 +356,35 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             )
 
 
+def _set_duration(status: rls_pb2.RateLimitResponse.DescriptorStatus, seconds: float) -> None:
+    status.duration_until_reset.seconds = int(seconds)
+    status.duration_until_reset.nanos = int((seconds - int(seconds)) * 1e9)
+
+
+def _decision(item: _Item, result: dict[str, Any]) -> Decision:
+    """A node's answer (JSON) as the Decision node/headers.py renders."""
+    retry = result.get("retry_after")
+    return Decision(
+        allowed=bool(result["allowed"]),
+        limit=item.rule.limit,
+        remaining=max(0, int(result.get("remaining", 0))),
+        reset_after=float(result.get("reset_after") or 0.0),
+        retry_after=None if retry is None else float(retry),
+        rule=item.rule.name,
+        reason=result.get("reason"),
+        available_after=float(result.get("available_after") or 0.0),
+    )
+
+
 def _remaining(result: dict[str, Any]) -> int:
     return 0 if not result["allowed"] else max(0, int(result.get("remaining", 0)))
+
+
+def _slack(peek: dict[str, Any], cost: int) -> float:
+    """Room a key has left after this call's cost, judging by its read."""
+    if peek.get("reason") == "owner_unreachable":
+        return math.inf  # the rule's on_error decides; no node is asked
+    return int(peek.get("remaining", 0)) - cost
 
 
 def _has_room(peek: dict[str, Any], cost: int) -> bool:

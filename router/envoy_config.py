@@ -18,9 +18,11 @@ One file per domain::
 Each descriptor with a ``rate_limit`` becomes a ringlimit rule (a fixed
 window aligned on the unit, as envoyproxy/ratelimit counts), marked
 ``named_only`` so that it never applies to proxied requests, and ``shadow``
-when ``shadow_mode`` is set. Matching a request's descriptor walks the tree
-as envoyproxy/ratelimit does: at each entry the exact ``key_value`` first,
-then a value ending in ``*`` as a prefix, then the bare key (any value).
+when ``shadow_mode`` is set; ``requests_per_unit: 0`` (envoyproxy/ratelimit's
+blocklist idiom) becomes a blocked :class:`Limit`, decided by the router.
+Matching a request's descriptor walks the tree as envoyproxy/ratelimit does:
+at each entry the exact ``key_value`` first, then a value ending in ``*`` as
+a prefix, then the bare key (any value).
 
 Every error names the file, the line and the field. Fields whose semantics
 ringlimit does not implement are refused, never ignored.
@@ -68,17 +70,26 @@ _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:\-]")
 
 @dataclass(frozen=True)
 class Limit:
-    """What one configured descriptor says: a rule, or unlimited."""
+    """What one configured descriptor says: a rule, unlimited, or blocked.
+
+    ``blocked`` is ``requests_per_unit: 0``, envoyproxy/ratelimit's blocklist
+    idiom: always over the limit. It has no rule (a ringlimit rule admits at
+    least 1), so it is decided by the router without asking a node and counts
+    nothing. ``label`` is the name it would have as a rule (``current_limit.name``).
+    """
 
     rule: Rule | None
     unit: str
     requests_per_unit: int
     replaces: tuple[str, ...] = ()
     name: str | None = None
+    blocked: bool = False
+    shadow: bool = False
+    label: str = ""
 
     @property
     def unlimited(self) -> bool:
-        return self.rule is None
+        return self.rule is None and not self.blocked
 
 
 @dataclass
@@ -364,13 +375,18 @@ class _Reader:
                 f"unknown unit {unit!r} (expected one of: {', '.join(UNITS)})",
             )
         count = self.scalar(fields["requests_per_unit"][1], f"{where}.requests_per_unit", "an int")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise self.fail(
                 fields["requests_per_unit"][1],
                 f"{where}.requests_per_unit",
-                f"must be a positive integer, got {fields['requests_per_unit'][1].value!r}",
+                f"must be an integer >= 0, got {fields['requests_per_unit'][1].value!r}",
             )
         rule_name = _rule_name(name or ".".join((self.domain_name, *path)))
+        if count == 0:
+            # envoyproxy/ratelimit's "block everything": over the limit on every hit.
+            return Limit(
+                None, unit, 0, tuple(replaces), name, blocked=True, shadow=shadow, label=rule_name
+            )
         try:
             rule = Rule(
                 name=rule_name,

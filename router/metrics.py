@@ -41,6 +41,12 @@ class RouterMetrics:
             ["code"],
             registry=self.registry,
         )
+        self._envoy_partial = Counter(
+            "ringlimit_router_envoy_partial_consumptions_total",
+            "Envoy calls with several enforced keys denied after some keys had consumed "
+            "(a concurrent call took a key's last units between the read and the consume).",
+            registry=self.registry,
+        )
         self._latency = Histogram(
             "ringlimit_router_forward_seconds",
             "Time from request to forwarded answer.",
@@ -101,6 +107,9 @@ class RouterMetrics:
 
     def envoy_call(self, code: str) -> None:
         self._envoy.labels(code).inc()
+
+    def envoy_partial(self) -> None:
+        self._envoy_partial.inc()
 
     def checks(self, node: str, count: int) -> None:
         self._checks.labels(node).inc(count)

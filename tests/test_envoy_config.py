@@ -3,6 +3,7 @@ name the file, the line and the field."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -179,7 +180,7 @@ def test_several_files_one_domain_each_and_the_rules_they_add(tmp_path: Path) ->
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, "
             "requests_per_unit: -1}\n",
             4,
-            "requests_per_unit: must be a positive integer",
+            "requests_per_unit: must be an integer >= 0",
         ),
         (
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, "
@@ -211,11 +212,21 @@ def test_errors_name_the_file_the_line_and_the_field(text: str, line: int, messa
     assert message in error
 
 
-def test_requests_per_unit_zero_is_refused_loudly() -> None:
-    """envoyproxy/ratelimit reads 0 as "deny everything"; ringlimit's rules need a
-    limit of at least 1, so the file is refused rather than read differently."""
-    with pytest.raises(ConfigError, match=r"line 14: .*requests_per_unit: must be a positive"):
-        parse_envoy_config(EDGE, "edge.yaml")
+def test_requests_per_unit_zero_blocks_as_in_envoyproxy_ratelimit(tmp_path: Path) -> None:
+    """envoyproxy/ratelimit's blocklist idiom: 0 requests per unit is always over
+    the limit. It becomes no rule (a ringlimit rule admits at least 1): the router
+    answers OVER_LIMIT itself and nothing is counted (tests/test_envoy_grpc.py)."""
+    domain = load_envoy_config(write(tmp_path, "edge.yaml", EDGE))
+    blocked = domain.limit_for([("remote_address", "50.0.0.5")])
+    assert blocked is not None and blocked.blocked and not blocked.unlimited
+    assert (blocked.rule, blocked.unit, blocked.requests_per_unit) == (None, "second", 0)
+    assert blocked.label == "edge_proxy_per_ip.remote_address_50.0.0.5"
+    other = domain.limit_for([("remote_address", "10.0.0.1")])
+    assert other is not None and other.rule is not None and other.rule.limit == 10
+    names = [s.rule.name for s in load_envoy_configs([tmp_path / "edge.yaml"]).rules]
+    assert names == ["edge_proxy_per_ip.remote_address"]
+    with pytest.raises(ConfigError, match=r"line 14: .*requests_per_unit: must be an integer >= 0"):
+        parse_envoy_config(EDGE.replace("requests_per_unit: 0", "requests_per_unit: -1"), "e.yaml")
 
 
 def test_the_router_command_reports_a_bad_file_in_one_line(
@@ -259,3 +270,41 @@ descriptors:
         assert found.rule.limit == limit
     assert domain.limit_for([("zip", "1116")]) is None
     assert domain.limit_for([("version", "1.1")]) is None
+
+
+def test_up_takes_envoy_headers_and_hands_them_to_its_router(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``up`` checks the sets, then starts its router (a child) with them in its
+    environment, where ``ringlimit router`` reads them when not given the flag."""
+    import argparse
+
+    from router import cli
+
+    config = write(tmp_path, "mongo.yaml", MONGO)
+    envoy = ["--grpc-port", "0", "--envoy-config", str(config)]
+    assert main(["up", *envoy, "--envoy-headers", "draft,bogus"]) == 2
+    assert "--envoy-headers: unknown set(s) bogus (expected draft, envoy)" in (
+        capsys.readouterr().err
+    )
+    assert main(["up", "--envoy-headers", "draft"]) == 2
+    assert "--envoy-headers needs --grpc-port" in capsys.readouterr().err
+    monkeypatch.delenv(cli.ENVOY_HEADERS_ENV, raising=False)
+    seen: list[str | None] = []
+
+    def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
+        seen.append(os.environ.get(cli.ENVOY_HEADERS_ENV))
+        return 0
+
+    monkeypatch.setattr("router.cluster.run_cluster", run_cluster)
+    assert main(["up", *envoy, "--envoy-headers", "envoy, draft"]) == 0
+    assert main(["up", *envoy]) == 0  # the default: none
+    assert seen == ["envoy,draft", ""]
+    assert cli.ENVOY_HEADERS_ENV not in os.environ  # put back as it was
+    router = cli.build_parser("router")
+    assert cli.envoy_header_sets(router.parse_args(["router"])) == ()
+    monkeypatch.setenv(cli.ENVOY_HEADERS_ENV, "envoy,draft")
+    assert cli.envoy_header_sets(router.parse_args(["router"])) == ("envoy", "draft")
+    given = router.parse_args(["router", "--envoy-headers", "draft"])
+    assert cli.envoy_header_sets(given) == ("draft",)  # the flag wins
+    assert cli.envoy_header_sets(router.parse_args(["router", "--envoy-headers", ""])) == ()

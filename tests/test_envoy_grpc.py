@@ -25,10 +25,20 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.wrappers_pb2 import UInt64Value
 
 from node.clock import FrozenClock
-from node.config import ClusterConfig
+from node.config import ClusterConfig, ScopedRule
+from node.rules import ALGORITHMS, Rule
+from ring import Member
+from router.coordinator import EtcdCoordinator, parse_endpoints
 from router.envoy import UINT32_MAX
-from router.envoy_config import EnvoyConfig, parse_envoy_config, with_envoy_rules
-from router.testing import InProcessCluster
+from router.envoy_config import (
+    DescriptorNode,
+    EnvoyConfig,
+    EnvoyDomain,
+    Limit,
+    parse_envoy_config,
+    with_envoy_rules,
+)
+from router.testing import InProcessCluster, node_url
 from tests.processes import Procs, free_port, wait_for
 from tests.test_cli import alive, children_of, free_block
 
@@ -83,13 +93,23 @@ def request(
 
 @contextlib.asynccontextmanager
 async def envoy_cluster(
-    nodes: int = 3, *, on_error: str = "open", **router: Any
+    nodes: int = 3,
+    *,
+    on_error: str = "open",
+    text: str = CONFIG,
+    envoy: EnvoyConfig | None = None,
+    config: ClusterConfig | None = None,
+    **router: Any,
 ) -> AsyncIterator[tuple[InProcessCluster, rls_pb2_grpc.RateLimitServiceStub]]:
-    envoy = EnvoyConfig({"api": parse_envoy_config(CONFIG, "api.yaml", on_error=on_error)})
-    config = with_envoy_rules(ClusterConfig(), envoy)
+    if envoy is None:
+        domain = parse_envoy_config(text, "api.yaml", on_error=on_error)
+        envoy = EnvoyConfig({domain.name: domain})
+    if config is None:  # else the caller's config holds the rules
+        config = with_envoy_rules(ClusterConfig(), envoy)
     options = {"envoy": envoy, "grpc_port": 0, **router}
     cluster = InProcessCluster(nodes, config, clock=FrozenClock(), router_options=options)
     async with cluster as c:
+        c.router.envoy_servicer.clock = c.clock  # a blocked descriptor's reset
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{c.router.grpc_bound}")
         try:
             yield c, rls_pb2_grpc.RateLimitServiceStub(channel)
@@ -154,6 +174,203 @@ async def test_several_descriptors_are_decided_all_or_nothing() -> None:
         )
 
 
+async def remaining(cluster: InProcessCluster, key: str, rule: str) -> int:
+    """A key's remaining quota, read through the decision API (cost 0: nothing consumed)."""
+    answer = await cluster.client.post("/v1/check", json={"key": key, "rule": rule, "cost": 0})
+    return int(answer.json()["remaining"])
+
+
+def steal_before_consume(
+    cluster: InProcessCluster, nth: int, key: str, rule: str, cost: int
+) -> list[str]:
+    """Make a concurrent caller take ``cost`` of ``key`` just before the call's
+    ``nth`` consume (cost > 0) reaches its node: the race between read and consume,
+    made deterministic. Returns the keys consumed, in order."""
+    servicer = cluster.router.envoy_servicer
+    real = servicer._ask
+    consumed: list[str] = []
+
+    async def ask(item: Any, cost_: int) -> dict[str, Any]:
+        if cost_:
+            consumed.append(item.key)
+            if len(consumed) == nth:
+                check = {"key": key, "rule": rule, "cost": cost}
+                assert (await cluster.client.post("/v1/check", json=check)).json()["allowed"]
+        result: dict[str, Any] = await real(item, cost_)
+        return result
+
+    servicer._ask = ask
+    return consumed
+
+
+async def test_a_race_on_the_tightest_key_consumes_nothing() -> None:
+    """The read said both keys had room; between the read and the consume another
+    caller took the ip's last unit. The ip (the tightest) is consumed first, is
+    denied, and the account is never touched."""
+    async with envoy_cluster() as (cluster, stub):
+        ip = "198.51.100.1"
+        assert (await stub.ShouldRateLimit(request("api", [("ip", ip)]))).overall_code == OK
+        consumed = steal_before_consume(cluster, 1, f"api/ip={ip}", "api.ip", 1)
+        answer = await stub.ShouldRateLimit(request("api", [("account", "acme")], [("ip", ip)]))
+        assert answer.overall_code == OVER
+        assert [s.code for s in answer.statuses] == [OK, OVER]
+        assert consumed == [f"api/ip={ip}"]
+        assert await remaining(cluster, "api/account=acme", "api.account") == 10
+        metrics = (await cluster.client.get("/metrics")).text
+        assert "ringlimit_router_envoy_partial_consumptions_total 0.0" in metrics
+
+
+async def test_a_race_on_a_second_key_is_counted_as_partial_consumption() -> None:
+    """Two keys near exhaustion at once: the tightest consumed, then the other ran
+    out in between. Never over-admitted (the call is denied); the units the
+    tightest key gave are kept (no refund) and the call is counted."""
+    async with envoy_cluster() as (cluster, stub):
+        ip = "198.51.100.2"
+        assert (await stub.ShouldRateLimit(request("api", [("ip", ip)]))).overall_code == OK
+        consumed = steal_before_consume(cluster, 2, "api/account=acme", "api.account", 10)
+        answer = await stub.ShouldRateLimit(request("api", [("account", "acme")], [("ip", ip)]))
+        assert answer.overall_code == OVER
+        assert [s.code for s in answer.statuses] == [OVER, OK]
+        assert consumed == [f"api/ip={ip}", "api/account=acme"]
+        assert await remaining(cluster, f"api/ip={ip}", "api.ip") == 0  # kept, not refunded
+        metrics = (await cluster.client.get("/metrics")).text
+        assert "ringlimit_router_envoy_partial_consumptions_total 1.0" in metrics
+
+
+RACE = """\
+domain: race
+descriptors:
+  - key: a
+    rate_limit: {unit: minute, requests_per_unit: 4}
+  - key: b
+    rate_limit: {unit: minute, requests_per_unit: 4}
+  - key: c
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1000}
+"""
+
+
+async def test_concurrent_multi_descriptor_calls_never_over_admit() -> None:
+    """Many concurrent calls of two or three descriptors over a few tight keys,
+    through the real gRPC client. Per key, what the admitted calls cost never
+    exceeds its limit; what was consumed beyond that is the partial consumption
+    races caused (reported in docs/envoy.md)."""
+    import random
+
+    rng = random.Random(14)
+    limits = {"a": 4, "b": 4}
+    calls = []
+    for _ in range(300):
+        descriptors = [[("a", str(rng.randrange(4)))], [("b", str(rng.randrange(4)))]]
+        if rng.random() < 0.3:
+            descriptors.append([("c", "all")])  # a shadow descriptor rides along
+        calls.append(descriptors)
+    async with envoy_cluster(text=RACE) as (cluster, stub):
+        # Each router-to-node round trip takes 0-5 ms (in process they take
+        # microseconds and calls barely overlap): many calls read, then consume.
+        servicer = cluster.router.envoy_servicer
+        real = servicer._ask
+
+        async def ask(item: Any, cost: int) -> dict[str, Any]:
+            await asyncio.sleep(rng.uniform(0, 0.005))
+            result: dict[str, Any] = await real(item, cost)
+            return result
+
+        servicer._ask = ask
+        answers = await asyncio.gather(*(stub.ShouldRateLimit(request("race", *d)) for d in calls))
+        admitted: dict[str, int] = {}
+        for descriptors, answer in zip(calls, answers, strict=True):
+            if answer.overall_code == OK:
+                for ((k, v),) in descriptors:
+                    admitted[f"race/{k}={v}"] = admitted.get(f"race/{k}={v}", 0) + 1
+        wasted = consumed_total = 0
+        for k, limit in limits.items():
+            for v in range(4):
+                key = f"race/{k}={v}"
+                consumed = limit - await remaining(cluster, key, f"race.{k}")
+                assert admitted.get(key, 0) <= limit  # never over-admitted
+                assert consumed >= admitted.get(key, 0)
+                wasted += consumed - admitted.get(key, 0)
+                consumed_total += consumed
+        # The shadow descriptor is counted on every call that carried it, denied or not.
+        riders = sum(1 for d in calls if len(d) == 3)
+        assert await remaining(cluster, "race/c=all", "race.c") == 1000 - riders
+        metrics = (await cluster.client.get("/metrics")).text
+        partial = next(
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("ringlimit_router_envoy_partial_consumptions_total ")
+        )
+        ok = sum(1 for a in answers if a.overall_code == OK)
+        print(
+            f"\n{len(calls)} calls, {ok} admitted; units consumed {consumed_total}, "
+            f"wasted by races {wasted}; partial calls {partial:.0f}"
+        )
+        assert ok >= 1
+        # Each partial call consumed exactly one unit: its tightest key (cost 1, two keys).
+        assert wasted == partial
+
+
+async def test_shadow_is_counted_when_another_descriptor_denies() -> None:
+    """As envoyproxy/ratelimit, which increments every descriptor's key on every
+    call: a shadow descriptor's counter does not depend on the enforced ones."""
+    async with envoy_cluster() as (cluster, stub):
+        ip = "198.51.100.3"
+        for _ in range(2):
+            await stub.ShouldRateLimit(request("api", [("ip", ip)]))
+        answer = await stub.ShouldRateLimit(request("api", [("trial", "t9")], [("ip", ip)]))
+        assert answer.overall_code == OVER
+        assert [s.code for s in answer.statuses] == [OK, OVER]
+        assert answer.statuses[0].limit_remaining == 1
+        assert await remaining(cluster, "api/trial=t9", "trial") == 1
+
+
+BLOCKED = """\
+domain: api
+descriptors:
+  - key: ip
+    rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: ip
+    value: 203.0.113.66
+    rate_limit: {unit: minute, requests_per_unit: 0}
+  - key: ip
+    value: 203.0.113.77
+    shadow_mode: true
+    rate_limit: {name: watch, unit: hour, requests_per_unit: 0}
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 5}
+"""
+
+
+async def test_requests_per_unit_zero_is_always_over_limit_and_counts_nothing() -> None:
+    async with envoy_cluster(text=BLOCKED) as (cluster, stub):
+        blocked = request("api", [("ip", "203.0.113.66")], [("user", "zoe")])
+        for _ in range(3):
+            answer = await stub.ShouldRateLimit(blocked)
+            assert answer.overall_code == OVER
+            ip, user = answer.statuses
+            assert ip.code == OVER and ip.limit_remaining == 0
+            assert ip.current_limit.requests_per_unit == 0
+            assert ip.current_limit.unit == rls_pb2.RateLimitResponse.RateLimit.MINUTE
+            assert ip.current_limit.name == "api.ip_203.0.113.66"
+            assert ip.duration_until_reset.seconds == 20  # 40 s into the frozen minute
+            assert user.code == OK and user.limit_remaining == 5  # the call consumed nothing
+        assert await remaining(cluster, "api/user=zoe", "api.user") == 5
+        # Other addresses use the bare key's limit; the blocked one never reached a node.
+        other = await stub.ShouldRateLimit(request("api", [("ip", "203.0.113.1")]))
+        assert other.overall_code == OK and other.statuses[0].limit_remaining == 4
+        # In shadow mode: OK, named in ringlimit-shadow, nothing counted.
+        watched = await stub.ShouldRateLimit(
+            request("api", [("ip", "203.0.113.77")], [("user", "zoe")])
+        )
+        assert watched.overall_code == OK
+        assert [s.code for s in watched.statuses] == [OK, OK]
+        assert watched.statuses[0].current_limit.name == "watch"
+        headers = {h.key: h.value for h in watched.response_headers_to_add}
+        assert headers["ringlimit-shadow"] == '"watch"'
+        assert await remaining(cluster, "api/user=zoe", "api.user") == 4
+
+
 async def test_shadow_mode_never_denies_but_counts() -> None:
     async with envoy_cluster() as (cluster, stub):
         answers = [
@@ -201,6 +418,61 @@ async def test_statuses_for_no_limit_unlimited_replaces_and_headers() -> None:
         # An unknown domain limits nothing (as envoyproxy/ratelimit).
         other = await stub.ShouldRateLimit(request("elsewhere", [("user", "carol")]))
         assert other.overall_code == OK and not other.statuses[0].HasField("current_limit")
+
+
+@pytest.mark.parametrize("sets", [(), ("draft",), ("envoy",), ("draft", "envoy")])
+async def test_each_header_set_and_the_default_none(sets: tuple[str, ...]) -> None:
+    draft = {"ratelimit-policy", "ratelimit"}
+    envoy = {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"}
+    expected = (draft if "draft" in sets else set()) | (envoy if "envoy" in sets else set())
+    async with envoy_cluster(envoy_headers=sets) as (cluster, stub):
+        both = request("api", [("ip", "192.0.2.50")], [("user", "dan")])
+        answers = []
+        for _ in range(3):
+            answers.append(await stub.ShouldRateLimit(both))
+            cluster.clock.advance(5)
+        assert [a.overall_code for a in answers] == [OK, OK, OVER]
+        for answer in answers:
+            assert {h.key for h in answer.response_headers_to_add} == expected
+        first, _, denied = ({h.key: h.value for h in a.response_headers_to_add} for a in answers)
+        if "draft" in sets:
+            assert first["ratelimit-policy"] == '"api.ip";q=2;w=60, "api.user";q=20;w=60'
+            assert first["ratelimit"] == '"api.ip";r=1;t=20, "api.user";r=19;t=20'
+            # Denied by the ip; the user's quota was read, not consumed.
+            assert denied["ratelimit"] == '"api.ip";r=0;t=10, "api.user";r=18;t=10'
+        if "envoy" in sets:
+            # The descriptor closest to its limit; the reset is the seconds until its
+            # window is whole again (the frozen clock: 40 s into the minute, then 50).
+            assert first["x-ratelimit-limit"] == "2, 2;w=60"
+            assert (first["x-ratelimit-remaining"], first["x-ratelimit-reset"]) == ("1", "20")
+            assert (denied["x-ratelimit-remaining"], denied["x-ratelimit-reset"]) == ("0", "10")
+            assert denied["x-ratelimit-reset"] == str(
+                answers[2].statuses[0].duration_until_reset.seconds
+            )
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+async def test_draft_headers_agree_with_the_http_path_for_every_algorithm(algorithm: str) -> None:
+    """The same rule decided for a user over HTTP and for a descriptor over gRPC, at
+    the same instants: the same RateLimit-Policy and RateLimit fields (node/headers.py),
+    so ``t`` is when more quota is available, not when it is whole again."""
+    bucket = algorithm in ("token_bucket", "gcra")
+    rule = Rule("r", 5, 60.0, algorithm, burst=8 if bucket else 0)
+    root = DescriptorNode(children={"k": DescriptorNode(limit=Limit(rule, "minute", 5))})
+    envoy = EnvoyConfig({"alg": EnvoyDomain("alg", "alg.yaml", root)})
+    config = ClusterConfig(rules=(ScopedRule(rule),))
+    async with envoy_cluster(envoy=envoy, config=config, envoy_headers=("draft",)) as (
+        cluster,
+        stub,
+    ):
+        for step in range(12):
+            http = await cluster.client.get("/hello", headers={"X-User-Id": "u"})
+            answer = await stub.ShouldRateLimit(request("alg", [("k", "u")]))
+            grpc_headers = {h.key: h.value for h in answer.response_headers_to_add}
+            assert (answer.overall_code == OK) == (http.status_code == 200), step
+            for name in ("ratelimit-policy", "ratelimit"):
+                assert grpc_headers[name] == http.headers[name], (step, name)
+            cluster.clock.advance(1.5)
 
 
 async def test_refused_requests_are_invalid_argument() -> None:
@@ -256,6 +528,43 @@ async def test_the_api_token_guards_the_grpc_service_too() -> None:
         assert answer.overall_code == OK
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="router/membership.py (_take) replaces the router's config with the one etcd "
+    "holds, which lacks the --envoy-config rules; the fix belongs there (see the envoy "
+    "helper's report): re-apply with_envoy_rules to every adopted config",
+)
+async def test_a_router_that_adopts_etcds_config_keeps_its_envoy_rules(
+    etcd_endpoint: str,
+) -> None:
+    """Adding --envoy-config to a running cluster on etcd: its router restarts with
+    the rules, finds etcd's record (a config without them) and takes it."""
+    envoy = EnvoyConfig({"api": parse_envoy_config(CONFIG, "api.yaml")})
+
+    def coordinated() -> dict[str, Any]:
+        coordinator = EtcdCoordinator(parse_endpoints(etcd_endpoint), cluster="envoy", ttl=2.0)
+        return {"coordinator": coordinator, "advertise": "http://router.cluster"}
+
+    async with InProcessCluster(
+        2, ClusterConfig(), clock=FrozenClock(), router_options=coordinated()
+    ) as cluster:
+        router = await cluster.restart_router(
+            seeds=[Member(n, node_url(n)) for n in cluster.nodes],
+            config=with_envoy_rules(ClusterConfig(), envoy),
+            envoy=envoy,
+            grpc_port=0,
+            **coordinated(),
+        )
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_bound}")
+        try:
+            stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+            answer = await stub.ShouldRateLimit(request("api", [("user", "a")]))
+            assert answer.overall_code == OK
+            assert "api.user" in {s.rule.name for s in router.config.rules}
+        finally:
+            await channel.close()
+
+
 @pytest.mark.integration
 def test_ringlimit_router_serves_grpc(procs: Procs, tmp_path: Path) -> None:
     config = tmp_path / "api.yaml"
@@ -299,6 +608,7 @@ def test_ringlimit_up_serves_grpc(procs: Procs, tmp_path: Path) -> None:
         [
             *("up", "--nodes", "2", "--port", str(port)),
             *("--grpc-port", str(grpc_port), "--envoy-config", str(config)),
+            *("--envoy-headers", "envoy"),
         ],
     )
     children: list[int] = []
@@ -307,11 +617,14 @@ def test_ringlimit_up_serves_grpc(procs: Procs, tmp_path: Path) -> None:
         children = children_of(proc.popen.pid)
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             stub = rls_pb2_grpc.RateLimitServiceStub(channel)
-            codes = [
-                stub.ShouldRateLimit(request("api", [("ip", "a")]), timeout=10).overall_code
-                for _ in range(3)
+            answers = [
+                stub.ShouldRateLimit(request("api", [("ip", "a")]), timeout=10) for _ in range(3)
             ]
-        assert codes == [OK, OK, OVER]
+        assert [a.overall_code for a in answers] == [OK, OK, OVER]
+        # --envoy-headers reached the router that up started.
+        headers = {h.key: h.value for h in answers[0].response_headers_to_add}
+        assert headers["x-ratelimit-limit"] == "2, 2;w=60"
+        assert "ratelimit" not in headers
     finally:
         proc.popen.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):

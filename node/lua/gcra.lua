@@ -18,7 +18,7 @@ do
     if r >= capacity then
       return 0.0
     end
-    local wait = tat + (r + 1) * interval - tolerance - now
+    local wait = (tat - now) + (r + 1) * interval - tolerance
     if wait > 0.0 then
       return wait
     end
