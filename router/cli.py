@@ -360,9 +360,8 @@ def _envoy_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-#: How ``up`` hands ``--envoy-headers`` to its router (router/cluster.py builds the
-#: router's command line and passes the environment through); also read by a
-#: ``ringlimit router`` started without the flag.
+#: ``--envoy-headers`` of a ``ringlimit router`` started without the flag (``up``
+#: passes the flag on its router's command line).
 ENVOY_HEADERS_ENV = "RINGLIMIT_ENVOY_HEADERS"
 
 
@@ -776,18 +775,11 @@ def _run_up(args: argparse.Namespace) -> int:
     if args.envoy_headers and args.grpc_port is None:
         raise ValueError("--envoy-headers needs --grpc-port and --envoy-config")
     _warn_modes(config)
-    # The router is a child: the header sets reach it through its environment.
-    saved = os.environ.get(ENVOY_HEADERS_ENV)
-    os.environ[ENVOY_HEADERS_ENV] = ",".join(headers)
+    args.envoy_headers = ",".join(headers)
     try:
         return run_cluster(args, config)
     except StartError as exc:
         raise CommandError(str(exc)) from None
-    finally:
-        if saved is None:
-            del os.environ[ENVOY_HEADERS_ENV]
-        else:
-            os.environ[ENVOY_HEADERS_ENV] = saved
 
 
 def _run_nodes(args: argparse.Namespace) -> int:

@@ -474,6 +474,8 @@ def _router_argv(
         argv += ["--grpc-port", str(args.grpc_port)]
     for envoy_file in getattr(args, "envoy_config", ()):
         argv += ["--envoy-config", str(Path(envoy_file).resolve())]
+    if getattr(args, "envoy_headers", None):
+        argv += ["--envoy-headers", args.envoy_headers]
     if args.verbose:
         argv += ["--verbose"]
     return argv

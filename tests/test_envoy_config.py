@@ -17,6 +17,7 @@ from router.envoy_config import (
     parse_envoy_config,
     with_envoy_rules,
 )
+from router.supervisor import _router_argv
 
 #: Written from envoyproxy/ratelimit's documented format (its README's examples).
 EDGE = """\
@@ -290,17 +291,18 @@ def test_up_takes_envoy_headers_and_hands_them_to_its_router(
     assert main(["up", "--envoy-headers", "draft"]) == 2
     assert "--envoy-headers needs --grpc-port" in capsys.readouterr().err
     monkeypatch.delenv(cli.ENVOY_HEADERS_ENV, raising=False)
-    seen: list[str | None] = []
+    seen: list[list[str]] = []
 
     def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
-        seen.append(os.environ.get(cli.ENVOY_HEADERS_ENV))
+        argv = _router_argv(args, config, "127.0.0.1", Path("cluster.toml"), [])
+        seen.append(argv[argv.index("--envoy-headers") :][:2] if "--envoy-headers" in argv else [])
         return 0
 
-    monkeypatch.setattr("router.cluster.run_cluster", run_cluster)
+    monkeypatch.setattr("router.supervisor.run_cluster", run_cluster)
     assert main(["up", *envoy, "--envoy-headers", "envoy, draft"]) == 0
     assert main(["up", *envoy]) == 0  # the default: none
-    assert seen == ["envoy,draft", ""]
-    assert cli.ENVOY_HEADERS_ENV not in os.environ  # put back as it was
+    assert seen == [["--envoy-headers", "envoy,draft"], []]
+    assert cli.ENVOY_HEADERS_ENV not in os.environ  # up passes a flag, not its environment
     router = cli.build_parser("router")
     assert cli.envoy_header_sets(router.parse_args(["router"])) == ()
     monkeypatch.setenv(cli.ENVOY_HEADERS_ENV, "envoy,draft")
