@@ -225,6 +225,9 @@ class HealthMonitor:
         # No renewal from the decision on: if it answers again while the removal
         # waits for the lock, its lease must not outlive the removal.
         self.condemned.add(member_id)
+        # And no waiting behind a change under way: its pushes to this member
+        # are abandoned, a join not yet committed yields (Membership.preempt).
+        m.preempt()
         try:
             if await m.crash(member_id, reason="failed its health checks") is not None:
                 # And again from its end: the next removal waits one interval

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,14 @@ __all__ = [
 ]
 
 log = logging.getLogger("ringlimit.router")
+
+#: How many times a join may yield to crash removals before it gives up (503).
+MAX_PREEMPTIONS = 8
+
+
+class _Preempted(Exception):
+    """A change not committed yet gave way to a crash removal (it retries)."""
+
 
 #: Membership events listed by ``GET /admin/ring`` (``ringlimit up`` reports from them).
 MAX_EVENTS = 64
@@ -126,6 +134,8 @@ class Membership:
         #: Errors the health loop and background repairs survived (/metrics).
         self.failures = Failures(log)
         self.lock = asyncio.Lock()
+        #: Set (and replaced) when a crash removal is decided: see :meth:`preempt`.
+        self._preempt = asyncio.Event()
         self.changed = asyncio.Event()
         self.crashes = 0
         self._owned = client is None
@@ -480,10 +490,19 @@ class Membership:
             if await self._already_joined(member):
                 return self.view
         await self._wait_ready(member)
-        async with self.lock:
-            if await self._already_joined(member):
-                return self.view
-            return await self._join_locked(member)
+        for _ in range(MAX_PREEMPTIONS):
+            async with self.lock:
+                if await self._already_joined(member):
+                    return self.view
+                try:
+                    return await self._join_locked(member)
+                except _Preempted:
+                    log.info("join of %s yields to a crash removal; then it retries", member.id)
+            # The lock is released: the removal, queued for it, goes first (an
+            # asyncio.Lock is fair), and this join queues behind it.
+        raise MembershipError(
+            503, "ring_changing", f"join of {member.id} yielded to removals too often; retry"
+        )
 
     async def _already_joined(self, member: Member) -> bool:
         """True for a repeated registration of a healthy member (nothing to do)."""
@@ -499,8 +518,9 @@ class Membership:
 
     async def _join_locked(self, member: Member) -> RingView:
         # First the newcomer gets the cluster's config, with the current view
-        # (in which it owns nothing): see ViewLog.welcome.
-        await self._send(self.log.welcome(member))
+        # (in which it owns nothing): see ViewLog.welcome. Nothing is committed
+        # yet, so a crash removal decided meanwhile goes first (_Preempted).
+        await self._unless_preempted(self._send(self.log.welcome(member)))
         health = Health(state="joining")
         if self.leasing:
             # Its lease before it owns anything, so its first requests are decided.
@@ -527,6 +547,25 @@ class Membership:
             )
         log.info("node %s joined: epoch %d", member.id, change.view.epoch)
         return change.view
+
+    async def _unless_preempted(self, step: Coroutine[Any, Any, Any]) -> None:
+        """Run a step of a change that is not committed yet, unless a crash
+        removal is decided meanwhile: then abandon it and raise _Preempted."""
+        task = asyncio.ensure_future(step)
+        preempted = asyncio.ensure_future(self._preempt.wait())
+        try:
+            await asyncio.wait([task, preempted], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            preempted.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise _Preempted
+        task.result()
 
     async def leave(self, member_id: str) -> RingView:
         """Graceful leave: the leaving node hands everything off before it is dropped."""
@@ -759,6 +798,8 @@ class Membership:
             push.crashed,
             tolerate=push.tolerate,
             seconds=seconds,
+            # Telling a removed member is the point of a notify: never abandoned.
+            abandon=push.role != "notify",
         )
 
     async def _push_all(
@@ -775,11 +816,14 @@ class Membership:
         *,
         tolerate: bool = False,
         seconds: float | None = None,
+        abandon: bool = True,
     ) -> list[str]:
         """Send a view; returns the ids that did not take it (raises unless ``tolerate``).
 
         ``seconds`` bounds a push that carries no handoff (the default, the
         client's push timeout, leaves room for a node to deliver its states).
+        With ``abandon``, the push to a member whose crash removal is decided
+        meanwhile is abandoned (:meth:`_abandon_condemned`).
         """
         members = list(members)
         self.log.saw(view.epoch)
@@ -787,9 +831,69 @@ class Membership:
         # require a lease; others leave the setting as it is.
         lease = self.lease_seconds if self.leasing else None
         payload = push_body(view, previous, crashed, self.config, lease)
-        return await self.nodes.push(
-            members, view.epoch, payload, tolerate=tolerate, seconds=seconds
-        )
+        pending = {
+            asyncio.create_task(self.nodes.push_one(m, payload, seconds=seconds)): m
+            for m in members
+        }
+        errors: dict[str, BaseException] = {}
+        try:
+            while pending:
+                if abandon:
+                    self._abandon_condemned(pending, errors, view.epoch)
+                if not pending:
+                    break
+                # Wake on an answer, or when a removal is decided (it may
+                # condemn a member this push is still waiting for).
+                preempted = asyncio.ensure_future(self._preempt.wait())
+                try:
+                    await asyncio.wait([*pending, preempted], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    preempted.cancel()
+                for task in [t for t in pending if t.done()]:
+                    member = pending.pop(task)
+                    if (exc := task.exception()) is not None:
+                        errors[member.id] = exc
+        finally:
+            for task in pending:
+                task.cancel()
+        failed = [m.id for m in members if m.id in errors]
+        if failed and not tolerate:
+            raise errors[failed[0]]
+        for member_id in failed:
+            log.warning("push of epoch %d: %s", view.epoch, errors[member_id])
+        return failed
+
+    def _abandon_condemned(
+        self,
+        pending: dict[asyncio.Task[None], Member],
+        errors: dict[str, BaseException],
+        epoch: int,
+    ) -> None:
+        """Stop waiting for pushes to members being removed as crashed.
+
+        A member is condemned only once every lease granted to it has certainly
+        ended (router/removal.py), so it decides nothing whether or not it ever
+        takes this view: waiting for it (up to the push timeout, for a paused
+        node) would only delay its own removal. It counts as a member that did
+        not take the view: the change goes on without it (the view log's
+        half-failed-change path), and the removal follows at once.
+        """
+        for task, member in list(pending.items()):
+            if member.id in self.monitor.condemned:
+                task.cancel()
+                del pending[task]
+                errors[member.id] = MembershipError(
+                    502,
+                    "push_abandoned",
+                    f"node {member.id} is being removed as crashed; "
+                    f"push of epoch {epoch} abandoned",
+                )
+
+    def preempt(self) -> None:
+        """A removal was decided: wake every push under way (see :meth:`_push`)
+        and a join still before its commit (it yields the lock and retries)."""
+        self._preempt.set()
+        self._preempt = asyncio.Event()
 
     async def push_config(self, config: ClusterConfig) -> None:
         async with self.lock:
