@@ -229,7 +229,12 @@ class HealthMonitor:
         # are abandoned, a join not yet committed yields (Membership.preempt).
         m.preempt()
         try:
-            if await m.crash(member_id, reason="failed its health checks") is not None:
+            try:
+                removed = await m.crash(member_id, reason="failed its health checks")
+            except MembershipError as exc:  # it stopped leading meanwhile (etcd)
+                log.warning("removal of %s not made: %s", member_id, exc.detail)
+                return
+            if removed is not None:
                 # And again from its end: the next removal waits one interval
                 # after this one took effect, however long it waited for the lock.
                 m.budget.removed(asyncio.get_running_loop().time())

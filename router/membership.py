@@ -62,6 +62,9 @@ __all__ = [
 
 log = logging.getLogger("ringlimit.router")
 
+#: How often a following router looks whether the leader repaired a node (seconds).
+REPAIR_POLL = 0.1
+
 #: How many times a join may yield to crash removals before it gives up (503).
 MAX_PREEMPTIONS = 8
 
@@ -127,7 +130,12 @@ class Membership:
         self.coordinator = coordinator
         self.advertise = advertise
         self.leading = coordinator is None
+        #: The etcd revision a change of this router is conditioned on: the
+        #: record of the view it adopted (or of the change it is carrying out),
+        #: never that of a newer record it only saw (unsettled, not adopted).
         self._revision = 0
+        #: The newest revision seen (the watch resumes after it).
+        self._seen_revision = 0
         self._coordination: list[asyncio.Task[Any]] = []
         #: The last membership changes, for operators (router/events.py).
         self.events = EventLog()
@@ -150,6 +158,8 @@ class Membership:
         self._newer_check: asyncio.Task[bool] | None = None
         self._joins: dict[str, asyncio.Future[RingView]] = {}
         self._newer_checked_at = float("-inf")
+        #: Followers: one wait per member for the leader to repair it.
+        self._awaiting_repair: dict[str, asyncio.Task[Any]] = {}
         #: The leading router's URL when this one follows it (router/workers.py).
         self.leader_url: str | None = None
 
@@ -157,6 +167,25 @@ class Membership:
     def view(self) -> RingView:
         """The view this router routes by."""
         return self.log.view
+
+    @property
+    def follows(self) -> bool:
+        """True while another router leads membership: with etcd, this one was
+        not elected; without, it follows a leading router (``leader_url``, the
+        workers of ``ringlimit router --workers N``). A router that follows
+        never changes the ring: admin calls are passed to the leader (router/app.py),
+        and a node that is behind or restarted is the leader's health loop's to
+        repair (:meth:`refresh_node`)."""
+        return self.leader_url is not None or not self.leading
+
+    def _must_lead(self) -> None:
+        if self.follows:
+            raise MembershipError(
+                503,
+                "not_leader",
+                "this router does not lead the cluster's membership: "
+                + (f"the router at {self.leader_url} does" if self.leader_url else "retry shortly"),
+            )
 
     @property
     def removed(self) -> dict[str, Member]:
@@ -242,10 +271,22 @@ class Membership:
             self._health_task = asyncio.create_task(self._health_loop())
 
     def _take(self, record: ViewRecord, *, force: bool = False) -> None:
-        """Follow etcd's record: remember its revision, adopt a settled newer view."""
-        self._revision = max(self._revision, record.revision)
+        """Follow etcd's record: adopt a settled newer view.
+
+        A change is conditioned on the revision of the view it was built from:
+        the revision moves with an adopted view (or a rewrite of the view this
+        router holds, e.g. marked settled), not with an unsettled record of a
+        newer view, else a change built from view N-1 could be committed over
+        record N (a forked history, N never carried out).
+        """
+        self._seen_revision = max(self._seen_revision, record.revision)
         self.log.saw(record.view.epoch)
-        if (record.settled or force) and record.view.epoch > self.view.epoch:
+        if record.view == self.view:
+            self._revision = max(self._revision, record.revision)
+            # Adopted before, from a node (which does not say who crashed).
+            self.events.crashed(record.view.epoch, record.crashed)
+        elif (record.settled or force) and record.view.epoch > self.view.epoch:
+            self._revision = record.revision
             if record.config != self.config:
                 log.warning("taking the cluster config from etcd (epoch %d)", record.view.epoch)
                 self.config = record.config
@@ -269,6 +310,7 @@ class Membership:
         ``limit`` seconds. A follower that served first would answer ``no_nodes``
         until its first poll (the leader may still be making the first view);
         a leader whose ring is really empty costs the follower ``limit`` once."""
+        self.leader_url = leader_url
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
         while not len(self.view) and loop.time() < deadline:
@@ -293,10 +335,13 @@ class Membership:
         works for nodes that keep no view (the Redis backend's).
         """
         try:
-            view = await self.nodes.leader_ring(leader_url, headers)
+            view, events = await self.nodes.leader_state(leader_url, headers)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.debug("could not poll the leader at %s: %s", leader_url, exc)
             return False
+        # The leader's events, as they are: it knows which members crashed and
+        # which left (a view learnt here or from a node does not say).
+        self.events.mirror(events)
         if view.epoch <= self.view.epoch or not len(view):
             return False
         self.log.saw(view.epoch)
@@ -310,7 +355,8 @@ class Membership:
         assert self.coordinator is not None
         # aclosing: on cancellation the generator (a gRPC stream) is closed now,
         # not at the event loop's shutdown.
-        async with contextlib.aclosing(self.coordinator.watch(self._revision)) as records:
+        since = max(self._revision, self._seen_revision)
+        async with contextlib.aclosing(self.coordinator.watch(since)) as records:
             async for record in records:
                 self._take(record)
 
@@ -371,6 +417,7 @@ class Membership:
             for member in change.view:
                 self.health.setdefault(member.id, Health())
             self._adopt(change.view, change.crashed)
+            self._revision = record.revision  # the record of the view now adopted
             await self._settle(record)
             await self._crash_unresponsive(failed)
 
@@ -397,9 +444,9 @@ class Membership:
             if latest is None:
                 break
             self._take(latest)
-            self._revision = latest.revision
             if latest.view != previous:
                 break
+            self._revision = latest.revision
         raise MembershipError(409, "ring_changed", "another router changed the ring first; retry")
 
     async def _settle(self, record: ViewRecord | None) -> ViewRecord | None:
@@ -456,6 +503,7 @@ class Membership:
         join that cannot become ready (a mistyped URL, a node still starting)
         never delays the removal of a crashed member or another change.
         """
+        self._must_lead()
         underway = self._joins.get(member.id)
         if underway is not None:
             if self.joining.get(member.id) != member:
@@ -569,6 +617,7 @@ class Membership:
 
     async def leave(self, member_id: str) -> RingView:
         """Graceful leave: the leaving node hands everything off before it is dropped."""
+        self._must_lead()
         async with self.lock:
             change = self.log.leave(member_id)
             self.health.setdefault(member_id, Health()).state = "leaving"
@@ -593,6 +642,7 @@ class Membership:
 
     async def crash(self, member_id: str, reason: str = "unreachable") -> RingView | None:
         """Drop a node that stopped answering; its keys follow the crash policy."""
+        self._must_lead()
         async with self.lock:
             return await self._crash_locked(member_id, reason=reason)
 
@@ -687,7 +737,9 @@ class Membership:
             self.failures.record("background_task", exc)
 
     def _adopt(self, view: RingView, crashed: Iterable[str] = ()) -> None:
-        self.events.change(self.view, view, crashed={*self.removed, *crashed})
+        if self.leader_url is None:
+            # A follower shows the leader's events instead (follow_once).
+            self.events.change(self.view, view, crashed={*self.removed, *crashed})
         self.log.adopt(view)
         self._save_state()
         self.changed.set()
@@ -759,7 +811,15 @@ class Membership:
         A node at epoch 0 while the ring is older has restarted and lost its
         state: it is treated as crashed (its keys follow the crash policy) and
         then joins again as a new member.
+
+        Only the leading router does either: a router that follows has neither
+        the authority to change the ring nor the history of crashes a refresh
+        carries. It waits (bounded) for the leader's health loop to repair the
+        node, which it does within one health interval.
         """
+        if self.follows:
+            await self._leader_repairs(member)
+            return
         if self.log.lost_state(member, node_epoch):
             if self.lock.locked():
                 # Someone is already making a change (perhaps this very one):
@@ -772,6 +832,25 @@ class Membership:
             return
         # Its own previous view and every crash it missed (ViewLog.refresh).
         await self._send(self.log.refresh(member, node_epoch))
+
+    async def _leader_repairs(self, member: Member) -> None:
+        """Wait until the leader brought ``member`` up to date (its epoch reaches
+        ours) or changed the ring, at most ``2 * health_interval + health_timeout``;
+        concurrent callers share one wait per member (one probe per 0.1 s)."""
+        task = self._awaiting_repair.get(member.id)
+        if task is None or task.done():
+            task = self._awaiting_repair[member.id] = self._spawn(self._poll_repair(member))
+        await asyncio.shield(task)
+
+    async def _poll_repair(self, member: Member) -> None:
+        loop = asyncio.get_running_loop()
+        epoch = self.view.epoch
+        deadline = loop.time() + 2 * self.health_interval + self.health_timeout
+        while loop.time() < deadline and self.view.epoch == epoch:
+            await asyncio.sleep(REPAIR_POLL)
+            seen = await self.nodes.epoch(member, self.health_timeout)
+            if seen is not None and seen >= self.view.epoch:
+                return
 
     # ------------------------------------------------------------------ pushing
 
@@ -896,6 +975,7 @@ class Membership:
         self._preempt = asyncio.Event()
 
     async def push_config(self, config: ClusterConfig) -> None:
+        self._must_lead()
         async with self.lock:
             self.config = config
             await self._push_all(self.view, None, ())

@@ -216,6 +216,14 @@ class NodeClient:
     async def leader_ring(self, leader_url: str, headers: dict[str, str]) -> RingView:
         """The leading router's ring, without its joining members; raises
         httpx.HTTPError, ValueError, KeyError or TypeError."""
+        view, _ = await self.leader_state(leader_url, headers)
+        return view
+
+    async def leader_state(
+        self, leader_url: str, headers: dict[str, str]
+    ) -> tuple[RingView, list[dict[str, Any]]]:
+        """The leading router's ring (without its joining members) and its
+        membership events; raises httpx.HTTPError, ValueError, KeyError or TypeError."""
         response = await self.client.get(
             leader_url.rstrip("/") + "/admin/ring", headers=headers, timeout=2.0
         )
@@ -225,7 +233,9 @@ class NodeClient:
             for n in data["nodes"]
             if n.get("state") != "joining"
         ]
-        return RingView.from_dict({"epoch": data["epoch"], "nodes": nodes})
+        view = RingView.from_dict({"epoch": data["epoch"], "nodes": nodes})
+        events = data.get("events")
+        return view, [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
 
 
 def node_id(response: httpx.Response) -> str | None:
