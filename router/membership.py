@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +65,26 @@ log = logging.getLogger("ringlimit.router")
 #: How often a following router looks whether the leader repaired a node (seconds).
 REPAIR_POLL = 0.1
 
+#: While a crash removal waits, how often a push under way looks for members
+#: that applied its view and are only still delivering (seconds).
+RELEASE_POLL = 0.1
+
 #: How many times a join may yield to crash removals before it gives up (503).
 MAX_PREEMPTIONS = 8
 
 
 class _Preempted(Exception):
     """A change not committed yet gave way to a crash removal (it retries)."""
+
+
+def _log_released(member_id: str, epoch: int) -> Callable[[asyncio.Task[None]], None]:
+    """The end of a push no longer waited for: logged, not lost."""
+
+    def done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("node %s, push of epoch %d (not waited for): %s", member_id, epoch, exc)
+
+    return done
 
 
 #: Membership events listed by ``GET /admin/ring`` (``ringlimit up`` reports from them).
@@ -915,19 +929,29 @@ class Membership:
             for m in members
         }
         errors: dict[str, BaseException] = {}
+        waited = False
         try:
             while pending:
+                urgent = abandon and bool(self.monitor.removing)
                 if abandon:
                     self._abandon_condemned(pending, errors, view.epoch)
+                if urgent and waited and pending:
+                    await self._release_applied(pending, view)
                 if not pending:
                     break
                 # Wake on an answer, or when a removal is decided (it may
-                # condemn a member this push is still waiting for).
+                # condemn a member this push is still waiting for); while one
+                # waits, look again every RELEASE_POLL seconds.
                 preempted = asyncio.ensure_future(self._preempt.wait())
                 try:
-                    await asyncio.wait([*pending, preempted], return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        [*pending, preempted],
+                        timeout=RELEASE_POLL if urgent else None,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
                 finally:
                     preempted.cancel()
+                waited = True
                 for task in [t for t in pending if t.done()]:
                     member = pending.pop(task)
                     if (exc := task.exception()) is not None:
@@ -941,6 +965,40 @@ class Membership:
         for member_id in failed:
             log.warning("push of epoch %d: %s", view.epoch, errors[member_id])
         return failed
+
+    async def _release_applied(
+        self, pending: dict[asyncio.Task[None], Member], view: RingView
+    ) -> None:
+        """While a crash removal waits: stop waiting for members of ``view`` that
+        have already applied it, and are only still delivering.
+
+        A node applies a view the moment the push arrives, without awaiting
+        (node/shard.py ``apply``: it stops deciding the keys it lost, and its
+        states leave in an outbox), and answers once it delivered them; its
+        ``/healthz`` epoch says it applied. What it delivers keeps going (the
+        push is not cancelled, only no longer waited for), and a new owner
+        waits for states in flight or pulls them (the node's handoff wait), as
+        with ``wait: false``. Without this, a live member's answer may wait for
+        its final marks to the very member being removed (three tries of 5 s
+        each, to a paused peer), and the removal behind it.
+        """
+        candidates = [(t, m) for t, m in pending.items() if m.id in view and not t.done()]
+        epochs = await asyncio.gather(
+            *(self.nodes.epoch(m, self.health_timeout) for _, m in candidates)
+        )
+        for (task, member), epoch in zip(candidates, epochs, strict=True):
+            if epoch is None or epoch < view.epoch or task.done() or task not in pending:
+                continue
+            del pending[task]
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            task.add_done_callback(_log_released(member.id, view.epoch))
+            log.info(
+                "node %s applied epoch %d and is still delivering: not waited for "
+                "(a crash removal is due)",
+                member.id,
+                view.epoch,
+            )
 
     def _abandon_condemned(
         self,
