@@ -20,6 +20,10 @@ its newer epoch, and the router fetches that view). A router given the
 leader's URL (``follow``: the workers of ``ringlimit router --workers N``
 without etcd) also polls the leader's ring, so it converges within one poll.
 
+A crash removal never waits behind a change holding the lock: it preempts
+it (:meth:`Membership.preempt`, docs/rebalancing.md). A router that does not
+lead (etcd, or a worker following ``leader_url``) never changes the ring.
+
 The parts: router/viewlog.py is the I/O-free view log (epochs, history,
 crashed members, and the push plan of each change); router/nodeclient.py
 the HTTP calls to nodes; router/health.py the health monitor (probes,

@@ -338,6 +338,7 @@ async def test_a_change_under_way_never_stops_renewals_nor_delays_a_crash_remova
         await asyncio.wait_for(join, timeout=2.0)
         assert sorted(membership.view.ids) == ["n1", "n3", "n4"]
         assert membership.crashes == 1  # one removal, not two
+        assert membership.stats["removed_crashed"] == 1
         # Epochs: 1 the seeds, 2 the join, 3 the removal; none reused.
         assert membership.view.epoch == 3
         paused.resume()
