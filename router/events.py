@@ -55,6 +55,30 @@ class EventLog:
         nodes' newest view): nothing changed, but an operator wants to know."""
         self.events.append(Event(self.clock(), view.epoch, "recovered", ", ".join(view.ids)))
 
+    def mirror(self, events: list[dict[str, Any]]) -> None:
+        """Take another router's events as they are (a follower shows the leading
+        router's, so every worker behind one port reports the same history);
+        entries that are not events are skipped."""
+        taken: list[Event] = []
+        for e in events:
+            try:
+                at, epoch, kind, node = e["at"], e["epoch"], e["kind"], e["node"]
+            except (KeyError, TypeError):
+                continue
+            fields_ok = isinstance(at, int | float) and isinstance(epoch, int)
+            if fields_ok and isinstance(kind, str) and isinstance(node, str):
+                taken.append(Event(float(at), epoch, kind, node))
+        if taken != list(self.events):
+            self.events.clear()
+            self.events.extend(taken)
+
+    def crashed(self, epoch: int, ids: Collection[str]) -> None:
+        """The members ``ids`` removed at ``epoch`` were removed as crashed: a view
+        learnt without its crash list (from a node) recorded them as ``left``."""
+        for i, e in enumerate(self.events):
+            if e.epoch == epoch and e.kind == "left" and e.node in ids:
+                self.events[i] = e._replace(kind="crashed")
+
     def last(self, n: int) -> list[Event]:
         """The ``n`` newest events, newest first."""
         return list(reversed(self.events))[:n]

@@ -6,8 +6,11 @@ behind the current view is sent it again; a removed member that answers
 again rejoins; a member that failed ``failure_threshold`` probes in a row is
 removed as crashed, within the removal budget (router/removal.py: quorum,
 rate, leases). Repairs and removals run beside the loop, never in it: one
-may wait for the membership lock (a change under way), and leases must keep
-being renewed meanwhile.
+may wait for the membership lock, and leases must keep being renewed
+meanwhile. A removal does not wait behind a change under way, though: it
+preempts it (Membership.preempt: pushes to the condemned member are
+abandoned, members that applied the view are no longer waited for, and a
+join not committed yet yields the lock).
 
 The monitor is a part of the membership (router/membership.py) and works on
 its state: the view, the per-member :class:`Health`, the lock and the counters.
@@ -225,8 +228,18 @@ class HealthMonitor:
         # No renewal from the decision on: if it answers again while the removal
         # waits for the lock, its lease must not outlive the removal.
         self.condemned.add(member_id)
+        # And no waiting behind a change under way: its pushes to this member
+        # are abandoned, a join not yet committed yields (Membership.preempt).
+        m.preempt()
         try:
-            if await m.crash(member_id, reason="failed its health checks") is not None:
+            try:
+                removed = await m.crash(member_id, reason="failed its health checks")
+            except MembershipError as exc:  # it stopped leading meanwhile (etcd)
+                log.warning("removal of %s not made: %s", member_id, exc.detail)
+                return
+            # None also when the change it preempted removed it first (its push
+            # was abandoned: the half-failed path): still this decision's removal.
+            if removed is not None or (member_id not in m.view and member_id in m.removed):
                 # And again from its end: the next removal waits one interval
                 # after this one took effect, however long it waited for the lock.
                 m.budget.removed(asyncio.get_running_loop().time())

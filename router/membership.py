@@ -20,6 +20,10 @@ its newer epoch, and the router fetches that view). A router given the
 leader's URL (``follow``: the workers of ``ringlimit router --workers N``
 without etcd) also polls the leader's ring, so it converges within one poll.
 
+A crash removal never waits behind a change holding the lock: it preempts
+it (:meth:`Membership.preempt`, docs/rebalancing.md). A router that does not
+lead (etcd, or a worker following ``leader_url``) never changes the ring.
+
 The parts: router/viewlog.py is the I/O-free view log (epochs, history,
 crashed members, and the push plan of each change); router/nodeclient.py
 the HTTP calls to nodes; router/health.py the health monitor (probes,
@@ -33,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +65,31 @@ __all__ = [
 ]
 
 log = logging.getLogger("ringlimit.router")
+
+#: How often a following router looks whether the leader repaired a node (seconds).
+REPAIR_POLL = 0.1
+
+#: While a crash removal waits, how often a push under way looks for members
+#: that applied its view and are only still delivering (seconds).
+RELEASE_POLL = 0.1
+
+#: How many times a join may yield to crash removals before it gives up (503).
+MAX_PREEMPTIONS = 8
+
+
+class _Preempted(Exception):
+    """A change not committed yet gave way to a crash removal (it retries)."""
+
+
+def _log_released(member_id: str, epoch: int) -> Callable[[asyncio.Task[None]], None]:
+    """The end of a push no longer waited for: logged, not lost."""
+
+    def done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("node %s, push of epoch %d (not waited for): %s", member_id, epoch, exc)
+
+    return done
+
 
 #: Membership events listed by ``GET /admin/ring`` (``ringlimit up`` reports from them).
 MAX_EVENTS = 64
@@ -119,13 +148,20 @@ class Membership:
         self.coordinator = coordinator
         self.advertise = advertise
         self.leading = coordinator is None
+        #: The etcd revision a change of this router is conditioned on: the
+        #: record of the view it adopted (or of the change it is carrying out),
+        #: never that of a newer record it only saw (unsettled, not adopted).
         self._revision = 0
+        #: The newest revision seen (the watch resumes after it).
+        self._seen_revision = 0
         self._coordination: list[asyncio.Task[Any]] = []
         #: The last membership changes, for operators (router/events.py).
         self.events = EventLog()
         #: Errors the health loop and background repairs survived (/metrics).
         self.failures = Failures(log)
         self.lock = asyncio.Lock()
+        #: Set (and replaced) when a crash removal is decided: see :meth:`preempt`.
+        self._preempt = asyncio.Event()
         self.changed = asyncio.Event()
         self.crashes = 0
         self._owned = client is None
@@ -140,6 +176,8 @@ class Membership:
         self._newer_check: asyncio.Task[bool] | None = None
         self._joins: dict[str, asyncio.Future[RingView]] = {}
         self._newer_checked_at = float("-inf")
+        #: Followers: one wait per member for the leader to repair it.
+        self._awaiting_repair: dict[str, asyncio.Task[Any]] = {}
         #: The leading router's URL when this one follows it (router/workers.py).
         self.leader_url: str | None = None
 
@@ -147,6 +185,25 @@ class Membership:
     def view(self) -> RingView:
         """The view this router routes by."""
         return self.log.view
+
+    @property
+    def follows(self) -> bool:
+        """True while another router leads membership: with etcd, this one was
+        not elected; without, it follows a leading router (``leader_url``, the
+        workers of ``ringlimit router --workers N``). A router that follows
+        never changes the ring: admin calls are passed to the leader (router/app.py),
+        and a node that is behind or restarted is the leader's health loop's to
+        repair (:meth:`refresh_node`)."""
+        return self.leader_url is not None or not self.leading
+
+    def _must_lead(self) -> None:
+        if self.follows:
+            raise MembershipError(
+                503,
+                "not_leader",
+                "this router does not lead the cluster's membership: "
+                + (f"the router at {self.leader_url} does" if self.leader_url else "retry shortly"),
+            )
 
     @property
     def removed(self) -> dict[str, Member]:
@@ -232,10 +289,22 @@ class Membership:
             self._health_task = asyncio.create_task(self._health_loop())
 
     def _take(self, record: ViewRecord, *, force: bool = False) -> None:
-        """Follow etcd's record: remember its revision, adopt a settled newer view."""
-        self._revision = max(self._revision, record.revision)
+        """Follow etcd's record: adopt a settled newer view.
+
+        A change is conditioned on the revision of the view it was built from:
+        the revision moves with an adopted view (or a rewrite of the view this
+        router holds, e.g. marked settled), not with an unsettled record of a
+        newer view, else a change built from view N-1 could be committed over
+        record N (a forked history, N never carried out).
+        """
+        self._seen_revision = max(self._seen_revision, record.revision)
         self.log.saw(record.view.epoch)
-        if (record.settled or force) and record.view.epoch > self.view.epoch:
+        if record.view == self.view:
+            self._revision = max(self._revision, record.revision)
+            # Adopted before, from a node (which does not say who crashed).
+            self.events.crashed(record.view.epoch, record.crashed)
+        elif (record.settled or force) and record.view.epoch > self.view.epoch:
+            self._revision = record.revision
             if record.config != self.config:
                 log.warning("taking the cluster config from etcd (epoch %d)", record.view.epoch)
                 self.config = record.config
@@ -259,6 +328,7 @@ class Membership:
         ``limit`` seconds. A follower that served first would answer ``no_nodes``
         until its first poll (the leader may still be making the first view);
         a leader whose ring is really empty costs the follower ``limit`` once."""
+        self.leader_url = leader_url
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
         while not len(self.view) and loop.time() < deadline:
@@ -283,10 +353,13 @@ class Membership:
         works for nodes that keep no view (the Redis backend's).
         """
         try:
-            view = await self.nodes.leader_ring(leader_url, headers)
+            view, events = await self.nodes.leader_state(leader_url, headers)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.debug("could not poll the leader at %s: %s", leader_url, exc)
             return False
+        # The leader's events, as they are: it knows which members crashed and
+        # which left (a view learnt here or from a node does not say).
+        self.events.mirror(events)
         if view.epoch <= self.view.epoch or not len(view):
             return False
         self.log.saw(view.epoch)
@@ -300,7 +373,8 @@ class Membership:
         assert self.coordinator is not None
         # aclosing: on cancellation the generator (a gRPC stream) is closed now,
         # not at the event loop's shutdown.
-        async with contextlib.aclosing(self.coordinator.watch(self._revision)) as records:
+        since = max(self._revision, self._seen_revision)
+        async with contextlib.aclosing(self.coordinator.watch(since)) as records:
             async for record in records:
                 self._take(record)
 
@@ -361,6 +435,7 @@ class Membership:
             for member in change.view:
                 self.health.setdefault(member.id, Health())
             self._adopt(change.view, change.crashed)
+            self._revision = record.revision  # the record of the view now adopted
             await self._settle(record)
             await self._crash_unresponsive(failed)
 
@@ -387,9 +462,9 @@ class Membership:
             if latest is None:
                 break
             self._take(latest)
-            self._revision = latest.revision
             if latest.view != previous:
                 break
+            self._revision = latest.revision
         raise MembershipError(409, "ring_changed", "another router changed the ring first; retry")
 
     async def _settle(self, record: ViewRecord | None) -> ViewRecord | None:
@@ -446,6 +521,7 @@ class Membership:
         join that cannot become ready (a mistyped URL, a node still starting)
         never delays the removal of a crashed member or another change.
         """
+        self._must_lead()
         underway = self._joins.get(member.id)
         if underway is not None:
             if self.joining.get(member.id) != member:
@@ -480,10 +556,19 @@ class Membership:
             if await self._already_joined(member):
                 return self.view
         await self._wait_ready(member)
-        async with self.lock:
-            if await self._already_joined(member):
-                return self.view
-            return await self._join_locked(member)
+        for _ in range(MAX_PREEMPTIONS):
+            async with self.lock:
+                if await self._already_joined(member):
+                    return self.view
+                try:
+                    return await self._join_locked(member)
+                except _Preempted:
+                    log.info("join of %s yields to a crash removal; then it retries", member.id)
+            # The lock is released: the removal, queued for it, goes first (an
+            # asyncio.Lock is fair), and this join queues behind it.
+        raise MembershipError(
+            503, "ring_changing", f"join of {member.id} yielded to removals too often; retry"
+        )
 
     async def _already_joined(self, member: Member) -> bool:
         """True for a repeated registration of a healthy member (nothing to do)."""
@@ -499,8 +584,9 @@ class Membership:
 
     async def _join_locked(self, member: Member) -> RingView:
         # First the newcomer gets the cluster's config, with the current view
-        # (in which it owns nothing): see ViewLog.welcome.
-        await self._send(self.log.welcome(member))
+        # (in which it owns nothing): see ViewLog.welcome. Nothing is committed
+        # yet, so a crash removal decided meanwhile goes first (_Preempted).
+        await self._unless_preempted(self._send(self.log.welcome(member)))
         health = Health(state="joining")
         if self.leasing:
             # Its lease before it owns anything, so its first requests are decided.
@@ -528,8 +614,28 @@ class Membership:
         log.info("node %s joined: epoch %d", member.id, change.view.epoch)
         return change.view
 
+    async def _unless_preempted(self, step: Coroutine[Any, Any, Any]) -> None:
+        """Run a step of a change that is not committed yet, unless a crash
+        removal is decided meanwhile: then abandon it and raise _Preempted."""
+        task = asyncio.ensure_future(step)
+        preempted = asyncio.ensure_future(self._preempt.wait())
+        try:
+            await asyncio.wait([task, preempted], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            preempted.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise _Preempted
+        task.result()
+
     async def leave(self, member_id: str) -> RingView:
         """Graceful leave: the leaving node hands everything off before it is dropped."""
+        self._must_lead()
         async with self.lock:
             change = self.log.leave(member_id)
             self.health.setdefault(member_id, Health()).state = "leaving"
@@ -554,6 +660,7 @@ class Membership:
 
     async def crash(self, member_id: str, reason: str = "unreachable") -> RingView | None:
         """Drop a node that stopped answering; its keys follow the crash policy."""
+        self._must_lead()
         async with self.lock:
             return await self._crash_locked(member_id, reason=reason)
 
@@ -648,7 +755,9 @@ class Membership:
             self.failures.record("background_task", exc)
 
     def _adopt(self, view: RingView, crashed: Iterable[str] = ()) -> None:
-        self.events.change(self.view, view, crashed={*self.removed, *crashed})
+        if self.leader_url is None:
+            # A follower shows the leader's events instead (follow_once).
+            self.events.change(self.view, view, crashed={*self.removed, *crashed})
         self.log.adopt(view)
         self._save_state()
         self.changed.set()
@@ -720,7 +829,15 @@ class Membership:
         A node at epoch 0 while the ring is older has restarted and lost its
         state: it is treated as crashed (its keys follow the crash policy) and
         then joins again as a new member.
+
+        Only the leading router does either: a router that follows has neither
+        the authority to change the ring nor the history of crashes a refresh
+        carries. It waits (bounded) for the leader's health loop to repair the
+        node, which it does within one health interval.
         """
+        if self.follows:
+            await self._leader_repairs(member)
+            return
         if self.log.lost_state(member, node_epoch):
             if self.lock.locked():
                 # Someone is already making a change (perhaps this very one):
@@ -733,6 +850,25 @@ class Membership:
             return
         # Its own previous view and every crash it missed (ViewLog.refresh).
         await self._send(self.log.refresh(member, node_epoch))
+
+    async def _leader_repairs(self, member: Member) -> None:
+        """Wait until the leader brought ``member`` up to date (its epoch reaches
+        ours) or changed the ring, at most ``2 * health_interval + health_timeout``;
+        concurrent callers share one wait per member (one probe per 0.1 s)."""
+        task = self._awaiting_repair.get(member.id)
+        if task is None or task.done():
+            task = self._awaiting_repair[member.id] = self._spawn(self._poll_repair(member))
+        await asyncio.shield(task)
+
+    async def _poll_repair(self, member: Member) -> None:
+        loop = asyncio.get_running_loop()
+        epoch = self.view.epoch
+        deadline = loop.time() + 2 * self.health_interval + self.health_timeout
+        while loop.time() < deadline and self.view.epoch == epoch:
+            await asyncio.sleep(REPAIR_POLL)
+            seen = await self.nodes.epoch(member, self.health_timeout)
+            if seen is not None and seen >= self.view.epoch:
+                return
 
     # ------------------------------------------------------------------ pushing
 
@@ -759,6 +895,8 @@ class Membership:
             push.crashed,
             tolerate=push.tolerate,
             seconds=seconds,
+            # Telling a removed member is the point of a notify: never abandoned.
+            abandon=push.role != "notify",
         )
 
     async def _push_all(
@@ -775,11 +913,14 @@ class Membership:
         *,
         tolerate: bool = False,
         seconds: float | None = None,
+        abandon: bool = True,
     ) -> list[str]:
         """Send a view; returns the ids that did not take it (raises unless ``tolerate``).
 
         ``seconds`` bounds a push that carries no handoff (the default, the
         client's push timeout, leaves room for a node to deliver its states).
+        With ``abandon``, the push to a member whose crash removal is decided
+        meanwhile is abandoned (:meth:`_abandon_condemned`).
         """
         members = list(members)
         self.log.saw(view.epoch)
@@ -787,11 +928,116 @@ class Membership:
         # require a lease; others leave the setting as it is.
         lease = self.lease_seconds if self.leasing else None
         payload = push_body(view, previous, crashed, self.config, lease)
-        return await self.nodes.push(
-            members, view.epoch, payload, tolerate=tolerate, seconds=seconds
+        pending = {
+            asyncio.create_task(self.nodes.push_one(m, payload, seconds=seconds)): m
+            for m in members
+        }
+        errors: dict[str, BaseException] = {}
+        waited = False
+        try:
+            while pending:
+                urgent = abandon and bool(self.monitor.removing)
+                if abandon:
+                    self._abandon_condemned(pending, errors, view.epoch)
+                if urgent and waited and pending:
+                    await self._release_applied(pending, view)
+                if not pending:
+                    break
+                # Wake on an answer, or when a removal is decided (it may
+                # condemn a member this push is still waiting for); while one
+                # waits, look again every RELEASE_POLL seconds.
+                preempted = asyncio.ensure_future(self._preempt.wait())
+                try:
+                    await asyncio.wait(
+                        [*pending, preempted],
+                        timeout=RELEASE_POLL if urgent else None,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    preempted.cancel()
+                waited = True
+                for task in [t for t in pending if t.done()]:
+                    member = pending.pop(task)
+                    if (exc := task.exception()) is not None:
+                        errors[member.id] = exc
+        finally:
+            for task in pending:
+                task.cancel()
+        failed = [m.id for m in members if m.id in errors]
+        if failed and not tolerate:
+            raise errors[failed[0]]
+        for member_id in failed:
+            log.warning("push of epoch %d: %s", view.epoch, errors[member_id])
+        return failed
+
+    async def _release_applied(
+        self, pending: dict[asyncio.Task[None], Member], view: RingView
+    ) -> None:
+        """While a crash removal waits: stop waiting for members of ``view`` that
+        have already applied it, and are only still delivering.
+
+        A node applies a view the moment the push arrives, without awaiting
+        (node/shard.py ``apply``: it stops deciding the keys it lost, and its
+        states leave in an outbox), and answers once it delivered them; its
+        ``/healthz`` epoch says it applied. What it delivers keeps going (the
+        push is not cancelled, only no longer waited for), and a new owner
+        waits for states in flight or pulls them (the node's handoff wait), as
+        with ``wait: false``. Without this, a live member's answer may wait for
+        its final marks to the very member being removed (three tries of 5 s
+        each, to a paused peer), and the removal behind it.
+        """
+        candidates = [(t, m) for t, m in pending.items() if m.id in view and not t.done()]
+        epochs = await asyncio.gather(
+            *(self.nodes.epoch(m, self.health_timeout) for _, m in candidates)
         )
+        for (task, member), epoch in zip(candidates, epochs, strict=True):
+            if epoch is None or epoch < view.epoch or task.done() or task not in pending:
+                continue
+            del pending[task]
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            task.add_done_callback(_log_released(member.id, view.epoch))
+            log.info(
+                "node %s applied epoch %d and is still delivering: not waited for "
+                "(a crash removal is due)",
+                member.id,
+                view.epoch,
+            )
+
+    def _abandon_condemned(
+        self,
+        pending: dict[asyncio.Task[None], Member],
+        errors: dict[str, BaseException],
+        epoch: int,
+    ) -> None:
+        """Stop waiting for pushes to members being removed as crashed.
+
+        A member is condemned only once every lease granted to it has certainly
+        ended (router/removal.py), so it decides nothing whether or not it ever
+        takes this view: waiting for it (up to the push timeout, for a paused
+        node) would only delay its own removal. It counts as a member that did
+        not take the view: the change goes on without it (the view log's
+        half-failed-change path), and the removal follows at once.
+        """
+        for task, member in list(pending.items()):
+            if member.id in self.monitor.condemned:
+                task.cancel()
+                del pending[task]
+                errors[member.id] = MembershipError(
+                    502,
+                    "push_abandoned",
+                    f"node {member.id} is being removed as crashed; "
+                    f"push of epoch {epoch} abandoned",
+                )
+
+    def preempt(self) -> None:
+        """A removal was decided: wake every push under way (see :meth:`_push`)
+        and a join still before its commit (it yields the lock and retries)."""
+        self._preempt.set()
+        self._preempt = asyncio.Event()
 
     async def push_config(self, config: ClusterConfig) -> None:
+        self._must_lead()
         async with self.lock:
             self.config = config
             await self._push_all(self.view, None, ())

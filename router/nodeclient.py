@@ -65,32 +65,41 @@ class NodeClient:
         ``seconds`` bounds a push that carries no handoff (the default, the
         client's push timeout, leaves room for a node to deliver its states).
         """
-        extra: dict[str, Any] = {} if seconds is None else {"timeout": seconds}
-
-        async def push(member: Member) -> None:
-            try:
-                response = await self.client.put(
-                    member.url.rstrip("/") + "/internal/cluster",
-                    json=payload,
-                    headers=self.headers,
-                    **extra,
-                )
-            except httpx.HTTPError as exc:
-                raise MembershipError(
-                    502, "push_failed", f"node {member.id} unreachable: {type(exc).__name__}"
-                ) from None
-            if response.status_code != 200:
-                raise MembershipError(
-                    502, "push_failed", f"node {member.id} answered HTTP {response.status_code}"
-                )
-
-        results = await asyncio.gather(*(push(m) for m in members), return_exceptions=True)
+        results = await asyncio.gather(
+            *(self.push_one(m, payload, seconds=seconds) for m in members),
+            return_exceptions=True,
+        )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors and not tolerate:
             raise errors[0]
         for error in errors:
             log.warning("push of epoch %d: %s", epoch, error)
         return [m.id for m, r in zip(members, results, strict=True) if isinstance(r, BaseException)]
+
+    async def push_one(
+        self, member: Member, payload: dict[str, Any], *, seconds: float | None = None
+    ) -> None:
+        """Send a view push to one member; raises MembershipError if it did not take it.
+
+        One task per member, so that the driver can abandon the push to a member
+        being removed as crashed without abandoning the others'.
+        """
+        extra: dict[str, Any] = {} if seconds is None else {"timeout": seconds}
+        try:
+            response = await self.client.put(
+                member.url.rstrip("/") + "/internal/cluster",
+                json=payload,
+                headers=self.headers,
+                **extra,
+            )
+        except httpx.HTTPError as exc:
+            raise MembershipError(
+                502, "push_failed", f"node {member.id} unreachable: {type(exc).__name__}"
+            ) from None
+        if response.status_code != 200:
+            raise MembershipError(
+                502, "push_failed", f"node {member.id} answered HTTP {response.status_code}"
+            )
 
     async def wait_ready(self, member: Member, ready_timeout: float, within: float) -> None:
         """Readiness gate: a joining node must answer, as itself, before it is
@@ -207,6 +216,14 @@ class NodeClient:
     async def leader_ring(self, leader_url: str, headers: dict[str, str]) -> RingView:
         """The leading router's ring, without its joining members; raises
         httpx.HTTPError, ValueError, KeyError or TypeError."""
+        view, _ = await self.leader_state(leader_url, headers)
+        return view
+
+    async def leader_state(
+        self, leader_url: str, headers: dict[str, str]
+    ) -> tuple[RingView, list[dict[str, Any]]]:
+        """The leading router's ring (without its joining members) and its
+        membership events; raises httpx.HTTPError, ValueError, KeyError or TypeError."""
         response = await self.client.get(
             leader_url.rstrip("/") + "/admin/ring", headers=headers, timeout=2.0
         )
@@ -216,7 +233,9 @@ class NodeClient:
             for n in data["nodes"]
             if n.get("state") != "joining"
         ]
-        return RingView.from_dict({"epoch": data["epoch"], "nodes": nodes})
+        view = RingView.from_dict({"epoch": data["epoch"], "nodes": nodes})
+        events = data.get("events")
+        return view, [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
 
 
 def node_id(response: httpx.Response) -> str | None:

@@ -279,32 +279,97 @@ async def test_the_same_registration_twice_at_once_is_one_join() -> None:
         assert "n4" in membership.view and membership.view.epoch == 2
 
 
-async def test_a_change_holding_the_lock_never_stops_renewals_and_removal_follows_it() -> None:
-    """A join's pushes or a large leave's handoff hold the membership lock for
-    seconds: the health loop keeps renewing every lease meanwhile (else the
-    whole cluster's leases lapse), and a crash removal it decides waits for the
-    change, not the other way round."""
+class Paused(httpx.AsyncBaseTransport):
+    """A node paused (SIGSTOP) after it was reached: a view push it receives is
+    answered only once it resumes; its probes time out, unless ``answers_probes``
+    (a newcomer that passed its readiness check just before the pause)."""
+
+    def __init__(self, real: httpx.AsyncBaseTransport, *, answers_probes: bool = False) -> None:
+        self.real = real
+        self.answers_probes = answers_probes
+        self.pushed = asyncio.Event()
+        self._resumed = asyncio.Event()
+
+    def resume(self) -> None:
+        self._resumed.set()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "PUT" and request.url.path == "/internal/cluster":
+            self.pushed.set()
+            await self._resumed.wait()
+        elif not self.answers_probes and not self._resumed.is_set():
+            raise httpx.ReadTimeout("node is paused", request=request)
+        return await self.real.handle_async_request(request)
+
+
+def pause(cluster: InProcessCluster, node_id: str, *, answers_probes: bool = False) -> Paused:
+    paused = Paused(cluster._mounts[node_url(node_id)], answers_probes=answers_probes)
+    cluster._mounts[node_url(node_id)] = paused
+    return paused
+
+
+async def test_a_change_under_way_never_stops_renewals_nor_delays_a_crash_removal() -> None:
+    """A join's pushes hold the membership lock: the health loop keeps renewing
+    every lease meanwhile (else the whole cluster's leases lapse), and a crash
+    removal it decides does not wait for the change. Here the member removed is
+    paused in the middle of the join's push: its push (which would wait for the
+    push timeout, 30 s by default) is abandoned once its removal is decided (its
+    lease has ended: it decides nothing), the join completes without it, and
+    the removal follows at once."""
     options = {"failure_threshold": 1}
     async with InProcessCluster(
         3, make_config(), clock=FrozenClock(), router_options=options
     ) as cluster:
         await leased(cluster)
         membership = cluster.router.membership
-        health = membership.health["n2"]
-        health.lease_until = float("-inf")  # its lease is over: due at once when down
-        cluster.take_down("n2")
+        loop = asyncio.get_running_loop()
+        cluster._make_node("n4")
+        paused = pause(cluster, "n2")
+        join = asyncio.create_task(membership.join(Member("n4", node_url("n4"))))
+        await asyncio.wait_for(paused.pushed.wait(), timeout=2.0)
+        assert membership.lock.locked()  # the join is pushing its view
+        membership.health["n2"].lease_until = float("-inf")  # its lease is over
         renewals = membership.stats["lease_renewals"]
-        async with membership.lock:  # a change under way
-            await asyncio.wait_for(membership.check_health(wait=False), timeout=2.0)
-            assert membership.stats["lease_renewals"] >= renewals + 2  # n1 and n3
-            await asyncio.sleep(0.05)
-            assert "n2" in membership.view  # its removal waits for the change
-            # A second round does not start a second removal of the same member.
-            await asyncio.wait_for(membership.check_health(wait=False), timeout=2.0)
-            assert membership.stats["lease_renewals"] >= renewals + 4
-        await membership.settle()
+        started = loop.time()
+        await asyncio.wait_for(membership.check_health(), timeout=2.0)
+        assert loop.time() - started < 1.0
+        assert membership.stats["lease_renewals"] >= renewals + 2  # n1 and n3
         assert "n2" not in membership.view
+        await asyncio.wait_for(join, timeout=2.0)
+        assert sorted(membership.view.ids) == ["n1", "n3", "n4"]
+        assert membership.crashes == 1  # one removal, not two
         assert membership.stats["removed_crashed"] == 1
+        # Epochs: 1 the seeds, 2 the join, 3 the removal; none reused.
+        assert membership.view.epoch == 3
+        paused.resume()
+
+
+async def test_a_join_not_yet_committed_yields_to_a_crash_removal() -> None:
+    """A newcomer that passed readiness but does not answer its first push keeps
+    the lock (up to the readiness timeout): a crash removal decided meanwhile
+    goes first, and the join, which committed nothing, retries after it."""
+    options = {"failure_threshold": 1, "ready_timeout": 30.0}
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        await leased(cluster)
+        membership = cluster.router.membership
+        loop = asyncio.get_running_loop()
+        cluster._make_node("n4")
+        paused = pause(cluster, "n4", answers_probes=True)
+        join = asyncio.create_task(membership.join(Member("n4", node_url("n4"))))
+        await asyncio.wait_for(paused.pushed.wait(), timeout=2.0)
+        cluster.take_down("n2")
+        membership.health["n2"].lease_until = float("-inf")
+        started = loop.time()
+        await asyncio.wait_for(membership.check_health(), timeout=2.0)
+        assert loop.time() - started < 1.0
+        assert "n2" not in membership.view and "n4" not in membership.view
+        assert membership.view.epoch == 2
+        paused.resume()
+        await asyncio.wait_for(join, timeout=5.0)
+        assert sorted(membership.view.ids) == ["n1", "n3", "n4"]
+        assert membership.view.epoch == 3
 
 
 async def test_a_blip_during_a_join_removes_no_majority() -> None:
