@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 from urllib.parse import quote
 
@@ -50,7 +50,7 @@ from router.admin import AdminAPI, parse_join
 from router.coalesce import Coalescer
 from router.coordinator import EtcdCoordinator
 from router.decisions import DecisionAPI
-from router.envoy_config import EnvoyConfig
+from router.envoy_config import EnvoyConfig, with_envoy_rules
 from router.fastclient import FastForwarder
 from router.forward import (
     MAX_ATTEMPTS,
@@ -166,6 +166,8 @@ class Router:
             advertise=settings.advertise,
             client=client,
         )
+        if settings.envoy is not None:
+            self.membership.keep_config = partial(with_envoy_rules, envoy=settings.envoy)
         self.metrics = RouterMetrics()
         self.metrics.watch(lambda: self.membership.view.epoch, lambda: len(self.membership.view))
         self.metrics.watch_membership(

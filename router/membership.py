@@ -115,6 +115,10 @@ class Membership:
         client: httpx.AsyncClient | None = None,
     ) -> None:
         self.config = config
+        #: What this router adds to any config it adopts from etcd or a node (its
+        #: ``--envoy-config`` rules): a config written by a router started without
+        #: them must not take them away (every ShouldRateLimit would fail).
+        self.keep_config: Callable[[ClusterConfig], ClusterConfig] | None = None
         #: The view, the epochs used, history and crashed members (router/viewlog.py).
         self.log = ViewLog()
         self.health: dict[str, Health] = {}
@@ -307,7 +311,7 @@ class Membership:
             self._revision = record.revision
             if record.config != self.config:
                 log.warning("taking the cluster config from etcd (epoch %d)", record.view.epoch)
-                self.config = record.config
+                self._take_config(record.config, "etcd")
             for member in record.view:
                 self.health.setdefault(member.id, Health())
             self._adopt(record.view, record.crashed)
@@ -783,7 +787,9 @@ class Membership:
             config = data.get("config")
             if config:
                 with contextlib.suppress(ValueError):
-                    self.config = ClusterConfig.from_dict(config, source="node config")
+                    self._take_config(
+                        ClusterConfig.from_dict(config, source="node config"), node_url
+                    )
             for member in view:
                 self.health.setdefault(member.id, Health())
             self._adopt(view)
@@ -1035,6 +1041,26 @@ class Membership:
         and a join still before its commit (it yields the lock and retries)."""
         self._preempt.set()
         self._preempt = asyncio.Event()
+
+    def _take_config(self, config: ClusterConfig, source: str) -> None:
+        """Adopt ``config`` from ``source``, with what this router keeps added.
+
+        The additions reach the nodes with this router's next push (a leader
+        pushes its view, with its config, when it takes the lead) and etcd with
+        its next commit; a clash keeps the adopted config, loudly.
+        """
+        if self.keep_config is not None:
+            try:
+                kept = self.keep_config(config)
+            except ValueError as exc:
+                log.error(
+                    "the config from %s clashes with this router's own rules: %s", source, exc
+                )
+            else:
+                if kept != config:
+                    log.warning("kept this router's own rules in the config from %s", source)
+                config = kept
+        self.config = config
 
     async def push_config(self, config: ClusterConfig) -> None:
         self._must_lead()

@@ -528,17 +528,12 @@ async def test_the_api_token_guards_the_grpc_service_too() -> None:
         assert answer.overall_code == OK
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="router/membership.py (_take) replaces the router's config with the one etcd "
-    "holds, which lacks the --envoy-config rules; the fix belongs there (see the envoy "
-    "helper's report): re-apply with_envoy_rules to every adopted config",
-)
 async def test_a_router_that_adopts_etcds_config_keeps_its_envoy_rules(
     etcd_endpoint: str,
 ) -> None:
     """Adding --envoy-config to a running cluster on etcd: its router restarts with
-    the rules, finds etcd's record (a config without them) and takes it."""
+    the rules, finds etcd's record (a config without them) and takes it, keeping
+    its own rules (it used to lose them: every call failed with unknown_rule)."""
     envoy = EnvoyConfig({"api": parse_envoy_config(CONFIG, "api.yaml")})
 
     def coordinated() -> dict[str, Any]:
@@ -553,8 +548,15 @@ async def test_a_router_that_adopts_etcds_config_keeps_its_envoy_rules(
             config=with_envoy_rules(ClusterConfig(), envoy),
             envoy=envoy,
             grpc_port=0,
+            health_checks=True,
             **coordinated(),
         )
+        # The rules reach the nodes with the view the leader pushes as it takes the lead.
+        for _ in range(200):  # 10 s at most
+            if router.membership.leading:
+                break
+            await asyncio.sleep(0.05)
+        assert router.membership.leading
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_bound}")
         try:
             stub = rls_pb2_grpc.RateLimitServiceStub(channel)
