@@ -159,7 +159,8 @@ def run_leases(
             due, r = heapq.heappop(deadlines)
             for rel in books[r].expire(due):
                 if rel.unused:
-                    node = owners[rel.key]  # type: ignore[index]
+                    assert isinstance(rel.key, int)
+                    node = owners[rel.key]
                     if node >= 0:
                         messages[node] += 1
                         run.returns += 1
