@@ -49,6 +49,8 @@ LEASE_MODES = ("off", "auto")
 LEASABLE = frozenset({"token_bucket", "gcra", "fixed_window", "sliding_window"})
 BUCKETS = frozenset({"token_bucket", "gcra"})
 WINDOWS = frozenset({"fixed_window", "sliding_window"})
+#: Leases of one key outstanding at once (routers x blocks ahead); beyond, no grant.
+MAX_OUTSTANDING = 64
 
 
 def parse_lease_mode(value: object) -> str:
@@ -196,7 +198,8 @@ def grant(
 ) -> tuple[Held, QuotaLease | None]:
     """Lease up to ``want`` units of ``held`` at ``now``, deducting them at once.
 
-    Returns the new held state and the lease, or ``None`` when there is
+    ``cost``: the cost of the requests the router decides for this key; the
+    units are a multiple of it. Returns the new held state and the lease, or ``None`` when there is
     nothing to say (the algorithm takes no leases, or the owner has units but
     may not lease them yet: a full bucket). A lease of 0 units (a denial
     lease) tells the router that requests of ``cost`` cannot pass before
@@ -207,6 +210,8 @@ def grant(
         return held, None
     algorithm = REGISTRY[name]
     live = tuple(o for o in held.outstanding if o.expires_at > now)
+    if len(live) >= MAX_OUTSTANDING:
+        want = 0  # a denial lease at most: the key's state stays small
     state = held.state
     end = now + ttl
     if name in BUCKETS:
@@ -215,6 +220,9 @@ def grant(
     new = state
     if want > 0 and end > now:
         units = min(want, algorithm.decide(state, now, rule, 0)[1].remaining)
+        # Whole requests only: a router left with less than ``cost`` while the owner
+        # also holds less would deny what the two together admit.
+        units -= units % cost if cost > 1 else 0
         if units > 0:
             new, decision = algorithm.decide(state, now, rule, units)
             if not decision.allowed:  # never lease what the engine would not admit

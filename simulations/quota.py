@@ -6,9 +6,9 @@ and settle leases (``node/quota.py``) and decide everything else with the
 engine, on the real ring timeline (``simulations/cluster.py``). It reports
 the owners' load (requests per second per node, max over mean, the figure
 ``ringlimit simulate`` shows for sticky routing), over-admission and false
-denials against the exact reference (the ``global`` mode), and the false
-denial bound per user (units leased and not used through a lease, plus
-``cost - 1``).
+denials against the exact reference (the ``global`` mode), and per user the
+units leased and not used through a lease (written off, refunded or still
+out at the end), which the false denials must not exceed.
 
 What reaches an owner: a forwarded request (no lease, or a lease that
 cannot decide it), an ask for the next block, and the return of a lease's
@@ -278,7 +278,9 @@ def score(
     theirs = np.bincount(users[ref], minlength=n_users)
     diff = mine - theirs
     assert run.leased is not None and run.used is not None
-    bound = (run.leased - run.used) // cost + np.where(run.leased > 0, cost - 1, 0)
+    # Units leased and not used through a lease (written off + refunded + still out):
+    # never above the bound docs/hotkeys.md states (which adds the most out at once).
+    bound = (run.leased - run.used) // cost
     false = np.maximum(0, -diff)
     allowance = bound
     if baseline is not None:
