@@ -278,7 +278,9 @@ class Shard:
         final: bool,
         crashes: Sequence[dict[str, Any]] = (),
     ) -> int:
-        received = self.core.receive(sender, epoch, records, final, crashes, self.clock())
+        now = self.clock()
+        incoming = [Crash.from_wire(data, now) for data in crashes]
+        received = self.core.receive(sender, epoch, records, final, incoming, now)
         if received.forwards:
             self.spawn(self._forward(received.forwards))
         if received.dropped:

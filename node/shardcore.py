@@ -156,7 +156,10 @@ class Transfer:
 
     ``final`` marks a handoff: the sender has nothing more for ``to`` under
     ``epoch``. A transfer without it passes on states that arrived here for a
-    key another member owns (a late hand-back).
+    key another member owns (a late hand-back). ``crashes`` are the crashes
+    the conservative policy still answers for; ``sent_at`` is the sender's
+    ``now``, against which the wire form's times are relative (as the
+    records' are).
     """
 
     sender: str
@@ -165,7 +168,8 @@ class Transfer:
     epoch: int
     records: list[Record]
     final: bool
-    crashes: tuple[dict[str, Any], ...] = ()
+    crashes: tuple[Crash, ...] = ()
+    sent_at: float = 0.0
 
     def payload(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -175,7 +179,7 @@ class Transfer:
             "final": self.final,
         }
         if self.crashes:
-            body["crashes"] = list(self.crashes)
+            body["crashes"] = [crash.to_wire(self.sent_at) for crash in self.crashes]
         return body
 
 
@@ -571,7 +575,7 @@ class ShardCore:
         view = self.view
         if view is None:
             return []
-        crashes = tuple(c.to_wire(now) for c in self.crashes if c.until > now)
+        crashes = tuple(c for c in self.crashes if c.until > now)
         previous = self.previous
         marks = previous is not None and self.id in previous
         out: list[Transfer] = []
@@ -579,7 +583,9 @@ class ShardCore:
             if member.id == self.id or not (marks or self.outbox.get(member.id)):
                 continue
             records = self.outbox.pop(member.id, [])
-            out.append(Transfer(self.id, member.id, member.url, view.epoch, records, True, crashes))
+            out.append(
+                Transfer(self.id, member.id, member.url, view.epoch, records, True, crashes, now)
+            )
             # While the records travel they are in neither the outbox nor the
             # store: a pull for one of them must wait, not get "nothing".
             self.in_flight.setdefault(member.id, set()).update(record[2] for record in records)
@@ -619,11 +625,10 @@ class ShardCore:
         epoch: int,
         records: list[Record],
         final: bool,
-        crashes: Sequence[dict[str, Any]],
+        crashes: Sequence[Crash],
         now: float,
     ) -> Received:
-        """A transfer arrived (raises ``ValueError``/``KeyError``/``TypeError`` if malformed)."""
-        incoming = [Crash.from_wire(data, now) for data in crashes]
+        """A transfer arrived (its crashes parsed by the caller: :meth:`Crash.from_wire`)."""
         records, foreign = self._split_foreign(records, epoch)
         # A transfer from an older view (a member handing back what it held
         # while away, late) may carry keys that moved on since: they go to
@@ -637,7 +642,7 @@ class ShardCore:
         # states cannot be read. Never silent: this is lost quota history.
         dropped = len(records) - taken
         self.stats.keys_dropped += dropped
-        for crash in incoming:
+        for crash in crashes:
             known = {(c.view.epoch, c.crashed) for c in self.crashes}
             if crash.until > now and (crash.view.epoch, crash.crashed) not in known:
                 self.crashes.append(crash)

@@ -231,6 +231,7 @@ def test_a_crashed_members_keys_start_exhausted_under_the_conservative_policy() 
     # New owners learn of it with the states they get.
     a.apply(view(["n0", "n2"], 3), v2, (), NOW + 1, 0.0)
     (transfer,) = a.transfers(NOW + 1)
+    assert transfer.crashes == (crash,)
     assert transfer.payload()["crashes"] == [crash.to_wire(NOW + 1)]
 
 
