@@ -141,8 +141,10 @@ class Shard:
         deciding several keys must check ownership again just before deciding
         (:meth:`check_owner`, which does not wait).
         """
-        self.check_owner(key)
         core = self.core
+        core.check_owner(key)  # check_owner, inline: this is every request's path
+        if core.lease.required:
+            core.check_lease(self.monotonic())
         waited = False
         if core.pending:
             step = core.inherit(key, rules, self.timer())

@@ -70,18 +70,16 @@ class IndexedView(RingView):
     @classmethod
     def of_epoch(cls, epoch: Epoch, timeline: Timeline) -> IndexedView:
         view = cls(epoch.view.epoch, epoch.view.members)
-        ids = timeline.node_ids
-        object.__setattr__(
-            view, "_owner_ids", [ids[o] if o >= 0 else None for o in epoch.owner_list()]
-        )
+        object.__setattr__(view, "_owner_index", epoch.owner_list())
+        object.__setattr__(view, "_node_ids", timeline.node_ids)
         object.__setattr__(view, "_names", timeline.names)
         return view
 
     def owner_id(self, key: Any) -> str:
-        owner: str | None = self._owner_ids[key]  # type: ignore[attr-defined]
-        if owner is None:
+        owner: int = self._owner_index[key]  # type: ignore[attr-defined]
+        if owner < 0:
             raise EmptyRingError(f"cannot place a key: ring at epoch {self.epoch} is empty")
-        return owner
+        return self._node_ids[owner]  # type: ignore[attr-defined,no-any-return]
 
     def successors(self, key: Any, n: int) -> list[Any]:
         return super().successors(self._names[key], n)  # type: ignore[attr-defined]
