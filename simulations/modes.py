@@ -22,7 +22,7 @@ What is real and what is simulated:
   member are the node's protocol core, one per simulated node, exchanging
   its messages through ``simulations.network.SimNetwork``.
 * Routing is the real ``ring.RingView``; owners are looked up once per user per
-  epoch (see :mod:`simulations.cluster`).
+  epoch (see :mod:`simulations.timeline`).
 * Time is virtual: each arrival's timestamp is passed as ``now``. By default
   membership changes and state transfers are instantaneous at the event time
   (the network has no delay or loss, no request is in flight), which is the
@@ -71,8 +71,8 @@ from node.rules import Rule
 from node.store import MemoryStore
 
 from .arrivals import Arrivals
-from .cluster import ChangeInfo, Epoch, Timeline
 from .scenario import Scenario
+from .timeline import ChangeInfo, Epoch, Timeline
 
 #: Requests decided per inner-loop call (progress is reported per chunk).
 CHUNK = 262_144

@@ -53,9 +53,9 @@ from node.store import MemoryStore
 from ring import EmptyRingError, RingView
 
 from .arrivals import Arrivals
-from .cluster import ChangeInfo, Epoch, Timeline
 from .modes import Mode
 from .network import SimNetwork
+from .timeline import ChangeInfo, Epoch, Timeline
 
 
 class IndexedView(RingView):

@@ -2,7 +2,7 @@
 
 The acceptance tests of issue 10 (b) and issue 17 (4): a router and nodes
 run as separate processes (tests/processes.py starts them and always stops
-them, resuming any stopped one first), paced traffic from tests/cluster.py,
+them, resuming any stopped one first), paced traffic from tests/real_cluster.py,
 and one fault each. Every test asserts an over-admission bound (0 where the
 design says 0), a latency bound where the design gives one, and what the
 ring looks like afterwards; each prints its figures (``-s``), which
@@ -42,7 +42,8 @@ import httpx
 import pytest
 
 from node.peers import INTERNAL_TOKEN_HEADER
-from tests.cluster import (
+from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
+from tests.real_cluster import (
     Cluster,
     Load,
     admin_ring,
@@ -56,7 +57,6 @@ from tests.cluster import (
     start_cluster,
     view_of,
 )
-from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
 from tests.redis_server import RedisServer, find_redis_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability, pytest.mark.timeout(60)]
@@ -360,7 +360,7 @@ def test_kill_9_is_not_delayed_by_pending_bad_joins(procs: Procs, tmp_path: Path
         assert took <= 10.0 + SLACK + 2.0, (node_id, took)  # the ready timeout, not more
     for response in wrong.values():
         assert response.status_code == 409, response.text
-    # Refused before any round trip (router/app.py); readiness would say wrong_node.
+    # Refused before any round trip (router/admin.py); readiness would say wrong_node.
     assert wrong["member's url"].json()["error"] == "url_in_use"
     assert wrong["router's url"].json()["error"] == "url_is_router"
     assert after == before and [n["id"] for n in after["nodes"]] == ["n1", "n3"]

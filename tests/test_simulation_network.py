@@ -14,10 +14,10 @@ import numpy as np
 
 from simulations import parse_scenario
 from simulations.arrivals import generate
-from simulations.cluster import build_timeline
 from simulations.modes import run_mode
 from simulations.network import SimNetwork
 from simulations.sticky import StickyMode
+from simulations.timeline import build_timeline
 
 JOIN_LEAVE = [
     {"at": 8.3, "type": "join", "node": "n5"},
