@@ -664,7 +664,7 @@ REGISTRY: dict[str, Algorithm] = {
 def exhausted(rule: Rule, at: float) -> tuple[State, float]:
     """A state whose whole capacity was spent at ``at``, and when it is fresh again.
 
-    The conservative crash policy's starting point (node/shard.py ``_exhaust``, and
+    The conservative crash policy's starting point (node/shardcore.py ``_exhaust``, and
     the simulations): a fresh state charged ``capacity`` units by the engine itself.
     It is fresh again up to two periods later (sliding window), or later still for a
     bucket with burst > limit.

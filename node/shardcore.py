@@ -1,0 +1,778 @@
+"""A node's authority over its keys, as an I/O-free state machine.
+
+This is the protocol of sticky routing: which keys a node may decide, and how
+their states follow the keys when the ring changes. It is written the way
+h11 or httpx's core are: events go in (a view arrives, states arrive, a key is
+checked, a peer asks for keys, replicas arrive, time passes) with the time
+passed as an argument, and decisions and *messages to send* come out as
+plain data. Nothing here awaits, sleeps, reads a clock, logs or touches the
+network, so the node (node/shard.py, the async driver that owns peers,
+timers and retries) and the simulations (simulations/protocol.py, on a
+virtual clock) run the same code.
+
+* **Fencing.** A key is decided only by its owner under the newest epoch this
+  node knows; any other key is refused with :class:`NotOwner`, which tells the
+  router to refresh its view and retry. Two nodes never decide the same key at
+  once, even while some router still holds a stale view.
+* **Handoff.** When a view arrives, the node takes every state it no longer
+  owns out of its store at once (so it can never decide them again) and puts
+  it in the outbox for its new owner; :meth:`ShardCore.transfers` turns the
+  outbox into :class:`Transfer` messages, each with a *final mark* that tells
+  the receiver this sender has nothing more for it under that epoch.
+* **Pull-on-miss.** A new owner that is asked about a key whose previous
+  owner's final mark has not arrived yet must get that key first
+  (:meth:`ShardCore.inherit` answers :class:`Pull`), so no request is decided
+  on a fresh state that should have been inherited.
+* **Crashes.** A crashed node cannot hand anything off; the crash policy says
+  what its keys start from: nothing (``reset``), an exhausted quota until it
+  would have been fresh again (``conservative``) or the successor's replica
+  (``replica``), which every node streams to each key's successor
+  (:meth:`ShardCore.replica_batches`).
+* **Leases.** A node in a leased ring decides only while its lease runs
+  (node/lease.py); a member removed as crashed whose process lived on hands
+  what it holds back to the keys' owners.
+
+Two clocks come in as arguments: ``now`` is the engine's clock (the one the
+algorithms and the store run on, whose times cross the wire relative to the
+sender's ``now``) and ``elapsed`` is a monotonic clock for deadlines and the
+lease. See docs/rebalancing.md for what each event costs in the worst case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from node.algorithms import MAX_SPAN, exhausted, exhausted_for
+from node.config import ClusterConfig
+from node.lease import Lease
+from node.rules import Rule
+from node.store import MemoryStore, Record
+from ring import EmptyRingError, RingView
+
+#: Keys whose replica targets replication remembers (then it starts over). Small on
+#: purpose: a million-entry cache cost ~90 bytes per key of node memory.
+SUCCESSOR_CACHE = 65_536
+
+# ---------------------------------------------------------------------- refusals
+
+
+class NotOwner(Exception):
+    """This node does not own the key under the newest view it knows."""
+
+    def __init__(self, key: str, epoch: int, owner: str | None) -> None:
+        super().__init__(f"key is owned by {owner} at epoch {epoch}")
+        self.key = key
+        self.epoch = epoch
+        self.owner = owner
+
+
+class LeaseExpired(Exception):
+    """This node's lease lapsed: it may have been removed while it could not hear.
+
+    It decides nothing until a router renews the lease (node/lease.py), so a
+    node that wakes from a pause never answers from the state it held before.
+    """
+
+
+class StaleEpoch(Exception):
+    """A peer asked about an epoch this node has not seen yet."""
+
+
+class InFlight(Exception):
+    """A peer asked for keys whose states are on their way to it right now.
+
+    The puller waits for that transfer (or for it to fail, after which the
+    states are back in the outbox and a pull gets them) rather than decide
+    on a fresh state.
+    """
+
+
+# ---------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class Crash:
+    """A crash the conservative policy still answers for.
+
+    ``view`` is the ring before the crash (it says which keys the crashed
+    members owned); ``at`` is when the crash was applied, on this node's
+    clock. Until ``until`` a key those members owned and nobody holds a state
+    for starts exhausted, as if it had been used up at ``at``.
+    """
+
+    view: RingView
+    crashed: frozenset[str]
+    at: float
+    until: float
+
+    def affects(self, key: str) -> bool:
+        try:
+            return self.view.owner_id(key) in self.crashed
+        except EmptyRingError:
+            return False
+
+    def to_wire(self, now: float) -> dict[str, Any]:
+        return {
+            "view": self.view.to_dict(),
+            "crashed": sorted(self.crashed),
+            "age": now - self.at,
+            "left": self.until - now,
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any], now: float) -> Crash:
+        """Parse a peer's crash; ``ValueError``/``KeyError``/``TypeError`` if malformed."""
+        age, left, crashed = data["age"], data["left"], data["crashed"]
+        for value in (age, left):
+            if type(value) not in (int, float) or not -MAX_SPAN <= value <= MAX_SPAN:
+                raise ValueError(f"crash age/left must be finite seconds, got {value!r}"[:120])
+        if type(crashed) is not list or not all(type(c) is str for c in crashed):
+            raise ValueError("crash 'crashed' must be a list of member ids")
+        return cls(RingView.from_dict(data["view"]), frozenset(crashed), now - age, now + left)
+
+
+@dataclass
+class HandoffStats:
+    keys_sent: int = 0
+    keys_received: int = 0
+    keys_dropped: int = 0
+    pulls: int = 0
+    pull_failures: int = 0
+    replicas_sent: int = 0
+    replicas_promoted: int = 0
+    conservative_keys: int = 0
+    views_applied: int = 0
+    last_transfer_seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """States for member ``to`` (at ``url``): POST /internal/import.
+
+    ``final`` marks a handoff: the sender has nothing more for ``to`` under
+    ``epoch``. A transfer without it passes on states that arrived here for a
+    key another member owns (a late hand-back). ``crashes`` are the crashes
+    the conservative policy still answers for; ``sent_at`` is the sender's
+    ``now``, against which the wire form's times are relative (as the
+    records' are).
+    """
+
+    sender: str
+    to: str
+    url: str
+    epoch: int
+    records: list[Record]
+    final: bool
+    crashes: tuple[Crash, ...] = ()
+    sent_at: float = 0.0
+
+    def payload(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "from": self.sender,
+            "epoch": self.epoch,
+            "records": self.records,
+            "final": self.final,
+        }
+        if self.crashes:
+            body["crashes"] = [crash.to_wire(self.sent_at) for crash in self.crashes]
+        return body
+
+
+@dataclass(frozen=True)
+class Pull:
+    """Ask member ``owner`` (at ``url``) for ``key``'s state: POST /internal/pull."""
+
+    owner: str
+    url: str
+    key: str
+    epoch: int
+    to: str
+
+    def payload(self) -> dict[str, Any]:
+        return {"keys": [self.key], "epoch": self.epoch, "to": self.to}
+
+
+@dataclass(frozen=True)
+class HandoffLate:
+    """The handoff from ``owner`` did not finish in time: its keys are decided anyway."""
+
+    owner: str
+
+
+@dataclass(frozen=True)
+class ReplicaBatch:
+    """States for their keys' successor ``to`` (at ``url``): POST /internal/replica."""
+
+    sender: str
+    to: str
+    url: str
+    epoch: int
+    records: list[Record]
+
+    def payload(self) -> dict[str, Any]:
+        return {"from": self.sender, "epoch": self.epoch, "records": self.records}
+
+
+@dataclass(frozen=True)
+class Received:
+    """What a transfer did here: states taken, states dropped (unknown rule),
+    and states passed on to the member that owns them now."""
+
+    taken: int
+    dropped: int
+    forwards: list[Transfer] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- the core
+
+
+class ShardCore:
+    """The authority state machine of one node (see the module docstring).
+
+    ``config`` is read on every event (the router may push new rules under
+    the same epoch). ``handoff_wait`` is how long, on the ``elapsed`` clock,
+    a new owner waits for a previous owner's handoff before it decides the
+    keys anyway.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        store: MemoryStore,
+        config: Callable[[], ClusterConfig],
+        *,
+        handoff_wait: float = 5.0,
+        lease: Lease | None = None,
+    ) -> None:
+        self.id = node_id
+        self.store = store
+        self.config = config
+        self.handoff_wait = handoff_wait
+        self.lease = lease if lease is not None else Lease()
+        #: None until a router sends a view: a standalone node decides every key.
+        self.view: RingView | None = None
+        self.previous: RingView | None = None
+        self.stats = HandoffStats()
+        #: Crashes still covered by the conservative policy (newest last).
+        self.crashes: list[Crash] = []
+        #: Members whose handoff to this node is still awaited, with its deadline.
+        self.pending: dict[str, float] = {}
+        #: Final marks that arrived before their view, by epoch.
+        self.finals: dict[int, set[str]] = {}
+        #: States waiting to be sent to their new owner, by member.
+        self.outbox: dict[str, list[Record]] = {}
+        #: Keys being delivered right now, by receiving member (see serve_pull).
+        self.in_flight: dict[str, set[str]] = {}
+        #: Keys already pulled under the current view (never pulled twice).
+        self.pulled: set[str] = set()
+        #: Replicas of other members' states, by origin member.
+        self.replicas: dict[str, MemoryStore] = {}
+        self.successors: dict[str, tuple[str, ...]] = {}
+
+    # ------------------------------------------------------------------ deciding
+
+    @property
+    def epoch(self) -> int:
+        return self.view.epoch if self.view is not None else 0
+
+    def check_owner(self, key: str) -> None:
+        """Raise :class:`NotOwner` unless this node owns ``key`` under its newest view."""
+        view = self.view
+        if view is None:
+            return
+        try:
+            owner = view.owner_id(key)
+        except EmptyRingError:
+            raise NotOwner(key, view.epoch, None) from None
+        if owner != self.id:
+            raise NotOwner(key, view.epoch, owner)
+
+    def check_lease(self, elapsed: float) -> None:
+        """Raise :class:`LeaseExpired` if this node is in a leased ring and its lease ran out."""
+        view = self.view
+        lease = self.lease
+        if view is not None and lease.required and not lease.valid(elapsed):
+            raise LeaseExpired(f"lease expired at epoch {view.epoch}")
+
+    def may_decide(self, key: str, elapsed: float) -> None:
+        """Fencing and the lease together: raise unless ``key`` may be decided here."""
+        self.check_owner(key)
+        self.check_lease(elapsed)
+
+    def inherit(self, key: str, rules: Sequence[Rule], elapsed: float) -> Pull | HandoffLate | None:
+        """While a handoff into this node is under way: must ``key`` be pulled first?
+
+        :class:`Pull` when its previous owner's final mark has not arrived,
+        no state for it is here and it was not pulled yet;
+        :class:`HandoffLate` when that owner's deadline passed (it is no longer
+        waited for); None when the key may be decided as it is.
+        """
+        previous = self.previous
+        if not self.pending or previous is None or not len(previous):
+            return None
+        previous_owner = previous.owner_id(key)
+        if previous_owner == self.id:
+            return None
+        deadline = self.pending.get(previous_owner)
+        if deadline is None:
+            return None
+        if elapsed > deadline:
+            self.pending.pop(previous_owner, None)
+            return HandoffLate(previous_owner)
+        if key in self.pulled or self.holds(key, rules):
+            return None
+        return Pull(previous_owner, previous.member(previous_owner).url, key, self.epoch, self.id)
+
+    def awaits(self, member_id: str) -> bool:
+        """Is this node still waiting for ``member_id``'s handoff (no final mark yet)?"""
+        return member_id in self.pending
+
+    def start_pull(self, pull: Pull) -> None:
+        self.stats.pulls += 1
+
+    def take_pulled(self, records: list[Record], now: float) -> None:
+        """The answer to a pull: the key's state (or nothing: it had none)."""
+        self.store.import_(records, now, self.config().rule_map)
+        self.mark_dirty(records)
+        self.stats.keys_received += len(records)
+
+    def pull_failed(self, pull: Pull) -> None:
+        self.stats.pull_failures += 1
+
+    def pull_done(self, pull: Pull) -> None:
+        """Whatever the answer, ``pull.key`` is not pulled again under this view."""
+        self.pulled.add(pull.key)
+
+    def conservative(self, key: str, rules: Sequence[Rule], now: float) -> None:
+        """A key a crashed member owned, with no state here, starts exhausted."""
+        if not self.crashes:
+            return
+        if self.crashes[0].until <= now:
+            self.crashes = [c for c in self.crashes if c.until > now]
+        for crash in self.crashes:
+            if crash.affects(key):
+                self._exhaust(key, rules, now, crash.at)
+
+    def holds(self, key: str, rules: Sequence[Rule]) -> bool:
+        return any(self.store.get(rule, key) is not None for rule in rules)
+
+    def _exhaust(self, key: str, rules: Sequence[Rule], now: float, at: float) -> None:
+        """Conservative crash policy: a key the crashed node held starts with no quota."""
+        policy = self.config().policies.crash
+        for rule in rules:
+            if (rule.crash_policy or policy) != "conservative":
+                continue
+            if self.store.get(rule, key) is not None:
+                continue
+            state, fresh_at = exhausted(rule, at)
+            # An exhausted bucket with burst > limit takes longer than a period to refill.
+            if fresh_at <= now:
+                continue
+            self.store.put(rule, key, state)
+            self.stats.conservative_keys += 1
+
+    # ------------------------------------------------------------------ views
+
+    def apply(
+        self,
+        view: RingView,
+        previous: RingView | None,
+        crashed: Sequence[str],
+        now: float,
+        elapsed: float,
+    ) -> int | None:
+        """Adopt a newer view: fence, fill the outbox, and set up inheritance.
+
+        Returns None if ``view`` is not newer than the one held; otherwise the
+        number of states handed back (0 unless this node learns it was removed
+        as crashed while its process lived on). The driver sends
+        :meth:`transfers` next.
+        """
+        if self.view is not None and view.epoch <= self.view.epoch:
+            return None
+        config = self.config()
+        previous = previous if previous is not None else self.view
+        self.previous = previous
+        self.view = view
+        self.successors.clear()
+        self.stats.views_applied += 1
+        if self.id in crashed and self.id not in view:
+            return self._hand_back(view, now)
+        if len(view):
+            me_in = self.id in view
+
+            def moved(key: str) -> bool:
+                return not me_in or view.owner_id(key) != self.id
+
+            records = self.store.export(now, moved, remove=True)
+            if config.policies.rebalance == "handoff":
+                # States still waiting from an earlier view (a failed delivery)
+                # go to their owner under this one.
+                leftovers = [r for pending in self.outbox.values() for r in pending]
+                self.outbox.clear()
+                self.stash(leftovers, view, now)
+                for record in records:
+                    self.outbox.setdefault(view.owner_id(record[2]), []).append(record)
+            else:
+                self.stats.keys_dropped += len(records)
+        self._promote_replicas(view, crashed, now, config)
+        dirty = self._dirty()
+        if dirty is not None:
+            # Successors may have changed: every state goes to its (new)
+            # successor at the next round, not only the ones that change.
+            dirty.update(self.store.keys())
+        self._remember_crash(previous, crashed, now, config)
+        senders: set[str] = set()
+        if previous is not None and self.id in view:
+            senders = {m for m in previous.ids if m != self.id and m not in crashed}
+        senders -= self.finals.pop(view.epoch, set())
+        for epoch in [e for e in self.finals if e < view.epoch]:
+            del self.finals[epoch]
+        self.pending = dict.fromkeys(senders, elapsed + self.handoff_wait)
+        self.pulled.clear()
+        return 0
+
+    def _remember_crash(
+        self,
+        previous: RingView | None,
+        crashed: Sequence[str],
+        now: float,
+        config: ClusterConfig,
+    ) -> None:
+        conservative_rules = [
+            s.rule
+            for s in config.rules
+            if (s.rule.crash_policy or config.policies.crash) == "conservative"
+        ]
+        if crashed and conservative_rules and previous is not None:
+            # Remembered across later views (a join right after a crash must
+            # not turn the crashed member's keys fresh), and handed to new
+            # owners with the states.
+            self.crashes = [c for c in self.crashes if c.until > now]
+            self.crashes.append(
+                Crash(
+                    previous,
+                    frozenset(crashed),
+                    now,
+                    now + max(exhausted_for(r) for r in conservative_rules),
+                )
+            )
+
+    def _hand_back(self, view: RingView, now: float) -> int:
+        """This node was removed as crashed, but its process lived on (a pause, a
+        partition, a slow host): it must stop deciding, and what it holds goes
+        to the keys' current owners rather than away.
+
+        The owners merge each state with theirs, keeping the more restrictive
+        (``MemoryStore.import_``): they decided from a replica or from nothing
+        while this node was away, and this node may hold admissions the replica
+        never saw. A repeated or late hand-back never gives quota twice. Only a
+        restarted process (memory gone) comes back empty.
+        """
+        self.lease.revoke()
+        records = self.store.export(now, remove=True)
+        leftovers = [r for pending in self.outbox.values() for r in pending]
+        self.outbox.clear()
+        self.store.sweep(float("inf"), budget=None)
+        self.replicas.clear()
+        if self.store.dirty is not None:
+            self.store.dirty = set()
+        self.pending = {}
+        self.pulled.clear()
+        if self.config().policies.rebalance != "handoff" or not len(view):
+            self.stats.keys_dropped += len(records) + len(leftovers)
+            return 0
+        for record in [*leftovers, *records]:
+            self.outbox.setdefault(view.owner_id(record[2]), []).append(record)
+        return len(records)
+
+    def _promote_replicas(
+        self, view: RingView, crashed: Sequence[str], now: float, config: ClusterConfig
+    ) -> None:
+        """Crashed members' keys that this node now owns start from its replicas.
+
+        The rest of a crashed member's replicas are kept as replicas of the
+        keys' new owners: with ``replicas = 2`` this node may be the second copy
+        of a key whose new owner crashed at the same time, and the removal of
+        that owner (next) must find the copy here.
+        """
+        if self.id not in view or not len(view):
+            self.replicas.clear()
+            return
+        for origin in crashed:
+            replicas = self.replicas.pop(origin, None)
+            if replicas is None:
+                continue
+            records = replicas.export(now)
+            promoted: list[Record] = []
+            kept: dict[str, list[Record]] = {}
+            for record in records:
+                owner = view.owner_id(record[2])
+                if owner != self.id:
+                    kept.setdefault(owner, []).append(record)
+                    continue
+                rule = config.rule(record[0])
+                if rule is not None and (rule.crash_policy or config.policies.crash) == "replica":
+                    promoted.append(record)
+            self.stats.replicas_promoted += self.store.import_(promoted, now, config.rule_map)
+            self.mark_dirty(promoted)
+            for owner, moved in kept.items():
+                store = self.replicas.get(owner)
+                if store is None:
+                    store = self.replicas[owner] = MemoryStore()
+                store.import_(moved, now, config.rule_map)
+        for origin in list(self.replicas):
+            if origin not in view:
+                del self.replicas[origin]
+
+    def mark_dirty(self, records: list[Record]) -> None:
+        """States that arrived here must be replicated from here too."""
+        dirty = self._dirty()
+        if dirty is not None:
+            dirty.update(record[2] for record in records)
+
+    def _dirty(self) -> set[str] | None:
+        """The store's change set, switched on as soon as replication is wanted."""
+        if self.store.dirty is None and self.replication_wanted():
+            self.store.dirty = set()
+        return self.store.dirty
+
+    def stash(self, records: list[Record], view: RingView, now: float) -> None:
+        """Keep undelivered states for their owner under ``view`` (ours go back in)."""
+        if not records:
+            return
+        if not len(view):
+            self.stats.keys_dropped += len(records)
+            return
+        mine: list[Record] = []
+        for record in records:
+            owner = view.owner_id(record[2])
+            if owner == self.id:
+                mine.append(record)
+            else:
+                self.outbox.setdefault(owner, []).append(record)
+        if mine:
+            self.store.import_(mine, now, self.config().rule_map)
+            self.mark_dirty(mine)
+
+    # ------------------------------------------------------------------ sending
+
+    def transfers(self, now: float) -> list[Transfer]:
+        """Empty the outbox into one transfer per member, with final marks.
+
+        Final marks matter only to members that wait for this node, i.e. when
+        it was a member of the previous view; a node that was not (a newcomer
+        taking its first config, a removed node handing back) sends only real
+        transfers, so a paused peer cannot hold up its push. States for
+        members outside the view are dropped. Until :meth:`delivered` or
+        :meth:`undelivered`, the states are in flight: a pull for one waits.
+        """
+        view = self.view
+        if view is None:
+            return []
+        crashes = tuple(c for c in self.crashes if c.until > now)
+        previous = self.previous
+        marks = previous is not None and self.id in previous
+        out: list[Transfer] = []
+        for member in view:
+            if member.id == self.id or not (marks or self.outbox.get(member.id)):
+                continue
+            records = self.outbox.pop(member.id, [])
+            out.append(
+                Transfer(self.id, member.id, member.url, view.epoch, records, True, crashes, now)
+            )
+            # While the records travel they are in neither the outbox nor the
+            # store: a pull for one of them must wait, not get "nothing".
+            self.in_flight.setdefault(member.id, set()).update(record[2] for record in records)
+        for member_id in [m for m in self.outbox if m not in view]:
+            self.stats.keys_dropped += len(self.outbox.pop(member_id))
+        return out
+
+    def delivered(self, transfer: Transfer) -> None:
+        self.stats.keys_sent += len(transfer.records)
+        self._landed(transfer)
+
+    def undelivered(self, transfer: Transfer, now: float) -> None:
+        """A transfer that could not be delivered: its states are kept for pulls
+        (the new owner asks for each key it is asked about, until the next view)."""
+        self._landed(transfer)
+        if self.view is not None:
+            self.stash(transfer.records, self.view, now)
+
+    def abandon(self, transfer: Transfer) -> None:
+        """A transfer that will never land (its sender was cancelled): stop waiting for it."""
+        self._landed(transfer)
+
+    def _landed(self, transfer: Transfer) -> None:
+        if not transfer.final:
+            return
+        flying = self.in_flight.get(transfer.to)
+        if flying is not None:
+            flying -= {record[2] for record in transfer.records}
+            if not flying:
+                del self.in_flight[transfer.to]
+
+    # ------------------------------------------------------------------ peers' messages
+
+    def receive(
+        self,
+        sender: str,
+        epoch: int,
+        records: list[Record],
+        final: bool,
+        crashes: Sequence[Crash],
+        now: float,
+    ) -> Received:
+        """A transfer arrived (its crashes parsed by the caller: :meth:`Crash.from_wire`)."""
+        records, foreign = self._split_foreign(records, epoch)
+        # A transfer from an older view (a member handing back what it held
+        # while away, late) may carry keys that moved on since: they go to
+        # their owner now. (A newer view's transfer is kept whole: this node
+        # is about to get that view, under which it owns those keys.)
+        forwards = self._forwards(foreign)
+        taken = self.store.import_(records, now, self.config().rule_map)
+        self.mark_dirty(records)
+        self.stats.keys_received += taken
+        # A rule this node does not know (or with another algorithm): the
+        # states cannot be read. Never silent: this is lost quota history.
+        dropped = len(records) - taken
+        self.stats.keys_dropped += dropped
+        for crash in crashes:
+            known = {(c.view.epoch, c.crashed) for c in self.crashes}
+            if crash.until > now and (crash.view.epoch, crash.crashed) not in known:
+                self.crashes.append(crash)
+        if final:
+            if epoch == self.epoch:
+                self.pending.pop(sender, None)
+            elif epoch > self.epoch:
+                self.finals.setdefault(epoch, set()).add(sender)
+        return Received(taken, dropped, forwards)
+
+    def _split_foreign(
+        self, records: list[Record], epoch: int
+    ) -> tuple[list[Record], list[Record]]:
+        """Records this node keeps, and those another member owns under a newer view."""
+        view = self.view
+        if view is None or epoch >= view.epoch or not len(view) or self.id not in view:
+            return records, []
+        mine: list[Record] = []
+        foreign: list[Record] = []
+        for record in records:
+            (mine if view.owner_id(record[2]) == self.id else foreign).append(record)
+        return mine, foreign
+
+    def _forwards(self, records: list[Record]) -> list[Transfer]:
+        """States passed on to their owners, without a final mark (not a handoff of ours)."""
+        view = self.view
+        if not records or view is None or not len(view):
+            return []
+        by_owner: dict[str, list[Record]] = {}
+        for record in records:
+            by_owner.setdefault(view.owner_id(record[2]), []).append(record)
+        return [
+            Transfer(self.id, owner, view.member(owner).url, view.epoch, batch, False)
+            for owner, batch in by_owner.items()
+        ]
+
+    def serve_pull(self, keys: Sequence[str], to: str, epoch: int, now: float) -> list[Record]:
+        """Give up the named keys' states to their new owner (from the outbox or the store)."""
+        if epoch > self.epoch:
+            raise StaleEpoch(f"asked about epoch {epoch}, this node knows {self.epoch}")
+        wanted = set(keys)
+        if wanted & self.in_flight.get(to, set()):
+            raise InFlight(f"{len(wanted)} key(s) on their way to {to}")
+        found: list[Record] = []
+        pending = self.outbox.get(to)
+        if pending:
+            keep: list[Record] = []
+            for record in pending:
+                (found if record[2] in wanted else keep).append(record)
+            self.outbox[to] = keep
+        view = self.view
+        if view is not None and len(view):
+            found += self.store.export(
+                now,
+                lambda k: k in wanted and (self.id not in view or view.owner_id(k) != self.id),
+                remove=True,
+            )
+        return found
+
+    def receive_replicas(self, origin: str, records: list[Record], now: float) -> int:
+        replicas = self.replicas.get(origin)
+        if replicas is None:
+            replicas = self.replicas[origin] = MemoryStore()
+        return replicas.import_(records, now, self.config().rule_map, replace=True)
+
+    # ------------------------------------------------------------------ replication
+
+    def replication_wanted(self) -> bool:
+        config = self.config()
+        return config.policies.crash == "replica" or any(
+            s.rule.crash_policy == "replica" for s in config.rules
+        )
+
+    def replication_tick(self) -> bool:
+        """A replication round is due: switch change tracking on or off; True if wanted."""
+        if self.replication_wanted():
+            if self.store.dirty is None:
+                self.store.dirty = set()
+            return True
+        self.store.dirty = None
+        return False
+
+    def replica_batches(self, now: float) -> list[ReplicaBatch]:
+        """Every state changed since the last round, for its key's successors
+        (as many as the state's rule asks for: ``replicas``)."""
+        view = self.view
+        dirty = self.store.dirty
+        if view is None or len(view) < 2 or not dirty:
+            return []
+        self.store.dirty = set()
+        rules = self.config().rule_map
+        depth = 1 + max((rule.replicas for rule in rules.values()), default=1)
+        by_target: dict[str, list[Record]] = {}
+        successors = self.successors
+        for record in self.store.export_keys(dirty, now):
+            key = record[2]
+            targets = successors.get(key)
+            if targets is None:
+                targets = tuple(m.id for m in view.successors(key, depth)[1:])
+                if len(successors) >= SUCCESSOR_CACHE:
+                    successors.clear()
+                successors[key] = targets
+            rule = rules.get(record[0])
+            for target in targets[: rule.replicas if rule is not None else 1]:
+                by_target.setdefault(target, []).append(record)
+        batches: list[ReplicaBatch] = []
+        for target, records in by_target.items():
+            try:
+                url = view.member(target).url
+            except KeyError:
+                self.replicas_failed(records)
+                continue
+            batches.append(ReplicaBatch(self.id, target, url, view.epoch, records))
+        return batches
+
+    def replicas_failed(self, records: list[Record]) -> None:
+        """Sent again next round (unless the view changes first)."""
+        if self.store.dirty is not None:
+            self.store.dirty.update(record[2] for record in records)
+
+    def sweep_replicas(self, now: float) -> None:
+        for replicas in self.replicas.values():
+            replicas.sweep(now)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "pending_from": sorted(self.pending),
+            "conservative_crashes": len(self.crashes),
+            "outbox": {k: len(v) for k, v in self.outbox.items() if v},
+            "replicas": {k: len(v) for k, v in self.replicas.items()},
+            "stats": dict(self.stats.__dict__),
+        }

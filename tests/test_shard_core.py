@@ -1,0 +1,415 @@
+"""The shard's authority core (node/shardcore.py), without an event loop.
+
+Every test drives :class:`ShardCore` objects by hand: views, messages and time
+go in as arguments, decisions and messages come out as data, and the tests
+carry the messages between cores through a list. The properties at the end
+run random sequences of views, checks and deliveries over 2-4 cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from node.config import ClusterConfig, Policies, ScopedRule
+from node.lease import Lease
+from node.rules import Rule
+from node.shardcore import (
+    HandoffLate,
+    InFlight,
+    LeaseExpired,
+    NotOwner,
+    Pull,
+    ShardCore,
+    StaleEpoch,
+    Transfer,
+)
+from node.store import MemoryStore
+from ring import Member, RingView
+
+NOW = 1_000_000.0
+LIMIT = 1_000_000
+RULE = Rule("api", LIMIT, 3600.0, algorithm="fixed_window")
+KEYS = [f"user-{i}" for i in range(40)]
+IDS = ["n0", "n1", "n2", "n3"]
+
+
+def config(crash: str = "replica", rebalance: str = "handoff", rule: Rule = RULE) -> ClusterConfig:
+    return ClusterConfig(
+        rules=(ScopedRule(rule),), policies=Policies(rebalance=rebalance, crash=crash)
+    )
+
+
+def view(ids: list[str], epoch: int) -> RingView:
+    return RingView.of([Member(i, f"http://{i}:8000") for i in ids], epoch=epoch)
+
+
+def core(node_id: str, cfg: ClusterConfig | None = None, **kwargs: object) -> ShardCore:
+    fixed = cfg if cfg is not None else config()
+    return ShardCore(node_id, MemoryStore(), lambda: fixed, **kwargs)  # type: ignore[arg-type]
+
+
+def decide(c: ShardCore, key: str, now: float = NOW, rule: Rule = RULE) -> int:
+    """Consume one unit of ``key`` at ``c``; the count it has reached there."""
+    verdict = c.store.check(key, (rule,), now)
+    assert verdict.allowed
+    return rule.limit - verdict.decision.remaining
+
+
+def owned_by(v: RingView, node_id: str) -> list[str]:
+    return [k for k in KEYS if v.owner_id(k) == node_id]
+
+
+# --------------------------------------------------------------------------- fencing
+
+
+def test_a_standalone_core_decides_every_key() -> None:
+    c = core("n0")
+    for key in KEYS:
+        c.check_owner(key)
+    assert c.epoch == 0
+
+
+def test_a_key_is_decided_only_by_its_owner_under_the_newest_view() -> None:
+    v = view(["n0", "n1"], 1)
+    c = core("n0")
+    assert c.apply(v, None, (), NOW, 0.0) == 0
+    for key in KEYS:
+        if v.owner_id(key) == "n0":
+            c.check_owner(key)
+        else:
+            with pytest.raises(NotOwner) as caught:
+                c.check_owner(key)
+            assert (caught.value.owner, caught.value.epoch) == ("n1", 1)
+
+
+def test_an_empty_ring_owns_nothing_and_an_older_view_is_ignored() -> None:
+    c = core("n0")
+    assert c.apply(view(["n0"], 2), None, (), NOW, 0.0) == 0
+    assert c.apply(view(["n1"], 1), None, (), NOW, 0.0) is None
+    assert c.epoch == 2
+    c.apply(RingView.empty(3), None, (), NOW, 0.0)
+    with pytest.raises(NotOwner) as caught:
+        c.check_owner("user-1")
+    assert caught.value.owner is None
+
+
+def test_the_lease_is_checked_on_the_time_given() -> None:
+    c = core("n0", lease=Lease(required=True))
+    c.apply(view(["n0"], 1), None, (), NOW, 0.0)
+    with pytest.raises(LeaseExpired):
+        c.may_decide("user-1", 0.0)
+    token = c.lease.offer(10.0)
+    c.lease.grant(token, 5.0, 10.0)
+    c.may_decide("user-1", 14.9)
+    with pytest.raises(LeaseExpired):
+        c.may_decide("user-1", 15.0)
+
+
+# --------------------------------------------------------------------------- handoff
+
+
+def test_a_view_takes_moved_states_out_at_once_and_transfers_them_with_a_final_mark() -> None:
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    a, b = core("n0"), core("n1")
+    a.apply(v1, None, (), NOW, 0.0)
+    for key in KEYS:
+        decide(a, key)
+    moved = owned_by(v2, "n1")
+    a.apply(v2, v1, (), NOW, 0.0)
+    assert not any(a.holds(k, (RULE,)) for k in moved)
+    (transfer,) = a.transfers(NOW)
+    assert (transfer.to, transfer.epoch, transfer.final) == ("n1", 2, True)
+    assert sorted(r[2] for r in transfer.records) == sorted(moved)
+    assert transfer.payload()["from"] == "n0"
+    # While it travels, a pull for those keys must wait for it.
+    with pytest.raises(InFlight):
+        a.serve_pull(moved[:1], "n1", 2, NOW)
+    b.apply(v2, v1, (), NOW, 0.0)
+    assert b.awaits("n0")
+    received = b.receive("n0", 2, transfer.records, True, (), NOW)
+    a.delivered(transfer)
+    assert (received.taken, received.dropped, received.forwards) == (len(moved), 0, [])
+    assert not b.awaits("n0")
+    assert all(decide(b, k) == 2 for k in moved)
+    assert a.stats.keys_sent == b.stats.keys_received == len(moved)
+    assert a.in_flight == {}
+
+
+def test_a_final_mark_that_arrives_before_its_view_is_remembered() -> None:
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    b = core("n1")
+    b.receive("n0", 2, [], True, (), NOW)
+    b.apply(v2, v1, (), NOW, 0.0)
+    assert not b.awaits("n0")
+
+
+def test_a_miss_pulls_from_the_previous_owner_once() -> None:
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    a, b = core("n0"), core("n1")
+    a.apply(v1, None, (), NOW, 0.0)
+    key = owned_by(v2, "n1")[0]
+    decide(a, key)
+    b.apply(v2, v1, (), NOW, 0.0)
+    step = b.inherit(key, (RULE,), 1.0)
+    assert step == Pull("n0", "http://n0:8000", key, 2, "n1")
+    # The previous owner has not seen epoch 2 yet: the puller must wait.
+    with pytest.raises(StaleEpoch):
+        a.serve_pull([key], "n1", 2, NOW)
+    a.apply(v2, v1, (), NOW, 0.0)
+    (transfer,) = a.transfers(NOW)
+    a.undelivered(transfer, NOW)  # failed: kept in the outbox for pulls
+    records = a.serve_pull([key], "n1", 2, NOW)
+    assert [r[2] for r in records] == [key]
+    b.start_pull(step)
+    b.take_pulled(records, NOW)
+    b.pull_done(step)
+    assert decide(b, key) == 2
+    assert b.inherit(key, (RULE,), 1.0) is None  # never twice under one view
+    assert b.stats.pulls == 1
+
+
+def test_a_handoff_that_does_not_finish_in_time_is_not_waited_for() -> None:
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    b = core("n1", handoff_wait=5.0)
+    b.apply(v2, v1, (), NOW, 100.0)
+    key = owned_by(v2, "n1")[0]
+    assert isinstance(b.inherit(key, (RULE,), 104.0), Pull)
+    assert b.inherit(key, (RULE,), 105.5) == HandoffLate("n0")
+    assert not b.awaits("n0")
+    assert b.inherit(key, (RULE,), 105.5) is None
+
+
+def test_a_late_transfer_from_an_older_view_is_passed_on() -> None:
+    v2, v3 = view(["n0", "n1"], 2), view(["n0", "n1", "n2"], 3)
+    b = core("n1")
+    b.apply(v3, v2, (), NOW, 0.0)
+    lost = [k for k in KEYS if v3.owner_id(k) == "n2"]
+    mine = [k for k in KEYS if v3.owner_id(k) == "n1"]
+    source = core("n0")
+    for key in lost + mine:
+        decide(source, key)
+    records = source.store.export(NOW)
+    received = b.receive("n0", 2, records, False, (), NOW)
+    assert received.taken == len(mine)
+    (forward,) = received.forwards
+    assert (forward.to, forward.final, forward.epoch) == ("n2", False, 3)
+    assert sorted(r[2] for r in forward.records) == sorted(lost)
+
+
+def test_reset_rebalancing_drops_what_moved() -> None:
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    a = core("n0", config(rebalance="reset"))
+    a.apply(v1, None, (), NOW, 0.0)
+    for key in KEYS:
+        decide(a, key)
+    a.apply(v2, v1, (), NOW, 0.0)
+    assert a.stats.keys_dropped == len(owned_by(v2, "n1"))
+    assert [t.records for t in a.transfers(NOW)] == [[]]  # only the final mark
+
+
+# --------------------------------------------------------------------------- crashes
+
+
+def test_a_crashed_members_keys_start_exhausted_under_the_conservative_policy() -> None:
+    rule = Rule("api", 10, 60.0, algorithm="sliding_window")
+    cfg = config(crash="conservative", rule=rule)
+    v1, v2 = view(["n0", "n1"], 1), view(["n0"], 2)
+    a = core("n0", cfg)
+    a.apply(v1, None, (), NOW, 0.0)
+    a.apply(v2, v1, ["n1"], NOW, 0.0)
+    assert a.pending == {}  # a crashed member is not waited for
+    key = owned_by(v1, "n1")[0]
+    a.conservative(key, (rule,), NOW + 1)
+    assert not a.store.check(key, (rule,), NOW + 1).allowed
+    (crash,) = a.crashes
+    # It ends when the exhausted state is fresh again (two periods: sliding window).
+    assert crash.until == NOW + 120.0
+    # New owners learn of it with the states they get.
+    a.apply(view(["n0", "n2"], 3), v2, (), NOW + 1, 0.0)
+    (transfer,) = a.transfers(NOW + 1)
+    assert transfer.crashes == (crash,)
+    assert transfer.payload()["crashes"] == [crash.to_wire(NOW + 1)]
+
+
+def test_replicas_go_to_the_successor_and_are_promoted_when_the_owner_crashes() -> None:
+    v1, v2 = view(["n0", "n1"], 1), view(["n1"], 2)
+    a, b = core("n0"), core("n1")
+    for c in (a, b):
+        c.apply(v1, None, (), NOW, 0.0)
+    keys = owned_by(v1, "n0")
+    for key in keys:
+        decide(a, key)
+    (batch,) = a.replica_batches(NOW)
+    assert batch.to == "n1" and sorted(r[2] for r in batch.records) == sorted(keys)
+    assert b.receive_replicas("n0", batch.records, NOW) == len(keys)
+    assert a.replica_batches(NOW) == []  # nothing changed since
+    b.apply(v2, v1, ["n0"], NOW, 0.0)
+    assert b.stats.replicas_promoted == len(keys)
+    assert all(decide(b, k) == 2 for k in keys)
+
+
+def test_a_member_removed_as_crashed_but_alive_hands_everything_back() -> None:
+    v1, v2 = view(["n0", "n1"], 1), view(["n1"], 2)
+    a = core("n0", lease=Lease(required=True, until=1e9))
+    a.apply(v1, None, (), NOW, 0.0)
+    keys = owned_by(v1, "n0")
+    for key in keys:
+        decide(a, key)
+    assert a.apply(v2, v1, ["n0"], NOW, 0.0) == len(keys)
+    assert not a.lease.valid(0.0)
+    assert len(a.store) == 0
+    (transfer,) = a.transfers(NOW)
+    assert transfer.to == "n1" and transfer.final
+    assert sorted(r[2] for r in transfer.records) == sorted(keys)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@dataclass
+class Cluster:
+    """Cores exchanging the core's messages through a list; one shared frozen time.
+
+    ``elapsed`` never moves, so no handoff deadline passes: every state must
+    follow its key. A pull is served at once when it can be; when it cannot,
+    the cluster does what the real puller waits for (the router pushes the
+    view to the previous owner first; the transfer in flight lands).
+    """
+
+    cores: dict[str, ShardCore]
+    net: list[Transfer] = field(default_factory=list)
+    views: list[RingView] = field(default_factory=list)
+    admitted: dict[str, int] = field(default_factory=dict)
+    #: (key, epoch) -> the core that decided it under that epoch.
+    deciders: dict[tuple[str, int], str] = field(default_factory=dict)
+    #: (core, key) -> the epoch of the view under which the state left it.
+    left: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def push(self, node_id: str) -> None:
+        """The router's newest view reaches ``node_id``; it hands off at once."""
+        c = self.cores[node_id]
+        newest = self.views[-1]
+        before = c.store.keys()
+        c.apply(newest, self.views[-2] if len(self.views) > 1 else None, (), NOW, 0.0)
+        for key in before - c.store.keys():
+            self.left[(node_id, key)] = newest.epoch
+        self.net.extend(c.transfers(NOW))
+
+    def deliver(self, index: int) -> None:
+        transfer = self.net.pop(index % len(self.net))
+        target = self.cores[transfer.to]
+        received = target.receive(
+            transfer.sender, transfer.epoch, transfer.records, transfer.final, (), NOW
+        )
+        self.cores[transfer.sender].delivered(transfer)
+        self.net.extend(received.forwards)
+
+    def pull(self, puller: ShardCore, pull: Pull) -> None:
+        owner = self.cores[pull.owner]
+        puller.start_pull(pull)
+        while puller.awaits(pull.owner):
+            try:
+                records = owner.serve_pull([pull.key], pull.to, pull.epoch, NOW)
+            except StaleEpoch:
+                self.push(pull.owner)
+                continue
+            except InFlight:
+                index = next(
+                    i
+                    for i, t in enumerate(self.net)
+                    if t.sender == pull.owner and t.to == pull.to and t.final
+                )
+                self.deliver(index)
+                continue
+            puller.take_pulled(records, NOW)
+            break
+        puller.pull_done(pull)
+
+    def check(self, node_id: str, key: str) -> None:
+        c = self.cores[node_id]
+        try:
+            c.check_owner(key)
+        except NotOwner:
+            return
+        step = c.inherit(key, (RULE,), 0.0)
+        assert not isinstance(step, HandoffLate)
+        if isinstance(step, Pull):
+            self.pull(c, step)
+            c.check_owner(key)  # a pull never changes this core's view
+        count = decide(c, key)
+        self.admitted[key] = self.admitted.get(key, 0) + 1
+        # The state followed the key: every earlier admission is counted here.
+        assert count == self.admitted[key], (key, node_id)
+        decider = self.deciders.setdefault((key, c.epoch), node_id)
+        assert decider == node_id, f"{key} decided by {decider} and {node_id} at {c.epoch}"
+        handed_off = self.left.get((node_id, key))
+        if handed_off is not None:
+            # A handed-off state is decided by its old owner only under a newer
+            # view that gave the key back.
+            assert c.epoch > handed_off
+
+
+member_sets = st.lists(st.sampled_from(IDS), min_size=1, max_size=4, unique=True)
+checks = st.tuples(st.just("check"), st.sampled_from(IDS), st.sampled_from(KEYS[:12]))
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("view"), member_sets),
+        st.tuples(st.just("push"), st.sampled_from(IDS)),
+        st.tuples(st.just("deliver"), st.integers(0, 20)),
+        checks,
+        checks,
+        checks,
+    ),
+    min_size=10,
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 4), script=steps)
+def test_no_key_is_decided_by_two_cores_and_states_follow_their_keys(
+    n: int, script: list[tuple[object, ...]]
+) -> None:
+    """Views change only once the network is quiet and every core has the last one
+    (the router's push completes before the next change); checks and deliveries
+    interleave at random in between, against cores that may not have the newest
+    view yet."""
+    ids = IDS[:n]
+    cluster = Cluster({i: core(i) for i in ids}, views=[view(ids, 1)])
+    for node_id in ids:
+        cluster.push(node_id)
+    for step in script:
+        kind = step[0]
+        if kind == "view":
+            members = [m for m in step[1] if m in ids]  # type: ignore[attr-defined]
+            if not members:
+                continue
+            for node_id in ids:  # the previous change completes first
+                cluster.push(node_id)
+            while cluster.net:
+                cluster.deliver(0)
+            cluster.views.append(view(members, cluster.views[-1].epoch + 1))
+        elif kind == "push" and step[1] in ids:
+            cluster.push(step[1])  # type: ignore[arg-type]
+        elif kind == "deliver" and cluster.net:
+            cluster.deliver(step[1])  # type: ignore[arg-type]
+        elif kind == "check" and step[1] in ids:
+            cluster.check(step[1], step[2])  # type: ignore[arg-type]
+    # Under one epoch, ownership is unique among the cores that hold it.
+    by_epoch: dict[int, list[ShardCore]] = {}
+    for c in cluster.cores.values():
+        by_epoch.setdefault(c.epoch, []).append(c)
+    for cores in by_epoch.values():
+        for key in KEYS:
+            deciders = []
+            for c in cores:
+                try:
+                    c.check_owner(key)
+                    deciders.append(c.id)
+                except NotOwner:
+                    pass
+            assert len(deciders) <= 1 or cores[0].view is None
