@@ -3,7 +3,7 @@
 ``simulate_leases(scenario)`` runs the scenario's arrivals through routers
 that hold lease books (``router/quotas.py``) in front of owners that grant
 and settle leases (``node/quota.py``) and decide everything else with the
-engine, on the real ring timeline (``simulations/cluster.py``). It reports
+engine, on the real ring timeline (``simulations/timeline.py``). It reports
 the owners' load (requests per second per node, max over mean, the figure
 ``ringlimit simulate`` shows for sticky routing), over-admission and false
 denials against the exact reference (the ``global`` mode), and per user the
@@ -41,9 +41,9 @@ from node.quota import Held, HotKeys, LeasePolicy, decide, grant, refund
 from router.quotas import ADMIT, DENY, LeaseBook, Released
 
 from .arrivals import Arrivals, generate
-from .cluster import Timeline, build_timeline
 from .modes import run_mode
 from .scenario import Scenario, load_scenario
+from .timeline import Timeline, build_timeline
 
 #: A key is hot from this many decisions per second at its owner (simulation default).
 DEFAULT_THRESHOLD = 50.0
