@@ -17,6 +17,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from node.asgi import Receive, Scope, Send, drain, error_body, read_all
 from node.security import bearer, token_matches
 from node.wire import (
@@ -25,9 +27,11 @@ from node.wire import (
     Result,
     batch_body,
     checks_payload,
+    decode_checks,
     dumps,
-    parse_checks,
-    parse_json,
+    forward_payload,
+    forwardable,
+    raw_checks,
     split_results,
     unreachable_result,
 )
@@ -87,9 +91,17 @@ class DecisionAPI:
             body = await read_all(receive, limit)
             if body is None:
                 raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
-            checks, batch = parse_checks(parse_json(body, config), config)
+            checks, batch = decode_checks(body, config)
         except ApiError as exc:
             await _send_json_bytes(send, exc.status, dumps(exc.body()).encode())
+            return
+        if batch:
+            try:
+                raw: list[Any] | None = forwardable(checks, raw_checks(body), config.default_rules)
+            except (msgspec.MsgspecError, ValueError, RecursionError):
+                raw = None  # valid for json, not msgspec: encode the checks again
+            results = await self.route_checks(checks, raw)
+            await _send_json_bytes(send, 200, batch_body(results))
             return
         status, payload = await self.answer_checks(checks, batch)
         await _send_json_bytes(send, status, payload)
@@ -140,9 +152,13 @@ class DecisionAPI:
             out[index] = _RETRY
         return out
 
-    async def route_checks(self, checks: Sequence[Check]) -> list[Result]:
+    async def route_checks(
+        self, checks: Sequence[Check], raw: Sequence[Any] | None = None
+    ) -> list[Result]:
         """One result per check, in order: a node's answer as JSON bytes, or the
-        router's own (an error, an unreachable owner) as a dict."""
+        router's own (an error, an unreachable owner) as a dict. ``raw``: each
+        check's JSON text as the client sent it (node/wire.py's ``raw_checks``),
+        passed on to the node rather than encoded again."""
         router = self.router
         results: list[Result | None] = [None] * len(checks)
         pending = list(range(len(checks)))
@@ -167,7 +183,7 @@ class DecisionAPI:
             retry: list[int] = []
             await asyncio.gather(
                 *(
-                    self._run_group(members[m], idx, checks, results, retry)
+                    self._run_group(members[m], idx, checks, results, retry, raw)
                     for m, idx in groups.items()
                 )
             )
@@ -186,11 +202,15 @@ class DecisionAPI:
         checks: Sequence[Check],
         results: list[Result | None],
         retry: list[int],
+        raw: Sequence[Any] | None = None,
     ) -> None:
         """Send ``checks[i]`` of ``indices`` to ``member`` as one batch; put its answers
         in ``results``, or the indices to route again in ``retry``."""
         router = self.router
-        payload = checks_payload(checks, indices)
+        if raw is None:
+            payload = checks_payload(checks, indices)
+        else:
+            payload = forward_payload(checks, raw, indices)
         assert router.forwarder is not None
         try:
             answer = await router.forwarder.post_json(
