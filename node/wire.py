@@ -362,7 +362,9 @@ class ResultEncoder:
         if reason or d_allowed != allowed or len(decisions) > 1:
             return dumps(result_dict(verdict, self.node))
         reset_text = _json6(reset)
-        available_text = _json6(available)
+        # A bucket one unit short of full (the common case) has the same two times
+        # (but 0.0 == -0.0, whose texts differ).
+        available_text = reset_text if available == reset and reset != 0.0 else _json6(available)
         retry_text = "null" if retry is None else _json6(retry)
         if reset_text is None or available_text is None or retry_text is None:
             return dumps(result_dict(verdict, self.node))  # not finite: dumps refuses it

@@ -172,14 +172,17 @@ class DecisionAPI:
                 for index in pending:
                     results[index] = {"error": "no_nodes", "detail": "the ring has no nodes"}
                 return _complete(results)
-            owners = router.owner_map(view)
+            owner_of = router.owner_map(view).get
             for index in pending:
-                key = checks[index].key
-                member = owners.get(key)
+                key = checks[index][0]
+                member = owner_of(key)
                 if member is None:
                     member = router.pick(view, key)
-                groups.setdefault(member.id, []).append(index)
-                members[member.id] = member
+                group = groups.get(member.id)
+                if group is None:
+                    group = groups[member.id] = []
+                    members[member.id] = member
+                group.append(index)
             retry: list[int] = []
             await asyncio.gather(
                 *(
