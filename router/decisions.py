@@ -36,7 +36,7 @@ from node.wire import (
     unreachable_result,
 )
 from ring import EmptyRingError, Member
-from router.coalesce import Coalescer
+from router.coalesce import Coalescer, Merger
 from router.forward import MAX_ATTEMPTS, NodeTimeout, Unreachable
 
 if TYPE_CHECKING:
@@ -58,6 +58,13 @@ class DecisionAPI:
         window = router.settings.coalesce_window
         #: Holds single checks ``window`` seconds to send them to their node as one batch.
         self.coalescer = Coalescer(self._send_coalesced, window=window) if window > 0 else None
+        #: With coalescing on, batches for a node that meet on the way leave as one
+        #: request (router/coalesce.py); at most the node's batch size a request.
+        self.merger = (
+            Merger(self._send_merged, max_items=router.config.limits.max_batch)
+            if window > 0
+            else None
+        )
 
     def allowed(self, scope: Scope) -> bool:
         """Whether the request carries the decision API's token (``api_token``)."""
@@ -186,7 +193,7 @@ class DecisionAPI:
             retry: list[int] = []
             await asyncio.gather(
                 *(
-                    self._run_group(members[m], idx, checks, results, retry, raw)
+                    self._run_merged(members[m], idx, checks, results, retry, raw)
                     for m, idx in groups.items()
                 )
             )
@@ -197,6 +204,39 @@ class DecisionAPI:
                 "detail": "the ring is changing; retry shortly",
             }
         return _complete(results)
+
+    async def _run_merged(
+        self,
+        member: Member,
+        indices: list[int],
+        checks: Sequence[Check],
+        results: list[Result | None],
+        retry: list[int],
+        raw: Sequence[Any] | None,
+    ) -> None:
+        """:meth:`_run_group`, through the merger when there is one."""
+        merger = self.merger
+        if merger is None:
+            await self._run_group(member, indices, checks, results, retry, raw)
+            return
+        items = [(checks[i], None if raw is None else raw[i]) for i in indices]
+        answers = await merger.submit(member, items)
+        for i, answer in zip(indices, answers, strict=True):
+            if answer is _RETRY:
+                retry.append(i)
+            else:
+                results[i] = answer
+
+    async def _send_merged(self, member: Member, items: list[Any]) -> list[Any]:
+        checks = [check for check, _ in items]
+        raw = [text for _, text in items]
+        results: list[Result | None] = [None] * len(checks)
+        retry: list[int] = []
+        await self._run_group(member, list(range(len(checks))), checks, results, retry, raw)
+        out: list[Any] = list(results)
+        for index in retry:
+            out[index] = _RETRY
+        return out
 
     async def _run_group(
         self,
