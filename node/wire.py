@@ -484,6 +484,11 @@ def forwardable(
 
 def batch_body(results: Iterable[Result]) -> bytes:
     """A router's batch answer: the nodes' results as they sent them, its own encoded."""
+    if type(results) is list:
+        try:
+            return b'{"results":[' + b",".join(results) + b"]}"  # all the nodes' bytes
+        except TypeError:
+            pass  # some are the router's own (dicts): encode those
     return (
         b'{"results":['
         + b",".join(r if type(r) is bytes else dumps(r).encode() for r in results)
