@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from node.asgi import Receive, Scope, Send, drain, error_body, read_all
+from node.config import Limits
+from node.rules import MAX_NAME
 from node.security import bearer, token_matches
 from node.wire import (
     ApiError,
@@ -59,9 +61,9 @@ class DecisionAPI:
         #: Holds single checks ``window`` seconds to send them to their node as one batch.
         self.coalescer = Coalescer(self._send_coalesced, window=window) if window > 0 else None
         #: With coalescing on, batches for a node that meet on the way leave as one
-        #: request (router/coalesce.py); at most the node's batch size a request.
+        #: request (router/coalesce.py), within the node's limits on a batch.
         self.merger = (
-            Merger(self._send_merged, max_items=router.config.limits.max_batch)
+            Merger(self._send_merged, max_items=merged_batch(router.config.limits))
             if window > 0
             else None
         )
@@ -306,6 +308,15 @@ class DecisionAPI:
         for i, result in zip(indices, answered, strict=True):
             results[i] = result
         router.metrics.checks(member.id, len(indices))
+
+
+def merged_batch(limits: Limits) -> int:
+    """The most checks a merged request carries: at most ``max_batch``, and few
+    enough that its body stays under ``max_body`` however long each check's text
+    may be (a key of ``max_key_length`` characters, each escaped as a surrogate
+    pair at worst, and a rule name)."""
+    longest = 12 * limits.max_key_length + 6 * MAX_NAME + 64
+    return max(1, min(limits.max_batch, limits.max_body // longest))
 
 
 def _complete(results: list[Result | None]) -> list[Result]:

@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
+from node.config import Limits
 from router.coalesce import Merger
+from router.decisions import merged_batch
 
 pytestmark = pytest.mark.anyio
 
@@ -108,3 +110,11 @@ async def test_every_waiter_hears_of_a_failed_request() -> None:
         with pytest.raises(RuntimeError):
             await task
     assert not merger._queues  # nothing left behind
+
+
+def test_a_merged_request_fits_the_nodes_limits() -> None:
+    assert merged_batch(Limits()) <= Limits().max_batch
+    # Long keys: fewer checks a request, so the body stays under max_body.
+    limits = Limits(max_key_length=4096, max_body=1 << 20)
+    assert merged_batch(limits) * (12 * 4096) < limits.max_body
+    assert merged_batch(Limits(max_key_length=100_000, max_body=1000)) == 1
