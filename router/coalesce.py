@@ -17,8 +17,10 @@ from typing import Any
 
 #: sends one batch to one node; returns one result per item, in order.
 SendBatch = Callable[[str, list[Any]], Awaitable[list[Any]]]
-#: the same, for a node named by any hashable value (the merger's: a ring member).
-SendTo = Callable[[Any, list[Any]], Awaitable[list[Any]]]
+#: the merger's: sends ``items`` (and ``extras``, one per item or None) to a node
+#: named by any hashable value (a ring member); one result per item, in order.
+SendTo = Callable[[Any, list[Any], list[Any] | None], Awaitable[list[Any]]]
+_Group = tuple[list[Any], list[Any] | None, "asyncio.Future[list[Any]]"]
 
 
 class _Pending:
@@ -84,7 +86,7 @@ class _Queue:
     def __init__(self) -> None:
         self.in_flight = 0
         self.size = 0
-        self.waiting: list[tuple[list[Any], asyncio.Future[list[Any]]]] = []
+        self.waiting: list[_Group] = []
 
 
 class Merger:
@@ -98,8 +100,9 @@ class Merger:
     costs whatever its size (the HTTP exchange, on the router and on the node)
     is paid once for all of them.
 
-    ``send(node, items)`` returns one result per item, in order; each caller
-    of :meth:`submit` gets the results of its own items.
+    ``send(node, items, extras)`` returns one result per item, in order; each
+    caller of :meth:`submit` gets the results of its own items. ``extras``
+    travel with the items (one per item, or None for none).
     """
 
     def __init__(self, send: SendTo, *, max_items: int, max_in_flight: int = 2) -> None:
@@ -112,7 +115,9 @@ class Merger:
         self.requests = 0
         self.batches = 0
 
-    async def submit(self, node: Any, items: list[Any]) -> list[Any]:
+    async def submit(
+        self, node: Any, items: list[Any], extras: list[Any] | None = None
+    ) -> list[Any]:
         self.batches += 1
         queue = self._queues.get(node)
         if queue is None:
@@ -121,19 +126,19 @@ class Merger:
             queue.in_flight += 1
             self.requests += 1
             try:
-                return await self.send(node, items)
+                return await self.send(node, items, extras)
             finally:
                 queue.in_flight -= 1
                 self._next(node, queue)
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        queue.waiting.append((items, future))
+        queue.waiting.append((items, extras, future))
         queue.size += len(items)
         return await future
 
     def _next(self, node: Any, queue: _Queue) -> None:
         """Send what waits for ``node`` as one request (or a few, by ``max_items``)."""
         while queue.waiting and queue.in_flight < self.max_in_flight:
-            taken: list[tuple[list[Any], asyncio.Future[list[Any]]]] = []
+            taken: list[_Group] = []
             size = 0
             for group in queue.waiting:
                 if taken and size + len(group[0]) > self.max_items:
@@ -154,25 +159,32 @@ class Merger:
         self,
         node: Any,
         queue: _Queue,
-        taken: list[tuple[list[Any], asyncio.Future[list[Any]]]],
+        taken: list[_Group],
     ) -> None:
-        items = [item for group, _ in taken for item in group]
+        items: list[Any] = []
+        extras: list[Any] | None = None
+        if any(extra is not None for _, extra, _ in taken):
+            extras = []
+        for group, extra, _ in taken:
+            items += group
+            if extras is not None:
+                extras += [None] * len(group) if extra is None else extra
         try:
-            results = await self.send(node, items)
+            results = await self.send(node, items, extras)
         except Exception as exc:  # every waiter must hear about the failure
-            for _, future in taken:
+            for _, _, future in taken:
                 if not future.done():
                     future.set_exception(exc)
             return
         except BaseException:
-            for _, future in taken:
+            for _, _, future in taken:
                 future.cancel()
             raise
         finally:
             queue.in_flight -= 1
             self._next(node, queue)
         start = 0
-        for group, future in taken:
+        for group, _, future in taken:
             end = start + len(group)
             if not future.done():
                 future.set_result(results[start:end])

@@ -221,17 +221,20 @@ class DecisionAPI:
         if merger is None:
             await self._run_group(member, indices, checks, results, retry, raw)
             return
-        items = [(checks[i], None if raw is None else raw[i]) for i in indices]
-        answers = await merger.submit(member, items)
+        answers = await merger.submit(
+            member,
+            [checks[i] for i in indices],
+            None if raw is None else [raw[i] for i in indices],
+        )
         for i, answer in zip(indices, answers, strict=True):
             if answer is _RETRY:
                 retry.append(i)
             else:
                 results[i] = answer
 
-    async def _send_merged(self, member: Member, items: list[Any]) -> list[Any]:
-        checks = [check for check, _ in items]
-        raw = [text for _, text in items]
+    async def _send_merged(
+        self, member: Member, checks: list[Check], raw: list[Any] | None
+    ) -> list[Any]:
         results: list[Result | None] = [None] * len(checks)
         retry: list[int] = []
         await self._run_group(member, list(range(len(checks))), checks, results, retry, raw)

@@ -27,7 +27,7 @@ class Node:
         self.gates: list[asyncio.Event] = []
         self.fail = False
 
-    async def send(self, node: Any, items: list[Any]) -> list[Any]:
+    async def send(self, node: Any, items: list[Any], extras: list[Any] | None) -> list[Any]:
         self.requests.append(list(items))
         gate = asyncio.Event()
         self.gates.append(gate)
@@ -118,3 +118,28 @@ def test_a_merged_request_fits_the_nodes_limits() -> None:
     limits = Limits(max_key_length=4096, max_body=1 << 20)
     assert merged_batch(limits) * (12 * 4096) < limits.max_body
     assert merged_batch(Limits(max_key_length=100_000, max_body=1000)) == 1
+
+
+async def test_extras_travel_with_their_items() -> None:
+    node = Node()
+    seen: list[Any] = []
+    send = node.send
+
+    async def record(target: Any, items: list[Any], extras: list[Any] | None) -> list[Any]:
+        seen.append(extras)
+        return await send(target, items, extras)
+
+    merger = Merger(record, max_items=100, max_in_flight=1)
+    first = asyncio.create_task(merger.submit("n1", [1], ["a"]))
+    await _settle()
+    waiting = [
+        asyncio.create_task(merger.submit("n1", [2, 3], ["b", "c"])),
+        asyncio.create_task(merger.submit("n1", [4])),
+    ]
+    await _settle()
+    node.gates[0].set()
+    await first
+    await _settle()
+    assert seen == [["a"], ["b", "c", None]]
+    node.gates[1].set()
+    assert [await t for t in waiting] == [[20, 30], [40]]
