@@ -211,8 +211,14 @@ class FastForwarder:
         """Send a whole request (``payload``, as :meth:`request` builds it) to
         ``pool`` and read its answer; ``head``: the request is a HEAD."""
         loop = asyncio.get_running_loop()
+        idle = pool.idle
         for attempt in (0, 1):
-            connection, reused = await self._acquire(pool, loop)
+            # An idle connection without a coroutine (the common case); else _acquire.
+            connection = idle.pop() if idle else None
+            if connection is not None and not connection.closed:
+                reused = True
+            else:
+                connection, reused = await self._acquire(pool, loop)
             waiter = connection.start(payload, loop, head)
             timer = loop.call_later(self.timeouts.total, _expire, connection)
             try:
