@@ -82,6 +82,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 CONTROL_PATHS = frozenset({"/healthz", "/metrics", "/v1/check"})
+#: The fields that say a request has a body.
+_BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 #: Keys whose owner the router remembers (per ring view).
 OWNER_CACHE = 100_000
 
@@ -373,27 +375,36 @@ class Router:
                 ),
             )
             return
-        # The configured client limit applies to proxied bodies too (the router buffers them).
-        max_body = min(self.settings.max_buffered_body, config.limits.max_body)
-        body = await read_all(receive, max_body)
-        if body is None:
-            self.metrics.outcome("-", "body_too_large")
-            await send_json(
-                send,
-                413,
-                error_body("body_too_large", f"request body is over {max_body} bytes"),
-            )
-            return
         # Clients may not send ringlimit's internal fields, except the bypass token
         # (whose default name also starts with x-ringlimit-): the node checks it.
         bypass_name = self._bypass_name(config)
         forwarded_for = None
         raw: list[tuple[bytes, bytes]] = []
+        framed = False
         for k, v in scope["headers"]:
             if k == b"x-forwarded-for":
                 forwarded_for = v
             elif k not in HOP_BY_HOP and (not k.startswith(b"x-ringlimit-") or k == bypass_name):
                 raw.append((k, v))
+            elif k in _BODY_FRAMING:
+                framed = True
+        if framed:
+            # The configured client limit applies to proxied bodies too (the router
+            # buffers them).
+            max_body = min(self.settings.max_buffered_body, config.limits.max_body)
+            body = await read_all(receive, max_body)
+            if body is None:
+                self.metrics.outcome("-", "body_too_large")
+                await send_json(
+                    send,
+                    413,
+                    error_body("body_too_large", f"request body is over {max_body} bytes"),
+                )
+                return
+        else:
+            # Neither Content-Length nor Transfer-Encoding: a request without a body
+            # (RFC 9112 6.3), nothing to read.
+            body = b""
         # Percent-encoded: ASCII on the wire whatever the forwarder's header encoding,
         # so the node decides exactly the key the router placed on the ring.
         raw.append((b"x-ringlimit-key", _quote_key(user).encode()))
