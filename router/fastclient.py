@@ -32,6 +32,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "body",
         "closed",
+        "deadline",
         "head",
         "headers",
         "interim",
@@ -39,6 +40,7 @@ class _Connection(asyncio.Protocol):
         "parser",
         "received",
         "status",
+        "timer",
         "transport",
         "waiter",
     )
@@ -55,6 +57,10 @@ class _Connection(asyncio.Protocol):
         self.received = False
         self.head = False
         self.interim = False
+        #: When the request under way times out (loop time), and the one timer that
+        #: watches it (see :meth:`watch`).
+        self.deadline = 0.0
+        self.timer: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -131,8 +137,29 @@ class _Connection(asyncio.Protocol):
         self.transport.write(payload)
         return self.waiter
 
+    def watch(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        """Time out the request under way after ``seconds``. One timer per
+        connection, not one per request: a timer that fires before the current
+        request's deadline (it was started for an earlier request) waits again."""
+        self.deadline = loop.time() + seconds
+        if self.timer is None:
+            self.timer = loop.call_at(self.deadline, self._check_deadline, loop)
+
+    def _check_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.timer = None
+        waiter = self.waiter
+        if self.closed or waiter is None or waiter.done():
+            return  # answered (or idle): the next request starts a timer again
+        if loop.time() < self.deadline:
+            self.timer = loop.call_at(self.deadline, self._check_deadline, loop)
+            return
+        _expire(self)
+
     def close(self) -> None:
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.transport is not None:
             self.transport.close()
 
@@ -220,15 +247,13 @@ class FastForwarder:
             else:
                 connection, reused = await self._acquire(pool, loop)
             waiter = connection.start(payload, loop, head)
-            timer = loop.call_later(self.timeouts.total, _expire, connection)
+            connection.watch(loop, self.timeouts.total)
             try:
                 await waiter
             except Unreachable:
                 if reused and not connection.received and attempt == 0:
                     continue
                 raise
-            finally:
-                timer.cancel()
             answer = Answer(
                 connection.status,
                 [(k, v) for k, v in connection.headers if k not in _DROP],
