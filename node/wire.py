@@ -394,9 +394,12 @@ def _json6(x: float) -> str | None:
     return None
 
 
-def unreachable_result(check: Check, node_id: str) -> dict[str, Any]:
-    """The router's own result for a check whose owner did not answer: the
-    rules' ``on_error`` decides (any ``closed`` rule denies)."""
+def unreachable_result(
+    check: Check, node_id: str, reason: str = "owner_unreachable"
+) -> dict[str, Any]:
+    """The router's own result for a check whose owner did not answer (refused
+    the connection, or took longer than the forward timeout): the rules'
+    ``on_error`` decides (any ``closed`` rule denies)."""
     closed = any(r.on_error == "closed" for r in check.rules)
     rule = check.rules[0]
     return {
@@ -408,7 +411,7 @@ def unreachable_result(check: Check, node_id: str) -> dict[str, Any]:
         "rule": rule.name,
         "available_after": 0.0,
         "node": node_id,
-        "reason": "owner_unreachable",
+        "reason": reason,
     }
 
 

@@ -41,6 +41,9 @@ from ring import EmptyRingError, Member
 from router.coalesce import Coalescer, Merger
 from router.forward import MAX_ATTEMPTS, NodeTimeout, Unreachable
 
+#: Reasons of a result the router made up for an owner that did not answer.
+UNANSWERED = frozenset({"owner_unreachable", "owner_timeout"})
+
 if TYPE_CHECKING:
     from router.app import Router
 
@@ -131,11 +134,7 @@ class DecisionAPI:
                 result["error"], 502
             )
         else:
-            status = (
-                503
-                if result.get("reason") == "owner_unreachable" and not result["allowed"]
-                else 200
-            )
+            status = 503 if result.get("reason") in UNANSWERED and not result["allowed"] else 200
         return status, dumps(result).encode()
 
     async def route_single(self, check: Check) -> Result:
@@ -265,11 +264,11 @@ class DecisionAPI:
                 member.url + "/v1/check", payload, router.token_header
             )
         except NodeTimeout:
+            # Sent, not answered: the owner may have decided. Nothing is sent
+            # again (no double decision); the rules' on_error answers, as for an
+            # owner that cannot be reached (issue 10: a paused owner).
             for i in indices:
-                results[i] = {
-                    "error": "node_timeout",
-                    "detail": f"node {member.id} did not answer in time",
-                }
+                results[i] = unreachable_result(checks[i], member.id, "owner_timeout")
             router.metrics.outcome(member.id, "node_timeout")
             return
         except Unreachable:
