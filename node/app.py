@@ -282,8 +282,12 @@ class Node:
 
     def _failure_counts(self) -> dict[str, float]:
         counts: dict[str, float] = dict(self.failures.counts)
-        if self.shard is not None:
-            for kind, n in self.shard.failures.counts.items():
+        sources = [self.shard.failures] if self.shard is not None else []
+        backend_failures = getattr(self.backend, "failures", None)
+        if isinstance(backend_failures, Failures):
+            sources.append(backend_failures)
+        for failures in sources:
+            for kind, n in failures.counts.items():
                 counts[kind] = counts.get(kind, 0) + n
         return counts
 
