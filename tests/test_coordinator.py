@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections import Counter
 
 import pytest
@@ -21,6 +22,7 @@ from router.coordinator import (
     parse_endpoints,
 )
 from router.testing import ROUTER_URL, InProcessCluster, node_url
+from tests.etcd_server import EtcdServer
 from tests.test_rebalancing import LIMIT, USERS, Tally, make_config, send
 
 pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
@@ -108,6 +110,75 @@ async def test_a_watch_from_the_loaded_revision_misses_no_change(etcd_endpoint: 
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_watch_after_an_empty_load_misses_no_first_view(etcd_endpoint: str) -> None:
+    """A router that found etcd empty watches from that read's revision, not
+    from "now": a first view another router committed in between reaches it."""
+    a, b = coordinator(etcd_endpoint), coordinator(etcd_endpoint)
+    await a.connect()
+    await b.connect()
+    try:
+        assert await b.load() is None
+        one = RingView.of([Member("n1", "http://n1")], epoch=1)
+        first = await a.commit(ViewRecord(one, None, (), make_config(), True), expected=0)
+        assert first is not None
+        records = b.watch(0)  # as Membership does after an empty load
+        try:
+            seen = await asyncio.wait_for(anext(records), timeout=3.0)
+        except TimeoutError:
+            pytest.fail("the first view, committed after the empty load, was missed")
+        finally:
+            await records.aclose()
+        assert seen.view == one and seen.revision == first.revision
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_leader_cut_off_from_etcd_steps_down_within_the_ttl(
+    etcd_server: EtcdServer, etcd_endpoint: str
+) -> None:
+    """etcd stops answering (SIGSTOP: a hung server, or a partition that keeps
+    the connection open). The leader must stop acting as leader before etcd
+    could expire its key and elect another: within the ttl of its last refresh,
+    however long its calls to etcd hang and retry."""
+    etcd = coordinator(etcd_endpoint, ttl=2.0)
+    loop = asyncio.get_running_loop()
+    led = asyncio.Event()
+    lost: list[float] = []
+
+    async def on_lead() -> None:
+        led.set()
+
+    async def on_lose() -> None:
+        lost.append(loop.time())
+
+    leading = asyncio.create_task(etcd.lead("http://cut-off", on_lead, on_lose, loop.time))
+    process = etcd_server.process
+    assert process is not None
+    try:
+        await asyncio.wait_for(led.wait(), timeout=10.0)
+        await asyncio.sleep(1.0)  # a few refreshes
+        paused_at = loop.time()
+        process.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(int(etcd.ttl * 4 / 0.02)):  # bounded: 4 ttl at most
+                if lost:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        assert lost, "the leader never stepped down"
+        # Its last refresh was sent before the pause: etcd could expire the
+        # key ttl seconds after it, at the earliest.
+        assert lost[0] - paused_at < etcd.ttl, lost[0] - paused_at
+    finally:
+        process.send_signal(signal.SIGCONT)
+        leading.cancel()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(leading, timeout=10.0)
+        await etcd.close()
 
 
 async def test_a_commit_built_on_an_old_revision_loses(etcd_endpoint: str) -> None:
