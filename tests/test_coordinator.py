@@ -12,6 +12,7 @@ import json
 import logging
 import signal
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -183,6 +184,54 @@ async def test_a_leader_cut_off_from_etcd_steps_down_within_the_ttl(
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(leading, timeout=10.0)
         await etcd.close()
+
+
+def _setter(event: asyncio.Event) -> Callable[[], Awaitable[None]]:
+    async def set_it() -> None:
+        event.set()
+
+    return set_it
+
+
+async def _nothing() -> None:
+    pass
+
+
+async def test_a_follower_campaigns_as_soon_as_the_leader_key_is_gone(
+    etcd_endpoint: str,
+) -> None:
+    """The waiting router watches the leader key: it leads within a few round
+    trips of the key's deletion (a resignation here; a lease expiry after a
+    kill -9), not at its next poll (every ttl/3, capped at 1 s, added up to
+    that much to every take-over). Three resignations at different phases."""
+    loop = asyncio.get_running_loop()
+    delays = []
+    for phase in (0.35, 0.65, 0.95):
+        a, b = coordinator(etcd_endpoint, ttl=6.0), coordinator(etcd_endpoint, ttl=6.0)
+        a_led, b_led = asyncio.Event(), asyncio.Event()
+
+        tasks = [asyncio.create_task(a.lead("http://a", _setter(a_led), _nothing, loop.time))]
+        try:
+            await asyncio.wait_for(a_led.wait(), timeout=10.0)
+            tasks.append(
+                asyncio.create_task(b.lead("http://b", _setter(b_led), _nothing, loop.time))
+            )
+            await asyncio.sleep(phase)
+            assert not b_led.is_set()
+            resigned = loop.time()
+            await a.resign("http://a")
+            await asyncio.wait_for(b_led.wait(), timeout=10.0)
+            delays.append(loop.time() - resigned)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                    await asyncio.wait_for(task, timeout=10.0)
+            await b.resign("http://b")
+            await a.close()
+            await b.close()
+    assert max(delays) < 0.3, delays
 
 
 async def test_a_commit_built_on_an_old_revision_loses(etcd_endpoint: str) -> None:
