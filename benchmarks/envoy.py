@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from benchmarks.cluster import Processes, Settings
+    from benchmarks.deployments import Processes, Settings
 
 ENVOY_YAML = """\
 domain: bench
@@ -131,7 +131,47 @@ def load(port: int, seconds: float, concurrency: int, users: int, key: str) -> d
 
 
 def run_envoy(settings: Settings, procs: Processes, workdir: Path) -> dict[str, Any]:
-    from benchmarks.cluster import cpu_seconds, free_port, wait_http, wait_redis
+    """Two clusters behind the gRPC service (sticky, Redis), loaded in interleaved
+    rounds, then an exactness run each; stopped before returning."""
+    from benchmarks.measure import cpu_seconds
+
+    clusters, names = _start_clusters(settings, procs, workdir)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in clusters}
+    try:
+        for cluster in clusters.values():  # warm-up
+            load(cluster["port"], settings.warmup, settings.connections, settings.users, "user")
+        order = list(clusters)
+        for r in range(settings.repeats):
+            for name in order if r % 2 == 0 else order[::-1]:
+                cluster = clusters[name]
+                before = {role: cpu_seconds(p) for role, p in cluster["roles"].items()}
+                result = load(
+                    cluster["port"], settings.duration, settings.connections, settings.users, "user"
+                )
+                after = {role: cpu_seconds(p) for role, p in cluster["roles"].items()}
+                result["cpu_us_per_call"] = {
+                    role: (after[role] - before[role]) / result["calls"] * 1e6
+                    if result["calls"]
+                    else None
+                    for role in before
+                }
+                runs[name].append(result)
+        exactness = {
+            name: load(cluster["port"], 0, settings.connections, TIGHT_USERS, "tight")["ok"]
+            for name, cluster in clusters.items()
+        }
+    finally:
+        procs.stop([f"envoy-router-{n}" for n in clusters])  # routers before their nodes
+        procs.stop(names)
+    return summarise(runs, exactness)
+
+
+def _start_clusters(
+    settings: Settings, procs: Processes, workdir: Path
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """One redis-server, then the sticky and the Redis-backed cluster, each a
+    router serving gRPC over its nodes: {name: {port, roles}}, and the process names."""
+    from benchmarks.deployments import free_port, wait_http, wait_redis
 
     names: list[str] = []
     envoy_file = workdir / "envoy.yaml"
@@ -183,34 +223,7 @@ def run_envoy(settings: Settings, procs: Processes, workdir: Path) -> dict[str, 
         if name == "redis":
             roles["redis"] = [redis_pid]
         clusters[name] = {"port": grpc_port, "roles": roles}
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in clusters}
-    try:
-        for cluster in clusters.values():  # warm-up
-            load(cluster["port"], settings.warmup, settings.connections, settings.users, "user")
-        order = list(clusters)
-        for r in range(settings.repeats):
-            for name in order if r % 2 == 0 else order[::-1]:
-                cluster = clusters[name]
-                before = {role: cpu_seconds(p) for role, p in cluster["roles"].items()}
-                result = load(
-                    cluster["port"], settings.duration, settings.connections, settings.users, "user"
-                )
-                after = {role: cpu_seconds(p) for role, p in cluster["roles"].items()}
-                result["cpu_us_per_call"] = {
-                    role: (after[role] - before[role]) / result["calls"] * 1e6
-                    if result["calls"]
-                    else None
-                    for role in before
-                }
-                runs[name].append(result)
-        exactness = {
-            name: load(cluster["port"], 0, settings.connections, TIGHT_USERS, "tight")["ok"]
-            for name, cluster in clusters.items()
-        }
-    finally:
-        procs.stop([f"envoy-router-{n}" for n in clusters])  # routers before their nodes
-        procs.stop(names)
-    return summarise(runs, exactness)
+    return clusters, names
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]], exactness: dict[str, int]) -> dict[str, Any]:

@@ -33,23 +33,20 @@ from typing import Any
 
 import httpx
 
-from benchmarks.cluster import (
+from benchmarks.bench import one_line
+from benchmarks.deployments import (
     Processes,
     Row,
     Settings,
-    check_exactness,
     cluster_toml,
     free_port,
-    measure,
-    median,
-    one_line,
-    row_load,
     start_nodes,
-    tight_load,
     wait_http,
     wait_redis,
 )
 from benchmarks.loadgen import run as run_load
+from benchmarks.measure import measure, row_load, tight_load
+from benchmarks.report import check_exactness, median
 
 MODES = ("sticky", "redis")
 
@@ -138,7 +135,7 @@ def run_scale(
     base_connections = settings.connections
     try:
         for k in scales:
-            names_before = {name for name, _, _ in procs.started}
+            names_before = set(procs.names())
             rows = start_scale(procs, settings, workdir, k, redis_url, redis_pid)
             at_k = replace(settings, connections=base_connections * k)
             for row in rows.values():
@@ -156,7 +153,7 @@ def run_scale(
                     mode, tight.to_dict(), 1, settings.tight_users, settings.tight_limit
                 )
                 out.append(summarise(k, mode, runs[mode], exact))
-            procs.stop([name for name, _, _ in procs.started if name not in names_before])
+            procs.stop([name for name in procs.names() if name not in names_before])
     finally:
         with contextlib.suppress(Exception):
             procs.stop(["scale-redis"])

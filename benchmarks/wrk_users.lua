@@ -14,7 +14,7 @@
 --
 -- Requests are built in init() (one per user, or 1024 random batches), so
 -- request() is a table lookup: wrk shares the machine with the servers.
--- done() prints one JSON line, read by benchmarks/cluster.py.
+-- done() prints one JSON line, read by benchmarks/bench.py.
 
 local threads = {}
 local counter = 0

@@ -23,23 +23,19 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from functools import partial
 from math import isfinite
-from typing import Any, NamedTuple
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from node.api import ApiError, CheckRequest, parse_checks, parse_json
-from node.apps import echo_app
 from node.asgi import ASGIApp, Receive, Scope, Send, json_http_errors, odd_target
 from node.authority import Authority
 from node.backend import Backend, MemoryBackend
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig
-from node.decision import Verdict
 from node.failures import Failures
 from node.lease import LeaseError
 from node.memory import release_free_memory
@@ -53,12 +49,20 @@ from node.middleware import (
 )
 from node.peers import INTERNAL_TOKEN_HEADER, Peers
 from node.rates import RateMeter
-from node.rules import Rule
-from node.security import bearer, is_loopback, token_matches
-from node.shadow import denied_names
+from node.security import bearer, refusal
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore, check_records
 from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
+from node.upstream import echo_app
+from node.wire import (
+    ApiError,
+    ResultEncoder,
+    node_batch_body,
+    parse_checks,
+    parse_json,
+    read_body,
+    result_dict,
+)
 from ring import RingView
 from ring.member import check_id
 
@@ -302,12 +306,8 @@ class Node:
         config = self.authority.config
         try:
             body = await read_body(request, config.limits.max_body)
-            checks, batch = parse_checks_fast(parse_json(body, config), config)
-            verdicts = await self.authority.decide_many(
-                checks
-                if batch and type(checks[0]) is Check
-                else [(c.key, c.rules, c.cost) for c in checks]
-            )
+            checks, batch = parse_checks(parse_json(body, config), config)
+            verdicts = await self.authority.decide_many(checks)
         except ApiError as exc:
             self.metrics.error(exc.error)
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -328,15 +328,12 @@ class Node:
         node = self.settings.node_id
         if batch:
             # One result per line (still plain JSON): a router merges the lines of
-            # several nodes' answers without decoding them (router/app.py).
+            # several nodes' answers without decoding them (node/wire.py).
             encode = self._result_encoder()
-            return Response(
-                (RESULTS_HEAD + RESULTS_SEP.join(map(encode, verdicts)) + RESULTS_TAIL).encode(),
-                media_type="application/json",
-            )
+            return Response(node_batch_body(map(encode, verdicts)), media_type="application/json")
         return JSONResponse(result_dict(verdicts[0], node))
 
-    def _result_encoder(self) -> Any:
+    def _result_encoder(self) -> ResultEncoder:
         cached = self._encoder
         if cached is None:
             cached = self._encoder = ResultEncoder(self.settings.node_id)
@@ -392,22 +389,21 @@ class Node:
 
     def _refuse(self, request: Request) -> Response | None:
         """Internal endpoints: the token when configured, otherwise loopback only."""
-        expected = self.settings.internal_token
-        if expected is None:
-            host = request.client.host if request.client else None
-            if not is_loopback(host):
-                return JSONResponse(
-                    {
-                        "error": "forbidden",
-                        "detail": "internal API is loopback-only without a token",
-                    },
-                    status_code=403,
-                )
-            return None
         given = request.headers.get(INTERNAL_TOKEN_HEADER) or bearer(
             request.headers.get("authorization")
         )
-        if not token_matches(given, expected):
+        status = refusal(
+            given, self.settings.internal_token, request.client.host if request.client else None
+        )
+        if status == 403:
+            return JSONResponse(
+                {
+                    "error": "forbidden",
+                    "detail": "internal API is loopback-only without a token",
+                },
+                status_code=403,
+            )
+        if status is not None:
             return JSONResponse(
                 {"error": "unauthorized", "detail": "missing or wrong internal token"},
                 status_code=401,
@@ -621,152 +617,6 @@ def _flag(data: dict[str, Any], field: str) -> bool:
     if type(value) is not bool:
         raise ValueError(f"{field} must be true or false, got {value!r}"[:120])
     return value
-
-
-def result_dict(verdict: Verdict, node: str) -> dict[str, Any]:
-    """A decision-API result: the deciding (most restrictive) rule's answer."""
-    result = verdict.decision.to_dict()
-    result["allowed"] = verdict.allowed
-    result["node"] = node
-    if len(verdict.decisions) > 1:
-        result["decisions"] = [d.to_dict() for d in verdict.decisions]
-    denied = denied_names(verdict)
-    if denied:
-        result["shadow_denied"] = denied
-    return result
-
-
-def _dumps(data: Any) -> str:
-    """As Starlette's JSONResponse encodes."""
-    return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-
-
-class ResultEncoder:
-    """:func:`result_dict` as JSON text, without building the dict (the batch hot path).
-
-    The common result (one rule, no reason, finite times) is formatted
-    directly, byte for byte as ``_dumps(result_dict(...))`` writes it; any
-    other goes through that.
-    """
-
-    def __init__(self, node: str) -> None:
-        self.node = node
-        self._tail = f',"node":{_dumps(node)}}}'
-        self._rules: dict[str, str] = {}
-
-    def __call__(self, verdict: Verdict) -> str:
-        d = verdict.decision
-        reset, retry, available = d.reset_after, d.retry_after, d.available_after
-        if (
-            d.reason
-            or d.allowed != verdict.allowed
-            or len(verdict.decisions) > 1
-            or not isfinite(reset)
-            or not isfinite(available)
-            or (retry is not None and not isfinite(retry))
-        ):
-            return _dumps(result_dict(verdict, self.node))
-        rule = self._rules.get(d.rule)
-        if rule is None:
-            rule = self._rules[d.rule] = _dumps(d.rule)
-        return (
-            f'{{"allowed":{"true" if verdict.allowed else "false"},"limit":{d.limit!r},'
-            f'"remaining":{d.remaining!r},"reset_after":{round(reset, 6)!r},"retry_after":'
-            f'{"null" if retry is None else repr(round(retry, 6))},"rule":{rule},'
-            f'"available_after":{round(available, 6)!r}{self._tail}'
-        )
-
-
-#: A batch answer of the decision API: ``{"results":[`` NL result (NL ``,`` result)* NL ``]}``.
-RESULTS_HEAD = '{"results":[\n'
-RESULTS_SEP = "\n,"
-RESULTS_TAIL = "\n]}"
-
-
-class Check(NamedTuple):
-    """A valid check, as :class:`node.api.CheckRequest` (same fields), built faster."""
-
-    key: str
-    rules: tuple[Rule, ...]
-    cost: int
-
-
-_check = partial(tuple.__new__, Check)
-
-
-def parse_checks_fast(
-    data: Any, config: ClusterConfig
-) -> tuple[list[CheckRequest] | list[Check], bool]:
-    """:func:`node.api.parse_checks`, with a fast path for the common, valid body.
-
-    Anything unusual (an unknown field, a non-ASCII key, a missing rule, any
-    invalid value) goes to ``parse_checks``, which decides and words the error.
-    """
-    if type(data) is dict:
-        items = data.get("checks")
-        if items is None:
-            if "checks" not in data:
-                fast = _fast_items([data], config)
-                if fast is not None:
-                    return fast, False
-        elif type(items) is list and len(data) == 1 and 0 < len(items) <= config.limits.max_batch:
-            fast = _fast_items(items, config)
-            if fast is not None:
-                return fast, True
-    return parse_checks(data, config)
-
-
-def _fast_items(items: list[Any], config: ClusterConfig) -> list[Check] | None:
-    rule_of = config.rule_map.get
-    default = config.default_rules
-    max_key = config.limits.max_key_length
-    max_cost = config.limits.max_cost
-    single: dict[str, tuple[Rule, ...]] = {}
-    out: list[Check] = []
-    append = out.append
-    for item in items:
-        if type(item) is not dict:
-            return None
-        key = item.get("key")
-        if type(key) is not str or not key or len(key) > max_key or not key.isascii():
-            return None
-        cost = item.get("cost", 1)
-        name = item.get("rule")
-        if len(item) != 1 + ("cost" in item) + ("rule" in item):
-            return None  # an unknown field
-        if type(cost) is not int or not 0 <= cost <= max_cost:
-            return None
-        if name is None:
-            if not default:
-                return None
-            rules = default
-        else:
-            if type(name) is not str:
-                return None
-            found = single.get(name)
-            if found is None:
-                rule = rule_of(name)
-                if rule is None:
-                    return None
-                found = single[name] = (rule,)
-            rules = found
-        append(_check((key, rules, cost)))
-    return out
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) as soon as it passes ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, "body_too_large", f"body is {declared} bytes; at most {limit}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def create_app(

@@ -48,6 +48,24 @@ async def drain(receive: Receive) -> None:
             return
 
 
+async def read_all(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None (the rest drained) once it passes ``limit`` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                await drain(receive)
+                return None
+            chunks.append(chunk)
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks) if len(chunks) != 1 else chunks[0]
+
+
 def error_body(error: str, detail: str, **extra: Any) -> dict[str, Any]:
     return {"error": error, "detail": detail, **extra}
 

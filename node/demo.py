@@ -3,6 +3,6 @@
 uvicorn node.demo:app --port 9000
 """
 
-from node.apps import echo_app
+from node.upstream import echo_app
 
 app = echo_app("upstream")

@@ -113,6 +113,31 @@ _TOO_LARGE = _canned(
 )
 
 
+_OVER_CAPACITY = json.dumps(
+    {
+        "error": "over_capacity",
+        "detail": "every connection this server accepts is busy with a request; retry shortly",
+    }
+).encode()
+
+
+async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
+    """The answer when every connection is busy (uvicorn's ``limit_concurrency``)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(_OVER_CAPACITY)).encode()),
+                (b"retry-after", b"1"),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": _OVER_CAPACITY, "more_body": False})
+
+
 class _HeadersTooLarge(Exception):
     """Raised from a parser callback to stop parsing an oversized request."""
 
@@ -130,6 +155,9 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         _waiting_since = 0.0
         _header_bytes = 0
         _header_timer: asyncio.TimerHandle | None = None
+        # uvicorn's, set in its __init__ (declared for the type checker).
+        app: Any
+        limit_concurrency: int | None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(wrap(transport, self.loop) if wrap else transport)
@@ -209,6 +237,16 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def on_headers_complete(self) -> None:
             self._stop_waiting()
+            limit = self.limit_concurrency
+            if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+                # uvicorn would answer its own plain-text 503 here; every other
+                # refusal of ours is JSON, so this one is too (same status).
+                app, self.app, self.limit_concurrency = self.app, _over_capacity, None
+                try:
+                    super().on_headers_complete()
+                finally:
+                    self.app, self.limit_concurrency = app, limit
+                return
             super().on_headers_complete()
 
         def on_response_complete(self) -> None:

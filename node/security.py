@@ -16,6 +16,19 @@ def token_matches(given: str | None, expected: str | None) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
+def refusal(given: str | None, expected: str | None, host: str | None) -> int | None:
+    """The one access check of token-protected endpoints (the router's admin API,
+    the node's internal API): None when the call may proceed, else its status.
+
+    With a token configured, the caller must present it (401 otherwise); without
+    one, only a caller on this host is served (403 otherwise), so an unconfigured
+    cluster is never open to the network.
+    """
+    if expected is None:
+        return None if is_loopback(host) else 403
+    return None if token_matches(given, expected) else 401
+
+
 def bearer(authorization: str | None) -> str | None:
     if not authorization:
         return None

@@ -1,4 +1,4 @@
-"""The router: the cluster's front door.
+"""The router: the cluster's front door (request dispatch, the proxy, the owner cache).
 
 For every request it extracts the user id, finds the owner on the ring and
 forwards the request there (sticky routing), returning the node's answer with
@@ -7,8 +7,9 @@ newer epoch) makes the router catch up and retry; an unreachable owner makes
 each rule's ``on_error`` decide: ``open`` serves the request through the next
 node without limiting (marked ``X-Ringlimit-Degraded``), ``closed`` answers 503.
 
-The proxy path is raw ASGI (no Request objects): it is the hot path. The
-control endpoints (decision API, admin API, health, metrics) use Starlette.
+The proxy path is raw ASGI (no Request objects): it is the hot path. So is
+the decision API, ``POST /v1/check`` (router/decisions.py). The admin API
+(router/admin.py), health and metrics use Starlette.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from json.encoder import encode_basestring_ascii as _jstr
 from typing import Any
 from urllib.parse import quote
 
@@ -32,15 +31,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from node.api import ApiError, CheckRequest, parse_json
-from node.app import (
-    RESULTS_HEAD,
-    RESULTS_SEP,
-    RESULTS_TAIL,
-    Check,
-    parse_checks_fast,
-    read_body,
-)
 from node.asgi import (
     Receive,
     Scope,
@@ -49,21 +39,21 @@ from node.asgi import (
     error_body,
     json_http_errors,
     odd_target,
+    read_all,
     send_json,
 )
-from node.config import ClusterConfig, Privacy
+from node.config import ClusterConfig
 from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
-from node.security import bearer, is_loopback, token_matches
-from node.topkeys import NEAR_LIMIT_FRACTION
 from ring import EmptyRingError, Member, RingView
-from ring.analysis import hash_share
-from ring.member import check_id, check_url, check_weight, same_url
+from router.admin import AdminAPI, parse_join
 from router.coalesce import Coalescer
-from router.coordinator import CoordinatorError, EtcdCoordinator
+from router.coordinator import EtcdCoordinator
+from router.decisions import DecisionAPI
 from router.envoy_config import EnvoyConfig
 from router.fastclient import FastForwarder
 from router.forward import (
+    MAX_ATTEMPTS,
     AiohttpForwarder,
     Answer,
     Forwarder,
@@ -71,11 +61,8 @@ from router.forward import (
     Timeouts,
     Unreachable,
 )
-from router.membership import Membership, MembershipError
+from router.membership import Membership
 from router.metrics import RouterMetrics
-from router.top import KeyHider, Report, ask_nodes, merge_top, node_status, number, random_salt
-from router.ui import HEADERS as UI_HEADERS
-from router.ui import PAGE as UI_PAGE
 
 log = logging.getLogger("ringlimit.router")
 
@@ -95,15 +82,10 @@ HOP_BY_HOP = frozenset(
     }
 )
 CONTROL_PATHS = frozenset({"/healthz", "/metrics", "/v1/check"})
-MAX_ATTEMPTS = 3
 #: Keys whose owner the router remembers (per ring view).
 OWNER_CACHE = 100_000
-#: How a node's batch answer is laid out, one result per line (node/app.py).
-_LINES_HEAD = RESULTS_HEAD.encode()
-_LINES_SEP = RESULTS_SEP.encode()
-_LINES_TAIL = RESULTS_TAIL.encode()
-#: A coalesced check that must be routed again (the node refused it: ring change).
-_RETRY = object()
+
+__all__ = ["Router", "RouterSettings", "create_router", "parse_join"]
 
 
 @dataclass
@@ -155,6 +137,11 @@ class RouterSettings:
 
 
 class Router:
+    """The router's ASGI application: dispatches each request to the proxy, the
+    decision API (:attr:`decisions`), the admin API (:attr:`admin`) or the
+    health and metrics endpoints, and owns what they share (the ring's
+    membership, the forwarder to the nodes, the owner cache, the metrics)."""
+
     def __init__(
         self,
         settings: RouterSettings,
@@ -186,30 +173,18 @@ class Router:
         )
         self.metrics.watch_failures(self.membership.failures.snapshot)
         self.forwarder: Forwarder | None = forwarder
-        #: Reaches the nodes' /internal/top (shared with membership when given).
-        self._client = client
-        self._owns_client = client is None
-        self._salt = random_salt()
-        self._hider: tuple[Privacy, KeyHider] | None = None
         self._resolver_for: tuple[object, IdentityResolver] | None = None
         self._turn = itertools.count()
         self._owners: tuple[RingView | None, dict[str, Member]] = (None, {})
-        self._token_header = (
+        #: What authenticates this router to the nodes (their internal token).
+        self.token_header = (
             [(INTERNAL_TOKEN_HEADER, settings.internal_token)] if settings.internal_token else []
         )
         self._extra_headers = (
             [(b"x-ringlimit-router", settings.name.encode())] if settings.name else []
         )
-        self._raw_token = (
-            [(INTERNAL_TOKEN_HEADER.lower().encode(), settings.internal_token.encode())]
-            if settings.internal_token
-            else []
-        )
-        self.coalescer = (
-            Coalescer(self._send_coalesced, window=settings.coalesce_window)
-            if settings.coalesce_window > 0
-            else None
-        )
+        self.decisions = DecisionAPI(self)
+        self.admin = AdminAPI(self, client)
         self.control = Starlette(
             routes=self._routes(), lifespan=self._lifespan, exception_handlers=json_http_errors()
         )
@@ -217,6 +192,15 @@ class Router:
         #: The port the gRPC service is bound to (when ``grpc_port`` was 0, the one chosen).
         self.grpc_bound: int | None = None
         self.envoy_servicer: Any = None
+
+    @property
+    def coalescer(self) -> Coalescer | None:
+        """The decision API's coalescer of single checks (None: each sent at once)."""
+        return self.decisions.coalescer
+
+    @coalescer.setter
+    def coalescer(self, coalescer: Coalescer | None) -> None:
+        self.decisions.coalescer = coalescer
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -239,7 +223,7 @@ class Router:
             )
         await self.membership.start(self.settings.seeds, health=self.settings.health_checks)
         if self.settings.leader_url is not None:
-            headers = self._admin_headers()
+            headers = self.admin.headers()
             await self.membership.first_follow(self.settings.leader_url, headers)
             self.membership.follow(self.settings.leader_url, headers, self.settings.follow_interval)
         if self.settings.grpc_port is not None:
@@ -262,9 +246,7 @@ class Router:
         await self.membership.close()
         if self.forwarder is not None:
             await self.forwarder.close()
-        if self._owns_client and self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self.admin.close()
 
     @property
     def config(self) -> ClusterConfig:
@@ -294,7 +276,7 @@ class Router:
             await self.proxy(scope, receive, send)
         elif scope["type"] == "http" and scope["path"] == "/v1/check":
             if scope["method"] == "POST":
-                await self.check_asgi(scope, receive, send)  # the decision API's hot path
+                await self.decisions.check_asgi(scope, receive, send)  # the decision API's hot path
             else:
                 await send_json(
                     send,
@@ -333,7 +315,7 @@ class Router:
             owners[key] = member
         return member
 
-    def _owner_map(self, view: RingView) -> dict[str, Member]:
+    def owner_map(self, view: RingView) -> dict[str, Member]:
         """The remembered owners under ``view`` (empty in round-robin mode: pick each)."""
         if self.config.balance == "round-robin" and not self.membership.backend_degraded:
             return {}
@@ -381,7 +363,7 @@ class Router:
             return
         # The configured client limit applies to proxied bodies too (the router buffers them).
         max_body = min(self.settings.max_buffered_body, config.limits.max_body)
-        body = await _read_all(receive, max_body)
+        body = await read_all(receive, max_body)
         if body is None:
             self.metrics.outcome("-", "body_too_large")
             await send_json(
@@ -403,7 +385,7 @@ class Router:
         # Percent-encoded: ASCII on the wire whatever the forwarder's header encoding,
         # so the node decides exactly the key the router placed on the ring.
         headers.append(("x-ringlimit-key", _quote_key(user)))
-        headers += self._token_header
+        headers += self.token_header
         client = scope.get("client")
         if client:
             # One X-Forwarded-For, the client's chain with its peer appended.
@@ -453,9 +435,9 @@ class Router:
                     scope, send, view, member, user, method, path_qs, headers, body, str(exc)
                 )
                 return
-            if answer.status == 421 and await self._stale(answer, member):
+            if answer.status == 421 and await self.stale(answer, member):
                 continue
-            if answer.status == 503 and _lease_expired(answer):
+            if answer.status == 503 and answer.lease_expired():
                 # The owner decided nothing (it has not heard from a router within
                 # its lease): as if it were unreachable. Perhaps it was removed and
                 # this router has not been told: look for a newer view first.
@@ -477,7 +459,7 @@ class Router:
             [(b"retry-after", b"1")],
         )
 
-    async def _stale(self, answer: Answer, member: Member) -> bool:
+    async def stale(self, answer: Answer, member: Member) -> bool:
         """A node refused a key: bring the router or the node up to date. Retry?"""
         epoch_value = next((v for k, v in answer.headers if k == b"x-ringlimit-epoch"), None)
         if epoch_value is None:
@@ -548,12 +530,7 @@ class Router:
         return [
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
-            Route("/admin/ring", self.admin_ring, methods=["GET"]),
-            Route("/admin/nodes", self.admin_join, methods=["POST"]),
-            Route("/admin/nodes/{node_id}", self.admin_leave, methods=["DELETE"]),
-            Route("/admin/top", self.admin_top, methods=["GET"]),
-            Route("/admin/ui", self.admin_ui, methods=["GET"]),
-            Route("/admin/ui/data", self.admin_ui_data, methods=["GET"]),
+            *self.admin.routes(),
         ]
 
     async def healthz(self, request: Request) -> Response:
@@ -574,552 +551,11 @@ class Router:
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def check_asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """``POST /v1/check``, the decision API: each check goes to its owner; a batch
-        is split and merged. Raw ASGI (no Starlette): this is the hot path."""
-        config = self.config
-        limit = config.limits.max_body
-        if self.settings.api_token is not None and not self._api_allowed(scope):
-            await drain(receive)
-            await _send_json_bytes(
-                send,
-                401,
-                _json(error_body("unauthorized", "the decision API needs its token (Bearer)")),
-            )
-            return
-        try:
-            declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-            if declared is not None and declared.isdigit() and int(declared) > limit:
-                raise ApiError(
-                    413, "body_too_large", f"body is {declared.decode()} bytes; at most {limit}"
-                )
-            body = await _read_all(receive, limit)
-            if body is None:
-                raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
-            checks, batch = parse_checks_fast(parse_json(body, config), config)
-        except ApiError as exc:
-            await _send_json_bytes(send, exc.status, _json(exc.body()))
-            return
-        status, payload = await self.answer_checks(checks, batch)
-        await _send_json_bytes(send, status, payload)
-
-    async def answer_checks(self, checks: Sequence[AnyCheck], batch: bool) -> tuple[int, bytes]:
-        """The status and JSON body answering valid checks."""
-        if batch:
-            results = await self.route_checks(checks)
-            return 200, (
-                b'{"results":['
-                + b",".join(r if type(r) is bytes else _json(r) for r in results)
-                + b"]}"
-            )
-        result = await self.route_single(checks[0])
-        if type(result) is bytes:
-            return 200, result  # a node's decision
-        assert isinstance(result, dict)
-        if "error" in result:
-            # No decision: say so with the status too, not a 200 carrying an error
-            # (the request was valid here; the node could not answer it).
-            status = {"ring_changing": 503, "no_nodes": 503, "node_timeout": 504}.get(
-                result["error"], 502
-            )
-        else:
-            status = (
-                503
-                if result.get("reason") == "owner_unreachable" and not result["allowed"]
-                else 200
-            )
-        return status, _json(result)
-
-    async def route_single(self, check: AnyCheck) -> Result:
-        """One check; concurrent singles for the same node leave as one batch."""
-        if self.coalescer is None:
-            return (await self.route_checks([check]))[0]
-        try:
-            member = self.pick(self.membership.view, check.key)
-        except EmptyRingError:
-            return (await self.route_checks([check]))[0]
-        result = await self.coalescer.submit(member.id, (member, check))
-        if result is _RETRY:
-            return (await self.route_checks([check]))[0]
-        return result  # type: ignore[no-any-return]
-
-    async def _send_coalesced(
-        self, node_id: str, items: list[tuple[Member, AnyCheck]]
-    ) -> list[Any]:
-        checks = [check for _, check in items]
-        results: list[Result | None] = [None] * len(checks)
-        retry: list[int] = []
-        await self._run_group(items[0][0], list(range(len(checks))), checks, results, retry)
-        out: list[Any] = list(results)
-        for index in retry:
-            out[index] = _RETRY
-        return out
-
-    async def route_checks(self, checks: Sequence[AnyCheck]) -> list[Result]:
-        """One result per check, in order: a node's answer as JSON bytes, or the
-        router's own (an error, an unreachable owner) as a dict."""
-        results: list[Result | None] = [None] * len(checks)
-        pending = list(range(len(checks)))
-        for _ in range(MAX_ATTEMPTS):
-            if not pending:
-                break
-            view = self.membership.view
-            groups: dict[str, list[int]] = {}
-            members: dict[str, Member] = {}
-            if not len(view):
-                for index in pending:
-                    results[index] = {"error": "no_nodes", "detail": "the ring has no nodes"}
-                return _complete(results)
-            owners = self._owner_map(view)
-            for index in pending:
-                key = checks[index].key
-                member = owners.get(key)
-                if member is None:
-                    member = self.pick(view, key)
-                groups.setdefault(member.id, []).append(index)
-                members[member.id] = member
-            retry: list[int] = []
-            await asyncio.gather(
-                *(
-                    self._run_group(members[m], idx, checks, results, retry)
-                    for m, idx in groups.items()
-                )
-            )
-            pending = retry
-        for index in pending:
-            results[index] = {
-                "error": "ring_changing",
-                "detail": "the ring is changing; retry shortly",
-            }
-        return _complete(results)
-
-    async def _run_group(
-        self,
-        member: Member,
-        indices: list[int],
-        checks: Sequence[AnyCheck],
-        results: list[Result | None],
-        retry: list[int],
-    ) -> None:
-        payload = _checks_payload(checks, indices)
-        assert self.forwarder is not None
-        try:
-            answer = await self.forwarder.post_json(
-                member.url + "/v1/check", payload, self._token_header
-            )
-        except NodeTimeout:
-            for i in indices:
-                results[i] = {
-                    "error": "node_timeout",
-                    "detail": f"node {member.id} did not answer in time",
-                }
-            self.metrics.outcome(member.id, "node_timeout")
-            return
-        except Unreachable:
-            if await self.membership.newer_view(member):
-                retry.extend(indices)  # our view was stale: route them again
-                return
-            for i in indices:
-                results[i] = _unreachable_result(checks[i], member.id)
-            self.metrics.outcome(member.id, "unreachable")
-            return
-        if answer.status == 421 and await self._stale(answer, member):
-            retry.extend(indices)
-            return
-        if answer.status == 503 and _lease_expired(answer):
-            if await self.membership.newer_view(member):
-                retry.extend(indices)
-                return
-            for i in indices:
-                results[i] = _unreachable_result(checks[i], member.id)
-            self.metrics.outcome(member.id, "lease_expired")
-            return
-        if answer.status != 200:
-            detail = answer.body[:200].decode("utf-8", "replace")
-            for i in indices:
-                results[i] = {"error": "node_error", "status": answer.status, "detail": detail}
-            return
-        try:
-            answered = _results(answer.body)
-            if len(answered) != len(indices):
-                raise ValueError("wrong number of results")
-        except (ValueError, KeyError, TypeError) as exc:
-            for i in indices:
-                results[i] = {
-                    "error": "node_error",
-                    "status": answer.status,
-                    "detail": f"node {member.id} answered a malformed body: {exc}",
-                }
-            return
-        for i, result in zip(indices, answered, strict=True):
-            results[i] = result
-        self.metrics.checks(member.id, len(indices))
-
-    # ------------------------------------------------------------------ admin
-
-    def _api_allowed(self, scope: Scope) -> bool:
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        return token_matches(
-            bearer(given.decode("latin-1") if given is not None else None), self.settings.api_token
-        )
-
-    def _admin_refused(self, request: Request) -> Response | None:
-        expected = self.settings.admin_token
-        if expected is None:
-            host = request.client.host if request.client else None
-            if is_loopback(host):
-                return None
-            return JSONResponse(
-                error_body("forbidden", "the admin API is loopback-only without an admin token"),
-                status_code=403,
-            )
-        if token_matches(bearer(request.headers.get("authorization")), expected):
-            return None
-        return JSONResponse(
-            error_body("unauthorized", "missing or wrong admin token (Authorization: Bearer ...)"),
-            status_code=401,
-            headers={"www-authenticate": "Bearer"},
-        )
-
-    async def admin_ring(self, request: Request) -> Response:
-        if (refused := self._admin_refused(request)) is not None:
-            return refused
-        return JSONResponse(self.membership.describe())
-
-    def _admin_headers(self) -> dict[str, str]:
-        token = self.settings.admin_token
-        return {"authorization": f"Bearer {token}"} if token else {}
-
-    async def _leader(self) -> str | Response | None:
-        """The leading router's URL, None if this router leads, or an error answer."""
-        membership = self.membership
-        if membership.coordinator is None:
-            return self.settings.leader_url  # a follower (router/workers.py), or alone
-        if membership.leading:
-            return None
-        try:
-            return await membership.coordinator.leader() or ""
-        except CoordinatorError as exc:
-            return JSONResponse(error_body("coordinator_unavailable", str(exc)), status_code=503)
-
-    async def _to_leader(self, request: Request, body: bytes = b"") -> Response | None:
-        """Membership changes are the leader's (with etcd, or when following a
-        leading router): pass them on. None: this router makes the change."""
-        membership = self.membership
-        leader = await self._leader()
-        if leader is None or isinstance(leader, Response):
-            return leader
-        if not leader or leader == membership.advertise:
-            return JSONResponse(
-                error_body("no_leader", "no router leads the cluster right now; retry shortly"),
-                status_code=503,
-                headers={"retry-after": "1"},
-            )
-        headers = {
-            k: v for k, v in request.headers.items() if k in ("authorization", "content-type")
-        }
-        try:
-            answer = await membership.client.request(
-                request.method,
-                leader.rstrip("/") + request.url.path,
-                content=body,
-                headers=headers,
-                timeout=httpx.Timeout(
-                    membership.ready_timeout + membership.push_timeout, connect=1.0
-                ),
-            )
-        except httpx.HTTPError as exc:
-            return JSONResponse(
-                error_body(
-                    "leader_unreachable",
-                    f"the leading router at {leader} did not answer ({type(exc).__name__})",
-                ),
-                status_code=502,
-            )
-        if answer.status_code == 200 and self.settings.leader_url is not None:
-            # Route by the new view at once, rather than on the next poll.
-            await membership.follow_once(leader, self._admin_headers())
-        return Response(
-            answer.content,
-            status_code=answer.status_code,
-            media_type="application/json",
-            headers={"x-ringlimit-leader": leader},
-        )
-
-    async def admin_join(self, request: Request) -> Response:
-        if (refused := self._admin_refused(request)) is not None:
-            return refused
-        try:
-            raw = await read_body(request, 65536)
-            member = parse_join(parse_json(raw, self.config))
-            if (forwarded := await self._to_leader(request, raw)) is not None:
-                return forwarded
-            self._check_url_free(member)
-        except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        try:
-            await self.membership.join(member)
-        except MembershipError as exc:
-            return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
-        return JSONResponse(self.membership.describe())
-
-    def _check_url_free(self, member: Member) -> None:
-        """Refuse a join at a URL another member (or this router) answers on: the
-        readiness check would refuse it too, but only after a round trip."""
-        own = [
-            *self.settings.own_urls,
-            *([self.settings.advertise] if self.settings.advertise else []),
-        ]
-        if any(same_url(member.url, url) for url in own):
-            raise ApiError(409, "url_is_router", f"{member.url} is this router's own URL")
-        others = [*self.membership.view, *self.membership.joining.values()]
-        for other in others:
-            if other.id != member.id and same_url(other.url, member.url):
-                raise ApiError(
-                    409, "url_in_use", f"{member.url} is already the URL of node {other.id!r}"
-                )
-
-    async def admin_leave(self, request: Request) -> Response:
-        if (refused := self._admin_refused(request)) is not None:
-            return refused
-        if (forwarded := await self._to_leader(request)) is not None:
-            return forwarded
-        try:
-            await self.membership.leave(request.path_params["node_id"])
-        except MembershipError as exc:
-            return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
-        return JSONResponse(self.membership.describe())
-
-    # ------------------------------------------------------------------ operators
-
-    def _hide(self) -> KeyHider:
-        privacy = self.config.privacy
-        cached = self._hider
-        if cached is None or cached[0] is not privacy:
-            cached = self._hider = (privacy, KeyHider(privacy, self._salt))
-        return cached[1]
-
-    async def _node_reports(self, params: dict[str, str]) -> dict[str, Report]:
-        if self._client is None:
-            self._client = httpx.AsyncClient()
-        return await ask_nodes(
-            self._client,
-            self.membership.view.members,
-            dict(self._token_header),
-            params,
-            self.settings.admin_timeout,
-        )
-
-    async def admin_top(self, request: Request) -> Response:
-        """``GET /admin/top?rule=R&n=20``: the most limited keys, merged across nodes."""
-        if (refused := self._admin_refused(request)) is not None:
-            return refused
-        params = request.query_params
-        rule = params.get("rule")
-        if rule is not None and self.config.rule(rule) is None:
-            return JSONResponse(
-                error_body("unknown_rule", f"no rule named {rule!r}"), status_code=400
-            )
-        try:
-            n = int(params.get("n", "20"))
-            if not 1 <= n <= 1000:
-                raise ValueError
-        except ValueError:
-            return JSONResponse(
-                error_body("invalid_n", "n must be an integer from 1 to 1000"), status_code=400
-            )
-        reports = await self._node_reports({"n": str(n), **({"rule": rule} if rule else {})})
-        return JSONResponse(
-            {
-                "rule": rule,
-                "n": n,
-                "keys": self.config.privacy.show_keys,
-                "near_limit": f"allowed with at most {NEAR_LIMIT_FRACTION:.0%} of the limit left",
-                "window_seconds": _window(reports),
-                "rules": merge_top(reports, [rule] if rule else None, n, self._hide()),
-                "nodes": node_status(reports),
-            }
-        )
-
-    async def admin_ui(self, request: Request) -> Response:
-        """The ring page (router/ui.py). It holds no data and no secret, so it
-        needs no token; without an admin token, admin pages are loopback-only."""
-        if (
-            self.settings.admin_token is None
-            and (refused := self._admin_refused(request)) is not None
-        ):
-            return refused
-        return Response(UI_PAGE, media_type="text/html; charset=utf-8", headers=UI_HEADERS)
-
-    async def admin_ui_data(self, request: Request) -> Response:
-        """What the ring page shows: nodes, shares, rates, top keys, events."""
-        if (refused := self._admin_refused(request)) is not None:
-            return refused
-        membership = self.membership
-        view = membership.view
-        reports = await self._node_reports({"n": "10"})
-        shares = hash_share(view) if len(view) else {}
-        nodes = []
-        for entry in membership.describe()["nodes"]:
-            report = reports.get(entry["id"])
-            nodes.append(
-                {
-                    **entry,
-                    "share": shares.get(entry["id"]),
-                    "reachable": report is not None,
-                    "rate": number(report, "rate"),
-                    "denied_rate": number(report, "denied_rate"),
-                    "allowed": number(report, "decisions", "allowed"),
-                    "denied": number(report, "decisions", "denied"),
-                    "keys": number(report, "keys"),
-                    "node_epoch": number(report, "epoch"),
-                }
-            )
-        return JSONResponse(
-            {
-                "generated_at": time.time(),
-                "epoch": view.epoch,
-                "keys": self.config.privacy.show_keys,
-                "nodes": nodes,
-                "totals": {
-                    "rate": sum(n["rate"] or 0.0 for n in nodes),
-                    "denied_rate": sum(n["denied_rate"] or 0.0 for n in nodes),
-                },
-                "top": merge_top(reports, None, 10, self._hide()),
-                "events": [e.to_dict() for e in membership.events.last(20)],
-            },
-            headers={"cache-control": "no-store"},
-        )
-
-
-def _window(reports: dict[str, Report]) -> list[float] | None:
-    """The history an answer covers: one to two windows of the nodes' sketches."""
-    window = next((w for r in reports.values() if (w := number(r, "window")) is not None), None)
-    return None if window is None else [window, 2 * window]
-
-
-def parse_join(data: Any) -> Member:
-    """The member an admin join asks for, or an :class:`ApiError` naming the bad field."""
-    if not isinstance(data, dict):
-        raise ApiError(400, "invalid_request", "body must be an object {id, url, weight}")
-    extra = set(data) - {"id", "url", "weight"}
-    if extra:
-        raise ApiError(
-            400, "invalid_request", f"unknown field(s): {', '.join(sorted(map(str, extra)))}"
-        )
-    for name, check, default in (
-        ("id", check_id, None),
-        ("url", check_url, None),
-        ("weight", check_weight, 1),
-    ):
-        try:
-            check(data.get(name, default))
-        except ValueError as exc:
-            raise ApiError(400, f"invalid_{name}", str(exc)) from None
-    return Member.from_dict({"weight": 1, **data})
-
 
 @lru_cache(maxsize=65536)
 def _quote_key(user: str) -> str:
     """The user id percent-encoded for ``X-Ringlimit-Key`` (users repeat: cached)."""
     return quote(user, safe="")
-
-
-#: A validated check (the fast parser's tuple, or node.api's dataclass).
-AnyCheck = CheckRequest | Check
-
-#: One decision-API result: a node's, as the JSON bytes it sent, or the router's own.
-Result = bytes | dict[str, Any]
-
-
-def _lease_expired(answer: Answer) -> bool:
-    return any(k == b"x-ringlimit-unavailable" and v == b"lease" for k, v in answer.headers)
-
-
-def _json(data: Any) -> bytes:
-    """As Starlette's JSONResponse encodes."""
-    return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-
-
-def _results(body: bytes) -> list[Any]:
-    """The results of a node's batch answer, undecoded when it has one per line."""
-    if body.startswith(_LINES_HEAD):
-        if not body.endswith(_LINES_TAIL):
-            raise ValueError("truncated batch answer")
-        return body[len(_LINES_HEAD) : -len(_LINES_TAIL)].split(_LINES_SEP)
-    answered = json.loads(body)["results"]
-    if not isinstance(answered, list):
-        raise ValueError("results is not a list")
-    return answered
-
-
-def _complete(results: list[Result | None]) -> list[Result]:
-    return [r if r is not None else {} for r in results]
-
-
-def _checks_payload(checks: Sequence[AnyCheck], indices: list[int]) -> bytes:
-    """The node's batch body for ``checks[i]`` of ``indices``, formatted directly:
-    ``{"checks": [{"key", "cost", "rule" (when the check names one rule)}, ...]}``."""
-    parts: list[str] = []
-    append = parts.append
-    for i in indices:
-        check = checks[i]
-        rules = check.rules
-        if len(rules) == 1:
-            append(
-                f'{{"key":{_jstr(check.key)},"cost":{int(check.cost)},'
-                f'"rule":{_jstr(rules[0].name)}}}'
-            )
-        else:
-            append(f'{{"key":{_jstr(check.key)},"cost":{int(check.cost)}}}')
-    return ('{"checks":[' + ",".join(parts) + "]}").encode()
-
-
-async def _send_json_bytes(send: Send, status: int, payload: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-length", str(len(payload)).encode()),
-                (b"content-type", b"application/json"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})
-
-
-def _unreachable_result(check: AnyCheck, node_id: str) -> dict[str, Any]:
-    closed = any(r.on_error == "closed" for r in check.rules)
-    rule = check.rules[0]
-    return {
-        "allowed": not closed,
-        "limit": rule.limit,
-        "remaining": 0 if closed else rule.limit,
-        "reset_after": 0.0,
-        "retry_after": None,
-        "rule": rule.name,
-        "available_after": 0.0,
-        "node": node_id,
-        "reason": "owner_unreachable",
-    }
-
-
-async def _read_all(receive: Receive, limit: int) -> bytes | None:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                await drain(receive)
-                return None
-            chunks.append(chunk)
-        if not message.get("more_body"):
-            break
-    return b"".join(chunks) if len(chunks) != 1 else chunks[0]
 
 
 async def _respond(

@@ -54,7 +54,7 @@ class CommandError(Exception):
 
 
 #: Subcommands imported only when they run (numpy and friends are slow to load).
-LAZY_COMMANDS = {"simulate": "simulations.cli", "bench": "benchmarks.cluster"}
+LAZY_COMMANDS = {"simulate": "simulations.cli", "bench": "benchmarks.bench"}
 #: What to install when an optional dependency of a command is missing.
 EXTRAS = {"simulate": "sim", "bench": "bench"}
 #: The modules each of those extras provides: a command whose import fails for want
@@ -675,8 +675,8 @@ def _reachable(host: str) -> str:
 
 def _run_node(args: argparse.Namespace) -> int:
     from node.app import NodeSettings, create_app
-    from node.apps import UpstreamApp, load_app
     from node.server import serve_node
+    from node.upstream import UpstreamApp, load_app
 
     check_id(args.id)
     if args.url is not None:
@@ -731,7 +731,7 @@ def _redis_backend(url: str, config: ClusterConfig, *, pipeline: bool = True) ->
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from router.cluster import StartError, run_cluster
+    from router.supervisor import StartError, run_cluster
 
     config = cluster_config(args)
     _redis_pipeline(args)
@@ -829,7 +829,7 @@ def _http_problem(exc: Exception) -> str:
 
 
 def _check_port(host: str, port: int, role: str) -> None:
-    from router.cluster import StartError, check_ports
+    from router.supervisor import StartError, check_ports
 
     try:
         check_ports(host, [(port, role)], choose="--port")

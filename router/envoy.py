@@ -5,7 +5,7 @@ Contour, Emissary, Gloo) call ``ShouldRateLimit`` with a domain and a list of
 descriptors. Each descriptor is matched against the ``--envoy-config`` of its
 domain (router/envoy_config.py); its key is the domain plus its entries, and
 it is decided by the key's owner through the decision API's own path
-(:meth:`router.app.Router.route_single`: coalesced, epoch-fenced, retried on
+(:meth:`router.decisions.DecisionAPI.route_single`: coalesced, epoch-fenced, retried on
 a ring change), so a descriptor and a ``POST /v1/check`` can never disagree.
 
 Several descriptors in one request: nothing is consumed unless every enforced
@@ -36,10 +36,10 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from node.app import Check
 from node.headers import whole_seconds
 from node.rules import Rule
 from node.security import bearer, token_matches
+from node.wire import Check
 from router.envoy_config import UNIT_ENUM, EnvoyConfig, Limit
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         return self._response(plan)
 
     async def _ask(self, item: _Item, cost: int) -> dict[str, Any]:
-        result = await self.router.route_single(Check(item.key, (item.rule,), cost))
+        result = await self.router.decisions.route_single(Check(item.key, (item.rule,), cost))
         data: Any = json.loads(result) if type(result) is bytes else result
         if not isinstance(data, dict) or "error" in data or "allowed" not in data:
             detail = data.get("detail", data.get("error")) if isinstance(data, dict) else data

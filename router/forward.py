@@ -36,11 +36,20 @@ class Timeouts:
     total: float = 3.0
 
 
+#: How many times the router sends a request (or a check) while nodes refuse it
+#: because the ring is changing, before it answers ``ring_changing``.
+MAX_ATTEMPTS = 3
+
+
 @dataclass(slots=True)
 class Answer:
     status: int
     headers: list[tuple[bytes, bytes]]
     body: bytes
+
+    def lease_expired(self) -> bool:
+        """The node decided nothing: its lease ran out (node/lease.py)."""
+        return any(k == b"x-ringlimit-unavailable" and v == b"lease" for k, v in self.headers)
 
 
 class Forwarder(Protocol):

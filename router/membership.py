@@ -19,19 +19,21 @@ others learn new views from the nodes (a node refusing a key tells the router
 its newer epoch, and the router fetches that view). A router given the
 leader's URL (``follow``: the workers of ``ringlimit router --workers N``
 without etcd) also polls the leader's ring, so it converges within one poll.
+
+The parts: router/viewlog.py is the I/O-free view log (epochs, history,
+crashed members, and the push plan of each change); router/nodeclient.py
+the HTTP calls to nodes; router/health.py the health monitor (probes,
+leases, removals); router/statefile.py the state file. This module is the
+driver tying them together: the lock, the tasks, etcd, and carrying out
+each plan.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
-import tempfile
-import typing
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,45 +41,29 @@ import httpx
 
 from node.config import ClusterConfig
 from node.failures import Failures
-from node.lease import DEFAULT_DRIFT, lease_bound
-from node.peers import INTERNAL_TOKEN_HEADER
+from node.lease import DEFAULT_DRIFT
 from ring import Member, RingView
 from router.coordinator import CoordinatorError, EtcdCoordinator, ViewRecord
 from router.events import EventLog
+from router.health import Health, HealthMonitor
+from router.nodeclient import NodeClient, push_body
 from router.removal import RemovalBudget
+from router.statefile import load_view, save_view
+from router.viewlog import MAX_HISTORY, MAX_REMOVED, Change, MembershipError, Push, ViewLog
+
+__all__ = [
+    "MAX_EVENTS",
+    "MAX_HISTORY",
+    "MAX_REMOVED",
+    "Health",
+    "Membership",
+    "MembershipError",
+]
 
 log = logging.getLogger("ringlimit.router")
-#: Views and crashes remembered for nodes that missed pushes.
-MAX_HISTORY = 32
-
-#: How many crashed members the router keeps probing, to let them rejoin.
-MAX_REMOVED = 256
 
 #: Membership events listed by ``GET /admin/ring`` (``ringlimit up`` reports from them).
 MAX_EVENTS = 64
-
-
-class MembershipError(Exception):
-    """A change that cannot be made; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, error: str, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.error = error
-        self.detail = detail
-
-
-@dataclass
-class Health:
-    failures: int = 0
-    state: str = "active"  # joining | active | leaving
-    epoch_seen: int = 0
-    backend_available: bool = True
-    #: The node's last lease offer (node/lease.py) and when it reached us.
-    token: str | None = None
-    offered_at: float = float("-inf")
-    #: When every lease granted to this member has certainly ended (loop time).
-    lease_until: float = float("-inf")
 
 
 class Membership:
@@ -100,12 +86,10 @@ class Membership:
         client: httpx.AsyncClient | None = None,
     ) -> None:
         self.config = config
-        self.view = RingView.empty()
+        #: The view, the epochs used, history and crashed members (router/viewlog.py).
+        self.log = ViewLog()
         self.health: dict[str, Health] = {}
         self.joining: dict[str, Member] = {}
-        #: Members removed as crashed: still probed, and made to rejoin (as new
-        #: members, their old state discarded) when they answer again.
-        self.removed: dict[str, Member] = {}
         self.state_file = Path(state_file) if state_file else None
         self.ready_timeout = ready_timeout
         self.health_interval = health_interval
@@ -147,25 +131,28 @@ class Membership:
         self._owned = client is None
         self.push_timeout = push_timeout
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(push_timeout, connect=1.0))
-        # Sent per request (not as client defaults) so a shared client carries no secret.
-        self._headers = {INTERNAL_TOKEN_HEADER: internal_token} if internal_token else {}
+        #: The HTTP calls to nodes (router/nodeclient.py).
+        self.nodes = NodeClient(self._client, internal_token)
+        #: Probes, leases and removals on probe failures (router/health.py).
+        self.monitor = HealthMonitor(self, self._spawn)
         self._health_task: asyncio.Task[None] | None = None
-        self._was_degraded = False
-        self._repairing: set[str] = set()
-        #: Members being removed (crash in progress): probed, but granted no lease.
-        self._condemned: set[str] = set()
-        #: Removals the health loop started that have not finished (router/removal.py).
-        self._removing: dict[str, asyncio.Task[Any]] = {}
-        #: The highest epoch ever pushed: new views always go above it.
-        self._highest = 0
-        self._history: dict[int, RingView] = {}
-        self._crashed_at: dict[int, tuple[str, ...]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._newer_check: asyncio.Task[bool] | None = None
         self._joins: dict[str, asyncio.Future[RingView]] = {}
         self._newer_checked_at = float("-inf")
         #: The leading router's URL when this one follows it (router/workers.py).
         self.leader_url: str | None = None
+
+    @property
+    def view(self) -> RingView:
+        """The view this router routes by."""
+        return self.log.view
+
+    @property
+    def removed(self) -> dict[str, Member]:
+        """Members removed as crashed: still probed, and made to rejoin (as new
+        members, their old state discarded) when they answer again."""
+        return self.log.removed
 
     # ------------------------------------------------------------------ start / stop
 
@@ -181,14 +168,14 @@ class Membership:
         candidates = list(recovered) if recovered is not None else []
         known = {m.id for m in candidates}
         candidates += [m for m in seeds if m.id not in known]
-        discovered = await self._discover(candidates)
+        discovered = await self.nodes.discover(candidates, self.health_timeout)
         best = max(
             [v for v in (recovered, discovered) if v is not None],
             key=lambda v: v.epoch,
             default=None,
         )
         if best is not None and len(best):
-            self.view = best
+            self.log.view = best
             self.events.recovered(best)
             for member in best:
                 self.health.setdefault(member.id, Health())
@@ -247,7 +234,7 @@ class Membership:
     def _take(self, record: ViewRecord, *, force: bool = False) -> None:
         """Follow etcd's record: remember its revision, adopt a settled newer view."""
         self._revision = max(self._revision, record.revision)
-        self._highest = max(self._highest, record.view.epoch)
+        self.log.saw(record.view.epoch)
         if (record.settled or force) and record.view.epoch > self.view.epoch:
             if record.config != self.config:
                 log.warning("taking the cluster config from etcd (epoch %d)", record.view.epoch)
@@ -296,22 +283,13 @@ class Membership:
         works for nodes that keep no view (the Redis backend's).
         """
         try:
-            response = await self._client.get(
-                leader_url.rstrip("/") + "/admin/ring", headers=headers, timeout=2.0
-            )
-            data = response.json()
-            nodes = [
-                {k: n[k] for k in ("id", "url", "weight")}
-                for n in data["nodes"]
-                if n.get("state") != "joining"
-            ]
-            view = RingView.from_dict({"epoch": data["epoch"], "nodes": nodes})
+            view = await self.nodes.leader_ring(leader_url, headers)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.debug("could not poll the leader at %s: %s", leader_url, exc)
             return False
         if view.epoch <= self.view.epoch or not len(view):
             return False
-        self._highest = max(self._highest, view.epoch)
+        self.log.saw(view.epoch)
         for member in view:
             self.health.setdefault(member.id, Health())
         self._adopt(view)
@@ -370,26 +348,19 @@ class Membership:
             if record.settled:
                 self._take(record)  # a view this router may have missed
                 return
-            view = record.view
-            log.warning("finishing the change to epoch %d left by the last leader", view.epoch)
-            previous = record.previous if record.previous is not None else RingView.empty()
-            crashed = record.crashed
-            newcomers = [m for m in view if m.id not in previous]
-            # The order of a join: newcomers learn the config first, then whoever
-            # loses keys, then the newcomers get the view.
-            ready = self.ready_timeout
-            await self._push(newcomers, previous, None, (), tolerate=True, seconds=ready)
+            log.warning(
+                "finishing the change to epoch %d left by the last leader", record.view.epoch
+            )
+            change = self.log.roll_forward(record.view, record.previous, record.crashed)
             # Leases before the view that makes the newcomers owners (as in a join):
-            # the push above made them require one, and without it they would
+            # the welcome made them require one, and without it they would
             # refuse their first requests (lease_expired) and the router would
             # fail those open. (The first view of a cluster is such a roll-forward.)
-            await asyncio.gather(*(self._renew(m) for m in newcomers))
-            failed = await self._push(previous.members, view, previous, crashed, tolerate=True)
-            failed += await self._push(newcomers, view, previous, (), tolerate=True)
-            self._remember(previous, record.crashed)
-            for member in view:
+            failed = await self._carry_out(change)
+            self.log.remember(change.previous, record.crashed)
+            for member in change.view:
                 self.health.setdefault(member.id, Health())
-            self._adopt(view, crashed)
+            self._adopt(change.view, change.crashed)
             await self._settle(record)
             await self._crash_unresponsive(failed)
 
@@ -516,15 +487,9 @@ class Membership:
 
     async def _already_joined(self, member: Member) -> bool:
         """True for a repeated registration of a healthy member (nothing to do)."""
-        if member.id not in self.view:
+        if not self.log.registered(member):
             return False
-        if self.view.member(member.id) != member:
-            raise MembershipError(
-                409,
-                "already_member",
-                f"node {member.id!r} is already in the ring with another url or weight",
-            )
-        if await self._node_epoch(member) == self.view.epoch:
+        if await self.nodes.epoch(member, self.health_timeout) == self.view.epoch:
             return True
         # The member registers again without the current view: it restarted and
         # lost its state. Its old incarnation crashed; the new one joins.
@@ -534,27 +499,21 @@ class Membership:
 
     async def _join_locked(self, member: Member) -> RingView:
         # First the newcomer gets the cluster's config, with the current view
-        # (in which it owns nothing): the states the old members are about to
-        # hand it are kept only for rules it knows, and a node started with
-        # --join has no rules of its own. If it was removed as crashed before,
-        # this also makes it hand back what it held to the current owners.
-        crashed = (member.id,) if member.id in self.removed else ()
-        await self._push([member], self.view, None, crashed, seconds=self.ready_timeout)
+        # (in which it owns nothing): see ViewLog.welcome.
+        await self._send(self.log.welcome(member))
         health = Health(state="joining")
         if self.leasing:
             # Its lease before it owns anything, so its first requests are decided.
             await self._renew(member, health)
-        previous = self.view
-        new = self._next_view([*(m for m in previous if m.id != member.id), member])
-        committed = await self._commit(new, previous, ())
+        change = self.log.join(member)
+        committed = await self._commit(change.view, change.previous, ())
         # Old members lose keys to the newcomer: they go first. A member that
         # does not take the view does not stop the change half-way (others
         # already hold it): the change is adopted, then the failed ones are
         # removed as crashed, under a newer epoch.
-        failed = await self._push(previous.members, new, previous, (), tolerate=True)
-        failed += await self._push([member], new, previous, (), tolerate=True)
-        self._remember(previous, ())
-        self._adopt(new)
+        failed = await self._carry_out(change)
+        self.log.remember(change.previous, ())
+        self._adopt(change.view)
         await self._settle(committed)
         health.state = "active"
         self.health[member.id] = health
@@ -566,30 +525,17 @@ class Membership:
             raise MembershipError(
                 502, "join_failed", f"node {member.id} did not take the new view; removed"
             )
-        log.info("node %s joined: epoch %d", member.id, new.epoch)
-        return new
-
-    async def _node_epoch(self, member: Member) -> int | None:
-        try:
-            response = await self._client.get(
-                member.url.rstrip("/") + "/healthz", timeout=self.health_timeout
-            )
-            return int(response.json().get("epoch", 0))
-        except (httpx.HTTPError, ValueError, TypeError, AttributeError):
-            return None
+        log.info("node %s joined: epoch %d", member.id, change.view.epoch)
+        return change.view
 
     async def leave(self, member_id: str) -> RingView:
         """Graceful leave: the leaving node hands everything off before it is dropped."""
         async with self.lock:
-            if member_id not in self.view:
-                raise MembershipError(404, "unknown_node", f"no node {member_id!r} in the ring")
+            change = self.log.leave(member_id)
             self.health.setdefault(member_id, Health()).state = "leaving"
-            previous = self.view
-            leaving = previous.member(member_id)
-            new = self._next_view(m for m in previous if m.id != member_id)
-            committed = await self._commit(new, previous, ())
+            committed = await self._commit(change.view, change.previous, ())
             try:
-                await self._push([leaving], new, previous, (), tolerate=False)
+                failed = await self._carry_out(change)
             except MembershipError:
                 log.warning("node %s did not take the leave; treating it as a crash", member_id)
                 # An operator's removal: no quorum, but its lease still bounds it.
@@ -598,14 +544,13 @@ class Membership:
                 )
                 self.health.pop(member_id, None)
                 return self.view
-            failed = await self._push(new.members, new, previous, (), tolerate=True)
-            self._remember(previous, ())
-            self._adopt(new)
+            self.log.remember(change.previous, ())
+            self._adopt(change.view)
             await self._settle(committed)
             self.health.pop(member_id, None)
             await self._crash_unresponsive(failed)
-            log.info("node %s left: epoch %d", member_id, new.epoch)
-            return new
+            log.info("node %s left: epoch %d", member_id, change.view.epoch)
+            return change.view
 
     async def crash(self, member_id: str, reason: str = "unreachable") -> RingView | None:
         """Drop a node that stopped answering; its keys follow the crash policy."""
@@ -613,30 +558,29 @@ class Membership:
             return await self._crash_locked(member_id, reason=reason)
 
     async def _crash_locked(self, member_id: str, *, reason: str) -> RingView | None:
-        if member_id not in self.view:
+        change = self.log.crash(member_id)
+        if change is None:
             return None
-        previous = self.view
-        new = self._next_view(m for m in previous if m.id != member_id)
-        committed = await self._commit(new, previous, (member_id,))
+        committed = await self._commit(change.view, change.previous, change.crashed)
         # A member that misses this push learns the view from the health loop
         # (refresh_node, with the crashes it missed); removing it too would be a
         # cascade, so it is not removed for this.
-        await self._push(new.members, new, previous, (member_id,), tolerate=True)
-        self._remember(previous, (member_id,))
-        crashed = previous.member(member_id)
-        self.removed[member_id] = crashed
-        while len(self.removed) > MAX_REMOVED:
-            del self.removed[next(iter(self.removed))]
-        self._adopt(new)
+        await self._carry_out(change)
+        self.log.remember(change.previous, change.crashed)
+        self.log.bury(change.previous.member(member_id))
+        self._adopt(change.view)
         await self._settle(committed)
         self.health.pop(member_id, None)
         self.crashes += 1
-        log.warning("node %s removed as crashed (%s): epoch %d", member_id, reason, new.epoch)
+        log.warning(
+            "node %s removed as crashed (%s): epoch %d", member_id, reason, change.view.epoch
+        )
         # If it is only slow, or cut off from our probes but not from other
         # routers, it must stop deciding: tell it too (best effort, not waited
         # for). It discards its states and may rejoin later as a new member.
-        self._spawn(self._push([crashed], new, previous, (member_id,), tolerate=True))
-        return new
+        for push in change.afterwards:
+            self._spawn(self._send(push))
+        return change.view
 
     async def _crash_unresponsive(
         self,
@@ -656,52 +600,40 @@ class Membership:
         a member that is alive but failed the push (a pause, an error) cannot
         decide on old state while its keys move on.
         """
-        ids = [m for m in dict.fromkeys(failed) if m in self.view]
-        if not ids:
+        plan = self.log.unresponsive(
+            failed,
+            quorum=self.budget.quorum,
+            lease_until={m: h.lease_until for m, h in self.health.items()},
+            now=asyncio.get_running_loop().time(),
+            budgeted=budgeted,
+        )
+        if not plan.crash:
             return
-        size = len(self.view)
-        if budgeted and size - len(ids) <= self.budget.quorum * size:
-            self.stats["deferred_quorum"] += len(ids)
+        if plan.defer_quorum:
+            self.stats["deferred_quorum"] += len(plan.crash)
             log.warning(
                 "%d of %d members did not take epoch %d: suspecting this router's own "
                 "network or host; keeping them (they get the view when they answer)",
-                len(ids),
-                size,
+                len(plan.crash),
+                len(self.view),
                 self.view.epoch,
             )
             return
-        loop = asyncio.get_running_loop()
-        self._condemned.update(ids)
+        condemned = self.monitor.condemned
+        condemned.update(plan.crash)
         try:
-            until = max(
-                (h.lease_until for m in ids if (h := self.health.get(m)) is not None),
-                default=float("-inf"),
-            )
-            if until > loop.time():
-                self.stats["deferred_lease"] += len(ids)
-                await asyncio.sleep(until - loop.time())
-            for member_id in ids:
+            if plan.wait > 0:
+                self.stats["deferred_lease"] += len(plan.crash)
+                await asyncio.sleep(plan.wait)
+            for member_id in plan.crash:
                 await self._crash_locked(member_id, reason=reason)
         finally:
-            self._condemned.difference_update(ids)
+            condemned.difference_update(plan.crash)
 
     async def settle(self) -> None:
         """Wait for the repairs the health loop started (rejoins, refreshes)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
-
-    async def _rejoin(self, member: Member) -> None:
-        with contextlib.suppress(MembershipError):
-            await self.join(member)
-
-    def _in_background(self, member_id: str, coro: Any) -> None:
-        """Run one repair per member at a time, without blocking the health loop."""
-        if member_id in self._repairing:
-            coro.close()
-            return
-        self._repairing.add(member_id)
-        task = self._spawn(coro)
-        task.add_done_callback(lambda _: self._repairing.discard(member_id))
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -717,9 +649,7 @@ class Membership:
 
     def _adopt(self, view: RingView, crashed: Iterable[str] = ()) -> None:
         self.events.change(self.view, view, crashed={*self.removed, *crashed})
-        self.view = view
-        for member_id in [m for m in self.removed if m in view]:
-            del self.removed[member_id]
+        self.log.adopt(view)
         self._save_state()
         self.changed.set()
         self.changed = asyncio.Event()
@@ -735,10 +665,7 @@ class Membership:
             if self.view.epoch >= epoch:
                 return
         try:
-            response = await self._client.get(
-                node_url.rstrip("/") + "/internal/cluster", headers=self._headers
-            )
-            data = response.json()
+            data = await self.nodes.cluster(node_url)
             view = RingView.from_dict(data["ring"])
         except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
             log.warning("could not fetch the newer view from %s: %s", node_url, exc)
@@ -781,7 +708,7 @@ class Membership:
     async def _ask_newer(self, unreachable: str) -> bool:
         epoch = self.view.epoch
         others = [m for m in self.view if m.id != unreachable]
-        found = await self._discover(others, with_urls=True)
+        found = await self.nodes.discover(others, self.health_timeout, with_urls=True)
         if found is None or found[0].epoch <= epoch:
             return False
         await self.catch_up(found[0].epoch, found[1])
@@ -794,7 +721,7 @@ class Membership:
         state: it is treated as crashed (its keys follow the crash policy) and
         then joins again as a new member.
         """
-        if node_epoch == 0 and self.view.epoch > 0 and member.id in self.view:
+        if self.log.lost_state(member, node_epoch):
             if self.lock.locked():
                 # Someone is already making a change (perhaps this very one):
                 # let the request retry on its outcome rather than at once.
@@ -804,15 +731,35 @@ class Membership:
             with contextlib.suppress(MembershipError):
                 await self.join(member)
             return
-        # Send the node its own previous view and every crash it missed, so its
-        # crash policy (replica promotion, conservative) still applies.
-        previous = self._history.get(node_epoch)
-        missed = tuple(
-            m for epoch, ids in sorted(self._crashed_at.items()) if epoch > node_epoch for m in ids
-        )
-        await self._push([member], self.view, previous, missed, tolerate=True)
+        # Its own previous view and every crash it missed (ViewLog.refresh).
+        await self._send(self.log.refresh(member, node_epoch))
 
     # ------------------------------------------------------------------ pushing
+
+    async def _carry_out(self, change: Change) -> list[str]:
+        """Send a plan's pushes, step after step; returns who did not take the view.
+
+        A plan's ``welcome`` goes first, then the newcomers' leases (a view
+        that makes them owners must find them leased), then its steps.
+        """
+        if change.welcome is not None:
+            await self._send(change.welcome)
+            await asyncio.gather(*(self._renew(m) for m in change.welcome.members))
+        failed: list[str] = []
+        for push in change.pushes:
+            failed += await self._send(push)
+        return failed
+
+    async def _send(self, push: Push) -> list[str]:
+        seconds = self.ready_timeout if push.ready else None
+        return await self._push(
+            push.members,
+            push.view,
+            push.previous,
+            push.crashed,
+            tolerate=push.tolerate,
+            seconds=seconds,
+        )
 
     async def _push_all(
         self, view: RingView, previous: RingView | None, crashed: Iterable[str]
@@ -835,63 +782,14 @@ class Membership:
         client's push timeout, leaves room for a node to deliver its states).
         """
         members = list(members)
-        self._highest = max(self._highest, view.epoch)
-        payload: dict[str, Any] = {
-            "ring": view.to_dict(),
-            "previous": previous.to_dict() if previous is not None else None,
-            "crashed": list(crashed),
-            "config": self.config.to_dict(),
-            "wait": True,
-        }
-        if self.leasing:
-            # Only the router that removes members on its own probes makes nodes
-            # require a lease; others leave the setting as it is.
-            payload["lease"] = self.lease_seconds
-        extra: dict[str, Any] = {} if seconds is None else {"timeout": seconds}
-
-        async def push(member: Member) -> None:
-            try:
-                response = await self._client.put(
-                    member.url.rstrip("/") + "/internal/cluster",
-                    json=payload,
-                    headers=self._headers,
-                    **extra,
-                )
-            except httpx.HTTPError as exc:
-                raise MembershipError(
-                    502, "push_failed", f"node {member.id} unreachable: {type(exc).__name__}"
-                ) from None
-            if response.status_code != 200:
-                raise MembershipError(
-                    502, "push_failed", f"node {member.id} answered HTTP {response.status_code}"
-                )
-
-        results = await asyncio.gather(*(push(m) for m in members), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors and not tolerate:
-            raise errors[0]
-        for error in errors:
-            log.warning("push of epoch %d: %s", view.epoch, error)
-        return [m.id for m, r in zip(members, results, strict=True) if isinstance(r, BaseException)]
-
-    def _next_view(self, members: Iterable[Member]) -> RingView:
-        """A view after the current one, with an epoch never used before.
-
-        Epochs only grow, even past views that were pushed to some nodes but
-        never adopted here: a node ignores a view whose epoch it has seen.
-        """
-        self._highest = max(self._highest, self.view.epoch) + 1
-        return RingView.of(members, epoch=self._highest)
-
-    def _remember(self, previous: RingView, crashed: Iterable[str]) -> None:
-        """Keep recent views and crashes, for nodes that miss a push (see refresh_node)."""
-        self._history[previous.epoch] = previous
-        for member_id in crashed:
-            self._crashed_at[self._highest] = (*self._crashed_at.get(self._highest, ()), member_id)
-        for epoch in sorted(self._history)[:-MAX_HISTORY]:
-            del self._history[epoch]
-        for epoch in sorted(self._crashed_at)[:-MAX_HISTORY]:
-            del self._crashed_at[epoch]
+        self.log.saw(view.epoch)
+        # Only the router that removes members on its own probes makes nodes
+        # require a lease; others leave the setting as it is.
+        lease = self.lease_seconds if self.leasing else None
+        payload = push_body(view, previous, crashed, self.config, lease)
+        return await self.nodes.push(
+            members, view.epoch, payload, tolerate=tolerate, seconds=seconds
+        )
 
     async def push_config(self, config: ClusterConfig) -> None:
         async with self.lock:
@@ -899,236 +797,21 @@ class Membership:
             await self._push_all(self.view, None, ())
 
     async def _wait_ready(self, member: Member) -> None:
-        """Readiness gate: a joining node must answer, as itself, before it is
-        given any key. A URL that reaches another member, a router or anything
-        else that does not call itself ``member.id`` is refused at once."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.ready_timeout
-        while True:
-            try:
-                response = await self._client.get(
-                    member.url.rstrip("/") + "/healthz", timeout=self.health_timeout
-                )
-                if response.status_code == 200:
-                    answered = _node_id(response)
-                    if answered == member.id:
-                        return
-                    raise MembershipError(
-                        409,
-                        "wrong_node",
-                        f"{member.url} answers as "
-                        + (f"node {answered!r}" if answered else "something that is not a node")
-                        + f", not as {member.id!r}: check the node's --url and --id",
-                    )
-            except httpx.HTTPError:
-                pass
-            if loop.time() > deadline:
-                raise MembershipError(
-                    504,
-                    "not_ready",
-                    f"node {member.id} at {member.url} did not answer /healthz within "
-                    f"{self.ready_timeout:g}s",
-                )
-            await asyncio.sleep(0.05)
+        await self.nodes.wait_ready(member, self.ready_timeout, self.health_timeout)
 
     async def _renew(self, member: Member, health: Health | None = None) -> dict[str, Any] | None:
-        """Probe a member and renew its lease (node/lease.py); None if it did not answer.
-
-        Two round trips: the probe takes the node's offer, and the grant follows
-        at once, so each round leaves the node a whole lease less one round
-        trip (a router slowed down by load still renews in time). Before the
-        grant is sent the router records until when it may keep the node
-        deciding (the offer's arrival plus the lease, with the drift allowance).
-        """
-        if health is None:
-            health = self.health.setdefault(member.id, Health())
-        data = await self._lease_call(member, None)
-        if data is None:
-            return None
-        token = data.get("token")
-        health.token = token if isinstance(token, str) else None
-        health.offered_at = asyncio.get_running_loop().time()
-        if not self.leasing or health.token is None or member.id in self._condemned:
-            return data
-        health.lease_until = max(
-            health.lease_until,
-            lease_bound(health.offered_at, self.lease_seconds, DEFAULT_DRIFT),
-        )
-        granted = await self._lease_call(member, health.token)
-        if granted is not None:
-            self.stats["lease_renewals"] += 1
-            return granted
-        return data
-
-    async def _lease_call(self, member: Member, grant: str | None) -> dict[str, Any] | None:
-        body: dict[str, Any] = {"grant": grant}
-        if grant is not None:
-            body["seconds"] = self.lease_seconds
-        try:
-            response = await self._client.post(
-                member.url.rstrip("/") + "/internal/lease",
-                json=body,
-                headers=self._headers,
-                timeout=self.health_timeout,
-            )
-            data = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            log.debug("probe of %s failed: %s", member.id, exc)
-            return None
-        if response.status_code != 200 or not isinstance(data, dict):
-            log.debug("probe of %s: HTTP %d", member.id, response.status_code)
-            return None
-        return data
-
-    @typing.overload
-    async def _discover(self, members: list[Member]) -> RingView | None: ...
-
-    @typing.overload
-    async def _discover(
-        self, members: list[Member], *, with_urls: typing.Literal[True]
-    ) -> tuple[RingView, str] | None: ...
-
-    async def _discover(self, members: list[Member], *, with_urls: bool = False) -> Any:
-        """The newest view the members know (and, with ``with_urls``, who knows it)."""
-
-        async def ask(member: Member) -> tuple[RingView, str] | None:
-            try:
-                response = await self._client.get(
-                    member.url.rstrip("/") + "/internal/cluster",
-                    timeout=self.health_timeout,
-                    headers=self._headers,
-                )
-                ring = response.json().get("ring")
-                return (RingView.from_dict(ring), member.url) if ring else None
-            except (httpx.HTTPError, ValueError, TypeError, AttributeError):
-                return None
-
-        answers = [a for a in await asyncio.gather(*(ask(m) for m in members)) if a is not None]
-        best = max(answers, key=lambda a: a[0].epoch, default=None)
-        if best is None:
-            return None
-        return best if with_urls else best[0]
+        """Probe a member and renew its lease (router/health.py)."""
+        return await self.monitor.renew(member, health)
 
     # ------------------------------------------------------------------ health
 
     async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.health_interval)
-            if not self.leading:
-                continue  # with etcd, only the leader probes, removes and grants leases
-            try:
-                # Removals run beside the loop: one waits for the lock (a change
-                # under way), and leases must keep being renewed meanwhile.
-                await self.check_health(wait=False)
-            except Exception as exc:  # the loop outlives any one failure, never silently
-                self.failures.record("health_loop", exc)
+        await self.monitor.loop()
 
     async def check_health(self, *, wait: bool = True) -> None:
         """One round: probe every member (renewing leases), then start the
         removals the budget allows; ``wait`` for them (the loop does not)."""
-        view = self.view
-
-        async def probe(member: Member) -> bool:
-            health = self.health.setdefault(member.id, Health())
-            data = await self._renew(member, health)
-            if data is None:
-                health.failures += 1
-                return False
-            health.failures = 0
-            try:
-                health.epoch_seen = int(data.get("epoch", 0))
-            except (TypeError, ValueError):
-                health.epoch_seen = 0
-            health.backend_available = bool(data.get("backend_available", True))
-            if health.epoch_seen < view.epoch and not self.lock.locked():
-                # In the background: a rejoin can take a readiness wait and several
-                # pushes, and must not delay the detection of other nodes' crashes.
-                self._in_background(member.id, self.refresh_node(member, health.epoch_seen))
-            return True
-
-        async def probe_removed(member: Member) -> None:
-            try:
-                response = await self._client.get(
-                    member.url.rstrip("/") + "/healthz", timeout=self.health_timeout
-                )
-            except httpx.HTTPError:
-                return
-            if response.status_code == 200 and not self.lock.locked():
-                log.warning("node %s answers again after its removal: it rejoins", member.id)
-                self._in_background(member.id, self._rejoin(member))
-
-        answered = await asyncio.gather(*(probe(m) for m in view))
-        degraded = self.backend_degraded
-        if degraded != self._was_degraded:
-            self._was_degraded = degraded
-            if degraded:
-                log.warning("shared backend down on a node: routing stickily to local limiters")
-            else:
-                log.warning("shared backend back on every node: routing as configured again")
-        failed = [m.id for m, ok in zip(view, answered, strict=True) if not ok]
-        removals = self._remove_failed(view, failed)
-        if wait and removals:
-            await asyncio.gather(*removals)
-        await asyncio.gather(
-            *(probe_removed(m) for m in list(self.removed.values()) if m.id not in self.view)
-        )
-
-    def _remove_failed(self, view: RingView, unreachable: list[str]) -> list[asyncio.Task[Any]]:
-        """Start removing the members that failed ``failure_threshold`` probes in
-        a row, within the removal budget (router/removal.py); returns the tasks."""
-        due = [
-            m.id
-            for m in view
-            if (h := self.health.get(m.id)) is not None
-            and h.failures >= self.failure_threshold
-            and m.id not in self._removing
-        ]
-        now = asyncio.get_running_loop().time()
-        plan = self.budget.plan(
-            now,
-            view.ids,
-            unreachable,
-            due,
-            {m: h.lease_until for m, h in self.health.items()},
-        )
-        if plan.suspect_self != self.suspect_self:
-            self.suspect_self = plan.suspect_self
-            if plan.suspect_self:
-                self.stats["self_suspected"] += 1
-                log.warning(
-                    "%d of %d members unreachable at once: suspecting this router's own "
-                    "network or host; keeping the ring (on_error answers for their keys)",
-                    len(unreachable),
-                    len(view),
-                )
-            else:
-                log.warning("members reachable again: no longer suspecting this router")
-        for member_id, reason in plan.deferred.items():
-            self.stats[f"deferred_{reason}"] += 1
-            if reason != "lease":
-                log.info("removal of %s deferred (%s budget)", member_id, reason)
-        started: list[asyncio.Task[Any]] = []
-        for member_id in plan.remove:
-            # The rate counts from the decision: a removal still waiting for the
-            # lock is one of this interval's.
-            self.budget.removed(now)
-            task = self._removing[member_id] = self._spawn(self._remove_crashed(member_id))
-            started.append(task)
-        return started
-
-    async def _remove_crashed(self, member_id: str) -> None:
-        # No renewal from the decision on: if it answers again while the removal
-        # waits for the lock, its lease must not outlive the removal.
-        self._condemned.add(member_id)
-        try:
-            if await self.crash(member_id, reason="failed its health checks") is not None:
-                # And again from its end: the next removal waits one interval
-                # after this one took effect, however long it waited for the lock.
-                self.budget.removed(asyncio.get_running_loop().time())
-                self.stats["removed_crashed"] += 1
-        finally:
-            self._removing.pop(member_id, None)
-            self._condemned.discard(member_id)
+        await self.monitor.check(wait=wait)
 
     @property
     def backend_degraded(self) -> bool:
@@ -1148,37 +831,8 @@ class Membership:
         return data
 
     def _save_state(self) -> None:
-        if self.state_file is None:
-            return
-        self.state_file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.state_file.parent, prefix=".ring-")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(self.view.to_dict(), handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, self.state_file)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        if self.state_file is not None:
+            save_view(self.state_file, self.view)
 
     def _load_state(self) -> RingView | None:
-        if self.state_file is None or not self.state_file.exists():
-            return None
-        try:
-            return RingView.from_dict(json.loads(self.state_file.read_text()))
-        except (ValueError, TypeError) as exc:
-            raise MembershipError(
-                500, "bad_state_file", f"{self.state_file}: cannot read ring state: {exc}"
-            ) from None
-
-
-def _node_id(response: httpx.Response) -> str | None:
-    """The id a /healthz answer gives (nodes say ``node``; routers say nothing)."""
-    try:
-        data = response.json()
-    except ValueError:
-        return None
-    value = data.get("node") if isinstance(data, dict) else None
-    return value if isinstance(value, str) else None
+        return load_view(self.state_file) if self.state_file is not None else None

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from .arrivals import Arrivals, user_name
-from .cluster import Timeline
 from .modes import ModeResult, policy_table
 from .scenario import Scenario
+from .timeline import Timeline
 
 #: Bump when a field changes meaning or is removed; adding fields keeps the version.
 #: 2: ``pause`` events and failure detection (scenario.events[] may be a pause, with

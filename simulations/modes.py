@@ -18,7 +18,7 @@ What is real and what is simulated:
   path with its relative-time wire format. The crash policies follow
   ``node/shard.py`` (see :class:`StickyMode` and :class:`ReplicaMode`).
 * Routing is the real ``ring.RingView``; owners are looked up once per user per
-  epoch (see :mod:`simulations.cluster`).
+  epoch (see :mod:`simulations.timeline`).
 * Time is virtual: each arrival's timestamp is passed as ``now``. Membership
   changes and state transfers are instantaneous at the event time (no
   detection delay, no in-flight requests), which is the best case for every
@@ -66,8 +66,8 @@ from node.rules import Rule
 from node.store import MemoryStore, Record
 
 from .arrivals import Arrivals
-from .cluster import ChangeInfo, Epoch, Timeline
 from .scenario import Scenario
+from .timeline import ChangeInfo, Epoch, Timeline
 
 #: Requests decided per inner-loop call (progress is reported per chunk).
 CHUNK = 262_144

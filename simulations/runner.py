@@ -21,10 +21,10 @@ from typing import Any, TextIO
 import numpy as np
 
 from .arrivals import Arrivals, generate
-from .cluster import Timeline, build_timeline
 from .metrics import build_report
 from .modes import ModeResult, complete, decisions_needed, run_mode
 from .scenario import Scenario
+from .timeline import Timeline, build_timeline
 
 #: Below this many decisions (arrivals x modes) forking workers is not worth it.
 PARALLEL_THRESHOLD = 2_000_000

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,16 +15,24 @@ from pathlib import Path
 import httpx
 import pytest
 
+from router.processes import (
+    ChildProcess,
+    NotReady,
+    free_port,
+    http_probe,
+    ringlimit_argv,
+    wait_ready,
+)
+
+__all__ = ["ROOT", "Proc", "Procs", "free_port", "procs", "wait_for", "wait_healthy"]
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+class Proc(ChildProcess):
+    """One ``ringlimit`` process of a test (``python -m router <argv>``), its
+    output in ``log``; :meth:`stop` resumes a paused one before SIGTERM."""
 
-
-class Proc:
     def __init__(
         self,
         name: str,
@@ -36,49 +41,15 @@ class Proc:
         log: Path,
         preexec_fn: Callable[[], None] | None = None,
     ) -> None:
-        self.name = name
-        self.argv = argv
-        self.log_path = log
-        self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "router", *argv],
-            cwd=ROOT,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=preexec_fn,
+        super().__init__(
+            name, ringlimit_argv(*argv), env=env, cwd=ROOT, log=log, preexec_fn=preexec_fn
         )
 
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
     def kill9(self) -> None:
-        if self.alive():
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(10)
+        self.kill()
 
-    def pause(self) -> None:
-        """SIGSTOP: the process keeps its sockets but runs nothing (a GC or VM pause)."""
-        self.popen.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self.popen.send_signal(signal.SIGCONT)
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.alive():
-            # A stopped process would not act on SIGTERM: resume it first.
-            self.popen.send_signal(signal.SIGCONT)
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-        self._log.close()
-
-    def output(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
+    def stop(self, timeout: float = 15.0, how: int = signal.SIGTERM) -> None:
+        super().stop(timeout, how)
 
 
 class Procs:
@@ -132,19 +103,21 @@ class Procs:
 
 
 def wait_healthy(url: str, proc: Proc, timeout: float = 20.0, require_ok: bool = True) -> None:
-    deadline = time.monotonic() + timeout
+    """Until ``GET url/healthz`` answers 200 (any answer unless ``require_ok``);
+    RuntimeError with the process's output if it exits or the time runs out."""
     with httpx.Client(timeout=1.0) as client:
-        while time.monotonic() < deadline:
+        try:
+            wait_ready(
+                http_probe(client, f"{url}/healthz", require_ok=require_ok),
+                timeout=timeout,
+                failed=lambda: None if proc.alive() else f"{proc.name} exited",
+            )
+        except NotReady as exc:
             if not proc.alive():
-                raise RuntimeError(f"{proc.name} exited:\n{proc.output()}")
-            try:
-                response = client.get(f"{url}/healthz")
-                if response.status_code == 200 or (not require_ok and response.status_code < 600):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-    raise RuntimeError(f"{proc.name} not healthy after {timeout}s:\n{proc.output()}")
+                raise RuntimeError(f"{proc.name} exited:\n{proc.output()}") from None
+            raise RuntimeError(
+                f"{proc.name} not healthy after {timeout}s:\n{proc.output()}"
+            ) from exc
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:  # type: ignore[no-untyped-def]

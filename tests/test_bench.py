@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cluster, loadgen
-from benchmarks.cluster import ROWS
+from benchmarks import bench, deployments, loadgen, measure
+from benchmarks import report as reporting
+from benchmarks.deployments import ROWS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,19 +46,19 @@ def _run(rps: float, *, p99: float = 10.0, router: float | None = 100.0, request
 
 def _report() -> dict:
     rows = {
-        "direct": cluster.summarise_row("direct", [_run(20_000, router=None), _run(18_000)]),
-        "sticky": cluster.summarise_row(
+        "direct": reporting.summarise_row("direct", [_run(20_000, router=None), _run(18_000)]),
+        "sticky": reporting.summarise_row(
             "sticky", [_run(10_800, router=60.0), _run(9_600, router=60.0)]
         ),
-        "redis": cluster.summarise_row("redis", [_run(4_000, p99=30), _run(4_000, p99=30)]),
-        "slowapi": cluster.summarise_row("slowapi", [_run(2_000), _run(2_000)]),
+        "redis": reporting.summarise_row("redis", [_run(4_000, p99=30), _run(4_000, p99=30)]),
+        "slowapi": reporting.summarise_row("slowapi", [_run(2_000), _run(2_000)]),
     }
     batch = [_run(2_200), _run(2_000)]
     for run in batch:
         run["decisions_per_request"] = 100
-    rows["api_batch"] = cluster.summarise_row("api_batch", batch)
+    rows["api_batch"] = reporting.summarise_row("api_batch", batch)
     rows["direct"]["limited"] = False
-    cluster.add_ratios(rows)
+    reporting.add_ratios(rows)
     return {
         "meta": {
             "command": "ringlimit bench",
@@ -73,10 +74,10 @@ def _report() -> dict:
         },
         "rows": rows,
         "exactness": {
-            "sticky": cluster.check_exactness(
+            "sticky": reporting.check_exactness(
                 "sticky", {"allowed": 500, "denied": 9_000}, 1, 100, 5
             ),
-            "round_robin": cluster.check_exactness(
+            "round_robin": reporting.check_exactness(
                 "round_robin", {"allowed": 1_000, "denied": 9_000}, 2, 100, 5
             ),
         },
@@ -109,12 +110,12 @@ def _report() -> dict:
 
 
 def test_medians_and_per_round_ratios() -> None:
-    assert cluster.median([3.0, None, 1.0, 2.0]) == 2.0
-    assert cluster.median([None]) is None
+    assert reporting.median([3.0, None, 1.0, 2.0]) == 2.0
+    assert reporting.median([None]) is None
     # Per-round ratios, not the ratio of medians: rounds measured side by side pair up.
-    assert cluster.round_ratios([10, 20, 30], [5, 5, 30]) == 2.0
-    assert cluster.round_ratios([1.0], [0.0]) is None
-    summary = cluster.summarise_row("sticky", [_run(9_000), _run(7_000), _run(8_000)])
+    assert reporting.round_ratios([10, 20, 30], [5, 5, 30]) == 2.0
+    assert reporting.round_ratios([1.0], [0.0]) is None
+    summary = reporting.summarise_row("sticky", [_run(9_000), _run(7_000), _run(8_000)])
     assert summary["rps"] == 8_000
     assert summary["cpu_us"] == {"router": 100.0, "nodes": 80.0}
     assert summary["cpu_total_us"] == 180.0
@@ -130,18 +131,18 @@ def test_ratios_against_rows_1_and_3() -> None:
 
 
 def test_exactness_checks() -> None:
-    exact = cluster.check_exactness("sticky", {"allowed": 500, "denied": 2_000}, 1, 100, 5)
+    exact = reporting.check_exactness("sticky", {"allowed": 500, "denied": 2_000}, 1, 100, 5)
     assert exact["ok"] and exact["expected"] == 500
-    over = cluster.check_exactness("redis", {"allowed": 501, "denied": 2_000}, 1, 100, 5)
+    over = reporting.check_exactness("redis", {"allowed": 501, "denied": 2_000}, 1, 100, 5)
     assert not over["ok"] and over["note"] == "WRONG"
-    few = cluster.check_exactness("redis", {"allowed": 500, "denied": 100}, 1, 100, 5)
+    few = reporting.check_exactness("redis", {"allowed": 500, "denied": 100}, 1, 100, 5)
     assert not few["ok"] and few["note"] == "too few requests"
-    rr = cluster.check_exactness("round_robin", {"allowed": 900, "denied": 9_000}, 2, 100, 5)
+    rr = reporting.check_exactness("round_robin", {"allowed": 900, "denied": 9_000}, 2, 100, 5)
     assert rr["ok"] and rr["max_expected"] == 1_000 and "1.80x" in rr["note"]
 
 
 def test_targets_pass_and_short() -> None:
-    targets = {t.name: t for t in cluster.targets(_report())}
+    targets = {t.name: t for t in reporting.targets(_report())}
     floor = targets["router+sticky req/s vs direct-to-node floor"]
     assert floor.ok  # 0.54x >= 0.5x
     assert targets["router CPU / node CPU per forwarded request"].measured == 0.75
@@ -160,17 +161,17 @@ def test_targets_pass_and_short() -> None:
     slow = _report()
     slow["handoff"]["complete"] = False
     slow["memory"]["node_rss_bytes_per_key"] = 151.0
-    short = {t.name: t for t in cluster.targets(slow)}
+    short = {t.name: t for t in reporting.targets(slow)}
     assert short["handoff of 1,000,000 keys, node A -> B"].ok is None
     assert short["node RSS per token-bucket key at 1,000,000 keys"].ok is False
     del slow["memory"]["node_rss_bytes_per_key"]
-    estimate = {t.name: t for t in cluster.targets(slow)}
+    estimate = {t.name: t for t in reporting.targets(slow)}
     assert estimate["memory per token-bucket key at 1,000,000 keys (store estimate)"].ok is False
 
 
 def test_table_markdown_and_json() -> None:
     report = _report()
-    lines = cluster.table_lines(report)
+    lines = reporting.table_lines(report)
     assert lines[0].startswith("| configuration | req/s | decisions/s | p50 ms | p99 ms |")
     assert len(lines) == 2 + len(report["rows"])
     assert all(line.count("|") == lines[0].count("|") for line in lines)
@@ -178,21 +179,21 @@ def test_table_markdown_and_json() -> None:
     assert "- (off)" in direct and "| 1.00x |" in direct
     sticky = next(line for line in lines if line.startswith("| 2 router"))
     assert "500 (500) ok" in sticky and "2.55x" in sticky
-    text = cluster.markdown(report)
+    text = reporting.markdown(report)
     assert text.startswith("# Benchmark results")
     assert "## Targets" in text and "| pass |" in text and "SHORT" not in text
     assert "## Engine" in text and "* a note" in text
-    targets = [t.to_dict() for t in cluster.targets(report)]
+    targets = [t.to_dict() for t in reporting.targets(report)]
     json.dumps({"report": report, "targets": targets})  # all of it serialisable
     assert {t["pass"] for t in targets} == {True}
 
 
 def test_target_lines_format() -> None:
-    lines = cluster.target_lines(
+    lines = reporting.target_lines(
         [
-            cluster.Target("ratio", 0.3, 0.4),
-            cluster.Target("seconds", 12.34, 10.0, at_most=True, unit=" s", detail="d"),
-            cluster.Target("rate", 123_456.0, 100_000, unit="/s"),
+            reporting.Target("ratio", 0.3, 0.4),
+            reporting.Target("seconds", 12.34, 10.0, at_most=True, unit=" s", detail="d"),
+            reporting.Target("rate", 123_456.0, 100_000, unit="/s"),
         ]
     )
     assert lines[2] == "| ratio | 0.30x | >= 0.4x | SHORT |"
@@ -202,14 +203,14 @@ def test_target_lines_format() -> None:
 
 def test_settings_and_rows_option() -> None:
     parser = argparse.ArgumentParser()
-    cluster.add_arguments(parser)
-    quick = cluster.settings_from(parser.parse_args(["--quick"]))
+    bench.add_arguments(parser)
+    quick = bench.settings_from(parser.parse_args(["--quick"]))
     assert quick.duration == 2.0 and quick.repeats == 1 and quick.handoff_keys == 100_000
-    full = cluster.settings_from(parser.parse_args(["--duration", "3", "--rows", "sticky,redis"]))
+    full = bench.settings_from(parser.parse_args(["--duration", "3", "--rows", "sticky,redis"]))
     assert full.duration == 3.0 and full.repeats == 3 and full.rows == ("sticky", "redis")
     with pytest.raises(ValueError, match="unknown row"):
-        cluster.settings_from(parser.parse_args(["--rows", "nope"]))
-    assert "[[rules]]" in cluster.cluster_toml(quick)
+        bench.settings_from(parser.parse_args(["--rows", "nope"]))
+    assert "[[rules]]" in deployments.cluster_toml(quick)
 
 
 def test_load_generator_pieces() -> None:
@@ -228,7 +229,7 @@ def test_load_generator_pieces() -> None:
     head, _, body = requests[0].partition(b"\r\n\r\n")
     assert b"POST /v1/check HTTP/1.1" in head
     assert len(json.loads(body)["checks"]) == 3
-    assert cluster.cpu_seconds([os.getpid()]) > 0
+    assert measure.cpu_seconds([os.getpid()]) > 0
 
 
 def test_envoy_row_summary_and_table() -> None:
@@ -305,7 +306,7 @@ def test_scale_option_summary_and_table() -> None:
     for bad in ("", "0", "1,1", "a"):
         with pytest.raises(ValueError, match="--scale"):
             scale.parse_scale(bad)
-    exact = cluster.check_exactness("sticky", {"allowed": 500, "denied": 2000}, 1, 100, 5)
+    exact = reporting.check_exactness("sticky", {"allowed": 500, "denied": 2000}, 1, 100, 5)
     rows = [
         scale.summarise(1, "sticky", [_scale_run(1000, 1.0), _scale_run(1200, 1.2)], exact),
         scale.summarise(2, "sticky", [_scale_run(2000, 3.0), _scale_run(2400, 3.0)], exact),

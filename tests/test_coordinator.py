@@ -568,7 +568,7 @@ async def test_a_follower_cannot_overwrite_the_leaders_change_in_flight(
             assert in_flight and not in_flight[0].settled
             change = in_flight[0]
             # The follower's watch has seen the record (it knows of epoch 2).
-            await wait_until(lambda: follower._highest >= change.view.epoch)
+            await wait_until(lambda: follower.log.highest >= change.view.epoch)
             assert follower.view.epoch == 1  # not adopted: not settled
             # n3 restarts with no state, and holds no view of epoch 2 either.
             cluster.restart_node("n3")

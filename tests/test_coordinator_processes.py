@@ -2,7 +2,7 @@
 
 Each test starts etcd (the ``etcd_endpoint`` fixture), two routers with
 ``--coordinator`` and three nodes that join through either router, sends paced
-traffic alternating between the routers (tests/cluster.py ``Load``), and
+traffic alternating between the routers (tests/real_cluster.py ``Load``), and
 kills the leading router (kill -9) while traffic runs, or in the middle of a
 join. The follower must take the lead within the coordinator's ttl, finish or
 roll forward the change, and every user must be admitted exactly ``LIMIT``
@@ -21,7 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.cluster import (
+from tests.etcd_server import EtcdServer
+from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
+from tests.real_cluster import (
     LIMIT,
     Load,
     admin_ring,
@@ -32,8 +34,6 @@ from tests.cluster import (
     scrape,
     view_of,
 )
-from tests.etcd_server import EtcdServer
-from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.etcd, pytest.mark.timeout(90)]
 
@@ -174,7 +174,7 @@ def top_up(load: Load, router: str) -> None:
 
 
 def _sent(status: int) -> Any:
-    from tests.cluster import Sent
+    from tests.real_cluster import Sent
 
     return Sent(time.monotonic(), status, None, False)
 

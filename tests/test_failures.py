@@ -66,9 +66,13 @@ async def test_health_loop_errors_are_counted_in_metrics_and_logged(
             task = asyncio.create_task(membership._health_loop())
             try:
                 await _until(lambda: len(calls) >= 3)
+                # The loop survived every error: still running, and still calling.
+                assert not task.done()
+                seen = len(calls)
+                await _until(lambda: len(calls) > seen)
+                assert not task.done()
             finally:
                 task.cancel()
-        assert not task.done() or task.cancelled()  # the loop survived every error
         text = (await cluster.client.get("/metrics")).text
         count = metric(text, "ringlimit_router_background_errors_total", kind="health_loop")
         assert count >= 3
@@ -98,6 +102,7 @@ async def test_replication_loop_errors_are_counted_in_metrics_and_logged(
             task = asyncio.create_task(shard.run_replication())
             try:
                 await _until(lambda: len(calls) >= 3)
+                assert not task.done()  # the loop survived every error
             finally:
                 task.cancel()
         text = node.metrics.render().decode()

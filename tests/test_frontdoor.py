@@ -7,6 +7,7 @@ connections never starve working clients.
 
 from __future__ import annotations
 
+import json
 import resource
 import socket
 import time
@@ -142,9 +143,67 @@ def test_idle_connections_do_not_starve_requests_under_a_low_fd_limit(
             except httpx.HTTPError as exc:
                 code = type(exc).__name__
             outcomes[code] = outcomes.get(code, 0) + 1
+        print(f"\n[idle connections, ulimit -n 256] 300 idle; 40 fresh requests: {outcomes}")
         assert set(outcomes) <= {200, 503}, outcomes
         assert outcomes.get(200, 0) >= 35, outcomes
         assert router_proc.alive()
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_every_connection_busy_gets_a_json_503_and_the_server_recovers(
+    procs: Procs,  # noqa: F811
+) -> None:
+    """``--max-connections 2`` and two requests held in flight (headers sent,
+    body still owed, so neither connection is idle and none can be closed to
+    make room): a third connection's request is answered ``503`` with a JSON
+    body (never a reset or a hang). When the held requests finish, the server
+    serves again."""
+    _, node = procs.node("n1", None, *RULE)
+    router_proc, router = procs.router(
+        free_port(), "--node", f"n1={node}", *RULE, "--max-connections", "2"
+    )
+    port = port_of(router)
+    body = b'{"a": 1}'
+    held_head = (
+        b"POST /hello HTTP/1.1\r\nHost: x\r\nX-User-Id: held\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+    try:
+        for sock in held:
+            sock.sendall(held_head)
+        time.sleep(0.3)  # both requests are in the router, waiting for their bodies
+        started = time.monotonic()
+        refused = exchange(port, b"GET /hello HTTP/1.1\r\nHost: x\r\nX-User-Id: a\r\n\r\n")
+        took = time.monotonic() - started
+        assert status(refused) == 503, refused[:300]
+        head, _, payload = refused.partition(b"\r\n\r\n")
+        assert b"content-type: application/json" in head.lower(), head
+        assert json.loads(payload)["error"] == "over_capacity", payload
+        assert took < 2.0, took
+        # The held requests finish: each is answered (the cap never cut them off).
+        for sock in held:
+            sock.sendall(body)
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = sock.recv(65536)
+                assert chunk, answer
+                answer += chunk
+            assert status(answer) == 200, answer[:300]
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.2)
+    with httpx.Client(timeout=2.0) as client:
+        codes = [
+            client.get(f"{router}/hello", headers={"X-User-Id": f"after-{i}"}).status_code
+            for i in range(5)
+        ]
+    print(
+        f"\n[every connection busy, --max-connections 2] third request: {status(refused)} "
+        f"{json.loads(payload)['error']} in {took:.3f}s; held requests then 200; after: {codes}"
+    )
+    assert codes == [200] * 5, codes
+    assert router_proc.alive()

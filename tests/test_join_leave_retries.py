@@ -13,9 +13,11 @@ import http.server
 import json
 import signal
 import threading
+import time
 
 import pytest
 
+from node.server import JOIN_NOT_READY_ATTEMPTS
 from tests.processes import Procs, free_port, wait_for
 
 pytestmark = pytest.mark.integration
@@ -88,3 +90,39 @@ def test_a_final_refusal_is_not_retried(procs: Procs) -> None:
         assert proc.popen.wait(30) == 1
         assert router.asked == ["POST"]
         assert "could not join the ring; giving up: router answered 409" in proc.output()
+
+
+#: What a router answers a join whose URL it cannot reach (router/membership.py:
+#: the readiness wait ran out): a 504 ``not_ready`` JSON body.
+NOT_READY = (
+    504,
+    {"error": "not_ready", "detail": "node n1 at http://x did not answer /healthz within 10s"},
+)
+
+
+@pytest.mark.reliability
+def test_a_mistyped_url_gives_up_after_a_bounded_number_of_attempts(procs: Procs) -> None:
+    """A ``--join`` node whose ``--url`` is wrong (here a port nobody listens
+    on): every join is answered 504 ``not_ready``. The node stops after
+    JOIN_NOT_READY_ATTEMPTS of them, exits 1 and says, in one line, which URL
+    the router could not reach and what to check; it does not retry for minutes."""
+    wrong = f"http://127.0.0.1:{free_port()}"
+    with ScriptedRouter({"POST": [NOT_READY]}) as router:
+        started = time.monotonic()
+        argv = ["node", "--id", "n1", "--port", str(free_port()), "--join", router.url]
+        proc = procs.start("n1", [*argv, "--url", wrong])
+        status = proc.popen.wait(30)
+        took = time.monotonic() - started
+        output = proc.output()
+    print(f"\n[mistyped --url] exit {status} after {took:.2f}s, {len(router.asked)} join attempts")
+    assert status == 1, output
+    assert router.asked == ["POST"] * JOIN_NOT_READY_ATTEMPTS
+    given_up = [line for line in output.splitlines() if "could not join the ring" in line]
+    assert len(given_up) == 1, output
+    assert (
+        f"giving up: the router at {router.url} could not reach this node at {wrong} "
+        "(check --url / --host" in given_up[0]
+    ), output
+    # Start (a Python process: 1-4 s on a loaded machine), then 3 answers with
+    # 0.1 s and 0.2 s between them: far below the 120 s join deadline.
+    assert took <= 15.0, took

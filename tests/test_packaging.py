@@ -61,7 +61,7 @@ def test_the_wheel_ships_every_package(installed: Path) -> None:
         [
             str(installed / "python"),
             "-c",
-            "import benchmarks.cluster, simulations.cli, node.lua, router.cli, ring; "
+            "import benchmarks.bench, simulations.cli, node.lua, router.cli, ring; "
             "import simulations, pathlib; "
             "print(sorted(p.name for p in "
             "(pathlib.Path(simulations.__file__).parent / 'scenarios').glob('*.toml')))",

@@ -13,7 +13,7 @@ time, until clearly over quota) while the ring changes. For each user we
 count 200s (admitted) against 429s (denied); ``excess`` is the sum over users
 of admissions beyond 20. Every loop and wait is bounded.
 
-The load generator and the cluster helpers live in tests/cluster.py.
+The load generator and the cluster helpers live in tests/real_cluster.py.
 
 Run: ``pytest -m integration tests/test_rebalancing_processes.py -v -s``
 (``-s`` prints the measured figures that docs/rebalancing.md quotes).
@@ -30,7 +30,8 @@ import pytest
 
 from node.lease import DEFAULT_DRIFT
 from ring import RingView
-from tests.cluster import (
+from tests.processes import Procs, free_port, wait_for
+from tests.real_cluster import (
     LIMIT,
     USERS,
     Load,
@@ -43,7 +44,6 @@ from tests.cluster import (
     start_cluster,
     view_of,
 )
-from tests.processes import Procs, free_port, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -413,6 +413,7 @@ async def test_two_adjacent_members_lost_together(replicas: int) -> None:
         view = membership.view
         owner, successor = (m.id for m in view.successors(USERS[0], 2))
         users = [u for u in USERS if [m.id for m in view.successors(u, 2)] in ([owner, successor],)]
+        assert users  # else "admitted == 0" below would hold vacuously
         cluster.take_down(owner)
         cluster.take_down(successor)
         # The owner is removed first (the harder order: its keys go to the
@@ -466,5 +467,23 @@ async def test_a_late_transfer_of_keys_that_moved_on_is_passed_to_their_owner() 
         assert tally.excess() == 0, tally.over()
 
 
-def test_the_in_process_cluster_url_is_not_a_node() -> None:
-    assert httpx.URL(node_url("n1")).host == "n1.cluster"
+async def test_the_in_process_network_is_what_these_tests_assume() -> None:
+    """The harness behaves as the tests above rely on: a node's URL answers as
+    that node (readiness checks the id), the router's URL answers as no node
+    (the ``url_is_router`` case), ``take_down`` makes a node unreachable (a
+    connection error, as a crash) and ``bring_back`` restores it with what it
+    held; a host nobody mounted is unreachable, never another node."""
+    async with InProcessCluster(2, make_config(), clock=FrozenClock()) as cluster:
+        client = cluster.client
+        answer = await client.get(f"{node_url('n1')}/healthz")
+        assert answer.status_code == 200 and answer.json()["node"] == "n1"
+        assert (await client.get(f"{node_url('n2')}/healthz")).json()["node"] == "n2"
+        assert "node" not in (await client.get("/healthz")).json()
+        cluster.take_down("n1")
+        with pytest.raises(httpx.ConnectError):
+            await client.get(f"{node_url('n1')}/healthz")
+        assert (await client.get(f"{node_url('n2')}/healthz")).status_code == 200
+        cluster.bring_back("n1")
+        assert (await client.get(f"{node_url('n1')}/healthz")).json()["node"] == "n1"
+        with pytest.raises(httpx.ConnectError):
+            await client.get(f"{node_url('n3')}/healthz")

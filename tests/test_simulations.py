@@ -25,10 +25,10 @@ from ring import diff as ring_diff
 from simulations import SCHEMA_VERSION, ScenarioError, load_scenario, parse_scenario, simulate
 from simulations.arrivals import generate, user_name
 from simulations.cli import SCENARIO_DIR, main
-from simulations.cluster import build_timeline
 from simulations.modes import run_mode
 from simulations.report import dumps, format_report, stable
 from simulations.scenario import expand_with_detection
+from simulations.timeline import build_timeline
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny.json"
 ALGORITHMS = ["token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_window"]

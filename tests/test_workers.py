@@ -22,7 +22,8 @@ import pytest
 
 from router.cli import main
 from router.workers import WorkerRole, bind_public
-from tests.cluster import (
+from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
+from tests.real_cluster import (
     LIMIT,
     USERS,
     Load,
@@ -34,7 +35,6 @@ from tests.cluster import (
     report,
     start_cluster,
 )
-from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

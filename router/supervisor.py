@@ -24,13 +24,10 @@ and they are killed by the kernel if ``up`` itself dies without stopping them.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,14 +40,21 @@ from typing import Any, TextIO
 import httpx
 
 from node.config import ClusterConfig
-from router.restart import RestartPolicy, decide, describe_exit
+from router.processes import (
+    ChildProcess,
+    NotReady,
+    die_with_parent,
+    http_probe,
+    ringlimit_argv,
+    stop_all,
+    wait_ready,
+)
+from router.restart import RestartPolicy, decide
 
 #: How long ``up`` waits for the router to act on a node's exit before saying it did not.
 ACTION_WAIT = 30.0
 #: How long a restarted node has to rejoin the ring before ``up`` says it did not.
 REJOIN_WAIT = 60.0
-#: prctl(2): the signal a child gets when its parent dies.
-PR_SET_PDEATHSIG = 1
 
 CRASH_EFFECTS = {
     "replica": "its users go on from their replicas",
@@ -69,7 +73,8 @@ class Child:
 
     name: str
     argv: list[str]
-    popen: subprocess.Popen[bytes] | None = None
+    #: The running incarnation; None once it exited (until it is restarted).
+    process: ChildProcess | None = None
     #: Times (monotonic) of the restarts decided for it.
     restarts: list[float] = field(default_factory=list)
     restart_at: float | None = None
@@ -123,31 +128,34 @@ class Cluster:
         self._spawn(child)
 
     def _spawn(self, child: Child) -> None:
-        child.popen = subprocess.Popen(
-            [sys.executable, "-m", "router", *child.argv],
+        child.process = ChildProcess(
+            child.name,
+            ringlimit_argv(*child.argv),
             env=self.env,
-            preexec_fn=_child_setup(os.getpid()),  # up runs no threads: safe
+            preexec_fn=die_with_parent(os.getpid()),  # up runs no threads: safe
         )
+
+    def _children(self) -> list[Child]:
+        return [*([self.router] if self.router else []), *self.nodes]
 
     def stop(self, timeout: float = 10.0) -> None:
         """The router first, so no request reaches a node that is going away; then
         the nodes, with SIGHUP: they exit without a leave, there being nobody left
         to hand their counters to (SIGTERM would try, and fail, to leave)."""
-        if self.router is not None:
-            _terminate([self.router], timeout)
-        _terminate(self.nodes, timeout, signal.SIGHUP)
+        if self.router is not None and self.router.process is not None:
+            stop_all([self.router.process], timeout)
+        stop_all([c.process for c in self.nodes if c.process is not None], timeout, signal.SIGHUP)
         self._client.close()
 
     def failed(self) -> str | None:
         """Why the cluster cannot start or go on (a child exited), else None."""
-        for child in [*([self.router] if self.router else []), *self.nodes]:
-            if child.popen is not None and child.popen.poll() is not None:
-                return f"{child.name} {describe_exit(child.popen.returncode)}"
+        for child in self._children():
+            if child.process is not None and not child.process.alive():
+                return f"{child.name} {child.process.exit_text()}"
         return None
 
     def pids(self) -> dict[str, int]:
-        children = [*([self.router] if self.router else []), *self.nodes]
-        return {c.name: c.popen.pid for c in children if c.popen is not None}
+        return {c.name: c.process.pid for c in self._children() if c.process is not None}
 
     # ------------------------------------------------------------------ supervising
 
@@ -157,12 +165,12 @@ class Cluster:
         Returns why the cluster must stop (the router exited), else None.
         """
         now = self.clock()
-        router = self.router
-        if router is not None and router.popen is not None and router.popen.poll() is not None:
-            return f"the router (pid {router.popen.pid}) {describe_exit(router.popen.returncode)}"
+        router = self.router.process if self.router is not None else None
+        if router is not None and not router.alive():
+            return f"the {router.describe()}"
         ring: dict[str, Any] | None = None
         for child in self.nodes:
-            if child.popen is not None and child.popen.poll() is not None:
+            if child.process is not None and not child.process.alive():
                 ring = self._ring()
                 self._exited(child, ring, now)
         for child in self.nodes:
@@ -175,10 +183,10 @@ class Cluster:
         return None
 
     def _exited(self, child: Child, ring: dict[str, Any] | None, now: float) -> None:
-        assert child.popen is not None
-        what = f"{child.name} (pid {child.popen.pid}) {describe_exit(child.popen.returncode)}"
-        code = child.popen.returncode
-        child.popen = None
+        assert child.process is not None
+        what = child.process.describe()
+        code = child.process.returncode
+        child.process = None
         child.rejoin = None
         event = _last_event(ring, child.name, child.epoch_at_start)
         in_ring = _in_ring(ring, child.name)
@@ -222,7 +230,7 @@ class Cluster:
         if child.rejoin is not None and child.report is None:
             since, deadline = child.rejoin
             event = _first_event(ring, child.name, since, ("joined",))
-            pid = child.popen.pid if child.popen is not None else None
+            pid = child.process.pid if child.process is not None else None
             if event is not None:
                 child.rejoin = None
                 self._say(
@@ -312,36 +320,6 @@ def _in_ring(ring: dict[str, Any] | None, node: str) -> bool:
     )
 
 
-def _terminate(children: list[Child], timeout: float, how: int = signal.SIGTERM) -> None:
-    processes = [c.popen for c in children if c.popen is not None]
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(how)
-    deadline = time.monotonic() + timeout
-    for process in processes:
-        try:
-            process.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _child_setup(parent: int) -> Callable[[], None]:
-    """Run in each child before it execs: its own process group (a terminal's
-    Ctrl-C goes to ``up`` alone), and SIGKILL when ``up`` dies (Linux), so no
-    node outlives a supervisor killed with ``kill -9``."""
-
-    def setup() -> None:
-        os.setpgrp()
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # up died before the prctl took effect
-            os._exit(1)
-
-    return setup
-
-
 # ---------------------------------------------------------------------- preflight
 
 
@@ -390,6 +368,7 @@ def _redact(url: str) -> str:
 
 
 def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
+    """``ringlimit up``: start, supervise until asked to stop (or the router exits), stop."""
     host = "127.0.0.1"
     first_node_port = args.node_port or args.port + 1
     ports = [(args.port, "the router")]
@@ -421,38 +400,13 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    seeds = []
     try:
+        seeds = []
         for i in range(args.nodes):
             node_id, port = f"n{i + 1}", first_node_port + i
-            argv = ["node", "--id", node_id, "--port", str(port), "--host", host, "--fenced"]
-            argv += ["--join", router_url]
-            argv += ["--config", str(config_file), "--backend", config.backend]
-            argv += ["--balance", config.balance]
-            if args.upstream:
-                argv += ["--upstream", args.upstream]
-            if args.app:
-                argv += ["--app", args.app]
-            if args.verbose:
-                argv += ["--verbose"]
-            cluster.start_node(node_id, argv)
+            cluster.start_node(node_id, _node_argv(args, config, node_id, host, port, config_file))
             seeds.append(f"{node_id}=http://{host}:{port}")
-        router_argv = ["router", "--port", str(args.port), "--host", host]
-        router_argv += ["--config", str(config_file), "--backend", config.backend]
-        router_argv += ["--balance", config.balance]
-        for seed in seeds:
-            router_argv += ["--node", seed]
-        if args.state_file:
-            router_argv += ["--state-file", args.state_file]
-        if args.workers > 1:
-            router_argv += ["--workers", str(args.workers)]
-        if getattr(args, "grpc_port", None) is not None:
-            router_argv += ["--grpc-port", str(args.grpc_port)]
-        for envoy_file in getattr(args, "envoy_config", ()):
-            router_argv += ["--envoy-config", str(Path(envoy_file).resolve())]
-        if args.verbose:
-            router_argv += ["--verbose"]
-        cluster.start_router(router_argv)
+        cluster.start_router(_router_argv(args, config, host, config_file, seeds))
         ring = _wait_for_ring(router_url, cluster, lambda: stopping)
         if ring is None:
             if stopping:
@@ -475,23 +429,82 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
         workdir.rmdir()
 
 
-def _wait_for_ring(url: str, cluster: Cluster, stopping: Callable[[], bool]) -> dict | None:
-    deadline = time.monotonic() + 30.0
+def _node_argv(
+    args: argparse.Namespace,
+    config: ClusterConfig,
+    node_id: str,
+    host: str,
+    port: int,
+    config_file: Path,
+) -> list[str]:
+    """A node of ``up``: fenced until the router's first push, and joined to it
+    (so SIGTERM is a graceful leave and a restarted node registers again)."""
+    router_url = f"http://{host}:{args.port}"
+    argv = ["node", "--id", node_id, "--port", str(port), "--host", host, "--fenced"]
+    argv += ["--join", router_url]
+    argv += ["--config", str(config_file), "--backend", config.backend]
+    argv += ["--balance", config.balance]
+    if args.upstream:
+        argv += ["--upstream", args.upstream]
+    if args.app:
+        argv += ["--app", args.app]
+    if args.verbose:
+        argv += ["--verbose"]
+    return argv
+
+
+def _router_argv(
+    args: argparse.Namespace,
+    config: ClusterConfig,
+    host: str,
+    config_file: Path,
+    seeds: list[str],
+) -> list[str]:
+    """The router of ``up``, seeded with every node."""
+    argv = ["router", "--port", str(args.port), "--host", host]
+    argv += ["--config", str(config_file), "--backend", config.backend]
+    argv += ["--balance", config.balance]
+    for seed in seeds:
+        argv += ["--node", seed]
+    if args.state_file:
+        argv += ["--state-file", args.state_file]
+    if args.workers > 1:
+        argv += ["--workers", str(args.workers)]
+    if getattr(args, "grpc_port", None) is not None:
+        argv += ["--grpc-port", str(args.grpc_port)]
+    for envoy_file in getattr(args, "envoy_config", ()):
+        argv += ["--envoy-config", str(Path(envoy_file).resolve())]
+    if args.verbose:
+        argv += ["--verbose"]
+    return argv
+
+
+def _wait_for_ring(
+    url: str, cluster: Cluster, stopping: Callable[[], bool]
+) -> dict[str, Any] | None:
+    """The router's first ring once it is healthy; None if a child exited, the
+    wait took over 30 s, or ``up`` was asked to stop meanwhile."""
     token = cluster.admin_token
     headers = {"authorization": f"Bearer {token}"} if token else {}
     with httpx.Client(timeout=1.0, headers=headers) as client:
-        while time.monotonic() < deadline and not stopping():
-            if cluster.failed():
+        healthy = http_probe(client, f"{url}/healthz")
+
+        def ring() -> dict[str, Any] | None:
+            if not healthy():
                 return None
             try:
-                if client.get(f"{url}/healthz").status_code == 200:
-                    ring = client.get(f"{url}/admin/ring").json()
-                    if isinstance(ring, dict) and "epoch" in ring and "nodes" in ring:
-                        return ring
+                found = client.get(f"{url}/admin/ring").json()
             except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.1)
-    return None
+                return None
+            ok = isinstance(found, dict) and "epoch" in found and "nodes" in found
+            return found if ok else None
+
+        try:
+            return wait_ready(
+                ring, timeout=30.0, failed=cluster.failed, stopping=stopping, interval=0.1
+            )
+        except NotReady:
+            return None
 
 
 def _print_banner(

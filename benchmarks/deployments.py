@@ -1,0 +1,406 @@
+"""The deployments ``ringlimit bench`` compares, started as real processes on 127.0.0.1.
+
+What each row of the table is (ROWS), the rules every ringlimit process runs
+(:func:`cluster_toml`), and :func:`start_rows`, which starts what the chosen
+rows need (nodes, routers, one redis-server, slowapi under uvicorn) and waits
+until each answers. :class:`Processes` keeps every child it started so the
+command stops them all, routers before nodes, also on Ctrl-C; starting,
+waiting and stopping are router/processes.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from router.processes import (
+    ChildProcess,
+    NotReady,
+    free_port,
+    http_probe,
+    redis_probe,
+    ringlimit_argv,
+    stop_all,
+    wait_ready,
+)
+
+__all__ = [
+    "BATCH",
+    "DEFAULT_ROWS",
+    "ROLES",
+    "ROOT",
+    "ROWS",
+    "Processes",
+    "Row",
+    "Settings",
+    "cluster_toml",
+    "free_port",
+    "start_nodes",
+    "start_rows",
+    "wait_http",
+    "wait_redis",
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The rows, in table order: key -> label.
+ROWS: dict[str, str] = {
+    "direct": "1 direct to one node, limiter off (floor)",
+    "sticky": "2 router -> nodes, sticky, in-memory",
+    "redis": "3 router -> nodes, Redis (Lua), pipelined",
+    "redis_naive": "3b router -> nodes, Redis (Lua), one round trip per check",
+    "round_robin": "4 router -> nodes, round-robin local (ref.)",
+    "slowapi": "5 slowapi/limits + Redis, 2 workers",
+    "api_single": "6a decision API, single, coalesced",
+    "api_single_nc": "6b decision API, single, not coalesced",
+    "api_batch": "6c decision API, batches of 100",
+    # The cost of extra replicas (crash policy replica, rule `replicas = N`): not in
+    # the default run; `ringlimit bench --rows sticky,sticky_r2,sticky_r3`.
+    "sticky_r2": "2b router -> nodes, sticky, replicas = 2",
+    "sticky_r3": "2c router -> nodes, sticky, replicas = 3",
+}
+#: Rows run when --rows is not given.
+DEFAULT_ROWS = tuple(k for k in ROWS if k not in ("sticky_r2", "sticky_r3"))
+ROLES = ("router", "nodes", "redis")
+BATCH = 100
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class Processes:
+    """Everything the benchmark starts; :meth:`stop_all` stops it (routers before nodes).
+
+    Each child leads its own session: a Ctrl-C in the terminal reaches the
+    benchmark alone, which then stops its children in order. Output goes to
+    ``<workdir>/<name>.log``.
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.started: list[ChildProcess] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
+        child = ChildProcess(
+            name,
+            argv,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            log=self.workdir / f"{name}.log",
+            new_session=True,
+        )
+        self.started.append(child)
+        return child.pid
+
+    def ringlimit(self, name: str, *args: str) -> int:
+        return self.start(name, ringlimit_argv(*args))
+
+    def names(self) -> list[str]:
+        return [child.name for child in self.started]
+
+    def failed(self) -> str | None:
+        """The first child that exited, with the tail of its output, else None."""
+        for child in self.started:
+            if not child.alive():
+                return f"{child.name} {child.exit_text()}: {self.log_tail(child.name)}"
+        return None
+
+    def log_tail(self, name: str) -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace")[-1500:] if path.exists() else ""
+
+    def stop(self, names: Sequence[str] | None = None, timeout: float = 10.0) -> None:
+        """Stop the children named (all when None), the last started first."""
+        chosen = [c for c in reversed(self.started) if names is None or c.name in names]
+        stop_all(chosen, timeout, signal.SIGTERM)
+        self.started = [c for c in self.started if c not in chosen]
+
+    def stop_all(self) -> None:
+        self.stop(None)
+
+
+def wait_http(url: str, procs: Processes, timeout: float = 30.0) -> None:
+    """Until ``GET url`` answers 200; RuntimeError if a child exits or time runs out."""
+    with httpx.Client(timeout=1.0) as client:
+        try:
+            wait_ready(http_probe(client, url), timeout=timeout, failed=procs.failed)
+        except NotReady as exc:
+            raise RuntimeError(_not_ready(exc, url, timeout)) from None
+
+
+def wait_redis(port: int, procs: Processes, timeout: float = 15.0) -> None:
+    """Until redis-server on ``port`` answers PING; RuntimeError as :func:`wait_http`."""
+    try:
+        wait_ready(redis_probe(port), timeout=timeout, failed=procs.failed)
+    except NotReady as exc:
+        raise RuntimeError(_not_ready(exc, f"redis-server on port {port}", timeout)) from None
+
+
+def _not_ready(exc: NotReady, what: str, timeout: float) -> str:
+    timed_out = str(exc).startswith("not ready within")
+    return f"{what} not ready within {timeout:g}s" if timed_out else str(exc)
+
+
+# --------------------------------------------------------------------------- the deployments
+
+
+@dataclass
+class Row:
+    key: str
+    url: str
+    mode: str  # proxy | single | batch
+    roles: dict[str, list[int]]  # role -> pids
+    tight_url: str
+    #: How many times users x limit the tight run may allow (round-robin local: N).
+    tight_factor: int = 1
+    decisions_per_request: int = 1
+    limited: bool = True
+
+
+@dataclass
+class Settings:
+    duration: float = 5.0
+    warmup: float = 1.0
+    repeats: int = 3
+    connections: int = 50
+    users: int = 10_000
+    nodes: int = 2
+    load_rate: str = "1000/second"
+    tight_limit: int = 5
+    tight_users: int = 100
+    tight_duration: float = 2.0
+    coalesce_window_us: float = 300.0
+    engine_seconds: float = 20.0
+    engine_keys: int = 10_000
+    engine_hits: int = 10
+    memory_keys: int = 1_000_000
+    handoff_keys: int = 1_000_000
+    tool: str = "auto"
+    rows: tuple[str, ...] = DEFAULT_ROWS
+    #: The clusters' crash policy; None: ringlimit's default (replica: replication on).
+    crash_policy: str | None = None
+    #: The Envoy row (benchmarks/envoy.py): ShouldRateLimit over gRPC, sticky vs Redis.
+    envoy: bool = True
+
+
+def cluster_toml(settings: Settings, replicas: int = 1) -> str:
+    """The rules every ringlimit process of the benchmark runs with (``replicas``:
+    copies of each ``bench`` state on successors, for the replica-cost rows)."""
+    if replicas != 1:
+        return cluster_toml(Settings(**{**settings.__dict__, "crash_policy": "replica"})).replace(
+            'paths = ["/load/*"]\n', f'paths = ["/load/*"]\nreplicas = {replicas}\n', 1
+        )
+    return (
+        f'[[rules]]\nname = "bench"\nrate = "{settings.load_rate}"\npaths = ["/load/*"]\n\n'
+        f'[[rules]]\nname = "tight"\nrate = "{settings.tight_limit}/hour"\n'
+        'paths = ["/tight/*"]\n\n'
+        # A slow refill: a handoff state stays distinguishable from a fresh one (and so is
+        # neither evicted nor skipped by the export) for hours after one request.
+        '[[rules]]\nname = "handoff"\nrate = "100/day"\npaths = ["/handoff/*"]\n'
+    ) + (f'\n[policies]\ncrash = "{settings.crash_policy}"\n' if settings.crash_policy else "")
+
+
+def start_nodes(
+    procs: Processes, prefix: str, count: int, cfg: Path, *extra: str
+) -> tuple[list[int], list[str], list[str]]:
+    """``count`` fenced nodes ``<prefix>1..``: their pids, the router's ``--node``
+    seed flags, and their /healthz URLs (to wait on)."""
+    pids: list[int] = []
+    seeds: list[str] = []
+    health: list[str] = []
+    for i in range(1, count + 1):
+        port = free_port()
+        node_id = f"{prefix}{i}"
+        pids.append(
+            procs.ringlimit(
+                node_id,
+                "node",
+                *("--id", node_id, "--port", str(port), "--fenced"),
+                *("--config", str(cfg), *extra),
+            )
+        )
+        seeds += ["--node", f"{node_id}=http://127.0.0.1:{port}"]
+        health.append(f"http://127.0.0.1:{port}/healthz")
+    return pids, seeds, health
+
+
+def start_rows(procs: Processes, settings: Settings, workdir: Path) -> dict[str, Row]:
+    """Start every deployment the chosen rows need; answer how to load each row."""
+    wanted = set(settings.rows)
+    starter = _Starter(procs, settings, workdir)
+    rows: dict[str, Row] = {}
+    if wanted & {"redis", "redis_naive", "slowapi"}:
+        starter.start_redis()
+    if "direct" in wanted:
+        rows["direct"] = starter.direct()
+    if wanted & {"sticky", "api_single", "api_single_nc", "api_batch"}:
+        rows.update(starter.sticky(with_uncoalesced="api_single_nc" in wanted))
+    for replicas, key in ((2, "sticky_r2"), (3, "sticky_r3")):
+        if key in wanted:
+            rows[key] = starter.sticky_replicas(key, replicas)
+    for key, prefix, pipeline, db in (("redis", "r", "on", 0), ("redis_naive", "q", "off", 2)):
+        if key in wanted:
+            rows[key] = starter.redis(key, prefix, pipeline, db)
+    if "round_robin" in wanted:
+        rows["round_robin"] = starter.round_robin()
+    if "slowapi" in wanted:
+        rows["slowapi"] = starter.slowapi()
+    for url in starter.ready:
+        wait_http(url, procs)
+    return {key: rows[key] for key in ROWS if key in rows and key in wanted}
+
+
+class _Starter:
+    """What :func:`start_rows` shares between the rows: the processes, the rules
+    file, the one redis-server, and the URLs to wait on once all are started
+    (started together, they get ready side by side)."""
+
+    def __init__(self, procs: Processes, settings: Settings, workdir: Path) -> None:
+        self.procs = procs
+        self.settings = settings
+        self.workdir = workdir
+        self.cfg = workdir / "cluster.toml"
+        self.cfg.write_text(cluster_toml(settings))
+        self.ready: list[str] = []
+        self.redis_pid = 0
+        self.redis_url = ""
+
+    def nodes(self, prefix: str, *extra: str) -> tuple[list[int], list[str]]:
+        pids, seeds, health = start_nodes(self.procs, prefix, self.settings.nodes, self.cfg, *extra)
+        self.ready.extend(health)
+        return pids, seeds
+
+    def router(self, name: str, seeds: list[str], *extra: str) -> tuple[int, str]:
+        port = free_port()
+        pid = self.procs.ringlimit(
+            name,
+            "router",
+            *("--port", str(port), "--config", str(self.cfg), "--no-health-checks"),
+            *seeds,
+            *extra,
+        )
+        url = f"http://127.0.0.1:{port}"
+        self.ready.append(f"{url}/healthz")
+        return pid, url
+
+    def start_redis(self) -> None:
+        port = free_port()
+        self.redis_pid = self.procs.start(
+            "redis",
+            [
+                *("redis-server", "--port", str(port), "--bind", "127.0.0.1"),
+                *("--save", "", "--appendonly", "no"),
+            ],
+        )
+        wait_redis(port, self.procs)
+        self.redis_url = f"redis://127.0.0.1:{port}"
+
+    def direct(self) -> Row:
+        empty = self.workdir / "empty.toml"
+        empty.write_text("")
+        port = free_port()
+        # No rules at all (--config of an empty file; flags add none): the limiter is off.
+        pid = self.procs.ringlimit(
+            "direct", "node", "--id", "d1", "--port", str(port), "--config", str(empty)
+        )
+        url = f"http://127.0.0.1:{port}"
+        self.ready.append(f"{url}/healthz")
+        return Row("direct", f"{url}/load/x", "proxy", {"nodes": [pid]}, "", limited=False)
+
+    def sticky(self, *, with_uncoalesced: bool) -> dict[str, Row]:
+        """The sticky cluster and the decision API rows through its router."""
+        node_pids, seeds = self.nodes("s")
+        rpid, rurl = self.router(
+            "router-sticky", seeds, "--coalesce-window", str(self.settings.coalesce_window_us)
+        )
+        roles = {"router": [rpid], "nodes": node_pids}
+        check = f"{rurl}/v1/check"
+        rows = {
+            "sticky": Row("sticky", f"{rurl}/load/x", "proxy", roles, f"{rurl}/tight/x"),
+            "api_single": Row("api_single", check, "single", roles, check),
+            "api_batch": Row(
+                "api_batch", check, "batch", roles, check, decisions_per_request=BATCH
+            ),
+        }
+        if with_uncoalesced:
+            # A second router over the same nodes (it adopts their ring), coalescing off.
+            npid, nurl = self.router("router-nocoalesce", seeds, "--coalesce-window", "0")
+            rows["api_single_nc"] = Row(
+                "api_single_nc",
+                f"{nurl}/v1/check",
+                "single",
+                {"router": [npid], "nodes": node_pids},
+                f"{nurl}/v1/check",
+            )
+        return rows
+
+    def sticky_replicas(self, key: str, replicas: int) -> Row:
+        replica_cfg = self.workdir / f"cluster-r{replicas}.toml"
+        replica_cfg.write_text(cluster_toml(self.settings, replicas))
+        node_pids, seeds = self.nodes(f"p{replicas}-", "--config", str(replica_cfg))
+        rpid, rurl = self.router(f"router-r{replicas}", seeds, "--config", str(replica_cfg))
+        roles = {"router": [rpid], "nodes": node_pids}
+        return Row(key, f"{rurl}/load/x", "proxy", roles, f"{rurl}/tight/x")
+
+    def redis(self, key: str, prefix: str, pipeline: str, db: int) -> Row:
+        node_pids, seeds = self.nodes(
+            prefix,
+            *("--backend", "redis", "--redis-url", f"{self.redis_url}/{db}"),
+            *("--redis-pipeline", pipeline),
+        )
+        rpid, rurl = self.router(f"router-{key}", seeds, "--backend", "redis")
+        roles = {"router": [rpid], "nodes": node_pids, "redis": [self.redis_pid]}
+        return Row(key, f"{rurl}/load/x", "proxy", roles, f"{rurl}/tight/x")
+
+    def round_robin(self) -> Row:
+        node_pids, seeds = self.nodes("l", "--balance", "round-robin")
+        rpid, rurl = self.router("router-rr", seeds, "--balance", "round-robin")
+        return Row(
+            "round_robin",
+            f"{rurl}/load/x",
+            "proxy",
+            {"router": [rpid], "nodes": node_pids},
+            f"{rurl}/tight/x",
+            tight_factor=self.settings.nodes,
+        )
+
+    def slowapi(self) -> Row:
+        port = free_port()
+        pid = self.procs.start(
+            "slowapi",
+            [
+                *(sys.executable, "-m", "uvicorn", "benchmarks.slowapi_app:app"),
+                *("--host", "127.0.0.1", "--port", str(port), "--workers", "2"),
+                *("--no-access-log", "--log-level", "warning"),
+                *_uvicorn_fast_flags(),
+            ],
+            env={
+                "RINGLIMIT_BENCH_REDIS": f"{self.redis_url}/1",
+                "RINGLIMIT_BENCH_LOAD_RATE": self.settings.load_rate,
+                "RINGLIMIT_BENCH_TIGHT_RATE": f"{self.settings.tight_limit}/hour",
+            },
+        )
+        url = f"http://127.0.0.1:{port}"
+        self.ready.append(f"{url}/healthz")
+        roles = {"nodes": [pid], "redis": [self.redis_pid]}
+        return Row("slowapi", f"{url}/load/x", "proxy", roles, f"{url}/tight/x")
+
+
+def _uvicorn_fast_flags() -> list[str]:
+    flags = []
+    with contextlib.suppress(ImportError):
+        import uvloop  # noqa: F401
+
+        flags += ["--loop", "uvloop"]
+    with contextlib.suppress(ImportError):
+        import httptools  # noqa: F401
+
+        flags += ["--http", "httptools"]
+    return flags

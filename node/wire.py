@@ -1,0 +1,370 @@
+"""The decision API on the wire: one check type, one parser, one encoder.
+
+``POST /v1/check`` is spoken by clients to a router, by a router to the nodes
+(a batch per node) and by router/envoy.py on behalf of Envoy. Everything that
+shapes those bytes lives here, so the router and the node cannot drift apart:
+
+* :class:`Check`, the one validated check (a plain tuple: the hot path builds
+  thousands per batch);
+* :func:`parse_json` and :func:`parse_checks`, which turn a body into checks
+  or an :class:`ApiError` (a clear 4xx, never a 500; nothing is decided unless
+  the whole request is valid);
+* :func:`result_dict` and :class:`ResultEncoder`, a node's answer per check;
+* the batch framing: a node answers one result per line
+  (:func:`node_batch_body`) so that a router can split and merge several
+  nodes' answers without decoding them (:func:`split_results`,
+  :func:`checks_payload`, :func:`batch_body`);
+* :func:`dumps`, the one JSON encoding of the API (as Starlette's
+  ``JSONResponse`` writes it).
+
+Pure: no I/O but :func:`read_body`, which reads a Starlette request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from functools import partial
+from json.encoder import encode_basestring_ascii as _jstr
+from math import isfinite
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from node.config import ClusterConfig
+from node.decision import Verdict
+from node.rules import Rule
+from node.shadow import denied_names
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+
+class ApiError(Exception):
+    """A refused request: its status and the JSON body ``{"error", "detail"}``."""
+
+    def __init__(self, status: int, error: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.error = error
+        self.detail = detail
+
+    def body(self) -> dict[str, str]:
+        return {"error": self.error, "detail": self.detail}
+
+
+class Check(NamedTuple):
+    """A valid check: the key, the rules it is decided by, and its cost.
+
+    A tuple, so it is what :meth:`node.authority.Authority.decide_many` takes
+    as it is, and the fast parser can build it with ``tuple.__new__``.
+    """
+
+    key: str
+    rules: tuple[Rule, ...]
+    cost: int
+
+
+#: ``Check(key, rules, cost)`` without NamedTuple's argument handling (the hot path).
+_check = partial(tuple.__new__, Check)
+
+#: One decision-API result: a node's, as the JSON bytes it sent, or the router's own.
+Result = bytes | dict[str, Any]
+
+
+def dumps(data: Any) -> str:
+    """JSON as Starlette's JSONResponse encodes it (the API's one encoding)."""
+    return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------- parsing
+
+
+def parse_json(body: bytes, config: ClusterConfig) -> Any:
+    """The decoded body, or 413 (too large) / 400 (not JSON)."""
+    if len(body) > config.limits.max_body:
+        raise ApiError(
+            413, "body_too_large", f"body is {len(body)} bytes; at most {config.limits.max_body}"
+        )
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # Deeply nested arrays/objects exhaust the decoder's stack: bad input, not a 500.
+        raise ApiError(400, "invalid_json", "body is nested too deeply") from None
+
+
+def parse_checks(data: Any, config: ClusterConfig) -> tuple[list[Check], bool]:
+    """The checks a decision-API body asks for, and whether it was a batch.
+
+    The common, valid body takes a fast path; anything unusual (an unknown
+    field, a non-ASCII key, a missing rule, any invalid value) goes through
+    the strict parser, which decides and words the error.
+    """
+    if type(data) is dict:
+        items = data.get("checks")
+        if items is None:
+            if "checks" not in data:
+                fast = _fast_items([data], config)
+                if fast is not None:
+                    return fast, False
+        elif type(items) is list and len(data) == 1 and 0 < len(items) <= config.limits.max_batch:
+            fast = _fast_items(items, config)
+            if fast is not None:
+                return fast, True
+    return _parse_checks_strict(data, config)
+
+
+def _fast_items(items: list[Any], config: ClusterConfig) -> list[Check] | None:
+    """The checks of ``items`` when all are plainly valid, else None (no error words)."""
+    rule_of = config.rule_map.get
+    default = config.default_rules
+    max_key = config.limits.max_key_length
+    max_cost = config.limits.max_cost
+    single: dict[str, tuple[Rule, ...]] = {}
+    out: list[Check] = []
+    append = out.append
+    for item in items:
+        if type(item) is not dict:
+            return None
+        key = item.get("key")
+        if type(key) is not str or not key or len(key) > max_key or not key.isascii():
+            return None
+        cost = item.get("cost", 1)
+        name = item.get("rule")
+        if len(item) != 1 + ("cost" in item) + ("rule" in item):
+            return None  # an unknown field
+        if type(cost) is not int or not 0 <= cost <= max_cost:
+            return None
+        if name is None:
+            if not default:
+                return None
+            rules = default
+        else:
+            if type(name) is not str:
+                return None
+            found = single.get(name)
+            if found is None:
+                rule = rule_of(name)
+                if rule is None:
+                    return None
+                found = single[name] = (rule,)
+            rules = found
+        append(_check((key, rules, cost)))
+    return out
+
+
+def _parse_checks_strict(data: Any, config: ClusterConfig) -> tuple[list[Check], bool]:
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_request", "body must be a JSON object")
+    if "checks" in data:
+        extra = set(data) - {"checks"}
+        if extra:
+            raise ApiError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(extra))}")
+        items = data["checks"]
+        if not isinstance(items, list):
+            raise ApiError(400, "invalid_request", "'checks' must be an array")
+        if not items:
+            raise ApiError(400, "invalid_request", "'checks' is empty")
+        if len(items) > config.limits.max_batch:
+            raise ApiError(
+                413,
+                "batch_too_large",
+                f"'checks' has {len(items)} items; at most {config.limits.max_batch}",
+            )
+        return [parse_check(item, config, f"checks[{i}]") for i, item in enumerate(items)], True
+    return [parse_check(data, config, "body")], False
+
+
+def parse_check(item: Any, config: ClusterConfig, where: str) -> Check:
+    """One check object, or the :class:`ApiError` that says what is wrong at ``where``."""
+    if not isinstance(item, dict):
+        raise ApiError(400, "invalid_request", f"{where} must be an object")
+    extra = set(item) - {"key", "rule", "cost"}
+    if extra:
+        raise ApiError(
+            400, "invalid_request", f"{where}: unknown field(s): {', '.join(sorted(extra))}"
+        )
+    key = item.get("key")
+    if not isinstance(key, str) or not key:
+        raise ApiError(400, "invalid_key", f"{where}.key must be a non-empty string")
+    if len(key) > config.limits.max_key_length:
+        raise ApiError(
+            400,
+            "key_too_long",
+            f"{where}.key is {len(key)} characters; at most {config.limits.max_key_length}",
+        )
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate (JSON "\\ud800") cannot be hashed onto the ring.
+        raise ApiError(
+            400, "invalid_key", f"{where}.key is not valid Unicode (lone surrogate)"
+        ) from None
+    cost = item.get("cost", 1)
+    if isinstance(cost, bool) or not isinstance(cost, int):
+        raise ApiError(400, "invalid_cost", f"{where}.cost must be an integer, got {cost!r}")
+    if not 0 <= cost <= config.limits.max_cost:
+        raise ApiError(
+            400, "invalid_cost", f"{where}.cost must be 0..{config.limits.max_cost}, got {cost}"
+        )
+    name = item.get("rule")
+    if name is None:
+        rules = config.default_rules
+        if not rules:
+            raise ApiError(
+                400, "no_rule", f"{where}: no rule named and no default (unscoped) rule configured"
+            )
+    else:
+        if not isinstance(name, str):
+            raise ApiError(400, "invalid_rule", f"{where}.rule must be a string")
+        rule = config.rule(name)
+        if rule is None:
+            known = ", ".join(sorted(config.rule_map)) or "none"
+            raise ApiError(
+                404, "unknown_rule", f"{where}: no rule named {name[:64]!r} (known: {known})"
+            )
+        rules = (rule,)
+    return Check(key, rules, cost)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "body_too_large", f"body is {declared} bytes; at most {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------- results
+
+
+def result_dict(verdict: Verdict, node: str) -> dict[str, Any]:
+    """A decision-API result: the deciding (most restrictive) rule's answer."""
+    result = verdict.decision.to_dict()
+    result["allowed"] = verdict.allowed
+    result["node"] = node
+    if len(verdict.decisions) > 1:
+        result["decisions"] = [d.to_dict() for d in verdict.decisions]
+    denied = denied_names(verdict)
+    if denied:
+        result["shadow_denied"] = denied
+    return result
+
+
+class ResultEncoder:
+    """:func:`result_dict` as JSON text, without building the dict (the batch hot path).
+
+    The common result (one rule, no reason, finite times) is formatted
+    directly, byte for byte as ``dumps(result_dict(...))`` writes it; any
+    other goes through that.
+    """
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self._tail = f',"node":{dumps(node)}}}'
+        self._rules: dict[str, str] = {}
+
+    def __call__(self, verdict: Verdict) -> str:
+        d = verdict.decision
+        reset, retry, available = d.reset_after, d.retry_after, d.available_after
+        if (
+            d.reason
+            or d.allowed != verdict.allowed
+            or len(verdict.decisions) > 1
+            or not isfinite(reset)
+            or not isfinite(available)
+            or (retry is not None and not isfinite(retry))
+        ):
+            return dumps(result_dict(verdict, self.node))
+        rule = self._rules.get(d.rule)
+        if rule is None:
+            rule = self._rules[d.rule] = dumps(d.rule)
+        return (
+            f'{{"allowed":{"true" if verdict.allowed else "false"},"limit":{d.limit!r},'
+            f'"remaining":{d.remaining!r},"reset_after":{round(reset, 6)!r},"retry_after":'
+            f'{"null" if retry is None else repr(round(retry, 6))},"rule":{rule},'
+            f'"available_after":{round(available, 6)!r}{self._tail}'
+        )
+
+
+def unreachable_result(check: Check, node_id: str) -> dict[str, Any]:
+    """The router's own result for a check whose owner did not answer: the
+    rules' ``on_error`` decides (any ``closed`` rule denies)."""
+    closed = any(r.on_error == "closed" for r in check.rules)
+    rule = check.rules[0]
+    return {
+        "allowed": not closed,
+        "limit": rule.limit,
+        "remaining": 0 if closed else rule.limit,
+        "reset_after": 0.0,
+        "retry_after": None,
+        "rule": rule.name,
+        "available_after": 0.0,
+        "node": node_id,
+        "reason": "owner_unreachable",
+    }
+
+
+# ---------------------------------------------------------------------- batch framing
+
+#: A node's batch answer: ``{"results":[`` NL result (NL ``,`` result)* NL ``]}``.
+#: Still plain JSON; the lines let a router split it without decoding it.
+RESULTS_HEAD = '{"results":[\n'
+RESULTS_SEP = "\n,"
+RESULTS_TAIL = "\n]}"
+_LINES_HEAD = RESULTS_HEAD.encode()
+_LINES_SEP = RESULTS_SEP.encode()
+_LINES_TAIL = RESULTS_TAIL.encode()
+
+
+def node_batch_body(results: Iterable[str]) -> bytes:
+    """A node's batch answer, one encoded result per line."""
+    return (RESULTS_HEAD + RESULTS_SEP.join(results) + RESULTS_TAIL).encode()
+
+
+def split_results(body: bytes) -> list[Any]:
+    """The results of a node's batch answer, undecoded (bytes) when it has one
+    per line, decoded otherwise. ``ValueError`` (or ``KeyError``/``TypeError``)
+    for a malformed answer."""
+    if body.startswith(_LINES_HEAD):
+        if not body.endswith(_LINES_TAIL):
+            raise ValueError("truncated batch answer")
+        return body[len(_LINES_HEAD) : -len(_LINES_TAIL)].split(_LINES_SEP)
+    answered = json.loads(body)["results"]
+    if not isinstance(answered, list):
+        raise ValueError("results is not a list")
+    return answered
+
+
+def checks_payload(checks: Sequence[Check], indices: Iterable[int]) -> bytes:
+    """The batch body a router sends a node for ``checks[i]`` of ``indices``, formatted
+    directly: ``{"checks": [{"key", "cost", "rule" (when the check names one rule)}, ...]}``."""
+    parts: list[str] = []
+    append = parts.append
+    for i in indices:
+        check = checks[i]
+        rules = check.rules
+        if len(rules) == 1:
+            append(
+                f'{{"key":{_jstr(check.key)},"cost":{int(check.cost)},'
+                f'"rule":{_jstr(rules[0].name)}}}'
+            )
+        else:
+            append(f'{{"key":{_jstr(check.key)},"cost":{int(check.cost)}}}')
+    return ('{"checks":[' + ",".join(parts) + "]}").encode()
+
+
+def batch_body(results: Iterable[Result]) -> bytes:
+    """A router's batch answer: the nodes' results as they sent them, its own encoded."""
+    return (
+        b'{"results":['
+        + b",".join(r if type(r) is bytes else dumps(r).encode() for r in results)
+        + b"]}"
+    )

@@ -1,0 +1,324 @@
+"""The router's admin API: ``/admin/*``.
+
+Ring membership (``GET /admin/ring``, ``POST /admin/nodes``, ``DELETE
+/admin/nodes/{id}``: passed on to the leading router when this one does not
+lead), the most limited keys merged across nodes (``GET /admin/top``) and the
+ring page (``/admin/ui``). Token-protected (``admin_token``), or loopback-only
+without a token (node/security.py's one access check).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from node.asgi import error_body
+from node.config import Privacy
+from node.security import bearer, refusal
+from node.topkeys import NEAR_LIMIT_FRACTION
+from node.wire import ApiError, parse_json, read_body
+from ring import Member
+from ring.analysis import hash_share
+from ring.member import check_id, check_url, check_weight, same_url
+from router.coordinator import CoordinatorError
+from router.membership import MembershipError
+from router.top import KeyHider, Report, ask_nodes, merge_top, node_status, number, random_salt
+from router.ui import HEADERS as UI_HEADERS
+from router.ui import PAGE as UI_PAGE
+
+if TYPE_CHECKING:
+    from router.app import Router
+
+
+class AdminAPI:
+    """The admin endpoints of one :class:`router.app.Router`."""
+
+    def __init__(self, router: Router, client: httpx.AsyncClient | None = None) -> None:
+        self.router = router
+        #: Reaches the nodes' /internal/top (shared with membership when given).
+        self._client = client
+        self._owns_client = client is None
+        self._salt = random_salt()
+        self._hider: tuple[Privacy, KeyHider] | None = None
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/admin/ring", self.admin_ring, methods=["GET"]),
+            Route("/admin/nodes", self.admin_join, methods=["POST"]),
+            Route("/admin/nodes/{node_id}", self.admin_leave, methods=["DELETE"]),
+            Route("/admin/top", self.admin_top, methods=["GET"]),
+            Route("/admin/ui", self.admin_ui, methods=["GET"]),
+            Route("/admin/ui/data", self.admin_ui_data, methods=["GET"]),
+        ]
+
+    async def close(self) -> None:
+        if self._owns_client and self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    # ------------------------------------------------------------------ membership
+
+    def refused(self, request: Request) -> Response | None:
+        """The answer refusing an admin call (401/403), or None when it may proceed."""
+        status = refusal(
+            bearer(request.headers.get("authorization")),
+            self.router.settings.admin_token,
+            request.client.host if request.client else None,
+        )
+        if status == 403:
+            return JSONResponse(
+                error_body("forbidden", "the admin API is loopback-only without an admin token"),
+                status_code=403,
+            )
+        if status is not None:
+            return JSONResponse(
+                error_body(
+                    "unauthorized", "missing or wrong admin token (Authorization: Bearer ...)"
+                ),
+                status_code=401,
+                headers={"www-authenticate": "Bearer"},
+            )
+        return None
+
+    async def admin_ring(self, request: Request) -> Response:
+        if (refused := self.refused(request)) is not None:
+            return refused
+        return JSONResponse(self.router.membership.describe())
+
+    def headers(self) -> dict[str, str]:
+        """What this router presents to another router's admin API (the leader's)."""
+        token = self.router.settings.admin_token
+        return {"authorization": f"Bearer {token}"} if token else {}
+
+    async def _leader(self) -> str | Response | None:
+        """The leading router's URL, None if this router leads, or an error answer."""
+        membership = self.router.membership
+        if membership.coordinator is None:
+            return self.router.settings.leader_url  # a follower (router/workers.py), or alone
+        if membership.leading:
+            return None
+        try:
+            return await membership.coordinator.leader() or ""
+        except CoordinatorError as exc:
+            return JSONResponse(error_body("coordinator_unavailable", str(exc)), status_code=503)
+
+    async def _to_leader(self, request: Request, body: bytes = b"") -> Response | None:
+        """Membership changes are the leader's (with etcd, or when following a
+        leading router): pass them on. None: this router makes the change."""
+        membership = self.router.membership
+        leader = await self._leader()
+        if leader is None or isinstance(leader, Response):
+            return leader
+        if not leader or leader == membership.advertise:
+            return JSONResponse(
+                error_body("no_leader", "no router leads the cluster right now; retry shortly"),
+                status_code=503,
+                headers={"retry-after": "1"},
+            )
+        headers = {
+            k: v for k, v in request.headers.items() if k in ("authorization", "content-type")
+        }
+        try:
+            answer = await membership.client.request(
+                request.method,
+                leader.rstrip("/") + request.url.path,
+                content=body,
+                headers=headers,
+                timeout=httpx.Timeout(
+                    membership.ready_timeout + membership.push_timeout, connect=1.0
+                ),
+            )
+        except httpx.HTTPError as exc:
+            return JSONResponse(
+                error_body(
+                    "leader_unreachable",
+                    f"the leading router at {leader} did not answer ({type(exc).__name__})",
+                ),
+                status_code=502,
+            )
+        if answer.status_code == 200 and self.router.settings.leader_url is not None:
+            # Route by the new view at once, rather than on the next poll.
+            await membership.follow_once(leader, self.headers())
+        return Response(
+            answer.content,
+            status_code=answer.status_code,
+            media_type="application/json",
+            headers={"x-ringlimit-leader": leader},
+        )
+
+    async def admin_join(self, request: Request) -> Response:
+        if (refused := self.refused(request)) is not None:
+            return refused
+        try:
+            raw = await read_body(request, 65536)
+            member = parse_join(parse_json(raw, self.router.config))
+            if (forwarded := await self._to_leader(request, raw)) is not None:
+                return forwarded
+            self._check_url_free(member)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        try:
+            await self.router.membership.join(member)
+        except MembershipError as exc:
+            return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
+        return JSONResponse(self.router.membership.describe())
+
+    def _check_url_free(self, member: Member) -> None:
+        """Refuse a join at a URL another member (or this router) answers on: the
+        readiness check would refuse it too, but only after a round trip."""
+        own = [
+            *self.router.settings.own_urls,
+            *([self.router.settings.advertise] if self.router.settings.advertise else []),
+        ]
+        if any(same_url(member.url, url) for url in own):
+            raise ApiError(409, "url_is_router", f"{member.url} is this router's own URL")
+        others = [*self.router.membership.view, *self.router.membership.joining.values()]
+        for other in others:
+            if other.id != member.id and same_url(other.url, member.url):
+                raise ApiError(
+                    409, "url_in_use", f"{member.url} is already the URL of node {other.id!r}"
+                )
+
+    async def admin_leave(self, request: Request) -> Response:
+        if (refused := self.refused(request)) is not None:
+            return refused
+        if (forwarded := await self._to_leader(request)) is not None:
+            return forwarded
+        try:
+            await self.router.membership.leave(request.path_params["node_id"])
+        except MembershipError as exc:
+            return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
+        return JSONResponse(self.router.membership.describe())
+
+    # ------------------------------------------------------------------ operators
+
+    def _hide(self) -> KeyHider:
+        privacy = self.router.config.privacy
+        cached = self._hider
+        if cached is None or cached[0] is not privacy:
+            cached = self._hider = (privacy, KeyHider(privacy, self._salt))
+        return cached[1]
+
+    async def _node_reports(self, params: dict[str, str]) -> dict[str, Report]:
+        if self._client is None:
+            self._client = httpx.AsyncClient()
+        return await ask_nodes(
+            self._client,
+            self.router.membership.view.members,
+            dict(self.router.token_header),
+            params,
+            self.router.settings.admin_timeout,
+        )
+
+    async def admin_top(self, request: Request) -> Response:
+        """``GET /admin/top?rule=R&n=20``: the most limited keys, merged across nodes."""
+        if (refused := self.refused(request)) is not None:
+            return refused
+        params = request.query_params
+        rule = params.get("rule")
+        if rule is not None and self.router.config.rule(rule) is None:
+            return JSONResponse(
+                error_body("unknown_rule", f"no rule named {rule!r}"), status_code=400
+            )
+        try:
+            n = int(params.get("n", "20"))
+            if not 1 <= n <= 1000:
+                raise ValueError
+        except ValueError:
+            return JSONResponse(
+                error_body("invalid_n", "n must be an integer from 1 to 1000"), status_code=400
+            )
+        reports = await self._node_reports({"n": str(n), **({"rule": rule} if rule else {})})
+        return JSONResponse(
+            {
+                "rule": rule,
+                "n": n,
+                "keys": self.router.config.privacy.show_keys,
+                "near_limit": f"allowed with at most {NEAR_LIMIT_FRACTION:.0%} of the limit left",
+                "window_seconds": _window(reports),
+                "rules": merge_top(reports, [rule] if rule else None, n, self._hide()),
+                "nodes": node_status(reports),
+            }
+        )
+
+    async def admin_ui(self, request: Request) -> Response:
+        """The ring page (router/ui.py). It holds no data and no secret, so it
+        needs no token; without an admin token, admin pages are loopback-only."""
+        if (
+            self.router.settings.admin_token is None
+            and (refused := self.refused(request)) is not None
+        ):
+            return refused
+        return Response(UI_PAGE, media_type="text/html; charset=utf-8", headers=UI_HEADERS)
+
+    async def admin_ui_data(self, request: Request) -> Response:
+        """What the ring page shows: nodes, shares, rates, top keys, events."""
+        if (refused := self.refused(request)) is not None:
+            return refused
+        membership = self.router.membership
+        view = membership.view
+        reports = await self._node_reports({"n": "10"})
+        shares = hash_share(view) if len(view) else {}
+        nodes = []
+        for entry in membership.describe()["nodes"]:
+            report = reports.get(entry["id"])
+            nodes.append(
+                {
+                    **entry,
+                    "share": shares.get(entry["id"]),
+                    "reachable": report is not None,
+                    "rate": number(report, "rate"),
+                    "denied_rate": number(report, "denied_rate"),
+                    "allowed": number(report, "decisions", "allowed"),
+                    "denied": number(report, "decisions", "denied"),
+                    "keys": number(report, "keys"),
+                    "node_epoch": number(report, "epoch"),
+                }
+            )
+        return JSONResponse(
+            {
+                "generated_at": time.time(),
+                "epoch": view.epoch,
+                "keys": self.router.config.privacy.show_keys,
+                "nodes": nodes,
+                "totals": {
+                    "rate": sum(n["rate"] or 0.0 for n in nodes),
+                    "denied_rate": sum(n["denied_rate"] or 0.0 for n in nodes),
+                },
+                "top": merge_top(reports, None, 10, self._hide()),
+                "events": [e.to_dict() for e in membership.events.last(20)],
+            },
+            headers={"cache-control": "no-store"},
+        )
+
+
+def _window(reports: dict[str, Report]) -> list[float] | None:
+    """The history an answer covers: one to two windows of the nodes' sketches."""
+    window = next((w for r in reports.values() if (w := number(r, "window")) is not None), None)
+    return None if window is None else [window, 2 * window]
+
+
+def parse_join(data: Any) -> Member:
+    """The member an admin join asks for, or an :class:`ApiError` naming the bad field."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_request", "body must be an object {id, url, weight}")
+    extra = set(data) - {"id", "url", "weight"}
+    if extra:
+        raise ApiError(
+            400, "invalid_request", f"unknown field(s): {', '.join(sorted(map(str, extra)))}"
+        )
+    for name, check, default in (
+        ("id", check_id, None),
+        ("url", check_url, None),
+        ("weight", check_weight, 1),
+    ):
+        try:
+            check(data.get(name, default))
+        except ValueError as exc:
+            raise ApiError(400, f"invalid_{name}", str(exc)) from None
+    return Member.from_dict({"weight": 1, **data})

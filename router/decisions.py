@@ -1,0 +1,263 @@
+"""The router's decision API: ``POST /v1/check`` (and Envoy's ``ShouldRateLimit``).
+
+Each check is decided by its key's owner. A batch is split into one batch per
+node (sent concurrently) and the answers merged back in order, the nodes'
+results passed on as the bytes they sent (node/wire.py's line framing). Single
+checks that arrive together for the same node are coalesced into one batch
+(router/coalesce.py). A node that refuses a check because the ring changed
+makes the router catch up and route it again; an unreachable owner lets each
+rule's ``on_error`` decide.
+
+Raw ASGI (no Starlette): this is a hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from node.asgi import Receive, Scope, Send, drain, error_body, read_all
+from node.security import bearer, token_matches
+from node.wire import (
+    ApiError,
+    Check,
+    Result,
+    batch_body,
+    checks_payload,
+    dumps,
+    parse_checks,
+    parse_json,
+    split_results,
+    unreachable_result,
+)
+from ring import EmptyRingError, Member
+from router.coalesce import Coalescer
+from router.forward import MAX_ATTEMPTS, NodeTimeout, Unreachable
+
+if TYPE_CHECKING:
+    from router.app import Router
+
+#: A coalesced check that must be routed again (the node refused it: ring change).
+_RETRY = object()
+
+
+class DecisionAPI:
+    """Routes checks to their owners for one :class:`router.app.Router`.
+
+    It reads the router's ring, forwarder and owner cache at each call (they
+    change while the router runs), and owns the coalescer of single checks.
+    """
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        window = router.settings.coalesce_window
+        #: Holds single checks ``window`` seconds to send them to their node as one batch.
+        self.coalescer = Coalescer(self._send_coalesced, window=window) if window > 0 else None
+
+    def allowed(self, scope: Scope) -> bool:
+        """Whether the request carries the decision API's token (``api_token``)."""
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        return token_matches(
+            bearer(given.decode("latin-1") if given is not None else None),
+            self.router.settings.api_token,
+        )
+
+    async def check_asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/check``, the decision API: each check goes to its owner; a batch
+        is split and merged. Raw ASGI (no Starlette): this is the hot path."""
+        config = self.router.config
+        limit = config.limits.max_body
+        if self.router.settings.api_token is not None and not self.allowed(scope):
+            await drain(receive)
+            await _send_json_bytes(
+                send,
+                401,
+                dumps(
+                    error_body("unauthorized", "the decision API needs its token (Bearer)")
+                ).encode(),
+            )
+            return
+        try:
+            declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise ApiError(
+                    413, "body_too_large", f"body is {declared.decode()} bytes; at most {limit}"
+                )
+            body = await read_all(receive, limit)
+            if body is None:
+                raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
+            checks, batch = parse_checks(parse_json(body, config), config)
+        except ApiError as exc:
+            await _send_json_bytes(send, exc.status, dumps(exc.body()).encode())
+            return
+        status, payload = await self.answer_checks(checks, batch)
+        await _send_json_bytes(send, status, payload)
+
+    async def answer_checks(self, checks: Sequence[Check], batch: bool) -> tuple[int, bytes]:
+        """The status and JSON body answering valid checks."""
+        if batch:
+            results = await self.route_checks(checks)
+            return 200, batch_body(results)
+        result = await self.route_single(checks[0])
+        if type(result) is bytes:
+            return 200, result  # a node's decision
+        assert isinstance(result, dict)
+        if "error" in result:
+            # No decision: say so with the status too, not a 200 carrying an error
+            # (the request was valid here; the node could not answer it).
+            status = {"ring_changing": 503, "no_nodes": 503, "node_timeout": 504}.get(
+                result["error"], 502
+            )
+        else:
+            status = (
+                503
+                if result.get("reason") == "owner_unreachable" and not result["allowed"]
+                else 200
+            )
+        return status, dumps(result).encode()
+
+    async def route_single(self, check: Check) -> Result:
+        """One check; concurrent singles for the same node leave as one batch."""
+        if self.coalescer is None:
+            return (await self.route_checks([check]))[0]
+        try:
+            member = self.router.pick(self.router.membership.view, check.key)
+        except EmptyRingError:
+            return (await self.route_checks([check]))[0]
+        result = await self.coalescer.submit(member.id, (member, check))
+        if result is _RETRY:
+            return (await self.route_checks([check]))[0]
+        return result  # type: ignore[no-any-return]
+
+    async def _send_coalesced(self, node_id: str, items: list[tuple[Member, Check]]) -> list[Any]:
+        checks = [check for _, check in items]
+        results: list[Result | None] = [None] * len(checks)
+        retry: list[int] = []
+        await self._run_group(items[0][0], list(range(len(checks))), checks, results, retry)
+        out: list[Any] = list(results)
+        for index in retry:
+            out[index] = _RETRY
+        return out
+
+    async def route_checks(self, checks: Sequence[Check]) -> list[Result]:
+        """One result per check, in order: a node's answer as JSON bytes, or the
+        router's own (an error, an unreachable owner) as a dict."""
+        router = self.router
+        results: list[Result | None] = [None] * len(checks)
+        pending = list(range(len(checks)))
+        for _ in range(MAX_ATTEMPTS):
+            if not pending:
+                break
+            view = router.membership.view
+            groups: dict[str, list[int]] = {}
+            members: dict[str, Member] = {}
+            if not len(view):
+                for index in pending:
+                    results[index] = {"error": "no_nodes", "detail": "the ring has no nodes"}
+                return _complete(results)
+            owners = router.owner_map(view)
+            for index in pending:
+                key = checks[index].key
+                member = owners.get(key)
+                if member is None:
+                    member = router.pick(view, key)
+                groups.setdefault(member.id, []).append(index)
+                members[member.id] = member
+            retry: list[int] = []
+            await asyncio.gather(
+                *(
+                    self._run_group(members[m], idx, checks, results, retry)
+                    for m, idx in groups.items()
+                )
+            )
+            pending = retry
+        for index in pending:
+            results[index] = {
+                "error": "ring_changing",
+                "detail": "the ring is changing; retry shortly",
+            }
+        return _complete(results)
+
+    async def _run_group(
+        self,
+        member: Member,
+        indices: list[int],
+        checks: Sequence[Check],
+        results: list[Result | None],
+        retry: list[int],
+    ) -> None:
+        """Send ``checks[i]`` of ``indices`` to ``member`` as one batch; put its answers
+        in ``results``, or the indices to route again in ``retry``."""
+        router = self.router
+        payload = checks_payload(checks, indices)
+        assert router.forwarder is not None
+        try:
+            answer = await router.forwarder.post_json(
+                member.url + "/v1/check", payload, router.token_header
+            )
+        except NodeTimeout:
+            for i in indices:
+                results[i] = {
+                    "error": "node_timeout",
+                    "detail": f"node {member.id} did not answer in time",
+                }
+            router.metrics.outcome(member.id, "node_timeout")
+            return
+        except Unreachable:
+            if await router.membership.newer_view(member):
+                retry.extend(indices)  # our view was stale: route them again
+                return
+            for i in indices:
+                results[i] = unreachable_result(checks[i], member.id)
+            router.metrics.outcome(member.id, "unreachable")
+            return
+        if answer.status == 421 and await router.stale(answer, member):
+            retry.extend(indices)
+            return
+        if answer.status == 503 and answer.lease_expired():
+            if await router.membership.newer_view(member):
+                retry.extend(indices)
+                return
+            for i in indices:
+                results[i] = unreachable_result(checks[i], member.id)
+            router.metrics.outcome(member.id, "lease_expired")
+            return
+        if answer.status != 200:
+            detail = answer.body[:200].decode("utf-8", "replace")
+            for i in indices:
+                results[i] = {"error": "node_error", "status": answer.status, "detail": detail}
+            return
+        try:
+            answered = split_results(answer.body)
+            if len(answered) != len(indices):
+                raise ValueError("wrong number of results")
+        except (ValueError, KeyError, TypeError) as exc:
+            for i in indices:
+                results[i] = {
+                    "error": "node_error",
+                    "status": answer.status,
+                    "detail": f"node {member.id} answered a malformed body: {exc}",
+                }
+            return
+        for i, result in zip(indices, answered, strict=True):
+            results[i] = result
+        router.metrics.checks(member.id, len(indices))
+
+
+def _complete(results: list[Result | None]) -> list[Result]:
+    return [r if r is not None else {} for r in results]
+
+
+async def _send_json_bytes(send: Send, status: int, payload: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-length", str(len(payload)).encode()),
+                (b"content-type", b"application/json"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,236 @@
+"""The router's health monitor: probes, leases and removals on probe failures.
+
+Every ``health_interval`` seconds the leading router probes each member of
+its view; a probe also renews the member's lease (node/lease.py). A member
+behind the current view is sent it again; a removed member that answers
+again rejoins; a member that failed ``failure_threshold`` probes in a row is
+removed as crashed, within the removal budget (router/removal.py: quorum,
+rate, leases). Repairs and removals run beside the loop, never in it: one
+may wait for the membership lock (a change under way), and leases must keep
+being renewed meanwhile.
+
+The monitor is a part of the membership (router/membership.py) and works on
+its state: the view, the per-member :class:`Health`, the lock and the counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import typing
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from node.lease import DEFAULT_DRIFT, lease_bound
+from ring import Member, RingView
+from router.viewlog import MembershipError
+
+if typing.TYPE_CHECKING:
+    from router.membership import Membership
+
+log = logging.getLogger("ringlimit.router")
+
+
+@dataclass
+class Health:
+    failures: int = 0
+    state: str = "active"  # joining | active | leaving
+    epoch_seen: int = 0
+    backend_available: bool = True
+    #: The node's last lease offer (node/lease.py) and when it reached us.
+    token: str | None = None
+    offered_at: float = float("-inf")
+    #: When every lease granted to this member has certainly ended (loop time).
+    lease_until: float = float("-inf")
+
+
+class HealthMonitor:
+    """The membership's probes; ``spawn`` runs a task the membership tracks
+    (waited for by ``settle()``, cancelled by ``close()``, failures counted)."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+    ) -> None:
+        self.membership = membership
+        self._spawn = spawn
+        #: Members with a repair under way (a refresh or a rejoin): one at a time.
+        self._repairing: set[str] = set()
+        self._was_degraded = False
+        #: Members being removed (crash in progress): probed, but granted no lease.
+        self.condemned: set[str] = set()
+        #: Removals the loop started that have not finished (router/removal.py).
+        self.removing: dict[str, asyncio.Task[Any]] = {}
+
+    async def loop(self) -> None:
+        m = self.membership
+        while True:
+            await asyncio.sleep(m.health_interval)
+            if not m.leading:
+                continue  # with etcd, only the leader probes, removes and grants leases
+            try:
+                # Removals run beside the loop: one waits for the lock (a change
+                # under way), and leases must keep being renewed meanwhile.
+                # Through the membership: its check_health is the seam tests replace.
+                await m.check_health(wait=False)
+            except Exception as exc:  # the loop outlives any one failure, never silently
+                m.failures.record("health_loop", exc)
+
+    async def check(self, *, wait: bool = True) -> None:
+        """One round: probe every member (renewing leases), then start the
+        removals the budget allows; ``wait`` for them (the loop does not)."""
+        m = self.membership
+        view = m.view
+        answered = await asyncio.gather(*(self._probe(member, view) for member in view))
+        self._report_degraded()
+        failed = [member.id for member, ok in zip(view, answered, strict=True) if not ok]
+        removals = self.remove_failed(view, failed)
+        if wait and removals:
+            await asyncio.gather(*removals)
+        await asyncio.gather(
+            *(self._probe_removed(r) for r in list(m.removed.values()) if r.id not in m.view)
+        )
+
+    async def _probe(self, member: Member, view: RingView) -> bool:
+        m = self.membership
+        health = m.health.setdefault(member.id, Health())
+        data = await self.renew(member, health)
+        if data is None:
+            health.failures += 1
+            return False
+        health.failures = 0
+        try:
+            health.epoch_seen = int(data.get("epoch", 0))
+        except (TypeError, ValueError):
+            health.epoch_seen = 0
+        health.backend_available = bool(data.get("backend_available", True))
+        if health.epoch_seen < view.epoch and not m.lock.locked():
+            # In the background: a rejoin can take a readiness wait and several
+            # pushes, and must not delay the detection of other nodes' crashes.
+            self._in_background(member.id, m.refresh_node(member, health.epoch_seen))
+        return True
+
+    async def _probe_removed(self, member: Member) -> None:
+        m = self.membership
+        if await m.nodes.answers(member, m.health_timeout) and not m.lock.locked():
+            log.warning("node %s answers again after its removal: it rejoins", member.id)
+            self._in_background(member.id, self._rejoin(member))
+
+    async def _rejoin(self, member: Member) -> None:
+        with contextlib.suppress(MembershipError):
+            await self.membership.join(member)
+
+    def _in_background(self, member_id: str, coro: Coroutine[Any, Any, None]) -> None:
+        """Run one repair per member at a time, without blocking the health loop."""
+        if member_id in self._repairing:
+            coro.close()
+            return
+        self._repairing.add(member_id)
+        task = self._spawn(coro)
+        task.add_done_callback(lambda _: self._repairing.discard(member_id))
+
+    def _report_degraded(self) -> None:
+        degraded = self.membership.backend_degraded
+        if degraded != self._was_degraded:
+            self._was_degraded = degraded
+            if degraded:
+                log.warning("shared backend down on a node: routing stickily to local limiters")
+            else:
+                log.warning("shared backend back on every node: routing as configured again")
+
+    async def renew(self, member: Member, health: Health | None = None) -> dict[str, Any] | None:
+        """Probe a member and renew its lease (node/lease.py); None if it did not answer.
+
+        Two round trips: the probe takes the node's offer, and the grant follows
+        at once, so each round leaves the node a whole lease less one round
+        trip (a router slowed down by load still renews in time). Before the
+        grant is sent the router records until when it may keep the node
+        deciding (the offer's arrival plus the lease, with the drift allowance).
+        """
+        m = self.membership
+        if health is None:
+            health = m.health.setdefault(member.id, Health())
+        data = await m.nodes.lease(member, None, m.lease_seconds, m.health_timeout)
+        if data is None:
+            return None
+        token = data.get("token")
+        health.token = token if isinstance(token, str) else None
+        health.offered_at = asyncio.get_running_loop().time()
+        if not m.leasing or health.token is None or member.id in self.condemned:
+            return data
+        health.lease_until = max(
+            health.lease_until,
+            lease_bound(health.offered_at, m.lease_seconds, DEFAULT_DRIFT),
+        )
+        granted = await m.nodes.lease(member, health.token, m.lease_seconds, m.health_timeout)
+        if granted is not None:
+            m.stats["lease_renewals"] += 1
+            return granted
+        return data
+
+    def remove_failed(self, view: RingView, unreachable: list[str]) -> list[asyncio.Task[Any]]:
+        """Start removing the members that failed ``failure_threshold`` probes in
+        a row, within the removal budget (router/removal.py); returns the tasks."""
+        m = self.membership
+        due = [
+            member.id
+            for member in view
+            if (h := m.health.get(member.id)) is not None
+            and h.failures >= m.failure_threshold
+            and member.id not in self.removing
+        ]
+        now = asyncio.get_running_loop().time()
+        plan = m.budget.plan(
+            now,
+            view.ids,
+            unreachable,
+            due,
+            {member_id: h.lease_until for member_id, h in m.health.items()},
+        )
+        self._suspect_self(plan.suspect_self, len(unreachable), len(view))
+        for member_id, reason in plan.deferred.items():
+            m.stats[f"deferred_{reason}"] += 1
+            if reason != "lease":
+                log.info("removal of %s deferred (%s budget)", member_id, reason)
+        started: list[asyncio.Task[Any]] = []
+        for member_id in plan.remove:
+            # The rate counts from the decision: a removal still waiting for the
+            # lock is one of this interval's.
+            m.budget.removed(now)
+            task = self.removing[member_id] = self._spawn(self._remove_crashed(member_id))
+            started.append(task)
+        return started
+
+    def _suspect_self(self, suspect: bool, unreachable: int, size: int) -> None:
+        m = self.membership
+        if suspect == m.suspect_self:
+            return
+        m.suspect_self = suspect
+        if suspect:
+            m.stats["self_suspected"] += 1
+            log.warning(
+                "%d of %d members unreachable at once: suspecting this router's own "
+                "network or host; keeping the ring (on_error answers for their keys)",
+                unreachable,
+                size,
+            )
+        else:
+            log.warning("members reachable again: no longer suspecting this router")
+
+    async def _remove_crashed(self, member_id: str) -> None:
+        m = self.membership
+        # No renewal from the decision on: if it answers again while the removal
+        # waits for the lock, its lease must not outlive the removal.
+        self.condemned.add(member_id)
+        try:
+            if await m.crash(member_id, reason="failed its health checks") is not None:
+                # And again from its end: the next removal waits one interval
+                # after this one took effect, however long it waited for the lock.
+                m.budget.removed(asyncio.get_running_loop().time())
+                m.stats["removed_crashed"] += 1
+        finally:
+            self.removing.pop(member_id, None)
+            self.condemned.discard(member_id)

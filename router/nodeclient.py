@@ -1,0 +1,229 @@
+"""The router's HTTP calls to nodes: the control plane's wire, on httpx.
+
+Views and config (``PUT /internal/cluster``), lease offers and grants
+(``POST /internal/lease``), readiness and epoch (``GET /healthz``), discovery
+(``GET /internal/cluster``) and the leader's ring (``GET /admin/ring``).
+Every call answers with data or None; deciding what a failure means is the
+membership's (router/membership.py). The internal token is sent per request,
+not as a client default, so a client shared with other parts carries no secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import typing
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+
+from node.config import ClusterConfig
+from node.peers import INTERNAL_TOKEN_HEADER
+from ring import Member, RingView
+from router.viewlog import MembershipError
+
+log = logging.getLogger("ringlimit.router")
+
+
+def push_body(
+    view: RingView,
+    previous: RingView | None,
+    crashed: Iterable[str],
+    config: ClusterConfig,
+    lease: float | None,
+) -> dict[str, Any]:
+    """The body of a view push; ``lease`` makes the nodes require one (None: unchanged)."""
+    payload: dict[str, Any] = {
+        "ring": view.to_dict(),
+        "previous": previous.to_dict() if previous is not None else None,
+        "crashed": list(crashed),
+        "config": config.to_dict(),
+        "wait": True,
+    }
+    if lease is not None:
+        payload["lease"] = lease
+    return payload
+
+
+class NodeClient:
+    def __init__(self, client: httpx.AsyncClient, internal_token: str | None = None) -> None:
+        self.client = client
+        self.headers = {INTERNAL_TOKEN_HEADER: internal_token} if internal_token else {}
+
+    async def push(
+        self,
+        members: list[Member],
+        epoch: int,
+        payload: dict[str, Any],
+        *,
+        tolerate: bool = False,
+        seconds: float | None = None,
+    ) -> list[str]:
+        """Send a view push; returns the ids that did not take it (raises unless ``tolerate``).
+
+        ``seconds`` bounds a push that carries no handoff (the default, the
+        client's push timeout, leaves room for a node to deliver its states).
+        """
+        extra: dict[str, Any] = {} if seconds is None else {"timeout": seconds}
+
+        async def push(member: Member) -> None:
+            try:
+                response = await self.client.put(
+                    member.url.rstrip("/") + "/internal/cluster",
+                    json=payload,
+                    headers=self.headers,
+                    **extra,
+                )
+            except httpx.HTTPError as exc:
+                raise MembershipError(
+                    502, "push_failed", f"node {member.id} unreachable: {type(exc).__name__}"
+                ) from None
+            if response.status_code != 200:
+                raise MembershipError(
+                    502, "push_failed", f"node {member.id} answered HTTP {response.status_code}"
+                )
+
+        results = await asyncio.gather(*(push(m) for m in members), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and not tolerate:
+            raise errors[0]
+        for error in errors:
+            log.warning("push of epoch %d: %s", epoch, error)
+        return [m.id for m, r in zip(members, results, strict=True) if isinstance(r, BaseException)]
+
+    async def wait_ready(self, member: Member, ready_timeout: float, within: float) -> None:
+        """Readiness gate: a joining node must answer, as itself, before it is
+        given any key. A URL that reaches another member, a router or anything
+        else that does not call itself ``member.id`` is refused at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ready_timeout
+        while True:
+            try:
+                response = await self.client.get(
+                    member.url.rstrip("/") + "/healthz", timeout=within
+                )
+                if response.status_code == 200:
+                    answered = node_id(response)
+                    if answered == member.id:
+                        return
+                    raise MembershipError(
+                        409,
+                        "wrong_node",
+                        f"{member.url} answers as "
+                        + (f"node {answered!r}" if answered else "something that is not a node")
+                        + f", not as {member.id!r}: check the node's --url and --id",
+                    )
+            except httpx.HTTPError:
+                pass
+            if loop.time() > deadline:
+                raise MembershipError(
+                    504,
+                    "not_ready",
+                    f"node {member.id} at {member.url} did not answer /healthz within "
+                    f"{ready_timeout:g}s",
+                )
+            await asyncio.sleep(0.05)
+
+    async def lease(
+        self, member: Member, grant: str | None, seconds: float, within: float
+    ) -> dict[str, Any] | None:
+        """A lease probe (``grant`` None: take the node's offer) or grant; None on failure."""
+        body: dict[str, Any] = {"grant": grant}
+        if grant is not None:
+            body["seconds"] = seconds
+        try:
+            response = await self.client.post(
+                member.url.rstrip("/") + "/internal/lease",
+                json=body,
+                headers=self.headers,
+                timeout=within,
+            )
+            data = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("probe of %s failed: %s", member.id, exc)
+            return None
+        if response.status_code != 200 or not isinstance(data, dict):
+            log.debug("probe of %s: HTTP %d", member.id, response.status_code)
+            return None
+        return data
+
+    async def answers(self, member: Member, within: float) -> bool:
+        """Does the member answer ``/healthz`` with 200 (a removed member back)?"""
+        try:
+            response = await self.client.get(member.url.rstrip("/") + "/healthz", timeout=within)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def epoch(self, member: Member, within: float) -> int | None:
+        """The epoch the member's ``/healthz`` reports (None: no usable answer)."""
+        try:
+            response = await self.client.get(member.url.rstrip("/") + "/healthz", timeout=within)
+            return int(response.json().get("epoch", 0))
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+            return None
+
+    @typing.overload
+    async def discover(self, members: list[Member], within: float) -> RingView | None: ...
+
+    @typing.overload
+    async def discover(
+        self, members: list[Member], within: float, *, with_urls: typing.Literal[True]
+    ) -> tuple[RingView, str] | None: ...
+
+    async def discover(
+        self, members: list[Member], within: float, *, with_urls: bool = False
+    ) -> Any:
+        """The newest view the members know (and, with ``with_urls``, who knows it)."""
+
+        async def ask(member: Member) -> tuple[RingView, str] | None:
+            try:
+                response = await self.client.get(
+                    member.url.rstrip("/") + "/internal/cluster",
+                    timeout=within,
+                    headers=self.headers,
+                )
+                ring = response.json().get("ring")
+                return (RingView.from_dict(ring), member.url) if ring else None
+            except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+                return None
+
+        answers = [a for a in await asyncio.gather(*(ask(m) for m in members)) if a is not None]
+        best = max(answers, key=lambda a: a[0].epoch, default=None)
+        if best is None:
+            return None
+        return best if with_urls else best[0]
+
+    async def cluster(self, node_url: str) -> dict[str, Any]:
+        """A node's ``/internal/cluster`` answer (its view and config); raises
+        httpx.HTTPError or ValueError (not JSON)."""
+        response = await self.client.get(
+            node_url.rstrip("/") + "/internal/cluster", headers=self.headers
+        )
+        data: dict[str, Any] = response.json()
+        return data
+
+    async def leader_ring(self, leader_url: str, headers: dict[str, str]) -> RingView:
+        """The leading router's ring, without its joining members; raises
+        httpx.HTTPError, ValueError, KeyError or TypeError."""
+        response = await self.client.get(
+            leader_url.rstrip("/") + "/admin/ring", headers=headers, timeout=2.0
+        )
+        data = response.json()
+        nodes = [
+            {k: n[k] for k in ("id", "url", "weight")}
+            for n in data["nodes"]
+            if n.get("state") != "joining"
+        ]
+        return RingView.from_dict({"epoch": data["epoch"], "nodes": nodes})
+
+
+def node_id(response: httpx.Response) -> str | None:
+    """The id a /healthz answer gives (nodes say ``node``; routers say nothing)."""
+    try:
+        data = response.json()
+    except ValueError:
+        return None
+    value = data.get("node") if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None

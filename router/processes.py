@@ -1,0 +1,274 @@
+"""Child processes: start one, wait until it is ready, signal it, stop it, say how it exited.
+
+Three supervisors start ringlimit processes: ``ringlimit up``
+(router/supervisor.py), ``ringlimit bench`` (benchmarks/) and the test
+fixtures (tests/processes.py). They share this module so the subtle parts are
+written once:
+
+* a stopped (SIGSTOP) process does not act on SIGTERM, so stopping resumes it
+  first;
+* a child that would not stop within its timeout is killed, with its whole
+  process group when it leads one (a router's workers, uvicorn's workers);
+* several children are signalled at once and then waited for against one
+  deadline, so stopping N children takes one timeout, not N;
+* an exit is described in the words of the one-line reports
+  (:func:`router.restart.describe_exit`).
+
+Readiness is polled (:func:`wait_ready`) with probes such as
+:func:`http_probe` (``GET /healthz``) and :func:`redis_probe` (``PING``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import IO, TypeVar
+
+import httpx
+
+from router.restart import describe_exit
+
+T = TypeVar("T")
+
+#: prctl(2): the signal a child gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+
+
+class NotReady(RuntimeError):
+    """A child did not become ready: it exited, or the wait timed out."""
+
+
+def ringlimit_argv(*args: str) -> list[str]:
+    """The command line of a ``ringlimit`` subcommand run by this interpreter."""
+    return [sys.executable, "-m", "router", *args]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel says is free now (it may be taken again before it is used)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def die_with_parent(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets its own process group (a terminal's Ctrl-C
+    reaches the parent alone, which stops the children in order), and SIGKILL
+    when the parent dies (Linux), so no child outlives a parent killed with
+    ``kill -9``. ``parent`` is the parent's pid, read before the fork."""
+
+    def setup() -> None:
+        os.setpgrp()
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os._exit(1)
+
+    return setup
+
+
+class ChildProcess:
+    """One child process: started at once, stopped by :meth:`stop` (or :func:`stop_all`).
+
+    ``log``: a file that gets the child's stdout and stderr (None: the child
+    writes where this process does). ``new_session``: the child leads its own
+    session and process group.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        log: Path | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+        new_session: bool = False,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log
+        self._log: IO[bytes] | None = open(log, "wb") if log is not None else None  # noqa: SIM115 (closed in stop)
+        self.popen: subprocess.Popen[bytes] = subprocess.Popen(
+            self.argv,
+            cwd=cwd,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT if self._log is not None else None,
+            preexec_fn=preexec_fn,
+            start_new_session=new_session,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code (negative: the signal that killed it), None while it runs."""
+        return self.popen.poll()
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def exit_text(self) -> str:
+        """``exited with code 1`` / ``killed by SIGKILL`` (``running`` while it runs)."""
+        code = self.popen.poll()
+        return "running" if code is None else describe_exit(code)
+
+    # ------------------------------------------------------------------ signals
+
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` if the process is still there (a race with its exit is no error)."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signum)
+
+    def pause(self) -> None:
+        """SIGSTOP: the process keeps its sockets but runs nothing (a GC or VM pause)."""
+        self.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.send_signal(signal.SIGCONT)
+
+    def kill(self, timeout: float = 10.0) -> None:
+        """SIGKILL to the process alone, and reap it."""
+        if self.alive():
+            self.send_signal(signal.SIGKILL)
+            self.popen.wait(timeout)
+
+    def kill_group(self, timeout: float = 10.0) -> None:
+        """SIGKILL to the process's group when it leads one (its own children
+        go too), else to the process alone; and reap it."""
+        if not self.alive():
+            return
+        leads_group = False
+        with contextlib.suppress(OSError):
+            leads_group = os.getpgid(self.pid) == self.pid
+        if leads_group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+        else:
+            self.send_signal(signal.SIGKILL)
+        self.popen.wait(timeout)
+
+    # ------------------------------------------------------------------ stopping
+
+    def begin_stop(self, how: int = signal.SIGTERM) -> None:
+        """Ask it to stop: resumed first (a stopped process would not act on ``how``)."""
+        if self.alive():
+            self.resume()
+            self.send_signal(how)
+
+    def finish_stop(self, deadline: float) -> None:
+        """Wait for it until ``deadline`` (monotonic; at least 0.1 s), then kill its group."""
+        try:
+            self.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill_group()
+        self.close_log()
+
+    def stop(self, timeout: float = 10.0, how: int = signal.SIGTERM) -> None:
+        """``how`` (SIGTERM: a node leaves gracefully), then SIGKILL after ``timeout``."""
+        stop_all([self], timeout, how)
+
+    # ------------------------------------------------------------------ output
+
+    def close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+
+    def output(self) -> str:
+        """Everything it wrote so far ("" when it writes to this process's outputs)."""
+        if self.log_path is None:
+            return ""
+        if self._log is not None and not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def describe(self) -> str:
+        """``n1 (pid 12) exited with code 1``: the start of a one-line exit report."""
+        return f"{self.name} (pid {self.pid}) {self.exit_text()}"
+
+
+def stop_all(
+    children: Iterable[ChildProcess], timeout: float = 10.0, how: int = signal.SIGTERM
+) -> None:
+    """Stop several children together: ``how`` to each, then one shared deadline,
+    then SIGKILL to each one still there (and to its process group)."""
+    chosen = list(children)
+    for child in chosen:
+        child.begin_stop(how)
+    deadline = time.monotonic() + timeout
+    for child in chosen:
+        child.finish_stop(deadline)
+
+
+# ---------------------------------------------------------------------- readiness
+
+
+def wait_ready(
+    probe: Callable[[], T | None],
+    *,
+    timeout: float,
+    failed: Callable[[], str | None] | None = None,
+    stopping: Callable[[], bool] | None = None,
+    interval: float = 0.05,
+    what: str = "not ready",
+) -> T | None:
+    """Poll ``probe`` until it answers (anything but None) and return the answer.
+
+    Between polls, ``failed()`` names a reason to give up (a child exited: raise
+    :class:`NotReady` with it), and ``stopping()`` says the caller was asked to
+    stop (return None). After ``timeout`` seconds: ``NotReady("<what> within
+    <timeout> s")``.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stopping is not None and stopping():
+            return None
+        problem = failed() if failed is not None else None
+        if problem:
+            raise NotReady(problem)
+        answer = probe()
+        if answer is not None:
+            return answer
+        time.sleep(interval)
+    raise NotReady(f"{what} within {timeout:g} s")
+
+
+def http_probe(
+    client: httpx.Client, url: str, *, require_ok: bool = True
+) -> Callable[[], bool | None]:
+    """True once ``GET url`` answers 200 (any HTTP answer when not ``require_ok``)."""
+
+    def probe() -> bool | None:
+        try:
+            status = client.get(url).status_code
+        except httpx.HTTPError:
+            return None
+        return True if status == 200 or (not require_ok and status < 600) else None
+
+    return probe
+
+
+def redis_probe(port: int, host: str = "127.0.0.1") -> Callable[[], bool | None]:
+    """True once a Redis server on ``port`` answers PING with PONG."""
+
+    def probe() -> bool | None:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), 0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            if sock.recv(64).startswith(b"+PONG"):
+                return True
+        return None
+
+    return probe

@@ -1,0 +1,46 @@
+"""The router's state file: the ring it routes by, kept across restarts.
+
+Written atomically after every change (a temporary file beside it, fsynced,
+then renamed over it), so a crash mid-write leaves the old ring or the new
+one, never half of either. On start the router reads it back, and also asks
+the nodes for the newest view they know (router/membership.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from ring import RingView
+from router.viewlog import MembershipError
+
+
+def save_view(path: Path, view: RingView) -> None:
+    """Write ``view`` to ``path`` atomically (its folder is made if missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ring-")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(view.to_dict(), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def load_view(path: Path) -> RingView | None:
+    """The view saved at ``path``; None if there is none, MembershipError if unreadable."""
+    if not path.exists():
+        return None
+    try:
+        return RingView.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as exc:
+        raise MembershipError(
+            500, "bad_state_file", f"{path}: cannot read ring state: {exc}"
+        ) from None
