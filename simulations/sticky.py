@@ -104,7 +104,11 @@ def mode_config(name: str, rules: Sequence[Any], handoff_crash_policy: str) -> C
 
 
 class StickyMode(Mode):
-    """Each user is decided by the ring owner of its key, each node a protocol core."""
+    """Each user is decided by the ring owner of its key, each node a protocol core.
+
+    ``network``: the scenario's (``[network]``, with paused nodes cut off
+    while stopped) when None; one given is used as it is (tests).
+    """
 
     def __init__(
         self,
