@@ -37,7 +37,10 @@ from .timeline import Timeline
 #: 2: ``pause`` events and failure detection (scenario.events[] may be a pause, with
 #: ``nodes`` instead of ``node``; events[] may be made by the router's probes:
 #: ``cause``), ``policy.return``, ``modes.<mode>.unavailable``, ``detection``.
-SCHEMA_VERSION = 2
+#: 3: the ``[network]`` table: ``scenario.network`` and ``modes.<mode>.network`` (only
+#: when the scenario has one); ``detection.outages[].source_event`` is ``-1 - k`` for a
+#: node that ``network.partitions[k]`` cut off from the router.
+SCHEMA_VERSION = 3
 
 
 def _f(x: float | None, digits: int = 6) -> float | None:
@@ -249,6 +252,7 @@ def score_mode(common: _Common, result: ModeResult) -> dict[str, Any]:
         },
         "mismatches": int(mism.size),
         "unavailable": dict(result.unavailable),
+        **({} if result.network is None else {"network": dict(result.network)}),
         "baseline": per_class[0],
         "events": events,
         "load": _load(common, result),

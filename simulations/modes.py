@@ -129,6 +129,8 @@ class ModeResult:
     live: list[np.ndarray] | None = None
     #: requests whose owner could not decide (paused, lease lapsed, empty ring)
     unavailable: dict[str, int] = field(default_factory=lambda: dict(_NO_OUTAGE))
+    #: what the simulated network carried (sticky modes of a scenario with [network])
+    network: dict[str, int] | None = None
 
 
 # --------------------------------------------------------------------------- hot loops
@@ -514,4 +516,5 @@ def complete(result: ModeResult, reference: ModeResult, timeline: Timeline) -> M
         None,
         None,
         result.unavailable,
+        result.network,
     )

@@ -159,6 +159,27 @@ def format_report(report: dict[str, Any]) -> str:
                 "on_error: requests whose owner could not decide (paused, lease lapsed, "
                 "empty ring), +admitted/-denied"
             )
+    network = report["scenario"].get("network")
+    if network is not None:
+        cuts = ", ".join(
+            " | ".join("{" + ",".join(g) + "}" for g in p["groups"])
+            + f" cut off {p['at_s']:g}s-{p['until_s']:g}s"
+            for p in network["partitions"]
+        )
+        lines.append("")
+        lines.append(
+            f"network: delay {network['delay_s'] * 1000:g} ms + jitter up to "
+            f"{network['jitter_s'] * 1000:g} ms, loss {network['loss']:g}"
+            + (f"; {cuts}" if cuts else "")
+        )
+        for mode, m in report["modes"].items():
+            stats = m.get("network")
+            if stats is not None:
+                lines.append(
+                    f"  {mode}: {stats['messages_sent']:,} message(s) sent, "
+                    f"{stats['messages_lost']:,} lost; {stats['pulls']:,} pull(s), "
+                    f"{stats['pull_failures']:,} failed"
+                )
     if report["events"]:
         lines.append("")
         modes = [m for m in report["modes"] if m != "global"]

@@ -183,6 +183,62 @@ class DetectionSpec:
         }
 
 
+#: Longest delivery delay or jitter a scenario may ask for.
+MAX_NETWORK_DELAY = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionSpec:
+    """One timed partition: ``[[network.partitions]]``, ``index`` its position there.
+
+    Members of different ``groups`` cannot reach each other over
+    ``[at, until)``; the router and every node no group lists form one more,
+    implicit group. So every listed node is apart from the router: for the
+    router, a member that stopped answering. Its probes fail and its lease
+    runs out exactly as for a ``pause`` of the same length (the process runs
+    on, but no request reaches it): see :meth:`Scenario.outage_events`.
+    """
+
+    index: int
+    at: float
+    until: float
+    groups: tuple[tuple[str, ...], ...]
+
+    @property
+    def cut_off(self) -> tuple[str, ...]:
+        """The nodes apart from the router (every listed one)."""
+        return tuple(n for group in self.groups for n in group)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"at_s": self.at, "until_s": self.until, "groups": [list(g) for g in self.groups]}
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkSpec:
+    """The simulated network between the nodes (``simulations.network.SimNetwork``).
+
+    ``delay`` (+ up to ``jitter``, drawn per message) is how long a handoff
+    transfer or replica batch takes to land; ``loss`` the probability that
+    one is lost (its sender learns it failed, as from a POST that failed
+    after its retries). Draws are a hash of the seed and the message's
+    sender, receiver, kind and send time, so they do not depend on which
+    arrivals a mode decides (``--full`` gives the same report).
+    """
+
+    delay: float = 0.0
+    jitter: float = 0.0
+    loss: float = 0.0
+    partitions: tuple[PartitionSpec, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "delay_s": self.delay,
+            "jitter_s": self.jitter,
+            "loss": self.loss,
+            "partitions": [p.to_dict() for p in self.partitions],
+        }
+
+
 @dataclass(frozen=True, slots=True)
 class ReportSpec:
     bucket: float
@@ -220,6 +276,8 @@ class Scenario:
     report: ReportSpec
     returning: str = "hand_back"
     detection: DetectionSpec = field(default_factory=DetectionSpec)
+    #: the ``[network]`` table (None: none given, an instant and lossless network)
+    network: NetworkSpec | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -229,6 +287,17 @@ class Scenario:
     @property
     def has_pauses(self) -> bool:
         return any(e.type == "pause" for e in self.events)
+
+    def outage_events(self) -> tuple[EventSpec, ...]:
+        """The events, and a ``pause`` for each node a partition cuts off from the router.
+
+        The router's probes cannot tell the two apart, so failure detection
+        and leases treat them alike. A partition's pause has the index
+        ``-1 - k`` for ``network.partitions[k]`` (``source_event`` in the report).
+        """
+        if self.network is None or not self.network.partitions:
+            return self.events
+        return self.events + partition_pauses(self.network.partitions)
 
     def with_seed(self, seed: int) -> Scenario:
         return replace(self, seed=int(seed))
@@ -255,7 +324,17 @@ class Scenario:
             "events": [e.to_dict() for e in self.events],
             "detection": self.detection.to_dict(),
             "report": self.report.to_dict(),
-        }
+        } | ({} if self.network is None else {"network": self.network.to_dict()})
+
+
+def partition_pauses(partitions: tuple[PartitionSpec, ...]) -> tuple[EventSpec, ...]:
+    """The pauses the router sees: one per partition, of every node it cuts off."""
+    return tuple(
+        EventSpec(
+            -1 - p.index, p.at, "pause", p.cut_off[0], nodes=p.cut_off, duration=p.until - p.at
+        )
+        for p in partitions
+    )
 
 
 def _order_modes(modes: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -416,7 +495,18 @@ def parse_duration(value: object) -> float:
 
 
 _TOP = frozenset(
-    {"scenario", "cluster", "users", "arrivals", "rules", "modes", "events", "detection", "report"}
+    {
+        "scenario",
+        "cluster",
+        "users",
+        "arrivals",
+        "rules",
+        "modes",
+        "events",
+        "detection",
+        "network",
+        "report",
+    }
 )
 
 
@@ -486,7 +576,8 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
     returning = md.string("returning", "hand_back", choices=RETURNING_POLICIES)
 
     detection = _read_detection(top.sub("detection", required=False))
-    events = _read_events(top, duration, nodes, detection)
+    network = _read_network(top.sub("network"), duration) if top.has("network") else None
+    events = _read_events(top, duration, nodes, detection, network)
 
     rp = top.sub("report", required=False)
     rp.only({"bucket", "window", "event_window", "event_bucket", "agreement_tolerance"})
@@ -522,6 +613,7 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
         report=ReportSpec(bucket, window, event_window, event_bucket, tolerance),
         returning=returning,
         detection=detection,
+        network=network,
         raw=data,
     )
 
@@ -661,8 +753,73 @@ def _read_detection(dt: _Reader) -> DetectionSpec:
     return DetectionSpec(h, f, timeout, quorum, interval, lease, budget)
 
 
+def _read_network(nw: _Reader, duration: float) -> NetworkSpec:
+    nw.only({"delay", "jitter", "loss", "partitions"})
+    delay = nw.duration("delay", 0.0, allow_zero=True)
+    jitter = nw.duration("jitter", 0.0, allow_zero=True)
+    for key, value in (("delay", delay), ("jitter", jitter)):
+        if value > MAX_NETWORK_DELAY:
+            raise nw.error(key, f"must be <= {MAX_NETWORK_DELAY:g}s, got {value:g}s")
+    loss = nw.number("loss", 0.0, low=0.0, high=1.0)
+    raw = nw.data.get("partitions", [])
+    if not isinstance(raw, list):
+        raise nw.error(
+            "partitions", f"must be an array of [[network.partitions]] tables, got {_kind(raw)}"
+        )
+    partitions: list[PartitionSpec] = []
+    for k, item in enumerate(raw):
+        pt = _Reader(nw.source, f"network.partitions[{k}]", item)
+        pt.only({"at", "until", "groups"})
+        at = pt.duration("at", allow_zero=True)
+        if at >= duration:
+            raise pt.error("at", f"must be before the end of the run ({duration:g}s), got {at:g}s")
+        until = pt.duration("until")
+        if until <= at:
+            raise pt.error("until", f"must be after at ({at:g}s), got {until:g}s")
+        groups_raw = pt.data.get("groups")
+        if not isinstance(groups_raw, list) or not groups_raw:
+            raise pt.error(
+                "groups",
+                "must be a non-empty array of arrays of node ids, e.g. [['n3']] "
+                f"(the router and the unlisted nodes are the other side), got {_kind(groups_raw)}",
+            )
+        seen: set[str] = set()
+        groups: list[tuple[str, ...]] = []
+        for g, group in enumerate(groups_raw):
+            if not isinstance(group, list) or not group:
+                raise pt.error(
+                    f"groups[{g}]", f"must be a non-empty array of node ids, got {_kind(group)}"
+                )
+            ids = []
+            for j, value in enumerate(group):
+                if value == "router":
+                    raise pt.error(
+                        f"groups[{g}][{j}]",
+                        "the router is always with the nodes no group lists: do not name it",
+                    )
+                node_id = _check_id(pt, f"groups[{g}][{j}]", value)
+                if node_id in seen:
+                    raise pt.error(f"groups[{g}][{j}]", f"{node_id!r} is in two groups")
+                seen.add(node_id)
+                ids.append(node_id)
+            groups.append(tuple(ids))
+        for earlier in partitions:
+            if at < earlier.until and earlier.at < until:
+                raise pt.error(
+                    "at",
+                    f"overlaps network.partitions[{earlier.index}] "
+                    f"({earlier.at:g}s-{earlier.until:g}s): one partition at a time",
+                )
+        partitions.append(PartitionSpec(k, at, until, tuple(groups)))
+    return NetworkSpec(delay, jitter, loss, tuple(partitions))
+
+
 def _read_events(
-    top: _Reader, duration: float, nodes: tuple[NodeSpec, ...], detection: DetectionSpec
+    top: _Reader,
+    duration: float,
+    nodes: tuple[NodeSpec, ...],
+    detection: DetectionSpec,
+    network: NetworkSpec | None = None,
 ) -> tuple[EventSpec, ...]:
     raw = top.data.get("events", [])
     if not isinstance(raw, list):
@@ -697,7 +854,8 @@ def _read_events(
                 "downtime", f"the node would rejoin at {at + downtime:g}s, after the run ends"
             )
         events.append(EventSpec(i, at, kind, node, weight, graceful, downtime))
-    _check_membership(top, events, nodes, detection, duration)
+    cuts = () if network is None else partition_pauses(network.partitions)
+    _check_membership(top, [*events, *cuts], nodes, detection, duration)
     return tuple(events)
 
 
@@ -735,6 +893,9 @@ def _check_membership(
     try:
         changes = expand_events(events, weights, detection, duration)
     except PauseError as exc:
+        if exc.source < 0:  # a partition's pause (Scenario.outage_events)
+            where = f"network.partitions[{-1 - exc.source}]"
+            raise _Reader(top.source, where, {}).error("groups", str(exc)) from None
         raise _Reader(top.source, f"events[{exc.source}]", {}).error("nodes", str(exc)) from None
     members = {n.id for n in nodes}
     for change in changes:

@@ -23,6 +23,10 @@ conservative   handoff    conservative
 replica        handoff    replica (a replica round every ``modes.replication_interval``)
 =============  =========  ==========================================
 
+The network is the scenario's ``[network]`` table (:func:`simulations.network.from_spec`):
+delay, jitter, loss and timed partitions; a paused node is cut off from
+everyone while its process is stopped.
+
 What is simulated rather than run: the router (it pushes each view to every
 member at the change's instant, the members that lose keys first), the
 lease (a paused member's keys are answered per ``on_error`` for the outage
@@ -53,8 +57,8 @@ from node.store import MemoryStore
 from ring import EmptyRingError, RingView
 
 from .arrivals import Arrivals
-from .modes import Mode
-from .network import SimNetwork
+from .modes import Mode, ModeResult
+from .network import SimNetwork, from_spec
 from .timeline import ChangeInfo, Epoch, Timeline
 
 
@@ -100,7 +104,11 @@ def mode_config(name: str, rules: Sequence[Any], handoff_crash_policy: str) -> C
 
 
 class StickyMode(Mode):
-    """Each user is decided by the ring owner of its key, each node a protocol core."""
+    """Each user is decided by the ring owner of its key, each node a protocol core.
+
+    ``network``: the scenario's (``[network]``, with paused nodes cut off
+    while stopped) when None; one given is used as it is (tests).
+    """
 
     def __init__(
         self,
@@ -127,11 +135,42 @@ class StickyMode(Mode):
         #: cores of members that left gracefully: a leaving process serves pulls
         #: until its handoff is done (the last one stays until the next change)
         self.leaving: dict[int, ShardCore] = {}
-        self.network = network if network is not None else SimNetwork()
+        if network is None:
+            network = from_spec(scenario.network, scenario.seed, scenario.clock_start)
+            self._cut_paused(network)
+        self.network = network
         self.network.schedule = self.at
+        #: every core this run made (crashed ones too): for the network's counters
+        self.all_cores: list[ShardCore] = []
         #: the action of each crash the conservative policy answers for, by crash
         self.crash_actions: dict[tuple[int, frozenset[str]], dict[str, Any]] = {}
         self.tick = 0
+
+    def _cut_paused(self, network: SimNetwork) -> None:
+        """A paused process sends and receives nothing: cut it off while it is stopped.
+
+        (A node a partition cut off from the router is paused only for the
+        router: the network's own split already says whom it can reach.)
+        """
+        detection = self.timeline.detection
+        if detection is None:
+            return
+        start = self.scenario.clock_start
+        for outage in detection.outages:
+            if outage.source >= 0:
+                network.split(start + outage.start, start + outage.end, [frozenset((outage.node,))])
+
+    def run(self) -> ModeResult:
+        result = super().run()
+        if self.scenario.network is not None:
+            stats = [c.stats for c in self.all_cores]
+            result.network = {
+                "messages_sent": self.network.sent,
+                "messages_lost": self.network.lost,
+                "pulls": sum(s.pulls for s in stats),
+                "pull_failures": sum(s.pull_failures for s in stats),
+            }
+        return result
 
     # -- the cores -----------------------------------------------------------
 
@@ -144,6 +183,7 @@ class StickyMode(Mode):
     def _new_core(self, node: int) -> ShardCore:
         config = self.config
         core = ShardCore(self.timeline.node_ids[node], MemoryStore(), lambda: config)
+        self.all_cores.append(core)
         self.cores[node] = core
         self.stores[node] = core.store
         return core
@@ -268,7 +308,7 @@ class StickyMode(Mode):
         node = self.node_index[pull.owner]
         owner = self.cores[node] or self.leaving.get(node)
         records: list[Any] | None = None
-        if owner is not None and self.network.reachable(core.id, pull.owner):
+        if owner is not None and self.network.reachable(core.id, pull.owner, now):
             for _ in range(2):
                 try:
                     records = owner.serve_pull([pull.key], pull.to, pull.epoch, now)

@@ -128,7 +128,7 @@ def build_timeline(scenario: Scenario, jobs: int = 1) -> Timeline:
     ``jobs`` > 1 looks owners up in that many forked processes (one view each).
     """
     changes, detection = expand_with_detection(
-        scenario.events,
+        scenario.outage_events(),
         {n.id: n.weight for n in scenario.nodes},
         scenario.detection,
         scenario.duration,
