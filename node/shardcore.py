@@ -171,6 +171,30 @@ class Transfer:
     crashes: tuple[Crash, ...] = ()
     sent_at: float = 0.0
 
+    def chunks(self, size: int) -> list[Transfer]:
+        """This transfer as a stream of transfers of at most ``size`` records each,
+        in order; only the last carries the final mark (and the crashes), so the
+        receiver applies chunk by chunk and stops waiting only after the last."""
+        if size < 1:
+            raise ValueError("size must be >= 1")
+        if len(self.records) <= size:
+            return [self]
+        parts = [self.records[i : i + size] for i in range(0, len(self.records), size)]
+        last = len(parts) - 1
+        return [
+            Transfer(
+                self.sender,
+                self.to,
+                self.url,
+                self.epoch,
+                part,
+                self.final and i == last,
+                self.crashes if i == last else (),
+                self.sent_at,
+            )
+            for i, part in enumerate(parts)
+        ]
+
     def payload(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "from": self.sender,
@@ -273,6 +297,9 @@ class ShardCore:
         #: Replicas of other members' states, by origin member.
         self.replicas: dict[str, MemoryStore] = {}
         self.successors: dict[str, tuple[str, ...]] = {}
+        #: Keys handed to this node while its view settles, not replicated yet
+        #: (see :meth:`receive`); they join the change set once it has settled.
+        self.settling: set[str] = set()
 
     # ------------------------------------------------------------------ deciding
 
@@ -323,6 +350,8 @@ class ShardCore:
             return None
         if elapsed > deadline:
             self.pending.pop(previous_owner, None)
+            if not self.pending:
+                self._release_settling()
             return HandoffLate(previous_owner)
         if key in self.pulled or self.holds(key, rules):
             return None
@@ -416,8 +445,13 @@ class ShardCore:
                 leftovers = [r for pending in self.outbox.values() for r in pending]
                 self.outbox.clear()
                 self.stash(leftovers, view, now)
-                for record in records:
-                    self.outbox.setdefault(view.owner_id(record[2]), []).append(record)
+                if len(view) == 1 and not me_in:
+                    # One member left (the other leaving): it owns every key, no
+                    # need to hash a million of them to find that out.
+                    self.outbox.setdefault(next(iter(view)).id, []).extend(records)
+                else:
+                    for record in records:
+                        self.outbox.setdefault(view.owner_id(record[2]), []).append(record)
             else:
                 self.stats.keys_dropped += len(records)
         self._promote_replicas(view, crashed, now, config)
@@ -435,6 +469,8 @@ class ShardCore:
             del self.finals[epoch]
         self.pending = dict.fromkeys(senders, elapsed + self.handoff_wait)
         self.pulled.clear()
+        # Every state here is in the change set now (above): deferred ones too.
+        self.settling = set()
         return 0
 
     def _remember_crash(
@@ -482,6 +518,7 @@ class ShardCore:
         self.replicas.clear()
         if self.store.dirty is not None:
             self.store.dirty = set()
+        self.settling = set()
         self.pending = {}
         self.pulled.clear()
         if self.config().policies.rebalance != "handoff" or not len(view):
@@ -636,7 +673,17 @@ class ShardCore:
         # is about to get that view, under which it owns those keys.)
         forwards = self._forwards(foreign)
         taken = self.store.import_(records, now, self.config().rule_map)
-        self.mark_dirty(records)
+        if epoch > self.epoch or self.pending:
+            # The view is settling: the sender may be this key's successor under
+            # the view this node still holds (a member leaving) or still be
+            # pushing to it (a member joining). Replicating the handed-off states
+            # now would stream them straight back to a sender busy with its
+            # push (it timed out, once). They are replicated once the view has
+            # settled: the newer view's apply marks every state, or the last
+            # final mark (or the handoff deadline) releases them.
+            self.settling.update(record[2] for record in records)
+        else:
+            self.mark_dirty(records)
         self.stats.keys_received += taken
         # A rule this node does not know (or with another algorithm): the
         # states cannot be read. Never silent: this is lost quota history.
@@ -651,7 +698,23 @@ class ShardCore:
                 self.pending.pop(sender, None)
             elif epoch > self.epoch:
                 self.finals.setdefault(epoch, set()).add(sender)
+        if not self.pending and epoch <= self.epoch:
+            self._release_settling()
         return Received(taken, dropped, forwards)
+
+    def release_settled(self, elapsed: float) -> None:
+        """Replicate the deferred states once every awaited handoff has landed
+        or is past its deadline (the driver calls this before each round)."""
+        if self.settling and all(deadline <= elapsed for deadline in self.pending.values()):
+            self._release_settling()
+
+    def _release_settling(self) -> None:
+        if not self.settling:
+            return
+        dirty = self._dirty()
+        if dirty is not None:
+            dirty.update(self.settling)
+        self.settling = set()
 
     def _split_foreign(
         self, records: list[Record], epoch: int
@@ -773,6 +836,7 @@ class ShardCore:
             "pending_from": sorted(self.pending),
             "conservative_crashes": len(self.crashes),
             "outbox": {k: len(v) for k, v in self.outbox.items() if v},
+            "settling": len(self.settling),
             "replicas": {k: len(v) for k, v in self.replicas.items()},
             "stats": dict(self.stats.__dict__),
         }
