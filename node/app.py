@@ -463,10 +463,12 @@ class Node:
 
     async def _internal_json(self, request: Request) -> dict[str, Any]:
         body = await read_body(request, MAX_INTERNAL_BODY)
+        return self._parse_internal(body, request.headers.get("content-type"))
+
+    def _parse_internal(self, body: bytes, content_type: str | None) -> dict[str, Any]:
         try:
             # JSON, or versioned msgpack from a peer (node/peers.py: the wire format).
-            with bulk():
-                data = decode_body(body, request.headers.get("content-type"))
+            data = decode_body(body, content_type)
         except WireError as exc:
             raise ApiError(400, exc.error, str(exc)) from None
         if not isinstance(data, dict):
@@ -547,8 +549,11 @@ class Node:
         if self.shard is None:
             return JSONResponse(without_shard, status_code=409 if "error" in without_shard else 200)
         try:
-            data = await self._internal_json(request)
-            with bulk():  # a transfer's records: millions of acyclic lists (node/peers.py)
+            body = await read_body(request, MAX_INTERNAL_BODY)
+            # A transfer's records: many acyclic lists, decoded, checked and
+            # applied with no cyclic GC, and freed before it is on again (node/peers.py).
+            with bulk():
+                data = self._parse_internal(body, request.headers.get("content-type"))
                 answer = handle(self.shard, data)
                 del data
             return JSONResponse(answer)

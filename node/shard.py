@@ -26,7 +26,7 @@ from node.clock import Clock, boot_clock
 from node.config import ClusterConfig
 from node.failures import Failures
 from node.lease import Lease
-from node.peers import PeerError, Peers
+from node.peers import PeerError, Peers, bulk
 from node.rules import Rule
 from node.shardcore import (
     SUCCESSOR_CACHE,
@@ -216,7 +216,8 @@ class Shard:
         Runs without awaiting, so no request can be decided between the
         switch of view and the removal of the keys that moved away.
         """
-        handed_back = self.core.apply(view, previous, crashed, self.clock(), self.timer())
+        with bulk():  # the outbox: a record (two lists) per state that moves away
+            handed_back = self.core.apply(view, previous, crashed, self.clock(), self.timer())
         if handed_back:
             log.warning(
                 "removed from the ring while away: handing %d state(s) back to their owners",
@@ -346,7 +347,9 @@ class Shard:
         (as many as the state's rule asks for: ``replicas``)."""
         sent = 0
         self.core.release_settled(self.timer())
-        for batch in self.core.replica_batches(self.clock()):
+        with bulk():
+            batches = self.core.replica_batches(self.clock())
+        for batch in batches:
             try:
                 await self.peers.post(batch.url, "/internal/replica", batch.payload(), compact=True)
                 sent += len(batch.records)

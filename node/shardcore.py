@@ -300,6 +300,8 @@ class ShardCore:
         #: Keys handed to this node while its view settles, not replicated yet
         #: (see :meth:`receive`); they join the change set once it has settled.
         self.settling: set[str] = set()
+        #: The newest epoch a deferred state arrived under: none is released before it.
+        self.settling_epoch = 0
 
     # ------------------------------------------------------------------ deciding
 
@@ -682,6 +684,7 @@ class ShardCore:
             # settled: the newer view's apply marks every state, or the last
             # final mark (or the handoff deadline) releases them.
             self.settling.update(record[2] for record in records)
+            self.settling_epoch = max(self.settling_epoch, epoch)
         else:
             self.mark_dirty(records)
         self.stats.keys_received += taken
@@ -698,14 +701,18 @@ class ShardCore:
                 self.pending.pop(sender, None)
             elif epoch > self.epoch:
                 self.finals.setdefault(epoch, set()).add(sender)
-        if not self.pending and epoch <= self.epoch:
+        if not self.pending and self.settling_epoch <= self.epoch:
             self._release_settling()
         return Received(taken, dropped, forwards)
 
     def release_settled(self, elapsed: float) -> None:
         """Replicate the deferred states once every awaited handoff has landed
         or is past its deadline (the driver calls this before each round)."""
-        if self.settling and all(deadline <= elapsed for deadline in self.pending.values()):
+        if (
+            self.settling
+            and self.settling_epoch <= self.epoch
+            and all(deadline <= elapsed for deadline in self.pending.values())
+        ):
             self._release_settling()
 
     def _release_settling(self) -> None:
