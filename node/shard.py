@@ -62,6 +62,8 @@ log = logging.getLogger("ringlimit.node")
 #: receiver decodes, checks and applies in ~50 ms, so its event loop never
 #: stalls for a whole million-key transfer, and a failure resends one chunk.
 CHUNK = 50_000
+#: Chunks of one handoff in flight at once: two keep sender and receiver busy together.
+WINDOW = 2
 
 
 class Shard:
@@ -235,27 +237,46 @@ class Shard:
         async def send(transfer: Transfer) -> None:
             landed = False
             chunks = transfer.chunks(CHUNK)
-            try:
-                for done, chunk in enumerate(chunks):
-                    try:
-                        await self._send_chunk(chunk)
-                    except PeerError as exc:
-                        log.warning(
-                            "handoff of %d keys to %s failed (%s); kept for pulls",
-                            len(transfer.records),
-                            transfer.to,
-                            exc,
-                        )
-                        # What landed stays landed (the receiver merges a state
-                        # pulled again with the one it has: never quota twice).
-                        delivered = [r for c in chunks[:done] for r in c.records]
-                        rest = [r for c in chunks[done:] for r in c.records]
-                        self.core.delivered(replace(transfer, records=delivered))
-                        self.core.undelivered(replace(transfer, records=rest), self.clock())
-                        landed = True
+            arrived: set[int] = set()
+            failure: list[PeerError] = []
+            window = asyncio.Semaphore(WINDOW)
+
+            async def one(index: int) -> None:
+                async with window:
+                    if failure:
                         return
-                self.core.delivered(transfer)
-                sent[transfer.to] = len(transfer.records)
+                    try:
+                        await self._send_chunk(chunks[index])
+                    except PeerError as exc:
+                        failure.append(exc)
+                    else:
+                        arrived.add(index)
+
+            try:
+                # Every chunk but the last, a few at a time (the receiver applies
+                # one while the next is encoded and sent); the last, with the
+                # final mark, only once all of them have landed.
+                await asyncio.gather(*(one(i) for i in range(len(chunks) - 1)))
+                if not failure:
+                    await one(len(chunks) - 1)
+                if not failure:
+                    self.core.delivered(transfer)
+                    sent[transfer.to] = len(transfer.records)
+                else:
+                    log.warning(
+                        "handoff of %d keys to %s failed (%s); kept for pulls",
+                        len(transfer.records),
+                        transfer.to,
+                        failure[0],
+                    )
+                    # What landed stays landed (the receiver merges a state
+                    # pulled again with the one it has: never quota twice).
+                    done = [r for i in sorted(arrived) for r in chunks[i].records]
+                    rest = [
+                        r for i in range(len(chunks)) if i not in arrived for r in chunks[i].records
+                    ]
+                    self.core.delivered(replace(transfer, records=done))
+                    self.core.undelivered(replace(transfer, records=rest), self.clock())
                 landed = True
             finally:
                 if not landed:

@@ -440,7 +440,9 @@ class ShardCore:
             def moved(key: str) -> bool:
                 return not me_in or view.owner_id(key) != self.id
 
-            records = self.store.export(now, moved, remove=True)
+            # Alone in the ring, this node owns every key: nothing to hash.
+            alone = me_in and len(view) == 1
+            records = [] if alone else self.store.export(now, moved, remove=True)
             if config.policies.rebalance == "handoff":
                 # States still waiting from an earlier view (a failed delivery)
                 # go to their owner under this one.
@@ -458,7 +460,7 @@ class ShardCore:
                 self.stats.keys_dropped += len(records)
         self._promote_replicas(view, crashed, now, config)
         dirty = self._dirty()
-        if dirty is not None:
+        if dirty is not None and len(view) > 1:
             # Successors may have changed: every state goes to its (new)
             # successor at the next round, not only the ones that change.
             dirty.update(self.store.keys())
@@ -652,7 +654,7 @@ class ShardCore:
             return
         flying = self.in_flight.get(transfer.to)
         if flying is not None:
-            flying -= {record[2] for record in transfer.records}
+            flying.difference_update([record[2] for record in transfer.records])
             if not flying:
                 del self.in_flight[transfer.to]
 
