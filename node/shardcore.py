@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from node.algorithms import MAX_SPAN, exhausted, exhausted_for
@@ -789,7 +790,16 @@ class ShardCore:
         )
 
     def replication_tick(self) -> bool:
-        """A replication round is due: switch change tracking on or off; True if wanted."""
+        """A replication round is due: switch change tracking on or off; True if wanted.
+
+        Alone in its view (or with none), a node has no successor to send to:
+        tracking stays off, so it costs nothing per key (the view that brings a
+        second member marks every state changed, see :meth:`apply`).
+        """
+        view = self.view
+        if view is None or len(view) < 2:
+            self.store.dirty = None
+            return False
         if self.replication_wanted():
             if self.store.dirty is None:
                 self.store.dirty = set()
@@ -797,14 +807,24 @@ class ShardCore:
         self.store.dirty = None
         return False
 
-    def replica_batches(self, now: float) -> list[ReplicaBatch]:
+    def replica_batches(self, now: float, limit: int | None = None) -> list[ReplicaBatch]:
         """Every state changed since the last round, for its key's successors
-        (as many as the state's rule asks for: ``replicas``)."""
+        (as many as the state's rule asks for: ``replicas``).
+
+        With ``limit``, at most that many keys' states: the rest stay in the
+        change set for the next call, so a round over a million changed keys
+        never holds a million records (and their encoded body) at once.
+        """
         view = self.view
         dirty = self.store.dirty
         if view is None or len(view) < 2 or not dirty:
             return []
-        self.store.dirty = set()
+        if limit is not None and len(dirty) > limit:
+            taken = set(islice(dirty, limit))
+            dirty -= taken
+            dirty = taken
+        else:
+            self.store.dirty = set()
         rules = self.config().rule_map
         depth = 1 + max((rule.replicas for rule in rules.values()), default=1)
         by_target: dict[str, list[Record]] = {}
