@@ -301,6 +301,8 @@ class ShardCore:
         #: Keys handed to this node while its view settles, not replicated yet
         #: (see :meth:`receive`); they join the change set once it has settled.
         self.settling: set[str] = set()
+        #: The epoch of the view whose final marks :meth:`transfers` sent last.
+        self.marked = 0
         #: The newest epoch a deferred state arrived under: none is released before it.
         self.settling_epoch = 0
 
@@ -619,7 +621,11 @@ class ShardCore:
             return []
         crashes = tuple(c for c in self.crashes if c.until > now)
         previous = self.previous
-        marks = previous is not None and self.id in previous
+        # Final marks once per view: a second, empty mark could overtake the
+        # first transfer (with the states) and end the receiver's wait for them.
+        marks = previous is not None and self.id in previous and self.marked < view.epoch
+        if marks:
+            self.marked = view.epoch
         out: list[Transfer] = []
         for member in view:
             if member.id == self.id or not (marks or self.outbox.get(member.id)):
