@@ -115,6 +115,15 @@ class PeerError(Exception):
         return self.status is None or self.status == 409 or self.status >= 500
 
 
+def _error(response: httpx.Response) -> Any:
+    """The ``error`` field of a peer's JSON error body (None if there is none)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body.get("error") if isinstance(body, dict) else None
+
+
 class Peers:
     def __init__(
         self,
@@ -155,6 +164,9 @@ class Peers:
             response = await self._client.post(url.rstrip("/") + path, headers=headers, **extra)
         except httpx.HTTPError as exc:
             raise PeerError(f"{url}{path}: {type(exc).__name__}") from None
+        if compact and response.status_code == 400 and _error(response) == "invalid_json":
+            # An older peer, which reads JSON only: say it again in JSON.
+            return await self.post(url, path, payload, seconds=seconds)
         if response.status_code != 200:
             raise PeerError(f"{url}{path}: HTTP {response.status_code}", response.status_code)
         data: dict[str, Any] = response.json()

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from node.app import Node
-from node.peers import MSGPACK, WIRE_VERSION, WireError, decode, encode
+from node.peers import MSGPACK, WIRE_VERSION, Peers, WireError, decode, encode
 from node.shardcore import Transfer
 from tests.test_node_api import (
     BAD_RECORDS,
@@ -174,3 +174,24 @@ def test_states_received_while_awaiting_a_handoff_replicate_once_it_lands() -> N
     assert n.settling and not n.store.dirty  # n1's final mark is still awaited
     n.receive("n1", 2, [], True, (), NOW)
     assert not n.settling and n.store.dirty == {r[2] for r in to_n.records}
+
+
+async def test_a_peer_that_reads_only_json_gets_the_transfer_in_json() -> None:
+    """An older node answers a msgpack body 400 invalid_json: the sender says it
+    again in JSON, so a rolling upgrade still hands states off."""
+    seen: list[str] = []
+
+    def older_peer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers["content-type"])
+        try:
+            return httpx.Response(200, json={"taken": len(json.loads(request.content)["records"])})
+        except ValueError:
+            return httpx.Response(400, json={"error": "invalid_json", "detail": "not JSON"})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(older_peer))
+    async with client:
+        peers = Peers(client=client)
+        body = transfer(json.loads(EXHAUSTED_A))
+        answer = await peers.post("http://old", "/internal/import", body, compact=True)
+    assert answer == {"taken": 1}
+    assert seen == [MSGPACK, "application/json"]
