@@ -195,3 +195,25 @@ async def test_a_peer_that_reads_only_json_gets_the_transfer_in_json() -> None:
         answer = await peers.post("http://old", "/internal/import", body, compact=True)
     assert answer == {"taken": 1}
     assert seen == [MSGPACK, "application/json"]
+
+
+ODD_MSGPACK = [
+    b"",
+    b"\x81",  # a map cut short
+    msgspec.msgpack.encode({"v": 1, **transfer(["api", "token_bucket", b"a", [0.0, 0.0]])}),
+    msgspec.msgpack.encode({"v": 1, **transfer(["api", "token_bucket", "a", [2**63, 0.0]])}),
+    msgspec.msgpack.encode({"v": 1, **transfer(msgspec.msgpack.Ext(1, b"x"))}),
+    msgspec.msgpack.encode({"v": 1, "from": "n1", "epoch": 2**64 - 1, "final": True}),
+    msgspec.msgpack.encode([1, 2, 3]),
+    b"\x91" * 100_000 + b"\xc0",  # nested arrays, deeper than anything sane
+    b"\xcf" + b"\xff" * 8,  # a lone uint64
+]
+
+
+@pytest.mark.parametrize("body", ODD_MSGPACK, ids=range(len(ODD_MSGPACK)))
+async def test_odd_msgpack_bodies_are_4xx_never_500(in_ring: Any, body: bytes) -> None:
+    _node, client = in_ring
+    for path in ("/internal/import", "/internal/replica", "/internal/pull"):
+        answer = await client.post(path, content=body, headers={"content-type": MSGPACK})
+        assert_error(answer)
+    assert (await client.post("/v1/check", json={"key": "a"})).json()["remaining"] == 4
