@@ -21,9 +21,10 @@ Why it is safe:
 * **One leader at a time** carries out changes (admin calls reach it through
   any router), runs health checks and grants node leases. Leadership is an
   etcd key on an etcd lease of ``ttl`` seconds. The leader steps down on its
-  own once it has not refreshed that lease for ``ttl`` seconds, measured from
-  when it *sent* the refresh, so it has stopped acting before etcd can expire
-  the key and elect another.
+  own once it has not refreshed that lease for 0.8 * ``ttl`` seconds, measured
+  from when it *sent* the refresh, so it has stopped acting before etcd can
+  expire the key and elect another. Every keep-alive step runs under that
+  deadline: an etcd that hangs cannot keep a leader leading past it.
 * **Roll forward.** The push protocol runs after the commit, so a leader that
   dies mid-change leaves ``settled = false``; the next leader pushes the same
   view again in the same order (pushing a view twice is harmless) and marks
@@ -140,6 +141,9 @@ class EtcdCoordinator:
         self.timeout = timeout
         self._client: Any = None
         self._endpoint = 0
+        #: etcd's revision at the last :meth:`load` (from the response header,
+        #: even when the key is absent): where a watch from "now" really starts.
+        self.read_revision = 0
 
     @property
     def where(self) -> str:
@@ -167,6 +171,13 @@ class EtcdCoordinator:
                 with contextlib.suppress(Exception):
                     await client.close()
                 continue
+            except asyncio.CancelledError:
+                # A deadline (the leader's keep-alive) cut the connection short:
+                # close its channel rather than leak it (a leaked gRPC channel
+                # can hang the event loop's shutdown).
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.wait_for(client.close(), timeout=self.timeout)
+                raise
             old, self._client = self._client, client
             self._endpoint = (self._endpoint + i) % len(self.endpoints)
             if old is not None:
@@ -200,10 +211,20 @@ class EtcdCoordinator:
     # ------------------------------------------------------------------ the record
 
     async def load(self) -> ViewRecord | None:
-        got = await self._call("read", lambda c: c.get(self._key("view")))
-        if got is None:
+        """The record in etcd, or None when there is none yet.
+
+        Either way :attr:`read_revision` becomes the store's revision at that
+        read (the response header's), which a watch started with ``since=0``
+        starts after: a first view committed between an empty read and the
+        watch's start is not missed.
+        """
+        key = self._key("view")
+        got = await self._call("read", lambda c: c.get_range(key, key + b"\0"))
+        self.read_revision = max(self.read_revision, int(got.header.revision))
+        if not got.kvs:
             return None
-        return ViewRecord.from_json(got.value, got.mod_revision)
+        kv = got.kvs[0]
+        return ViewRecord.from_json(kv.value, kv.mod_revision)
 
     async def commit(self, record: ViewRecord, expected: int) -> ViewRecord | None:
         """Write ``record`` if the view key is still at revision ``expected`` (0: absent).
@@ -244,7 +265,10 @@ class EtcdCoordinator:
         an older view until the next change.
         """
         key = self._key("view")
-        seen = since
+        # since=0: the caller loaded nothing (an empty etcd). Start after that
+        # empty read, not from "now": a first view another router committed in
+        # between would otherwise be missed until the next change.
+        seen = since if since > 0 else self.read_revision
         while True:
             watcher = None
             try:
@@ -287,17 +311,22 @@ class EtcdCoordinator:
         """Campaign for leadership forever; call ``on_lead`` / ``on_lose`` on changes.
 
         The leader refreshes its etcd lease every ttl/3 seconds and gives up
-        leadership (``on_lose``) when ``ttl`` seconds have passed since the
-        last refresh it *sent* that succeeded: by then etcd may have expired
-        the key, but this router has already stopped acting as leader.
+        leadership (``on_lose``) once 0.8 * ttl seconds have passed since it
+        *sent* the last refresh that succeeded: etcd cannot expire the key
+        before ttl seconds after that, so this router has stopped acting as
+        leader before another can be elected. The whole keep-alive step (the
+        refresh, the check that the key is still ours, any reconnection in
+        between) runs under that deadline: an etcd that hangs (paused, cut off
+        by a partition) cannot keep this router leading past it.
         """
         key = self._key("leader")
         value = url.encode()
         while True:
             leading = False
             try:
-                lease = await self._call("lease", lambda c: c.lease(self.ttl))
+                # Before the grant: etcd's ttl starts when it grants the lease.
                 sent = clock()
+                lease = await self._call("lease", lambda c: c.lease(self.ttl))
 
                 async def campaign(client: Any, lease: Any = lease) -> bool:
                     ok, _ = await client.transaction(
@@ -307,33 +336,23 @@ class EtcdCoordinator:
                     )
                     return bool(ok)
 
-                leading = await self._call("campaign", campaign)
-                if not leading:
+                won = await self._call("campaign", campaign)
+                if won and clock() - sent >= self.ttl * 0.8:
+                    # Won too late to act safely (a slow etcd): let the lease go.
+                    log.warning("won the leadership too late to use it; campaigning again")
+                    won = False
+                if not won:
                     with contextlib.suppress(Exception):
                         await self._call("lease revoke", partial(_revoke, lease.id))
                     await self._wait_for_vacancy(key)
                     continue
+                leading = True
                 log.warning("leading the cluster's membership (etcd %s)", self.where)
                 await on_lead()
                 last_ok = sent
                 while True:
                     await asyncio.sleep(self.ttl / 3)
-                    sent = clock()
-                    try:
-                        # Through _call, by the lease's id: if the watch replaced a
-                        # broken client meanwhile, the refresh uses the new one.
-                        await asyncio.wait_for(
-                            self._call("lease refresh", partial(_refresh, lease.id)),
-                            timeout=self.ttl / 3,
-                        )
-                        last_ok = sent
-                    except Exception as exc:
-                        log.warning("leader lease refresh failed: %s", type(exc).__name__)
-                    if clock() - last_ok >= self.ttl * 0.8:
-                        raise CoordinatorError("leader lease not refreshed in time")
-                    got = await self._call("read leader", lambda c: c.get(key))
-                    if got is None or got.value != value:
-                        raise CoordinatorError("leadership taken over")
+                    last_ok = await self._keep_alive(lease.id, key, value, last_ok, clock)
             except asyncio.CancelledError:
                 if leading:
                     await on_lose()
@@ -345,6 +364,43 @@ class EtcdCoordinator:
                 else:
                     log.warning("leader election: %s", exc)
                 await asyncio.sleep(0.5)
+
+    async def _keep_alive(
+        self, lease_id: int, key: bytes, value: bytes, last_ok: float, clock: Callable[[], float]
+    ) -> float:
+        """One keep-alive step of the leader; returns when its last refresh was sent.
+
+        Raises :class:`CoordinatorError` (step down) when the leader key is no
+        longer ours, or when 0.8 * ttl after the last successful refresh passes
+        before this step is done: the refresh, then the read of the leader key,
+        each bounded by that deadline (which a successful refresh moves on).
+        """
+        deadline = last_ok + self.ttl * 0.8
+        sent = clock()
+        try:
+            # Through _call, by the lease's id: if the watch replaced a broken
+            # client meanwhile, the refresh uses the new one.
+            await asyncio.wait_for(
+                self._call("lease refresh", partial(_refresh, lease_id)),
+                timeout=max(0.0, min(self.ttl / 3, deadline - sent)),
+            )
+            last_ok = sent
+            deadline = sent + self.ttl * 0.8
+        except Exception as exc:  # TimeoutError included
+            log.warning("leader lease refresh failed: %s", type(exc).__name__)
+        if clock() >= deadline:
+            raise CoordinatorError("leader lease not refreshed in time")
+        try:
+            got = await asyncio.wait_for(
+                self._call("read leader", lambda c: c.get(key)), timeout=deadline - clock()
+            )
+        except TimeoutError:
+            raise CoordinatorError("etcd did not answer before the leader lease ran out") from None
+        if got is None or got.value != value:
+            raise CoordinatorError("leadership taken over")
+        if clock() >= deadline:
+            raise CoordinatorError("leader lease not refreshed in time")
+        return last_ok
 
     async def resign(self, url: str) -> None:
         """Give leadership up at once (a clean shutdown), if this router holds it."""
@@ -362,12 +418,41 @@ class EtcdCoordinator:
             await self._call("resign", txn)
 
     async def _wait_for_vacancy(self, key: bytes) -> None:
-        """Wait until the leader key is gone (bounded: re-check every ttl)."""
+        """Wait until the leader key is gone: a lease expiry or a resignation.
+
+        A watch for the key's deletion, so a follower campaigns as soon as
+        etcd frees the key (polling every ttl/3 added up to that much to every
+        take-over). Bounded: the watch is given up after ``ttl`` and the key
+        read again; on a watch error, a short sleep and the same.
+        """
         for _ in range(1000):
-            got = await self._call("read leader", lambda c: c.get(key))
-            if got is None:
+            got = await self._call("read leader", lambda c: c.get_range(key, key + b"\0"))
+            if not got.kvs:
                 return
-            await asyncio.sleep(min(1.0, self.ttl / 3))
+            watcher = None
+            try:
+                watcher = await self._call(
+                    "watch leader", partial(_watch, key, int(got.header.revision))
+                )
+                if await asyncio.wait_for(_deleted(watcher), timeout=self.ttl):
+                    return
+            except (CoordinatorError, TimeoutError):
+                pass
+            except Exception as exc:
+                log.warning("watching the leader key: %s; retrying", type(exc).__name__)
+                await asyncio.sleep(min(1.0, self.ttl / 3))
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                        await asyncio.wait_for(watcher.cancel(), timeout=self.timeout)
+
+
+async def _deleted(watcher: Any) -> bool:
+    """True once the watched key is deleted (False if the watch ends first)."""
+    async for event in watcher:
+        if event.kind == "DELETE":
+            return True
+    return False
 
 
 async def _refresh(lease_id: int, client: Any) -> Any:

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
+import signal
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
+import httpx
 import pytest
 
 from node.clock import FrozenClock
@@ -20,7 +25,9 @@ from router.coordinator import (
     ViewRecord,
     parse_endpoints,
 )
+from router.membership import MembershipError
 from router.testing import ROUTER_URL, InProcessCluster, node_url
+from tests.etcd_server import EtcdServer
 from tests.test_rebalancing import LIMIT, USERS, Tally, make_config, send
 
 pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
@@ -110,6 +117,123 @@ async def test_a_watch_from_the_loaded_revision_misses_no_change(etcd_endpoint: 
         await b.close()
 
 
+async def test_a_watch_after_an_empty_load_misses_no_first_view(etcd_endpoint: str) -> None:
+    """A router that found etcd empty watches from that read's revision, not
+    from "now": a first view another router committed in between reaches it."""
+    a, b = coordinator(etcd_endpoint), coordinator(etcd_endpoint)
+    await a.connect()
+    await b.connect()
+    try:
+        assert await b.load() is None
+        one = RingView.of([Member("n1", "http://n1")], epoch=1)
+        first = await a.commit(ViewRecord(one, None, (), make_config(), True), expected=0)
+        assert first is not None
+        records = b.watch(0)  # as Membership does after an empty load
+        try:
+            seen = await asyncio.wait_for(anext(records), timeout=3.0)
+        except TimeoutError:
+            pytest.fail("the first view, committed after the empty load, was missed")
+        finally:
+            await records.aclose()
+        assert seen.view == one and seen.revision == first.revision
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_leader_cut_off_from_etcd_steps_down_within_the_ttl(
+    etcd_server: EtcdServer, etcd_endpoint: str
+) -> None:
+    """etcd stops answering (SIGSTOP: a hung server, or a partition that keeps
+    the connection open). The leader must stop acting as leader before etcd
+    could expire its key and elect another: within the ttl of its last refresh,
+    however long its calls to etcd hang and retry."""
+    etcd = coordinator(etcd_endpoint, ttl=2.0)
+    loop = asyncio.get_running_loop()
+    led = asyncio.Event()
+    lost: list[float] = []
+
+    async def on_lead() -> None:
+        led.set()
+
+    async def on_lose() -> None:
+        lost.append(loop.time())
+
+    leading = asyncio.create_task(etcd.lead("http://cut-off", on_lead, on_lose, loop.time))
+    process = etcd_server.process
+    assert process is not None
+    try:
+        await asyncio.wait_for(led.wait(), timeout=10.0)
+        await asyncio.sleep(1.0)  # a few refreshes
+        paused_at = loop.time()
+        process.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(int(etcd.ttl * 4 / 0.02)):  # bounded: 4 ttl at most
+                if lost:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        assert lost, "the leader never stepped down"
+        # Its last refresh was sent before the pause: etcd could expire the
+        # key ttl seconds after it, at the earliest.
+        assert lost[0] - paused_at < etcd.ttl, lost[0] - paused_at
+    finally:
+        process.send_signal(signal.SIGCONT)
+        leading.cancel()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(leading, timeout=10.0)
+        await etcd.close()
+
+
+def _setter(event: asyncio.Event) -> Callable[[], Awaitable[None]]:
+    async def set_it() -> None:
+        event.set()
+
+    return set_it
+
+
+async def _nothing() -> None:
+    pass
+
+
+async def test_a_follower_campaigns_as_soon_as_the_leader_key_is_gone(
+    etcd_endpoint: str,
+) -> None:
+    """The waiting router watches the leader key: it leads within a few round
+    trips of the key's deletion (a resignation here; a lease expiry after a
+    kill -9), not at its next poll (every ttl/3, capped at 1 s, added up to
+    that much to every take-over). Three resignations at different phases."""
+    loop = asyncio.get_running_loop()
+    delays = []
+    for phase in (0.35, 0.65, 0.95):
+        a, b = coordinator(etcd_endpoint, ttl=6.0), coordinator(etcd_endpoint, ttl=6.0)
+        a_led, b_led = asyncio.Event(), asyncio.Event()
+
+        tasks = [asyncio.create_task(a.lead("http://a", _setter(a_led), _nothing, loop.time))]
+        try:
+            await asyncio.wait_for(a_led.wait(), timeout=10.0)
+            tasks.append(
+                asyncio.create_task(b.lead("http://b", _setter(b_led), _nothing, loop.time))
+            )
+            await asyncio.sleep(phase)
+            assert not b_led.is_set()
+            resigned = loop.time()
+            await a.resign("http://a")
+            await asyncio.wait_for(b_led.wait(), timeout=10.0)
+            delays.append(loop.time() - resigned)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                    await asyncio.wait_for(task, timeout=10.0)
+            await b.resign("http://b")
+            await a.close()
+            await b.close()
+    assert max(delays) < 0.3, delays
+
+
 async def test_a_commit_built_on_an_old_revision_loses(etcd_endpoint: str) -> None:
     """Two routers building on the same view cannot both change the ring."""
     a, b = coordinator(etcd_endpoint), coordinator(etcd_endpoint)
@@ -180,7 +304,10 @@ async def test_two_routers_share_one_ring_and_any_takes_admin_calls(etcd_endpoin
             await second.close()
 
 
-async def test_seeds_make_the_first_view_only_if_etcd_has_none(etcd_endpoint: str) -> None:
+async def test_seeds_make_the_first_view_only_if_etcd_has_none(
+    etcd_endpoint: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="ringlimit.router")
     async with InProcessCluster(
         3, make_config(), clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
     ) as cluster:
@@ -190,6 +317,12 @@ async def test_seeds_make_the_first_view_only_if_etcd_has_none(etcd_endpoint: st
         try:
             assert second.membership.view == cluster.router.membership.view
             assert len(second.membership.view) == 3
+            # ... and the operator is told why the --node seeds were ignored.
+            assert any(
+                "holds the ring at epoch 1 (n1, n2, n3): it wins over the --node seeds"
+                in r.getMessage()
+                for r in caplog.records
+            ), [r.getMessage() for r in caplog.records]
         finally:
             await second.close()
 
@@ -327,7 +460,13 @@ async def test_a_revision_moved_by_settling_the_same_view_does_not_refuse_a_chan
             await etcd.close()
 
 
-async def test_only_the_leader_changes_the_ring(etcd_endpoint: str) -> None:
+async def test_a_change_built_on_a_stale_revision_cannot_fork_the_history(
+    etcd_endpoint: str,
+) -> None:
+    """A router that builds a change on the view and revision it last knew loses
+    to the change etcd holds since. A follower refuses to change the ring at all
+    (``not_leader``); what is left is a deposed leader that has not noticed yet
+    (it still believes it leads): its commit is conditioned on its revision."""
     async with InProcessCluster(
         3, make_config(), clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
     ) as cluster:
@@ -351,12 +490,109 @@ async def test_only_the_leader_changes_the_ring(etcd_endpoint: str) -> None:
             await leader.join(Member("n4", node_url("n4")))
             assert follower.view.epoch == 1
             follower._revision = stale
-            follower.leading = True
-            with pytest.raises(Exception, match="another router changed the ring"):
+            with pytest.raises(MembershipError, match="does not lead"):
+                await follower.join(Member("n5", node_url("n5")))
+            follower.leading = True  # deposed, and has not noticed yet
+            with pytest.raises(MembershipError, match="another router changed the ring"):
                 await follower.join(Member("n5", node_url("n5")))
             follower.leading = False
+            record = await leader.coordinator.load()  # type: ignore[union-attr]
+            assert record is not None and record.view == leader.view and "n5" not in record.view
             await wait_until(lambda: follower.view.epoch == leader.view.epoch == 2)
         finally:
+            await second.close()
+
+
+class _HoldEpoch(httpx.AsyncBaseTransport):
+    """A node whose pushes of one epoch hang until ``release`` is set (the
+    leader's push protocol is under way: committed in etcd, not settled)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, epoch: int) -> None:
+        self.inner = inner
+        self.epoch = epoch
+        self.release = asyncio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "PUT" and request.url.path == "/internal/cluster":
+            body = json.loads(await request.aread())
+            if body.get("ring", {}).get("epoch") == self.epoch:
+                await asyncio.wait_for(self.release.wait(), timeout=20.0)
+        return await self.inner.handle_async_request(request)
+
+
+async def test_a_follower_cannot_overwrite_the_leaders_change_in_flight(
+    etcd_endpoint: str,
+) -> None:
+    """The leader committed epoch 2 (n4 joins) and is pushing it. The follower's
+    watch saw the unsettled record: it did not adopt epoch 2 but took its etcd
+    revision. A node restarts (epoch 0) and traffic through the follower finds
+    it: app._stale -> refresh_node -> join -> crash, a change built on epoch 1
+    and conditioned on epoch 2's revision. etcd accepts it: the leader's
+    change is overwritten by a view that does not descend from it (n4, which
+    is taking keys, is dropped). It must be refused (or left to the leader)."""
+    config = make_config()
+    async with InProcessCluster(
+        3, config, clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
+    ) as cluster:
+        second = cluster.new_router(SECOND, seeds=[], **options(etcd_endpoint, SECOND))
+        await second.start()
+        etcd = coordinator(etcd_endpoint)
+        await etcd.connect()
+        holds: list[_HoldEpoch] = []
+        joining: asyncio.Task[RingView] | None = None
+        try:
+            first, other = cluster.router.membership, second.membership
+            await wait_until(lambda: first.leading != other.leading)
+            leader, follower = (first, other) if first.leading else (other, first)
+            follower_url = SECOND if follower is other else ROUTER_URL
+            assert leader.view.epoch == follower.view.epoch == 1
+            hold = _HoldEpoch(cluster._mounts[node_url("n1")], 2)
+            cluster._mounts[node_url("n1")] = hold
+            holds.append(hold)
+            cluster._make_node("n4")
+            joining = asyncio.create_task(leader.join(Member("n4", node_url("n4"))))
+            in_flight: list[ViewRecord] = []
+
+            async def committed() -> bool:
+                record = await etcd.load()
+                if record is not None and record.view.epoch == 2:
+                    in_flight.append(record)
+                return bool(in_flight)
+
+            for _ in range(500):
+                if await committed():
+                    break
+                await asyncio.sleep(0.02)
+            assert in_flight and not in_flight[0].settled
+            change = in_flight[0]
+            # The follower's watch has seen the record (it knows of epoch 2).
+            await wait_until(lambda: follower.log.highest >= change.view.epoch)
+            assert follower.view.epoch == 1  # not adopted: not settled
+            # n3 restarts with no state, and holds no view of epoch 2 either.
+            cluster.restart_node("n3")
+            hold3 = _HoldEpoch(cluster._mounts[node_url("n3")], 2)
+            cluster._mounts[node_url("n3")] = hold3
+            holds.append(hold3)
+            users = [u for u in USERS if follower.view.owner_id(u) == "n3"][:1]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    send(cluster.client, Tally(), users, 1, base=follower_url), timeout=10.0
+                )
+            stored = await etcd.load()
+            assert stored is not None
+            # Whatever happened, the record in etcd still holds the leader's change
+            # or one built on it: n4 was not dropped by a view that never had it.
+            assert stored.revision == change.revision or (
+                stored.previous is not None and "n4" in stored.previous
+            ), (stored.view.epoch, stored.view.ids, stored.previous)
+            assert "n4" in stored.view, stored.view.ids
+        finally:
+            for hold in holds:
+                hold.release.set()
+            if joining is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(joining, timeout=20.0)
+            await etcd.close()
             await second.close()
 
 

@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.cluster import admin_ring, gone, kill_all, report, ring_ids, start_cluster
 from tests.processes import Procs, wait_for, wait_healthy
+from tests.real_cluster import admin_ring, gone, kill_all, report, ring_ids, start_cluster
 from tests.test_faults_processes import DETECTION, HEALTH, SLACK, config_file, paused
 from tests.test_workers import workers
 
