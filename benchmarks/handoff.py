@@ -2,8 +2,9 @@
 
 Node A is filled with ``n`` token-bucket states through its own decision API
 (batches of 1000, keys A owns), then removed gracefully through the router
-(``DELETE /admin/nodes/A``): every state moves to B in one transfer. Timed:
-the DELETE, which returns once A has delivered everything. A's RSS before and
+(``DELETE /admin/nodes/A``): every state moves to B, streamed in msgpack
+chunks (node/shard.py). Timed: the DELETE, which returns once A has
+delivered everything. A's RSS before and
 after the fill gives a real node's bytes per key.
 """
 

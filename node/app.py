@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -47,7 +46,8 @@ from node.middleware import (
     not_owner_body,
     not_owner_headers,
 )
-from node.peers import INTERNAL_TOKEN_HEADER, Peers
+from node.peers import INTERNAL_TOKEN_HEADER, Peers, WireError, bulk
+from node.peers import decode as decode_body
 from node.rates import RateMeter
 from node.security import bearer, refusal
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
@@ -463,10 +463,14 @@ class Node:
 
     async def _internal_json(self, request: Request) -> dict[str, Any]:
         body = await read_body(request, MAX_INTERNAL_BODY)
+        return self._parse_internal(body, request.headers.get("content-type"))
+
+    def _parse_internal(self, body: bytes, content_type: str | None) -> dict[str, Any]:
         try:
-            data = json.loads(body)
-        except (ValueError, RecursionError) as exc:
-            raise ApiError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
+            # JSON, or versioned msgpack from a peer (node/peers.py: the wire format).
+            data = decode_body(body, content_type)
+        except WireError as exc:
+            raise ApiError(400, exc.error, str(exc)) from None
         if not isinstance(data, dict):
             raise ApiError(400, "invalid_request", "body must be a JSON object")
         return data
@@ -545,7 +549,14 @@ class Node:
         if self.shard is None:
             return JSONResponse(without_shard, status_code=409 if "error" in without_shard else 200)
         try:
-            return JSONResponse(handle(self.shard, await self._internal_json(request)))
+            body = await read_body(request, MAX_INTERNAL_BODY)
+            # A transfer's records: many acyclic lists, decoded, checked and
+            # applied with no cyclic GC, and freed before it is on again (node/peers.py).
+            with bulk():
+                data = self._parse_internal(body, request.headers.get("content-type"))
+                answer = handle(self.shard, data)
+                del data
+            return JSONResponse(answer)
         except StaleEpoch as exc:
             return JSONResponse({"error": "stale_epoch", "detail": str(exc)}, status_code=409)
         except InFlight as exc:

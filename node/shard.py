@@ -19,13 +19,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from node.clock import Clock, boot_clock
 from node.config import ClusterConfig
 from node.failures import Failures
 from node.lease import Lease
-from node.peers import PeerError, Peers
+from node.peers import PeerError, Peers, bulk
 from node.rules import Rule
 from node.shardcore import (
     SUCCESSOR_CACHE,
@@ -56,6 +57,13 @@ __all__ = [
 ]
 
 log = logging.getLogger("ringlimit.node")
+
+#: Records per chunk of a handoff: a chunk is ~2.5 MB of msgpack that the
+#: receiver decodes, checks and applies in ~50 ms, so its event loop never
+#: stalls for a whole million-key transfer, and a failure resends one chunk.
+CHUNK = 50_000
+#: Chunks of one handoff in flight at once: two keep sender and receiver busy together.
+WINDOW = 2
 
 
 class Shard:
@@ -210,7 +218,8 @@ class Shard:
         Runs without awaiting, so no request can be decided between the
         switch of view and the removal of the keys that moved away.
         """
-        handed_back = self.core.apply(view, previous, crashed, self.clock(), self.timer())
+        with bulk():  # the outbox: a record (two lists) per state that moves away
+            handed_back = self.core.apply(view, previous, crashed, self.clock(), self.timer())
         if handed_back:
             log.warning(
                 "removed from the ring while away: handing %d state(s) back to their owners",
@@ -227,33 +236,48 @@ class Shard:
 
         async def send(transfer: Transfer) -> None:
             landed = False
-            try:
-                for attempt in range(3):
+            chunks = transfer.chunks(CHUNK)
+            arrived: set[int] = set()
+            failure: list[PeerError] = []
+            window = asyncio.Semaphore(WINDOW)
+
+            async def one(index: int) -> None:
+                async with window:
+                    if failure:
+                        return
                     try:
-                        # A bulk transfer (a million states is tens of MB of JSON)
-                        # gets time in proportion to its size, not the default.
-                        await self.peers.post(
-                            transfer.url,
-                            "/internal/import",
-                            transfer.payload(),
-                            seconds=max(5.0, len(transfer.records) / 20_000),
-                        )
+                        await self._send_chunk(chunks[index])
                     except PeerError as exc:
-                        if attempt < 2:
-                            await asyncio.sleep(0.05 * (attempt + 1))
-                            continue
-                        log.warning(
-                            "handoff of %d keys to %s failed (%s); kept for pulls",
-                            len(transfer.records),
-                            transfer.to,
-                            exc,
-                        )
-                        self.core.undelivered(transfer, self.clock())
+                        failure.append(exc)
                     else:
-                        self.core.delivered(transfer)
-                        sent[transfer.to] = len(transfer.records)
-                    landed = True
-                    return
+                        arrived.add(index)
+
+            try:
+                # Every chunk but the last, a few at a time (the receiver applies
+                # one while the next is encoded and sent); the last, with the
+                # final mark, only once all of them have landed.
+                await asyncio.gather(*(one(i) for i in range(len(chunks) - 1)))
+                if not failure:
+                    await one(len(chunks) - 1)
+                if not failure:
+                    self.core.delivered(transfer)
+                    sent[transfer.to] = len(transfer.records)
+                else:
+                    log.warning(
+                        "handoff of %d keys to %s failed (%s); kept for pulls",
+                        len(transfer.records),
+                        transfer.to,
+                        failure[0],
+                    )
+                    # What landed stays landed (the receiver merges a state
+                    # pulled again with the one it has: never quota twice).
+                    done = [r for i in sorted(arrived) for r in chunks[i].records]
+                    rest = [
+                        r for i in range(len(chunks)) if i not in arrived for r in chunks[i].records
+                    ]
+                    self.core.delivered(replace(transfer, records=done))
+                    self.core.undelivered(replace(transfer, records=rest), self.clock())
+                landed = True
             finally:
                 if not landed:
                     # Cancelled (or a bug): no pull may wait for these states any longer.
@@ -264,6 +288,25 @@ class Shard:
         finally:
             self.core.stats.last_transfer_seconds = self.timer() - started
         return sent
+
+    async def _send_chunk(self, chunk: Transfer) -> None:
+        """One chunk of a handoff, tried three times; ``PeerError`` if it never lands."""
+        for attempt in range(3):
+            try:
+                await self.peers.post(
+                    chunk.url,
+                    "/internal/import",
+                    chunk.payload(),
+                    # Time in proportion to the size (a chunk is bounded, a
+                    # forwarded batch is not), never below the default.
+                    seconds=max(5.0, len(chunk.records) / 20_000),
+                    compact=True,
+                )
+                return
+            except PeerError:
+                if attempt == 2:
+                    raise
+                await asyncio.sleep(0.05 * (attempt + 1))
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -295,7 +338,9 @@ class Shard:
         """Pass states on to their owners, without a final mark (not a handoff of ours)."""
         for transfer in transfers:
             try:
-                await self.peers.post(transfer.url, "/internal/import", transfer.payload())
+                await self.peers.post(
+                    transfer.url, "/internal/import", transfer.payload(), compact=True
+                )
                 self.core.delivered(transfer)
             except PeerError as exc:
                 log.warning(
@@ -322,13 +367,29 @@ class Shard:
         """Send every state changed since the last round to its key's successors
         (as many as the state's rule asks for: ``replicas``)."""
         sent = 0
-        for batch in self.core.replica_batches(self.clock()):
-            try:
-                await self.peers.post(batch.url, "/internal/replica", batch.payload())
-                sent += len(batch.records)
-            except PeerError as exc:
-                log.debug("replication to %s failed: %s", batch.to, exc)
-                self.core.replicas_failed(batch.records)
+        self.core.release_settled(self.timer())
+        # In slices of CHUNK keys: a round's records and bodies stay bounded (a
+        # million changed keys at once held ~200 B per key of garbage, which a
+        # busy heap does not give back). Keys that fail wait for the next round.
+        failed: list[Record] = []
+        try:
+            while True:
+                with bulk():
+                    batches = self.core.replica_batches(self.clock(), CHUNK)
+                if not batches:
+                    break
+                for batch in batches:
+                    try:
+                        await self.peers.post(
+                            batch.url, "/internal/replica", batch.payload(), compact=True
+                        )
+                        sent += len(batch.records)
+                    except PeerError as exc:
+                        log.debug("replication to %s failed: %s", batch.to, exc)
+                        failed += batch.records
+                del batches
+        finally:
+            self.core.replicas_failed(failed)
         self.core.stats.replicas_sent += sent
         return sent
 

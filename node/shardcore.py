@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from node.algorithms import MAX_SPAN, exhausted, exhausted_for
@@ -171,6 +172,30 @@ class Transfer:
     crashes: tuple[Crash, ...] = ()
     sent_at: float = 0.0
 
+    def chunks(self, size: int) -> list[Transfer]:
+        """This transfer as a stream of transfers of at most ``size`` records each,
+        in order; only the last carries the final mark (and the crashes), so the
+        receiver applies chunk by chunk and stops waiting only after the last."""
+        if size < 1:
+            raise ValueError("size must be >= 1")
+        if len(self.records) <= size:
+            return [self]
+        parts = [self.records[i : i + size] for i in range(0, len(self.records), size)]
+        last = len(parts) - 1
+        return [
+            Transfer(
+                self.sender,
+                self.to,
+                self.url,
+                self.epoch,
+                part,
+                self.final and i == last,
+                self.crashes if i == last else (),
+                self.sent_at,
+            )
+            for i, part in enumerate(parts)
+        ]
+
     def payload(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "from": self.sender,
@@ -273,6 +298,13 @@ class ShardCore:
         #: Replicas of other members' states, by origin member.
         self.replicas: dict[str, MemoryStore] = {}
         self.successors: dict[str, tuple[str, ...]] = {}
+        #: Keys handed to this node while its view settles, not replicated yet
+        #: (see :meth:`receive`); they join the change set once it has settled.
+        self.settling: set[str] = set()
+        #: The epoch of the view whose final marks :meth:`transfers` sent last.
+        self.marked = 0
+        #: The newest epoch a deferred state arrived under: none is released before it.
+        self.settling_epoch = 0
 
     # ------------------------------------------------------------------ deciding
 
@@ -323,6 +355,8 @@ class ShardCore:
             return None
         if elapsed > deadline:
             self.pending.pop(previous_owner, None)
+            if not self.pending:
+                self._release_settling()
             return HandoffLate(previous_owner)
         if key in self.pulled or self.holds(key, rules):
             return None
@@ -409,20 +443,27 @@ class ShardCore:
             def moved(key: str) -> bool:
                 return not me_in or view.owner_id(key) != self.id
 
-            records = self.store.export(now, moved, remove=True)
+            # Alone in the ring, this node owns every key: nothing to hash.
+            alone = me_in and len(view) == 1
+            records = [] if alone else self.store.export(now, moved, remove=True)
             if config.policies.rebalance == "handoff":
                 # States still waiting from an earlier view (a failed delivery)
                 # go to their owner under this one.
                 leftovers = [r for pending in self.outbox.values() for r in pending]
                 self.outbox.clear()
                 self.stash(leftovers, view, now)
-                for record in records:
-                    self.outbox.setdefault(view.owner_id(record[2]), []).append(record)
+                if len(view) == 1 and not me_in:
+                    # One member left (the other leaving): it owns every key, no
+                    # need to hash a million of them to find that out.
+                    self.outbox.setdefault(next(iter(view)).id, []).extend(records)
+                else:
+                    for record in records:
+                        self.outbox.setdefault(view.owner_id(record[2]), []).append(record)
             else:
                 self.stats.keys_dropped += len(records)
         self._promote_replicas(view, crashed, now, config)
         dirty = self._dirty()
-        if dirty is not None:
+        if dirty is not None and len(view) > 1:
             # Successors may have changed: every state goes to its (new)
             # successor at the next round, not only the ones that change.
             dirty.update(self.store.keys())
@@ -435,6 +476,8 @@ class ShardCore:
             del self.finals[epoch]
         self.pending = dict.fromkeys(senders, elapsed + self.handoff_wait)
         self.pulled.clear()
+        # Every state here is in the change set now (above): deferred ones too.
+        self.settling = set()
         return 0
 
     def _remember_crash(
@@ -482,6 +525,7 @@ class ShardCore:
         self.replicas.clear()
         if self.store.dirty is not None:
             self.store.dirty = set()
+        self.settling = set()
         self.pending = {}
         self.pulled.clear()
         if self.config().policies.rebalance != "handoff" or not len(view):
@@ -577,7 +621,11 @@ class ShardCore:
             return []
         crashes = tuple(c for c in self.crashes if c.until > now)
         previous = self.previous
-        marks = previous is not None and self.id in previous
+        # Final marks once per view: a second, empty mark could overtake the
+        # first transfer (with the states) and end the receiver's wait for them.
+        marks = previous is not None and self.id in previous and self.marked < view.epoch
+        if marks:
+            self.marked = view.epoch
         out: list[Transfer] = []
         for member in view:
             if member.id == self.id or not (marks or self.outbox.get(member.id)):
@@ -613,7 +661,7 @@ class ShardCore:
             return
         flying = self.in_flight.get(transfer.to)
         if flying is not None:
-            flying -= {record[2] for record in transfer.records}
+            flying.difference_update([record[2] for record in transfer.records])
             if not flying:
                 del self.in_flight[transfer.to]
 
@@ -636,7 +684,18 @@ class ShardCore:
         # is about to get that view, under which it owns those keys.)
         forwards = self._forwards(foreign)
         taken = self.store.import_(records, now, self.config().rule_map)
-        self.mark_dirty(records)
+        if epoch > self.epoch or self.pending:
+            # The view is settling: the sender may be this key's successor under
+            # the view this node still holds (a member leaving) or still be
+            # pushing to it (a member joining). Replicating the handed-off states
+            # now would stream them straight back to a sender busy with its
+            # push (it timed out, once). They are replicated once the view has
+            # settled: the newer view's apply marks every state, or the last
+            # final mark (or the handoff deadline) releases them.
+            self.settling.update(record[2] for record in records)
+            self.settling_epoch = max(self.settling_epoch, epoch)
+        else:
+            self.mark_dirty(records)
         self.stats.keys_received += taken
         # A rule this node does not know (or with another algorithm): the
         # states cannot be read. Never silent: this is lost quota history.
@@ -651,7 +710,27 @@ class ShardCore:
                 self.pending.pop(sender, None)
             elif epoch > self.epoch:
                 self.finals.setdefault(epoch, set()).add(sender)
+        if not self.pending and self.settling_epoch <= self.epoch:
+            self._release_settling()
         return Received(taken, dropped, forwards)
+
+    def release_settled(self, elapsed: float) -> None:
+        """Replicate the deferred states once every awaited handoff has landed
+        or is past its deadline (the driver calls this before each round)."""
+        if (
+            self.settling
+            and self.settling_epoch <= self.epoch
+            and all(deadline <= elapsed for deadline in self.pending.values())
+        ):
+            self._release_settling()
+
+    def _release_settling(self) -> None:
+        if not self.settling:
+            return
+        dirty = self._dirty()
+        if dirty is not None:
+            dirty.update(self.settling)
+        self.settling = set()
 
     def _split_foreign(
         self, records: list[Record], epoch: int
@@ -717,7 +796,16 @@ class ShardCore:
         )
 
     def replication_tick(self) -> bool:
-        """A replication round is due: switch change tracking on or off; True if wanted."""
+        """A replication round is due: switch change tracking on or off; True if wanted.
+
+        Alone in its view (or with none), a node has no successor to send to:
+        tracking stays off, so it costs nothing per key (the view that brings a
+        second member marks every state changed, see :meth:`apply`).
+        """
+        view = self.view
+        if view is None or len(view) < 2:
+            self.store.dirty = None
+            return False
         if self.replication_wanted():
             if self.store.dirty is None:
                 self.store.dirty = set()
@@ -725,14 +813,24 @@ class ShardCore:
         self.store.dirty = None
         return False
 
-    def replica_batches(self, now: float) -> list[ReplicaBatch]:
+    def replica_batches(self, now: float, limit: int | None = None) -> list[ReplicaBatch]:
         """Every state changed since the last round, for its key's successors
-        (as many as the state's rule asks for: ``replicas``)."""
+        (as many as the state's rule asks for: ``replicas``).
+
+        With ``limit``, at most that many keys' states: the rest stay in the
+        change set for the next call, so a round over a million changed keys
+        never holds a million records (and their encoded body) at once.
+        """
         view = self.view
         dirty = self.store.dirty
         if view is None or len(view) < 2 or not dirty:
             return []
-        self.store.dirty = set()
+        if limit is not None and len(dirty) > limit:
+            taken = set(islice(dirty, limit))
+            dirty -= taken
+            dirty = taken
+        else:
+            self.store.dirty = set()
         rules = self.config().rule_map
         depth = 1 + max((rule.replicas for rule in rules.values()), default=1)
         by_target: dict[str, list[Record]] = {}
@@ -773,6 +871,7 @@ class ShardCore:
             "pending_from": sorted(self.pending),
             "conservative_crashes": len(self.crashes),
             "outbox": {k: len(v) for k, v in self.outbox.items() if v},
+            "settling": len(self.settling),
             "replicas": {k: len(v) for k, v in self.replicas.items()},
             "stats": dict(self.stats.__dict__),
         }

@@ -363,17 +363,24 @@ class MemoryStore:
         (replicas: the newest copy is the right one, even if it refilled).
         """
         taken = 0
+        # A transfer is long runs of one rule: look its table up once per run.
+        last: tuple[str, str] | None = None
+        table: Table | None = None
         for record in records:
             name, algorithm, key, relative = record
-            rule = rules.get(name)
-            if rule is None or rule.algorithm != algorithm:
+            if (name, algorithm) != last:
+                last = (name, algorithm)
+                rule = rules.get(name)
+                table = None if rule is None or rule.algorithm != algorithm else self.table(rule)
+                if table is not None:
+                    states, from_relative = table.states, table.algorithm.from_relative
+            if table is None:
                 continue
-            table = self.table(rule)
-            incoming = table.algorithm.from_relative(relative, now)
-            current = table.states.get(key)
+            incoming = from_relative(relative, now)
+            current = states.get(key)
             if current is not None and not replace:
                 incoming = more_restrictive(table, current, incoming, now)
-            table.states[key] = incoming
+            states[key] = incoming
             taken += 1
         return taken
 
