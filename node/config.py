@@ -468,6 +468,7 @@ class _Parser:
                 "crash_policy",
                 "replicas",
                 "shadow",
+                "lease",
                 "named_only",
                 "paths",
                 "methods",
@@ -510,6 +511,7 @@ class _Parser:
                 crash_policy=data.get("crash_policy"),
                 replicas=data.get("replicas", 1),
                 shadow=data.get("shadow", False),
+                lease=data.get("lease", "off"),
             )
         except RuleError as exc:
             raise self.fail(_rule_field(where, str(exc)), str(exc)) from None
@@ -536,6 +538,8 @@ _RULE_FIELDS = (
     (": crash_policy must", "crash_policy"),
     (": replicas must", "replicas"),
     (": shadow must", "shadow"),
+    (": lease must", "lease"),
+    (": lease = ", "lease"),
 )
 
 
