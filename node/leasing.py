@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,7 +162,7 @@ def lease_to_dict(lease: QuotaLease) -> dict[str, Any]:
     }
 
 
-def lease_from_dict(data: Any, key: str | None = None) -> QuotaLease:
+def lease_from_dict(data: Any, key: Hashable = None) -> QuotaLease:
     """A lease from its wire form; ``ValueError`` for anything malformed."""
     if type(data) is not dict:
         raise ValueError("a lease must be an object")

@@ -29,6 +29,8 @@ from node.shard import LeaseExpired, NotOwner
 
 KEY_HEADER = b"x-ringlimit-key"
 FAILOVER_HEADER = b"x-ringlimit-failover"
+#: A router admitted this request from a quota lease (docs/hotkeys.md): serve, do not decide.
+LEASED_HEADER = b"x-ringlimit-leased"
 TOKEN_HEADER = INTERNAL_TOKEN_HEADER.lower().encode()
 
 
@@ -81,7 +83,7 @@ class RateLimitMiddleware:
             return
         authority = self.authority
         config = authority.config
-        routed_key = token = failover = bypass = tier = None
+        routed_key = token = failover = bypass = tier = leased = None
         bypass_name = config.bypass_header.lower().encode()
         tier_name = (config.identity.tier_header or "").lower().encode()
         for name, value in scope["headers"]:
@@ -91,16 +93,18 @@ class RateLimitMiddleware:
                 token = value
             elif name == FAILOVER_HEADER:
                 failover = value
+            elif name == LEASED_HEADER:
+                leased = value
             elif name == bypass_name:
                 bypass = value
             elif name == tier_name:
                 tier = value.decode("latin-1")
-        if routed_key is not None or token is not None or failover is not None:
+        if routed_key is not None or token is not None or failover is not None or leased:
             # ringlimit's own fields (the internal token above all) never reach the app.
             scope["headers"] = [
                 (k, v)
                 for k, v in scope["headers"]
-                if k not in (KEY_HEADER, TOKEN_HEADER, FAILOVER_HEADER)
+                if k not in (KEY_HEADER, TOKEN_HEADER, FAILOVER_HEADER, LEASED_HEADER)
             ]
         trusted = self.trust_router and (
             token_matches(
@@ -114,6 +118,13 @@ class RateLimitMiddleware:
         if failover is not None and trusted:
             # The owner of this key is unreachable and its rules say fail open.
             await self.app(scope, receive, _adding(send, [(b"x-ringlimit-degraded", failover)]))
+            return
+        if leased is not None and trusted:
+            # Admitted by the router from a lease the key's owner granted: decided already.
+            if routed_key is not None:
+                key = unquote(routed_key.decode("latin-1"), errors="replace")
+                scope.setdefault("state", {})["ringlimit"] = {"key": key, "leased": True}
+            await self.app(scope, receive, send)
             return
         if bypass is not None and bypass_matches(bypass.decode("latin-1"), config.bypass_sha256):
             await self.app(scope, receive, _adding(send, [(b"x-ringlimit-bypass", b"1")]))
