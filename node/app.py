@@ -58,9 +58,9 @@ from node.upstream import echo_app
 from node.wire import (
     ApiError,
     ResultEncoder,
+    decode_checks,
+    dumps,
     node_batch_body,
-    parse_checks,
-    parse_json,
     read_body,
     result_dict,
 )
@@ -217,7 +217,9 @@ class Node:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
-            if path.startswith(CONTROL_PREFIXES) or path in CONTROL_PATHS:
+            if path == "/v1/check" and scope["method"] == "POST":
+                await self.check_asgi(scope, receive, send)  # the hot path: no Starlette
+            elif path.startswith(CONTROL_PREFIXES) or path in CONTROL_PATHS:
                 await self.control(scope, receive, send)
             elif path[:1] != "/":
                 await odd_target(scope, receive, send)  # OPTIONS *, CONNECT host:port
@@ -283,8 +285,12 @@ class Node:
 
     def _failure_counts(self) -> dict[str, float]:
         counts: dict[str, float] = dict(self.failures.counts)
-        if self.shard is not None:
-            for kind, n in self.shard.failures.counts.items():
+        sources = [self.shard.failures] if self.shard is not None else []
+        backend_failures = getattr(self.backend, "failures", None)
+        if isinstance(backend_failures, Failures):
+            sources.append(backend_failures)
+        for failures in sources:
+            for kind, n in failures.counts.items():
                 counts[kind] = counts.get(kind, 0) + n
         return counts
 
@@ -307,35 +313,80 @@ class Node:
         ]
 
     async def check(self, request: Request) -> Response:
+        """``POST /v1/check`` through Starlette (kept for the route table; requests
+        are answered by :meth:`check_asgi`, which gives the same answers)."""
         config = self.authority.config
         try:
             body = await read_body(request, config.limits.max_body)
-            checks, batch = parse_checks(parse_json(body, config), config)
-            verdicts = await self.authority.decide_many(checks)
         except ApiError as exc:
             self.metrics.error(exc.error)
             return JSONResponse(exc.body(), status_code=exc.status)
+        status, headers, payload = await self._answer_checks(body)
+        return Response(
+            payload,
+            status,
+            {k.decode(): v.decode() for k, v in headers},
+            media_type="application/json",
+        )
+
+    async def check_asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/check``, the decision API, as raw ASGI: a router sends every
+        batch here, and Starlette's request, routing and middleware layers cost
+        more than parsing the batch does."""
+        limit = self.authority.config.limits.max_body
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        chunks: list[bytes] = []
+        size = 0
+        error: ApiError | None = None
+        headers: list[tuple[bytes, bytes]]
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            error = ApiError(
+                413, "body_too_large", f"body is {declared.decode()} bytes; at most {limit}"
+            )
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client is gone: decide nothing
+            chunk = message.get("body", b"")
+            if chunk and error is None:
+                size += len(chunk)
+                if size > limit:
+                    error = ApiError(413, "body_too_large", f"body is over {limit} bytes")
+                else:
+                    chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        if error is not None:
+            self.metrics.error(error.error)
+            status, headers, payload = error.status, [], dumps(error.body()).encode()
+        else:
+            body = b"".join(chunks) if len(chunks) != 1 else chunks[0]
+            status, headers, payload = await self._answer_checks(body)
+        headers.append((b"content-length", str(len(payload)).encode()))
+        headers.append((b"content-type", b"application/json"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def _answer_checks(self, body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """The status, extra headers and JSON body answering a decision-API body."""
+        config = self.authority.config
+        try:
+            checks, batch = decode_checks(body, config)
+            verdicts = await self.authority.decide_many(checks)
+        except ApiError as exc:
+            self.metrics.error(exc.error)
+            return exc.status, [], dumps(exc.body()).encode()
         except NotOwner as exc:
             self.metrics.error("not_owner")
-            return JSONResponse(
-                not_owner_body(exc),
-                status_code=421,
-                headers={k.decode(): v.decode() for k, v in not_owner_headers(exc)},
-            )
+            return 421, not_owner_headers(exc), dumps(not_owner_body(exc)).encode()
         except LeaseExpired as exc:
             self.metrics.error("lease_expired")
-            return JSONResponse(
-                lease_expired_body(exc),
-                status_code=503,
-                headers={k.decode(): v.decode() for k, v in LEASE_EXPIRED_HEADERS},
-            )
-        node = self.settings.node_id
+            return 503, list(LEASE_EXPIRED_HEADERS), dumps(lease_expired_body(exc)).encode()
         if batch:
             # One result per line (still plain JSON): a router merges the lines of
             # several nodes' answers without decoding them (node/wire.py).
-            encode = self._result_encoder()
-            return Response(node_batch_body(map(encode, verdicts)), media_type="application/json")
-        return JSONResponse(result_dict(verdicts[0], node))
+            return 200, [], node_batch_body(map(self._result_encoder(), verdicts))
+        return 200, [], dumps(result_dict(verdicts[0], self.settings.node_id)).encode()
 
     def _result_encoder(self) -> ResultEncoder:
         cached = self._encoder

@@ -53,9 +53,7 @@ class MemoryBackend:
         return self.store.check(key, rules, self.clock(), cost)
 
     async def check_many(self, checks: Sequence[Check]) -> list[Verdict]:
-        now = self.clock()
-        check = self.store.check
-        return [check(key, rules, now, cost) for key, rules, cost in checks]
+        return self.store.check_many(checks, self.clock())
 
     async def start(self) -> None:
         return None

@@ -154,6 +154,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         _waiting = False
         _waiting_since = 0.0
         _header_bytes = 0
+        _parsed_bytes = 0
         _header_timer: asyncio.TimerHandle | None = None
         # uvicorn's, set in its __init__ (declared for the type checker).
         app: Any
@@ -179,26 +180,37 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 oldest._close_waiting(None)
 
         def _wait_for_request(self) -> None:
+            # One timer per connection, not one per request: it is started when
+            # none is pending, and when it fires it looks at how long the
+            # connection has been waiting *now* (see _headers_late).
             self._waiting = True
             self._waiting_since = self.loop.time()
             self._header_bytes = 0
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
 
         def _stop_waiting(self) -> None:
             self._waiting = False
+
+        def _cancel_timer(self) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
 
         def _headers_late(self) -> None:
             self._header_timer = None
-            if self._waiting:
-                self._close_waiting(_TIMEOUT if self._header_bytes else None)
+            if not self._waiting:
+                return  # busy with a request: the next wait starts a timer again
+            left = self._waiting_since + header_timeout - self.loop.time()
+            if left > 0:
+                # It has waited since a later request ended: not late yet.
+                self._header_timer = self.loop.call_later(left, self._headers_late)
+                return
+            self._close_waiting(_TIMEOUT if self._header_bytes else None)
 
         def _close_waiting(self, answer: bytes | None) -> None:
             self._stop_waiting()
+            self._cancel_timer()
             self.connections.discard(self)
             if not self.transport.is_closing():
                 if answer is not None:
@@ -217,19 +229,22 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             super().on_message_begin()
 
         def on_url(self, url: bytes) -> None:
-            self._count_parsed(len(url))
+            self._parsed_bytes += len(url)
+            if self._parsed_bytes > max_header_bytes:
+                self._too_large()
             super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
-            self._count_parsed(len(name) + len(value) + 4)
+            # Headers that arrived whole in one read are measured as they are parsed
+            # (counted inline: this runs for every field of every request).
+            self._parsed_bytes += len(name) + len(value) + 4
+            if self._parsed_bytes > max_header_bytes:
+                self._too_large()
             super().on_header(name, value)
 
-        def _count_parsed(self, n: int) -> None:
-            """Headers that arrived whole in one read are measured as they are parsed."""
-            self._parsed_bytes = getattr(self, "_parsed_bytes", 0) + n
-            if self._parsed_bytes > max_header_bytes:
-                self._oversized = True
-                raise _HeadersTooLarge  # the parser stops; uvicorn calls send_400_response
+        def _too_large(self) -> None:
+            self._oversized = True
+            raise _HeadersTooLarge  # the parser stops; uvicorn calls send_400_response
 
         def send_400_response(self, msg: str) -> None:
             """What the HTTP parser cannot read gets a JSON error, like any bad input."""
@@ -257,6 +272,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_waiting()
+            self._cancel_timer()
             super().connection_lost(exc)
 
     return LimitedProtocol

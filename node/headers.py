@@ -271,3 +271,77 @@ def denial_response(verdict: Verdict, status: int, format: str) -> tuple[dict[st
     if format == "json":
         return denial_body(verdict), PLAIN_JSON
     return problem_body(verdict, status), PROBLEM_JSON
+
+
+#: Entries a :class:`HeaderCache` keeps per rule set before it starts again.
+_CACHE_ENTRIES = 4096
+#: Rule sets a :class:`HeaderCache` keeps plans for.
+_CACHE_PLANS = 1024
+
+Headers = tuple[tuple[bytes, bytes], ...]
+
+
+class HeaderCache:
+    """:func:`rate_limit_headers`, rendered once per rule set and decided values.
+
+    A proxied request's fields depend only on its rules (``RateLimit-Policy``,
+    the legacy limit) and on a few small integers of its verdict (each rule's
+    ``r`` and ``t``, the legacy reset, ``Retry-After``): users at the same
+    point of their quota get the same bytes. So the fields are rendered once
+    per such combination and kept (bounded), and a request costs a dict lookup
+    instead of formatting five fields. Answers are tuples, the same object for
+    equal inputs: callers copy, never modify them. Rule sets with shadow rules
+    are rendered each time (:func:`rate_limit_headers`).
+    """
+
+    __slots__ = ("_plans", "legacy", "legacy_reset")
+
+    def __init__(self, *, legacy: bool = True, legacy_reset: str = "epoch") -> None:
+        self.legacy = legacy
+        self.legacy_reset = legacy_reset
+        #: id(rules) -> (rules, shadowed, rendered): the rules object is kept, so
+        #: its id is not reused while the plan exists.
+        self._plans: dict[int, tuple[tuple[Rule, ...], bool, dict[Any, Headers]]] = {}
+
+    def render(self, rules: tuple[Rule, ...], verdict: Verdict, now: float) -> Headers:
+        """The same fields as ``rate_limit_headers(rules, verdict, legacy=...,
+        legacy_reset=..., now=now)``."""
+        plan = self._plans.get(id(rules))
+        if plan is None or plan[0] is not rules:
+            if len(self._plans) >= _CACHE_PLANS:
+                self._plans.clear()
+            plan = self._plans[id(rules)] = (rules, has_shadow(rules), {})
+        if plan[1]:
+            return tuple(
+                rate_limit_headers(
+                    rules, verdict, legacy=self.legacy, legacy_reset=self.legacy_reset, now=now
+                )
+            )
+        decision = verdict.decision
+        after = decision.available_after
+        t = whole_seconds(after)
+        if self.legacy and self.legacy_reset != "delta":
+            reset = math.ceil(now + after - 1e-9)
+        else:
+            reset = t
+        retry = None if verdict.allowed else retry_after_seconds(verdict)
+        # Everything the fields are made of (see rate_limit_headers): equal keys,
+        # equal bytes.
+        key: Any = (decision.rule, decision.limit, decision.remaining, t, reset, retry)
+        decisions = verdict.decisions
+        if len(decisions) != 1:
+            key = (
+                key,
+                tuple((d.rule, d.remaining, whole_seconds(d.available_after)) for d in decisions),
+            )
+        rendered = plan[2]
+        found = rendered.get(key)
+        if found is None:
+            if len(rendered) >= _CACHE_ENTRIES:
+                rendered.clear()
+            found = rendered[key] = tuple(
+                rate_limit_headers(
+                    rules, verdict, legacy=self.legacy, legacy_reset=self.legacy_reset, now=now
+                )
+            )
+        return found

@@ -27,7 +27,7 @@ router's (``drift`` is 1% by default, far above what NTP-disciplined or
 free-running quartz clocks differ by); a faster node clock only shortens its
 lease. The clocks need not agree on the time. The node's clock must advance
 while the process or host is paused (``CLOCK_BOOTTIME`` does across a
-suspend; see :func:`boot_clock`).
+suspend; see :func:`node.clock.boot_clock`).
 
 Everything here is pure: the clock is an argument.
 """
@@ -36,22 +36,12 @@ from __future__ import annotations
 
 import math
 import secrets
-import time
 from dataclasses import dataclass, field
 
 #: The longest lease a router may grant (seconds): bounds a bogus grant.
 MAX_LEASE = 300.0
 #: The clocks' rate difference the router allows for (a fraction).
 DEFAULT_DRIFT = 0.01
-
-
-def boot_clock() -> float:
-    """A monotonic clock that keeps counting while the host sleeps (Linux), so a
-    suspended machine wakes with its leases expired, as they are at the router."""
-    try:
-        return time.clock_gettime(time.CLOCK_BOOTTIME)
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return time.monotonic()
 
 
 def lease_bound(offered_at: float, seconds: float, drift: float = DEFAULT_DRIFT) -> float:

@@ -20,7 +20,7 @@ from node.authority import Authority
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig, ScopedRule
 from node.decision import BACKEND_UNAVAILABLE
-from node.headers import denial_response, rate_limit_headers
+from node.headers import HeaderCache, denial_response
 from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.rules import Rule, parse_rule
@@ -32,6 +32,36 @@ FAILOVER_HEADER = b"x-ringlimit-failover"
 #: A router admitted this request from a quota lease (docs/hotkeys.md): serve, do not decide.
 LEASED_HEADER = b"x-ringlimit-leased"
 TOKEN_HEADER = INTERNAL_TOKEN_HEADER.lower().encode()
+#: Fields a router adds that the application behind a node never sees.
+_OWN_FIELDS = frozenset({KEY_HEADER, TOKEN_HEADER, FAILOVER_HEADER, LEASED_HEADER})
+#: What the middleware looks for in a request's fields (see :class:`_Prepared`).
+_KEY, _TOKEN, _FAILOVER, _BYPASS, _TIER, _LEASED = range(6)
+
+
+class _Prepared:
+    """What the middleware derives from one configuration: the fields it looks
+    for (one dict lookup per request field), the identity resolver and the
+    rendered rate-limit fields (node/headers.py's :class:`HeaderCache`)."""
+
+    __slots__ = ("config", "headers", "max_key_length", "resolver", "watched")
+
+    def __init__(self, config: ClusterConfig, resolver: IdentityResolver) -> None:
+        self.config = config
+        self.resolver = resolver
+        self.max_key_length = config.limits.max_key_length
+        self.headers = HeaderCache(legacy=config.legacy_headers, legacy_reset=config.legacy_reset)
+        # Lowest precedence first: a name that is two things is the earlier one of
+        # key, token, failover, bypass, tier (the order the fields were tested in).
+        watched: dict[bytes, int] = {}
+        tier_name = (config.identity.tier_header or "").lower().encode()
+        if tier_name:
+            watched[tier_name] = _TIER
+        watched[config.bypass_header.lower().encode()] = _BYPASS
+        watched[FAILOVER_HEADER] = _FAILOVER
+        watched[LEASED_HEADER] = _LEASED
+        watched[TOKEN_HEADER] = _TOKEN
+        watched[KEY_HEADER] = _KEY
+        self.watched = watched
 
 
 class RateLimitMiddleware:
@@ -69,6 +99,14 @@ class RateLimitMiddleware:
         #: Unix time, for ``X-RateLimit-Reset`` as a timestamp (``headers.legacy_reset``).
         self.wall_clock = wall_clock
         self._resolver_for: tuple[object, IdentityResolver] | None = None
+        self._prepared: _Prepared | None = None
+
+    def _for(self, config: ClusterConfig) -> _Prepared:
+        """What the hot path derives from ``config``, derived once per configuration."""
+        prepared = self._prepared
+        if prepared is None or prepared.config is not config:
+            prepared = self._prepared = _Prepared(config, self._resolver(config))
+        return prepared
 
     def _resolver(self, config: ClusterConfig) -> IdentityResolver:
         cached = self._resolver_for
@@ -83,29 +121,36 @@ class RateLimitMiddleware:
             return
         authority = self.authority
         config = authority.config
+        prepared = self._prepared
+        if prepared is None or prepared.config is not config:
+            prepared = self._for(config)
         routed_key = token = failover = bypass = tier = leased = None
-        bypass_name = config.bypass_header.lower().encode()
-        tier_name = (config.identity.tier_header or "").lower().encode()
-        for name, value in scope["headers"]:
-            if name == KEY_HEADER:
+        watched = prepared.watched
+        headers = scope["headers"]
+        for name, value in headers:
+            kind = watched.get(name)
+            if kind is None:
+                continue
+            if kind == _KEY:
                 routed_key = value
-            elif name == TOKEN_HEADER:
+            elif kind == _TOKEN:
                 token = value
-            elif name == FAILOVER_HEADER:
+            elif kind == _FAILOVER:
                 failover = value
-            elif name == LEASED_HEADER:
-                leased = value
-            elif name == bypass_name:
+            elif kind == _BYPASS:
                 bypass = value
-            elif name == tier_name:
+            elif kind == _LEASED:
+                leased = value
+            else:
                 tier = value.decode("latin-1")
-        if routed_key is not None or token is not None or failover is not None or leased:
+        if (
+            routed_key is not None
+            or token is not None
+            or failover is not None
+            or leased is not None
+        ):
             # ringlimit's own fields (the internal token above all) never reach the app.
-            scope["headers"] = [
-                (k, v)
-                for k, v in scope["headers"]
-                if k not in (KEY_HEADER, TOKEN_HEADER, FAILOVER_HEADER, LEASED_HEADER)
-            ]
+            scope["headers"] = [(k, v) for k, v in headers if k not in _OWN_FIELDS]
         trusted = self.trust_router and (
             token_matches(
                 token.decode("latin-1") if token is not None else None, self.internal_token
@@ -130,10 +175,11 @@ class RateLimitMiddleware:
             await self.app(scope, receive, _adding(send, [(b"x-ringlimit-bypass", b"1")]))
             return
         if routed_key is not None and trusted:
-            user: str | None = unquote(routed_key.decode("latin-1"), errors="replace")
+            text = routed_key.decode("latin-1")
+            user: str | None = unquote(text, errors="replace") if "%" in text else text
         else:
             try:
-                user = self._resolver(config).user(scope)
+                user = prepared.resolver.user(scope)
             except InvalidUserId as exc:
                 await drain(receive)
                 await send_json(send, 400, error_body("invalid_user_id", str(exc)))
@@ -149,7 +195,7 @@ class RateLimitMiddleware:
                 ),
             )
             return
-        if len(user) > config.limits.max_key_length:
+        if len(user) > prepared.max_key_length:
             await drain(receive)
             await send_json(
                 send,
@@ -177,16 +223,10 @@ class RateLimitMiddleware:
             await drain(receive)
             await send_json(send, 503, lease_expired_body(exc), LEASE_EXPIRED_HEADERS)
             return
-        headers = rate_limit_headers(
-            rules,
-            verdict,
-            legacy=config.legacy_headers,
-            legacy_reset=config.legacy_reset,
-            now=self.wall_clock(),
-        )
+        fields = prepared.headers.render(rules, verdict, self.wall_clock())
         if verdict.allowed:
             scope.setdefault("state", {})["ringlimit"] = {"key": user, "verdict": verdict}
-            await self.app(scope, receive, _adding(send, headers))
+            await self.app(scope, receive, _adding(send, fields))
             return
         await drain(receive)
         # A rule that fails closed while its backend is down: the service, not the
@@ -197,7 +237,7 @@ class RateLimitMiddleware:
         closed = decision.reason == BACKEND_UNAVAILABLE and decision.retry_after is None
         status = 503 if closed else 429
         body, content_type = denial_response(verdict, status, config.denial_format)
-        await send_json(send, status, body, headers, content_type)
+        await send_json(send, status, body, fields, content_type)
 
 
 def not_owner_body(exc: NotOwner) -> dict[str, object]:
@@ -234,7 +274,7 @@ def _from_loopback(scope: Scope) -> bool:
 _loopback = lru_cache(maxsize=1024)(is_loopback)
 
 
-def _adding(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+def _adding(send: Send, headers: Sequence[tuple[bytes, bytes]]) -> Send:
     async def send_with_headers(message: Message) -> None:
         if message["type"] == "http.response.start":
             message["headers"] = [*message.get("headers", ()), *headers]

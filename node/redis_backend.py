@@ -80,6 +80,7 @@ from node.decision import (
     Verdict,
     most_restrictive,
 )
+from node.failures import Failures
 from node.lua import SCRIPTS, Script, pack_args, script_for, unpack_reply
 from node.roundtrips import RoundTrips
 from node.rules import Rule
@@ -519,6 +520,9 @@ class FallbackBackend:
         self._down_since = 0.0
         self._fallbacks_at_down = 0
         self._went_down = asyncio.Event()
+        #: Probe errors (an outage makes one per probe interval): counted on the
+        #: node's /metrics, logged without flooding.
+        self.failures = Failures(logger)
         self._probe: asyncio.Task[None] | None = None
 
     @property
@@ -627,8 +631,8 @@ class FallbackBackend:
                 continue
             try:
                 answered = await self.primary.ping()
-            except Exception:  # a probe must never die; the next one tries again
-                logger.exception("%s probe failed", self.name)
+            except Exception as exc:  # a probe must never die; the next one tries again
+                self.failures.record("backend_probe", exc)  # counted; logged at most every 10 s
                 answered = False
             if answered:
                 self._switch_up()

@@ -30,6 +30,7 @@ import uvicorn
 
 from node.app import Node
 from node.frontdoor import FrontDoor, limited_protocol, raise_fd_limit
+from node.memory import tune_gc
 
 log = logging.getLogger("ringlimit.node")
 
@@ -285,6 +286,7 @@ def _auth(token: str | None) -> dict[str, str]:
 
 
 def _run(coro: Any) -> None:
+    tune_gc()  # a node or router process, built and about to serve
     try:
         import uvloop
 

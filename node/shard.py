@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from node.clock import Clock
+from node.clock import Clock, boot_clock
 from node.config import ClusterConfig
 from node.failures import Failures
-from node.lease import Lease, boot_clock
+from node.lease import Lease
 from node.peers import PeerError, Peers
 from node.rules import Rule
 from node.shardcore import (

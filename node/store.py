@@ -170,6 +170,40 @@ class MemoryStore:
                 self.dirty.add(key)
         return verdict
 
+    def check_many(
+        self, checks: Iterable[tuple[str, Sequence[Rule], int]], now: float
+    ) -> list[Verdict]:
+        """:meth:`check` for each ``(key, rules, cost)``, in order, at ``now``.
+
+        The same decisions; a run of checks on the same one rule (a batch of the
+        decision API) looks its table up once, not once per check.
+        """
+        out: list[Verdict] = []
+        append = out.append
+        dirty = self.dirty
+        capped = self.max_keys is not None
+        last: object = None
+        table: Table | None = None
+        for key, rules, cost in checks:
+            if rules is not last:
+                last = rules
+                table = self.table(rules[0]) if len(rules) == 1 else None
+            if table is None:
+                append(self.check(key, rules, now, cost))
+                continue
+            states = table.states
+            state = states.get(key)
+            if state is None and capped and not self._has_room(now):
+                append(self._store_full(table.rule, key, now, cost))
+                continue
+            new, decision = table.decide(state, now, table.rule, cost)
+            if new is not state:
+                states[key] = new
+                if dirty is not None:
+                    dirty.add(key)
+            append(_verdict((decision[0], decision, (decision,))))
+        return out
+
     def _has_room(self, now: float) -> bool:
         assert self.max_keys is not None
         if len(self) < self.max_keys:

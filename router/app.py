@@ -84,6 +84,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 CONTROL_PATHS = frozenset({"/healthz", "/metrics", "/v1/check"})
+#: The fields that say a request has a body.
+_BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 #: Keys whose owner the router remembers (per ring view).
 OWNER_CACHE = 100_000
 
@@ -184,6 +186,10 @@ class Router:
         self.token_header = (
             [(INTERNAL_TOKEN_HEADER, settings.internal_token)] if settings.internal_token else []
         )
+        self._raw_token_header = [
+            (k.encode("latin-1"), v.encode("latin-1")) for k, v in self.token_header
+        ]
+        self._bypass_for: tuple[str, bytes] = ("", b"")
         self._extra_headers = (
             [(b"x-ringlimit-router", settings.name.encode())] if settings.name else []
         )
@@ -264,6 +270,14 @@ class Router:
         cached = self._resolver_for
         if cached is None or cached[0] is not identity:
             cached = self._resolver_for = (identity, IdentityResolver(identity))
+        return cached[1]
+
+    def _bypass_name(self, config: ClusterConfig) -> bytes:
+        """The bypass field's name as it arrives (lowercase bytes), per configuration."""
+        name = config.bypass_header
+        cached = self._bypass_for
+        if cached[0] != name:
+            cached = self._bypass_for = (name, name.lower().encode("latin-1"))
         return cached[1]
 
     # ------------------------------------------------------------------ ASGI entry
@@ -368,46 +382,62 @@ class Router:
                 ),
             )
             return
-        # The configured client limit applies to proxied bodies too (the router buffers them).
-        max_body = min(self.settings.max_buffered_body, config.limits.max_body)
-        body = await read_all(receive, max_body)
-        if body is None:
-            self.metrics.outcome("-", "body_too_large")
-            await send_json(
-                send,
-                413,
-                error_body("body_too_large", f"request body is over {max_body} bytes"),
-            )
-            return
         # Clients may not send ringlimit's internal fields, except the bypass token
         # (whose default name also starts with x-ringlimit-): the node checks it.
-        bypass_name = config.bypass_header.lower().encode("latin-1")
+        bypass_name = self._bypass_name(config)
         forwarded_for = None
-        headers = []
+        raw: list[tuple[bytes, bytes]] = []
+        framed = False
         for k, v in scope["headers"]:
             if k == b"x-forwarded-for":
-                forwarded_for = v.decode("latin-1")
+                forwarded_for = v
             elif k not in HOP_BY_HOP and (not k.startswith(b"x-ringlimit-") or k == bypass_name):
-                headers.append((k.decode("latin-1"), v.decode("latin-1")))
+                raw.append((k, v))
+            elif k in _BODY_FRAMING:
+                framed = True
+        if framed:
+            # The configured client limit applies to proxied bodies too (the router
+            # buffers them).
+            max_body = min(self.settings.max_buffered_body, config.limits.max_body)
+            body = await read_all(receive, max_body)
+            if body is None:
+                self.metrics.outcome("-", "body_too_large")
+                await send_json(
+                    send,
+                    413,
+                    error_body("body_too_large", f"request body is over {max_body} bytes"),
+                )
+                return
+        else:
+            # Neither Content-Length nor Transfer-Encoding: a request without a body
+            # (RFC 9112 6.3), nothing to read.
+            body = b""
         # Percent-encoded: ASCII on the wire whatever the forwarder's header encoding,
         # so the node decides exactly the key the router placed on the ring.
-        headers.append(("x-ringlimit-key", _quote_key(user)))
-        headers += self.token_header
+        raw.append((b"x-ringlimit-key", _quote_key(user).encode()))
+        raw += self._raw_token_header
         client = scope.get("client")
         if client:
             # One X-Forwarded-For, the client's chain with its peer appended.
-            chain = f"{forwarded_for}, {client[0]}" if forwarded_for else client[0]
-            headers.append(("x-forwarded-for", chain))
+            peer = client[0].encode("latin-1")
+            chain = forwarded_for + b", " + peer if forwarded_for else peer
+            raw.append((b"x-forwarded-for", chain))
         elif forwarded_for:
-            headers.append(("x-forwarded-for", forwarded_for))
+            raw.append((b"x-forwarded-for", forwarded_for))
         target = scope.get("raw_path") or scope["path"].encode()
         path_qs = target.decode("latin-1")
         if scope.get("query_string"):
             path_qs += "?" + scope["query_string"].decode("latin-1")
         method = scope["method"]
-        assert self.forwarder is not None
+        forwarder = self.forwarder
+        assert forwarder is not None
+        fast = forwarder if type(forwarder) is FastForwarder else None
+        # The forwarder's fields as text (latin-1: the client's bytes), for any other
+        # forwarder and for a failover; the fast client gets the bytes themselves.
+        headers = _text(raw) if fast is None else None
+        fields = b"".join([k + b": " + v + b"\r\n" for k, v in raw]) if fast else b""
         if config.leasing and await self._leased(
-            scope, send, config, resolver, user, method, path_qs, headers, body, started
+            scope, send, config, resolver, user, method, path_qs, _text(raw), body, started
         ):
             return
         member: Member | None = None
@@ -419,7 +449,24 @@ class Router:
                 await send_json(send, 503, error_body("no_nodes", "the ring has no nodes"))
                 return
             try:
-                answer = await self.forwarder.request(method, member.url + path_qs, headers, body)
+                if fast is not None:
+                    # What FastForwarder.request sends, built from the client's bytes.
+                    pool, prefix = fast.base(member.url)
+                    answer = await fast.send(
+                        pool,
+                        b"".join(
+                            [
+                                *fast.head(method, prefix + path_qs, pool),
+                                fields,
+                                *fast.end(method, body),
+                            ]
+                        ),
+                        method == "HEAD",
+                    )
+                else:
+                    answer = await forwarder.request(
+                        method, member.url + path_qs, headers or [], body
+                    )
             except NodeTimeout:
                 # Sent, unanswered: the node may have decided (and passed the
                 # request on to the application), so it is never sent again. A rule
@@ -443,7 +490,7 @@ class Router:
                 if await self.membership.newer_view(member):
                     continue  # our view was stale: the key has another owner now
                 await self._owner_unreachable(
-                    scope, send, view, member, user, method, path_qs, headers, body, str(exc)
+                    scope, send, view, member, user, method, path_qs, _text(raw), body, str(exc)
                 )
                 return
             if answer.status == 421 and await self.stale(answer, member):
@@ -456,7 +503,16 @@ class Router:
                 if await self.membership.newer_view(member):
                     continue
                 await self._owner_unreachable(
-                    scope, send, view, member, user, method, path_qs, headers, body, "lease expired"
+                    scope,
+                    send,
+                    view,
+                    member,
+                    user,
+                    method,
+                    path_qs,
+                    _text(raw),
+                    body,
+                    "lease expired",
                 )
                 return
             self.metrics.forwarded(member.id, answer.status, time.perf_counter() - started)
@@ -634,6 +690,11 @@ class Router:
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _text(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    """Header fields as the forwarders take them: latin-1 text of their bytes."""
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
 
 
 @lru_cache(maxsize=65536)

@@ -17,7 +17,11 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from node.asgi import Receive, Scope, Send, drain, error_body, read_all
+from node.config import Limits
+from node.rules import MAX_NAME
 from node.security import bearer, token_matches
 from node.wire import (
     ApiError,
@@ -25,15 +29,20 @@ from node.wire import (
     Result,
     batch_body,
     checks_payload,
+    decode_checks,
     dumps,
-    parse_checks,
-    parse_json,
+    forward_payload,
+    forwardable,
+    raw_checks,
     split_results,
     unreachable_result,
 )
 from ring import EmptyRingError, Member
-from router.coalesce import Coalescer
+from router.coalesce import Coalescer, Merger
 from router.forward import MAX_ATTEMPTS, NodeTimeout, Unreachable
+
+#: Reasons of a result the router made up for an owner that did not answer.
+UNANSWERED = frozenset({"owner_unreachable", "owner_timeout"})
 
 if TYPE_CHECKING:
     from router.app import Router
@@ -54,6 +63,13 @@ class DecisionAPI:
         window = router.settings.coalesce_window
         #: Holds single checks ``window`` seconds to send them to their node as one batch.
         self.coalescer = Coalescer(self._send_coalesced, window=window) if window > 0 else None
+        #: With coalescing on, batches for a node that meet on the way leave as one
+        #: request (router/coalesce.py), within the node's limits on a batch.
+        self.merger = (
+            Merger(self._send_merged, max_items=merged_batch(router.config.limits))
+            if window > 0
+            else None
+        )
 
     def allowed(self, scope: Scope) -> bool:
         """Whether the request carries the decision API's token (``api_token``)."""
@@ -87,9 +103,17 @@ class DecisionAPI:
             body = await read_all(receive, limit)
             if body is None:
                 raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
-            checks, batch = parse_checks(parse_json(body, config), config)
+            checks, batch = decode_checks(body, config)
         except ApiError as exc:
             await _send_json_bytes(send, exc.status, dumps(exc.body()).encode())
+            return
+        if batch:
+            try:
+                raw: list[Any] | None = forwardable(checks, raw_checks(body), config.default_rules)
+            except (msgspec.MsgspecError, ValueError, RecursionError):
+                raw = None  # valid for json, not msgspec: encode the checks again
+            results = await self.route_checks(checks, raw)
+            await _send_json_bytes(send, 200, batch_body(results))
             return
         status, payload = await self.answer_checks(checks, batch)
         await _send_json_bytes(send, status, payload)
@@ -110,11 +134,7 @@ class DecisionAPI:
                 result["error"], 502
             )
         else:
-            status = (
-                503
-                if result.get("reason") == "owner_unreachable" and not result["allowed"]
-                else 200
-            )
+            status = 503 if result.get("reason") in UNANSWERED and not result["allowed"] else 200
         return status, dumps(result).encode()
 
     async def route_single(self, check: Check) -> Result:
@@ -140,9 +160,13 @@ class DecisionAPI:
             out[index] = _RETRY
         return out
 
-    async def route_checks(self, checks: Sequence[Check]) -> list[Result]:
+    async def route_checks(
+        self, checks: Sequence[Check], raw: Sequence[Any] | None = None
+    ) -> list[Result]:
         """One result per check, in order: a node's answer as JSON bytes, or the
-        router's own (an error, an unreachable owner) as a dict."""
+        router's own (an error, an unreachable owner) as a dict. ``raw``: each
+        check's JSON text as the client sent it (node/wire.py's ``raw_checks``),
+        passed on to the node rather than encoded again."""
         router = self.router
         results: list[Result | None] = [None] * len(checks)
         pending = list(range(len(checks)))
@@ -156,18 +180,21 @@ class DecisionAPI:
                 for index in pending:
                     results[index] = {"error": "no_nodes", "detail": "the ring has no nodes"}
                 return _complete(results)
-            owners = router.owner_map(view)
+            owner_of = router.owner_map(view).get
             for index in pending:
-                key = checks[index].key
-                member = owners.get(key)
+                key = checks[index][0]
+                member = owner_of(key)
                 if member is None:
                     member = router.pick(view, key)
-                groups.setdefault(member.id, []).append(index)
-                members[member.id] = member
+                group = groups.get(member.id)
+                if group is None:
+                    group = groups[member.id] = []
+                    members[member.id] = member
+                group.append(index)
             retry: list[int] = []
             await asyncio.gather(
                 *(
-                    self._run_group(members[m], idx, checks, results, retry)
+                    self._run_merged(members[m], idx, checks, results, retry, raw)
                     for m, idx in groups.items()
                 )
             )
@@ -179,6 +206,42 @@ class DecisionAPI:
             }
         return _complete(results)
 
+    async def _run_merged(
+        self,
+        member: Member,
+        indices: list[int],
+        checks: Sequence[Check],
+        results: list[Result | None],
+        retry: list[int],
+        raw: Sequence[Any] | None,
+    ) -> None:
+        """:meth:`_run_group`, through the merger when there is one."""
+        merger = self.merger
+        if merger is None:
+            await self._run_group(member, indices, checks, results, retry, raw)
+            return
+        answers = await merger.submit(
+            member,
+            [checks[i] for i in indices],
+            None if raw is None else [raw[i] for i in indices],
+        )
+        for i, answer in zip(indices, answers, strict=True):
+            if answer is _RETRY:
+                retry.append(i)
+            else:
+                results[i] = answer
+
+    async def _send_merged(
+        self, member: Member, checks: list[Check], raw: list[Any] | None
+    ) -> list[Any]:
+        results: list[Result | None] = [None] * len(checks)
+        retry: list[int] = []
+        await self._run_group(member, list(range(len(checks))), checks, results, retry, raw)
+        out: list[Any] = list(results)
+        for index in retry:
+            out[index] = _RETRY
+        return out
+
     async def _run_group(
         self,
         member: Member,
@@ -186,22 +249,26 @@ class DecisionAPI:
         checks: Sequence[Check],
         results: list[Result | None],
         retry: list[int],
+        raw: Sequence[Any] | None = None,
     ) -> None:
         """Send ``checks[i]`` of ``indices`` to ``member`` as one batch; put its answers
         in ``results``, or the indices to route again in ``retry``."""
         router = self.router
-        payload = checks_payload(checks, indices)
+        if raw is None:
+            payload = checks_payload(checks, indices)
+        else:
+            payload = forward_payload(checks, raw, indices)
         assert router.forwarder is not None
         try:
             answer = await router.forwarder.post_json(
                 member.url + "/v1/check", payload, router.token_header
             )
         except NodeTimeout:
+            # Sent, not answered: the owner may have decided. Nothing is sent
+            # again (no double decision); the rules' on_error answers, as for an
+            # owner that cannot be reached (issue 10: a paused owner).
             for i in indices:
-                results[i] = {
-                    "error": "node_timeout",
-                    "detail": f"node {member.id} did not answer in time",
-                }
+                results[i] = unreachable_result(checks[i], member.id, "owner_timeout")
             router.metrics.outcome(member.id, "node_timeout")
             return
         except Unreachable:
@@ -243,6 +310,15 @@ class DecisionAPI:
         for i, result in zip(indices, answered, strict=True):
             results[i] = result
         router.metrics.checks(member.id, len(indices))
+
+
+def merged_batch(limits: Limits) -> int:
+    """The most checks a merged request carries: at most ``max_batch``, and few
+    enough that its body stays under ``max_body`` however long each check's text
+    may be (a key of ``max_key_length`` characters, each escaped as a surrogate
+    pair at worst, and a rule name)."""
+    longest = 12 * limits.max_key_length + 6 * MAX_NAME + 64
+    return max(1, min(limits.max_batch, limits.max_body // longest))
 
 
 def _complete(results: list[Result | None]) -> list[Result]:

@@ -32,6 +32,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "body",
         "closed",
+        "deadline",
         "head",
         "headers",
         "interim",
@@ -39,6 +40,7 @@ class _Connection(asyncio.Protocol):
         "parser",
         "received",
         "status",
+        "timer",
         "transport",
         "waiter",
     )
@@ -55,6 +57,10 @@ class _Connection(asyncio.Protocol):
         self.received = False
         self.head = False
         self.interim = False
+        #: When the request under way times out (loop time), and the one timer that
+        #: watches it (see :meth:`watch`).
+        self.deadline = 0.0
+        self.timer: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -131,8 +137,29 @@ class _Connection(asyncio.Protocol):
         self.transport.write(payload)
         return self.waiter
 
+    def watch(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        """Time out the request under way after ``seconds``. One timer per
+        connection, not one per request: a timer that fires before the current
+        request's deadline (it was started for an earlier request) waits again."""
+        self.deadline = loop.time() + seconds
+        if self.timer is None:
+            self.timer = loop.call_at(self.deadline, self._check_deadline, loop)
+
+    def _check_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.timer = None
+        waiter = self.waiter
+        if self.closed or waiter is None or waiter.done():
+            return  # answered (or idle): the next request starts a timer again
+        if loop.time() < self.deadline:
+            self.timer = loop.call_at(self.deadline, self._check_deadline, loop)
+            return
+        _expire(self)
+
     def close(self) -> None:
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.transport is not None:
             self.transport.close()
 
@@ -154,6 +181,7 @@ class FastForwarder:
         self.timeouts = timeouts or Timeouts()
         self.max_idle = max_idle
         self._pools: dict[str, tuple[_Pool, str]] = {}
+        self._bases: dict[str, tuple[_Pool, str]] = {}
 
     def _split(self, url: str) -> tuple[_Pool, str]:
         """``http://host:port/path?q`` -> (pool for host:port, ``/path?q``)."""
@@ -171,32 +199,61 @@ class FastForwarder:
             self._pools[origin] = found
         return found[0], path
 
+    def base(self, url: str) -> tuple[_Pool, str]:
+        """A node's base URL as (its pool, the path in front of every request path):
+        ``request(m, url + p, ...)`` requests ``prefix + p`` on that pool, for any
+        ``p`` that starts with ``/``. Remembered per URL (nodes are few)."""
+        found = self._bases.get(url)
+        if found is None:
+            if len(self._bases) >= 1024:
+                self._bases.clear()
+            pool, path = self._split(url + "/")
+            found = self._bases[url] = (pool, path[:-1])
+        return found
+
+    @staticmethod
+    def head(method: str, path: str, pool: _Pool) -> list[bytes]:
+        """The start of a request to ``pool``: its request line and ``host``
+        field; the caller adds its own fields and then :meth:`end`'s."""
+        return [f"{method} {path} HTTP/1.1\r\nhost: ".encode(), pool.host_header, b"\r\n"]
+
+    @staticmethod
+    def end(method: str, body: bytes | None) -> list[bytes]:
+        """What follows a request's fields: its length and body."""
+        if body:
+            return [b"content-length: %d\r\n\r\n" % len(body), body]
+        return [b"content-length: 0\r\n\r\n" if method in ("POST", "PUT") else b"\r\n"]
+
     async def request(
         self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | None
     ) -> Answer:
         pool, path = self._split(url)
-        lines = [f"{method} {path} HTTP/1.1\r\nhost: ".encode(), pool.host_header, b"\r\n"]
+        lines = self.head(method, path, pool)
         for name, value in headers:
             lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        if body:
-            lines.append(b"content-length: %d\r\n\r\n" % len(body))
-            lines.append(body)
-        else:
-            lines.append(b"content-length: 0\r\n\r\n" if method in ("POST", "PUT") else b"\r\n")
-        payload = b"".join(lines)
+        lines += self.end(method, body)
+        return await self.send(pool, b"".join(lines), method == "HEAD")
+
+    async def send(self, pool: _Pool, payload: bytes, head: bool = False) -> Answer:
+        """Send a whole request (``payload``, as :meth:`request` builds it) to
+        ``pool`` and read its answer; ``head``: the request is a HEAD."""
         loop = asyncio.get_running_loop()
+        idle = pool.idle
         for attempt in (0, 1):
-            connection, reused = await self._acquire(pool, loop)
-            waiter = connection.start(payload, loop, method == "HEAD")
-            timer = loop.call_later(self.timeouts.total, _expire, connection)
+            # An idle connection without a coroutine (the common case); else _acquire.
+            connection = idle.pop() if idle else None
+            if connection is not None and not connection.closed:
+                reused = True
+            else:
+                connection, reused = await self._acquire(pool, loop)
+            waiter = connection.start(payload, loop, head)
+            connection.watch(loop, self.timeouts.total)
             try:
                 await waiter
             except Unreachable:
                 if reused and not connection.received and attempt == 0:
                     continue
                 raise
-            finally:
-                timer.cancel()
             answer = Answer(
                 connection.status,
                 [(k, v) for k, v in connection.headers if k not in _DROP],

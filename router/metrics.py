@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from node.metrics import DictCollector, render
+from node.metrics import BatchedCounts, BatchedHistogram, DictCollector, Flusher, render
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0)
 
 
 class RouterMetrics:
+    """The router's metrics. Forwards are counted in plain Python and published
+    into the prometheus-client metrics when the registry is collected (see
+    :class:`node.metrics.NodeMetrics`)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        flusher = Flusher()
+        self.registry.register(flusher)  # first: publishes the batched counts
         self._forwarded = Counter(
             "ringlimit_router_forwarded_total",
             "Requests forwarded, by node and outcome (2xx, 429, 4xx, 5xx).",
@@ -55,7 +60,12 @@ class RouterMetrics:
         )
         self._epoch = Gauge("ringlimit_router_epoch", "Ring epoch.", registry=self.registry)
         self._nodes = Gauge("ringlimit_router_nodes", "Nodes in the ring.", registry=self.registry)
-        self._children: dict[tuple[str, str], Any] = {}
+        self._forwards = BatchedCounts(self._forwarded)
+        self._pending = self._forwards.pending
+        self._batched_latency = BatchedHistogram(self._latency)
+        self._observe = self._batched_latency.observe
+        flusher.add(self._forwards.flush)
+        flusher.add(self._batched_latency.flush)
 
     def watch(self, epoch: Callable[[], float], nodes: Callable[[], float]) -> None:
         self._epoch.set_function(epoch)
@@ -96,11 +106,9 @@ class RouterMetrics:
             "2xx" if status < 300 else "429" if status == 429 else "4xx" if status < 500 else "5xx"
         )
         key = (node, outcome)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self._forwarded.labels(node, outcome)
-        child.inc()
-        self._latency.observe(seconds)
+        pending = self._pending
+        pending[key] = pending.get(key, 0) + 1
+        self._observe(seconds)
 
     def outcome(self, node: str, event: str) -> None:
         self._events.labels(node, event).inc()

@@ -534,3 +534,38 @@ def test_fallback_starting_while_redis_is_down() -> None:
             await backend.close()
 
     run(scenario)
+
+
+def test_a_probe_that_raises_is_counted_and_logged_without_flooding(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 10 item 6: the probe loop outlives any error, never silently: each
+    is counted (the node's /metrics, kind backend_probe), logged at most once
+    per 10 s."""
+    port = free_port()
+
+    async def scenario() -> None:
+        primary = RedisBackend(f"redis://127.0.0.1:{port}/0")
+        backend = FallbackBackend(
+            primary, MemoryBackend(MemoryStore(), system_clock), probe_interval=0.02
+        )
+
+        async def broken_ping() -> bool:
+            raise RuntimeError("probe bug")
+
+        primary.ping = broken_ping  # type: ignore[method-assign]
+        await backend.start()  # Redis is not there: the backend starts down
+        try:
+            for _ in range(100):  # 2 s at most
+                if backend.failures.counts.get("backend_probe", 0) >= 5:
+                    break
+                await asyncio.sleep(0.02)
+            assert backend.failures.counts["backend_probe"] >= 5
+            assert not backend.available
+        finally:
+            await backend.close()
+
+    with caplog.at_level(logging.ERROR, logger="ringlimit"):
+        run(scenario)
+    logged = [r for r in caplog.records if "backend_probe failed" in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in logged]

@@ -20,6 +20,7 @@ import pytest
 from node.clock import FrozenClock
 from node.config import ClusterConfig, Identity, Limits, ScopedRule, hash_token
 from node.rules import Rule
+from router.forward import NodeTimeout
 from router.testing import InProcessCluster, node_url
 from tests import sample_app
 
@@ -550,6 +551,48 @@ async def test_owner_unreachable_open_rule_serves_degraded_closed_rule_503() -> 
         assert back.headers["x-ringlimit-node"] == "n2"
         assert back.headers["x-ratelimit-remaining"] == "0"
         assert (await get(cluster, user, "/soft")).status_code == 429
+
+
+class TimesOutFor:
+    """The router's forwarder, except that every call to ``node_id`` times out
+    (sent, never answered: a paused owner)."""
+
+    def __init__(self, inner: Any, node_id: str) -> None:
+        self.inner, self.prefix, self.sent = inner, node_url(node_id), 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def post_json(self, url: str, payload: bytes, headers: Any) -> Any:
+        if url.startswith(self.prefix):
+            self.sent += 1
+            raise NodeTimeout(f"{url} did not answer in time")
+        return await self.inner.post_json(url, payload, headers)
+
+
+async def test_a_check_whose_owner_times_out_is_answered_per_on_error() -> None:
+    """Issue 10: a check already sent to an owner that never answers (paused) is
+    answered by its rule's on_error, never sent again (the owner may have decided)."""
+    async with running(on_error_config()) as cluster:
+        user = user_owned_by(cluster, "n2")
+        forwarder = TimesOutFor(cluster.router.forwarder, "n2")
+        cluster.router.forwarder = forwarder
+        soft = await cluster.client.post("/v1/check", json={"key": user, "rule": "soft"})
+        assert soft.status_code == 200, soft.text
+        assert soft.json()["allowed"] is True and soft.json()["reason"] == "owner_timeout"
+        hard = await cluster.client.post("/v1/check", json={"key": user, "rule": "hard"})
+        assert hard.status_code == 503, hard.text
+        assert hard.json()["allowed"] is False and hard.json()["reason"] == "owner_timeout"
+        other = user_owned_by(cluster, "n1")
+        batch = await cluster.client.post(
+            "/v1/check",
+            json={"checks": [{"key": user, "rule": "hard"}, {"key": other, "rule": "hard"}]},
+        )
+        first, second = batch.json()["results"]
+        assert first["reason"] == "owner_timeout" and first["allowed"] is False
+        assert second["allowed"] is True and "reason" not in second
+        assert forwarder.sent == 3  # one send each: nothing resent, nothing failed over
+        assert "n2" in cluster.router.membership.view
 
 
 async def test_a_failover_request_to_another_node_is_not_limited_there() -> None:

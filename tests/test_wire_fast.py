@@ -1,0 +1,160 @@
+"""The decision API's fast paths give exactly what the plain paths give.
+
+node/wire.py decodes a batch with msgspec (:func:`decode_checks`), lets a
+router forward each check's own JSON text (:func:`raw_checks`,
+:func:`forward_payload`) and formats results without ``json.dumps``
+(:class:`ResultEncoder`). Each is checked here against the path it shortcuts,
+on many random bodies and verdicts, valid and not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from typing import Any
+
+import pytest
+
+from node.config import ClusterConfig
+from node.decision import Decision, Verdict
+from node.wire import (
+    ApiError,
+    ResultEncoder,
+    checks_payload,
+    decode_checks,
+    dumps,
+    forward_payload,
+    forwardable,
+    parse_checks,
+    parse_json,
+    raw_checks,
+    result_dict,
+)
+
+CONFIGS = [
+    ClusterConfig.from_dict(
+        {
+            "rules": [
+                {"name": "bench", "rate": "1000/second"},
+                {"name": "other", "rate": "5/minute", "paths": ["/x/*"]},
+            ],
+            "limits": {"max_key_length": 8, "max_batch": 5, "max_cost": 1000},
+        }
+    ),
+    # No default rule: a check that names none is refused.
+    ClusterConfig.from_dict({"rules": [{"name": "bench", "rate": "10/second", "paths": ["/a/*"]}]}),
+]
+KEYS = ["u1", "abc", "a" * 9, "a" * 8, "x y", "a]}b", "\\u0041", "é", "", "a,b", "\\ud800", "\x7f"]
+RULES = ['"bench"', '"other"', '"nope"', "null", '""', "1"]
+COSTS = ["0", "1", "5", "1000", "1001", "-1", "1.0", "true", "01", "99999999999999999999", "null"]
+
+
+def _item(rng: random.Random) -> str:
+    fields = []
+    if rng.random() < 0.95:
+        fields.append(f'"key"{rng.choice(["", " "])}:"{rng.choice(KEYS)}"')
+    if rng.random() < 0.6:
+        fields.append('"rule":' + rng.choice(RULES))
+    if rng.random() < 0.4:
+        fields.append('"cost":' + rng.choice(COSTS))
+    if rng.random() < 0.1:
+        fields.append('"rule":"bench"')
+    if rng.random() < 0.05:
+        fields.append('"x":1')
+    if rng.random() < 0.5:
+        rng.shuffle(fields)
+    return "{" + rng.choice([",", ", ", " ,\n"]).join(fields) + "}"
+
+
+def _body(rng: random.Random) -> bytes:
+    if rng.random() < 0.1:
+        return _item(rng).encode()  # a single check
+    items = [_item(rng) for _ in range(rng.choice([0, 1, 2, 3, 5, 6]))]
+    text = rng.choice(['{"checks":[', ' { "checks" : [ ']) + ",".join(items) + "]}"
+    if rng.random() < 0.1:
+        text = text[: rng.randrange(len(text) + 1)]
+    if rng.random() < 0.05:
+        text = text.replace('"checks"', '"checks":[],"checks"', 1)
+    return text.encode()
+
+
+def _outcome(body: bytes, config: ClusterConfig, fast: bool) -> Any:
+    try:
+        if fast:
+            return decode_checks(body, config)
+        return parse_checks(parse_json(body, config), config)
+    except ApiError as exc:
+        return (exc.status, exc.error, exc.detail)
+
+
+def test_decode_checks_answers_as_the_json_path() -> None:
+    rng = random.Random(15)
+    accepted = 0
+    for i in range(20_000):
+        body = _body(rng)
+        config = CONFIGS[i % 2]
+        fast = _outcome(body, config, fast=True)
+        assert fast == _outcome(body, config, fast=False), body
+        if type(fast) is tuple and fast[1] is True:
+            accepted += 1
+            checks = fast[0]
+            raw = forwardable(checks, raw_checks(body), config.default_rules)
+            forwarded = forward_payload(checks, raw, range(len(checks)))
+            # What a node makes of the forwarded text is what the router decided on.
+            assert decode_checks(forwarded, config) == (checks, True)
+            assert decode_checks(checks_payload(checks, range(len(checks))), config) == (
+                checks,
+                True,
+            )
+    assert accepted > 500
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        rb'{"checks":[{"key":"\ud800"}]}',
+        b'{"checks":[{"key":"\xed\xa0\x80"}]}',
+        b'{"checks":[{"key":"a","key":"b"}],"checks":[{"key":"c"}]}',
+        rb'{"checks":[{"key":"\u00e9"}]}',
+        b'{"checks":[{"key":"a","cost":18446744073709551617}]}',
+        b'{"checks":[{"key":"a","rule":null}]}',
+        b'{"checks":[{"key":"a"}]} x',
+        b'{"checks":[{"key":"a","cost":1e0}]}',
+        b'{"checks":null}',
+        b"[]",
+        b'{"checks":[' * 5000,
+        b'\xef\xbb\xbf{"checks":[{"key":"a"}]}',
+    ],
+)
+def test_decode_checks_edge_cases(body: bytes) -> None:
+    config = CONFIGS[0]
+    assert _outcome(body, config, fast=True) == _outcome(body, config, fast=False)
+
+
+def test_result_encoder_writes_what_dumps_writes() -> None:
+    rng = random.Random(11)
+    encode = ResultEncoder("n1")
+    times = [0.0, -0.0, 1.0, 0.5, 1e-5, 0.00009999996, 0.0001, 123.4567895, 1e9, 1e10]
+    times += [math.inf, -1.0, 5e-7, 4.9e-7, 999999999.9999996]
+
+    def pick() -> float:
+        return rng.choice([*times, rng.random() * 10 ** rng.randint(-8, 10), -rng.random()])
+
+    for _ in range(50_000):
+        allowed = rng.random() < 0.7
+        reset = pick()
+        retry = None if allowed or rng.random() < 0.1 else pick()
+        available = reset if rng.random() < 0.3 else pick()
+        rule = rng.choice(["bench", 'a"b', "é"])
+        limit, remaining = rng.randint(1, 1000), rng.randint(0, 1000)
+        d = Decision(allowed, limit, remaining, reset, retry, rule, None, available)
+        verdict = Verdict(allowed, d, (d,))
+        try:
+            want = dumps(result_dict(verdict, "n1"))
+        except ValueError:
+            with pytest.raises(ValueError):
+                encode(verdict)
+            continue
+        assert encode(verdict) == want
+        assert json.loads(want)["allowed"] is allowed
