@@ -844,11 +844,14 @@ def _decided(cluster: InProcessCluster, node_id: str, rule: str) -> float:
     return sum(metrics.labels(rule, o)._value.get() for o in ("allowed", "denied"))
 
 
-async def test_a_hot_key_under_lease_is_exact_and_spares_its_owner() -> None:
+@pytest.mark.parametrize("token", [None, "s3cret"])
+async def test_a_hot_key_under_lease_is_exact_and_spares_its_owner(token: str | None) -> None:
     rule = Rule("hot", 100, 60.0, burst=40, lease="auto")
     config = make_config(rule)
     assert config.leasing and not make_config(Rule("api", 5, 60.0)).leasing
-    async with running(config) as cluster:  # frozen node clock: the bucket never refills
+    # A frozen node clock: the bucket never refills. With a token, the asks and the
+    # lease admissions authenticate with it.
+    async with InProcessCluster(3, config, clock=FrozenClock(), internal_token=token) as cluster:
         owner = cluster.owner("alice")
         answers = [await hit(cluster, "alice") for _ in range(300)]
         allowed = [a for a in answers if a.status_code == 200]
