@@ -899,3 +899,25 @@ async def test_a_client_cannot_claim_a_lease_admission() -> None:
             headers = {"X-User-Id": "mallory", "X-Ringlimit-Leased": "hot"}
             assert (await direct.get("/", headers=headers)).status_code == 200
             assert (await direct.get("/", headers=headers)).status_code == 429
+
+
+async def test_the_decision_api_answers_a_leased_key_from_the_routers_leases() -> None:
+    rule = Rule("hot", 100, 60.0, burst=40, lease="auto")
+    async with running(make_config(rule)) as cluster:
+        owner = cluster.owner("alice")
+        answers = []
+        for _ in range(300):
+            response = await cluster.client.post("/v1/check", json={"key": "alice", "rule": "hot"})
+            assert response.status_code == 200, response.text
+            answers.append(response.json())
+            for _ in range(5):
+                await asyncio.sleep(0)
+        assert sum(a["allowed"] for a in answers) == 40  # exact
+        assert {a["node"] for a in answers} == {owner} and {a["rule"] for a in answers} == {"hot"}
+        assert cluster.router.leases.counts["denied"] > 0
+        assert _decided(cluster, owner, "hot") < 150
+        # a batch, or a check of another cost, is routed as before
+        batch = await cluster.client.post(
+            "/v1/check", json={"checks": [{"key": "alice", "rule": "hot"}]}
+        )
+        assert batch.status_code == 200 and batch.json()["results"][0]["allowed"] is False
