@@ -73,6 +73,14 @@ CONTROL_PREFIXES = ("/v1/", "/internal/")
 CONTROL_PATHS = frozenset({"/healthz", "/metrics"})
 
 #: Help of the ``ringlimit_handoff_*`` metrics, one per field of ``HandoffStats``.
+#: The owner's side of quota leases for hot keys (node/leasing.py, docs/hotkeys.md).
+QUOTA_METRICS = {
+    "grants": "Quota leases granted with units (POST /internal/quota).",
+    "denial_leases": "Quota leases of 0 units: nothing before refill_at.",
+    "units_leased": "Units deducted from states at grant time, leased to routers.",
+    "units_refunded": "Unused leased units given back to their state.",
+    "units_written_off": "Leased units never returned: settled late, or revoked by a ring change.",
+}
 HANDOFF_METRICS = {
     "keys_sent": "States handed to new owners (handoffs and answered pulls).",
     "keys_received": "States taken over from other nodes (handoffs and pulls).",
@@ -200,6 +208,11 @@ class Node:
         self._encoder: ResultEncoder | None = None
         #: Quota leases for hot keys granted from this node's store (docs/hotkeys.md).
         self.desk = LeaseDesk()
+        self.metrics.add_counters(
+            "ringlimit_quota",
+            QUOTA_METRICS,
+            lambda: {k: float(v) for k, v in self.desk.stats.__dict__.items()},
+        )
 
     @property
     def epoch(self) -> int:
