@@ -726,3 +726,71 @@ async def test_quota_asks_need_the_internal_token() -> None:
         assert_error(await client.post("/internal/quota", json=body), 401)
     async with client_for(node, client=("10.1.2.3", 5)) as client:
         assert_error(await client.post("/internal/quota", json=body), 401)
+
+
+class SyncLeasingNode:
+    """A node whose rule leases, in a ring of its own, on a private loop (hypothesis)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.node, _, self.client = self.loop.run_until_complete(_leasing_node())
+
+    def post(self, body: bytes) -> httpx.Response:
+        return self.loop.run_until_complete(self.client.post("/internal/quota", content=body))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.aclose())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def sync_leasing_node() -> Iterator[SyncLeasingNode]:
+    node = SyncLeasingNode()
+    yield node
+    node.close()
+
+
+_ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+    st.lists(st.integers(-3, 3), max_size=3),
+    st.dictionaries(st.sampled_from(["lease", "unused", "x"]), st.integers(-3, 10**20)),
+)
+QUOTA_ASKS = st.fixed_dictionaries(
+    {},
+    optional={
+        "epoch": st.one_of(st.just(1), _ANY),
+        "rule": st.one_of(st.sampled_from(["hot", "plain"]), _ANY),
+        "key": st.one_of(st.sampled_from(["u", "v"]), _ANY),
+        "want": st.one_of(st.integers(0, 50), _ANY),
+        "cost": st.one_of(st.integers(1, 3), _ANY),
+        "settle": st.one_of(
+            st.lists(
+                st.fixed_dictionaries(
+                    {"lease": st.integers(-2, 50), "unused": st.integers(-2, 50)}
+                ),
+                max_size=3,
+            ),
+            _ANY,
+        ),
+    },
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=QUOTA_ASKS)
+def test_any_quota_ask_gets_json_below_500(
+    sync_leasing_node: SyncLeasingNode, body: dict[str, object]
+) -> None:
+    response = sync_leasing_node.post(json.dumps(body).encode())
+    assert response.status_code < 500, response.text
+    data = response.json()
+    if response.status_code >= 400:
+        assert {"error", "detail"} <= set(data)
+    else:
+        assert data["epoch"] == 1 and "refunded" in data
+        lease = data["lease"]
+        assert lease is None or (lease["units"] >= 0 and lease["epoch"] == 1)
