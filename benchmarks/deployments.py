@@ -34,6 +34,8 @@ from router.processes import (
 __all__ = [
     "BATCH",
     "DEFAULT_ROWS",
+    "HOT_SHARE",
+    "OPTIONAL_ROWS",
     "ROLES",
     "ROOT",
     "ROWS",
@@ -65,10 +67,19 @@ ROWS: dict[str, str] = {
     # the default run; `ringlimit bench --rows sticky,sticky_r2,sticky_r3`.
     "sticky_r2": "2b router -> nodes, sticky, replicas = 2",
     "sticky_r3": "2c router -> nodes, sticky, replicas = 3",
+    # One user sends 30% of the requests, over its limit (docs/hotkeys.md): quota
+    # leases off and on. Not in the default run; `ringlimit bench --rows hot_off,hot_on`.
+    "hot_off": "7a router -> nodes, one user 30%, leases off",
+    "hot_on": "7b router -> nodes, one user 30%, leases on",
 }
 #: Rows run when --rows is not given.
-DEFAULT_ROWS = tuple(k for k in ROWS if k not in ("sticky_r2", "sticky_r3"))
-ROLES = ("router", "nodes", "redis")
+OPTIONAL_ROWS = ("sticky_r2", "sticky_r3", "hot_off", "hot_on")
+DEFAULT_ROWS = tuple(k for k in ROWS if k not in OPTIONAL_ROWS)
+#: ``owner``: the node that owns the hot user (hot rows; also counted in ``nodes``).
+ROLES = ("router", "nodes", "redis", "owner")
+#: The hot rows' share of requests from one user, and that user's rule.
+HOT_SHARE = 0.3
+HOT_RATE = "1000/minute"
 BATCH = 100
 
 
@@ -162,6 +173,8 @@ class Row:
     tight_factor: int = 1
     decisions_per_request: int = 1
     limited: bool = True
+    #: proxy rows: the share of requests from one hot user (benchmarks/loadgen.py)
+    hot_share: float = 0.0
 
 
 @dataclass
@@ -252,6 +265,9 @@ def start_rows(procs: Processes, settings: Settings, workdir: Path) -> dict[str,
         rows["round_robin"] = starter.round_robin()
     if "slowapi" in wanted:
         rows["slowapi"] = starter.slowapi()
+    for key, lease in (("hot_off", "off"), ("hot_on", "auto")):
+        if key in wanted:
+            rows[key] = starter.hot(key, lease)
     for url in starter.ready:
         wait_http(url, procs)
     return {key: rows[key] for key in ROWS if key in rows and key in wanted}
@@ -348,6 +364,29 @@ class _Starter:
         rpid, rurl = self.router(f"router-r{replicas}", seeds, "--config", str(replica_cfg))
         roles = {"router": [rpid], "nodes": node_pids}
         return Row(key, f"{rurl}/load/x", "proxy", roles, f"{rurl}/tight/x")
+
+    def hot(self, key: str, lease: str) -> Row:
+        """A sticky cluster whose ``/hot/*`` rule leases (or not); its ``owner`` role
+        is the node that owns the hot user of the measured runs (``whot``)."""
+        from ring import RingView
+
+        cfg = self.workdir / f"cluster-{key}.toml"
+        cfg.write_text(
+            cluster_toml(self.settings)
+            + f'\n[[rules]]\nname = "hot"\nrate = "{HOT_RATE}"\npaths = ["/hot/*"]\n'
+            + f'lease = "{lease}"\n'
+        )
+        prefix = "hn" if lease == "auto" else "hf"
+        node_pids, seeds = self.nodes(prefix, "--config", str(cfg))
+        rpid, rurl = self.router(f"router-{key}", seeds, "--config", str(cfg))
+        members = [seed.split("=", 1) for seed in seeds if seed != "--node"]
+        view = RingView.from_dict(
+            {"epoch": 1, "nodes": [{"id": i, "url": u, "weight": 1} for i, u in members]}
+        )
+        owner = view.owner_id("whot")
+        owner_pid = node_pids[[i for i, _ in members].index(owner)]
+        roles = {"router": [rpid], "nodes": node_pids, "owner": [owner_pid]}
+        return Row(key, f"{rurl}/hot/x", "proxy", roles, f"{rurl}/tight/x", hot_share=HOT_SHARE)
 
     def redis(self, key: str, prefix: str, pipeline: str, db: int) -> Row:
         node_pids, seeds = self.nodes(

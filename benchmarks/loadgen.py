@@ -52,6 +52,16 @@ class Load:
     batch: int = 100
     duration: float = 5.0
     connections: int = 50
+    #: proxy mode: the share of requests sent as one hot user, ``<prefix>hot``
+    hot_share: float = 0.0
+
+
+def hot_copies(users: int, share: float) -> int:
+    """Copies of the hot user's request beside one per user, so that a uniform pick
+    chooses it with probability ``share``."""
+    if share <= 0:
+        return 0
+    return round(share * users / (1.0 - share))
 
 
 @dataclass
@@ -118,6 +128,7 @@ def _script_args(load: Load) -> list[str]:
         load.rule,
         "count" if load.count else "-",
         str(load.batch),
+        str(load.hot_share),
     ]
 
 
@@ -161,10 +172,11 @@ def build_requests(load: Load, rng: random.Random) -> list[bytes]:
     host = parts.netloc
     path = parts.path or "/"
     if load.mode == "proxy":
+        hot = f"GET {path} HTTP/1.1\r\nHost: {host}\r\nX-User-Id: {load.prefix}hot\r\n\r\n"
         return [
             f"GET {path} HTTP/1.1\r\nHost: {host}\r\nX-User-Id: {load.prefix}{i}\r\n\r\n".encode()
             for i in range(1, load.users + 1)
-        ]
+        ] + [hot.encode()] * hot_copies(load.users, load.hot_share)
 
     def check(key: str) -> dict[str, str]:
         return {"key": key} if load.rule in ("", "-") else {"key": key, "rule": load.rule}
@@ -306,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, script_args = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
-    defaults = ["proxy", "10000", "u", "-", "-", "100"]
-    values = [*script_args, *defaults[len(script_args) :]][:6]
+    defaults = ["proxy", "10000", "u", "-", "-", "100", "0"]
+    values = [*script_args, *defaults[len(script_args) :]][:7]
     load = Load(
         url=args.url,
         mode=values[0],
@@ -316,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         rule=values[3],
         count=values[4] == "count",
         batch=int(values[5]),
+        hot_share=float(values[6]),
         duration=args.duration,
         connections=args.connections,
     )

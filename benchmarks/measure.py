@@ -112,6 +112,7 @@ def row_load(row: Row, settings: Settings, prefix: str, duration: float) -> Load
         batch=BATCH,
         duration=duration,
         connections=settings.connections,
+        hot_share=row.hot_share,
     )
 
 

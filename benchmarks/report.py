@@ -301,11 +301,14 @@ def table_lines(report: dict[str, Any]) -> list[str]:
         else:
             tight = f"{check['allowed']:,} ({check['expected']:,}; {check['note']})"
         limited = row.get("limited", True)
+        label = row["label"]
+        if cpu.get("owner") is not None:
+            label += f" (hot user's owner: {_fmt(cpu.get('owner'))} us/req)"
         lines.append(
             "| "
             + " | ".join(
                 [
-                    row["label"],
+                    label,
                     _fmt(row["rps"]),
                     _fmt(row["decisions_per_s"]) if limited else "- (off)",
                     _fmt(row["p50_ms"], 2),

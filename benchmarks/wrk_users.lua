@@ -1,6 +1,6 @@
 -- wrk script for `ringlimit bench`: random users from a fixed population.
 --
---   wrk -t1 -c50 -d5s -s benchmarks/wrk_users.lua URL -- MODE USERS PREFIX [RULE] [COUNT] [BATCH]
+--   wrk -t1 -c50 -d5s -s benchmarks/wrk_users.lua URL -- MODE USERS PREFIX [RULE] [COUNT] [BATCH] [HOT]
 --
 -- MODE   proxy:  GET URL with "X-User-Id: PREFIX<n>" (n uniform in 1..USERS)
 --        single: POST URL (the decision API) with {"key":"PREFIX<n>","rule":RULE}
@@ -11,6 +11,7 @@
 --        decision API: "allowed":true/false in the body). Without it the
 --        answers are not read (cheaper for wrk), and only wrk's own count of
 --        statuses >= 400 is reported.
+-- HOT    proxy: the share of requests sent as one hot user, PREFIX.."hot" (default 0)
 --
 -- Requests are built in init() (one per user, or 1024 random batches), so
 -- request() is a table lookup: wrk shares the machine with the servers.
@@ -69,12 +70,22 @@ function init(args)
   local rule = args[4] or "-"
   local count = args[5] == "count"
   local batch = tonumber(args[6] or "100")
+  local hot = tonumber(args[7] or "0")
   math.randomseed((id or 1) * 7919 + os.time())
   if mode == "proxy" then
     for i = 1, users do
       reqs[i] = wrk.format("GET", wrk.path, { ["X-User-Id"] = prefix .. i }, nil)
     end
     nreqs = users
+    if hot > 0 then
+      -- copies of the hot user's request: a uniform pick is the hot user with probability HOT
+      local copies = math.floor(hot * users / (1 - hot) + 0.5)
+      local hot_req = wrk.format("GET", wrk.path, { ["X-User-Id"] = prefix .. "hot" }, nil)
+      for j = 1, copies do
+        reqs[users + j] = hot_req
+      end
+      nreqs = users + copies
+    end
     if count then
       response = count_proxy
     end

@@ -37,6 +37,7 @@ from node.clock import Clock, system_clock
 from node.config import ClusterConfig
 from node.failures import Failures
 from node.lease import LeaseError
+from node.leasing import MAX_SETTLE, LeaseDesk, lease_to_dict
 from node.memory import release_free_memory
 from node.metrics import DictCollector, NodeMetrics
 from node.middleware import (
@@ -72,6 +73,14 @@ CONTROL_PREFIXES = ("/v1/", "/internal/")
 CONTROL_PATHS = frozenset({"/healthz", "/metrics"})
 
 #: Help of the ``ringlimit_handoff_*`` metrics, one per field of ``HandoffStats``.
+#: The owner's side of quota leases for hot keys (node/leasing.py, docs/hotkeys.md).
+QUOTA_METRICS = {
+    "grants": "Quota leases granted with units (POST /internal/quota).",
+    "denial_leases": "Quota leases of 0 units: nothing before refill_at.",
+    "units_leased": "Units deducted from states at grant time, leased to routers.",
+    "units_refunded": "Unused leased units given back to their state.",
+    "units_written_off": "Leased units never returned: settled late, or revoked by a ring change.",
+}
 HANDOFF_METRICS = {
     "keys_sent": "States handed to new owners (handoffs and answered pulls).",
     "keys_received": "States taken over from other nodes (handoffs and pulls).",
@@ -197,6 +206,13 @@ class Node:
             routes=self._routes(), lifespan=self._lifespan, exception_handlers=json_http_errors()
         )
         self._encoder: ResultEncoder | None = None
+        #: Quota leases for hot keys granted from this node's store (docs/hotkeys.md).
+        self.desk = LeaseDesk()
+        self.metrics.add_counters(
+            "ringlimit_quota",
+            QUOTA_METRICS,
+            lambda: {k: float(v) for k, v in self.desk.stats.__dict__.items()},
+        )
 
     @property
     def epoch(self) -> int:
@@ -306,6 +322,7 @@ class Node:
             Route("/internal/status", self.status, methods=["GET"]),
             Route("/internal/lease", self.lease, methods=["POST"]),
             Route("/internal/top", self.top_keys, methods=["GET"]),
+            Route("/internal/quota", self.quota, methods=["POST"]),
         ]
 
     async def check(self, request: Request) -> Response:
@@ -644,6 +661,103 @@ class Node:
                     name: {kind: [list(e) for e in top.top(name, kind, n)] for kind in KINDS}
                     for name in rules
                 },
+            }
+        )
+
+    async def quota(self, request: Request) -> Response:
+        """A router asks for a quota lease on a hot key it routes here (docs/hotkeys.md).
+
+        Body: ``{"epoch", "rule", "key", "want", "cost", "settle": [{"lease", "unused"}]}``.
+        Fenced exactly like a decision: a key this node does not own at its
+        newest epoch is refused with 421 and the epoch, an expired membership
+        lease with 503, and an ask made under another epoch with 409 (its
+        lease would be revoked on arrival). The units are deducted from the
+        key's state at grant time (node/quota.py), so the owner never admits
+        what it leased; settlements of spent or ending leases ride along.
+        """
+        if (refused := self._refuse(request)) is not None:
+            return refused
+        shard = self.shard
+        if shard is None:
+            return JSONResponse(
+                {"error": "not_sticky", "detail": "leases need a node that owns its keys"},
+                status_code=409,
+            )
+        config = self.authority.config
+        try:
+            data = await self._internal_json(request)
+            epoch = _epoch(data)
+            name = data.get("rule")
+            rule = config.rule(name) if type(name) is str else None
+            if rule is None:
+                raise ApiError(400, "unknown_rule", f"no rule named {name!r}"[:160])
+            if rule.lease != "auto":
+                raise ApiError(409, "lease_off", f"rule {rule.name!r} has lease = 'off'")
+            key = data.get("key")
+            if type(key) is not str or not key or len(key) > config.limits.max_key_length:
+                raise ApiError(400, "invalid_key", "key must be a non-empty string within limits")
+            want, cost = data.get("want", 0), data.get("cost", 1)
+            if type(want) is not int or not 0 <= want <= rule.capacity:
+                raise ApiError(400, "invalid_want", f"want must be an integer 0..{rule.capacity}")
+            if type(cost) is not int or not 1 <= cost <= rule.capacity:
+                raise ApiError(400, "invalid_cost", f"cost must be an integer 1..{rule.capacity}")
+            settle = data.get("settle", [])
+            if type(settle) is not list or len(settle) > MAX_SETTLE:
+                raise ApiError(400, "invalid_settle", f"settle must be a list of <= {MAX_SETTLE}")
+            settlements = []
+            for item in settle:
+                lease_id = item.get("lease") if type(item) is dict else None
+                unused = item.get("unused") if type(item) is dict else None
+                if type(lease_id) is not int or type(unused) is not int or unused < 0:
+                    raise ApiError(
+                        400, "invalid_settle", "each settlement is {lease: int, unused: int >= 0}"
+                    )
+                settlements.append((lease_id, unused))
+            await shard.admit(key, (rule,))
+            shard.check_owner(key)  # no await from here on: the grant is atomic
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except NotOwner as exc:
+            return JSONResponse(
+                not_owner_body(exc),
+                status_code=421,
+                headers={k.decode(): v.decode() for k, v in not_owner_headers(exc)},
+            )
+        except LeaseExpired as exc:
+            return JSONResponse(
+                lease_expired_body(exc),
+                status_code=503,
+                headers={k.decode(): v.decode() for k, v in LEASE_EXPIRED_HEADERS},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            return JSONResponse(
+                {"error": "invalid_request", "detail": f"bad quota ask: {exc}"[:200]},
+                status_code=400,
+            )
+        desk = self.desk
+        desk.set_epoch(shard.epoch)
+        if epoch != shard.epoch:
+            return JSONResponse(
+                {
+                    "error": "stale_epoch",
+                    "detail": f"asked under epoch {epoch}, node is at {shard.epoch}",
+                    "epoch": shard.epoch,
+                },
+                status_code=409,
+                headers={"x-ringlimit-epoch": str(shard.epoch)},
+            )
+        now = self.clock()
+        refunded = sum(
+            desk.settle(self.store, rule, key, lease_id, unused, now)
+            for lease_id, unused in settlements
+        )
+        lease = desk.grant(self.store, rule, key, now, want, cost)
+        return JSONResponse(
+            {
+                "node": self.settings.node_id,
+                "epoch": shard.epoch,
+                "lease": None if lease is None else lease_to_dict(lease),
+                "refunded": refunded,
             }
         )
 

@@ -226,6 +226,8 @@ class ClusterConfig:
     backend: str = "memory"
     balance: str = "sticky"
     _by_name: dict[str, Rule] = field(init=False, repr=False, compare=False)
+    #: Some rule says ``lease = "auto"``: the router's proxy path consults its leases.
+    leasing: bool = field(init=False, repr=False, compare=False)
     _defaults: tuple[Rule, ...] = field(init=False, repr=False, compare=False)
     _cache: dict[tuple[str, str, str | None], tuple[Rule, ...]] = field(
         init=False, repr=False, compare=False
@@ -237,6 +239,7 @@ class ClusterConfig:
             if scoped.rule.name in by_name:
                 raise ConfigError(f"rule name {scoped.rule.name!r} is used twice")
             by_name[scoped.rule.name] = scoped.rule
+        object.__setattr__(self, "leasing", any(r.lease == "auto" for r in by_name.values()))
         for digest in self.bypass_sha256:
             if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
                 raise ConfigError("bypass.token_sha256 entries must be 64 lowercase hex digits")
@@ -468,6 +471,7 @@ class _Parser:
                 "crash_policy",
                 "replicas",
                 "shadow",
+                "lease",
                 "named_only",
                 "paths",
                 "methods",
@@ -510,6 +514,7 @@ class _Parser:
                 crash_policy=data.get("crash_policy"),
                 replicas=data.get("replicas", 1),
                 shadow=data.get("shadow", False),
+                lease=data.get("lease", "off"),
             )
         except RuleError as exc:
             raise self.fail(_rule_field(where, str(exc)), str(exc)) from None
@@ -536,6 +541,8 @@ _RULE_FIELDS = (
     (": crash_policy must", "crash_policy"),
     (": replicas must", "replicas"),
     (": shadow must", "shadow"),
+    (": lease must", "lease"),
+    (": lease = ", "lease"),
 )
 
 

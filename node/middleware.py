@@ -29,11 +29,13 @@ from node.shard import LeaseExpired, NotOwner
 
 KEY_HEADER = b"x-ringlimit-key"
 FAILOVER_HEADER = b"x-ringlimit-failover"
+#: A router admitted this request from a quota lease (docs/hotkeys.md): serve, do not decide.
+LEASED_HEADER = b"x-ringlimit-leased"
 TOKEN_HEADER = INTERNAL_TOKEN_HEADER.lower().encode()
 #: Fields a router adds that the application behind a node never sees.
-_OWN_FIELDS = frozenset({KEY_HEADER, TOKEN_HEADER, FAILOVER_HEADER})
+_OWN_FIELDS = frozenset({KEY_HEADER, TOKEN_HEADER, FAILOVER_HEADER, LEASED_HEADER})
 #: What the middleware looks for in a request's fields (see :class:`_Prepared`).
-_KEY, _TOKEN, _FAILOVER, _BYPASS, _TIER = range(5)
+_KEY, _TOKEN, _FAILOVER, _BYPASS, _TIER, _LEASED = range(6)
 
 
 class _Prepared:
@@ -56,6 +58,7 @@ class _Prepared:
             watched[tier_name] = _TIER
         watched[config.bypass_header.lower().encode()] = _BYPASS
         watched[FAILOVER_HEADER] = _FAILOVER
+        watched[LEASED_HEADER] = _LEASED
         watched[TOKEN_HEADER] = _TOKEN
         watched[KEY_HEADER] = _KEY
         self.watched = watched
@@ -121,7 +124,7 @@ class RateLimitMiddleware:
         prepared = self._prepared
         if prepared is None or prepared.config is not config:
             prepared = self._for(config)
-        routed_key = token = failover = bypass = tier = None
+        routed_key = token = failover = bypass = tier = leased = None
         watched = prepared.watched
         headers = scope["headers"]
         for name, value in headers:
@@ -136,9 +139,16 @@ class RateLimitMiddleware:
                 failover = value
             elif kind == _BYPASS:
                 bypass = value
+            elif kind == _LEASED:
+                leased = value
             else:
                 tier = value.decode("latin-1")
-        if routed_key is not None or token is not None or failover is not None:
+        if (
+            routed_key is not None
+            or token is not None
+            or failover is not None
+            or leased is not None
+        ):
             # ringlimit's own fields (the internal token above all) never reach the app.
             scope["headers"] = [(k, v) for k, v in headers if k not in _OWN_FIELDS]
         trusted = self.trust_router and (
@@ -153,6 +163,13 @@ class RateLimitMiddleware:
         if failover is not None and trusted:
             # The owner of this key is unreachable and its rules say fail open.
             await self.app(scope, receive, _adding(send, [(b"x-ringlimit-degraded", failover)]))
+            return
+        if leased is not None and trusted:
+            # Admitted by the router from a lease the key's owner granted: decided already.
+            if routed_key is not None:
+                key = unquote(routed_key.decode("latin-1"), errors="replace")
+                scope.setdefault("state", {})["ringlimit"] = {"key": key, "leased": True}
+            await self.app(scope, receive, send)
             return
         if bypass is not None and bypass_matches(bypass.decode("latin-1"), config.bypass_sha256):
             await self.app(scope, receive, _adding(send, [(b"x-ringlimit-bypass", b"1")]))

@@ -42,11 +42,10 @@ from dataclasses import dataclass, field
 
 from node.algorithms import REGISTRY, State
 from node.decision import Decision
-from node.rules import Rule
+from node.rules import LEASE_ALGORITHMS, LEASE_MODES, Rule
 
-LEASE_MODES = ("off", "auto")
 #: Algorithms a lease may be granted for (see the module docstring for the sliding log).
-LEASABLE = frozenset({"token_bucket", "gcra", "fixed_window", "sliding_window"})
+LEASABLE = frozenset(LEASE_ALGORITHMS)
 BUCKETS = frozenset({"token_bucket", "gcra"})
 WINDOWS = frozenset({"fixed_window", "sliding_window"})
 #: Leases of one key outstanding at once (routers x blocks ahead); beyond, no grant.

@@ -36,6 +36,10 @@ MAX_PERIOD = 366 * 86400.0
 MAX_NAME = 64
 #: The sliding log keeps one timestamp per admitted unit; this bounds its memory.
 MAX_LOG_LIMIT = 100_000
+#: A rule's ``lease`` setting (docs/hotkeys.md): ``off`` (default) or ``auto``.
+LEASE_MODES = ("off", "auto")
+#: Algorithms the quota-lease core grants leases for (node/quota.py ``LEASABLE``).
+LEASE_ALGORITHMS = ("token_bucket", "gcra", "fixed_window", "sliding_window")
 
 _UNITS = {
     "ms": 0.001,
@@ -128,6 +132,8 @@ class Rule:
     replicas: int = 1
     #: A shadow rule is decided and counted but never denies (see docs/configuration.md).
     shadow: bool = False
+    #: ``"auto"``: the owner may lease hot keys' units to routers (docs/hotkeys.md).
+    lease: str = "off"
     #: capacity: the most units a fresh state admits at once.
     capacity: int = field(init=False, repr=False, compare=False)
     #: rate: units regained per second (buckets).
@@ -169,6 +175,20 @@ class Rule:
             raise RuleError(f"rule {self.name!r}: replicas must be an integer 1..{MAX_REPLICAS}")
         if not isinstance(self.shadow, bool):
             raise RuleError(f"rule {self.name!r}: shadow must be true or false")
+        lease: object = self.lease
+        if isinstance(lease, bool):
+            lease = "auto" if lease else "off"
+        if not isinstance(lease, str) or lease.strip().lower() not in LEASE_MODES:
+            raise RuleError(f"rule {self.name!r}: lease must be 'auto' or 'off', got {lease!r}")
+        lease = lease.strip().lower()
+        if lease == "auto" and self.algorithm not in LEASE_ALGORITHMS:
+            # Refused loudly rather than silently off: docs/hotkeys.md says why the
+            # sliding log cannot be leased exactly.
+            raise RuleError(
+                f"rule {self.name!r}: lease = 'auto' is not supported for {self.algorithm} "
+                f"(leasable: {', '.join(LEASE_ALGORITHMS)})"
+            )
+        object.__setattr__(self, "lease", lease)
         bucket = self.algorithm in ("token_bucket", "gcra")
         object.__setattr__(self, "capacity", burst if bucket else self.limit)
         object.__setattr__(self, "rate", self.limit / period)
@@ -196,6 +216,8 @@ class Rule:
             data["replicas"] = self.replicas
         if self.shadow:
             data["shadow"] = True
+        if self.lease != "off":
+            data["lease"] = self.lease
         return data
 
     @classmethod
@@ -212,6 +234,7 @@ class Rule:
             "crash_policy",
             "replicas",
             "shadow",
+            "lease",
         }
         if unknown:
             raise RuleError(f"unknown rule field(s): {', '.join(sorted(unknown))}")
@@ -226,6 +249,7 @@ class Rule:
                 crash_policy=data.get("crash_policy"),  # type: ignore[arg-type]
                 replicas=data.get("replicas", 1),  # type: ignore[arg-type]
                 shadow=data.get("shadow", False),  # type: ignore[arg-type]
+                lease=data.get("lease", "off"),  # type: ignore[arg-type]
             )
         except KeyError as exc:
             raise RuleError(f"rule is missing field {exc.args[0]!r}") from None

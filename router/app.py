@@ -43,6 +43,7 @@ from node.asgi import (
     send_json,
 )
 from node.config import ClusterConfig
+from node.headers import denial_response, rate_limit_headers
 from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
 from ring import EmptyRingError, Member, RingView
@@ -61,6 +62,7 @@ from router.forward import (
     Timeouts,
     Unreachable,
 )
+from router.leases import ADMIT, DENY, FORWARD, RouterLeases
 from router.membership import Membership
 from router.metrics import RouterMetrics
 
@@ -191,6 +193,8 @@ class Router:
         self._extra_headers = (
             [(b"x-ringlimit-router", settings.name.encode())] if settings.name else []
         )
+        #: Quota leases for hot keys of rules with ``lease = "auto"`` (docs/hotkeys.md).
+        self.leases = RouterLeases(lambda: self.forwarder, self.token_header)
         self.decisions = DecisionAPI(self)
         self.admin = AdminAPI(self, client)
         self.control = Starlette(
@@ -251,6 +255,7 @@ class Router:
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)
             self.grpc_server = None
+        await self.leases.close()
         await self.membership.close()
         if self.forwarder is not None:
             await self.forwarder.close()
@@ -431,6 +436,10 @@ class Router:
         # forwarder and for a failover; the fast client gets the bytes themselves.
         headers = _text(raw) if fast is None else None
         fields = b"".join([k + b": " + v + b"\r\n" for k, v in raw]) if fast else b""
+        if config.leasing and await self._leased(
+            scope, send, config, resolver, user, method, path_qs, _text(raw), body, started
+        ):
+            return
         member: Member | None = None
         for _ in range(MAX_ATTEMPTS):
             view = self.membership.view
@@ -516,6 +525,79 @@ class Router:
             error_body("ring_changing", "the ring is changing; retry shortly"),
             [(b"retry-after", b"1")],
         )
+
+    async def _leased(
+        self,
+        scope: Scope,
+        send: Send,
+        config: ClusterConfig,
+        resolver: IdentityResolver,
+        user: str,
+        method: str,
+        path_qs: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        started: float,
+    ) -> bool:
+        """Answer from a quota lease when the request's one rule leases (True: answered).
+
+        Admitted: served through the next node in turn other than the owner,
+        marked ``X-Ringlimit-Leased`` (believed with the internal token only),
+        so the owner neither decides nor proxies it. Denied: a 429 from here,
+        with a node's headers and body. Otherwise False: forward as usual.
+        """
+        rules = config.rules_for(method, scope["path"], resolver.tier(scope))
+        if len(rules) != 1 or rules[0].lease != "auto" or config.balance != "sticky":
+            return False
+        rule = rules[0]
+        view = self.membership.view
+        if not view.members:
+            return False
+        leases = self.leases
+        now = leases.clock()
+        outcome = leases.decide(rule, user, view.epoch, now)
+        owner = self.pick(view, user)
+        leases.note(rule, user, owner, view.epoch, now)
+        if outcome == FORWARD:
+            return False
+        verdict = leases.verdict(rule, user, outcome == ADMIT, now)
+        limit_headers = rate_limit_headers(
+            (rule,),
+            verdict,
+            legacy=config.legacy_headers,
+            legacy_reset=config.legacy_reset,
+            now=time.time(),
+        )
+        if outcome == DENY:
+            self.metrics.outcome("-", "lease_denied")
+            denial, content_type = denial_response(verdict, 429, config.denial_format)
+            await send_json(send, 429, denial, limit_headers, content_type)
+            return True
+        assert self.forwarder is not None
+        others = [m for m in view.members if m.id != owner.id] or [owner]
+        turn = next(self._turn)
+        marked = [*headers, ("x-ringlimit-leased", rule.name)]
+        for i in range(len(others)):
+            member = others[(turn + i) % len(others)]
+            try:
+                answer = await self.forwarder.request(method, member.url + path_qs, marked, body)
+            except NodeTimeout:
+                self.metrics.outcome(member.id, "node_timeout")
+                await send_json(
+                    send,
+                    504,
+                    error_body("node_timeout", f"node {member.id} did not answer in time"),
+                    [(b"x-ringlimit-node", member.id.encode())],
+                )
+                return True
+            except Unreachable:
+                continue  # the unit is spent here: serve it through another node
+            self.metrics.outcome(member.id, "lease_admitted")
+            self.metrics.forwarded(member.id, answer.status, time.perf_counter() - started)
+            await _respond(send, answer, member.id, [*self._extra_headers, *limit_headers])
+            return True
+        await send_json(send, 503, error_body("no_nodes", "no node could serve the request"))
+        return True
 
     async def stale(self, answer: Answer, member: Member) -> bool:
         """A node refused a key: bring the router or the node up to date. Retry?"""

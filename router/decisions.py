@@ -34,12 +34,14 @@ from node.wire import (
     forward_payload,
     forwardable,
     raw_checks,
+    result_dict,
     split_results,
     unreachable_result,
 )
 from ring import EmptyRingError, Member
 from router.coalesce import Coalescer, Merger
 from router.forward import MAX_ATTEMPTS, NodeTimeout, Unreachable
+from router.leases import ADMIT, FORWARD
 
 #: Reasons of a result the router made up for an owner that did not answer.
 UNANSWERED = frozenset({"owner_unreachable", "owner_timeout"})
@@ -115,8 +117,35 @@ class DecisionAPI:
             results = await self.route_checks(checks, raw)
             await _send_json_bytes(send, 200, batch_body(results))
             return
+        if config.leasing:
+            leased = self.leased(checks[0])
+            if leased is not None:
+                await _send_json_bytes(send, 200, leased)
+                return
         status, payload = await self.answer_checks(checks, batch)
         await _send_json_bytes(send, status, payload)
+
+    def leased(self, check: Check) -> bytes | None:
+        """A single check of cost 1 whose one rule leases, answered from the router's
+        quota leases (docs/hotkeys.md); ``None``: route it as usual."""
+        if len(check.rules) != 1 or check.cost != 1 or check.rules[0].lease != "auto":
+            return None
+        router = self.router
+        view = router.membership.view
+        if not view.members or router.config.balance != "sticky":
+            return None
+        rule = check.rules[0]
+        leases = router.leases
+        now = leases.clock()
+        outcome = leases.decide(rule, check.key, view.epoch, now)
+        owner = router.pick(view, check.key)
+        leases.note(rule, check.key, owner, view.epoch, now)
+        if outcome == FORWARD:
+            return None
+        router.metrics.outcome("-", "lease_admitted" if outcome == ADMIT else "lease_denied")
+        # Decided under the owner's lease: the owner is the authority named.
+        verdict = leases.verdict(rule, check.key, outcome == ADMIT, now)
+        return dumps(result_dict(verdict, owner.id)).encode()
 
     async def answer_checks(self, checks: Sequence[Check], batch: bool) -> tuple[int, bytes]:
         """The status and JSON body answering valid checks."""

@@ -130,6 +130,13 @@ class LeaseBook:
             return 0
         return sum(h.left for h in entry.leases if h.deadline > now)
 
+    def denied_for(self, key: Hashable, now: float) -> float:
+        """Seconds until the owner said it may admit ``key`` again (0: not denying)."""
+        entry = self._keys.get(key)
+        if entry is None or now >= entry.deny_until:
+            return 0.0
+        return entry.deny_until - now
+
     def want(self, key: Hashable, now: float, block: int) -> int:
         """Units to ask for now (0: none): the next ``block`` once the units left fall
         to the low-water mark, unless the owner said it has nothing before then."""

@@ -52,7 +52,12 @@ reset          reset      reset          reset
 conservative   handoff    handoff        conservative
 replica        handoff    handoff        replica
 round_robin    local      local          local (no shared state at all)
+leases         handoff    handoff        conservative (leases revoked by epoch)
 =============  =========  =============  ======================================
+
+``leases`` is sticky routing with exact quota leases for hot keys, driven by
+the real lease core (``node/quota.py``, ``router/quotas.py``):
+:class:`simulations.quota.LeasesMode`.
 """
 
 from __future__ import annotations
@@ -101,6 +106,12 @@ def policy_table(scenario: Scenario) -> dict[str, dict[str, str]]:
         },
         "replica": {"join": "handoff", "leave": "handoff", "crash": "replica", "return": back},
         "round_robin": {"join": "local", "leave": "local", "crash": "local", "return": "local"},
+        "leases": {
+            "join": "handoff",
+            "leave": "handoff",
+            "crash": "conservative",
+            "return": back,
+        },
     }
 
 
@@ -465,12 +476,16 @@ def make_mode(
         from .sticky import StickyMode  # the protocol's modes build on this module
 
         return StickyMode(mode, timeline, arrivals, progress, full)
+    if mode == "leases":
+        from .quota import LeasesMode  # the lease simulation builds on this module
+
+        return LeasesMode(timeline, arrivals, progress)
     raise ValueError(f"unknown mode {mode!r}")
 
 
 def decisions_needed(mode: str, timeline: Timeline, arrivals: Arrivals, full: bool) -> int:
     """How many arrivals ``mode`` will decide (for progress bars)."""
-    if full or mode in ("global", "round_robin"):
+    if full or mode in ("global", "round_robin", "leases"):
         return len(arrivals)
     return int(timeline.affected[arrivals.users].sum())
 

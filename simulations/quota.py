@@ -22,8 +22,10 @@ crashed node's keys exhausted at the new owners (the ``conservative``
 policy, which never over-admits, so every over-admission would be the
 leases'); every router drops the leases of the older epoch (written off).
 
-Not yet a mode of ``ringlimit simulate`` (``simulations/modes.py`` is being
-refactored): ``python -m simulations.quota SCENARIO`` prints the figures.
+It is also the ``leases`` mode of ``ringlimit simulate`` (:class:`LeasesMode`,
+beside the six others; a node's requests are then forwarded requests + asks
++ returns); ``python -m simulations.quota SCENARIO`` prints the lease figures
+themselves (bound, asks, units refunded and written off).
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ from typing import Any
 
 import numpy as np
 
-from node.algorithms import exhausted
+from node.algorithms import REGISTRY, exhausted
 from node.quota import Held, HotKeys, LeasePolicy, decide, grant, refund
 from router.quotas import ADMIT, DENY, LeaseBook, Released
 
 from .arrivals import Arrivals, generate
-from .modes import run_mode
+from .modes import Mode, ModeResult, run_mode
 from .scenario import Scenario, load_scenario
-from .timeline import Timeline, build_timeline
+from .timeline import Epoch, Timeline, build_timeline
 
 #: A key is hot from this many decisions per second at its owner (simulation default).
 DEFAULT_THRESHOLD = 50.0
@@ -69,6 +71,12 @@ class LeaseRun:
     #: per user: units leased, units admitted through leases
     leased: np.ndarray | None = None
     used: np.ndarray | None = None
+    #: per_epoch[e, node]: what ``messages`` counts, per epoch
+    per_epoch: np.ndarray | None = None
+    #: keys[e, node]: states a member holds at the end of epoch e (-1: not a member)
+    keys: np.ndarray | None = None
+    #: per membership change: leases revoked and units written off by it
+    actions: list[dict[str, Any]] | None = None
 
 
 def run_leases(
@@ -99,6 +107,7 @@ def run_leases(
     leased = np.zeros(n_users, dtype=np.int64)
     used = np.zeros(n_users, dtype=np.int64)
     messages = [0] * n_slots
+    fresh_at = REGISTRY[rule.algorithm].fresh_at
     books = [LeaseBook(drift=0.0, low_water=low_water) for _ in range(routers)]
     holds: list[dict[int, Held]] = [{} for _ in range(n_slots)]
     hot = [HotKeys(policy.threshold, half_life=half_life) for _ in range(n_slots)]
@@ -109,6 +118,24 @@ def run_leases(
     e = 0
     owners = epochs[0].owner_list()
     next_change = changes[0].at if changes else float("inf")
+    per_epoch = np.zeros((len(epochs), n_slots), dtype=np.int64)
+    keys = np.full((len(epochs), n_slots), -1, dtype=np.int64)
+    actions: list[dict[str, Any]] = []
+    counted = [0] * n_slots
+
+    def close_epoch(index: int) -> None:
+        for node in range(n_slots):
+            per_epoch[index, node] = messages[node] - counted[node]
+            counted[node] = messages[node]
+        end = epochs[index].end
+        for node in epochs[index].alive:
+            # states a node's sweeper would keep: not fresh, or with a lease still out
+            keys[index, node] = sum(
+                1
+                for held in holds[node].values()
+                if held.state is not None
+                and (fresh_at(held.state, rule) > end or held.owed(end) > 0)
+            )
 
     def settle(rel: Released, at: float, give_back: bool) -> None:
         key = rel.key
@@ -168,6 +195,7 @@ def run_leases(
 
     def change(at: float) -> None:
         nonlocal e, owners, next_change
+        close_epoch(e)
         info = changes[e]
         before, after = epochs[e], epochs[e + 1]
         new = after.owner_list()
@@ -191,9 +219,20 @@ def run_leases(
             hot[crashed] = HotKeys(policy.threshold, half_life=half_life)
         e += 1
         owners = new
+        revoked = written = 0
         for book in books:
             for rel in book.set_epoch(e):
-                run.units_written_off += rel.unused
+                revoked += 1
+                written += rel.unused
+        run.units_written_off += written
+        kind = info.change.kind
+        actions.append(
+            {
+                "policy": "conservative" if kind == "crash" else "handoff",
+                "leases_revoked": revoked,
+                "units_written_off": written,
+            }
+        )
         next_change = changes[e].at if e < len(changes) else float("inf")
 
     for i, (now, key) in enumerate(zip(times, users, strict=True)):
@@ -227,9 +266,51 @@ def run_leases(
         allowed[i] = decision[0]
         if hot[node].observe(key, now) and leasing:
             ask(r, key, now, node, False)  # the lease rides on the answer
+    while e < len(changes):  # changes after the last arrival
+        expire_until(next_change)
+        change(next_change)
+    close_epoch(e)
     run.messages = np.asarray(messages, dtype=np.int64)
     run.leased, run.used = leased, used
+    run.per_epoch, run.keys, run.actions = per_epoch, keys, actions
     return run
+
+
+class LeasesMode(Mode):
+    """``ringlimit simulate``'s ``leases`` mode: sticky routing with quota leases.
+
+    The scenario's rule as if it said ``lease = "auto"`` (threshold
+    :data:`DEFAULT_THRESHOLD` decisions/s, the default ttl and block), two
+    routers, handoff on joins and graceful leaves, ``conservative`` on a
+    crash, every lease of an older epoch revoked. A node's requests are what
+    reaches it: forwarded requests, asks and returns (:func:`run_leases`).
+    """
+
+    name = "leases"
+
+    def run(self) -> ModeResult:
+        import time
+
+        started = time.perf_counter()
+        policy = LeasePolicy("auto", threshold=DEFAULT_THRESHOLD)
+        run = run_leases(self.timeline, self.arrivals, policy)
+        self.progress(len(self.times))
+        assert run.per_epoch is not None and run.keys is not None and run.actions is not None
+        return ModeResult(
+            self.name,
+            run.allowed,
+            run.per_epoch,
+            run.keys,
+            run.actions,
+            time.perf_counter() - started,
+            len(self.times),
+            None,
+            None,
+            self.unavailable,
+        )
+
+    def apply(self, info: Any, before: Epoch, after: Epoch) -> dict[str, Any]:
+        raise NotImplementedError  # run() does the whole run
 
 
 def _load_ratio(timeline: Timeline, requests: np.ndarray) -> float | None:

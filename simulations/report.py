@@ -16,6 +16,7 @@ _SHORT = {
     "conservative": "conservative",
     "replica": "replica",
     "round_robin": "round_robin",
+    "leases": "leases",
 }
 _POLICY = {
     "none": "-",

@@ -30,7 +30,14 @@ from .timeline import Timeline, build_timeline
 PARALLEL_THRESHOLD = 2_000_000
 #: Relative cost of one decision per mode (replication and routing overheads),
 #: used to start the heaviest modes first so that the workers finish together.
-_COST = {"global": 1.0, "round_robin": 1.1, "replica": 1.8, "reset": 1.3, "conservative": 1.3}
+_COST = {
+    "global": 1.0,
+    "round_robin": 1.1,
+    "replica": 1.8,
+    "reset": 1.3,
+    "conservative": 1.3,
+    "leases": 2.5,
+}
 
 
 @dataclass

@@ -23,7 +23,10 @@ from node.lease import MAX_LEASE
 from node.rules import Rule, RuleError, parse_rule
 
 #: Every mode the simulator knows, in report order. ``global`` is the reference.
-MODES = ("global", "handoff", "reset", "conservative", "replica", "round_robin")
+MODES = ("global", "handoff", "reset", "conservative", "replica", "round_robin", "leases")
+#: The modes a scenario runs when it names none: ``leases`` joins them when the
+#: scenario's one rule says ``lease = "auto"`` (:func:`leases_problem`).
+DEFAULT_MODES = MODES[:-1]
 #: Modes that route each user to the ring owner of its key.
 STICKY_MODES = ("handoff", "reset", "conservative", "replica")
 EVENT_TYPES = ("join", "leave", "crash", "restart", "pause")
@@ -303,6 +306,10 @@ class Scenario:
         return replace(self, seed=int(seed))
 
     def with_modes(self, modes: tuple[str, ...]) -> Scenario:
+        if "leases" in modes:
+            problem = leases_problem(self.rules, self.has_pauses)
+            if problem:
+                raise ScenarioError(f"mode leases: {problem}")
         return replace(self, modes=_order_modes(modes))
 
     def to_dict(self) -> dict[str, Any]:
@@ -335,6 +342,17 @@ def partition_pauses(partitions: tuple[PartitionSpec, ...]) -> tuple[EventSpec, 
         )
         for p in partitions
     )
+
+
+def leases_problem(rules: tuple[Rule, ...], pauses: bool) -> str | None:
+    """Why the ``leases`` mode cannot run a scenario (``None``: it can)."""
+    if len(rules) != 1:
+        return "the lease simulation takes exactly one rule"
+    if rules[0].algorithm == "sliding_log":
+        return "the sliding log takes no leases (docs/hotkeys.md)"
+    if pauses:
+        return "the lease simulation does not model paused nodes"
+    return None
 
 
 def _order_modes(modes: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -563,7 +581,10 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
 
     md = top.sub("modes", required=False)
     md.only({"run", "replication_interval", "handoff_crash_policy", "returning"})
-    run = md.data.get("run", list(MODES))
+    run = md.data.get("run")
+    explicit = run is not None
+    if run is None:
+        run = list(DEFAULT_MODES)
     if not isinstance(run, list) or not all(isinstance(m, str) for m in run):
         raise md.error("run", f"must be an array of mode names, got {_kind(run)}")
     for i, mode in enumerate(run):
@@ -594,6 +615,17 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
             raise rp.error(
                 key, f"too fine: {duration / value:.0f} buckets over the run (max 100000)"
             )
+
+    if "leases" in run:
+        problem = leases_problem(rules, any(e.type == "pause" for e in events))
+        if problem:
+            raise md.error("run", f"mode leases: {problem}")
+    elif (
+        not explicit
+        and rules[0].lease == "auto"
+        and leases_problem(rules, any(e.type == "pause" for e in events)) is None
+    ):
+        run = [*run, "leases"]
 
     return Scenario(
         name=name,
@@ -711,7 +743,7 @@ def _read_rules(top: _Reader) -> tuple[Rule, ...]:
     rules: list[Rule] = []
     for i, item in enumerate(raw):
         rd = _Reader(top.source, f"rules[{i}]", item)
-        rd.only({"limit", "algorithm", "burst", "name", "on_error"})
+        rd.only({"limit", "algorithm", "burst", "name", "on_error", "lease"})
         text = rd.string("limit")
         algorithm = rd.string("algorithm", "token_bucket")
         burst = rd.integer("burst", 0, low=0) or None
@@ -719,8 +751,15 @@ def _read_rules(top: _Reader) -> tuple[Rule, ...]:
         on_error = rd.string("on_error", "open", choices=ON_ERROR)
         try:
             rule = parse_rule(text, name=name, algorithm=algorithm, burst=burst, on_error=on_error)
+            rule = rule.with_(lease=rd.string("lease", "off"))
         except RuleError as exc:
-            key = "algorithm" if "algorithm" in str(exc) else "limit"
+            key = (
+                "lease"
+                if "lease" in str(exc)
+                else "algorithm"
+                if "algorithm" in str(exc)
+                else "limit"
+            )
             raise rd.error(key, str(exc)) from None
         if any(r.name == rule.name for r in rules):
             raise rd.error("name", f"duplicate rule name {rule.name!r}; give each rule a name")

@@ -232,6 +232,16 @@ def test_load_generator_pieces() -> None:
     assert measure.cpu_seconds([os.getpid()]) > 0
 
 
+def test_the_hot_rows_send_one_user_their_share() -> None:
+    load = loadgen.Load("http://127.0.0.1:1/hot/x", users=700, prefix="w", hot_share=0.3)
+    requests = loadgen.build_requests(load, random.Random(1))
+    hot = [r for r in requests if b"X-User-Id: whot\r\n" in r]
+    assert len(hot) / len(requests) == pytest.approx(0.3)
+    assert loadgen._script_args(load)[-1] == "0.3"
+    assert not {"hot_off", "hot_on"} & set(deployments.DEFAULT_ROWS)
+    assert "owner" in deployments.ROLES
+
+
 def test_envoy_row_summary_and_table() -> None:
     from benchmarks import envoy
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from node.config import ClusterConfig, ConfigError, hash_token, load_config
+from node.rules import Rule
 from router.cli import build_parser, cluster_config
 from tests.processes import ROOT
 
@@ -95,6 +96,16 @@ def test_scopes_select_every_matching_rule(tmp_path: Path) -> None:
     assert names("DELETE", "/api/x", "silver") == ["global"]
 
 
+def test_lease_is_off_by_default_and_auto_per_rule(tmp_path: Path) -> None:
+    text = GOOD + '\n[[rules]]\nname = "hot"\nrate = "1000/minute"\nlease = "auto"\n'
+    config = load_config(write(tmp_path, text))
+    hot, writes = config.rule("hot"), config.rule("writes")
+    assert hot is not None and hot.lease == "auto"
+    assert writes is not None and writes.lease == "off"
+    assert hot.to_dict()["lease"] == "auto" and "lease" not in writes.to_dict()
+    assert Rule.from_dict(hot.to_dict()) == hot
+
+
 def test_bypass_tokens_are_kept_only_as_sha256(tmp_path: Path) -> None:
     path = write(tmp_path, GOOD)
     config = load_config(path)
@@ -166,6 +177,16 @@ BAD: list[tuple[str, str, list[str]]] = [
     ("policy", '[policies]\nrebalance = "shuffle"\n', ["policies.rebalance", "shuffle"]),
     ("interval", '[policies]\nreplication_interval = "fast"\n', ["policies.replication_interval"]),
     ("backend", 'backend = "etcd"\n', ["backend"]),
+    (
+        "lease mode",
+        '[[rules]]\nname = "a"\nrate = "5/second"\nlease = "always"\n',
+        ["rules[0].lease", "always"],
+    ),
+    (
+        "lease sliding log",
+        '[[rules]]\nname = "a"\nrate = "5/second"\nalgorithm = "sliding_log"\nlease = "auto"\n',
+        ["rules[0].lease", "sliding_log"],
+    ),
     ("not toml", "[[rules]\nname=", ["not valid TOML"]),
 ]
 

@@ -25,6 +25,7 @@ PURE = [
     "node/shardcore.py",
     "node/lease.py",
     "node/quota.py",
+    "node/leasing.py",
     "node/wire.py",
     "router/viewlog.py",
     "router/removal.py",

@@ -7,6 +7,7 @@ a 500, and must leave every counter as it was.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -578,3 +579,218 @@ async def test_internal_api_needs_the_token_when_one_is_set() -> None:
         assert right.status_code == 200 and right.json()["node"] == "n7"
         bearer = await client.get("/internal/status", headers={"Authorization": "Bearer s3cret"})
         assert bearer.status_code == 200
+
+
+# --------------------------------------------------------------------------- quota leases
+
+
+def lease_config() -> ClusterConfig:
+    return ClusterConfig(
+        rules=(
+            ScopedRule(Rule("hot", 100, 60.0, burst=40, lease="auto")),
+            ScopedRule(Rule("plain", 5, 60.0), paths=("/plain",)),
+        )
+    )
+
+
+async def _leasing_node(
+    epoch: int = 1, members: tuple[str, ...] = ("n7",)
+) -> tuple[Node, FrozenClock, httpx.AsyncClient]:
+    node, clock = make_node(lease_config())
+    client = client_for(node)
+    ring = {
+        "epoch": epoch,
+        "nodes": [{"id": m, "url": f"http://{m}.test", "weight": 1} for m in members],
+    }
+    pushed = await client.put(
+        "/internal/cluster", json={"config": lease_config().to_dict(), "ring": ring}
+    )
+    assert pushed.status_code == 200, pushed.text
+    return node, clock, client
+
+
+async def test_a_quota_lease_is_deducted_at_grant_and_settled_once() -> None:
+    node, _, client = await _leasing_node()
+    async with contextlib.aclosing(client):
+        for _ in range(30):  # drain the bucket (40) to 10: a drained key gets a lease
+            assert (await client.post("/v1/check", json={"key": "u", "rule": "hot"})).json()[
+                "allowed"
+            ]
+        asked = await client.post(
+            "/internal/quota", json={"epoch": 1, "rule": "hot", "key": "u", "want": 8}
+        )
+        assert asked.status_code == 200, asked.text
+        lease = asked.json()["lease"]
+        assert lease["units"] == 8 and lease["epoch"] == 1 and lease["expires_at"] > 0
+        # the owner never admits what it leased: 2 units left at the owner
+        answers = [
+            (await client.post("/v1/check", json={"key": "u", "rule": "hot"})).json()["allowed"]
+            for _ in range(3)
+        ]
+        assert answers == [True, True, False]
+        settle = {"lease": lease["id"], "unused": 5}
+        back = await client.post(
+            "/internal/quota",
+            json={"epoch": 1, "rule": "hot", "key": "u", "want": 0, "settle": [settle]},
+        )
+        assert back.status_code == 200 and back.json()["refunded"] == 5
+        again = await client.post(
+            "/internal/quota",
+            json={"epoch": 1, "rule": "hot", "key": "u", "want": 0, "settle": [settle]},
+        )
+        assert again.json()["refunded"] == 0  # a lease is settled once
+        assert node.desk.stats.units_leased == 8 and node.desk.stats.units_refunded == 5
+
+
+async def test_quota_asks_are_fenced_like_decisions() -> None:
+    node, _, client = await _leasing_node(epoch=3, members=("n1", "n2", "n3", "n7"))
+    async with contextlib.aclosing(client):
+        owned = next(
+            k for k in (f"k{i}" for i in range(100)) if node.shard.view.owner(k).id == "n7"
+        )  # type: ignore[union-attr]
+        other = next(
+            k for k in (f"k{i}" for i in range(100)) if node.shard.view.owner(k).id != "n7"
+        )  # type: ignore[union-attr]
+        refused = await client.post(
+            "/internal/quota", json={"epoch": 3, "rule": "hot", "key": other, "want": 5}
+        )
+        assert_error(refused, 421)
+        assert refused.headers["x-ringlimit-epoch"] == "3"
+        stale = await client.post(
+            "/internal/quota", json={"epoch": 2, "rule": "hot", "key": owned, "want": 5}
+        )
+        assert assert_error(stale, 409)["error"] == "stale_epoch"
+        off = await client.post(
+            "/internal/quota", json={"epoch": 3, "rule": "plain", "key": owned, "want": 1}
+        )
+        assert assert_error(off, 409)["error"] == "lease_off"
+
+
+async def test_a_ring_change_writes_off_outstanding_leases() -> None:
+    node, _, client = await _leasing_node()
+    async with contextlib.aclosing(client):
+        for _ in range(35):
+            await client.post("/v1/check", json={"key": "u", "rule": "hot"})
+        lease = (
+            await client.post(
+                "/internal/quota", json={"epoch": 1, "rule": "hot", "key": "u", "want": 4}
+            )
+        ).json()["lease"]
+        assert lease["units"] == 4
+        ring = {"epoch": 2, "nodes": [{"id": "n7", "url": NODE, "weight": 1}]}
+        await client.put(
+            "/internal/cluster", json={"config": lease_config().to_dict(), "ring": ring}
+        )
+        settle = {"lease": lease["id"], "unused": 4}
+        late = await client.post(
+            "/internal/quota",
+            json={"epoch": 2, "rule": "hot", "key": "u", "want": 0, "settle": [settle]},
+        )
+        assert late.status_code == 200 and late.json()["refunded"] == 0
+        assert node.desk.stats.units_written_off == 4
+
+
+QUOTA_BAD = [
+    b"{",
+    b"[]",
+    b"{}",
+    b'{"epoch": -1, "rule": "hot", "key": "u"}',
+    b'{"epoch": 1, "rule": "nope", "key": "u"}',
+    b'{"epoch": 1, "rule": 5, "key": "u"}',
+    b'{"epoch": 1, "rule": "hot", "key": ""}',
+    b'{"epoch": 1, "rule": "hot", "key": 7}',
+    b'{"epoch": 1, "rule": "hot", "key": "u", "want": -1}',
+    b'{"epoch": 1, "rule": "hot", "key": "u", "want": 1.5}',
+    b'{"epoch": 1, "rule": "hot", "key": "u", "want": 99999}',
+    b'{"epoch": 1, "rule": "hot", "key": "u", "cost": 0}',
+    b'{"epoch": 1, "rule": "hot", "key": "u", "settle": 5}',
+    b'{"epoch": 1, "rule": "hot", "key": "u", "settle": [5]}',
+    b'{"epoch": 1, "rule": "hot", "key": "u", "settle": [{"lease": "x", "unused": 1}]}',
+    b'{"epoch": 1, "rule": "hot", "key": "u", "settle": [{"lease": 1, "unused": -1}]}',
+]
+
+
+@pytest.mark.parametrize("body", QUOTA_BAD)
+async def test_bad_quota_asks_are_4xx_json(body: bytes) -> None:
+    node, _, client = await _leasing_node()
+    async with contextlib.aclosing(client):
+        response = await client.post("/internal/quota", content=body)
+        assert_error(response)
+        assert node.desk.stats.grants == 0
+
+
+async def test_quota_asks_need_the_internal_token() -> None:
+    node, _ = make_node(lease_config(), internal_token="s3cret")
+    async with client_for(node) as client:
+        body = {"epoch": 0, "rule": "hot", "key": "u"}
+        assert_error(await client.post("/internal/quota", json=body), 401)
+    async with client_for(node, client=("10.1.2.3", 5)) as client:
+        assert_error(await client.post("/internal/quota", json=body), 401)
+
+
+class SyncLeasingNode:
+    """A node whose rule leases, in a ring of its own, on a private loop (hypothesis)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.node, _, self.client = self.loop.run_until_complete(_leasing_node())
+
+    def post(self, body: bytes) -> httpx.Response:
+        return self.loop.run_until_complete(self.client.post("/internal/quota", content=body))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.aclose())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def sync_leasing_node() -> Iterator[SyncLeasingNode]:
+    node = SyncLeasingNode()
+    yield node
+    node.close()
+
+
+_ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+    st.lists(st.integers(-3, 3), max_size=3),
+    st.dictionaries(st.sampled_from(["lease", "unused", "x"]), st.integers(-3, 10**20)),
+)
+QUOTA_ASKS = st.fixed_dictionaries(
+    {},
+    optional={
+        "epoch": st.one_of(st.just(1), _ANY),
+        "rule": st.one_of(st.sampled_from(["hot", "plain"]), _ANY),
+        "key": st.one_of(st.sampled_from(["u", "v"]), _ANY),
+        "want": st.one_of(st.integers(0, 50), _ANY),
+        "cost": st.one_of(st.integers(1, 3), _ANY),
+        "settle": st.one_of(
+            st.lists(
+                st.fixed_dictionaries(
+                    {"lease": st.integers(-2, 50), "unused": st.integers(-2, 50)}
+                ),
+                max_size=3,
+            ),
+            _ANY,
+        ),
+    },
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=QUOTA_ASKS)
+def test_any_quota_ask_gets_json_below_500(
+    sync_leasing_node: SyncLeasingNode, body: dict[str, object]
+) -> None:
+    response = sync_leasing_node.post(json.dumps(body).encode())
+    assert response.status_code < 500, response.text
+    data = response.json()
+    if response.status_code >= 400:
+        assert {"error", "detail"} <= set(data)
+    else:
+        assert data["epoch"] == 1 and "refunded" in data
+        lease = data["lease"]
+        assert lease is None or (lease["units"] >= 0 and lease["epoch"] == 1)

@@ -58,3 +58,23 @@ def test_main_prints_the_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert main([str(HOT), "--steady"]) == 0
     assert '"leases_on"' in capsys.readouterr().out
+
+
+def test_the_leases_mode_runs_beside_the_others_in_ringlimit_simulate() -> None:
+    from simulations.runner import simulate
+
+    scenario = load_scenario(HOT)
+    assert scenario.rules[0].lease == "auto" and "leases" in scenario.modes
+    report = simulate(scenario, jobs=1).report
+    leases, sticky = report["modes"]["leases"], report["modes"]["conservative"]
+    assert leases["over_admission"]["total"] == 0
+    assert sticky["load"]["requests_max_over_mean"] == pytest.approx(1.83, abs=0.01)
+    assert leases["load"]["requests_max_over_mean"] <= 1.2
+    # the same run as simulate_leases: its false denials, within its bound
+    direct = simulate_leases(scenario)["leases_on"]
+    assert leases["false_denials"]["total"] == direct["false_denials"]
+    assert direct["users_above_bound"] == 0
+    assert [e["policy"] for e in leases["events"]] == ["handoff", "conservative"]
+    assert leases["events"][1]["leases_revoked"] >= 0
+    # off by default: a scenario whose rule does not lease runs the six modes
+    assert "leases" not in load_scenario(SCENARIO_DIR / "tiny.toml").modes

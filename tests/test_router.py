@@ -825,3 +825,99 @@ def test_parse_list_helper_rejects_garbage() -> None:
         parse_list('"a";r=1, b')
     assert parse_list('"a";q=1;w=2') == {"a": {"q": 1, "w": 2}}
     assert json.dumps(parse_list('"a";r=0;t=0, "b";r=5;t=60'))
+
+
+# --------------------------------------------------------------------------- quota leases
+
+
+async def hit(cluster: InProcessCluster, user: str) -> httpx.Response:
+    """One request, then a turn of the loop: in process nothing else would ever let the
+    router's background lease asks run (no real I/O suspends)."""
+    response = await get(cluster, user)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    return response
+
+
+def _decided(cluster: InProcessCluster, node_id: str, rule: str) -> float:
+    metrics = cluster.nodes[node_id].metrics.decisions
+    return sum(metrics.labels(rule, o)._value.get() for o in ("allowed", "denied"))
+
+
+@pytest.mark.parametrize("token", [None, "s3cret"])
+async def test_a_hot_key_under_lease_is_exact_and_spares_its_owner(token: str | None) -> None:
+    rule = Rule("hot", 100, 60.0, burst=40, lease="auto")
+    config = make_config(rule)
+    assert config.leasing and not make_config(Rule("api", 5, 60.0)).leasing
+    # A frozen node clock: the bucket never refills. With a token, the asks and the
+    # lease admissions authenticate with it.
+    async with InProcessCluster(3, config, clock=FrozenClock(), internal_token=token) as cluster:
+        owner = cluster.owner("alice")
+        answers = [await hit(cluster, "alice") for _ in range(300)]
+        allowed = [a for a in answers if a.status_code == 200]
+        assert len(allowed) == 40  # exactly the burst: no over-admission, every unit used
+        counts = cluster.router.leases.counts
+        assert counts["granted"] > 0 and counts["admitted"] > 0 and counts["denied"] > 0
+        # Admitted from a lease: served by another node, with the rate-limit headers.
+        leased = [a for a in allowed if a.headers["x-ringlimit-node"] != owner]
+        assert leased and all(a.headers["ratelimit-policy"] == '"hot";q=40;w=24' for a in leased)
+        assert all(a.json()["user"] == "alice" for a in leased)
+        denied = [a for a in answers if a.status_code == 429]
+        assert {d.headers["content-type"] for d in denied} == {"application/problem+json"}
+        assert all(d.json()["rule"] == "hot" and "retry-after" in d.headers for d in denied)
+        # The owner decided a fraction of the key's requests.
+        assert _decided(cluster, owner, "hot") < 150
+
+
+async def test_a_new_view_revokes_the_routers_leases() -> None:
+    rule = Rule("hot", 100, 60.0, burst=40, lease="auto")
+    async with running(make_config(rule)) as cluster:
+        for _ in range(60):
+            await hit(cluster, "alice")
+        book = cluster.router.leases.book
+        epoch = book.epoch
+        await cluster.add_node("n4")
+        await hit(cluster, "alice")
+        assert book.epoch > epoch and book.left(("hot", "alice"), 1e18) == 0
+        answers = [await hit(cluster, "alice") for _ in range(100)]
+        # The lease units of the old epoch are written off: never admitted twice.
+        assert sum(a.status_code == 200 for a in answers) == 0
+
+
+async def test_a_client_cannot_claim_a_lease_admission() -> None:
+    async with InProcessCluster(
+        2,
+        make_config(Rule("hot", 1, 60.0, lease="auto")),
+        clock=FrozenClock(),
+        internal_token="tok",
+    ) as cluster:
+        node = cluster.nodes[cluster.owner("mallory")]
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=node, client=("10.0.0.9", 1)),  # type: ignore[arg-type]
+            base_url="http://node.cluster",
+        ) as direct:
+            headers = {"X-User-Id": "mallory", "X-Ringlimit-Leased": "hot"}
+            assert (await direct.get("/", headers=headers)).status_code == 200
+            assert (await direct.get("/", headers=headers)).status_code == 429
+
+
+async def test_the_decision_api_answers_a_leased_key_from_the_routers_leases() -> None:
+    rule = Rule("hot", 100, 60.0, burst=40, lease="auto")
+    async with running(make_config(rule)) as cluster:
+        owner = cluster.owner("alice")
+        answers = []
+        for _ in range(300):
+            response = await cluster.client.post("/v1/check", json={"key": "alice", "rule": "hot"})
+            assert response.status_code == 200, response.text
+            answers.append(response.json())
+            for _ in range(5):
+                await asyncio.sleep(0)
+        assert sum(a["allowed"] for a in answers) == 40  # exact
+        assert {a["node"] for a in answers} == {owner} and {a["rule"] for a in answers} == {"hot"}
+        assert cluster.router.leases.counts["denied"] > 0
+        assert _decided(cluster, owner, "hot") < 150
+        # a batch, or a check of another cost, is routed as before
+        batch = await cluster.client.post(
+            "/v1/check", json={"checks": [{"key": "alice", "rule": "hot"}]}
+        )
+        assert batch.status_code == 200 and batch.json()["results"][0]["allowed"] is False

@@ -403,6 +403,20 @@ def test_arrivals_follow_the_scenario() -> None:
         ),
         (lambda d: d["users"].update(hot_share=0.5), "users.hot_users", "must be >= 1"),
         (lambda d: d.update(modes={"run": ["sticky"]}), "modes.run[0]", "unknown mode"),
+        (
+            lambda d: d.update(
+                modes={"run": ["leases"]}, rules=[{"limit": "5/s"}, {"limit": "9/m"}]
+            ),
+            "modes.run",
+            "exactly one rule",
+        ),
+        (
+            lambda d: d.update(
+                rules=[{"limit": "5/s", "algorithm": "sliding_log", "lease": "auto"}]
+            ),
+            "rules[0].lease",
+            "not supported",
+        ),
         (lambda d: d.update(extra=1), "extra", "unknown key"),
     ],
 )

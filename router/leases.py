@@ -1,0 +1,169 @@
+"""The router's quota leases for hot keys: the lease book, hot-key detection, asks.
+
+``router/quotas.py`` is the pure book; this is its driver on the proxy path
+(docs/hotkeys.md, "In the cluster"). For a request whose one rule says
+``lease = "auto"``, :meth:`RouterLeases.decide` answers from the book:
+
+* ``ADMIT``: a lease of the current epoch had the unit. The router still
+  has to pass the request to the application, which only nodes front: it
+  sends it to the next node in turn (not the owner, when there is another)
+  marked ``X-Ringlimit-Leased``, which a node believes only from a router (the
+  internal token, as every router-to-node field) and serves without deciding.
+  So the owner's decision *and* its share of the hot key's proxying go away,
+  spread over the cluster: the owner's load drops, which is the point.
+* ``DENY``: the owner said it admits nothing before ``refill_at``: the router
+  answers 429 itself, with the headers and body a node would give.
+* ``FORWARD``: as without leases.
+
+It counts each leased rule's keys at this router (``node.quota.HotKeys``) and
+asks the owner for a lease (``POST /internal/quota``) once a key is hot, and
+for the next block at the book's low-water mark: in a background task, never
+blocking a request, one ask per key at a time. Spent leases are settled with
+the next ask. A new view drops the leases of older epochs
+(``LeaseBook.set_epoch``): their units are written off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from node.decision import Decision, Verdict
+from node.leasing import lease_from_dict
+from node.quota import HotKeys, LeasePolicy
+from node.rules import Rule
+from ring import Member
+from router.forward import Forwarder
+from router.quotas import ADMIT, DENY, FORWARD, LeaseBook
+
+log = logging.getLogger("ringlimit.router.leases")
+
+#: Requests per second of one key at this router before it asks for a lease.
+DEFAULT_THRESHOLD = 20.0
+#: How often the book lets go of leases whose time is up.
+EXPIRE_EVERY = 1.0
+#: Asks in flight at once (one per key): beyond, a hot key waits for the next request.
+MAX_ASKS = 64
+
+__all__ = ["ADMIT", "DENY", "FORWARD", "RouterLeases"]
+
+
+class RouterLeases:
+    """One router's leases, per ``(rule name, key)``."""
+
+    def __init__(
+        self,
+        forwarder: Callable[[], Forwarder | None],
+        token_header: list[tuple[str, str]],
+        *,
+        threshold: float = DEFAULT_THRESHOLD,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.forwarder = forwarder
+        self.token_header = token_header
+        self.threshold = threshold
+        self.clock = clock
+        self.book = LeaseBook()
+        self.policy = LeasePolicy("auto", threshold=threshold)
+        self._hot: dict[str, HotKeys] = {}
+        self._asking: set[tuple[str, str]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._next_expiry = 0.0
+        self.counts = {"admitted": 0, "denied": 0, "asks": 0, "granted": 0, "units": 0}
+
+    def decide(self, rule: Rule, key: str, epoch: int, now: float) -> str:
+        """``ADMIT``, ``DENY`` or ``FORWARD`` for one request of cost 1."""
+        book = self.book
+        if epoch != book.epoch:
+            book.set_epoch(epoch)  # a new view: older leases are revoked (written off)
+        if now >= self._next_expiry:
+            self._next_expiry = now + EXPIRE_EVERY
+            book.expire(now)
+        outcome = book.decide((rule.name, key), now, 1)
+        if outcome == ADMIT:
+            self.counts["admitted"] += 1
+        elif outcome == DENY:
+            self.counts["denied"] += 1
+        return outcome
+
+    def note(self, rule: Rule, key: str, owner: Member, epoch: int, now: float) -> None:
+        """After a decision: ask ``owner`` for a lease when the key is hot here, or for
+        the next block at the low-water mark (in the background)."""
+        entry = (rule.name, key)
+        hot = self._hot.get(rule.name)
+        if hot is None:
+            hot = self._hot[rule.name] = HotKeys(self.threshold)
+        block = self.policy.block(rule)
+        if entry in self.book:
+            want = self.book.want(entry, now, block)
+            if not want:
+                return
+        elif not hot.observe(key, now):
+            return
+        else:
+            want = block
+        if entry in self._asking or len(self._asking) >= MAX_ASKS:
+            return
+        self._asking.add(entry)
+        task = asyncio.get_running_loop().create_task(self._ask(rule, key, owner, epoch, want, now))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _ask(
+        self, rule: Rule, key: str, owner: Member, epoch: int, want: int, asked_at: float
+    ) -> None:
+        entry = (rule.name, key)
+        try:
+            forwarder = self.forwarder()
+            if forwarder is None:
+                return
+            settle = [{"lease": q.lease_id, "unused": 0} for q in self.book.take_spent(entry)]
+            payload = json.dumps(
+                {
+                    "epoch": epoch,
+                    "rule": rule.name,
+                    "key": key,
+                    "want": want,
+                    "cost": 1,
+                    "settle": settle,
+                }
+            ).encode()
+            self.counts["asks"] += 1
+            answer = await forwarder.post_json(
+                owner.url + "/internal/quota", payload, self.token_header
+            )
+            if answer.status != 200:
+                return  # not the owner any more, another epoch, lease off: ask later
+            data: Any = json.loads(answer.body)
+            if type(data) is not dict or data.get("lease") is None:
+                return
+            lease = lease_from_dict(data["lease"], entry)
+            if not self.book.add(entry, lease, asked_at) and lease.units:
+                self.counts["granted"] += 1
+                self.counts["units"] += lease.units
+        except Exception as exc:  # a failed ask only means no lease
+            log.debug("quota ask for %s failed: %s", entry, exc)
+        finally:
+            self._asking.discard(entry)
+
+    def verdict(self, rule: Rule, key: str, allowed: bool, now: float) -> Verdict:
+        """What a node would answer, as far as the lease tells: for the headers."""
+        entry = (rule.name, key)
+        if allowed:
+            left = self.book.left(entry, now)
+            decision = Decision(True, rule.limit, left, rule.period, None, rule.name)
+        else:
+            wait = max(self.book.denied_for(entry, now), 0.001)
+            decision = Decision(
+                False, rule.limit, 0, max(wait, rule.period), wait, rule.name, None, wait
+            )
+        return Verdict(allowed, decision, (decision,))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        self._tasks.clear()
