@@ -130,7 +130,8 @@ class Authority:
                 # still be ours when the batch is decided (no await from here on).
                 for key, _, _ in checks:
                     shard.check_owner(key)
-        if any(has_shadow(rules) for _, rules, _ in checks):
+        # Batches share a few rule tuples: ask each distinct one once.
+        if any(has_shadow(rules) for rules in {id(c[1]): c[1] for c in checks}.values()):
             plain = [i for i, (_, rules, _) in enumerate(checks) if not has_shadow(rules)]
             shadowed = [i for i, (_, rules, _) in enumerate(checks) if has_shadow(rules)]
             found: list[Verdict | None] = [None] * len(checks)
