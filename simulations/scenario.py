@@ -307,7 +307,7 @@ class Scenario:
 
     def with_modes(self, modes: tuple[str, ...]) -> Scenario:
         if "leases" in modes:
-            problem = leases_problem(self.rules, self.has_pauses)
+            problem = leases_problem(self.rules, self.has_pauses, self.network is not None)
             if problem:
                 raise ScenarioError(f"mode leases: {problem}")
         return replace(self, modes=_order_modes(modes))
@@ -344,14 +344,21 @@ def partition_pauses(partitions: tuple[PartitionSpec, ...]) -> tuple[EventSpec, 
     )
 
 
-def leases_problem(rules: tuple[Rule, ...], pauses: bool) -> str | None:
-    """Why the ``leases`` mode cannot run a scenario (``None``: it can)."""
+def leases_problem(rules: tuple[Rule, ...], pauses: bool, network: bool = False) -> str | None:
+    """Why the ``leases`` mode cannot run a scenario (``None``: it can).
+
+    ``network``: the scenario has a ``[network]`` table, which the lease
+    simulation does not run its messages through (nor its partitions, which
+    are pauses for the router).
+    """
     if len(rules) != 1:
         return "the lease simulation takes exactly one rule"
     if rules[0].algorithm == "sliding_log":
         return "the sliding log takes no leases (docs/hotkeys.md)"
     if pauses:
         return "the lease simulation does not model paused nodes"
+    if network:
+        return "the lease simulation does not model the [network] table"
     return None
 
 
@@ -616,14 +623,15 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
                 key, f"too fine: {duration / value:.0f} buckets over the run (max 100000)"
             )
 
+    paused = any(e.type == "pause" for e in events)
     if "leases" in run:
-        problem = leases_problem(rules, any(e.type == "pause" for e in events))
+        problem = leases_problem(rules, paused, network is not None)
         if problem:
             raise md.error("run", f"mode leases: {problem}")
     elif (
         not explicit
         and rules[0].lease == "auto"
-        and leases_problem(rules, any(e.type == "pause" for e in events)) is None
+        and leases_problem(rules, paused, network is not None) is None
     ):
         run = [*run, "leases"]
 

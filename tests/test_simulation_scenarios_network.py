@@ -105,6 +105,16 @@ def test_a_partition_and_a_pause_of_one_node_at_once_are_refused() -> None:
         parse_scenario(doc, source="bad.toml")
 
 
+def test_the_leases_mode_refuses_a_network_table() -> None:
+    """The lease simulation sends nothing through the simulated network, and a
+    partition is a pause for the router, which it does not model either."""
+    doc = make(network=partition(), modes={"run": ["handoff", "leases"]})
+    with pytest.raises(ScenarioError, match=r"modes.run: mode leases: .*\[network\] table"):
+        parse_scenario(doc, source="bad.toml")
+    with pytest.raises(ScenarioError, match=r"mode leases"):
+        parse_scenario(make(network={"delay": "1s"})).with_modes(("leases",))
+
+
 def test_a_scenario_without_the_table_reports_no_network() -> None:
     report = simulate(parse_scenario(make())).report
     assert "network" not in report["scenario"]
