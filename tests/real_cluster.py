@@ -58,6 +58,9 @@ class Load:
     #: The quota ``excess`` and ``over`` measure against.
     limit: int = LIMIT
     log: dict[str, list[Sent]] = field(default_factory=dict)
+    #: How long each request that got no answer waited (refused, reset, the
+    #: client's 10 s timeout), so a latency bound covers every request.
+    failed_waits: list[float] = field(default_factory=list)
     done = 0
     errors = 0
 
@@ -99,6 +102,7 @@ class Load:
                             )
                     except (aiohttp.ClientError, TimeoutError):
                         self.errors += 1
+                        self.failed_waits.append(time.monotonic() - sent_at)
                     self.done += 1
                     await asyncio.sleep(self.pace)
 

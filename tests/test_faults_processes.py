@@ -18,14 +18,13 @@ comes back during a test), ``on_error = "closed"``: a request whose owner
 cannot decide is answered 503, never admitted, so the bound is exact (the
 SIGSTOP test adds an ``open`` rule: a request that reached the paused owner
 is a 504, also never admitted). Client waits are measured per request,
-answered or not (:class:`TimedLoad`).
+answered or not (:class:`tests.real_cluster.Load` times the failed ones too).
 
 Run: ``pytest -m reliability tests/test_faults_processes.py -v -s``
 """
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import os
 import re
@@ -43,7 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
 import pytest
 
@@ -52,7 +50,6 @@ from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
 from tests.real_cluster import (
     Cluster,
     Load,
-    Sent,
     admin_ring,
     finish,
     gone,
@@ -168,56 +165,10 @@ def lease_left(url: str, token: str | None = None) -> float:
 
 
 def waits(load: Load) -> list[float]:
-    """Every client's wait, per request: the answered ones, and (for a
-    :class:`TimedLoad`) the ones that failed (refused, reset, timed out)."""
+    """Every client's wait, per request: the answered ones and the ones that
+    failed (refused, reset, timed out)."""
     answered = [s.took for sent in load.log.values() for s in sent]
-    return answered + list(getattr(load, "failed_waits", []))
-
-
-class TimedLoad(Load):
-    """:class:`Load` that also times the requests that got no answer, so a
-    latency bound covers every request: a request that hangs and then fails
-    (a connection that is never served, the client's own 10 s timeout) is a
-    long wait too, not merely an error count."""
-
-    failed_waits: list[float]
-
-    async def run(self) -> None:
-        self.failed_waits = []
-        connector = aiohttp.TCPConnector(limit=64)
-        timeout = aiohttp.ClientTimeout(total=10)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-
-            async def user(index: int, name: str) -> None:
-                sent = self.log.setdefault(name, [])
-                await asyncio.sleep(self.pace * index / len(self.users))
-                for i in range(self.per_user):
-                    router = self.routers[(index + i) % len(self.routers)]
-                    path = self.paths.get(name, "/api")
-                    sent_at = time.monotonic()
-                    try:
-                        async with session.get(
-                            f"{router}{path}", headers={"X-User-Id": name}
-                        ) as response:
-                            await response.read()
-                            now = time.monotonic()
-                            sent.append(
-                                Sent(
-                                    now,
-                                    response.status,
-                                    response.headers.get("x-ringlimit-node"),
-                                    "x-ringlimit-degraded" in response.headers,
-                                    now - sent_at,
-                                    response.headers.get("x-ringlimit-router"),
-                                )
-                            )
-                    except (aiohttp.ClientError, TimeoutError):
-                        self.errors += 1
-                        self.failed_waits.append(time.monotonic() - sent_at)
-                    self.done += 1
-                    await asyncio.sleep(self.pace)
-
-            await asyncio.gather(*(user(i, u) for i, u in enumerate(self.users)))
+    return answered + load.failed_waits
 
 
 @contextmanager
@@ -302,7 +253,7 @@ def test_sigstop_of_a_node_admits_nobody_twice(procs: Procs, tmp_path: Path) -> 
     # users from before the pause, the others from its start (so that no
     # admission is in flight, unreplicated, when n2 stops: that is the replica
     # policy's own bound, measured by the kill -9 tests).
-    during = TimedLoad([router], users=full, per_user=32, pace=0.25, limit=limit)
+    during = Load([router], users=full, per_user=32, pace=0.25, limit=limit)
     thread = during.start()
     time.sleep(0.5)
     with paused(n2), ThreadPoolExecutor(3) as pool:
@@ -325,9 +276,9 @@ def test_sigstop_of_a_node_admits_nobody_twice(procs: Procs, tmp_path: Path) -> 
                 lambda: httpx.get(f"{router}/api", headers={"X-User-Id": probes[2]}, timeout=10.0),
             ),
         ]
-        rest = TimedLoad([router], users=most, per_user=30, pace=0.25, limit=limit)
+        rest = Load([router], users=most, per_user=30, pace=0.25, limit=limit)
         rest_thread = rest.start()
-        rest_open = TimedLoad(
+        rest_open = Load(
             [router], users=opened, paths=open_paths, per_user=30, pace=0.25, limit=limit
         )
         open_thread = rest_open.start()
@@ -476,7 +427,7 @@ def test_kill_9_is_not_delayed_by_pending_bad_joins(procs: Procs, tmp_path: Path
         for thread in joins:
             thread.start()
         assert wait_for(lambda: len(ring_ids(router, active=False)) == 6, timeout=5.0)
-        during = TimedLoad([router], users=names, per_user=12, pace=0.25, limit=limit)
+        during = Load([router], users=names, per_user=12, pace=0.25, limit=limit)
         load_thread = during.start()
         time.sleep(0.5)
         cl.nodes["n2"].kill9()
@@ -557,7 +508,7 @@ def test_router_kill_9_and_restart_under_traffic(procs: Procs, tmp_path: Path) -
     router = cl.router
     before = admin_ring(router)
     names = users(40)
-    during = TimedLoad([router], users=names, per_user=30, pace=0.1, limit=limit)
+    during = Load([router], users=names, per_user=30, pace=0.1, limit=limit)
     thread = during.start()
     time.sleep(1.0)
     cl.router_proc.kill9()
@@ -1046,7 +997,7 @@ def test_one_node_partitioned_is_removed_then_hands_back(
         on_n2 = [u for u in names if v1.owner_id(u) == "n2"]
         spent = exhaust(router, names, limit)
         time.sleep(3 * REPLICATION)
-        during = TimedLoad([router], users=names, per_user=16, pace=0.4, limit=limit)
+        during = Load([router], users=names, per_user=16, pace=0.4, limit=limit)
         thread = during.start()
         time.sleep(0.3)
         partition.cut()

@@ -50,6 +50,14 @@ def workers(proc: Proc) -> dict[int, tuple[int, str]]:
     return found
 
 
+def both_listening(url: str) -> bool:
+    """Both workers answer on the public port. A worker's socket joins the port's
+    SO_REUSEPORT group only when it listens (as it starts serving; an etcd
+    follower after it has the leader's view): until then the kernel gives every
+    connection to the other one, so a load started earlier may never meet it."""
+    return {"w0", "w1"} <= set(answered_by(url, 8))
+
+
 def answered_by(url: str, n: int) -> Counter[str]:
     """Which workers answer ``n`` requests, each on a new connection."""
     seen: Counter[str] = Counter()
@@ -116,6 +124,7 @@ def test_workers_share_one_port_and_one_membership(procs: Procs) -> None:
     assert "leader" not in admin_ring(started[0][1])
     assert admin_ring(started[1][1])["leader"] == started[0][1]
 
+    assert wait_for(lambda: both_listening(url), timeout=15.0)
     load = Load([url])
     thread = load.start()
     assert wait_for(lambda: load.progress >= 0.3, timeout=20.0)
@@ -181,6 +190,7 @@ def test_workers_on_etcd(procs: Procs, etcd_endpoint: str) -> None:
         return [admin_ring(a)["coordinator"]["leading"] for a in admins]
 
     assert wait_for(lambda: sorted(leaders()) == [False, True], timeout=15.0), leaders()
+    assert wait_for(lambda: both_listening(url), timeout=15.0)
     users = USERS[:60]
     load = Load([url], users=users)
     thread = load.start()
