@@ -50,11 +50,15 @@ from node.config import ClusterConfig
 from node.lease import Lease
 from node.rules import Rule
 from node.store import MemoryStore, Record
-from ring import EmptyRingError, RingView
+from ring import EmptyRingError, OwnerCache, RingView
 
 #: Keys whose replica targets replication remembers (then it starts over). Small on
 #: purpose: a million-entry cache cost ~90 bytes per key of node memory.
 SUCCESSOR_CACHE = 65_536
+#: Keys whose owner fencing remembers, for the current view only (then it starts
+#: over). 8,192 entries stay under 1 byte per key of node memory at a million
+#: keys (ring/owners.py); 65,536 cost several.
+OWNER_CACHE = 8_192
 
 # ---------------------------------------------------------------------- refusals
 
@@ -305,6 +309,9 @@ class ShardCore:
         self.marked = 0
         #: The newest epoch a deferred state arrived under: none is released before it.
         self.settling_epoch = 0
+        #: Owners :meth:`check_owner` looked up, for whichever view it was last
+        #: asked under (keyed on the view object, so any new view starts afresh).
+        self.owners = OwnerCache(OWNER_CACHE)
 
     # ------------------------------------------------------------------ deciding
 
@@ -313,12 +320,16 @@ class ShardCore:
         return self.view.epoch if self.view is not None else 0
 
     def check_owner(self, key: str) -> None:
-        """Raise :class:`NotOwner` unless this node owns ``key`` under its newest view."""
+        """Raise :class:`NotOwner` unless this node owns ``key`` under its newest view.
+
+        Every decision's path: the owner comes from :attr:`owners`, which
+        answers exactly as ``view.owner`` does for whatever ``self.view`` is now.
+        """
         view = self.view
         if view is None:
             return
         try:
-            owner = view.owner_id(key)
+            owner = self.owners.owner(view, key).id
         except EmptyRingError:
             raise NotOwner(key, view.epoch, None) from None
         if owner != self.id:

@@ -8,12 +8,14 @@ why the ring is ketama-compatible.
 from .analysis import KeyMove, diff, moved_fraction, ownership
 from .errors import EmptyRingError
 from .member import Member
+from .owners import OwnerCache
 from .view import RingView
 
 __all__ = [
     "EmptyRingError",
     "KeyMove",
     "Member",
+    "OwnerCache",
     "RingView",
     "diff",
     "moved_fraction",

@@ -46,7 +46,7 @@ from node.config import ClusterConfig
 from node.headers import denial_response, rate_limit_headers
 from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
-from ring import EmptyRingError, Member, RingView
+from ring import EmptyRingError, Member, OwnerCache, RingView
 from router.admin import AdminAPI, parse_join
 from router.coalesce import Coalescer
 from router.coordinator import EtcdCoordinator
@@ -181,7 +181,7 @@ class Router:
         self.forwarder: Forwarder | None = forwarder
         self._resolver_for: tuple[object, IdentityResolver] | None = None
         self._turn = itertools.count()
-        self._owners: tuple[RingView | None, dict[str, Member]] = (None, {})
+        self._owners = OwnerCache(OWNER_CACHE)
         #: What authenticates this router to the nodes (their internal token).
         self.token_header = (
             [(INTERNAL_TOKEN_HEADER, settings.internal_token)] if settings.internal_token else []
@@ -324,26 +324,13 @@ class Router:
                 raise EmptyRingError(f"cannot place a key: ring at epoch {view.epoch} is empty")
             return members[next(self._turn) % len(members)]
         # Owners are remembered per view (a dict lookup instead of md5 + bisect).
-        cache = self._owners
-        if cache[0] is not view:
-            cache = self._owners = (view, {})
-        owners = cache[1]
-        member = owners.get(key)
-        if member is None:
-            member = view.owner(key)
-            if len(owners) >= OWNER_CACHE:
-                owners.clear()
-            owners[key] = member
-        return member
+        return self._owners.owner(view, key)
 
     def owner_map(self, view: RingView) -> dict[str, Member]:
         """The remembered owners under ``view`` (empty in round-robin mode: pick each)."""
         if self.config.balance == "round-robin" and not self.membership.backend_degraded:
             return {}
-        cache = self._owners
-        if cache[0] is not view:
-            cache = self._owners = (view, {})
-        return cache[1]
+        return self._owners.known(view)
 
     async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()

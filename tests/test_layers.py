@@ -32,6 +32,7 @@ PURE = [
     "router/quotas.py",
     "ring/view.py",
     "ring/member.py",
+    "ring/owners.py",
 ]
 
 #: What a pure module may not import: I/O, event loops, processes, the network.
