@@ -373,16 +373,16 @@ class Shard:
         # busy heap does not give back). Keys that fail wait for the next round.
         failed: list[Record] = []
         try:
-            while True:
+            # The keys changed before the round began, and no more: one body per
+            # successor per interval (ShardCore.replica_round).
+            left = self.core.replica_round()
+            while left > 0:
+                left -= CHUNK
                 with bulk():
                     batches = self.core.replica_batches(self.clock(), CHUNK)
-                if not batches:
-                    break
                 for batch in batches:
                     try:
-                        await self.peers.post(
-                            batch.url, "/internal/replica", batch.payload(), compact=True
-                        )
+                        await self.peers.replicate(batch.url, batch.payload())
                         sent += len(batch.records)
                     except PeerError as exc:
                         log.debug("replication to %s failed: %s", batch.to, exc)

@@ -302,6 +302,9 @@ class ShardCore:
         #: Replicas of other members' states, by origin member.
         self.replicas: dict[str, MemoryStore] = {}
         self.successors: dict[str, tuple[str, ...]] = {}
+        #: Keys of the replication round in progress (:meth:`replica_round`): taken
+        #: from the change set when the round starts, sent in slices.
+        self.round: set[str] = set()
         #: Keys handed to this node while its view settles, not replicated yet
         #: (see :meth:`receive`); they join the change set once it has settled.
         self.settling: set[str] = set()
@@ -536,6 +539,7 @@ class ShardCore:
         self.replicas.clear()
         if self.store.dirty is not None:
             self.store.dirty = set()
+        self.round = set()
         self.settling = set()
         self.pending = {}
         self.pulled.clear()
@@ -816,32 +820,58 @@ class ShardCore:
         view = self.view
         if view is None or len(view) < 2:
             self.store.dirty = None
+            self.round = set()
             return False
         if self.replication_wanted():
             if self.store.dirty is None:
                 self.store.dirty = set()
             return True
         self.store.dirty = None
+        self.round = set()
         return False
 
+    def replica_round(self) -> int:
+        """Start a replication round: every key changed so far joins the round
+        (with any a broken-off round left), and the change set starts over.
+        Returns how many keys the round holds.
+
+        Keys that change while the round is sent wait for the next round: a
+        round that also took those would never end under load (each send
+        lets new requests in), and sent one small body after another
+        back to back instead of one per interval.
+        """
+        dirty = self.store.dirty
+        if dirty:
+            if self.round:
+                self.round |= dirty
+            else:
+                self.round = dirty
+            self.store.dirty = set()
+        return len(self.round)
+
     def replica_batches(self, now: float, limit: int | None = None) -> list[ReplicaBatch]:
-        """Every state changed since the last round, for its key's successors
-        (as many as the state's rule asks for: ``replicas``).
+        """The states of the round's keys (:meth:`replica_round`; with no round
+        in progress, one starts), for their key's successors (as many as the
+        state's rule asks for: ``replicas``).
 
         With ``limit``, at most that many keys' states: the rest stay in the
-        change set for the next call, so a round over a million changed keys
+        round for the next call, so a round over a million changed keys
         never holds a million records (and their encoded body) at once.
         """
         view = self.view
-        dirty = self.store.dirty
-        if view is None or len(view) < 2 or not dirty:
+        if view is None or len(view) < 2:
+            return []
+        if not self.round:
+            self.replica_round()
+        dirty = self.round
+        if not dirty:
             return []
         if limit is not None and len(dirty) > limit:
             taken = set(islice(dirty, limit))
             dirty -= taken
             dirty = taken
         else:
-            self.store.dirty = set()
+            self.round = set()
         rules = self.config().rule_map
         depth = 1 + max((rule.replicas for rule in rules.values()), default=1)
         by_target: dict[str, list[Record]] = {}

@@ -1,0 +1,221 @@
+"""Replication rounds: one body per successor per interval, whatever changes
+while it is sent (node/shardcore.py ``replica_round``), and replicas over a
+real socket through :meth:`Peers.replicate` (aiohttp), including the JSON
+fallback for an older peer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import uvicorn
+from aiohttp import web
+
+from node.app import Node
+from node.peers import MSGPACK, PeerError, Peers
+from node.shard import Shard
+from router.processes import free_port
+from tests.test_node_api import make_node, node_config
+from tests.test_shard_core import KEYS, NOW, core, decide, view
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def replicating(ids: list[str]) -> Any:
+    """Cores of ``ids`` in one view, change tracking on and empty."""
+    ring = view(ids, 1)
+    cores = [core(i) for i in ids]
+    for c in cores:
+        c.apply(ring, None, (), NOW, 0.0)
+        assert c.replication_tick()
+        c.store.dirty = set()
+    return cores
+
+
+#: Keys n0 owns in the ring of n0 and n1 (their successor is n1).
+MINE = [k for k in KEYS if view(["n0", "n1"], 1).owner_id(k) == "n0"]
+
+
+def sent_keys(batches: Any) -> set[str]:
+    return {r[2] for b in batches for r in b.records}
+
+
+# --------------------------------------------------------------------------- the core
+
+
+def test_a_round_takes_the_keys_changed_before_it_began_and_no_more() -> None:
+    (a, _) = replicating(["n0", "n1"])
+    early, late = MINE[:6], MINE[6:12]
+    for key in early:
+        decide(a, key)
+    assert a.replica_round() == len(early)
+    for key in late:  # requests answered while the round is being sent
+        decide(a, key)
+    first = a.replica_batches(NOW, 4)
+    rest = a.replica_batches(NOW, 100)
+    assert len(sent_keys(first)) == 4
+    assert sent_keys(first) | sent_keys(rest) == set(early)
+    assert a.store.dirty == set(late)  # the next round's
+    assert a.replica_round() == len(late)
+    assert sent_keys(a.replica_batches(NOW)) == set(late)
+    assert a.replica_batches(NOW) == []
+
+
+def test_keys_left_by_a_broken_off_round_join_the_next() -> None:
+    (a, _) = replicating(["n0", "n1"])
+    for key in MINE[:6]:
+        decide(a, key)
+    a.replica_round()
+    taken = sent_keys(a.replica_batches(NOW, 2))  # the driver stops here (an error)
+    decide(a, MINE[6])
+    assert a.replica_round() == 4 + 1
+    assert sent_keys(a.replica_batches(NOW)) == set(MINE[:6]) - taken | {MINE[6]}
+
+
+def test_without_a_round_replica_batches_takes_every_change_so_far() -> None:
+    """The simulations call replica_batches alone, once per interval."""
+    (a, _) = replicating(["n0", "n1"])
+    for key in MINE[:5]:
+        decide(a, key)
+    assert sent_keys(a.replica_batches(NOW)) == set(MINE[:5])
+    assert a.replica_batches(NOW) == []
+
+
+def test_a_round_ends_when_replication_stops() -> None:
+    (a, _) = replicating(["n0", "n1"])
+    for key in MINE[:5]:
+        decide(a, key)
+    a.replica_round()
+    a.apply(view(["n0"], 2), view(["n0", "n1"], 1), ("n1",), NOW, 0.0)
+    assert not a.replication_tick()
+    assert a.round == set() and a.store.dirty is None
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+class SlowPeers(Peers):
+    """A successor that answers after requests changed more keys meanwhile."""
+
+    def __init__(self, shard_core: Any, keys: list[str]) -> None:
+        super().__init__()
+        self.core = shard_core
+        self.keys = keys
+        self.bodies: list[set[str]] = []
+
+    async def replicate(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
+        self.bodies.append({r[2] for r in payload["records"]})
+        if self.keys:
+            decide(self.core, self.keys.pop())
+        await asyncio.sleep(0)
+        return {"taken": len(payload["records"])}
+
+
+async def test_one_round_sends_one_body_however_many_keys_change_meanwhile() -> None:
+    """Under load every send lets requests in: a round that also took their keys
+    sent one small body after another, back to back, for as long as load lasted."""
+    (a, _) = replicating(["n0", "n1"])
+    peers = SlowPeers(a, list(MINE[10:]))
+    shard = Shard("n0", a.store, lambda: NOW, peers, a.config)
+    shard.core = a
+    for key in MINE[:10]:
+        decide(a, key)
+    assert await shard.replicate_once() == 10
+    assert peers.bodies == [set(MINE[:10])]
+    assert a.store.dirty == {MINE[-1]}
+    assert await shard.replicate_once() == 1
+    assert peers.bodies[1:] == [{MINE[-1]}]
+    await peers.close()
+
+
+# --------------------------------------------------------------------------- the wire
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[Node, str]]:
+    """A sticky node in a two-member ring, on a real socket (uvicorn)."""
+    node, _ = make_node(fenced=True)
+    assert node.shard is not None
+    node.shard.apply(view(["n7", "n1"], 1), None, ())
+    node.authority.config = node_config()
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(node, host="127.0.0.1", port=port, log_level="error", lifespan="off")
+    )
+    task = asyncio.create_task(server.serve())
+    for _ in range(200):
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    try:
+        yield node, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+def replica(*records: list[Any]) -> dict[str, Any]:
+    return {"from": "n1", "epoch": 1, "records": list(records)}
+
+
+async def test_replicas_reach_a_node_over_aiohttp(served: tuple[Node, str]) -> None:
+    node, url = served
+    peers = Peers()
+    try:
+        answer = await peers.replicate(url, replica(["api", "token_bucket", "a", [0.0, 0.0]]))
+        assert answer == {"taken": 1}
+        assert node.shard is not None and len(node.shard.core.replicas["n1"]) == 1
+        with pytest.raises(PeerError) as refused:
+            await peers.replicate(url, replica(["api", "token_bucket", "a", [float("nan"), 0.0]]))
+        assert refused.value.status == 400 and not refused.value.transient
+    finally:
+        await peers.close()
+
+
+async def test_an_unreachable_successor_is_a_transient_peer_error() -> None:
+    peers = Peers(timeout=0.5)
+    try:
+        with pytest.raises(PeerError) as down:
+            await peers.replicate(f"http://127.0.0.1:{free_port()}", replica())
+        assert down.value.status is None and down.value.transient
+    finally:
+        await peers.close()
+
+
+async def test_a_peer_that_reads_only_json_gets_replicas_in_json() -> None:
+    """An older node answers a msgpack body 400 invalid_json: said again in JSON."""
+    seen: list[str] = []
+
+    async def older_peer(request: web.Request) -> web.Response:
+        seen.append(request.content_type)
+        body = await request.read()
+        try:
+            records = json.loads(body)["records"]
+        except ValueError:
+            return web.json_response({"error": "invalid_json", "detail": "no"}, status=400)
+        return web.json_response({"taken": len(records)})
+
+    app = web.Application()
+    app.router.add_post("/internal/replica", older_peer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    peers = Peers()
+    try:
+        answer = await peers.replicate(
+            f"http://127.0.0.1:{port}", replica(["api", "token_bucket", "a", [0.0, 0.0]])
+        )
+    finally:
+        await peers.close()
+        await runner.cleanup()
+    assert answer == {"taken": 1}
+    assert seen == [MSGPACK, "application/json"]
