@@ -56,6 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ROWS: dict[str, str] = {
     "direct": "1 direct to one node, limiter off (floor)",
     "sticky": "2 router -> nodes, sticky, in-memory",
+    # The same nodes behind a second router that pipelines (router --pipeline).
+    "sticky_pipe": "2p router -> nodes, sticky, pipelined (--pipeline 16)",
     "redis": "3 router -> nodes, Redis (Lua), pipelined",
     "redis_naive": "3b router -> nodes, Redis (Lua), one round trip per check",
     "round_robin": "4 router -> nodes, round-robin local (ref.)",
@@ -72,6 +74,8 @@ ROWS: dict[str, str] = {
     "hot_off": "7a router -> nodes, one user 30%, leases off",
     "hot_on": "7b router -> nodes, one user 30%, leases on",
 }
+#: The pipelined row's ``router --pipeline``.
+PIPELINE = 16
 #: Rows run when --rows is not given.
 OPTIONAL_ROWS = ("sticky_r2", "sticky_r3", "hot_off", "hot_on")
 DEFAULT_ROWS = tuple(k for k in ROWS if k not in OPTIONAL_ROWS)
@@ -253,8 +257,12 @@ def start_rows(procs: Processes, settings: Settings, workdir: Path) -> dict[str,
         starter.start_redis()
     if "direct" in wanted:
         rows["direct"] = starter.direct()
-    if wanted & {"sticky", "api_single", "api_single_nc", "api_batch"}:
-        rows.update(starter.sticky(with_uncoalesced="api_single_nc" in wanted))
+    if wanted & {"sticky", "sticky_pipe", "api_single", "api_single_nc", "api_batch"}:
+        rows.update(
+            starter.sticky(
+                with_uncoalesced="api_single_nc" in wanted, with_pipelined="sticky_pipe" in wanted
+            )
+        )
     for replicas, key in ((2, "sticky_r2"), (3, "sticky_r3")):
         if key in wanted:
             rows[key] = starter.sticky_replicas(key, replicas)
@@ -330,7 +338,7 @@ class _Starter:
         self.ready.append(f"{url}/healthz")
         return Row("direct", f"{url}/load/x", "proxy", {"nodes": [pid]}, "", limited=False)
 
-    def sticky(self, *, with_uncoalesced: bool) -> dict[str, Row]:
+    def sticky(self, *, with_uncoalesced: bool, with_pipelined: bool = False) -> dict[str, Row]:
         """The sticky cluster and the decision API rows through its router."""
         node_pids, seeds = self.nodes("s")
         rpid, rurl = self.router(
@@ -345,6 +353,16 @@ class _Starter:
                 "api_batch", check, "batch", roles, check, decisions_per_request=BATCH
             ),
         }
+        if with_pipelined:
+            # Another router over the same nodes, pipelining its forwards.
+            ppid, purl = self.router("router-pipelined", seeds, "--pipeline", str(PIPELINE))
+            rows["sticky_pipe"] = Row(
+                "sticky_pipe",
+                f"{purl}/load/x",
+                "proxy",
+                {"router": [ppid], "nodes": node_pids},
+                f"{purl}/tight/x",
+            )
         if with_uncoalesced:
             # A second router over the same nodes (it adopts their ring), coalescing off.
             npid, nurl = self.router("router-nocoalesce", seeds, "--coalesce-window", "0")

@@ -133,31 +133,8 @@ def targets(report: dict[str, Any]) -> list[Target]:
 def _throughput_targets(rows: dict[str, dict[str, Any]]) -> list[Target]:
     out: list[Target] = []
     sticky, redis, direct = rows.get("sticky"), rows.get("redis"), rows.get("direct")
-    if sticky and direct:
-        # Goals of the second performance step (issue 15): sticky >= 0.5x the floor,
-        # router <= 0.8x the node's CPU, node <= 1.3x the floor's CPU per request.
-        out.append(Target("router+sticky req/s vs direct-to-node floor", sticky["vs_direct"], 0.5))
-        floor_cpu = direct["cpu_us"].get("nodes")
-        out.append(
-            Target(
-                "node CPU per limited, proxied request vs the direct floor's",
-                _div(sticky["cpu_us"].get("nodes"), floor_cpu),
-                1.3,
-                at_most=True,
-                detail=f"{_fmt(sticky['cpu_us'].get('nodes'))} vs {_fmt(floor_cpu)} us",
-            )
-        )
-    if sticky:
-        cpu = sticky["cpu_us"]
-        out.append(
-            Target(
-                "router CPU / node CPU per forwarded request",
-                _div(cpu.get("router"), cpu.get("nodes")),
-                0.8,
-                at_most=True,
-                detail=f"{_fmt(cpu.get('router'))} vs {_fmt(cpu.get('nodes'))} us",
-            )
-        )
+    for key, how in (("sticky", ""), ("sticky_pipe", " (pipelined)")):
+        out += _proxy_targets(rows.get(key), direct, how)
     if sticky and redis:
         out.append(Target("sticky vs Redis baseline, req/s", sticky["vs_redis"], 1.25))
         out.append(
@@ -201,6 +178,41 @@ def _throughput_targets(rows: dict[str, dict[str, Any]]) -> list[Target]:
                 "single checks: coalesced vs not, decisions/s",
                 round_ratios(rows["api_single"]["rps_runs"], rows["api_single_nc"]["rps_runs"]),
                 1.1,
+            )
+        )
+    return out
+
+
+def _proxy_targets(
+    sticky: dict[str, Any] | None, direct: dict[str, Any] | None, how: str
+) -> list[Target]:
+    """Goals of the second performance step (issue 15) for one sticky row: sticky
+    >= 0.5x the floor, node <= 1.3x the floor's CPU per request, router <= 0.8x
+    the node's."""
+    out: list[Target] = []
+    if sticky and direct:
+        out.append(
+            Target(f"router+sticky{how} req/s vs direct-to-node floor", sticky["vs_direct"], 0.5)
+        )
+        floor_cpu = direct["cpu_us"].get("nodes")
+        out.append(
+            Target(
+                f"node CPU per limited, proxied request{how} vs the direct floor's",
+                _div(sticky["cpu_us"].get("nodes"), floor_cpu),
+                1.3,
+                at_most=True,
+                detail=f"{_fmt(sticky['cpu_us'].get('nodes'))} vs {_fmt(floor_cpu)} us",
+            )
+        )
+    if sticky:
+        cpu = sticky["cpu_us"]
+        out.append(
+            Target(
+                f"router CPU / node CPU per forwarded request{how}",
+                _div(cpu.get("router"), cpu.get("nodes")),
+                0.8,
+                at_most=True,
+                detail=f"{_fmt(cpu.get('router'))} vs {_fmt(cpu.get('nodes'))} us",
             )
         )
     return out

@@ -265,7 +265,13 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             super().on_headers_complete()
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
+            pipelined = bool(self.pipeline)
+            super().on_response_complete()  # starts the next pipelined request's task
+            if pipelined:
+                # Its answer can leave with this one (node/server.py _CoalescedWrites).
+                postpone = getattr(self.transport, "postpone", None)
+                if postpone is not None:
+                    postpone()
             cycle = self.cycle
             if not self.transport.is_closing() and (cycle is None or cycle.response_complete):
                 self._wait_for_request()

@@ -73,19 +73,38 @@ class _CoalescedWrites:
     whole response leaves at once. Everything else is the real transport's.
     """
 
-    __slots__ = ("_buffer", "_loop", "_transport")
+    __slots__ = ("_buffer", "_handle", "_loop", "_transport")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
         self._buffer: list[bytes] = []
+        self._handle: asyncio.Handle | None = None
 
     def write(self, data: bytes) -> None:
         if not self._buffer:
-            self._loop.call_soon(self._flush)
+            self._handle = self._loop.call_soon(self._flush)
         self._buffer.append(data)
 
+    def postpone(self) -> None:
+        """Flush after the callbacks already scheduled rather than before them.
+
+        A router that pipelines sends several requests in one write; uvicorn
+        answers them one at a time, starting the next request's task as the
+        previous response completes, which is *after* that response's flush
+        was scheduled. Postponed past that task's first step, a response
+        leaves together with the next one whenever the next completes without
+        waiting (the usual case: a decision and a fast application); a next
+        request that waits on I/O delays nothing, since the flush still runs
+        in the following loop step. Called once per pipelined response, so it
+        cannot spin."""
+        handle = self._handle
+        if handle is not None and self._buffer:
+            handle.cancel()
+            self._handle = self._loop.call_soon(self._flush)
+
     def _flush(self) -> None:
+        self._handle = None
         buffer = self._buffer
         if buffer:
             self._buffer = []

@@ -123,6 +123,9 @@ class RouterSettings:
     #: Hold single decision-API checks this long (seconds) to send them to their
     #: node as one batch; 0 sends each at once.
     coalesce_window: float = 0.0003
+    #: Requests for one node sent together on one connection, at most (router/fastclient.py;
+    #: 1: no pipelining).
+    pipeline: int = 1
     #: Envoy's rate limit service (router/envoy.py): served on ``grpc_port`` when set.
     envoy: EnvoyConfig | None = None
     grpc_port: int | None = None
@@ -231,7 +234,7 @@ class Router:
             self.forwarder = (
                 AiohttpForwarder(timeouts=self.settings.timeouts)
                 if tls
-                else FastForwarder(timeouts=self.settings.timeouts)
+                else FastForwarder(timeouts=self.settings.timeouts, pipeline=self.settings.pipeline)
             )
         await self.membership.start(self.settings.seeds, health=self.settings.health_checks)
         if self.settings.leader_url is not None:

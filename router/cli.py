@@ -62,6 +62,17 @@ EXTRAS = {"simulate": "sim", "bench": "bench"}
 EXTRA_MODULES = {"simulate": frozenset({"matplotlib"}), "bench": frozenset({"limits", "slowapi"})}
 
 
+def _pipeline_depth(value: str) -> int:
+    """``--pipeline``: a whole number from 1 (off) to 64."""
+    try:
+        depth = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if not 1 <= depth <= 64:
+        raise argparse.ArgumentTypeError("must be from 1 (off) to 64")
+    return depth
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv[0] if argv else None)
@@ -188,6 +199,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         metavar="FRACTION",
         help="remove members on health checks only while more than this fraction of the ring "
         "answers, and never below it (default 0.5: a majority)",
+    )
+    router.add_argument(
+        "--pipeline",
+        type=_pipeline_depth,
+        default=1,
+        metavar="N",
+        help="send up to N requests for one node made at the same moment on one connection, "
+        "in one write (HTTP/1.1 pipelining: fewer system calls on router and node, but a "
+        "request may wait behind a slower one); for applications that answer quickly and "
+        "evenly (default 1: off)",
     )
     router.add_argument(
         "--coalesce-window",
@@ -535,6 +556,7 @@ def _run_router(args: argparse.Namespace) -> int:
         advertise=args.advertise or f"http://{_reachable(args.host)}:{args.port}",
         health_checks=not args.no_health_checks,
         coalesce_window=args.coalesce_window / 1e6,
+        pipeline=args.pipeline,
         envoy=envoy,
         grpc_port=args.grpc_port,
         grpc_host=args.host,

@@ -17,6 +17,7 @@ connection, and never saw the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 
 import httptools
@@ -28,38 +29,66 @@ _DROP = frozenset(
 )
 
 
+class _NeverProcessed(Unreachable):
+    """A pipelined request behind an answer that closed the connection: the node
+    processes nothing after such an answer (RFC 9112 9.6), so it is sent again."""
+
+
+class _Exchange:
+    """One request on a connection, waiting for its answer."""
+
+    __slots__ = ("deadline", "head", "waiter")
+
+    def __init__(self, waiter: asyncio.Future[Answer], head: bool, deadline: float) -> None:
+        self.waiter = waiter
+        self.head = head
+        self.deadline = deadline
+
+
 class _Connection(asyncio.Protocol):
+    """One kept-alive connection to a node, with its requests in flight in order.
+
+    Without pipelining one request is in flight at a time. With it (see
+    :class:`FastForwarder`), requests sent in the same event-loop step leave
+    in one write and are answered in order: ``pending`` holds them oldest
+    first, and each complete answer settles the oldest.
+    """
+
     __slots__ = (
         "body",
         "closed",
-        "deadline",
-        "head",
         "headers",
         "interim",
         "keep_alive",
+        "out",
         "parser",
+        "pending",
+        "pool",
         "received",
+        "reused",
         "status",
         "timer",
         "transport",
-        "waiter",
     )
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.waiter: asyncio.Future[None] | None = None
+        self.pending: deque[_Exchange] = deque()
+        #: Requests of this event-loop step, not written yet (pipelining only).
+        self.out: list[bytes] = []
+        self.pool: _Pool | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.status = 0
         self.keep_alive = True
         self.closed = False
+        #: Any byte arrived since the connection was (re)used for the requests in flight.
         self.received = False
-        self.head = False
+        #: It was taken from the idle pool (so the node may have closed it meanwhile).
+        self.reused = False
         self.interim = False
-        #: When the request under way times out (loop time), and the one timer that
-        #: watches it (see :meth:`watch`).
-        self.deadline = 0.0
+        #: The one timer that watches the oldest request's deadline (see :meth:`watch`).
         self.timer: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol
@@ -67,8 +96,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        waiter = self.waiter
-        if waiter is None or waiter.done():
+        if not self.pending:
             # Bytes nobody asked for: this connection's framing can't be trusted.
             self.close()
             return
@@ -91,14 +119,12 @@ class _Connection(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         if self.status < 200:
             self.interim = True  # 1xx (e.g. 100 Continue): the real answer follows
-        elif self.head:
+        elif self.pending and self.pending[0].head:
             # The parser cannot know the request was HEAD and would wait for the
             # body that content-length announces; the answer is complete, and
-            # the connection is not reused.
+            # the connection is not reused (nor pipelined: see FastForwarder.send).
             self.keep_alive = False
-            waiter = self.waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            self._settle()
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -110,50 +136,89 @@ class _Connection(asyncio.Protocol):
             self.body = []
             self.status = 0
             return
-        if self.head:
+        if self.pending and self.pending[0].head:
             return
         self.keep_alive = self.parser.should_keep_alive()
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._settle()
+        if not self.keep_alive and self.pending:
+            # The node closes after that answer and processes nothing after it
+            # (RFC 9112 9.6): the rest never reached it.
+            self._fail(_NeverProcessed("the node closed the connection"))
+            self.close()
 
-    # client side
-    def _fail(self, exc: Exception) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
-
-    def start(
-        self, payload: bytes, loop: asyncio.AbstractEventLoop, head: bool = False
-    ) -> asyncio.Future[None]:
+    def _settle(self) -> None:
+        """The oldest request has its answer."""
+        exchange = self.pending.popleft()
+        answer = Answer(
+            self.status, [(k, v) for k, v in self.headers if k not in _DROP], b"".join(self.body)
+        )
         self.headers = []
         self.body = []
         self.status = 0
-        self.received = False
-        self.head = head
-        self.interim = False
-        self.waiter = loop.create_future()
+        if not exchange.waiter.done():
+            exchange.waiter.set_result(answer)
+        if not self.pending:
+            self.received = False
+            pool = self.pool
+            if pool is not None:
+                pool.release(self)
+
+    # client side
+    def _fail(self, exc: Exception) -> None:
+        """Every request in flight fails with ``exc`` (one connection, one fate)."""
+        pending, self.pending = self.pending, deque()
+        for exchange in pending:
+            if not exchange.waiter.done():
+                exchange.waiter.set_exception(exc)
+
+    def start(
+        self, payload: bytes, loop: asyncio.AbstractEventLoop, head: bool, seconds: float
+    ) -> asyncio.Future[Answer]:
+        """Send a request now (its answer: the future)."""
+        waiter = self._enqueue(loop, head, seconds)
         assert self.transport is not None
         self.transport.write(payload)
-        return self.waiter
+        return waiter
 
-    def watch(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
-        """Time out the request under way after ``seconds``. One timer per
-        connection, not one per request: a timer that fires before the current
-        request's deadline (it was started for an earlier request) waits again."""
-        self.deadline = loop.time() + seconds
+    def add(
+        self, payload: bytes, loop: asyncio.AbstractEventLoop, seconds: float
+    ) -> asyncio.Future[Answer]:
+        """Queue a request for this step's write (:meth:`flush`)."""
+        self.out.append(payload)
+        return self._enqueue(loop, False, seconds)
+
+    def _enqueue(
+        self, loop: asyncio.AbstractEventLoop, head: bool, seconds: float
+    ) -> asyncio.Future[Answer]:
+        waiter: asyncio.Future[Answer] = loop.create_future()
+        self.pending.append(_Exchange(waiter, head, loop.time() + seconds))
         if self.timer is None:
-            self.timer = loop.call_at(self.deadline, self._check_deadline, loop)
+            self.timer = loop.call_at(self.pending[0].deadline, self._check_deadline, loop)
+        return waiter
+
+    def flush(self) -> None:
+        """Write the requests queued in this step, in one write."""
+        out, self.out = self.out, []
+        pool = self.pool
+        if pool is not None and pool.filling is self:
+            pool.filling = None
+        if out and not self.closed and self.transport is not None:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def _check_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
+        """One timer per connection, not one per request: it looks at the oldest
+        request in flight *now* and waits again if that one is not late yet.
+        The oldest late: every request in flight times out with it (they were
+        sent; the answers behind it cannot be told apart without it)."""
         self.timer = None
-        waiter = self.waiter
-        if self.closed or waiter is None or waiter.done():
+        if self.closed or not self.pending:
             return  # answered (or idle): the next request starts a timer again
-        if loop.time() < self.deadline:
-            self.timer = loop.call_at(self.deadline, self._check_deadline, loop)
+        deadline = self.pending[0].deadline
+        if loop.time() < deadline:
+            self.timer = loop.call_at(deadline, self._check_deadline, loop)
             return
-        _expire(self)
+        self._fail(NodeTimeout("timed out"))
+        self.close()
 
     def close(self) -> None:
         self.closed = True
@@ -165,21 +230,48 @@ class _Connection(asyncio.Protocol):
 
 
 class _Pool:
-    __slots__ = ("host", "host_header", "idle", "port")
+    __slots__ = ("filling", "host", "host_header", "idle", "max_idle", "port")
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, max_idle: int) -> None:
         self.host = host
         self.port = port
         self.host_header = f"{host}:{port}".encode()
         self.idle: deque[_Connection] = deque()
+        self.max_idle = max_idle
+        #: The connection taking this event-loop step's requests (pipelining only).
+        self.filling: _Connection | None = None
+
+    def release(self, connection: _Connection) -> None:
+        """A connection with nothing in flight: kept for reuse, or closed."""
+        if connection.keep_alive and not connection.closed and len(self.idle) < self.max_idle:
+            self.idle.append(connection)
+        else:
+            connection.close()
 
 
 class FastForwarder:
-    """Implements :class:`router.forward.Forwarder` for ``http://`` nodes."""
+    """Implements :class:`router.forward.Forwarder` for ``http://`` nodes.
 
-    def __init__(self, *, timeouts: Timeouts | None = None, max_idle: int = 256) -> None:
+    ``pipeline`` > 1 sends the requests for one node made in the same
+    event-loop step on one connection, in one write, up to ``pipeline`` of
+    them (HTTP/1.1 pipelining; the node answers them in order): one write
+    and one read where there were ``pipeline`` of each, on the router and on
+    the node. The price is head-of-line waiting: a request behind a slow one
+    on the same connection waits for it, and a connection's requests time
+    out together. So it suits nodes whose application answers quickly and
+    evenly (the embedded app, the decision API); it is off by default.
+    HEAD requests are never pipelined (their answers cannot be framed
+    without knowing them to be HEAD).
+    """
+
+    def __init__(
+        self, *, timeouts: Timeouts | None = None, max_idle: int = 256, pipeline: int = 1
+    ) -> None:
+        if pipeline < 1:
+            raise ValueError("pipeline must be at least 1")
         self.timeouts = timeouts or Timeouts()
         self.max_idle = max_idle
+        self.pipeline = pipeline
         self._pools: dict[str, tuple[_Pool, str]] = {}
         self._bases: dict[str, tuple[_Pool, str]] = {}
 
@@ -195,7 +287,7 @@ class FastForwarder:
             host, _, port = origin.rpartition(":")
             if not host:
                 host, port = origin, "80"
-            found = (_Pool(host.strip("[]"), int(port)), origin)
+            found = (_Pool(host.strip("[]"), int(port), self.max_idle), origin)
             self._pools[origin] = found
         return found[0], path
 
@@ -236,52 +328,80 @@ class FastForwarder:
 
     async def send(self, pool: _Pool, payload: bytes, head: bool = False) -> Answer:
         """Send a whole request (``payload``, as :meth:`request` builds it) to
-        ``pool`` and read its answer; ``head``: the request is a HEAD."""
+        ``pool`` and read its answer; ``head``: the request is a HEAD.
+
+        A request that fails on a *reused* connection before any byte came
+        back on it is sent once more on a fresh connection: the node closed an
+        idle connection, and never saw the request.
+        """
         loop = asyncio.get_running_loop()
-        idle = pool.idle
+        seconds = self.timeouts.total
+        pipelined = self.pipeline > 1 and not head
         for attempt in (0, 1):
-            # An idle connection without a coroutine (the common case); else _acquire.
-            connection = idle.pop() if idle else None
-            if connection is not None and not connection.closed:
-                reused = True
+            filling = pool.filling
+            if (
+                pipelined
+                and filling is not None
+                and not filling.closed
+                and len(filling.pending) < self.pipeline
+            ):
+                connection = filling
+                waiter = connection.add(payload, loop, seconds)
             else:
-                connection, reused = await self._acquire(pool, loop)
-            waiter = connection.start(payload, loop, head)
-            connection.watch(loop, self.timeouts.total)
+                # An idle connection without a coroutine (the common case).
+                idle = pool.idle
+                taken = idle.pop() if idle else None
+                while taken is not None and taken.closed:
+                    taken = idle.pop() if idle else None
+                if taken is not None:
+                    connection = taken
+                    connection.reused = True
+                elif pipelined:
+                    # Requests made while this one connects join it (see flush).
+                    connection = _Connection()
+                    connection.pool = pool
+                else:
+                    connection = await self._connect(pool, loop, _Connection())
+                if pipelined:
+                    pool.filling = connection
+                    waiter = connection.add(payload, loop, seconds)
+                    if taken is None:
+                        with contextlib.suppress(Unreachable):  # the waiter has it too
+                            await self._connect(pool, loop, connection)
+                            connection.flush()
+                    else:
+                        loop.call_soon(connection.flush)
+                else:
+                    waiter = connection.start(payload, loop, head, seconds)
+            reused = connection.reused
             try:
-                await waiter
-            except Unreachable:
-                if reused and not connection.received and attempt == 0:
+                return await waiter
+            except Unreachable as exc:
+                unseen = isinstance(exc, _NeverProcessed) or (reused and not connection.received)
+                if unseen and attempt == 0:
                     continue
                 raise
-            answer = Answer(
-                connection.status,
-                [(k, v) for k, v in connection.headers if k not in _DROP],
-                b"".join(connection.body),
-            )
-            if connection.keep_alive and not connection.closed and len(pool.idle) < self.max_idle:
-                pool.idle.append(connection)
-            else:
-                connection.close()
-            return answer
         raise Unreachable("connection closed")  # pragma: no cover (loop always returns/raises)
 
-    async def _acquire(
-        self, pool: _Pool, loop: asyncio.AbstractEventLoop
-    ) -> tuple[_Connection, bool]:
-        idle = pool.idle
-        while idle:
-            connection = idle.pop()
-            if not connection.closed:
-                return connection, True
+    async def _connect(
+        self, pool: _Pool, loop: asyncio.AbstractEventLoop, connection: _Connection
+    ) -> _Connection:
+        """Connect ``connection`` to ``pool``'s node; ``Unreachable`` (for every
+        request already waiting on it too) when that fails."""
+        connection.pool = pool
         try:
-            _, protocol = await asyncio.wait_for(
-                loop.create_connection(_Connection, pool.host, pool.port),
+            await asyncio.wait_for(
+                loop.create_connection(lambda: connection, pool.host, pool.port),
                 timeout=self.timeouts.connect,
             )
         except (OSError, TimeoutError) as exc:
-            raise Unreachable(f"cannot connect to {pool.host}:{pool.port}: {exc}") from None
-        return protocol, False
+            failure = Unreachable(f"cannot connect to {pool.host}:{pool.port}: {exc}")
+            connection.closed = True
+            if pool.filling is connection:
+                pool.filling = None
+            connection._fail(failure)
+            raise failure from None
+        return connection
 
     async def post_json(self, url: str, payload: bytes, headers: list[tuple[str, str]]) -> Answer:
         return await self.request(
@@ -292,8 +412,3 @@ class FastForwarder:
         for pool, _ in self._pools.values():
             while pool.idle:
                 pool.idle.pop().close()
-
-
-def _expire(connection: _Connection) -> None:
-    connection._fail(NodeTimeout("timed out"))
-    connection.close()

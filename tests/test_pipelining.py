@@ -1,0 +1,238 @@
+"""Pipelining between router and node (router/fastclient.py ``pipeline``; node/server.py).
+
+Against a real node process: answers are matched to their requests, requests
+made together share connections, and a node answers a pipelined batch in one
+write. Against a scripted server on 127.0.0.1: what happens when a
+connection closes, times out or is found closed in the middle of a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from router.fastclient import FastForwarder
+from router.forward import NodeTimeout, Timeouts, Unreachable
+from tests.processes import Procs, procs  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _many(client: FastForwarder, base: str, count: int) -> list[dict[str, object]]:
+    answers = await asyncio.gather(
+        *(
+            client.request("GET", f"{base}/item/{i}", [("x-user-id", f"u{i}")], None)
+            for i in range(count)
+        )
+    )
+    assert [a.status for a in answers] == [200] * count
+    return [json.loads(a.body) for a in answers]
+
+
+@pytest.mark.integration
+async def test_a_real_node_answers_each_pipelined_request_in_order(procs: Procs) -> None:  # noqa: F811
+    _, node = procs.node("n1", None)
+    pipelined = FastForwarder(pipeline=8)
+    plain = FastForwarder()
+    try:
+        for _ in range(3):  # a second and third round reuse the connections
+            bodies = await _many(pipelined, node, 40)
+            assert [b["path"] for b in bodies] == [f"/item/{i}" for i in range(40)]
+        pool, _ = pipelined.base(node)
+        # 40 requests made in one step, at most 8 per connection: 5 connections.
+        assert len(pool.idle) == 5
+        await _many(plain, node, 40)
+        assert len(plain.base(node)[0].idle) == 40
+    finally:
+        await pipelined.close()
+        await plain.close()
+
+
+@pytest.mark.integration
+def test_a_node_answers_a_pipelined_batch_in_one_write(procs: Procs) -> None:  # noqa: F811
+    """Five requests in one write come back in one read: the node postpones each
+    answer's flush past the next request's task (node/server.py)."""
+    _, node = procs.node("n1", None)
+    port = int(node.rsplit(":", 1)[1])
+    whole = 0
+    for attempt in range(5):
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
+            sock.sendall(
+                b"".join(
+                    b"GET /x HTTP/1.1\r\nhost: n\r\nx-user-id: u%d-%d\r\n\r\n" % (attempt, i)
+                    for i in range(5)
+                )
+            )
+            first = sock.recv(1 << 16)
+            data = first
+            while data.count(b"HTTP/1.1 200") < 5:
+                chunk = sock.recv(1 << 16)
+                assert chunk, data
+                data += chunk
+            whole += first.count(b"HTTP/1.1 200") == 5
+    assert whole >= 4  # one write each time (a read may race the write once)
+
+
+class Scripted:
+    """Reads pipelined requests and answers each as ``behave(index)`` says."""
+
+    def __init__(self, behave: Callable[[int], Awaitable[bytes | None]]) -> None:
+        self.behave = behave
+        self.seen = 0
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        buffer = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buffer:
+                    chunk = await reader.read(4096)
+                    if not chunk:
+                        return
+                    buffer += chunk
+                _, buffer = buffer.split(b"\r\n\r\n", 1)
+                index = self.seen
+                self.seen += 1
+                answer = await self.behave(index)
+                if answer is None:
+                    return  # close without answering
+                writer.write(answer)
+                await writer.drain()
+                if b"connection: close" in answer:
+                    return
+        except (asyncio.CancelledError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Callable[..., Awaitable[tuple[Scripted, str]]]]:
+    servers: list[asyncio.Server] = []
+
+    async def serve(behave: Callable[[int], Awaitable[bytes | None]]) -> tuple[Scripted, str]:
+        script = Scripted(behave)
+        server = await asyncio.start_server(script.handle, "127.0.0.1", 0)
+        servers.append(server)
+        port = server.sockets[0].getsockname()[1]
+        return script, f"http://127.0.0.1:{port}"
+
+    yield serve
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+def _ok(index: int, close: bool = False) -> bytes:
+    body = str(index).encode()
+    extra = b"connection: close\r\n" if close else b""
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+async def test_requests_behind_an_answer_that_closes_are_sent_again(scripted) -> None:  # type: ignore[no-untyped-def]
+    async def behave(index: int) -> bytes:
+        return _ok(index, close=index == 0)
+
+    script, url = await scripted(behave)
+    client = FastForwarder(pipeline=8)
+    try:
+        answers = await asyncio.gather(
+            *(client.request("GET", f"{url}/{i}", [], None) for i in range(4))
+        )
+        assert [a.status for a in answers] == [200] * 4
+        # The first on the first connection; the other three again, on a new one.
+        assert script.connections == 2
+        assert script.seen == 4
+    finally:
+        await client.close()
+
+
+async def test_a_late_answer_times_out_every_request_behind_it_unsent_again(scripted) -> None:  # type: ignore[no-untyped-def]
+    async def behave(index: int) -> bytes:
+        if index == 0:
+            await asyncio.sleep(1.0)
+        return _ok(index)
+
+    script, url = await scripted(behave)
+    client = FastForwarder(pipeline=8, timeouts=Timeouts(total=0.3))
+    try:
+        results = await asyncio.gather(
+            *(client.request("GET", f"{url}/{i}", [], None) for i in range(3)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, NodeTimeout) for r in results), results
+        await asyncio.sleep(0.1)
+        assert script.connections == 1  # sent once: a timeout is never sent again
+    finally:
+        await client.close()
+
+
+async def test_a_connection_closed_while_idle_is_retried_once_for_the_whole_batch(scripted) -> None:  # type: ignore[no-untyped-def]
+    async def behave(index: int) -> bytes | None:
+        # The first request is answered; the connection is then found closed by
+        # the server as the next batch arrives (as an idle keep-alive timeout would).
+        return _ok(index) if index != 1 else None
+
+    script, url = await scripted(behave)
+    client = FastForwarder(pipeline=8)
+    try:
+        first = await client.request("GET", f"{url}/a", [], None)
+        assert first.status == 200
+        answers = await asyncio.gather(
+            *(client.request("GET", f"{url}/{i}", [], None) for i in range(3))
+        )
+        assert [a.status for a in answers] == [200] * 3
+        assert script.connections == 2
+    finally:
+        await client.close()
+
+
+async def test_a_connection_lost_after_some_answers_fails_the_rest_unsent_again(scripted) -> None:  # type: ignore[no-untyped-def]
+    async def behave(index: int) -> bytes | None:
+        return _ok(index) if index == 0 else None  # answers one, then drops the connection
+
+    script, url = await scripted(behave)
+    client = FastForwarder(pipeline=8)
+    try:
+        results = await asyncio.gather(
+            *(client.request("GET", f"{url}/{i}", [], None) for i in range(3)),
+            return_exceptions=True,
+        )
+        assert results[0].status == 200  # type: ignore[union-attr]
+        # The node may have processed them: never sent again, the router's
+        # on_error decides.
+        assert all(isinstance(r, Unreachable) for r in results[1:]), results
+        assert script.connections == 1
+    finally:
+        await client.close()
+
+
+async def test_head_requests_are_never_pipelined(scripted) -> None:  # type: ignore[no-untyped-def]
+    async def behave(index: int) -> bytes:
+        return b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n" + (b"" if index == 0 else b"hello")
+
+    script, url = await scripted(behave)
+    client = FastForwarder(pipeline=8)
+    try:
+        head = await client.request("HEAD", f"{url}/h", [], None)
+        assert head.status == 200 and head.body == b""
+        get = await client.request("GET", f"{url}/g", [], None)
+        assert get.body == b"hello"
+    finally:
+        await client.close()
+
+
+def test_the_depth_must_be_at_least_one() -> None:
+    with pytest.raises(ValueError):
+        FastForwarder(pipeline=0)
