@@ -222,7 +222,7 @@ async def test_head_requests_are_never_pipelined(scripted) -> None:  # type: ign
     async def behave(index: int) -> bytes:
         return b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n" + (b"" if index == 0 else b"hello")
 
-    script, url = await scripted(behave)
+    _script, url = await scripted(behave)
     client = FastForwarder(pipeline=8)
     try:
         head = await client.request("HEAD", f"{url}/h", [], None)
