@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.deployments import ROLES, ROWS
+from benchmarks.deployments import BATCH, ROLES, ROWS
 
 
 def median(values: Sequence[float | None]) -> float | None:
@@ -164,12 +164,15 @@ def _throughput_targets(rows: dict[str, dict[str, Any]]) -> list[Target]:
             )
         )
     if rows.get("api_batch"):
+        # "Stable across rounds": the slowest round must reach the goal, not the median.
+        rounds = [rps * BATCH for rps in rows["api_batch"]["rps_runs"]]
         out.append(
             Target(
-                "decision API, batches of 100: decisions/s",
-                rows["api_batch"]["decisions_per_s"],
+                "decision API, batches of 100: decisions/s in the slowest round",
+                min(rounds) if rounds else None,
                 200_000,
                 unit="/s",
+                detail=f"rounds: {', '.join(_fmt(r) for r in rounds)}",
             )
         )
     if rows.get("api_single") and rows.get("api_single_nc"):

@@ -148,7 +148,7 @@ def test_targets_pass_and_short() -> None:
     assert targets["router CPU / node CPU per forwarded request"].measured == 0.75
     assert targets["node CPU per limited, proxied request vs the direct floor's"].measured == 1.0
     assert targets["sticky vs Redis, p99 latency (ratio)"].ok
-    assert targets["decision API, batches of 100: decisions/s"].ok
+    assert targets["decision API, batches of 100: decisions/s in the slowest round"].ok
     assert targets["engine: token_bucket vs limits:fixed_window"].ok
     assert not any(name.startswith("engine: fixed_window") for name in targets)  # no 1x targets
     # A real node's RSS is the measure when there is one (the store estimate is not).
@@ -296,7 +296,7 @@ def test_bench_quick_smoke(tmp_path: Path) -> None:
     assert {row["tight_ok"] for row in envoy["rows"].values()} == {envoy["tight_expected"]}
     assert {t["name"] for t in report["targets"]} >= {
         "router+sticky req/s vs direct-to-node floor",
-        "decision API, batches of 100: decisions/s",
+        "decision API, batches of 100: decisions/s in the slowest round",
     }
     assert "| configuration |" in done.stdout and md.read_text().startswith("# Benchmark")
 
@@ -359,3 +359,17 @@ def test_bench_scale_1_smoke(tmp_path: Path) -> None:
         assert row["rps"] > 0 and row["cpu_pct_per_process"]["router"] > 0, row
         assert row["tight"]["allowed"] <= row["tight"]["expected"], row
     assert "| K | routers + nodes |" in done.stdout
+
+
+def test_the_batch_target_holds_only_when_every_round_reaches_it() -> None:
+    """A median over the goal is not enough: the slowest round decides (issue 15:
+    "stable across three rounds")."""
+    report = _report()
+    batch = [_run(2_600), _run(2_500), _run(1_900)]
+    for run in batch:
+        run["decisions_per_request"] = 100
+    report["rows"]["api_batch"] = reporting.summarise_row("api_batch", batch)
+    name = "decision API, batches of 100: decisions/s in the slowest round"
+    target = {t.name: t for t in reporting.targets(report)}[name]
+    assert report["rows"]["api_batch"]["decisions_per_s"] == 250_000
+    assert target.measured == 190_000 and not target.ok
