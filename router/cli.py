@@ -62,6 +62,19 @@ EXTRAS = {"simulate": "sim", "bench": "bench"}
 EXTRA_MODULES = {"simulate": frozenset({"matplotlib"}), "bench": frozenset({"limits", "slowapi"})}
 
 
+def _pipeline_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pipeline",
+        type=_pipeline_depth,
+        default=1,
+        metavar="N",
+        help="send up to N requests for one node made at the same moment on one connection, "
+        "in one write (HTTP/1.1 pipelining: fewer system calls on router and node, but a "
+        "request may wait behind a slower one); for applications that answer quickly and "
+        "evenly (default 1: off)",
+    )
+
+
 def _pipeline_depth(value: str) -> int:
     """``--pipeline``: a whole number from 1 (off) to 64."""
     try:
@@ -118,6 +131,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _fronting_arguments(up)
     _backend_arguments(up)
     up.add_argument("--state-file", help="where the router keeps its ring (default: none)")
+    _pipeline_argument(up)
     up.add_argument(
         "--workers",
         type=int,
@@ -200,16 +214,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="remove members on health checks only while more than this fraction of the ring "
         "answers, and never below it (default 0.5: a majority)",
     )
-    router.add_argument(
-        "--pipeline",
-        type=_pipeline_depth,
-        default=1,
-        metavar="N",
-        help="send up to N requests for one node made at the same moment on one connection, "
-        "in one write (HTTP/1.1 pipelining: fewer system calls on router and node, but a "
-        "request may wait behind a slower one); for applications that answer quickly and "
-        "evenly (default 1: off)",
-    )
+    _pipeline_argument(router)
     router.add_argument(
         "--coalesce-window",
         type=float,

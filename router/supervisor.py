@@ -470,6 +470,8 @@ def _router_argv(
         argv += ["--state-file", args.state_file]
     if args.workers > 1:
         argv += ["--workers", str(args.workers)]
+    if getattr(args, "pipeline", 1) > 1:
+        argv += ["--pipeline", str(args.pipeline)]
     if getattr(args, "grpc_port", None) is not None:
         argv += ["--grpc-port", str(args.grpc_port)]
     for envoy_file in getattr(args, "envoy_config", ()):

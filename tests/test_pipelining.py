@@ -236,3 +236,30 @@ async def test_head_requests_are_never_pipelined(scripted) -> None:  # type: ign
 def test_the_depth_must_be_at_least_one() -> None:
     with pytest.raises(ValueError):
         FastForwarder(pipeline=0)
+
+
+def test_up_hands_pipeline_to_its_router(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+    from pathlib import Path
+
+    from node.config import ClusterConfig
+    from router.cli import main
+    from router.supervisor import _router_argv
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["up", "--pipeline", "0"])
+    assert exit_info.value.code == 2
+    assert "must be from 1 (off) to 64" in capsys.readouterr().err
+    seen: list[list[str]] = []
+
+    def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
+        argv = _router_argv(args, config, "127.0.0.1", Path("cluster.toml"), [])
+        seen.append(argv[argv.index("--pipeline") :][:2] if "--pipeline" in argv else [])
+        return 0
+
+    monkeypatch.setattr("router.supervisor.run_cluster", run_cluster)
+    assert main(["up", "--pipeline", "8"]) == 0
+    assert main(["up"]) == 0
+    assert seen == [["--pipeline", "8"], []]
