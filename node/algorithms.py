@@ -112,18 +112,16 @@ def token_bucket(state: State, now: float, rule: Rule, cost: int) -> tuple[State
             tokens -= cost
             state = complex(tokens, last)
         whole = _floor(tokens + EPS)
-        return state, _decision(
-            (
-                True,
-                rule.limit,
-                whole,
-                _tb_reset(tokens, capacity, rate, lag),
-                None,
-                rule.name,
-                None,
-                _tb_next(whole, tokens, capacity, rate, lag),
-            )
-        )
+        # _tb_reset and _tb_next, inline (the same operations): most requests end here.
+        reset = (capacity - tokens) / rate
+        if reset > 0.0:
+            reset += lag
+        if whole >= capacity:
+            after = 0.0
+        else:
+            after = (whole + 1 - tokens) / rate
+            after = after + lag if after > 0.0 else 0.0
+        return state, _decision((True, rule.limit, whole, reset, None, rule.name, None, after))
     whole = _floor(tokens + EPS)
     return state, _decision(
         (

@@ -54,8 +54,33 @@ class Authority:
     ) -> Authority:
         return cls(config, MemoryBackend(store or MemoryStore(), clock))
 
+    def decide_now(self, key: str, rules: Sequence[Rule], cost: int = 1) -> Verdict | None:
+        """:meth:`decide` without a coroutine, when nothing has to be awaited.
+
+        That is every proxied request in the common case: the memory backend,
+        no shadow rule, no handoff under way into this node (an ``async def``
+        chain would cost a coroutine per level for awaits that never suspend).
+        Raises as :meth:`decide` does. ``None``: this one must be awaited
+        (``await decide(...)``); nothing was decided, counted or changed.
+        """
+        backend = self.backend
+        if type(backend) is not MemoryBackend or (
+            rules[0].shadow if len(rules) == 1 else has_shadow(rules)
+        ):
+            return None
+        started = perf_counter()
+        shard = self.shard
+        if shard is not None and not shard.admit_now(key, rules):
+            return None
+        verdict = backend.store.check(key, rules, backend.clock(), cost)
+        self._decided(key, verdict, cost, started)
+        return verdict
+
     async def decide(self, key: str, rules: Sequence[Rule], cost: int = 1) -> Verdict:
         """Raises :class:`node.shard.NotOwner` for a key another node owns."""
+        verdict = self.decide_now(key, rules, cost)
+        if verdict is not None:
+            return verdict
         started = perf_counter()
         if self.shard is not None:
             await self.shard.admit(key, rules)
@@ -67,11 +92,15 @@ class Authority:
             verdict = backend.store.check(key, rules, backend.clock(), cost)
         else:
             verdict = await backend.check(key, rules, cost)
+        self._decided(key, verdict, cost, started)
+        return verdict
+
+    def _decided(self, key: str, verdict: Verdict, cost: int, started: float) -> None:
+        """Metrics and top keys of one decision (``started``: ``perf_counter()`` before)."""
         decision = verdict.decision
         metrics = self.metrics
         if metrics is not None:
-            metrics.observe(perf_counter() - started)
-            metrics.count(decision.rule, verdict.allowed)
+            metrics.decided(decision.rule, verdict.allowed, perf_counter() - started)
             # A read (cost 0) is not a request a shadow rule would have denied.
             if cost and (not decision.allowed or len(verdict.decisions) > 1):
                 for name in denied_names(verdict):
@@ -88,7 +117,6 @@ class Authority:
             )
         ):
             top.note(((key, verdict),))
-        return verdict
 
     async def _with_shadow(
         self, checks: Sequence[tuple[str, Sequence[Rule], int]]

@@ -53,6 +53,8 @@ QUOTA_EXCEEDED_TITLE = "Request cannot be satisfied as assigned quota has been e
 PROBLEM_JSON = b"application/problem+json"
 PLAIN_JSON = b"application/json"
 
+_ceil = math.ceil
+
 #: Periods are read to the millisecond; finer fractions are float noise (0.1 is not exact).
 _PERIOD_DENOMINATOR = 1000
 
@@ -319,11 +321,10 @@ class HeaderCache:
             )
         decision = verdict.decision
         after = decision.available_after
-        t = whole_seconds(after)
-        if self.legacy and self.legacy_reset != "delta":
-            reset = math.ceil(now + after - 1e-9)
-        else:
-            reset = t
+        t = _ceil(after - 1e-9)  # whole_seconds(after), inline
+        if t < 0:
+            t = 0
+        reset = _ceil(now + after - 1e-9) if self.legacy and self.legacy_reset != "delta" else t
         retry = None if verdict.allowed else retry_after_seconds(verdict)
         # Everything the fields are made of (see rate_limit_headers): equal keys,
         # equal bytes.

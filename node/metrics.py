@@ -69,6 +69,13 @@ class NodeMetrics:
         self.observe = self._latency.observe
         self._pending = self._counts.pending
 
+    def decided(self, rule: str, allowed: bool, seconds: float) -> None:
+        """``observe(seconds)`` and ``count(rule, allowed)``: one call on every decision's path."""
+        self.observe(seconds)
+        key = (rule, "allowed" if allowed else "denied")
+        pending = self._pending
+        pending[key] = pending.get(key, 0) + 1
+
     def count(self, rule: str, allowed: bool, n: int = 1) -> None:
         key = (rule, "allowed" if allowed else "denied")
         pending = self._pending

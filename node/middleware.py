@@ -11,7 +11,7 @@ rate-limit fields to its start message, or answers 429 itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from functools import lru_cache
 from urllib.parse import unquote
 
@@ -150,7 +150,7 @@ class RateLimitMiddleware:
             or leased is not None
         ):
             # ringlimit's own fields (the internal token above all) never reach the app.
-            scope["headers"] = [(k, v) for k, v in headers if k not in _OWN_FIELDS]
+            scope["headers"] = [field for field in headers if field[0] not in _OWN_FIELDS]
         trusted = self.trust_router and (
             token_matches(
                 token.decode("latin-1") if token is not None else None, self.internal_token
@@ -212,7 +212,11 @@ class RateLimitMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            verdict = await authority.decide(user, rules, 1)
+            # Decided without a coroutine when nothing has to wait (Authority.decide_now);
+            # an authority without it (a stand-in) is always awaited.
+            verdict = authority.decide_now(user, rules, 1) if type(authority) is Authority else None
+            if verdict is None:
+                verdict = await authority.decide(user, rules, 1)
         except NotOwner as exc:
             await drain(receive)
             await send_json(send, 421, not_owner_body(exc), not_owner_headers(exc))
@@ -225,7 +229,10 @@ class RateLimitMiddleware:
             return
         fields = prepared.headers.render(rules, verdict, self.wall_clock())
         if verdict.allowed:
-            scope.setdefault("state", {})["ringlimit"] = {"key": user, "verdict": verdict}
+            state = scope.get("state")  # a server's scope has one: no setdefault's spare {}
+            if state is None:
+                state = scope["state"] = {}
+            state["ringlimit"] = {"key": user, "verdict": verdict}
             await self.app(scope, receive, _adding(send, fields))
             return
         await drain(receive)
@@ -275,9 +282,11 @@ _loopback = lru_cache(maxsize=1024)(is_loopback)
 
 
 def _adding(send: Send, headers: Sequence[tuple[bytes, bytes]]) -> Send:
-    async def send_with_headers(message: Message) -> None:
+    # Not ``async def``: it hands back ``send``'s own awaitable, so a response's
+    # messages cost no coroutine of their own.
+    def send_with_headers(message: Message) -> Awaitable[None]:
         if message["type"] == "http.response.start":
             message["headers"] = [*message.get("headers", ()), *headers]
-        await send(message)
+        return send(message)
 
     return send_with_headers

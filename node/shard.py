@@ -140,6 +140,24 @@ class Shard:
         if core.lease.required:
             core.check_lease(self.monotonic())
 
+    def admit_now(self, key: str, rules: Sequence[Rule]) -> bool:
+        """:meth:`admit` without a coroutine, when nothing can make it wait.
+
+        Raises as :meth:`admit` does. True: ``key`` is admitted (fenced, lease
+        checked, crash policy applied), decide it now. False: a handoff into
+        this node is under way, so the caller must ``await admit(key, rules)``,
+        which checks again; nothing was changed yet (only checks ran).
+        """
+        core = self.core
+        core.check_owner(key)  # check_owner, inline: this is every request's path
+        if core.lease.required:
+            core.check_lease(self.monotonic())
+        if core.pending:
+            return False
+        if core.crashes:
+            core.conservative(key, rules, self.clock())
+        return True
+
     async def admit(self, key: str, rules: Sequence[Rule]) -> bool:
         """Raise :class:`NotOwner` unless this node may decide ``key`` now.
 
@@ -149,22 +167,18 @@ class Shard:
         deciding several keys must check ownership again just before deciding
         (:meth:`check_owner`, which does not wait).
         """
+        if self.admit_now(key, rules):
+            return False
         core = self.core
-        core.check_owner(key)  # check_owner, inline: this is every request's path
-        if core.lease.required:
-            core.check_lease(self.monotonic())
-        waited = False
-        if core.pending:
-            step = core.inherit(key, rules, self.timer())
-            if isinstance(step, Pull):
-                await self._pull(step)
-            elif isinstance(step, HandoffLate):
-                log.warning("handoff from %s not finished in time; deciding anyway", step.owner)
-            waited = True
-            self.check_owner(key)  # the view may have changed during the pull
+        step = core.inherit(key, rules, self.timer())
+        if isinstance(step, Pull):
+            await self._pull(step)
+        elif isinstance(step, HandoffLate):
+            log.warning("handoff from %s not finished in time; deciding anyway", step.owner)
+        self.check_owner(key)  # the view may have changed during the pull
         if core.crashes:
             core.conservative(key, rules, self.clock())
-        return waited
+        return True
 
     async def _pull(self, pull: Pull) -> None:
         waiting = self._pulling.get(pull.key)
