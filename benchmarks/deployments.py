@@ -353,27 +353,25 @@ class _Starter:
                 "api_batch", check, "batch", roles, check, decisions_per_request=BATCH
             ),
         }
+        # Other routers over the same nodes (each adopts their ring), one setting apart.
         if with_pipelined:
-            # Another router over the same nodes, pipelining its forwards.
-            ppid, purl = self.router("router-pipelined", seeds, "--pipeline", str(PIPELINE))
-            rows["sticky_pipe"] = Row(
-                "sticky_pipe",
-                f"{purl}/load/x",
-                "proxy",
-                {"router": [ppid], "nodes": node_pids},
-                f"{purl}/tight/x",
+            rows["sticky_pipe"] = self._second_router(
+                "sticky_pipe", "/load/x", "/tight/x", node_pids, seeds, "--pipeline", str(PIPELINE)
             )
         if with_uncoalesced:
-            # A second router over the same nodes (it adopts their ring), coalescing off.
-            npid, nurl = self.router("router-nocoalesce", seeds, "--coalesce-window", "0")
-            rows["api_single_nc"] = Row(
-                "api_single_nc",
-                f"{nurl}/v1/check",
-                "single",
-                {"router": [npid], "nodes": node_pids},
-                f"{nurl}/v1/check",
+            check = "/v1/check"
+            rows["api_single_nc"] = self._second_router(
+                "api_single_nc", check, check, node_pids, seeds, "--coalesce-window", "0"
             )
         return rows
+
+    def _second_router(
+        self, key: str, path: str, tight: str, node_pids: list[int], seeds: list[str], *flags: str
+    ) -> Row:
+        """A row served by another router over the sticky nodes, with ``flags``."""
+        pid, url = self.router(f"router-{key}", seeds, *flags)
+        mode = "single" if path == "/v1/check" else "proxy"
+        return Row(key, url + path, mode, {"router": [pid], "nodes": node_pids}, url + tight)
 
     def sticky_replicas(self, key: str, replicas: int) -> Row:
         replica_cfg = self.workdir / f"cluster-r{replicas}.toml"
