@@ -136,8 +136,8 @@ class _Connection(asyncio.Protocol):
             self.body = []
             self.status = 0
             return
-        if self.pending and self.pending[0].head:
-            return
+        if not self.pending or self.pending[0].head:
+            return  # a HEAD's answer, settled when its fields ended
         self.keep_alive = self.parser.should_keep_alive()
         self._settle()
         if not self.keep_alive and self.pending:

@@ -263,3 +263,21 @@ def test_up_hands_pipeline_to_its_router(
     assert main(["up", "--pipeline", "8"]) == 0
     assert main(["up"]) == 0
     assert seen == [["--pipeline", "8"], []]
+
+
+async def test_head_answers_with_and_without_pipelining(scripted) -> None:  # type: ignore[no-untyped-def]
+    """HEAD answers that announce no body, several at once: each request gets its
+    own answer (HEAD goes on connections of its own, never reused)."""
+
+    async def behave(index: int) -> bytes:
+        return b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+
+    _script, url = await scripted(behave)
+    for client in (FastForwarder(pipeline=8), FastForwarder()):
+        try:
+            answers = await asyncio.gather(
+                *(client.request("HEAD", f"{url}/h{i}", [], None) for i in range(3))
+            )
+            assert [a.status for a in answers] == [200] * 3
+        finally:
+            await client.close()
