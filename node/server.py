@@ -73,13 +73,20 @@ class _CoalescedWrites:
     whole response leaves at once. Everything else is the real transport's.
     """
 
-    __slots__ = ("_buffer", "_handle", "_loop", "_transport")
+    __slots__ = ("_buffer", "_handle", "_loop", "_postponed", "_transport")
+
+    #: At most this many answers wait for the ones behind them (a router's whole
+    #: batch: ``--pipeline`` is at most 64). A client that keeps its pipeline
+    #: full still gets answers, and the real transport's flow control still
+    #: holds back a client that does not read them.
+    MAX_POSTPONED = 64
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
         self._buffer: list[bytes] = []
         self._handle: asyncio.Handle | None = None
+        self._postponed = 0
 
     def write(self, data: bytes) -> None:
         if not self._buffer:
@@ -97,14 +104,17 @@ class _CoalescedWrites:
         waiting (the usual case: a decision and a fast application); a next
         request that waits on I/O delays nothing, since the flush still runs
         in the following loop step. Called once per pipelined response, so it
-        cannot spin."""
+        cannot spin; and at most :attr:`MAX_POSTPONED` times per flush, so a
+        client that never stops pipelining is not answered only when it stops."""
         handle = self._handle
-        if handle is not None and self._buffer:
+        if handle is not None and self._buffer and self._postponed < self.MAX_POSTPONED:
+            self._postponed += 1
             handle.cancel()
             self._handle = self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._handle = None
+        self._postponed = 0
         buffer = self._buffer
         if buffer:
             self._buffer = []

@@ -17,7 +17,6 @@ connection, and never saw the request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 
 import httptools
@@ -366,8 +365,20 @@ class FastForwarder:
                     pool.filling = connection
                     waiter = connection.add(payload, loop, seconds)
                     if taken is None:
-                        with contextlib.suppress(Unreachable):  # the waiter has it too
+                        try:
                             await self._connect(pool, loop, connection)
+                        except Unreachable:
+                            pass  # the waiter has it too
+                        except asyncio.CancelledError:
+                            # Nobody else writes what joined it: sent again elsewhere.
+                            waiter.cancel()
+                            connection.closed = True
+                            if pool.filling is connection:
+                                pool.filling = None
+                            connection._fail(_NeverProcessed("the connecting request left"))
+                            connection.close()
+                            raise
+                        else:
                             connection.flush()
                     else:
                         loop.call_soon(connection.flush)
