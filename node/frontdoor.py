@@ -154,6 +154,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         _waiting = False
         _waiting_since = 0.0
         _header_bytes = 0
+        #: Reads so far (node/server.py's ``postpone`` tells a batch from a stream).
+        _reads = 0
         _parsed_bytes = 0
         _header_timer: asyncio.TimerHandle | None = None
         # uvicorn's, set in its __init__ (declared for the type checker).
@@ -218,6 +220,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            self._reads += 1
             if self._waiting:
                 self._header_bytes += len(data)
             super().data_received(data)
@@ -271,7 +274,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 # Its answer can leave with this one (node/server.py _CoalescedWrites).
                 postpone = getattr(self.transport, "postpone", None)
                 if postpone is not None:
-                    postpone()
+                    postpone(self._reads)
             cycle = self.cycle
             if not self.transport.is_closing() and (cycle is None or cycle.response_complete):
                 self._wait_for_request()

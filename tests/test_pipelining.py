@@ -316,11 +316,6 @@ async def test_a_request_cancelled_while_its_connection_connects_strands_none_be
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(
-    reason="open: with postponing (even bounded by MAX_POSTPONED) the first answer to a "
-    "client that keeps pipelining still waits ~3.5 s; before postponing it came at once",
-    strict=False,
-)
 def test_a_node_flushes_answers_to_a_client_that_never_stops_pipelining(procs: Procs) -> None:  # noqa: F811
     """Postponing a flush past the next pipelined request is bounded: a client that
     keeps its pipeline full still gets answers while it sends (they are not all
