@@ -181,6 +181,7 @@ class Router:
             lambda: self.membership.stats, lambda: float(self.membership.suspect_self)
         )
         self.metrics.watch_failures(self.membership.failures.snapshot)
+        self.metrics.watch_pipelining(lambda: getattr(self.forwarder, "pipelined", {}))
         self.forwarder: Forwarder | None = forwarder
         self._resolver_for: tuple[object, IdentityResolver] | None = None
         self._turn = itertools.count()

@@ -199,8 +199,13 @@ class _Connection(asyncio.Protocol):
         """Write the requests queued in this step, in one write."""
         out, self.out = self.out, []
         pool = self.pool
-        if pool is not None and pool.filling is self:
-            pool.filling = None
+        if pool is not None:
+            if pool.filling is self:
+                pool.filling = None
+            if out:
+                counts = pool.pipelined
+                counts["writes"] += 1
+                counts["requests"] += len(out)
         if out and not self.closed and self.transport is not None:
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
@@ -229,9 +234,9 @@ class _Connection(asyncio.Protocol):
 
 
 class _Pool:
-    __slots__ = ("filling", "host", "host_header", "idle", "max_idle", "port")
+    __slots__ = ("filling", "host", "host_header", "idle", "max_idle", "pipelined", "port")
 
-    def __init__(self, host: str, port: int, max_idle: int) -> None:
+    def __init__(self, host: str, port: int, max_idle: int, pipelined: dict[str, int]) -> None:
         self.host = host
         self.port = port
         self.host_header = f"{host}:{port}".encode()
@@ -239,6 +244,8 @@ class _Pool:
         self.max_idle = max_idle
         #: The connection taking this event-loop step's requests (pipelining only).
         self.filling: _Connection | None = None
+        #: The forwarder's counts of pipelined writes and the requests they carried.
+        self.pipelined = pipelined
 
     def release(self, connection: _Connection) -> None:
         """A connection with nothing in flight: kept for reuse, or closed."""
@@ -273,6 +280,9 @@ class FastForwarder:
         self.pipeline = pipeline
         self._pools: dict[str, tuple[_Pool, str]] = {}
         self._bases: dict[str, tuple[_Pool, str]] = {}
+        #: Pipelined writes to nodes and the requests they carried (requests per
+        #: write: how well pipelining batches; router metrics).
+        self.pipelined = {"writes": 0, "requests": 0}
 
     def _split(self, url: str) -> tuple[_Pool, str]:
         """``http://host:port/path?q`` -> (pool for host:port, ``/path?q``)."""
@@ -286,7 +296,7 @@ class FastForwarder:
             host, _, port = origin.rpartition(":")
             if not host:
                 host, port = origin, "80"
-            found = (_Pool(host.strip("[]"), int(port), self.max_idle), origin)
+            found = (_Pool(host.strip("[]"), int(port), self.max_idle, self.pipelined), origin)
             self._pools[origin] = found
         return found[0], path
 

@@ -91,6 +91,17 @@ class RouterMetrics:
             registry=self.registry,
         ).set_function(suspect_self)
 
+    def watch_pipelining(self, counts: Callable[[], Mapping[str, float]]) -> None:
+        """Pipelined writes to nodes and the requests they carried (``--pipeline``)."""
+        self.registry.register(
+            DictCollector(
+                "ringlimit_router_pipelined",
+                "Pipelined forwarding (router --pipeline): writes to nodes, and the requests "
+                "they carried.",
+                counts,
+            )
+        )
+
     def watch_failures(self, counts: Callable[[], Mapping[str, float]]) -> None:
         """Errors background loops survived, by kind (node/failures.py)."""
         self.registry.register(

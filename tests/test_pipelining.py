@@ -51,8 +51,11 @@ async def test_a_real_node_answers_each_pipelined_request_in_order(procs: Procs)
         pool, _ = pipelined.base(node)
         # 40 requests made in one step, at most 8 per connection: 5 connections.
         assert len(pool.idle) == 5
+        # ... and 5 writes each round (what /metrics shows as ringlimit_router_pipelined).
+        assert pipelined.pipelined == {"writes": 15, "requests": 120}
         await _many(plain, node, 40)
         assert len(plain.base(node)[0].idle) == 40
+        assert plain.pipelined == {"writes": 0, "requests": 0}
     finally:
         await pipelined.close()
         await plain.close()
