@@ -175,8 +175,10 @@ class _Connection(asyncio.Protocol):
     ) -> asyncio.Future[Answer]:
         """Send a request now (its answer: the future)."""
         waiter = self._enqueue(loop, head, seconds)
-        assert self.transport is not None
-        self.transport.write(payload)
+        if self.writable():
+            self.transport.write(payload)  # type: ignore[union-attr]
+        else:
+            self._unsent()
         return waiter
 
     def add(
@@ -206,8 +208,32 @@ class _Connection(asyncio.Protocol):
                 counts = pool.pipelined
                 counts["writes"] += 1
                 counts["requests"] += len(out)
-        if out and not self.closed and self.transport is not None:
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        if not out:
+            return
+        if self.writable():
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
+        else:
+            self._unsent()
+
+    def writable(self) -> bool:
+        """Open at both ends, as far as the loop knows.
+
+        A node that died (kill -9) resets its connections; the event loop
+        closes the transport at once but tells the protocol
+        (``connection_lost``) a step later. A write in between raises
+        (uvloop) or is dropped, so it is checked, not attempted."""
+        transport = self.transport
+        return not self.closed and transport is not None and not transport.is_closing()
+
+    def _unsent(self) -> None:
+        """The requests in flight were never written (a closing connection takes
+        none): each fails as never processed, so it is sent again elsewhere."""
+        self.closed = True
+        pool = self.pool
+        if pool is not None and pool.filling is self:
+            pool.filling = None
+        self._fail(_NeverProcessed("the connection closed before the request was sent"))
+        self.close()
 
     def _check_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
         """One timer per connection, not one per request: it looks at the oldest
@@ -360,7 +386,7 @@ class FastForwarder:
                 # An idle connection without a coroutine (the common case).
                 idle = pool.idle
                 taken = idle.pop() if idle else None
-                while taken is not None and taken.closed:
+                while taken is not None and not taken.writable():
                     taken = idle.pop() if idle else None
                 if taken is not None:
                     connection = taken
