@@ -65,6 +65,7 @@ from router.forward import (
 from router.leases import ADMIT, DENY, FORWARD, RouterLeases
 from router.membership import Membership
 from router.metrics import RouterMetrics
+from router.protocol import ProxyCycle
 
 log = logging.getLogger("ringlimit.router")
 
@@ -141,6 +142,9 @@ class RouterSettings:
     follow_interval: float = 0.2
     #: This router's name in ``X-Ringlimit-Router`` on proxied answers (workers: w0, w1...).
     name: str | None = None
+    #: Proxied requests without a body skip uvicorn's request cycle (router/protocol.py);
+    #: False: every request takes uvicorn's own (for comparison).
+    direct_proxy: bool = True
 
 
 class Router:
@@ -183,6 +187,8 @@ class Router:
         self.metrics.watch_failures(self.membership.failures.snapshot)
         self.metrics.watch_pipelining(lambda: getattr(self.forwarder, "pipelined", {}))
         self.forwarder: Forwarder | None = forwarder
+        #: Read by router/protocol.py, per request.
+        self.direct_proxy = settings.direct_proxy
         self._resolver_for: tuple[object, IdentityResolver] | None = None
         self._turn = itertools.count()
         self._owners = OwnerCache(OWNER_CACHE)
@@ -698,6 +704,14 @@ async def _respond(
     send: Send, answer: Answer, node_id: str, extra: list[tuple[bytes, bytes]]
 ) -> None:
     headers = answer.headers
+    cycle = getattr(send, "__self__", None)
+    if type(cycle) is ProxyCycle:
+        # router/protocol.py: the answer leaves in one write, sized there.
+        headers.append((b"x-ringlimit-node", node_id.encode()))
+        if extra:
+            headers += extra
+        await cycle.answer(answer.status, headers, answer.body)
+        return
     headers.append((b"content-length", str(len(answer.body)).encode()))
     headers.append((b"x-ringlimit-node", node_id.encode()))
     if extra:

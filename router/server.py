@@ -16,6 +16,18 @@ import uvicorn
 from node.frontdoor import FrontDoor, raise_fd_limit
 from node.server import _run, uvicorn_options
 from router.app import Router
+from router.protocol import direct_proxy_protocol
+
+
+def router_server(
+    router: Router, *, host: str, port: int, front_door: FrontDoor | None = None
+) -> uvicorn.Server:
+    """The uvicorn server of ``router``: the hot-path options, the front door's
+    limits, and the direct proxy path (router/protocol.py)."""
+    options = {**uvicorn_options(front_door), "lifespan": "off"}
+    if isinstance(options["http"], type):
+        options["http"] = direct_proxy_protocol(options["http"])
+    return uvicorn.Server(uvicorn.Config(router, host=host, port=port, **options))
 
 
 def serve_router(
@@ -29,14 +41,12 @@ def serve_router(
     """Serve on ``host:port``, or on ``sockets`` already bound (router/workers.py);
     raises MembershipError if the router cannot start."""
     raise_fd_limit()
-    config = uvicorn.Config(
-        router, host=host, port=port, **{**uvicorn_options(front_door), "lifespan": "off"}
-    )
+    server = router_server(router, host=host, port=port, front_door=front_door)
 
     async def main() -> None:
         await router.start()
         try:
-            await uvicorn.Server(config).serve(sockets=sockets)
+            await server.serve(sockets=sockets)
         finally:
             await router.close()
 

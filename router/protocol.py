@@ -1,0 +1,267 @@
+"""The router's HTTP protocol: uvicorn's, with a shorter way through for the proxy.
+
+Every proxied request without a body (a GET, a HEAD, a DELETE: nearly all
+of a rate-limited API's traffic) is read by uvicorn's httptools protocol as
+usual, then served by :class:`ProxyCycle` instead of uvicorn's
+``RequestResponseCycle``: the same :meth:`router.app.Router.proxy` (so every
+refusal, retry, failover and timeout behaves as it does on any other
+request), with a lighter ASGI ``receive``/``send`` pair underneath. The
+answer leaves in one write without uvicorn's per-field checks: its fields
+are the node's, already parsed by the forwarding client's HTTP parser
+(which refuses control characters in them), or the router's own.
+
+Measured side by side (``ringlimit bench``, docs/architecture.md): what a
+request costs the router is mostly what surrounds the forward, and uvicorn's
+cycle (an ``asyncio.Event``, two ASGI messages, a regular-expression check
+per response field) is a fair part of it.
+
+Everything else (requests with a body, the decision API, admin, health,
+metrics, upgrades, ``Expect: 100-continue``, a server at its connection
+cap) takes uvicorn's own path. This relies on uvicorn's internals: the
+version is pinned below the next minor release (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import urllib.parse
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import httptools
+
+if TYPE_CHECKING:
+    from router.app import Router
+
+log = logging.getLogger("ringlimit.router")
+
+__all__ = ["ProxyCycle", "direct_proxy_protocol"]
+
+#: Paths that are not proxied (router/app.py dispatches them elsewhere).
+_NOT_PROXIED = ("/admin/", "/internal")
+_CONTROL = frozenset({"/healthz", "/metrics", "/v1/check"})
+_EMPTY_REQUEST = {"type": "http.request", "body": b"", "more_body": False}
+_DISCONNECT = {"type": "http.disconnect"}
+_INTERNAL_ERROR_BODY = json.dumps(
+    {"error": "internal_error", "detail": "the router failed to answer this request"}
+).encode()
+_INTERNAL_ERROR = (
+    b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+    % (len(_INTERNAL_ERROR_BODY), _INTERNAL_ERROR_BODY)
+)
+
+
+class _NoWait:
+    """uvicorn's protocol sets the cycle's ``message_event`` as the request's body
+    arrives or the connection goes; a request without a body never waits on it."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        return None
+
+    def clear(self) -> None:
+        return None
+
+
+_NO_WAIT = _NoWait()
+
+
+class ProxyCycle:
+    """One proxied request without a body, and its answer.
+
+    Has what uvicorn's protocol reads and writes on its current cycle
+    (``response_complete``, ``disconnected``, ``keep_alive``, ``more_body``,
+    ``body``, ``message_event``, ``run_asgi``), so client pipelining,
+    keep-alive, a lost connection and a graceful shutdown work as with
+    uvicorn's own cycle.
+    """
+
+    __slots__ = (
+        "body",
+        "disconnected",
+        "flow",
+        "headers",
+        "keep_alive",
+        "message_event",
+        "more_body",
+        "on_response",
+        "protocol",
+        "response_complete",
+        "response_started",
+        "scope",
+        "status",
+        "transport",
+    )
+
+    def __init__(self, protocol: Any, scope: dict[str, Any], keep_alive: bool) -> None:
+        self.protocol = protocol
+        self.scope = scope
+        self.transport = protocol.transport
+        self.flow = protocol.flow
+        self.on_response = protocol.on_response_complete
+        self.keep_alive = keep_alive
+        self.disconnected = False
+        self.response_started = False
+        self.response_complete = False
+        self.more_body = True
+        self.body = bytearray()
+        self.message_event = _NO_WAIT
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+
+    async def run_asgi(self, app: Router) -> None:
+        """The task uvicorn's protocol starts (and starts again for a pipelined request)."""
+        try:
+            await app.proxy(self.scope, self.receive, self.send)
+        except asyncio.CancelledError:
+            self.transport.close()  # the server is stopping
+            raise
+        except Exception:
+            log.exception("proxying %s %s failed", self.scope["method"], self.scope["path"])
+            if not self.response_started and not self.transport.is_closing():
+                self.transport.write(_INTERNAL_ERROR)
+            self.transport.close()
+        finally:
+            self.on_response = _nothing
+
+    async def receive(self) -> dict[str, Any]:
+        if self.disconnected or self.response_complete:
+            return _DISCONNECT
+        return _EMPTY_REQUEST
+
+    async def send(self, message: MutableMapping[str, Any]) -> None:
+        """ASGI ``send``: the fields are kept until the body, then both leave at once."""
+        if message["type"] == "http.response.start":
+            if self.response_started:
+                raise RuntimeError("the response has started already")
+            self.response_started = True
+            self.status = message["status"]
+            self.headers = list(message.get("headers", ()))
+            return
+        if not self.response_started or self.response_complete:
+            raise RuntimeError(f"unexpected ASGI message {message['type']!r}")
+        body = message.get("body", b"")
+        if message.get("more_body", False):
+            # The router's answers are whole; should one ever stream, it is buffered.
+            self.body += body
+            return
+        if self.body:
+            body = bytes(self.body) + body
+            self.body = bytearray()
+        await self.answer(self.status, self.headers, body)
+
+    async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """Write a whole answer in one write (``headers`` without ``content-length``
+        get one) and end the request as uvicorn's cycle ends it."""
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        self.response_started = True
+        if self.disconnected:
+            self.response_complete = True
+            return
+        content = [_STATUS_LINE[status]]
+        for name, value in self.protocol.server_state.default_headers:
+            content += (name, b": ", value, b"\r\n")
+        sized = False
+        for name, value in headers:
+            if name == b"content-length":
+                sized = True
+            elif name == b"connection" and b"close" in value.lower():
+                self.keep_alive = False
+            content += (name, b": ", value, b"\r\n")
+        if not sized:
+            content.append(b"content-length: %d\r\n" % len(body))
+        if not self.keep_alive:
+            content.append(b"connection: close\r\n")
+        content.append(b"\r\n")
+        if self.scope["method"] != "HEAD":
+            content.append(body)
+        self.transport.write(b"".join(content))
+        self.response_complete = True
+        if not self.keep_alive:
+            self.transport.close()
+        self.on_response()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _status_lines() -> dict[int, bytes]:
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+
+    return dict(STATUS_LINE)
+
+
+_STATUS_LINE = _status_lines()
+
+
+def direct_proxy_protocol(base: type) -> type:
+    """``base`` (uvicorn's httptools protocol, with the front door's limits) that
+    serves proxied requests without a body through :class:`ProxyCycle`."""
+
+    class DirectProxyProtocol(base):  # type: ignore[valid-type,misc]
+        # uvicorn's, set in its __init__ (declared for the type checker).
+        app: Any
+        parser: Any
+        url: bytes
+        headers: list[tuple[bytes, bytes]]
+        scope: Any
+        cycle: Any
+        flow: Any
+        pipeline: Any
+        expect_100_continue: bool
+        root_path: str
+
+        def on_headers_complete(self) -> None:
+            parser = self.parser
+            url = self.url
+            if (
+                url[:1] != b"/"
+                or self.expect_100_continue
+                or self.root_path
+                or parser.should_upgrade()
+                or not getattr(self.app, "direct_proxy", False)
+            ):
+                super().on_headers_complete()
+                return
+            for name, _ in self.headers:
+                if name == b"content-length" or name == b"transfer-encoding":
+                    super().on_headers_complete()  # a body: uvicorn's cycle reads it
+                    return
+            limit = self.limit_concurrency
+            if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+                super().on_headers_complete()  # over capacity: the front door's 503
+                return
+            parsed = httptools.parse_url(url)
+            raw_path = parsed.path
+            path = raw_path.decode("ascii")
+            if "%" in path:
+                path = urllib.parse.unquote(path)
+            if path in _CONTROL or path.startswith(_NOT_PROXIED):
+                super().on_headers_complete()
+                return
+            self._stop_waiting()
+            scope = self.scope
+            scope["method"] = parser.get_method().decode("ascii")
+            http_version = parser.get_http_version()
+            if http_version != "1.1":
+                scope["http_version"] = http_version
+            scope["path"] = path
+            scope["raw_path"] = raw_path
+            scope["query_string"] = parsed.query or b""
+            cycle = ProxyCycle(self, scope, http_version != "1.0" and parser.should_keep_alive())
+            existing = self.cycle
+            self.cycle = cycle
+            if existing is None or existing.response_complete:
+                self._start_asgi_task(cycle, self.app)
+            else:
+                # A client's pipelined request waits for the one before it (as in uvicorn).
+                self.flow.pause_reading()
+                self.pipeline.appendleft((cycle, self.app))
+
+    return DirectProxyProtocol
