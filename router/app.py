@@ -65,7 +65,7 @@ from router.forward import (
 from router.leases import ADMIT, DENY, FORWARD, RouterLeases
 from router.membership import Membership
 from router.metrics import RouterMetrics
-from router.protocol import ProxyCycle
+from router.protocol import ADMIN_PREFIX, CONTROL_PATHS, ProxyCycle
 
 log = logging.getLogger("ringlimit.router")
 
@@ -84,7 +84,6 @@ HOP_BY_HOP = frozenset(
         b"content-length",
     }
 )
-CONTROL_PATHS = frozenset({"/healthz", "/metrics", "/v1/check"})
 #: The fields that say a request has a body.
 _BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 #: Keys whose owner the router remembers (per ring view).
@@ -294,7 +293,7 @@ class Router:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not (
-            scope["path"] in CONTROL_PATHS or scope["path"].startswith("/admin/")
+            scope["path"] in CONTROL_PATHS or scope["path"].startswith(ADMIN_PREFIX)
         ):
             if scope["path"][:1] != "/":
                 await odd_target(scope, receive, send)  # OPTIONS *, CONNECT host:port

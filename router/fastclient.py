@@ -377,7 +377,7 @@ class FastForwarder:
             if (
                 pipelined
                 and filling is not None
-                and not filling.closed
+                and filling.writable()
                 and len(filling.pending) < self.pipeline
             ):
                 connection = filling

@@ -39,9 +39,11 @@ log = logging.getLogger("ringlimit.router")
 
 __all__ = ["ProxyCycle", "direct_proxy_protocol"]
 
-#: Paths that are not proxied (router/app.py dispatches them elsewhere).
-_NOT_PROXIED = ("/admin/", "/internal")
-_CONTROL = frozenset({"/healthz", "/metrics", "/v1/check"})
+#: The router's own endpoints (router/app.py dispatches them; everything else is
+#: proxied, except ``/internal``, which is never reachable through the front door).
+CONTROL_PATHS = frozenset({"/healthz", "/metrics", "/v1/check"})
+ADMIN_PREFIX = "/admin/"
+_NOT_PROXIED = (ADMIN_PREFIX, "/internal")
 _EMPTY_REQUEST = {"type": "http.request", "body": b"", "more_body": False}
 _DISCONNECT = {"type": "http.disconnect"}
 _INTERNAL_ERROR_BODY = json.dumps(
@@ -118,15 +120,24 @@ class ProxyCycle:
         try:
             await app.proxy(self.scope, self.receive, self.send)
         except asyncio.CancelledError:
-            self.transport.close()  # the server is stopping
+            self._fail()  # the server's graceful shutdown ran out of time
             raise
         except Exception:
             log.exception("proxying %s %s failed", self.scope["method"], self.scope["path"])
-            if not self.response_started and not self.transport.is_closing():
-                self.transport.write(_INTERNAL_ERROR)
-            self.transport.close()
+            self._fail()
+        else:
+            if not self.response_complete and not self.disconnected:
+                log.error("no whole answer to %s %s", self.scope["method"], self.scope["path"])
+                self._fail()
         finally:
             self.on_response = _nothing
+
+    def _fail(self) -> None:
+        """A 500 if nothing was sent yet, and the connection closed (as uvicorn does):
+        the requests pipelined behind this one are not answered."""
+        if not self.response_started and not self.transport.is_closing():
+            self.transport.write(_INTERNAL_ERROR)
+        self.transport.close()
 
     async def receive(self) -> dict[str, Any]:
         if self.disconnected or self.response_complete:
@@ -170,7 +181,9 @@ class ProxyCycle:
         for name, value in headers:
             if name == b"content-length":
                 sized = True
-            elif name == b"connection" and b"close" in value.lower():
+            elif name == b"connection" and b"close" in [
+                token.strip() for token in value.lower().split(b",")
+            ]:
                 self.keep_alive = False
             content += (name, b": ", value, b"\r\n")
         if not sized:
@@ -242,7 +255,7 @@ def direct_proxy_protocol(base: type) -> type:
             path = raw_path.decode("ascii")
             if "%" in path:
                 path = urllib.parse.unquote(path)
-            if path in _CONTROL or path.startswith(_NOT_PROXIED):
+            if path in CONTROL_PATHS or path.startswith(_NOT_PROXIED):
                 super().on_headers_complete()
                 return
             self._stop_waiting()

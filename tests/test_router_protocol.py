@@ -21,7 +21,7 @@ import pytest
 from node.config import ClusterConfig, ScopedRule
 from node.rules import parse_rule
 from ring import Member
-from router.app import Router, RouterSettings, create_router
+from router.app import Router, RouterSettings
 from router.server import router_server
 from tests.processes import Procs, procs  # noqa: F401 (fixture)
 
@@ -38,11 +38,11 @@ def anyio_backend() -> str:
 
 @asynccontextmanager
 async def served(
-    node_url: str, *, direct: bool, on_error: str = "open"
+    node_url: str, *, direct: bool, on_error: str = "open", kind: type[Router] = Router
 ) -> AsyncIterator[tuple[Router, Any, int]]:
     """A router on a free port of 127.0.0.1 in front of ``node_url`` (rule 2/minute)."""
     config = ClusterConfig(rules=(ScopedRule(parse_rule("2/minute", on_error=on_error)),))
-    router = create_router(
+    router = kind(
         RouterSettings(
             config=config,
             seeds=[Member("n1", node_url)],
@@ -227,3 +227,38 @@ async def test_an_unreachable_owner_answers_by_its_rule(
         error = json.loads(answers[0].body)["error"]
         assert error == ("limiter_unavailable" if on_error == "closed" else "no_node_available")
         assert answers[1].body == b"" and answers[1].field(b"content-length") != b"0"
+
+
+class _Faulty(Router):
+    """A router whose proxy fails in the ways a bug would make it fail."""
+
+    async def proxy(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["path"] == "/silent":
+            return  # no answer at all
+        if scope["path"] == "/half":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+            return  # an answer never finished
+        raise RuntimeError("a bug")
+
+
+@pytest.mark.parametrize("path", ["/silent", "/half", "/boom"])
+async def test_a_proxy_that_does_not_answer_gets_a_500_and_a_closed_connection(
+    procs: Procs,  # noqa: F811
+    path: str,
+) -> None:
+    """Never a hung connection (nor the requests pipelined behind it): a JSON 500
+    when nothing was sent, then the connection is closed, as uvicorn's cycle does."""
+    _, node = procs.node("n1", None)
+    async with served(node, direct=True, kind=_Faulty) as (_, _, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(get(path, "ivan") + get("/next", "ivan"))
+            data = await asyncio.wait_for(reader.read(), 5)  # to the end: closed
+        finally:
+            writer.close()
+    if path == "/half":
+        assert data == b""  # the started answer could not be finished: closed
+    else:
+        assert data.startswith(b"HTTP/1.1 500 ")
+        assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"] == "internal_error"
