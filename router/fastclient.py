@@ -377,7 +377,7 @@ class FastForwarder:
             if (
                 pipelined
                 and filling is not None
-                and filling.writable()
+                and not filling.closed  # (it may still be connecting: no transport yet)
                 and len(filling.pending) < self.pipeline
             ):
                 connection = filling
