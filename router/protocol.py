@@ -31,6 +31,7 @@ from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 if TYPE_CHECKING:
     from router.app import Router
@@ -174,7 +175,7 @@ class ProxyCycle:
         if self.disconnected:
             self.response_complete = True
             return
-        content = [_STATUS_LINE[status]]
+        content = [STATUS_LINE[status]]
         for name, value in self.protocol.server_state.default_headers:
             content += (name, b": ", value, b"\r\n")
         sized = False
@@ -202,15 +203,6 @@ class ProxyCycle:
 
 def _nothing() -> None:
     return None
-
-
-def _status_lines() -> dict[int, bytes]:
-    from uvicorn.protocols.http.httptools_impl import STATUS_LINE
-
-    return dict(STATUS_LINE)
-
-
-_STATUS_LINE = _status_lines()
 
 
 def direct_proxy_protocol(base: type) -> type:
