@@ -55,6 +55,9 @@ log = logging.getLogger("ringlimit.router")
 
 _CLUSTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
+#: Seconds a closed client waits for the completions of the calls it cancelled.
+CLOSE_SETTLE = 0.1
+
 
 class CoordinatorError(Exception):
     """etcd could not be reached or answered something unusable."""
@@ -140,6 +143,7 @@ class EtcdCoordinator:
         self.ttl = max(2, round(ttl))
         self.timeout = timeout
         self._client: Any = None
+        self._connecting = asyncio.Lock()
         self._endpoint = 0
         #: etcd's revision at the last :meth:`load` (from the response header,
         #: even when the key is absent): where a watch from "now" really starts.
@@ -155,6 +159,11 @@ class EtcdCoordinator:
     # ------------------------------------------------------------------ connection
 
     async def connect(self) -> None:
+        """Connect to the first endpoint that answers, from the current one on."""
+        async with self._connecting:
+            await self._connect()
+
+    async def _connect(self) -> None:
         import aetcd
 
         errors = []
@@ -181,31 +190,58 @@ class EtcdCoordinator:
             old, self._client = self._client, client
             self._endpoint = (self._endpoint + i) % len(self.endpoints)
             if old is not None:
-                with contextlib.suppress(Exception):
-                    await old.close()
+                await self._close_client(old)
             return
         raise CoordinatorError(f"etcd not reachable at {'; '.join(errors)}")
+
+    async def _connected(self) -> Any:
+        """The client, connecting first when there is none.
+
+        One connection at a time: the leader's keep-alive and the watch run
+        side by side and both reconnect after etcd comes back. Unserialised,
+        the second would close the client the first had just made, under the
+        first's call, which would then close the second's, and so on.
+        """
+        async with self._connecting:
+            if self._client is None:
+                await self._connect()
+            return self._client
+
+    async def _drop(self, client: Any) -> None:
+        """Give up ``client`` after a failed call, unless another is already in use."""
+        if self._client is client:
+            self._client = None
+            self._endpoint += 1
+        await self._close_client(client)
+
+    async def _close_client(self, client: Any) -> None:
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(client.close(), timeout=self.timeout)
 
     async def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(client.close(), timeout=self.timeout)
+            await self._close_client(client)
+            # Closing a channel cancels its calls, but their completions come
+            # back a moment later through gRPC's poller thread, to the loop
+            # that made them: if that loop has closed by then, gRPC raises
+            # "Event loop is closed" in whichever loop runs next (a traceback
+            # at exit; a failed test under per-test loops). Let them land.
+            await asyncio.sleep(CLOSE_SETTLE)
 
     async def _call(self, what: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """One etcd call; on a connection failure, the next endpoint, once."""
         for attempt in range(2):
-            if self._client is None:
-                await self.connect()
+            client = await self._connected()
             try:
-                return await call(self._client)
+                return await call(client)
             except CoordinatorError:
                 raise
             except Exception as exc:
                 if attempt == 1:
                     raise CoordinatorError(f"etcd {what} failed: {type(exc).__name__}") from None
-                self._endpoint += 1
-                await self.close()  # its channel too: a leaked gRPC channel can hang the loop
+                # Its channel too: a leaked gRPC channel can hang the loop.
+                await self._drop(client)
         raise AssertionError("unreachable")  # pragma: no cover
 
     # ------------------------------------------------------------------ the record
@@ -270,9 +306,10 @@ class EtcdCoordinator:
         # between would otherwise be missed until the next change.
         seen = since if since > 0 else self.read_revision
         while True:
-            watcher = None
+            watcher = client = None
             try:
                 watcher = await self._call("watch", partial(_watch, key, seen))
+                client = self._client  # the one the watch runs on
                 async for event in watcher:
                     seen = max(seen, event.kv.mod_revision)
                     if event.kv.value:
@@ -284,7 +321,8 @@ class EtcdCoordinator:
                 log.warning("watching etcd: %s; retrying", exc)
             except Exception as exc:
                 log.warning("watching etcd: %s; retrying", type(exc).__name__)
-                await self.close()
+                if client is not None:
+                    await self._drop(client)
                 # Perhaps that revision was compacted away: from now on, next time.
                 seen = 0
             finally:

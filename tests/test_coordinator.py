@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import signal
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
@@ -619,3 +620,55 @@ def test_a_router_without_its_etcd_says_so_in_one_line() -> None:
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("ringlimit: cannot start the router: etcd not reachable")
+
+
+def test_a_closed_coordinator_leaves_nothing_for_the_next_event_loop(etcd_endpoint: str) -> None:
+    """A campaign and a watch start side by side on a fresh coordinator, as in a
+    router, then everything is cancelled and closed, each time in an event loop
+    of its own. Both used to connect at once, the second closing the first's
+    client under its call: the watch then reconnected and ignored its
+    cancellation for ever (this failed 6 runs in 6). close() also waits for the
+    completions of the calls it cancelled, which gRPC would otherwise deliver
+    to the next loop as "Event loop is closed" (tests/test_coordinator*.py
+    together failed 2 runs in 5 without that wait; this test does not catch it
+    on its own)."""
+    errors: list[object] = []
+
+    def collect(loop: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:
+        errors.append(context.get("exception") or context.get("message"))
+
+    async def lead_watch_and_close(url: str) -> None:
+        asyncio.get_running_loop().set_exception_handler(collect)
+        etcd = coordinator(etcd_endpoint)
+        led = asyncio.Event()
+
+        async def watch() -> None:
+            async for _ in etcd.watch(0):
+                pass
+
+        leading = asyncio.create_task(etcd.lead(url, _setter(led), _nothing, time.monotonic))
+        watching = asyncio.create_task(watch())
+        try:
+            await asyncio.wait_for(led.wait(), timeout=10.0)
+            await etcd.resign(url)
+        finally:
+            for task in (leading, watching):
+                task.cancel()
+            _, pending = await asyncio.wait([leading, watching], timeout=10.0)
+            assert not pending
+            await etcd.close()
+
+    for i in range(4):  # each in a loop of its own, closed when it returns
+        asyncio.run(lead_watch_and_close(f"http://router-{i}"))
+
+    async def one_more_call() -> None:
+        asyncio.get_running_loop().set_exception_handler(collect)
+        etcd = coordinator(etcd_endpoint)
+        try:
+            await etcd.load()
+            await asyncio.sleep(0.3)  # time for any stray completion to arrive
+        finally:
+            await etcd.close()
+
+    asyncio.run(one_more_call())
+    assert not errors, errors
