@@ -46,9 +46,13 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
 
 
 @pytest.fixture(scope="module")
-def services() -> dict[str, Any]:
-    data = yaml.safe_load(COMPOSE.read_text())
-    return interpolate(data["services"], ENV)  # type: ignore[no-any-return]
+def compose() -> dict[str, Any]:
+    return interpolate(yaml.safe_load(COMPOSE.read_text()), ENV)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, Any]:
+    return compose["services"]  # type: ignore[no-any-return]
 
 
 def parse(command: list[str]) -> Any:
@@ -93,6 +97,17 @@ def test_two_routers_share_one_ring_through_etcd(services: dict[str, Any]) -> No
     assert not hosts[0] & hosts[1], "each router needs a host port of its own"
     # Only the first router seeds the ring; etcd's view wins over seeds anyway.
     assert commands["router"].node and not commands["router2"].node
+
+
+def test_the_ring_record_in_etcd_outlives_its_container(
+    services: dict[str, Any], compose: dict[str, Any]
+) -> None:
+    etcd = services["etcd"]
+    command = etcd["command"]
+    data_dir = command[command.index("--data-dir") + 1]
+    volumes = {v.split(":")[1]: v.split(":")[0] for v in etcd.get("volumes", [])}
+    assert data_dir in volumes, "etcd's --data-dir is not on a volume"
+    assert volumes[data_dir] in compose.get("volumes", {}), "a named volume, declared"
 
 
 def test_every_node_command_parses_and_matches_its_service(services: dict[str, Any]) -> None:
