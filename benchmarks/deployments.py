@@ -55,6 +55,10 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The rows, in table order: key -> label.
 ROWS: dict[str, str] = {
     "direct": "1 direct to one node, limiter off (floor)",
+    # The same node with the rules on, wrk still straight to it: the limiter's own
+    # cost at the floor's load. A node behind the router runs at a fraction of that
+    # load, where every request costs more CPU, limited or not (docs/architecture.md).
+    "direct_limited": "1l direct to one node, limiter on (no router)",
     "sticky": "2 router -> nodes, sticky, in-memory",
     # The same nodes behind a second router that pipelines (router --pipeline).
     "sticky_pipe": "2p router -> nodes, sticky, pipelined (--pipeline 16)",
@@ -257,6 +261,8 @@ def start_rows(procs: Processes, settings: Settings, workdir: Path) -> dict[str,
         starter.start_redis()
     if "direct" in wanted:
         rows["direct"] = starter.direct()
+    if "direct_limited" in wanted:
+        rows["direct_limited"] = starter.direct_limited()
     if wanted & {"sticky", "sticky_pipe", "api_single", "api_single_nc", "api_batch"}:
         rows.update(
             starter.sticky(
@@ -337,6 +343,16 @@ class _Starter:
         url = f"http://127.0.0.1:{port}"
         self.ready.append(f"{url}/healthz")
         return Row("direct", f"{url}/load/x", "proxy", {"nodes": [pid]}, "", limited=False)
+
+    def direct_limited(self) -> Row:
+        port = free_port()
+        # The bench's rules, no ring: the node decides every user itself (X-User-Id).
+        pid = self.procs.ringlimit(
+            "direct-limited", "node", "--id", "l1", "--port", str(port), "--config", str(self.cfg)
+        )
+        url = f"http://127.0.0.1:{port}"
+        self.ready.append(f"{url}/healthz")
+        return Row("direct_limited", f"{url}/load/x", "proxy", {"nodes": [pid]}, f"{url}/tight/x")
 
     def sticky(self, *, with_uncoalesced: bool, with_pipelined: bool = False) -> dict[str, Row]:
         """The sticky cluster and the decision API rows through its router."""

@@ -135,6 +135,19 @@ def _throughput_targets(rows: dict[str, dict[str, Any]]) -> list[Target]:
     sticky, redis, direct = rows.get("sticky"), rows.get("redis"), rows.get("direct")
     for key, how in (("sticky", ""), ("sticky_pipe", " (pipelined)")):
         out += _proxy_targets(rows.get(key), direct, how)
+    limited = rows.get("direct_limited")
+    if limited and direct:
+        # The node target at equal load: both nodes straight from wrk, no router.
+        ours, floor = limited["cpu_us"].get("nodes"), direct["cpu_us"].get("nodes")
+        out.append(
+            Target(
+                "node CPU per limited request vs the floor's, both straight from wrk (equal load)",
+                _div(ours, floor),
+                1.3,
+                at_most=True,
+                detail=f"{_fmt(ours)} vs {_fmt(floor)} us",
+            )
+        )
     if sticky and redis:
         out.append(Target("sticky vs Redis baseline, req/s", sticky["vs_redis"], 1.25))
         out.append(

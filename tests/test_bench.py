@@ -142,7 +142,10 @@ def test_exactness_checks() -> None:
 
 
 def test_targets_pass_and_short() -> None:
-    targets = {t.name: t for t in reporting.targets(_report())}
+    report = _report()
+    targets = {t.name: t for t in reporting.targets(report)}
+    # Without row 1l, no target at equal load.
+    assert not any("straight from wrk" in name for name in targets)
     floor = targets["router+sticky req/s vs direct-to-node floor"]
     assert floor.ok  # 0.54x >= 0.5x
     assert targets["router CPU / node CPU per forwarded request"].measured == 0.75
@@ -158,6 +161,15 @@ def test_targets_pass_and_short() -> None:
     assert targets["exactness, sticky: allowed == users x limit"].ok
     # Round-robin local over-admits by design: reported in the table, not a target.
     assert not any("round_robin" in name for name in targets)
+    # Row 1l: the node's limiter at the floor's load, against the floor's 80 us.
+    limited = [_run(15_000, router=None), _run(14_000, router=None)]
+    for run in limited:
+        run["cpu_us_per_request"]["nodes"] = 112.0
+    report["rows"]["direct_limited"] = reporting.summarise_row("direct_limited", limited)
+    at_equal_load = {t.name: t for t in reporting.targets(report)}[
+        "node CPU per limited request vs the floor's, both straight from wrk (equal load)"
+    ]
+    assert at_equal_load.measured == pytest.approx(1.4) and not at_equal_load.ok
     slow = _report()
     slow["handoff"]["complete"] = False
     slow["memory"]["node_rss_bytes_per_key"] = 151.0
