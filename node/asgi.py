@@ -14,8 +14,13 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 RawHeaders = list[tuple[bytes, bytes]]
 
 
+#: One encoder for every answer: ``json.dumps`` with a non-default argument builds
+#: a new ``JSONEncoder`` per call, which was a tenth of the echo app's cost.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def dumps(data: Any) -> bytes:
-    return json.dumps(data, separators=(",", ":")).encode()
+    return _ENCODER.encode(data).encode()
 
 
 async def send_json(

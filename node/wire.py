@@ -74,7 +74,11 @@ Result = bytes | dict[str, Any]
 
 def dumps(data: Any) -> str:
     """JSON as Starlette's JSONResponse encodes it (the API's one encoding)."""
-    return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return _ENCODER.encode(data)
+
+
+#: ``json.dumps`` with non-default arguments builds an encoder per call.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 # ---------------------------------------------------------------------- parsing
