@@ -1,0 +1,41 @@
+"""tests/watchdog.py ends a test that pytest-timeout cannot interrupt."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+HUNG = """
+import signal, time
+import pytest
+
+@pytest.mark.timeout(1)
+def test_hangs_where_no_signal_reaches_it():
+    # pytest-timeout's SIGALRM is blocked, as if the loop were stuck in C.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(60)
+"""
+
+
+def test_a_hang_beyond_pytest_timeout_ends_its_process(tmp_path: Path) -> None:
+    (tmp_path / "test_hung.py").write_text(HUNG)
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "pytest", "-n", "0", "-p", "tests.watchdog"),
+            *("-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    took = time.monotonic() - started
+    assert done.returncode != 0
+    assert "Timeout (0:00:02)!" in done.stderr, done.stderr[-2000:]
+    assert "test_hangs_where_no_signal_reaches_it" in done.stderr
+    assert took < 30, took  # 2 s after the test started, not the 60 s of its sleep
