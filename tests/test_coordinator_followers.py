@@ -14,7 +14,7 @@ from router.app import Router
 from router.coordinator import ViewRecord
 from router.membership import Membership, MembershipError
 from router.testing import ROUTER_URL, InProcessCluster, node_url
-from tests.test_coordinator import SECOND, coordinator, options, wait_until
+from tests.test_coordinator import SECOND, coordinator, options, stop_coordination, wait_until
 from tests.test_rebalancing import make_config
 
 pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
@@ -122,8 +122,7 @@ async def test_a_crash_learnt_from_a_node_is_a_crash_once_etcd_says_so(
     ) as cluster:
         second, leader, follower, _ = await routers(cluster, etcd_endpoint)
         try:
-            for task in follower._coordination:  # its watch is late
-                task.cancel()
+            await stop_coordination(follower)  # its watch is late
             cluster.take_down("n2")
             await leader.crash("n2")
             await follower.catch_up(leader.view.epoch, node_url("n1"))
