@@ -71,25 +71,40 @@ CLOSE_TIMEOUT = 5.0
 
 
 async def _cancel_within(tasks: Iterable[asyncio.Future[Any]], seconds: float, what: str) -> None:
-    """Cancel ``tasks`` and wait for them, at most ``seconds``.
+    """Cancel ``tasks`` and wait for them, at most ``seconds``; cancel again every
+    :data:`RECANCEL` seconds while one is not done.
 
     Not ``await task`` one by one: a task inside a gRPC call (etcd's client)
     can take its cancellation and never finish, and then an unbounded wait
     hangs the router's shutdown for ever (seen in the test suite, about one
     run in two on a loaded 2-core machine, with the waiting task collected
     as garbage, so nothing ever woke it). ``asyncio.wait`` holds a timer.
+    Again: on Python 3.11 a cancellation that arrives just as an
+    ``asyncio.wait_for`` inside the task (aetcd has them) completes is lost,
+    and the task goes on as if never cancelled.
     """
-    pending = [task for task in tasks if not task.done()]
-    for task in pending:
-        task.cancel()
-    if not pending:
+    every = [task for task in tasks if not task.done()]
+    if not every:
         return
-    done, stuck = await asyncio.wait(pending, timeout=seconds)
-    for task in done:
-        if not task.cancelled():
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    pending: set[asyncio.Future[Any]] = set(every)
+    while pending:
+        for task in pending:
+            task.cancel()
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        _, pending = await asyncio.wait(pending, timeout=min(RECANCEL, left))
+    for task in every:
+        if task.done() and not task.cancelled():
             task.exception()  # retrieved: a task that failed as it stopped is not news
-    if stuck:
-        log.warning("%d %s task(s) did not stop within %.0f s", len(stuck), what, seconds)
+    if pending:
+        log.warning("%d %s task(s) did not stop within %.0f s", len(pending), what, seconds)
+
+
+#: How often :func:`_cancel_within` cancels again a task that has not stopped (seconds).
+RECANCEL = 0.1
 
 
 #: How often a following router looks whether the leader repaired a node (seconds).
