@@ -72,13 +72,13 @@ _check = partial(tuple.__new__, Check)
 Result = bytes | dict[str, Any]
 
 
+#: ``json.dumps`` with non-default arguments builds an encoder per call.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
 def dumps(data: Any) -> str:
     """JSON as Starlette's JSONResponse encodes it (the API's one encoding)."""
     return _ENCODER.encode(data)
-
-
-#: ``json.dumps`` with non-default arguments builds an encoder per call.
-_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 # ---------------------------------------------------------------------- parsing

@@ -27,7 +27,7 @@ from router.coordinator import (
     ViewRecord,
     parse_endpoints,
 )
-from router.membership import Membership, MembershipError
+from router.membership import Membership, MembershipError, _cancel_within
 from router.testing import ROUTER_URL, InProcessCluster, node_url
 from tests.etcd_server import EtcdServer
 from tests.test_rebalancing import LIMIT, USERS, Tally, make_config, send
@@ -55,18 +55,12 @@ async def wait_until(predicate, seconds: float = 10.0) -> None:  # type: ignore[
 
 
 async def cancel_until_done(tasks: list[asyncio.Task[Any]]) -> None:
-    """Cancel ``tasks`` and wait until they are done, cancelling again while not
-    (bounded): a cancellation that arrives just as an ``asyncio.wait_for``
-    inside aetcd completes is lost on Python 3.11. A watch that went on would
-    adopt the very change a test hides from its router (CI saw it once)."""
-    for _ in range(100):
-        pending = [task for task in tasks if not task.done()]
-        if not pending:
-            return
-        for task in pending:
-            task.cancel()
-        await asyncio.wait(pending, timeout=0.05)
-    raise AssertionError(f"tasks did not stop: {pending}")
+    """Cancel ``tasks`` until they are done, as a router's shutdown does
+    (``_cancel_within`` cancels again while one is not: Python 3.11 can lose a
+    cancellation inside aetcd, and a watch that went on would adopt the very
+    change a test hides from its router; CI saw it once), and require it."""
+    await _cancel_within(tasks, 5.0, "test")
+    assert all(task.done() for task in tasks), f"tasks did not stop: {tasks}"
 
 
 async def stop_coordination(membership: Membership) -> None:
