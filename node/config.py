@@ -33,6 +33,12 @@ DENIAL_FORMATS = ("problem", "json")
 IDENTITY_SOURCES = ("header", "query", "client")
 REBALANCE_POLICIES = ("handoff", "reset")
 BACKENDS = ("memory", "redis")
+#: Seconds a node waits for Redis (a reply, a connection) before it decides
+#: locally and treats Redis as down until a probe answers: tight, so an outage
+#: costs milliseconds, and configurable (``--redis-timeout``) because a
+#: CPU-starved node can miss it with Redis healthy (docs/redis.md).
+REDIS_TIMEOUT = 0.1
+MAX_REDIS_TIMEOUT = 60.0
 BALANCES = ("sticky", "round-robin")
 SHOW_KEYS = ("plain", "hashed")
 _CACHE_LIMIT = 4096

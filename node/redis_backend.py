@@ -73,6 +73,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from node.algorithms import REGISTRY
 from node.backend import Check, MemoryBackend
 from node.clock import Clock
+from node.config import REDIS_TIMEOUT
 from node.decision import (
     BACKEND_UNAVAILABLE,
     COST_EXCEEDS_CAPACITY,
@@ -185,7 +186,7 @@ class RedisBackend:
         *,
         prefix: str = "rl",
         clock: Clock | None = None,
-        timeout: float = 0.1,
+        timeout: float = REDIS_TIMEOUT,
         connect_timeout: float | None = None,
         max_connections: int = 64,
         queue_timeout: float = 1.0,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import socket
 import sys
@@ -26,7 +27,9 @@ from typing import TYPE_CHECKING
 from node.config import (
     BACKENDS,
     BALANCES,
+    MAX_REDIS_TIMEOUT,
     REBALANCE_POLICIES,
+    REDIS_TIMEOUT,
     ClusterConfig,
     ConfigError,
     Policies,
@@ -428,6 +431,14 @@ def _backend_arguments(parser: argparse.ArgumentParser) -> None:
         help="redis: concurrent checks share pipelined round trips (on, the default) or "
         "each check is its own round trip (off: the naive baseline)",
     )
+    group.add_argument(
+        "--redis-timeout",
+        metavar="SECONDS",
+        default=os.environ.get("RINGLIMIT_REDIS_TIMEOUT", str(REDIS_TIMEOUT)),
+        help=f"redis: how long a node waits for a reply (and a connection) before it "
+        f"decides locally and treats Redis as down until a probe answers "
+        f"(default {REDIS_TIMEOUT})",
+    )
     group.add_argument("--balance", choices=BALANCES, help="sticky (default) or round-robin")
 
 
@@ -440,6 +451,21 @@ def _redis_pipeline(args: argparse.Namespace) -> bool:
             f"got {args.redis_pipeline!r}"
         )
     return bool(args.redis_pipeline == "on")
+
+
+def _redis_timeout(args: argparse.Namespace) -> float:
+    """``--redis-timeout`` (or ``RINGLIMIT_REDIS_TIMEOUT``), checked here for the same
+    reason as ``--redis-pipeline``: an environment default is not parsed by argparse."""
+    try:
+        timeout = float(args.redis_timeout)
+    except ValueError:
+        timeout = math.nan
+    if not 0 < timeout <= MAX_REDIS_TIMEOUT:
+        raise ValueError(
+            f"--redis-timeout (or RINGLIMIT_REDIS_TIMEOUT) must be seconds in "
+            f"(0, {MAX_REDIS_TIMEOUT:g}], got {args.redis_timeout!r}"
+        )
+    return timeout
 
 
 def _front_door_arguments(parser: argparse.ArgumentParser) -> None:
@@ -737,9 +763,10 @@ def _run_node(args: argparse.Namespace) -> int:
     elif args.app:
         app = load_app(args.app)
     pipeline = _redis_pipeline(args)
+    timeout = _redis_timeout(args)
     backend = None
     if config.backend == "redis":
-        backend = _redis_backend(args.redis_url, config, pipeline=pipeline)
+        backend = _redis_backend(args.redis_url, config, pipeline=pipeline, timeout=timeout)
     settings = NodeSettings(
         node_id=args.id,
         config=config,
@@ -763,14 +790,17 @@ def _run_node(args: argparse.Namespace) -> int:
     )
 
 
-def _redis_backend(url: str, config: ClusterConfig, *, pipeline: bool = True) -> Backend:
+def _redis_backend(
+    url: str, config: ClusterConfig, *, pipeline: bool = True, timeout: float = REDIS_TIMEOUT
+) -> Backend:
     from node.backend import MemoryBackend
     from node.clock import system_clock
     from node.redis_backend import FallbackBackend, RedisBackend
     from node.store import MemoryStore
 
     return FallbackBackend(
-        RedisBackend(url, pipeline=pipeline), MemoryBackend(MemoryStore(), system_clock)
+        RedisBackend(url, pipeline=pipeline, timeout=timeout),
+        MemoryBackend(MemoryStore(), system_clock),
     )
 
 
@@ -779,6 +809,7 @@ def _run_up(args: argparse.Namespace) -> int:
 
     config = cluster_config(args)
     _redis_pipeline(args)
+    _redis_timeout(args)
     if args.nodes < 1:
         raise ValueError("--nodes must be at least 1")
     if args.workers < 1:

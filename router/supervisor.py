@@ -389,6 +389,7 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
             **os.environ,
             "RINGLIMIT_REDIS_URL": args.redis_url,
             "RINGLIMIT_REDIS_PIPELINE": args.redis_pipeline,
+            "RINGLIMIT_REDIS_TIMEOUT": str(args.redis_timeout),
         },
         admin_token=os.environ.get("RINGLIMIT_ADMIN_TOKEN") or None,
     )

@@ -127,6 +127,31 @@ def test_an_environment_default_outside_its_choices_is_one_line() -> None:
     one_line_failure(result, "RINGLIMIT_REDIS_PIPELINE", "'sideways'")
 
 
+@pytest.mark.parametrize(
+    ("flags", "env", "expected"),
+    [
+        (["--redis-timeout", "0"], {}, "got '0'"),
+        (["--redis-timeout", "nan"], {}, "got 'nan'"),
+        (["--redis-timeout", "61"], {}, "got '61'"),
+        ([], {"RINGLIMIT_REDIS_TIMEOUT": "soon"}, "got 'soon'"),
+    ],
+)
+def test_a_redis_timeout_that_is_not_seconds_is_one_line(
+    flags: list[str], env: dict[str, str], expected: str
+) -> None:
+    import os
+
+    result = subprocess.run(
+        [sys.executable, "-m", "router", "node", "--id", "n1", "--port", str(free_port()), *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
+    one_line_failure(result, "--redis-timeout (or RINGLIMIT_REDIS_TIMEOUT)", expected)
+
+
 def test_a_node_joining_an_absent_router_gives_up_in_one_line() -> None:
     router = f"http://127.0.0.1:{free_port()}"
     port = str(free_port())

@@ -243,19 +243,27 @@ def test_nodes_pipeline_by_default_and_off_is_the_naive_baseline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from node.redis_backend import FallbackBackend
-    from router.cli import _redis_backend, build_parser, cluster_config
+    from router.cli import _redis_backend, _redis_timeout, build_parser, cluster_config
 
     def backend_for(*flags: str) -> RedisBackend:
         args = build_parser().parse_args(["node", "--id", "n", "--port", "1", *flags])
         backend = _redis_backend(
-            args.redis_url, cluster_config(args), pipeline=args.redis_pipeline == "on"
+            args.redis_url,
+            cluster_config(args),
+            pipeline=args.redis_pipeline == "on",
+            timeout=_redis_timeout(args),
         )
         assert isinstance(backend, FallbackBackend)
         assert isinstance(backend.primary, RedisBackend)
         return backend.primary
 
     monkeypatch.delenv("RINGLIMIT_REDIS_PIPELINE", raising=False)
+    monkeypatch.delenv("RINGLIMIT_REDIS_TIMEOUT", raising=False)
     assert backend_for("--backend", "redis").pipelined
+    assert backend_for("--backend", "redis").timeout == 0.1
+    assert backend_for("--backend", "redis", "--redis-timeout", "0.5").timeout == 0.5
+    monkeypatch.setenv("RINGLIMIT_REDIS_TIMEOUT", "2")
+    assert backend_for("--backend", "redis").timeout == 2.0
     assert not backend_for("--backend", "redis", "--redis-pipeline", "off").pipelined
     # `ringlimit up` hands the choice to its nodes through the environment.
     monkeypatch.setenv("RINGLIMIT_REDIS_PIPELINE", "off")
