@@ -15,6 +15,7 @@ can see the failures the other tests rule out.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections import Counter
 from pathlib import Path
@@ -221,6 +222,39 @@ async def test_leave_hands_everything_off_and_drops_the_node() -> None:
         ring = (await cluster.client.get("/admin/ring")).json()
         assert ring["epoch"] == view.epoch
         assert [n["id"] for n in ring["nodes"]] == ["n1", "n2", "n4"]
+
+
+async def test_a_large_outbox_is_frozen_out_of_gc_until_delivered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The leaving node's outbox is kept out of the cyclic GC's collections
+    (``gc.freeze()``) while it travels, and the heap is unfrozen once it landed:
+    a freeze left behind would keep cyclic garbage for ever."""
+    import node.shard
+
+    monkeypatch.setattr(node.shard, "FREEZE_AT", 5)
+    assert gc.get_freeze_count() == 0
+    clock = FrozenClock()
+    async with InProcessCluster(3, make_config(), clock=clock) as cluster:
+        tally = await exhaust(cluster)
+        receivers = [n for n in cluster.nodes.values() if n.shard and n is not cluster.nodes["n3"]]
+        frozen_while_received: list[int] = []
+        for receiver in receivers:
+            assert receiver.shard is not None
+            receive = receiver.shard.receive
+
+            def noting(sender: str, *args: Any, receive: Any = receive) -> int:
+                if sender == "n3":  # (the others send final marks only: nothing to freeze)
+                    frozen_while_received.append(gc.get_freeze_count())
+                return int(receive(sender, *args))
+
+            monkeypatch.setattr(receiver.shard, "receive", noting)
+        assert len(cluster.nodes["n3"].store) >= 5
+        await cluster.remove_node("n3")
+        assert frozen_while_received and all(frozen_while_received), frozen_while_received
+        assert gc.get_freeze_count() == 0
+        await send(cluster.client, tally, USERS, 2)
+        assert tally.excess() == 0, tally.over()
 
 
 async def test_admin_api_join_and_leave() -> None:
