@@ -232,6 +232,23 @@ def gcra_fresh_at(state: State, rule: Rule) -> float:
 # --------------------------------------------------------------------------- windows
 
 
+def _aligned(now: float, period: float) -> float:
+    """The start of the window of the grid ``k * period`` that holds ``now``.
+
+    ``floor(now / period) * period`` alone can miss it by a window at a
+    boundary: at Unix-time magnitudes, 1800000001.1 / 0.1 rounds to
+    18000000010.999996, whose window ends exactly at ``now`` (a window already
+    over, reported with no time left and no quota back). Corrected here until
+    ``start <= now < start + period``.
+    """
+    start = _floor(now / period) * period
+    while start > now:
+        start -= period
+    while now >= start + period:
+        start += period
+    return start
+
+
 def _advance(start: float, now: float, period: float) -> tuple[float, int]:
     """Move a window start forward to the window holding ``now``; how many windows moved.
 
@@ -259,7 +276,7 @@ def fixed_window(state: State, now: float, rule: Rule, cost: int) -> tuple[State
     period = rule.period
     limit = rule.limit
     if state is None:
-        start = _floor(now / period) * period
+        start = _aligned(now, period)
         count = 0
     else:
         start, count = state
@@ -358,7 +375,7 @@ def sliding_window(state: State, now: float, rule: Rule, cost: int) -> tuple[Sta
     period = rule.period
     limit = rule.limit
     if state is None:
-        start = _floor(now / period) * period
+        start = _aligned(now, period)
         prev = 0
         curr = 0
     else:

@@ -271,6 +271,29 @@ def test_eps_slack_decides_alike(
             assert redis_state(client, "u", rule) == store.get(rule, "u")
 
 
+@pytest.mark.parametrize("algorithm", ["fixed_window", "sliding_window"])
+def test_a_first_window_at_a_rounding_boundary_holds_now(
+    client: redis.Redis, algorithm: str
+) -> None:
+    """1800000001.1 / 0.1 rounds to 18000000010.999996: the window floor() gives
+    ends exactly at now. Both the engine and the scripts correct it
+    (node.algorithms._aligned, prelude.lua's aligned): the window holds now,
+    so its time left is positive and its state is the same."""
+    rule = Rule("w", 1, 0.1, algorithm)
+    now = 1_800_000_001.1
+    assert math.floor(now / 0.1) * 0.1 + 0.1 == now  # the boundary this is about
+    for script in (STANDALONE[algorithm], CHECK):
+        client.flushdb()
+        store = MemoryStore()
+        want = store.check("u", [rule], now, 1)
+        _, got = call(client, script, "u", [rule], now, 1)
+        assert want.decision.reset_after > 0, want
+        assert_same_verdict(got, want, f"{algorithm} at {now!r}")
+        assert redis_state(client, "u", rule) == store.get(rule, "u")
+        start = store.get(rule, "u")[0]
+        assert start <= now < start + rule.period
+
+
 def test_denied_multi_rule_call_changes_nothing(client: redis.Redis) -> None:
     client.flushdb()
     roomy = Rule("roomy", 10, 60.0, "sliding_log")

@@ -77,6 +77,10 @@ events = st.lists(
 # GCRA at a 25 ms interval: tat + x - now lost the ulps of Unix time, so one unit
 # taken from a full burst gave r=8 (of 10) with t=0 (node.algorithms._gcra_next).
 @example(Rule("r", 10, 0.25, "gcra", burst=10), [(0.0, 1)])
+# A fixed window of 0.1 s at START + 1.1: 1800000001.1 / 0.1 rounds to ...10.999996, and
+# the window floor() gave ended exactly at now: t=0 with r=0 (node.algorithms._aligned).
+@example(Rule("r", 1, 0.1, "fixed_window", burst=1), [(1.1, 1)])
+@example(Rule("r", 1, 0.1, "sliding_window", burst=1), [(1.1, 1)])
 def test_every_field_keeps_the_drafts_relations(rule: Rule, steps: list[tuple[float, int]]) -> None:
     rules = (rule,)
     states: list[Any] = [None]

@@ -1,7 +1,8 @@
 -- fixed_window.lua: ALG.fixed_window, node.algorithms.fixed_window in Lua (a fragment).
 -- KEYS: one state key per rule; a string "<window_start> <count>" ('%.17g' each) with a
 --   PX TTL ending at fresh_at = window_start + period; absent = fresh. A key's first
---   window is aligned to floor(now / period) * period, later ones continue its grid.
+--   window is aligned to the grid of multiples of period (prelude's aligned), later
+--   ones continue its grid.
 -- ARGV: none read here; the rule fields come from check.lua's per-rule ARGV
 --   (p.limit, p.period).
 do
@@ -13,7 +14,7 @@ do
       local limit = p.limit
       local start, count = read(key)
       if start == nil then
-        start = floor(now / period) * period
+        start = aligned(now, period)
         count = 0
       elseif now >= start + period then
         start = advance(start, now, period)

@@ -46,6 +46,19 @@ if NOW == nil or COST == nil or COST < 0 or COST ~= floor(COST) then
   return redis.error_reply('ERR ringlimit: bad call header (now, cost, slack)')
 end
 
+-- node.algorithms._aligned: the start of the window of the grid k * period holding
+-- now (floor(now / period) * period alone can miss it by a window at a boundary).
+local function aligned(now, period)
+  local start = floor(now / period) * period
+  while start > now do
+    start = start - period
+  end
+  while now >= start + period do
+    start = start + period
+  end
+  return start
+end
+
 -- node.algorithms._advance: move a window start forward to the window holding now;
 -- returns the new start and how many windows it moved (at least one, corrected
 -- until now is inside, since floor((now - start) / period) can round low).

@@ -57,7 +57,7 @@ do
       local limit = p.limit
       local start, prev, curr = read(key)
       if start == nil then
-        start = floor(now / period) * period
+        start = aligned(now, period)
         prev = 0
         curr = 0
       elseif now >= start + period then
