@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.redis_server import _die_with_parent, free_port
+from tests.redis_server import dying_with_parent, free_port
 
 
 class EtcdServer:
@@ -64,7 +64,7 @@ class EtcdServer:
         ]
         log = open(self.directory / "etcd.log", "wb")  # noqa: SIM115 (closed with the process)
         self.process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=_die_with_parent
+            dying_with_parent(args), stdin=subprocess.DEVNULL, stdout=log, stderr=log
         )
         log.close()
         deadline = time.monotonic() + timeout

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -39,11 +39,11 @@ class Proc(ChildProcess):
         argv: list[str],
         env: dict[str, str],
         log: Path,
-        preexec_fn: Callable[[], None] | None = None,
+        launcher: Sequence[str] = (),
     ) -> None:
-        super().__init__(
-            name, ringlimit_argv(*argv), env=env, cwd=ROOT, log=log, preexec_fn=preexec_fn
-        )
+        # No preexec_fn here: see tests.redis_server.dying_with_parent. A process
+        # that needs a different setting starts through a launcher (prlimit ...).
+        super().__init__(name, [*launcher, *ringlimit_argv(*argv)], env=env, cwd=ROOT, log=log)
 
     def kill9(self) -> None:
         self.kill()
@@ -65,14 +65,14 @@ class Procs:
         name: str,
         argv: list[str],
         env: dict[str, str] | None = None,
-        preexec_fn: Callable[[], None] | None = None,
+        launcher: Sequence[str] = (),
     ) -> Proc:
         proc = Proc(
             name,
             argv,
             {**self.env, **(env or {})},
             self.tmp / f"{name}-{len(self.started)}.log",
-            preexec_fn,
+            launcher,
         )
         self.started.append(proc)
         return proc
@@ -89,10 +89,10 @@ class Procs:
         port: int | None = None,
         *extra: str,
         healthy: bool = True,
-        preexec_fn: Callable[[], None] | None = None,
+        launcher: Sequence[str] = (),
     ) -> tuple[Proc, str]:
         port = port or free_port()
-        proc = self.start("router", ["router", "--port", str(port), *extra], preexec_fn=preexec_fn)
+        proc = self.start("router", ["router", "--port", str(port), *extra], launcher=launcher)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, require_ok=healthy)
         return proc, url

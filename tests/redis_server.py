@@ -20,10 +20,8 @@ Fixtures:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -54,13 +52,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    """Linux: the server gets SIGTERM if pytest dies without running finalizers."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def dying_with_parent(argv: list[str]) -> list[str]:
+    """``argv``, run so that it gets SIGTERM if pytest dies without running its
+    finalizers (Linux: util-linux's ``setpriv --pdeathsig``).
 
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    Not a ``preexec_fn``: that makes subprocess fork() and run Python in the
+    child, and in a test process that has used gRPC (aetcd, the Envoy tests)
+    the fork runs gRPC's fork handlers, which once killed the child before its
+    exec (CI: "etcd exited on start" with a gRPC epoll error in its log, and
+    every etcd test of that worker failed). Without one, subprocess starts the
+    child with vfork and exec, which runs no fork handlers.
+    """
+    setpriv = shutil.which("setpriv")
+    if sys.platform.startswith("linux") and setpriv is not None:
+        return [setpriv, "--pdeathsig", "TERM", "--", *argv]
+    return argv
 
 
 class RedisServer:
@@ -123,11 +129,10 @@ class RedisServer:
             *self.extra_args,
         ]
         self.process = subprocess.Popen(
-            args,
+            dying_with_parent(args),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while True:

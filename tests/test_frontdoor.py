@@ -8,7 +8,6 @@ connections never starve working clients.
 from __future__ import annotations
 
 import json
-import resource
 import socket
 import time
 from collections.abc import Iterator
@@ -114,8 +113,9 @@ def test_slow_headers_are_cut_off_and_huge_headers_refused(cluster: tuple[str, s
         assert client.get(f"{router}/hello", headers={"X-User-Id": "a"}).status_code == 200
 
 
-def _low_fd_limit() -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+#: The router under a descriptor limit of 256 (util-linux's prlimit, not a preexec_fn:
+#: see tests.redis_server.dying_with_parent).
+LOW_FD_LIMIT = ("prlimit", "--nofile=256:256", "--")
 
 
 def test_idle_connections_do_not_starve_requests_under_a_low_fd_limit(
@@ -125,7 +125,7 @@ def test_idle_connections_do_not_starve_requests_under_a_low_fd_limit(
     still succeed (the longest-idle connections make room), never a reset."""
     _, node = procs.node("n1", None, *RULE)
     router_proc, router = procs.router(
-        free_port(), "--node", f"n1={node}", *RULE, preexec_fn=_low_fd_limit
+        free_port(), "--node", f"n1={node}", *RULE, launcher=LOW_FD_LIMIT
     )
     port = port_of(router)
     idle: list[socket.socket] = []
