@@ -38,6 +38,7 @@ BACKENDS = ("memory", "redis")
 #: costs milliseconds, and configurable (``--redis-timeout``) because a
 #: CPU-starved node can miss it with Redis healthy (docs/redis.md).
 REDIS_TIMEOUT = 0.1
+MIN_REDIS_TIMEOUT = 0.001
 MAX_REDIS_TIMEOUT = 60.0
 BALANCES = ("sticky", "round-robin")
 SHOW_KEYS = ("plain", "hashed")

@@ -163,7 +163,8 @@ class RedisBackend:
 
     ``timeout`` bounds connecting and each reply (``connect_timeout``
     overrides the first). At most ``max_connections`` calls are in Redis at
-    once; more wait in a queue, for at most ``queue_timeout``: that wait is
+    once; more wait in a queue, for at most ``queue_timeout`` (by default 1 s,
+    or twice ``timeout`` if that is longer): that wait is
     this process's own load, not Redis's, so it is not held to ``timeout``
     (a burst of a thousand checks would otherwise look like an outage). A call
     that was queued while another found Redis unavailable fails at once
@@ -189,7 +190,7 @@ class RedisBackend:
         timeout: float = REDIS_TIMEOUT,
         connect_timeout: float | None = None,
         max_connections: int = 64,
-        queue_timeout: float = 1.0,
+        queue_timeout: float | None = None,
         ttl_slack: float = 0.0,
         pipeline: bool = False,
         pipeline_depth: int = 1,
@@ -197,6 +198,11 @@ class RedisBackend:
     ) -> None:
         if not prefix or "{" in prefix or "}" in prefix:
             raise ValueError(f"prefix {prefix!r} must be non-empty and free of braces")
+        if queue_timeout is None:
+            # A queued check waits for the call (or round trip) ahead of it, which
+            # may take up to ``timeout``: a slow but healthy Redis must not look
+            # overloaded before it looks slow.
+            queue_timeout = max(1.0, 2 * timeout)
         if min(timeout, queue_timeout, connect_timeout or timeout) <= 0:
             raise ValueError("timeouts must be positive")
         if max_connections < 1:

@@ -33,6 +33,10 @@ MAX_REPLICAS = 3
 
 MAX_LIMIT = 10**9
 MAX_PERIOD = 366 * 86400.0
+#: The shortest period (1 ms, the smallest unit): window starts are moved a period
+#: at a time, and a period below a Unix time's float spacing (about 2.4e-7 s
+#: today) would never move them (node.algorithms._aligned, _advance).
+MIN_PERIOD = 0.001
 MAX_NAME = 64
 #: The sliding log keeps one timestamp per admitted unit; this bounds its memory.
 MAX_LOG_LIMIT = 100_000
@@ -92,8 +96,8 @@ def parse_period(text: str) -> float:
     if seconds is None:
         raise RuleError(f"unknown time unit {unit!r} in {text!r}: use ms, s, m, h or d")
     period = (float(count) if count else 1.0) * seconds
-    if not 0 < period <= MAX_PERIOD:
-        raise RuleError(f"period {text!r} must be above 0 and at most 366 days")
+    if not MIN_PERIOD <= period <= MAX_PERIOD:
+        raise RuleError(f"period {text!r} must be at least 1 ms and at most 366 days")
     return period
 
 
@@ -151,8 +155,10 @@ class Rule:
         if not 1 <= self.limit <= MAX_LIMIT:
             raise RuleError(f"rule {self.name!r}: limit must be 1..{MAX_LIMIT}, got {self.limit}")
         period = float(self.period)
-        if not (math.isfinite(period) and 0 < period <= MAX_PERIOD):
-            raise RuleError(f"rule {self.name!r}: period must be in (0, 366 days], got {period}")
+        if not (math.isfinite(period) and MIN_PERIOD <= period <= MAX_PERIOD):
+            raise RuleError(
+                f"rule {self.name!r}: period must be from 1 ms to 366 days, got {period}"
+            )
         object.__setattr__(self, "period", period)
         object.__setattr__(self, "algorithm", normalize_algorithm(self.algorithm))
         burst = self.burst or self.limit

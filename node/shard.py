@@ -63,8 +63,8 @@ log = logging.getLogger("ringlimit.node")
 #: receiver decodes, checks and applies in ~50 ms, so its event loop never
 #: stalls for a whole million-key transfer, and a failure resends one chunk.
 CHUNK = 50_000
-#: An outbox of this many states is kept out of the cyclic GC's collections
-#: (``gc.freeze()``) until it is delivered.
+#: With an outbox of this many states the heap is frozen out of the cyclic GC's
+#: collections (``gc.freeze()``) until it is delivered.
 FREEZE_AT = 10_000
 #: Chunks of one handoff in flight at once: two keep sender and receiver busy together.
 WINDOW = 2
@@ -101,8 +101,10 @@ class Shard:
         #: Pulls under way, by key: a second request for the key waits for the first.
         self._pulling: dict[str, asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        #: The heap was frozen (``gc.freeze()``) for an outbox still on its way.
+        #: The heap was frozen (``gc.freeze()``) for an outbox still on its way;
+        #: and whether the process had frozen it before (node.memory.tune_gc).
         self._frozen = False
+        self._frozen_before = False
 
     # ------------------------------------------------------------------ the core's state
 
@@ -240,13 +242,17 @@ class Shard:
         """
         with bulk():  # the outbox: a record (two lists) per state that moves away
             handed_back = self.core.apply(view, previous, crashed, self.clock(), self.timer())
-            if sum(map(len, self.core.outbox.values())) >= FREEZE_AT:
+            outbox = self.core.outbox
+            if handed_back is not None and sum(map(len, outbox.values())) >= FREEZE_AT:
                 # The outbox lives until delivered, seconds; every collection in
                 # the meantime would walk its millions of lists (measured: 300k
                 # allocations after a 1M-key export took 0.57 s with it walked,
-                # 0.06 s with it frozen). Unfrozen once delivered (deliver()).
+                # 0.06 s with it frozen). gc.freeze() freezes the whole heap, the
+                # outbox with it; deliver() restores the process's policy.
+                if not self._frozen:
+                    self._frozen = True
+                    self._frozen_before = gc.get_freeze_count() > 0
                 gc.freeze()
-                self._frozen = True
         if handed_back:
             log.warning(
                 "removed from the ring while away: handing %d state(s) back to their owners",
@@ -313,13 +319,26 @@ class Shard:
         try:
             await asyncio.gather(*(send(t) for t in self.core.transfers(self.clock())))
         finally:
-            if self._frozen and not self.core.outbox and not self.core.in_flight:
-                # Delivered (or kept for pulls): the cyclic GC sees everything again,
-                # and collects whatever cyclic garbage the freeze held back.
-                self._frozen = False
-                gc.unfreeze()
+            if self._frozen and not self.core.in_flight:
+                self._thaw()
             self.core.stats.last_transfer_seconds = self.timer() - started
         return sent
+
+    def _thaw(self) -> None:
+        """Nothing is on its way any more (delivered, or back in the outbox for
+        pulls): undo the freeze of :meth:`apply`.
+
+        ``gc.unfreeze()`` thaws everything frozen, also what a server froze at
+        start (node.memory.tune_gc) for good; then, as tune_gc does, one full
+        collection (the outbox is gone by now: it walks the process's
+        long-lived objects, and frees any cycle that died while frozen) and the
+        heap is frozen again.
+        """
+        self._frozen = False
+        gc.unfreeze()
+        if self._frozen_before:
+            gc.collect()
+            gc.freeze()
 
     async def _send_chunk(self, chunk: Transfer) -> None:
         """One chunk of a handoff, tried three times; ``PeerError`` if it never lands."""

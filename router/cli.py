@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import math
 import os
 import socket
 import sys
@@ -28,6 +27,7 @@ from node.config import (
     BACKENDS,
     BALANCES,
     MAX_REDIS_TIMEOUT,
+    MIN_REDIS_TIMEOUT,
     REBALANCE_POLICIES,
     REDIS_TIMEOUT,
     ClusterConfig,
@@ -456,15 +456,16 @@ def _redis_pipeline(args: argparse.Namespace) -> bool:
 def _redis_timeout(args: argparse.Namespace) -> float:
     """``--redis-timeout`` (or ``RINGLIMIT_REDIS_TIMEOUT``), checked here for the same
     reason as ``--redis-pipeline``: an environment default is not parsed by argparse."""
+    problem = ValueError(
+        f"--redis-timeout (or RINGLIMIT_REDIS_TIMEOUT) must be seconds from "
+        f"{MIN_REDIS_TIMEOUT:g} to {MAX_REDIS_TIMEOUT:g}, got {args.redis_timeout!r}"
+    )
     try:
         timeout = float(args.redis_timeout)
     except ValueError:
-        timeout = math.nan
-    if not 0 < timeout <= MAX_REDIS_TIMEOUT:
-        raise ValueError(
-            f"--redis-timeout (or RINGLIMIT_REDIS_TIMEOUT) must be seconds in "
-            f"(0, {MAX_REDIS_TIMEOUT:g}], got {args.redis_timeout!r}"
-        )
+        raise problem from None
+    if not MIN_REDIS_TIMEOUT <= timeout <= MAX_REDIS_TIMEOUT:
+        raise problem
     return timeout
 
 

@@ -8,6 +8,7 @@ connections never starve working clients.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -118,6 +119,7 @@ def test_slow_headers_are_cut_off_and_huge_headers_refused(cluster: tuple[str, s
 LOW_FD_LIMIT = ("prlimit", "--nofile=256:256", "--")
 
 
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
 def test_idle_connections_do_not_starve_requests_under_a_low_fd_limit(
     procs: Procs,  # noqa: F811
 ) -> None:

@@ -224,37 +224,56 @@ async def test_leave_hands_everything_off_and_drops_the_node() -> None:
         assert [n["id"] for n in ring["nodes"]] == ["n1", "n2", "n4"]
 
 
-async def test_a_large_outbox_is_frozen_out_of_gc_until_delivered(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("frozen_at_start", "delivered"), [(False, True), (True, True), (False, False)]
+)
+async def test_a_large_outbox_is_frozen_out_of_gc_while_it_travels(
+    monkeypatch: pytest.MonkeyPatch, frozen_at_start: bool, delivered: bool
 ) -> None:
-    """The leaving node's outbox is kept out of the cyclic GC's collections
-    (``gc.freeze()``) while it travels, and the heap is unfrozen once it landed:
-    a freeze left behind would keep cyclic garbage for ever."""
+    """The leaving node freezes the heap (``gc.freeze()``) while its outbox
+    travels, and thaws it once nothing is on its way: delivered, or refused and
+    kept for pulls (a freeze left behind keeps cyclic garbage for ever). A
+    process that had frozen its heap at start (node.memory.tune_gc) has it
+    frozen again afterwards, not thawed for good."""
     import node.shard
 
     monkeypatch.setattr(node.shard, "FREEZE_AT", 5)
     assert gc.get_freeze_count() == 0
     clock = FrozenClock()
-    async with InProcessCluster(3, make_config(), clock=clock) as cluster:
-        tally = await exhaust(cluster)
-        receivers = [n for n in cluster.nodes.values() if n.shard and n is not cluster.nodes["n3"]]
-        frozen_while_received: list[int] = []
-        for receiver in receivers:
-            assert receiver.shard is not None
-            receive = receiver.shard.receive
+    try:
+        async with InProcessCluster(3, make_config(), clock=clock) as cluster:
+            tally = await exhaust(cluster)
+            if frozen_at_start:
+                gc.freeze()
+            leaving = cluster.nodes["n3"].shard
+            assert leaving is not None
+            seen: list[tuple[int, bool]] = []
+            for receiver in (n for n in cluster.nodes.values() if n is not cluster.nodes["n3"]):
+                assert receiver.shard is not None
+                receive = receiver.shard.receive
 
-            def noting(sender: str, *args: Any, receive: Any = receive) -> int:
-                if sender == "n3":  # (the others send final marks only: nothing to freeze)
-                    frozen_while_received.append(gc.get_freeze_count())
-                return int(receive(sender, *args))
+                def noting(sender: str, *args: Any, receive: Any = receive) -> int:
+                    if sender == "n3":  # (the others send final marks only)
+                        seen.append((gc.get_freeze_count(), leaving._frozen))
+                        if not delivered:
+                            raise ValueError("refused (the test's fault)")
+                    return int(receive(sender, *args))
 
-            monkeypatch.setattr(receiver.shard, "receive", noting)
-        assert len(cluster.nodes["n3"].store) >= 5
-        await cluster.remove_node("n3")
-        assert frozen_while_received and all(frozen_while_received), frozen_while_received
-        assert gc.get_freeze_count() == 0
-        await send(cluster.client, tally, USERS, 2)
-        assert tally.excess() == 0, tally.over()
+                monkeypatch.setattr(receiver.shard, "receive", noting)
+            assert len(cluster.nodes["n3"].store) >= 5
+            await cluster.remove_node("n3")
+            # Frozen while the states travelled (the count alone says so only when
+            # nothing was frozen before).
+            assert seen and all(frozen and count > 0 for count, frozen in seen), seen
+            assert not leaving._frozen
+            assert (gc.get_freeze_count() > 0) == frozen_at_start
+            if delivered:
+                await send(cluster.client, tally, USERS, 2)
+                assert tally.excess() == 0, tally.over()
+            else:
+                assert any(leaving.core.outbox.values())  # kept for pulls
+    finally:
+        gc.unfreeze()
 
 
 async def test_admin_api_join_and_leave() -> None:

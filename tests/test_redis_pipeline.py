@@ -261,9 +261,12 @@ def test_nodes_pipeline_by_default_and_off_is_the_naive_baseline(
     monkeypatch.delenv("RINGLIMIT_REDIS_TIMEOUT", raising=False)
     assert backend_for("--backend", "redis").pipelined
     assert backend_for("--backend", "redis").timeout == 0.1
+    assert backend_for("--backend", "redis").queue_timeout == 1.0
     assert backend_for("--backend", "redis", "--redis-timeout", "0.5").timeout == 0.5
     monkeypatch.setenv("RINGLIMIT_REDIS_TIMEOUT", "2")
     assert backend_for("--backend", "redis").timeout == 2.0
+    # A queued check may wait for a call ahead of it: never held to less than that.
+    assert backend_for("--backend", "redis").queue_timeout == 4.0
     assert not backend_for("--backend", "redis", "--redis-pipeline", "off").pipelined
     # `ringlimit up` hands the choice to its nodes through the environment.
     monkeypatch.setenv("RINGLIMIT_REDIS_PIPELINE", "off")
