@@ -68,3 +68,28 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLD)
+
+
+#: Holders of :func:`freeze_for_transfer` not yet released (the GC is process-wide:
+#: so is this count, for in-process clusters of several nodes).
+_transfers = [0]
+
+
+def freeze_for_transfer() -> None:
+    """Freeze the heap while a handoff's outbox travels (node/shard.py): millions
+    of records that live for seconds, which every collection would walk."""
+    _transfers[0] += 1
+    gc.freeze()
+
+
+def thaw_after_transfer() -> None:
+    """The end of one :func:`freeze_for_transfer`. After the last one, the heap
+    is thawed (``gc.unfreeze()`` thaws everything, also what :func:`tune_gc`
+    froze) and, in a process that had called :func:`tune_gc` (its threshold
+    says so), tuned again: one full collection, then frozen again."""
+    _transfers[0] -= 1
+    if _transfers[0] > 0:
+        return
+    gc.unfreeze()
+    if gc.get_threshold() == GC_THRESHOLD:
+        tune_gc()

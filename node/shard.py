@@ -27,6 +27,7 @@ from node.clock import Clock, boot_clock
 from node.config import ClusterConfig
 from node.failures import Failures
 from node.lease import Lease
+from node.memory import freeze_for_transfer, thaw_after_transfer
 from node.peers import PeerError, Peers, bulk
 from node.rules import Rule
 from node.shardcore import (
@@ -101,10 +102,8 @@ class Shard:
         #: Pulls under way, by key: a second request for the key waits for the first.
         self._pulling: dict[str, asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        #: The heap was frozen (``gc.freeze()``) for an outbox still on its way;
-        #: and whether the process had frozen it before (node.memory.tune_gc).
+        #: This shard holds the heap frozen for an outbox still on its way.
         self._frozen = False
-        self._frozen_before = False
 
     # ------------------------------------------------------------------ the core's state
 
@@ -247,12 +246,13 @@ class Shard:
                 # The outbox lives until delivered, seconds; every collection in
                 # the meantime would walk its millions of lists (measured: 300k
                 # allocations after a 1M-key export took 0.57 s with it walked,
-                # 0.06 s with it frozen). gc.freeze() freezes the whole heap, the
-                # outbox with it; deliver() restores the process's policy.
+                # 0.06 s with it frozen). The whole heap is frozen, the outbox
+                # with it; deliver() restores the process's policy.
                 if not self._frozen:
                     self._frozen = True
-                    self._frozen_before = gc.get_freeze_count() > 0
-                gc.freeze()
+                    freeze_for_transfer()
+                else:
+                    gc.freeze()  # this outbox too (the hold is already ours)
         if handed_back:
             log.warning(
                 "removed from the ring while away: handing %d state(s) back to their owners",
@@ -320,25 +320,11 @@ class Shard:
             await asyncio.gather(*(send(t) for t in self.core.transfers(self.clock())))
         finally:
             if self._frozen and not self.core.in_flight:
-                self._thaw()
+                # Nothing on its way any more (delivered, or back in the outbox for pulls).
+                self._frozen = False
+                thaw_after_transfer()
             self.core.stats.last_transfer_seconds = self.timer() - started
         return sent
-
-    def _thaw(self) -> None:
-        """Nothing is on its way any more (delivered, or back in the outbox for
-        pulls): undo the freeze of :meth:`apply`.
-
-        ``gc.unfreeze()`` thaws everything frozen, also what a server froze at
-        start (node.memory.tune_gc) for good; then, as tune_gc does, one full
-        collection (the outbox is gone by now: it walks the process's
-        long-lived objects, and frees any cycle that died while frozen) and the
-        heap is frozen again.
-        """
-        self._frozen = False
-        gc.unfreeze()
-        if self._frozen_before:
-            gc.collect()
-            gc.freeze()
 
     async def _send_chunk(self, chunk: Transfer) -> None:
         """One chunk of a handoff, tried three times; ``PeerError`` if it never lands."""

@@ -454,8 +454,8 @@ def _redis_pipeline(args: argparse.Namespace) -> bool:
 
 
 def _redis_timeout(args: argparse.Namespace) -> float:
-    """``--redis-timeout`` (or ``RINGLIMIT_REDIS_TIMEOUT``), checked here for the same
-    reason as ``--redis-pipeline``: an environment default is not parsed by argparse."""
+    """``--redis-timeout`` (or ``RINGLIMIT_REDIS_TIMEOUT``), checked here so that a
+    bad value from either place is the same one-line error, bounds included."""
     problem = ValueError(
         f"--redis-timeout (or RINGLIMIT_REDIS_TIMEOUT) must be seconds from "
         f"{MIN_REDIS_TIMEOUT:g} to {MAX_REDIS_TIMEOUT:g}, got {args.redis_timeout!r}"
@@ -791,9 +791,7 @@ def _run_node(args: argparse.Namespace) -> int:
     )
 
 
-def _redis_backend(
-    url: str, config: ClusterConfig, *, pipeline: bool = True, timeout: float = REDIS_TIMEOUT
-) -> Backend:
+def _redis_backend(url: str, config: ClusterConfig, *, pipeline: bool, timeout: float) -> Backend:
     from node.backend import MemoryBackend
     from node.clock import system_clock
     from node.redis_backend import FallbackBackend, RedisBackend

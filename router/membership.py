@@ -89,21 +89,27 @@ async def _cancel_within(tasks: Iterable[asyncio.Future[Any]], seconds: float, w
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     pending: set[asyncio.Future[Any]] = set(every)
+    # The first wait is long enough for a task's own cleanup (closing a gRPC
+    # channel): a second cancellation must not cut that short.
+    wait = RECANCEL_AFTER
     while pending:
         for task in pending:
             task.cancel()
         left = deadline - loop.time()
         if left <= 0:
             break
-        _, pending = await asyncio.wait(pending, timeout=min(RECANCEL, left))
+        _, pending = await asyncio.wait(pending, timeout=min(wait, left))
+        wait = RECANCEL
     for task in every:
         if task.done() and not task.cancelled():
             task.exception()  # retrieved: a task that failed as it stopped is not news
     if pending:
-        log.warning("%d %s task(s) did not stop within %.0f s", len(pending), what, seconds)
+        log.warning("%d %s task(s) did not stop within %g s", len(pending), what, seconds)
 
 
-#: How often :func:`_cancel_within` cancels again a task that has not stopped (seconds).
+#: When :func:`_cancel_within` first cancels again a task that has not stopped,
+#: and how often after that (seconds).
+RECANCEL_AFTER = 1.0
 RECANCEL = 0.1
 
 

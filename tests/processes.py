@@ -6,6 +6,7 @@ stops it (SIGTERM, then SIGKILL) when the test ends, whatever happened.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -24,7 +25,7 @@ from router.processes import (
     wait_ready,
 )
 
-__all__ = ["ROOT", "Proc", "Procs", "free_port", "procs", "wait_for", "wait_healthy"]
+__all__ = ["ROOT", "Proc", "Procs", "free_port", "procs", "wait_for", "wait_healthy", "wait_until"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,6 +129,15 @@ def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:  # type
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+async def wait_until(predicate, seconds: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    """:func:`wait_for` inside an event loop (in-process tests), failing if never true."""
+    for _ in range(int(seconds / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    assert predicate(), "condition not met in time"
 
 
 @pytest.fixture

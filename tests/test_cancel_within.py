@@ -58,6 +58,6 @@ async def test_a_task_that_never_stops_is_left_after_the_bound(
     with caplog.at_level(logging.WARNING, logger="ringlimit.router"):
         await _cancel_within([task], 0.3, "test")
     assert not task.done()
-    assert "1 test task(s) did not stop within 0 s" in caplog.text
+    assert "1 test task(s) did not stop within 0.3 s" in caplog.text
     release.set()
     await asyncio.wait_for(task, timeout=5.0)

@@ -30,6 +30,7 @@ from router.coordinator import (
 from router.membership import Membership, MembershipError, _cancel_within
 from router.testing import ROUTER_URL, InProcessCluster, node_url
 from tests.etcd_server import EtcdServer
+from tests.processes import wait_until
 from tests.test_rebalancing import LIMIT, USERS, Tally, make_config, send
 
 pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
@@ -44,14 +45,6 @@ def anyio_backend() -> str:
 
 def coordinator(endpoint: str, ttl: float = 2.0) -> EtcdCoordinator:
     return EtcdCoordinator(parse_endpoints(endpoint), cluster="test", ttl=ttl)
-
-
-async def wait_until(predicate, seconds: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(seconds / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    assert predicate(), "condition not met in time"
 
 
 async def cancel_until_done(tasks: list[asyncio.Task[Any]]) -> None:

@@ -14,7 +14,8 @@ from router.app import Router
 from router.coordinator import ViewRecord
 from router.membership import Membership, MembershipError
 from router.testing import ROUTER_URL, InProcessCluster, node_url
-from tests.test_coordinator import SECOND, coordinator, options, stop_coordination, wait_until
+from tests.processes import wait_until
+from tests.test_coordinator import SECOND, coordinator, options, stop_coordination
 from tests.test_rebalancing import make_config
 
 pytestmark = [pytest.mark.anyio, pytest.mark.etcd]

@@ -14,6 +14,7 @@ from ring import Member
 from router.app import Router
 from router.membership import MembershipError
 from router.testing import ROUTER_URL, InProcessCluster, node_url
+from tests.processes import wait_until
 from tests.test_rebalancing import make_config
 
 pytestmark = pytest.mark.anyio
@@ -62,11 +63,7 @@ async def test_a_follower_leaves_a_restarted_node_to_the_leader() -> None:
             # The follower polls the leader (every 0.05 s): the request may have been
             # answered under the crash's view (epoch 2) before it read the rejoin's
             # (CI, two busy workers). It catches up; it never makes a view itself.
-            for _ in range(100):  # at most 5 s
-                if second.membership.view == leader.view:
-                    break
-                await asyncio.sleep(0.05)
-            assert second.membership.view == leader.view
+            await wait_until(lambda: second.membership.view == leader.view, 5.0)
             assert second.membership.crashes == 0
         finally:
             await second.close()

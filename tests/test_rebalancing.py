@@ -236,15 +236,17 @@ async def test_a_large_outbox_is_frozen_out_of_gc_while_it_travels(
     process that had frozen its heap at start (node.memory.tune_gc) has it
     frozen again afterwards, not thawed for good."""
     import node.shard
+    from node.memory import tune_gc
 
     monkeypatch.setattr(node.shard, "FREEZE_AT", 5)
     assert gc.get_freeze_count() == 0
+    threshold = gc.get_threshold()
     clock = FrozenClock()
     try:
         async with InProcessCluster(3, make_config(), clock=clock) as cluster:
             tally = await exhaust(cluster)
             if frozen_at_start:
-                gc.freeze()
+                tune_gc()  # what a server process does once started
             leaving = cluster.nodes["n3"].shard
             assert leaving is not None
             seen: list[tuple[int, bool]] = []
@@ -274,6 +276,7 @@ async def test_a_large_outbox_is_frozen_out_of_gc_while_it_travels(
                 assert any(leaving.core.outbox.values())  # kept for pulls
     finally:
         gc.unfreeze()
+        gc.set_threshold(*threshold)
 
 
 async def test_admin_api_join_and_leave() -> None:
