@@ -138,14 +138,11 @@ def _throughput_targets(rows: dict[str, dict[str, Any]]) -> list[Target]:
     limited = rows.get("direct_limited")
     if limited and direct:
         # The node target at equal load: both nodes straight from wrk, no router.
-        ours, floor = limited["cpu_us"].get("nodes"), direct["cpu_us"].get("nodes")
         out.append(
-            Target(
+            _node_vs_floor(
                 "node CPU per limited request vs the floor's, both straight from wrk (equal load)",
-                _div(ours, floor),
-                1.3,
-                at_most=True,
-                detail=f"{_fmt(ours)} vs {_fmt(floor)} us",
+                limited,
+                direct,
             )
         )
     if sticky and redis:
@@ -210,14 +207,9 @@ def _proxy_targets(
         out.append(
             Target(f"router+sticky{how} req/s vs direct-to-node floor", sticky["vs_direct"], 0.5)
         )
-        floor_cpu = direct["cpu_us"].get("nodes")
         out.append(
-            Target(
-                f"node CPU per limited, proxied request{how} vs the direct floor's",
-                _div(sticky["cpu_us"].get("nodes"), floor_cpu),
-                1.3,
-                at_most=True,
-                detail=f"{_fmt(sticky['cpu_us'].get('nodes'))} vs {_fmt(floor_cpu)} us",
+            _node_vs_floor(
+                f"node CPU per limited, proxied request{how} vs the direct floor's", sticky, direct
             )
         )
     if sticky:
@@ -232,6 +224,14 @@ def _proxy_targets(
             )
         )
     return out
+
+
+def _node_vs_floor(name: str, row: dict[str, Any], direct: dict[str, Any]) -> Target:
+    """Issue 15's node goal: ``row``'s node CPU per request <= 1.3x the floor's."""
+    ours, floor = row["cpu_us"].get("nodes"), direct["cpu_us"].get("nodes")
+    return Target(
+        name, _div(ours, floor), 1.3, at_most=True, detail=f"{_fmt(ours)} vs {_fmt(floor)} us"
+    )
 
 
 def _engine_targets(engine: dict[str, Any]) -> list[Target]:

@@ -58,17 +58,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def die_with_parent(parent: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets its own process group (a terminal's Ctrl-C
-    reaches the parent alone, which stops the children in order), and SIGKILL
-    when the parent dies (Linux), so no child outlives a parent killed with
-    ``kill -9``. ``parent`` is the parent's pid, read before the fork."""
+def die_with_parent(
+    parent: int, *, signum: int = signal.SIGKILL, own_group: bool = True
+) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets ``signum`` when the parent dies (Linux), so
+    no child outlives a parent killed with ``kill -9``; with ``own_group`` it also
+    gets a process group of its own (a terminal's Ctrl-C reaches the parent
+    alone, which stops the children in order). ``parent`` is the parent's pid,
+    read before the fork.
 
-    def setup() -> None:
-        os.setpgrp()
+    Only for a parent that runs no threads (the supervisors of ``ringlimit up``
+    and ``ringlimit router --workers``): a ``preexec_fn`` runs Python between
+    fork and exec. The tests start their children with ``setpriv --pdeathsig``
+    instead (tests/redis_server.py).
+    """
+
+    def setup() -> None:  # pragma: no cover - runs in the child
+        if own_group:
+            os.setpgrp()
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            libc.prctl(PR_SET_PDEATHSIG, signum)
         if os.getppid() != parent:  # the parent died before the prctl took effect
             os._exit(1)
 

@@ -47,6 +47,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 
+from router.processes import die_with_parent
+
 #: Environment of a worker: its index, inherited socket fds and the leader's URL.
 WORKER_ENV = "RINGLIMIT_WORKER"
 #: A worker that exits this soon after its start counts towards a crash loop.
@@ -137,15 +139,6 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    """Linux: a worker gets SIGTERM if the supervisor dies (kill -9) without stopping it."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
 @dataclass
 class _Worker:
     index: int
@@ -202,7 +195,8 @@ class Supervisor:
                 [sys.executable, "-m", "router", *self.argv],
                 env={**os.environ, WORKER_ENV: role.encode()},
                 pass_fds=(public.fileno(), worker.admin.fileno()),
-                preexec_fn=_die_with_parent,  # no threads in this process
+                # A worker gets SIGTERM if the supervisor dies (kill -9) without stopping it.
+                preexec_fn=die_with_parent(os.getpid(), signum=signal.SIGTERM, own_group=False),
             )
         finally:
             public.close()  # the worker holds it now; when it dies, so does its socket

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -13,7 +16,7 @@ HUNG = """
 import signal, time
 import pytest
 
-@pytest.mark.timeout(1)
+{mark}
 def test_hangs_where_no_signal_reaches_it():
     # pytest-timeout's SIGALRM is blocked, as if the loop were stuck in C.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
@@ -21,15 +24,28 @@ def test_hangs_where_no_signal_reaches_it():
 """
 
 
-def test_a_hang_beyond_pytest_timeout_ends_its_process(tmp_path: Path) -> None:
-    (tmp_path / "test_hung.py").write_text(HUNG)
+@pytest.mark.parametrize(
+    ("mark", "options", "env"),
+    [
+        pytest.param("@pytest.mark.timeout(1)", [], {}, id="mark"),
+        pytest.param("@pytest.mark.timeout(timeout=1)", [], {}, id="mark-keyword"),
+        pytest.param("", ["--timeout", "1"], {}, id="command-line"),
+        pytest.param("", [], {"PYTEST_TIMEOUT": "1"}, id="environment"),
+    ],
+)
+def test_a_hang_beyond_pytest_timeout_ends_its_process(
+    tmp_path: Path, mark: str, options: list[str], env: dict[str, str]
+) -> None:
+    """However the timeout is given, the watchdog uses the one pytest-timeout settled on."""
+    (tmp_path / "test_hung.py").write_text(HUNG.replace("{mark}", mark))
     started = time.monotonic()
     done = subprocess.run(
         [
-            *(sys.executable, "-m", "pytest", "-n", "0", "-p", "tests.watchdog"),
+            *(sys.executable, "-m", "pytest", "-n", "0", "-p", "tests.watchdog", *options),
             *("-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)),
         ],
         cwd=ROOT,
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=50,

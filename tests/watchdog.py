@@ -2,9 +2,10 @@
 
 pytest-timeout's signal method raises in the main thread, which an event loop
 stuck where no Python code runs never sees (one such hang stalled the whole
-suite). Here a C thread (``faulthandler.dump_traceback_later``) watches every
-test, setup and teardown included: still running at twice its timeout, it
-prints every thread's stack and ends the process. Under pytest-xdist the
+suite). Here a C thread (``faulthandler.dump_traceback_later``) watches what
+pytest-timeout watches, armed through its timer hooks so that it uses the
+timeout pytest-timeout settled on however it was given: still running at
+twice that, it prints every thread's stack and ends the process. Under pytest-xdist the
 worker dies, the test is reported as crashed and a new worker takes the rest,
 so CI fails in minutes rather than at its own limit.
 """
@@ -14,8 +15,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
-from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any
 
 import pytest
 
@@ -35,24 +35,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         del config.stash[_STDERR]
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    seconds = 2 * _timeout(item)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    """Armed where pytest-timeout arms its own timer, with the timeout it found
+    (``--timeout``, ``PYTEST_TIMEOUT``, the ini file or the test's mark, whichever
+    rules), over the span it covers (the whole protocol, or the call alone with
+    ``timeout_func_only``). Returns None: pytest-timeout's own timer still runs."""
+    seconds = 2 * float(settings.timeout or 0)
     if seconds > 0:
         faulthandler.dump_traceback_later(seconds, exit=True, file=item.config.stash[_STDERR])
-    try:
-        yield
-    finally:
-        if seconds > 0:
-            faulthandler.cancel_dump_traceback_later()
 
 
-def _timeout(item: pytest.Item) -> float:
-    """The test's pytest-timeout: its ``timeout`` mark, else the ini setting."""
-    marker = item.get_closest_marker("timeout")
-    try:
-        if marker is not None and marker.args:
-            return float(marker.args[0])
-        return float(item.config.getini("timeout") or 0)
-    except (ValueError, TypeError):
-        return 0.0
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    faulthandler.cancel_dump_traceback_later()
