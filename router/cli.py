@@ -259,7 +259,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     _config_arguments(router)
     _envoy_arguments(router)
-    _backend_arguments(router)
+    _backend_arguments(router, connects=False)
     _front_door_arguments(router)
     router.add_argument("-v", "--verbose", action="store_true")
     router.set_defaults(run=_run_router)
@@ -418,9 +418,23 @@ def _fronting_arguments(parser: argparse.ArgumentParser) -> None:
     choice.add_argument("--app", metavar="MODULE:ATTR", help="serve this ASGI application")
 
 
-def _backend_arguments(parser: argparse.ArgumentParser) -> None:
+def _backend_arguments(parser: argparse.ArgumentParser, *, connects: bool = True) -> None:
+    """``connects``: the command starts nodes, which talk to Redis. A router never
+    does (it only balances differently in Redis mode), so it takes no ``--redis-*``
+    flag rather than one it would ignore."""
     group = parser.add_argument_group("backend")
-    group.add_argument("--backend", choices=BACKENDS, help="memory (default) or redis")
+    group.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="memory (default) or redis"
+        + ("" if connects else " (the nodes' backend: redis balances round-robin)"),
+    )
+    if connects:
+        _redis_arguments(group)
+    group.add_argument("--balance", choices=BALANCES, help="sticky (default) or round-robin")
+
+
+def _redis_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--redis-url", default=os.environ.get("RINGLIMIT_REDIS_URL", "redis://127.0.0.1:6379/0")
     )
@@ -439,7 +453,6 @@ def _backend_arguments(parser: argparse.ArgumentParser) -> None:
         f"decides locally and treats Redis as down until a probe answers "
         f"(default {REDIS_TIMEOUT})",
     )
-    group.add_argument("--balance", choices=BALANCES, help="sticky (default) or round-robin")
 
 
 def _redis_pipeline(args: argparse.Namespace) -> bool:

@@ -258,3 +258,20 @@ def test_bench_with_a_node_that_cannot_start_is_one_line() -> None:
     )
     line = one_line_failure(result, "ringlimit bench:")
     assert "exited" in line or "not ready" in line, line
+
+
+@pytest.mark.parametrize(
+    "flag", [["--redis-url", "redis://127.0.0.1:1/0"], ["--redis-pipeline", "off"]]
+)
+def test_a_router_takes_no_redis_connection_flag(
+    flag: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A router never talks to Redis: a flag it would ignore is refused, not accepted."""
+    from router.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["router", "--backend", "redis", *flag])
+    assert exited.value.code == 2
+    assert f"unrecognized arguments: {flag[0]}" in capsys.readouterr().err
+    for command in (["node", "--id", "n1", "--port", "1"], ["up"]):  # the nodes take it
+        assert build_parser().parse_args([*command, "--backend", "redis", *flag]).backend == "redis"
