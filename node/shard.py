@@ -20,7 +20,6 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from node.clock import Clock, boot_clock
@@ -308,8 +307,7 @@ class Shard:
                     rest = [
                         r for i in range(len(chunks)) if i not in arrived for r in chunks[i].records
                     ]
-                    self.core.delivered(replace(transfer, records=done))
-                    self.core.undelivered(replace(transfer, records=rest), self.clock())
+                    self.core.partly_delivered(transfer, done, rest, self.clock())
                 landed = True
             finally:
                 if not landed:

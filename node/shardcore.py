@@ -295,8 +295,12 @@ class ShardCore:
         self.finals: dict[int, set[str]] = {}
         #: States waiting to be sent to their new owner, by member.
         self.outbox: dict[str, list[Record]] = {}
-        #: Keys being delivered right now, by receiving member (see serve_pull).
-        self.in_flight: dict[str, set[str]] = {}
+        #: States being delivered right now, by receiving member (see serve_pull):
+        #: each transfer's record list, known by identity until it lands.
+        self.in_flight: dict[str, list[list[Record]]] = {}
+        #: Their keys, collected only when a pull asks (most handoffs see none:
+        #: a set of a million keys costs a leaving node a quarter of a second).
+        self._flying_keys: dict[str, set[str]] = {}
         #: Keys already pulled under the current view (never pulled twice).
         self.pulled: set[str] = set()
         #: Replicas of other members' states, by origin member.
@@ -455,11 +459,14 @@ class ShardCore:
             me_in = self.id in view
 
             def moved(key: str) -> bool:
-                return not me_in or view.owner_id(key) != self.id
+                return view.owner_id(key) != self.id
 
-            # Alone in the ring, this node owns every key: nothing to hash.
-            alone = me_in and len(view) == 1
-            records = [] if alone else self.store.export(now, moved, remove=True)
+            if not me_in:  # leaving: every key moves, none needs hashing here
+                records = self.store.export(now, remove=True)
+            elif len(view) == 1:  # alone in the ring, this node owns every key
+                records = []
+            else:
+                records = self.store.export(now, moved, remove=True)
             if config.policies.rebalance == "handoff":
                 # States still waiting from an earlier view (a failed delivery)
                 # go to their owner under this one.
@@ -651,7 +658,8 @@ class ShardCore:
             )
             # While the records travel they are in neither the outbox nor the
             # store: a pull for one of them must wait, not get "nothing".
-            self.in_flight.setdefault(member.id, set()).update(record[2] for record in records)
+            self.in_flight.setdefault(member.id, []).append(records)
+            self._flying_keys.pop(member.id, None)
         for member_id in [m for m in self.outbox if m not in view]:
             self.stats.keys_dropped += len(self.outbox.pop(member_id))
         return out
@@ -663,9 +671,18 @@ class ShardCore:
     def undelivered(self, transfer: Transfer, now: float) -> None:
         """A transfer that could not be delivered: its states are kept for pulls
         (the new owner asks for each key it is asked about, until the next view)."""
+        self.partly_delivered(transfer, [], transfer.records, now)
+
+    def partly_delivered(
+        self, transfer: Transfer, done: list[Record], rest: list[Record], now: float
+    ) -> None:
+        """Some of a transfer's states landed (``done``), the ``rest`` did not and
+        are kept for pulls, as :meth:`undelivered` keeps them. ``transfer`` is the
+        one :meth:`transfers` gave out (it is known by identity)."""
+        self.stats.keys_sent += len(done)
         self._landed(transfer)
         if self.view is not None:
-            self.stash(transfer.records, self.view, now)
+            self.stash(rest, self.view, now)
 
     def abandon(self, transfer: Transfer) -> None:
         """A transfer that will never land (its sender was cancelled): stop waiting for it."""
@@ -674,11 +691,16 @@ class ShardCore:
     def _landed(self, transfer: Transfer) -> None:
         if not transfer.final:
             return
-        flying = self.in_flight.get(transfer.to)
-        if flying is not None:
-            flying.difference_update([record[2] for record in transfer.records])
-            if not flying:
-                del self.in_flight[transfer.to]
+        flights = self.in_flight.get(transfer.to)
+        if flights is None:
+            return
+        for index, records in enumerate(flights):
+            if records is transfer.records:
+                del flights[index]
+                self._flying_keys.pop(transfer.to, None)
+                break
+        if not flights:
+            del self.in_flight[transfer.to]
 
     # ------------------------------------------------------------------ peers' messages
 
@@ -778,8 +800,14 @@ class ShardCore:
         if epoch > self.epoch:
             raise StaleEpoch(f"asked about epoch {epoch}, this node knows {self.epoch}")
         wanted = set(keys)
-        if wanted & self.in_flight.get(to, set()):
-            raise InFlight(f"{len(wanted)} key(s) on their way to {to}")
+        flights = self.in_flight.get(to)
+        if flights:
+            flying = self._flying_keys.get(to)
+            if flying is None:
+                flying = {record[2] for records in flights for record in records}
+                self._flying_keys[to] = flying
+            if not wanted.isdisjoint(flying):
+                raise InFlight(f"{len(wanted)} key(s) on their way to {to}")
         found: list[Record] = []
         pending = self.outbox.get(to)
         if pending:

@@ -307,25 +307,35 @@ class MemoryStore:
         *,
         remove: bool = False,
     ) -> list[Record]:
-        """Every (selected) live state, with times relative to ``now``.
+        """Every (selected) live state, with times relative to ``now``; with
+        ``remove``, the selected states leave the store.
 
-        Fresh states are skipped: a missing state and a fresh one decide alike.
+        Fresh states are not exported (and, with ``remove``, dropped all the
+        same): a missing state and a fresh one decide alike. ``select=None``
+        takes every state: a leaving node's export, where a million calls of a
+        selector that says yes cost a quarter of the scan.
         """
         records: list[Record] = []
         for table in self._tables.values():
             rule, fresh_at, to_relative = table.rule, table.fresh_at, table.algorithm.to_relative
-            name, algorithm = rule.name, rule.algorithm
-            taken: list[str] = []
-            for key, state in table.states.items():
-                if select is not None and not select(key):
-                    continue
-                if fresh_at(state, rule) <= now:
-                    continue
-                records.append([name, algorithm, key, to_relative(state, now)])
-                taken.append(key)
-            if remove:
-                for key in taken:
-                    del table.states[key]
+            name, algorithm, states = rule.name, rule.algorithm, table.states
+            chosen = (
+                states.items()
+                if select is None
+                else [(key, state) for key, state in states.items() if select(key)]
+            )
+            records += [
+                [name, algorithm, key, to_relative(state, now)]
+                for key, state in chosen
+                if fresh_at(state, rule) > now
+            ]
+            if not remove:
+                continue
+            if select is None:
+                states.clear()
+            else:
+                for key, _ in chosen:
+                    del states[key]
         return records
 
     def export_keys(self, keys: Iterable[str], now: float) -> list[Record]:

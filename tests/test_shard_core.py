@@ -137,6 +137,48 @@ def test_a_view_takes_moved_states_out_at_once_and_transfers_them_with_a_final_m
     assert all(decide(b, k) == 2 for k in moved)
     assert a.stats.keys_sent == b.stats.keys_received == len(moved)
     assert a.in_flight == {}
+    assert a.serve_pull(moved[:1], "n1", 2, NOW) == []  # landed: nothing to wait for
+
+
+def test_in_flight_states_are_known_per_transfer_until_each_lands() -> None:
+    """Two transfers to one member on their way at once (a second view before the
+    first landed): a pull waits for a key of the one still travelling only."""
+    v1, v2, v3 = view(["n0", "n2"], 1), view(["n0", "n1", "n2"], 2), view(["n1", "n2"], 3)
+    a = core("n0")
+    a.apply(v1, None, (), NOW, 0.0)
+    for key in KEYS:
+        if v1.owner_id(key) == "n0":
+            decide(a, key)
+    a.apply(v2, v1, (), NOW, 0.0)
+    first = next(t for t in a.transfers(NOW) if t.to == "n1")
+    a.apply(v3, v2, (), NOW, 0.0)  # n0 leaves: the rest of its keys
+    second = next(t for t in a.transfers(NOW) if t.to == "n1")
+    one, two = first.records[0][2], second.records[0][2]
+    for key in (one, two):
+        with pytest.raises(InFlight):
+            a.serve_pull([key], "n1", 3, NOW)
+    a.delivered(first)
+    assert a.serve_pull([one], "n1", 3, NOW) == []
+    with pytest.raises(InFlight):
+        a.serve_pull([two], "n1", 3, NOW)
+    a.abandon(second)
+    assert "n1" not in a.in_flight and a.serve_pull([two], "n1", 3, NOW) == []
+
+
+def test_a_transfer_that_partly_landed_keeps_the_rest_for_pulls() -> None:
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    a = core("n0")
+    a.apply(v1, None, (), NOW, 0.0)
+    for key in KEYS:
+        decide(a, key)
+    a.apply(v2, v1, (), NOW, 0.0)
+    (transfer,) = a.transfers(NOW)
+    done, rest = transfer.records[:3], transfer.records[3:]
+    a.partly_delivered(transfer, done, rest, NOW)
+    assert a.in_flight == {} and a.stats.keys_sent == 3
+    assert a.serve_pull([done[0][2]], "n1", 2, NOW) == []  # landed at n1
+    pulled = a.serve_pull([rest[0][2]], "n1", 2, NOW)  # kept in the outbox
+    assert [r[2] for r in pulled] == [rest[0][2]]
 
 
 def test_a_final_mark_that_arrives_before_its_view_is_remembered() -> None:
