@@ -47,12 +47,12 @@ from node.middleware import (
     not_owner_body,
     not_owner_headers,
 )
-from node.peers import INTERNAL_TOKEN_HEADER, Peers, WireError, bulk
+from node.peers import INTERNAL_TOKEN_HEADER, Peers, WireError, bulk, decode_records
 from node.peers import decode as decode_body
 from node.rates import RateMeter
 from node.security import bearer, refusal
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
-from node.store import MemoryStore, check_records
+from node.store import MemoryStore
 from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
 from node.upstream import echo_app
 from node.wire import (
@@ -482,10 +482,18 @@ class Node:
         body = await read_body(request, MAX_INTERNAL_BODY)
         return self._parse_internal(body, request.headers.get("content-type"))
 
-    def _parse_internal(self, body: bytes, content_type: str | None) -> dict[str, Any]:
+    def _parse_internal(
+        self, body: bytes, content_type: str | None, *, records: bool = False
+    ) -> dict[str, Any]:
+        """A peer's JSON or versioned msgpack (node/peers.py: the wire format);
+        with ``records``, a body of states, whose records are checked whole here
+        (``ValueError`` naming the first bad one)."""
         try:
-            # JSON, or versioned msgpack from a peer (node/peers.py: the wire format).
-            data = decode_body(body, content_type)
+            if records:
+                limit = self.authority.config.limits.max_key_length
+                data = decode_records(body, content_type, limit)
+            else:
+                data = decode_body(body, content_type)
         except WireError as exc:
             raise ApiError(400, exc.error, str(exc)) from None
         if not isinstance(data, dict):
@@ -559,8 +567,11 @@ class Node:
         what: str,
         handle: Callable[[Shard, dict[str, Any]], dict[str, Any]],
         without_shard: dict[str, Any],
+        *,
+        records: bool = False,
     ) -> Response:
-        """One internal call: token or loopback, a JSON object in, 4xx for bad input."""
+        """One internal call: token or loopback, a JSON object in, 4xx for bad input.
+        ``records``: the body carries states, checked before ``handle`` sees them."""
         if (refused := self._refuse(request)) is not None:
             return refused
         if self.shard is None:
@@ -570,7 +581,9 @@ class Node:
             # A transfer's records: many acyclic lists, decoded, checked and
             # applied with no cyclic GC, and freed before it is on again (node/peers.py).
             with bulk():
-                data = self._parse_internal(body, request.headers.get("content-type"))
+                data = self._parse_internal(
+                    body, request.headers.get("content-type"), records=records
+                )
                 answer = handle(self.shard, data)
                 del data
             return JSONResponse(answer)
@@ -593,14 +606,14 @@ class Node:
             taken = shard.receive(
                 _sender(data),
                 _epoch(data),
-                self._records(data),
+                data["records"],
                 _flag(data, "final"),
                 crashes,
             )
             return {"taken": taken}
 
         return await self._internal_call(
-            request, "import", handle, {"error": "not_sticky", "detail": "no shard"}
+            request, "import", handle, {"error": "not_sticky", "detail": "no shard"}, records=True
         )
 
     async def pull(self, request: Request) -> Response:
@@ -614,9 +627,9 @@ class Node:
 
     async def replica(self, request: Request) -> Response:
         def handle(shard: Shard, data: dict[str, Any]) -> dict[str, Any]:
-            return {"taken": shard.receive_replicas(_sender(data), self._records(data))}
+            return {"taken": shard.receive_replicas(_sender(data), data["records"])}
 
-        return await self._internal_call(request, "replica", handle, {"taken": 0})
+        return await self._internal_call(request, "replica", handle, {"taken": 0}, records=True)
 
     async def top_keys(self, request: Request) -> Response:
         """This node's most limited keys per rule, its decision totals and rates.
@@ -759,12 +772,6 @@ class Node:
                 "lease": None if lease is None else lease_to_dict(lease),
                 "refunded": refunded,
             }
-        )
-
-    def _records(self, data: dict[str, Any]) -> list[Any]:
-        """A transfer's records, all valid (node/store.py) or the whole call refused."""
-        return check_records(
-            data["records"], max_key_length=self.authority.config.limits.max_key_length
         )
 
     async def status(self, request: Request) -> Response:

@@ -71,6 +71,26 @@ def check_records(records: Any, *, max_key_length: int = 1024) -> list[Record]:
 _CHECKS = {name: algorithm.check for name, algorithm in REGISTRY.items()}
 
 
+def check_record_states(records: Sequence[Sequence[Any]]) -> None:
+    """What :func:`check_records` checks beyond a record's shape and its strings'
+    types and lengths: a known algorithm, a valid state for it, a key that can
+    be sent on. For records whose shape a typed decoder checked already
+    (node/peers.py :func:`~node.peers.decode_records`); ``ValueError`` as
+    :func:`check_records` says it."""
+    checks = _CHECKS
+    for index, record in enumerate(records):
+        key = record[2]
+        check = checks.get(record[1])
+        try:
+            if not key.isascii():
+                key.encode()  # a lone surrogate cannot be sent on (UnicodeEncodeError)
+            if check is None:
+                raise ValueError(f"unknown algorithm {record[1]!r}"[:120])
+            check(record[3])
+        except ValueError as exc:
+            raise ValueError(f"record {index}: {exc}") from None
+
+
 class Table:
     """The states of one rule."""
 
@@ -374,12 +394,11 @@ class MemoryStore:
         """
         taken = 0
         # A transfer is long runs of one rule: look its table up once per run.
-        last: tuple[str, str] | None = None
+        last_name = last_algorithm = None
         table: Table | None = None
-        for record in records:
-            name, algorithm, key, relative = record
-            if (name, algorithm) != last:
-                last = (name, algorithm)
+        for name, algorithm, key, relative in records:
+            if name != last_name or algorithm != last_algorithm:
+                last_name, last_algorithm = name, algorithm
                 rule = rules.get(name)
                 table = None if rule is None or rule.algorithm != algorithm else self.table(rule)
                 if table is not None:

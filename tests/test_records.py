@@ -11,11 +11,12 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from node.algorithms import REGISTRY
-from node.rules import Rule
+from node.peers import MSGPACK, WIRE_VERSION, decode_records, encode
+from node.rules import MAX_NAME, Rule
 from node.store import MemoryStore, check_records
 
 ALGORITHMS = sorted(REGISTRY)
@@ -110,3 +111,59 @@ def test_every_exported_state_passes(
 def test_bad_records_are_named(records: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         check_records(records, max_key_length=256)
+
+
+#: Record-like values near every boundary the typed decoder checks.
+names = st.one_of(st.sampled_from(["a", "", "n" * MAX_NAME, "n" * (MAX_NAME + 1)]), st.text())
+VALID_STATES = {
+    "token_bucket": [1.5, -1.0],
+    "gcra": [0.5],
+    "fixed_window": [-1.0, 3],
+    "sliding_log": [-0.5, -0.2],
+    "sliding_window": [-1.0, 2, 1],
+}
+#: Mostly valid records, each with at most a field or two off (a key one
+#: character too long, a name of 65, an unknown algorithm, a bad state).
+valid_ish = st.builds(
+    lambda name, algorithm, key, state: [name, algorithm, key, state],
+    names | st.just("a"),
+    st.sampled_from(ALGORITHMS),
+    st.text(min_size=0, max_size=10) | st.text(min_size=7, max_size=9) | st.integers(),
+    st.sampled_from(list(VALID_STATES.values())) | relative_states,
+)
+records_like = st.one_of(
+    valid_ish,
+    st.tuples(
+        names,
+        st.sampled_from([*ALGORITHMS, "nope"]) | st.integers(),
+        st.one_of(st.text(max_size=10), st.integers(), st.none()),
+        relative_states,
+    ).map(list),
+    json_values,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(records=st.lists(records_like, max_size=4) | json_values)
+@example(records=[["n" * (MAX_NAME + 1), "gcra", "k", [0.5]]])
+@example(records=[["a", "gcra", "k" * 9, [0.5]]])
+@example(records=[["a", "gcra", "k" * 8, [0.5]], ["n" * MAX_NAME, "gcra", "k", [0.5]]])
+def test_a_msgpack_body_is_checked_as_check_records_checks_it(records: Any) -> None:
+    """decode_records (typed msgspec decoding, then the per-algorithm checks)
+    refuses exactly what check_records refuses, with the same words, and keeps
+    the same records when it accepts (as tuples)."""
+    try:
+        body = encode({"from": "A", "epoch": 2, "records": records})
+    except (TypeError, ValueError, OverflowError, UnicodeEncodeError):
+        return  # not a msgpack value (an int beyond 64 bits, a lone surrogate)
+    try:
+        expected: Any = check_records(records, max_key_length=8)
+    except ValueError as exc:
+        expected = str(exc)
+    try:
+        data = decode_records(body, MSGPACK, 8)
+    except ValueError as exc:
+        assert str(exc) == expected
+        return
+    assert data["records"] == [tuple(r) for r in records] == [tuple(r) for r in expected]
+    assert (data["v"], data["from"], data["epoch"]) == (WIRE_VERSION, "A", 2)
