@@ -14,15 +14,14 @@ Fixtures:
 from __future__ import annotations
 
 import shutil
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.redis_server import dying_with_parent, free_port
+from router.processes import ChildProcess, NotReady, free_port, http_probe, wait_ready
+from tests.redis_server import dying_with_parent
 
 
 class EtcdServer:
@@ -31,7 +30,7 @@ class EtcdServer:
         self.directory = directory
         self.port = free_port()
         self.peer_port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: ChildProcess | None = None
 
     @property
     def endpoint(self) -> str:
@@ -62,24 +61,25 @@ class EtcdServer:
             "--log-level",
             "warn",
         ]
-        log = open(self.directory / "etcd.log", "wb")  # noqa: SIM115 (closed with the process)
-        self.process = subprocess.Popen(
-            dying_with_parent(args), stdin=subprocess.DEVNULL, stdout=log, stderr=log
+        process = self.process = ChildProcess(
+            "etcd", dying_with_parent(args), log=self.directory / "etcd.log"
         )
-        log.close()
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=1.0) as client:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"etcd exited on start: {self.log_tail()}")
-                try:
-                    if client.get(f"{self.client_url}/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"etcd did not become healthy within {timeout}s: {self.log_tail()}")
+
+        def exited() -> str | None:
+            return None if process.alive() else f"etcd exited on start: {self.log_tail()}"
+
+        try:
+            with httpx.Client(timeout=1.0) as client:
+                wait_ready(
+                    http_probe(client, f"{self.client_url}/health"),
+                    timeout=timeout,
+                    failed=exited,
+                    what="etcd did not become healthy",
+                )
+        except NotReady as exc:
+            timed_out = process.alive()  # else exited() said why, with the log
+            self.stop()
+            raise RuntimeError(f"{exc}: {self.log_tail()}" if timed_out else str(exc)) from None
 
     def clear(self) -> None:
         """Delete every key (v3 API over its JSON gateway: no client library needed)."""
@@ -104,15 +104,10 @@ class EtcdServer:
         return base64.b64decode(kvs[0].get("value", "")) if kvs else None
 
     def stop(self) -> None:
+        """Stop etcd (resumed if it was stopped, SIGTERM, then SIGKILL)."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        if process is not None:
+            process.stop(10.0)
 
     def log_tail(self) -> str:
         try:

@@ -20,17 +20,19 @@ Fixtures:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import redis
+
+from router.processes import ChildProcess, NotReady, free_port, redis_probe, wait_ready
+
+__all__ = ["RedisServer", "dying_with_parent", "find_redis_server", "free_port"]
 
 #: Where redis-server is looked for when it is not on PATH.
 FALLBACK_BINARIES = ("/usr/bin/redis-server", "/usr/local/bin/redis-server")
@@ -44,12 +46,6 @@ def find_redis_server() -> str | None:
         if os.access(path, os.X_OK):
             return path
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def dying_with_parent(argv: list[str]) -> list[str]:
@@ -84,7 +80,7 @@ class RedisServer:
         self.directory = Path(directory)
         self.port = port or free_port()
         self.extra_args = list(extra_args)
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: ChildProcess | None = None
 
     @property
     def url(self) -> str:
@@ -92,7 +88,7 @@ class RedisServer:
 
     @property
     def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.process is not None and self.process.alive()
 
     @property
     def log_path(self) -> Path:
@@ -128,50 +124,42 @@ class RedisServer:
             str(self.log_path),
             *self.extra_args,
         ]
-        self.process = subprocess.Popen(
-            dying_with_parent(args),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        # Its own log is --logfile; what it prints before opening it (a bad flag)
+        # goes to the start log.
+        process = self.process = ChildProcess(
+            "redis-server", dying_with_parent(args), log=self.directory / "redis-start.log"
         )
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                code = self.process.returncode
-                self.process = None
-                raise RuntimeError(f"redis-server exited with {code} on start: {self._log_tail()}")
-            if self._answers_ping():
-                return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"redis-server did not answer within {timeout}s")
-            time.sleep(0.01)
+
+        def exited() -> str | None:
+            if process.alive():
+                return None
+            return f"redis-server {process.exit_text()} on start: {self._log_tail()}"
+
+        try:
+            wait_ready(
+                redis_probe(self.port),
+                timeout=timeout,
+                failed=exited,
+                interval=0.01,
+                what="redis-server did not answer",
+            )
+        except NotReady as exc:
+            self.stop()
+            raise RuntimeError(str(exc)) from None
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the process (SIGTERM, then SIGKILL); a no-op when it is not running."""
+        """Stop the process (resumed if it was stopped, SIGTERM, then SIGKILL); a
+        no-op when it is not running."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout)
-
-    def _answers_ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(64).startswith(b"+PONG")
-        except OSError:
-            return False
+        if process is not None:
+            process.stop(timeout)
 
     def _log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-2000:]
-        except OSError:
-            return "(no log)"
+        text = ""
+        for path in (self.directory / "redis-start.log", self.log_path):
+            with contextlib.suppress(OSError):
+                text += path.read_text(errors="replace")
+        return text[-2000:] or "(no log)"
 
 
 def _server_or_skip(
@@ -241,11 +229,12 @@ def redis_cluster_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
         _first_start(server)
         with server.client() as client:
             client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-            deadline = time.monotonic() + 10.0
-            while not _cluster_ok(client):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the one-node cluster did not reach cluster_state:ok")
-                time.sleep(0.02)
+            wait_ready(
+                lambda: True if _cluster_ok(client) else None,
+                timeout=10.0,
+                interval=0.02,
+                what="the one-node cluster did not reach cluster_state:ok",
+            )
         yield server
     finally:
         server.stop()
