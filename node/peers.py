@@ -127,16 +127,18 @@ def decode_records(body: bytes, content_type: str | None, max_key_length: int) -
     :func:`check_records` says.
     """
     if content_type is not None and content_type.split(";", 1)[0].strip() == MSGPACK:
+        decoder, names = _records_decoder(max_key_length)
         try:
-            typed = _records_decoder(max_key_length).decode(body)
+            typed = decoder.decode(body)
         except (msgspec.DecodeError, RecursionError):
             pass  # msgspec.ValidationError is a DecodeError
         else:
             if typed.v == WIRE_VERSION:
                 check_record_states(typed.records)
+                values = msgspec.structs.astuple(typed)
                 return {
                     name: value
-                    for name, value in zip(_BODY_FIELDS, typed.fields(), strict=True)
+                    for name, value in zip(names, values, strict=True)
                     if value is not msgspec.UNSET
                 }
     data = decode(body, content_type)
@@ -145,28 +147,25 @@ def decode_records(body: bytes, content_type: str | None, max_key_length: int) -
     return data
 
 
-class _RecordsBody(msgspec.Struct, gc=False, rename={"sender": "from"}):
+class _RecordsBody(msgspec.Struct, gc=False, forbid_unknown_fields=True, rename={"sender": "from"}):
     """The fields of a transfer or replica body (node/shardcore.py's ``payload``
-    methods); the others are checked by the endpoint that reads them."""
+    methods), checked by the endpoint that reads them; ``records`` is typed by
+    :func:`_records_decoder`'s subclass (with the cluster's key length). A body
+    with any other field takes the general path, which keeps every field."""
 
     v: int
-    records: list[tuple[str, str, str, list[float | int]]]
+    records: list[Any]
     sender: Any = msgspec.UNSET
     epoch: Any = msgspec.UNSET
     final: Any = msgspec.UNSET
     crashes: Any = msgspec.UNSET
 
-    def fields(self) -> tuple[Any, ...]:
-        return (self.v, self.records, self.sender, self.epoch, self.final, self.crashes)
-
-
-_BODY_FIELDS = ("v", "records", "from", "epoch", "final", "crashes")
-
 
 @functools.lru_cache(maxsize=8)
-def _records_decoder(max_key_length: int) -> msgspec.msgpack.Decoder[Any]:
+def _records_decoder(max_key_length: int) -> tuple[msgspec.msgpack.Decoder[Any], tuple[str, ...]]:
     """A decoder for :class:`_RecordsBody` whose records' strings have the
-    lengths :func:`check_records` allows (the key's is the cluster's limit)."""
+    lengths :func:`check_records` allows (the key's is the cluster's limit),
+    and the body's field names in the order of the struct's values."""
     name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
     key = Annotated[str, msgspec.Meta(min_length=1, max_length=max_key_length)]
     record = tuple[name, str, key, list[float | int]]  # type: ignore[valid-type]
@@ -176,7 +175,8 @@ def _records_decoder(max_key_length: int) -> msgspec.msgpack.Decoder[Any]:
         bases=(_RecordsBody,),
         gc=False,
     )
-    return msgspec.msgpack.Decoder(body)
+    names = tuple(field.encode_name for field in msgspec.structs.fields(body))
+    return msgspec.msgpack.Decoder(body), names
 
 
 class PeerError(Exception):

@@ -33,6 +33,8 @@ from node.rules import MAX_NAME, Rule
 _verdict = partial(tuple.__new__, Verdict)
 
 #: One exported state: [rule name, algorithm, key, state relative to the exporter's now].
+#: Received over msgpack it is a tuple of the same four (node/peers.py
+#: ``decode_records``); nothing mutates a record, so either serves.
 Record = list[Any]
 
 

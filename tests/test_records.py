@@ -15,7 +15,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from node.algorithms import REGISTRY
-from node.peers import MSGPACK, WIRE_VERSION, decode_records, encode
+from node.peers import MSGPACK, decode, decode_records, encode
 from node.rules import MAX_NAME, Rule
 from node.store import MemoryStore, check_records
 
@@ -144,26 +144,34 @@ records_like = st.one_of(
 
 
 @settings(max_examples=400, deadline=None)
-@given(records=st.lists(records_like, max_size=4) | json_values)
-@example(records=[["n" * (MAX_NAME + 1), "gcra", "k", [0.5]]])
-@example(records=[["a", "gcra", "k" * 9, [0.5]]])
-@example(records=[["a", "gcra", "k" * 8, [0.5]], ["n" * MAX_NAME, "gcra", "k", [0.5]]])
-def test_a_msgpack_body_is_checked_as_check_records_checks_it(records: Any) -> None:
+@given(
+    records=st.lists(records_like, max_size=4) | json_values,
+    extra=st.sampled_from([{}, {"final": True}, {"to": "n2"}, {"v": 2}]),
+)
+@example(records=[["n" * (MAX_NAME + 1), "gcra", "k", [0.5]]], extra={})
+@example(records=[["a", "gcra", "k" * 9, [0.5]]], extra={})
+@example(records=[["a", "gcra", "k" * 8, [0.5]], ["n" * MAX_NAME, "gcra", "k", [0.5]]], extra={})
+@example(records=[["a", "gcra", "k", [0.5]]], extra={"to": "n2"})
+def test_a_msgpack_body_is_read_as_decode_and_check_records_read_it(
+    records: Any, extra: dict[str, Any]
+) -> None:
     """decode_records (typed msgspec decoding, then the per-algorithm checks)
-    refuses exactly what check_records refuses, with the same words, and keeps
-    the same records when it accepts (as tuples)."""
+    refuses exactly what decode + check_records refuse, with the same words,
+    and gives the same body when it accepts (its records as tuples when typed),
+    every field included."""
     try:
-        body = encode({"from": "A", "epoch": 2, "records": records})
+        body = encode({"from": "A", "epoch": 2, "records": records, **extra})
     except (TypeError, ValueError, OverflowError, UnicodeEncodeError):
         return  # not a msgpack value (an int beyond 64 bits, a lone surrogate)
     try:
-        expected: Any = check_records(records, max_key_length=8)
-    except ValueError as exc:
-        expected = str(exc)
+        expected: Any = decode(body, MSGPACK)
+        expected["records"] = check_records(expected["records"], max_key_length=8)
+    except ValueError as exc:  # WireError too
+        expected = (type(exc), str(exc))
     try:
         data = decode_records(body, MSGPACK, 8)
     except ValueError as exc:
-        assert str(exc) == expected
+        assert (type(exc), str(exc)) == expected
         return
-    assert data["records"] == [tuple(r) for r in records] == [tuple(r) for r in expected]
-    assert (data["v"], data["from"], data["epoch"]) == (WIRE_VERSION, "A", 2)
+    assert [tuple(r) for r in data["records"]] == [tuple(r) for r in records]
+    assert {**data, "records": [list(r) for r in data["records"]]} == expected

@@ -151,9 +151,12 @@ def test_in_flight_states_are_known_per_transfer_until_each_lands() -> None:
             decide(a, key)
     a.apply(v2, v1, (), NOW, 0.0)
     first = next(t for t in a.transfers(NOW) if t.to == "n1")
+    one = first.records[0][2]
+    with pytest.raises(InFlight):  # a pull now: the keys in flight are collected
+        a.serve_pull([one], "n1", 2, NOW)
     a.apply(v3, v2, (), NOW, 0.0)  # n0 leaves: the rest of its keys
     second = next(t for t in a.transfers(NOW) if t.to == "n1")
-    one, two = first.records[0][2], second.records[0][2]
+    two = second.records[0][2]
     for key in (one, two):
         with pytest.raises(InFlight):
             a.serve_pull([key], "n1", 3, NOW)

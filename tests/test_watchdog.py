@@ -39,19 +39,50 @@ def test_a_hang_beyond_pytest_timeout_ends_its_process(
     """However the timeout is given, the watchdog uses the one pytest-timeout settled on."""
     (tmp_path / "test_hung.py").write_text(HUNG.replace("{mark}", mark))
     started = time.monotonic()
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "pytest", "-n", "0", "-p", "tests.watchdog", *options),
-            *("-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)),
-        ],
-        cwd=ROOT,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=50,
-    )
+    done = _pytest(tmp_path, options, env)
     took = time.monotonic() - started
     assert done.returncode != 0
     assert "Timeout (0:00:02)!" in done.stderr, done.stderr[-2000:]
     assert "test_hangs_where_no_signal_reaches_it" in done.stderr
     assert took < 30, took  # 2 s after the test started, not the 60 s of its sleep
+
+
+QUICK_THEN_SLOW = """
+import time
+import pytest
+
+@pytest.mark.timeout(1)
+def test_a_quick_one():
+    pass
+
+@pytest.mark.timeout(0)
+def test_then_a_slow_one_without_a_timeout():
+    time.sleep(3)  # past the first test's watchdog (2 s), had it not been cancelled
+"""
+
+
+@pytest.mark.parametrize("plugins", [[], ["-p", "no:timeout"]], ids=["timeout", "no-timeout"])
+def test_a_test_that_ends_cancels_its_watchdog(tmp_path: Path, plugins: list[str]) -> None:
+    """The watchdog is cancelled with pytest-timeout's timer; and without
+    pytest-timeout (``-p no:timeout``) the plugin loads and stays idle."""
+    (tmp_path / "test_quick_then_slow.py").write_text(QUICK_THEN_SLOW)
+    done = _pytest(tmp_path, plugins)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "2 passed" in done.stdout
+
+
+def _pytest(
+    tests: Path, options: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """pytest with the watchdog, in one process, on the test files in ``tests``."""
+    return subprocess.run(
+        [
+            *(sys.executable, "-m", "pytest", "-n", "0", "-p", "tests.watchdog", *options),
+            *("-p", "no:cacheprovider", "--rootdir", str(tests), str(tests)),
+        ],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )

@@ -35,6 +35,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         del config.stash[_STDERR]
 
 
+# optionalhook: pytest-timeout declares these; without it (-p no:timeout) they are never called.
+@pytest.hookimpl(optionalhook=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
     """Armed where pytest-timeout arms its own timer, with the timeout it found
     (``--timeout``, ``PYTEST_TIMEOUT``, the ini file or the test's mark, whichever
@@ -45,5 +47,6 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
         faulthandler.dump_traceback_later(seconds, exit=True, file=item.config.stash[_STDERR])
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
     faulthandler.cancel_dump_traceback_later()
