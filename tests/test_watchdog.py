@@ -86,3 +86,32 @@ def _pytest(
         text=True,
         timeout=50,
     )
+
+
+FAILS_THEN_TEARDOWN_HANGS = """
+import signal, time
+import pytest
+
+@pytest.fixture
+def hangs_in_teardown():
+    yield
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(60)
+
+@pytest.mark.timeout(1)
+def test_fails_then_its_teardown_hangs(hangs_in_teardown):
+    assert False
+"""
+
+
+def test_a_failed_tests_hanging_teardown_is_still_watched(tmp_path: Path) -> None:
+    """A failure stops pytest-timeout's and faulthandler's timers (for a
+    debugger): the watchdog watches the rest of the test again."""
+    (tmp_path / "test_teardown_hangs.py").write_text(FAILS_THEN_TEARDOWN_HANGS)
+    started = time.monotonic()
+    done = _pytest(tmp_path, [])
+    took = time.monotonic() - started
+    assert done.returncode != 0
+    assert "Timeout (0:00:02)!" in done.stderr, done.stderr[-2000:]
+    assert "hangs_in_teardown" in done.stderr
+    assert took < 30, took  # 2 s after the failure, not the 60 s of the teardown
