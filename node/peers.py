@@ -90,7 +90,7 @@ def decode(body: bytes, content_type: str | None) -> Any:
     if content_type is not None and content_type.split(";", 1)[0].strip() == MSGPACK:
         try:
             data = _decode(body)
-        except (msgspec.DecodeError, RecursionError) as exc:
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
             raise WireError("invalid_msgpack", f"body is not valid msgpack: {exc}") from None
         if not isinstance(data, dict):
             raise WireError("invalid_request", "body must be a msgpack map")
@@ -130,8 +130,8 @@ def decode_records(body: bytes, content_type: str | None, max_key_length: int) -
         decoder, names = _records_decoder(max_key_length)
         try:
             typed = decoder.decode(body)
-        except (msgspec.DecodeError, RecursionError):
-            pass  # msgspec.ValidationError is a DecodeError
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+            pass  # msgspec.ValidationError is a DecodeError; decode() says what is wrong
         else:
             if typed.v == WIRE_VERSION:
                 check_record_states(typed.records)

@@ -210,6 +210,15 @@ ODD_MSGPACK = [
 ]
 
 
+async def test_a_string_that_is_not_utf8_is_invalid_msgpack(in_ring: Any) -> None:
+    _node, client = in_ring
+    body = msgspec.msgpack.encode({"v": 1, **transfer(["api", "token_bucket", "a", [0.0, 0.0]])})
+    body = body.replace(b"\xa1a", b"\xa1\xff")  # the key: one byte, not UTF-8
+    for path in ("/internal/import", "/internal/replica", "/internal/pull"):
+        answer = await client.post(path, content=body, headers={"content-type": MSGPACK})
+        assert assert_error(answer, 400)["error"] == "invalid_msgpack", answer.text
+
+
 @pytest.mark.parametrize("body", ODD_MSGPACK, ids=range(len(ODD_MSGPACK)))
 async def test_odd_msgpack_bodies_are_4xx_never_500(in_ring: Any, body: bytes) -> None:
     _node, client = in_ring
