@@ -6,11 +6,16 @@ Node A is filled with ``n`` token-bucket states through its own decision API
 chunks (node/shard.py). Timed: the DELETE, which returns once A has
 delivered everything. A's RSS before and
 after the fill gives a real node's bytes per key.
+
+Alone, without the rest of the bench (to compare two commits side by side):
+``python -m benchmarks.handoff [--keys N] [--runs R]`` prints one line per run.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.deployments import Processes, free_port, wait_http
+from benchmarks.deployments import Processes, Settings, cluster_toml, free_port, wait_http
 from benchmarks.measure import rss
 from ring import Member, RingView
 
@@ -143,3 +148,25 @@ def _settle(client: httpx.Client, successor: str, held: int) -> float:
         previous = count
         time.sleep(0.5)
     return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.handoff")
+    parser.add_argument("--keys", type=int, default=1_000_000)
+    parser.add_argument("--runs", type=int, default=1)
+    args = parser.parse_args(argv)
+    for _ in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="ringlimit-handoff-") as tmp:
+            workdir = Path(tmp)
+            (workdir / "cluster.toml").write_text(cluster_toml(Settings()))
+            procs = Processes(workdir)
+            try:
+                result = run_handoff(procs, workdir, args.keys)
+            finally:
+                procs.stop_all()
+        print(f"handoff of {args.keys:,} keys: {result['seconds']:.2f} s ({result['detail']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -87,7 +87,7 @@ def decode(body: bytes, content_type: str | None) -> Any:
     ``WireError`` for a body that does not parse or a msgpack body whose
     version this node does not speak; the caller answers 400.
     """
-    if content_type is not None and content_type.split(";", 1)[0].strip() == MSGPACK:
+    if _is_msgpack(content_type):
         try:
             data = _decode(body)
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
@@ -113,6 +113,10 @@ def decode(body: bytes, content_type: str | None) -> Any:
     return data
 
 
+def _is_msgpack(content_type: str | None) -> bool:
+    return content_type is not None and content_type.split(";", 1)[0].strip() == MSGPACK
+
+
 def decode_records(body: bytes, content_type: str | None, max_key_length: int) -> dict[str, Any]:
     """A body that carries states (``/internal/import``, ``/internal/replica``), as
     :func:`decode` reads it, with its ``records`` checked whole
@@ -126,7 +130,7 @@ def decode_records(body: bytes, content_type: str | None, max_key_length: int) -
     type is read again the general way, so its error says what
     :func:`check_records` says.
     """
-    if content_type is not None and content_type.split(";", 1)[0].strip() == MSGPACK:
+    if _is_msgpack(content_type):
         decoder, names = _records_decoder(max_key_length)
         try:
             typed = decoder.decode(body)

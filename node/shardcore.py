@@ -298,8 +298,8 @@ class ShardCore:
         #: States being delivered right now, by receiving member (see serve_pull):
         #: each transfer's record list, known by identity until it lands.
         self.in_flight: dict[str, list[list[Record]]] = {}
-        #: Their keys, collected only when a pull asks (most handoffs see none:
-        #: a set of a million keys costs a leaving node a quarter of a second).
+        #: Their keys, collected only when a pull asks: most handoffs see none, and
+        #: a set of every key in flight, built and emptied, slowed every handoff.
         self._flying_keys: dict[str, set[str]] = {}
         #: Keys already pulled under the current view (never pulled twice).
         self.pulled: set[str] = set()

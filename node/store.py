@@ -334,8 +334,8 @@ class MemoryStore:
 
         Fresh states are not exported (and, with ``remove``, dropped all the
         same): a missing state and a fresh one decide alike. ``select=None``
-        takes every state: a leaving node's export, where a million calls of a
-        selector that says yes cost a quarter of the scan.
+        takes every state and empties the tables at once: a leaving node's
+        export, with no selector to call per key.
         """
         records: list[Record] = []
         for table in self._tables.values():

@@ -385,3 +385,20 @@ def test_the_batch_target_holds_only_when_every_round_reaches_it() -> None:
     target = {t.name: t for t in reporting.targets(report)}[name]
     assert report["rows"]["api_batch"]["decisions_per_s"] == 250_000
     assert target.measured == 190_000 and not target.ok
+
+
+@pytest.mark.timeout(120)
+def test_the_handoff_step_runs_alone() -> None:
+    """``python -m benchmarks.handoff``: the bench's handoff step on its own (to
+    compare two commits side by side), every key arriving, twice."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.handoff", "--keys", "3000", "--runs", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2, done.stdout
+    assert all("3,000 of 3,000 keys arrived" in line for line in lines), done.stdout

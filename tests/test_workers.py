@@ -35,6 +35,7 @@ from tests.real_cluster import (
     report,
     start_cluster,
 )
+from tests.test_cli import alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -227,15 +228,6 @@ def test_a_crash_loop_stops_the_workers(procs: Procs, tmp_path: Path) -> None:
     assert "check --state-file" in proc.output() and "Traceback" not in proc.output()
 
 
-def _gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie nobody has reaped yet."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_workers_die_with_a_supervisor_killed_with_sigkill(procs: Procs) -> None:
     """kill -9 of ``ringlimit router --workers 2``: no worker outlives it
     (PR_SET_PDEATHSIG, router.processes.die_with_parent), so none keeps the port."""
@@ -247,13 +239,13 @@ def test_workers_die_with_a_supervisor_killed_with_sigkill(procs: Procs) -> None
     wait_healthy(url, proc)
     assert wait_for(lambda: len(workers(proc)) == 2, timeout=10.0), proc.output()
     pids = [pid for pid, _ in workers(proc).values()]
-    assert not any(_gone(pid) for pid in pids)
+    assert all(alive(pid) for pid in pids)
     proc.popen.send_signal(signal.SIGKILL)
     try:
-        assert wait_for(lambda: all(_gone(pid) for pid in pids), timeout=10.0), pids
+        assert wait_for(lambda: not any(alive(pid) for pid in pids), timeout=10.0), pids
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/healthz", timeout=2.0)
     finally:  # a worker that outlived its supervisor is this test's to stop
         for pid in pids:
-            if not _gone(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -38,7 +38,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         del config.stash[_STDERR]
 
 
-# optionalhook: pytest-timeout declares these; without it (-p no:timeout) they are never called.
+# optionalhook: pytest-timeout declares these; without it (-p no:timeout) they never run.
 @pytest.hookimpl(optionalhook=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
     """Armed where pytest-timeout arms its own timer, with the timeout it found
