@@ -40,7 +40,7 @@ lease. See docs/rebalancing.md for what each event costs in the worst case.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -332,15 +332,26 @@ class ShardCore:
         Every decision's path: the owner comes from :attr:`owners`, which
         answers exactly as ``view.owner`` does for whatever ``self.view`` is now.
         """
+        self.check_owners((key,))
+
+    def check_owners(self, keys: Iterable[str]) -> None:
+        """:meth:`check_owner` for each of ``keys``, in order (the first key this
+        node does not own raises). A batch reads the remembered owners in one
+        loop, not through two calls per key."""
         view = self.view
         if view is None:
             return
-        try:
-            owner = self.owners.owner(view, key).id
-        except EmptyRingError:
-            raise NotOwner(key, view.epoch, None) from None
-        if owner != self.id:
-            raise NotOwner(key, view.epoch, owner)
+        known = self.owners.known(view).get
+        me = self.id
+        for key in keys:
+            member = known(key)
+            if member is None:
+                try:
+                    member = self.owners.owner(view, key)
+                except EmptyRingError:
+                    raise NotOwner(key, view.epoch, None) from None
+            if member.id != me:
+                raise NotOwner(key, view.epoch, member.id)
 
     def check_lease(self, elapsed: float) -> None:
         """Raise :class:`LeaseExpired` if this node is in a leased ring and its lease ran out."""
@@ -480,6 +491,8 @@ class ShardCore:
                 else:
                     for record in records:
                         self.outbox.setdefault(view.owner_id(record[2]), []).append(record)
+                    if records and me_in:
+                        self._keep_handed_off(now, config)
             else:
                 self.stats.keys_dropped += len(records)
         self._promote_replicas(view, crashed, now, config)
@@ -556,6 +569,29 @@ class ShardCore:
         for record in [*leftovers, *records]:
             self.outbox.setdefault(view.owner_id(record[2]), []).append(record)
         return len(records)
+
+    def _keep_handed_off(self, now: float, config: ClusterConfig) -> None:
+        """Keep what this node hands to new owners as their replicas, as if they
+        had replicated it here already.
+
+        A key a join takes from this node has this node as its successor (the
+        next member clockwise from the joiner's point is the key's old owner),
+        which is where its new owner will replicate it, once its view has
+        settled (:meth:`receive`). Until then the states would live only in the
+        new owner's memory: killed in that window, it took every moved user's
+        history with it, and those users started over with a whole quota.
+        Kept here, a crash of the new owner promotes them back
+        (:meth:`_promote_replicas`) like any replica; the owner's own
+        replication replaces them with newer states. Only when the crash policy
+        replicates at all; swept like other replicas.
+        """
+        if not self.replication_wanted():
+            return
+        for owner, records in self.outbox.items():
+            replicas = self.replicas.get(owner)
+            if replicas is None:
+                replicas = self.replicas[owner] = MemoryStore()
+            replicas.import_(records, now, config.rule_map, replace=True)
 
     def _promote_replicas(
         self, view: RingView, crashed: Sequence[str], now: float, config: ClusterConfig

@@ -50,6 +50,7 @@ from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
 from tests.real_cluster import (
     Cluster,
     Load,
+    add_node,
     admin_ring,
     finish,
     gone,
@@ -1146,6 +1147,42 @@ def test_two_adjacent_nodes_killed_with_two_replicas(procs: Procs, tmp_path: Pat
     assert all(excess[u] == 0 for u in r1 if not lost(u))
     assert sum(excess[u] for u in r1 if lost(u)) > 0
     assert during.errors == 0 and set(during.statuses()) <= {200, 429, 503}
+
+
+# ------------------------------------------------------------------ a joiner killed at once
+
+
+def test_a_joiner_killed_at_once_gives_nobody_a_fresh_quota(procs: Procs, tmp_path: Path) -> None:
+    """A node killed (kill -9) as soon as its join returns: the users the join
+    moved to it keep what they spent. The joiner replicates what it was handed
+    only once its view has settled; until then the old owners keep those
+    states as its replicas (``ShardCore._keep_handed_off``) and promote them
+    when the router removes it as crashed. Without that, every moved user
+    started over with a whole quota (an audit measured 36-37 allowed of 20)."""
+    limit = 5
+    config = config_file(tmp_path, limit)
+    cl = start_cluster(procs, ["--config", str(config), *HEALTH], join=("n1", "n2"), spare=("n3",))
+    router = cl.router
+    names = users(90)
+    pre = exhaust(router, names, limit)
+    add_node(router, "n3", cl.urls["n3"])
+    cl.nodes["n3"].kill9()
+    v2 = view_of(admin_ring(router))
+    moved = [u for u in names if v2.owner_id(u) == "n3"]
+    assert wait_for(lambda: gone(router, "n3"), timeout=DETECTION + 5 * SLACK)
+    after = Load([router], users=names, per_user=limit, pace=0.01, limit=limit)
+    finish(after.start(), after)
+    excess = {u: allowed([*pre, after], u) - limit for u in names}
+    report(
+        "a joiner killed at once",
+        moved_users=len(moved),
+        excess=sum(excess.values()),
+        after=dict(after.statuses()),
+    )
+    kill_all(procs)
+    assert moved, "the join moved nobody: the test would show nothing"
+    assert sum(excess.values()) == 0, {u: e for u, e in excess.items() if e}
+    assert after.errors == 0 and set(after.statuses()) == {429}
 
 
 # --------------------------------------------------------------------------- 8. cascading overload

@@ -297,6 +297,36 @@ def test_replicas_go_to_the_successor_and_are_promoted_when_the_owner_crashes() 
     assert all(decide(b, k) == 2 for k in keys)
 
 
+@pytest.mark.parametrize("crash", ["replica", "conservative"])
+def test_a_joiner_that_crashes_before_it_replicated_gives_no_fresh_quota(crash: str) -> None:
+    """The joiner defers replicating what it was handed while its view settles;
+    the sender keeps those states as the joiner's replicas, so a crash of the
+    joiner right after the join starts nobody over (a whole quota, before)."""
+    v1, v2, v3 = view(["n0"], 1), view(["n0", "n1"], 2), view(["n0"], 3)
+    a, b = core("n0", config(crash)), core("n1", config(crash))
+    a.apply(v1, None, (), NOW, 0.0)
+    for key in KEYS:
+        decide(a, key)
+    moved = owned_by(v2, "n1")
+    a.apply(v2, v1, (), NOW, 0.0)
+    (transfer,) = a.transfers(NOW)
+    b.receive("n0", 2, transfer.records, True, (), NOW)  # b's view is still settling
+    a.delivered(transfer)
+    assert not any(a.holds(k, (RULE,)) for k in moved)
+    assert b.replica_batches(NOW) == []  # nothing replicated from b yet
+    if crash == "replica":
+        assert sorted(a.replicas["n1"].keys()) == sorted(moved)
+    else:
+        assert a.replicas == {}  # no replication, no copies: the crash is remembered
+    a.apply(v3, v2, ["n1"], NOW, 0.0)
+    for key in moved:
+        if crash == "replica":
+            assert decide(a, key) == 2  # the one decision before the join counts
+        else:
+            a.conservative(key, (RULE,), NOW)  # what admitting the key does
+            assert a.store.check(key, (RULE,), NOW).allowed is False  # starts exhausted
+
+
 def test_a_member_removed_as_crashed_but_alive_hands_everything_back() -> None:
     v1, v2 = view(["n0", "n1"], 1), view(["n1"], 2)
     a = core("n0", lease=Lease(required=True, until=1e9))
