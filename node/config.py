@@ -23,7 +23,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from node.rules import CRASH_POLICIES, Rule, RuleError, parse_period, parse_rate
+from node.rules import (
+    CRASH_POLICIES,
+    Rule,
+    RuleError,
+    explicit_burst,
+    parse_period,
+    parse_rate,
+)
 
 #: ``headers.legacy_reset``: ``X-RateLimit-Reset`` as a Unix time, or in seconds.
 LEGACY_RESETS = ("epoch", "delta")
@@ -516,7 +523,7 @@ class _Parser:
                 limit=limit,
                 period=period,
                 algorithm=algorithm,
-                burst=data.get("burst") or 0,
+                burst=explicit_burst(data.get("burst")),
                 on_error=data.get("on_error", "open"),
                 crash_policy=data.get("crash_policy"),
                 replicas=data.get("replicas", 1),
@@ -543,7 +550,7 @@ _RULE_FIELDS = (
     ("limit is capped", "limit"),
     (": period must", "period"),
     ("unknown algorithm", "algorithm"),
-    (": burst must", "burst"),
+    ("burst must", "burst"),
     (": on_error must", "on_error"),
     (": crash_policy must", "crash_policy"),
     (": replicas must", "replicas"),

@@ -250,7 +250,7 @@ class Rule:
                 limit=data["limit"],  # type: ignore[arg-type]
                 period=data["period"],  # type: ignore[arg-type]
                 algorithm=data.get("algorithm", "token_bucket"),  # type: ignore[arg-type]
-                burst=data.get("burst") or 0,  # type: ignore[arg-type]
+                burst=explicit_burst(data.get("burst")),
                 on_error=data.get("on_error", "open"),  # type: ignore[arg-type]
                 crash_policy=data.get("crash_policy"),  # type: ignore[arg-type]
                 replicas=data.get("replicas", 1),  # type: ignore[arg-type]
@@ -281,6 +281,19 @@ def parse_rate(text: str) -> tuple[int, float]:
     except RuleError as exc:
         raise RuleError(f"rate {text!r}: {exc}") from None
     return limit, period
+
+
+def explicit_burst(burst: object) -> int:
+    """A burst given explicitly, or 0 (the rule's default: its limit) when none is.
+
+    0 is the rule's own "not set": given by a user, it would silently mean the
+    limit, so it is refused like any other value out of range.
+    """
+    if burst is None:
+        return 0
+    if burst == 0 and type(burst) is int:
+        raise RuleError(f"burst must be an integer 1..{MAX_LIMIT}, got 0")
+    return burst  # type: ignore[return-value]  # Rule checks its type and range
 
 
 def default_name(limit: int, period: float) -> str:
@@ -315,7 +328,7 @@ def parse_rule(
         limit=limit,
         period=period,
         algorithm=algorithm,
-        burst=burst or 0,
+        burst=explicit_burst(burst),
         on_error=on_error,
         shadow=shadow,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import socket
 import sys
@@ -503,6 +504,38 @@ def _front_door_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The router's numeric flags and their ranges: (flag, low, high, bounds), where
+#: ``bounds`` says which ends are allowed, as an interval is written ("[]": both,
+#: "(]": not the low one...). Out of range, each used to be taken as it was: a
+#: forward timeout of 0 answered every check "owner_timeout" (allowed, under
+#: on_error = open), a health timeout of 0 blamed the seeds for not answering.
+ROUTER_NUMBERS = (
+    ("--health-interval", 0.0, 3600.0, "(]"),
+    ("--failure-threshold", 1, 1000, "[]"),
+    ("--health-timeout", 0.0, 3600.0, "(]"),
+    ("--forward-timeout", 0.0, 3600.0, "(]"),
+    ("--lease", 0.0, 3600.0, "(]"),
+    ("--removal-interval", 0.0, 86400.0, "[]"),
+    ("--removal-quorum", 0.0, 1.0, "[)"),
+    ("--coalesce-window", 0.0, 1e6, "[]"),
+)
+
+
+def _check_router_numbers(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the first of :data:`ROUTER_NUMBERS` out of its range
+    (a flag left at None, its default, is not checked)."""
+    for flag, low, high, bounds in ROUTER_NUMBERS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None:
+            continue
+        above = value >= low if bounds[0] == "[" else value > low
+        below = value <= high if bounds[1] == "]" else value < high
+        if not (above and below and math.isfinite(value)):
+            low_text = f"{'at least' if bounds[0] == '[' else 'above'} {low:g}"
+            high_text = f"{'at most' if bounds[1] == ']' else 'below'} {high:g}"
+            raise ValueError(f"{flag} must be {low_text} and {high_text}, got {value!r}")
+
+
 def _front_door(args: argparse.Namespace) -> FrontDoor:
     return FrontDoor(
         keep_alive=args.keep_alive,
@@ -525,11 +558,12 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     if rules:
         changes["rules"] = (*config.rules, *rules)
     policies = config.policies
-    if args.rebalance_policy or args.crash_policy or args.replication_interval:
+    interval = args.replication_interval
+    if args.rebalance_policy or args.crash_policy or interval is not None:
         changes["policies"] = Policies(
             rebalance=args.rebalance_policy or policies.rebalance,
             crash=args.crash_policy or policies.crash,
-            replication_interval=args.replication_interval or policies.replication_interval,
+            replication_interval=policies.replication_interval if interval is None else interval,
         )
     if args.user_header:
         from dataclasses import replace
@@ -578,6 +612,7 @@ def _run_router(args: argparse.Namespace) -> int:
         return 2
     seeds = [_parse_seed(spec) for spec in args.node]
     _front_door(args)  # checked before anything starts: a bad value is one line
+    _check_router_numbers(args)
     from router.workers import worker_role
 
     role = worker_role()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from router.cli import ROUTER_NUMBERS
 from tests.processes import ROOT, free_port
 from tests.test_cli import free_block
 
@@ -200,8 +201,9 @@ def test_a_missing_config_file(command: str, tmp_path: Path) -> None:
         ("rules = [\n", "not valid TOML"),
         ('[[rules]]\nname = "api"\nrate = "many/hour"\n', "rules[0]"),
         ("colour = 1\n", "colour"),
+        ('[[rules]]\nname = "api"\nrate = "5/hour"\nburst = 0\n', "rules[0].burst"),
     ],
-    ids=["syntax", "bad-value", "unknown-key"],
+    ids=["syntax", "bad-value", "unknown-key", "zero-burst"],
 )
 def test_a_bad_config_file(text: str, problem: str, tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
@@ -275,3 +277,54 @@ def test_a_router_takes_no_redis_connection_flag(
     assert f"unrecognized arguments: {flag[0]}" in capsys.readouterr().err
     for command in (["node", "--id", "n1", "--port", "1"], ["up"]):  # the nodes take it
         assert build_parser().parse_args([*command, "--backend", "redis", *flag]).backend == "redis"
+
+
+@pytest.mark.parametrize("number", ROUTER_NUMBERS, ids=lambda n: n[0])
+def test_every_router_number_is_checked_against_its_range(
+    number: tuple[str, float, float, str],
+) -> None:
+    """Each numeric router flag: its allowed ends pass, the others and NaN are refused
+    naming the flag (a forward timeout of 0 used to let every decision-API check
+    through as "owner_timeout")."""
+    from router.cli import _check_router_numbers, build_parser
+
+    flag, low, high, bounds = number
+    parser = build_parser()
+
+    def check(value: float) -> None:
+        _check_router_numbers(parser.parse_args(["router", flag, str(value)]))
+
+    _check_router_numbers(parser.parse_args(["router"]))  # the defaults
+    is_int = isinstance(low, int)
+    step = 1 if is_int else 1e-3
+    for value, allowed in [
+        (low, bounds[0] == "["),
+        (low - step, False),
+        (low + step, True),
+        (high, bounds[1] == "]"),
+        (high + step, False),
+    ]:
+        if allowed:
+            check(value)
+        else:
+            with pytest.raises(ValueError, match=f"^{flag} must be .* got "):
+                check(value)
+    if not is_int:
+        with pytest.raises(ValueError, match=f"^{flag} must be"):
+            check(float("nan"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--forward-timeout", "0"], "--forward-timeout must be above 0"),
+        (["--burst", "0"], "burst must be an integer 1..1000000000, got 0"),
+        (["--replication-interval", "0"], "replication_interval must be between 0.001"),
+    ],
+)
+def test_a_zero_that_used_to_mean_something_else_is_one_line(
+    flags: list[str], expected: str
+) -> None:
+    """0 was taken as "the default" (burst, replication interval) or as a real
+    timeout (every forward timed out at once)."""
+    one_line_failure(ringlimit("router", "--port", str(free_port()), *flags), expected)
