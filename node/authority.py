@@ -7,7 +7,9 @@ The middleware (proxied requests) and the decision API both call
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from operator import itemgetter
 from time import perf_counter
 
 from node.backend import Backend, MemoryBackend
@@ -20,6 +22,13 @@ from node.shadow import denied_names, has_shadow, merge, split
 from node.shard import Shard
 from node.store import MemoryStore
 from node.topkeys import TopKeys
+
+#: Parts of checks and verdicts by position, for passes that run in C (``map``).
+_KEY = itemgetter(0)
+_RULES = itemgetter(1)
+_ALLOWED = itemgetter(0)
+_DECISION = itemgetter(1)
+_RULE = itemgetter(5)
 
 
 class Authority:
@@ -151,15 +160,24 @@ class Authority:
         shard = self.shard
         if shard is not None:
             waited = False
-            for key, rules, _ in checks:
-                waited |= await shard.admit(key, rules)
+            if not shard.admit_many_now(map(_KEY, checks)):
+                admit_now = shard.admit_now
+                for key, rules, _ in checks:
+                    # A coroutine per check only for what must wait (a handoff under way).
+                    if not admit_now(key, rules):
+                        waited |= await shard.admit(key, rules)
             if waited:
                 # A view may have arrived while one key was pulled: every key must
                 # still be ours when the batch is decided (no await from here on).
                 for key, _, _ in checks:
                     shard.check_owner(key)
-        # Batches share a few rule tuples: ask each distinct one once.
-        if any(has_shadow(rules) for rules in {id(c[1]): c[1] for c in checks}.values()):
+        # Batches share a few rule tuples (one, as a rule: C-level passes tell): ask
+        # each distinct one once.
+        if len(set(map(id, map(_RULES, checks)))) == 1:
+            distinct: Iterable[Sequence[Rule]] = (checks[0][1],) if checks else ()
+        else:
+            distinct = {id(c[1]): c[1] for c in checks}.values()
+        if any(map(has_shadow, distinct)):
             plain = [i for i, (_, rules, _) in enumerate(checks) if not has_shadow(rules)]
             shadowed = [i for i, (_, rules, _) in enumerate(checks) if has_shadow(rules)]
             found: list[Verdict | None] = [None] * len(checks)
@@ -175,31 +193,28 @@ class Authority:
         else:
             verdicts = await self.backend.check_many(checks)
         metrics = self.metrics
+        top = self.top
+        if metrics is None and top is None:
+            return verdicts
+        # The few checks that may count anywhere but in the tally: denied, near the
+        # limit, or decided by several rules, and not a read (cost 0 is not a
+        # request). The common allowed check costs a comparison and no call.
+        picked = [
+            (check, v)
+            for check, v in zip(checks, verdicts, strict=True)
+            if (not v[0] or v[1][2] * 10 <= v[1][1] or len(v[2]) > 1 or not v[1][0]) and check[2]
+        ]
         if metrics is not None:
             metrics.observe(time.perf_counter() - started)
-            tally: dict[tuple[str, bool], int] = {}
-            for (_, _, cost), verdict in zip(checks, verdicts, strict=True):
-                outcome = (verdict.decision.rule, verdict.allowed)
-                tally[outcome] = tally.get(outcome, 0) + 1
-                if cost and (not verdict.decision.allowed or len(verdict.decisions) > 1):
-                    for name in denied_names(verdict):
-                        metrics.shadow_denied(name)
-            for (rule, allowed), n in tally.items():
-                metrics.count(rule, allowed, n)
-        top = self.top
-        if top is not None:
-            # A comprehension picks the few that may count (denied, near the limit, or
-            # several rules): the common allowed check costs a comparison and no call.
-            picked = [
-                (check[0], v)
-                for check, v in zip(checks, verdicts, strict=True)
-                if (
-                    not v.allowed
-                    or v.decision.remaining * 10 <= v.decision.limit
-                    or len(v.decisions) > 1
-                )
-                and check[2]  # a read (cost 0) is not a request
-            ]
-            if picked:
-                top.note(picked)
+            # (decision.rule, allowed) per verdict, counted in C.
+            names = map(_RULE, map(_DECISION, verdicts))
+            tally = Counter(zip(names, map(_ALLOWED, verdicts), strict=True))
+            for (name, allowed), n in tally.items():
+                metrics.count(name, allowed, n)
+            for _, verdict in picked:
+                if not verdict.decision.allowed or len(verdict.decisions) > 1:
+                    for denied in denied_names(verdict):
+                        metrics.shadow_denied(denied)
+        if top is not None and picked:
+            top.note([(check[0], v) for check, v in picked])
         return verdicts

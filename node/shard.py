@@ -19,7 +19,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from node.clock import Clock, boot_clock
@@ -162,6 +162,17 @@ class Shard:
             return False
         if core.crashes:
             core.conservative(key, rules, self.clock())
+        return True
+
+    def admit_many_now(self, keys: Iterable[str]) -> bool:
+        """:meth:`admit_now` for a batch's keys at once, in the common case: no
+        handoff under way, no crash remembered, no lease. Raises as
+        :meth:`admit_now` would for the first key it refuses. False: not that
+        case; nothing was checked, the caller admits key by key."""
+        core = self.core
+        if core.pending or core.crashes or core.lease.required:
+            return False
+        core.check_owners(keys)
         return True
 
     async def admit(self, key: str, rules: Sequence[Rule]) -> bool:

@@ -358,7 +358,9 @@ class ResultEncoder:
     def __init__(self, node: str) -> None:
         self.node = node
         self._tail = f',"node":{dumps(node)}}}'
-        self._rules: dict[str, str] = {}
+        #: The constant texts around ``remaining`` and ``available_after``, per
+        #: (rule, limit, allowed): a few per rule (cleared if rules churn).
+        self._parts: dict[tuple[str, int, bool], tuple[str, str]] = {}
 
     def __call__(self, verdict: Verdict) -> str:
         allowed, d, decisions = verdict
@@ -371,14 +373,19 @@ class ResultEncoder:
         available_text = reset_text if available == reset and reset != 0.0 else _json6(available)
         retry_text = "null" if retry is None else _json6(retry)
         if reset_text is None or available_text is None or retry_text is None:
-            return dumps(result_dict(verdict, self.node))  # not finite: dumps refuses it
-        rule = self._rules.get(name)
-        if rule is None:
-            rule = self._rules[name] = dumps(name)
+            return dumps(result_dict(verdict, self.node))
+        parts = self._parts.get((name, limit, allowed))
+        if parts is None:
+            if len(self._parts) >= 1024:
+                self._parts.clear()
+            parts = self._parts[(name, limit, allowed)] = (
+                f'{{"allowed":{"true" if allowed else "false"},"limit":{limit!r},"remaining":',
+                f',"rule":{dumps(name)},"available_after":',
+            )
+        head, rule = parts
         return (
-            f'{{"allowed":{"true" if allowed else "false"},"limit":{limit!r},'
-            f'"remaining":{remaining!r},"reset_after":{reset_text},"retry_after":'
-            f'{retry_text},"rule":{rule},"available_after":{available_text}{self._tail}'
+            f'{head}{remaining!r},"reset_after":{reset_text},"retry_after":{retry_text}'
+            f"{rule}{available_text}{self._tail}"
         )
 
 
