@@ -250,7 +250,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         metavar="SECONDS",
-        help="the leader's etcd lease: another router takes over this long after it is lost",
+        help="the leader's etcd lease: another router takes over this long after it is lost "
+        "(default 5)",
     )
     router.add_argument(
         "--no-health-checks",
@@ -488,7 +489,8 @@ def _front_door_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-connections",
         type=int,
-        help="open client connections at most (default: half of ulimit -n)",
+        help="open client connections at most (default: half of what ulimit -n leaves "
+        "after 32 kept for the process itself, at least 16)",
     )
     group.add_argument(
         "--header-timeout",
@@ -922,7 +924,10 @@ def _run_nodes(args: argparse.Namespace) -> int:
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         if response.status_code != 200:
-            print(f"ringlimit: {data.get('error')}: {data.get('detail')}", file=sys.stderr)
+            hint = ""
+            if response.status_code == 401:
+                hint = " (ringlimit nodes sends RINGLIMIT_ADMIN_TOKEN from the environment)"
+            print(f"ringlimit: {data.get('error')}: {data.get('detail')}{hint}", file=sys.stderr)
             return 1
         lines = [f"epoch {data['epoch']}"]
         for node in data["nodes"]:

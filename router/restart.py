@@ -65,7 +65,8 @@ def decide(
         return Decision(
             False,
             0.0,
-            f"not restarted: already restarted {len(recent)} times within "
+            f"not restarted: already restarted {len(recent)} "
+            f"{'time' if len(recent) == 1 else 'times'} within "
             f"{policy.window:g} s (the cluster goes on without it)",
         )
     delay = min(policy.max_backoff, policy.backoff * 2 ** len(recent))
