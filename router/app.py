@@ -685,6 +685,7 @@ class Router:
         )
 
     async def metrics_endpoint(self, request: Request) -> Response:
+        self.metrics.forget_departed(self.membership.view.ids)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
 

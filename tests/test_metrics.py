@@ -166,3 +166,35 @@ def test_documented_names_follow_the_conventions() -> None:
     assert len(names) >= 15
     for name in names:
         assert NAME.match(name), name
+
+
+def node_labels(page: str) -> set[str]:
+    """The ``node`` label values of every series of a router's page."""
+    return {
+        sample.labels["node"]
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+        if "node" in sample.labels
+    }
+
+
+async def test_a_departed_nodes_series_leave_the_router_one_scrape_later() -> None:
+    """A router whose nodes come and go under new ids (pods) kept a few series per
+    id it had ever served; now the scrape after a node left still shows its last
+    counts, and the next one drops them. The members' series stay."""
+    config = ClusterConfig(rules=(ScopedRule(Rule("api", 100, 60.0)),))
+    async with InProcessCluster(2, config, clock=FrozenClock()) as cluster:
+        await cluster.add_node("n3")
+        users = [f"u{i}" for i in range(60)]
+        for user in users:
+            await cluster.client.get("/hello", headers={"X-User-Id": user})
+            await cluster.client.post("/v1/check", json={"key": user})
+        assert node_labels((await cluster.client.get("/metrics")).text) == {"n1", "n2", "n3"}
+        await cluster.remove_node("n3")
+        for user in users:  # counts made before the scrape that follows the leave
+            await cluster.client.get("/hello", headers={"X-User-Id": user})
+        await cluster.client.get("/hello")  # no user id: an event of no node ("-")
+        last = (await cluster.client.get("/metrics")).text
+        later = (await cluster.client.get("/metrics")).text
+    assert node_labels(last) == {"n1", "n2", "n3", "-"}
+    assert node_labels(later) == {"n1", "n2", "-"}
