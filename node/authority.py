@@ -216,5 +216,13 @@ class Authority:
                     for denied in denied_names(verdict):
                         metrics.shadow_denied(denied)
         if top is not None and picked:
-            top.note([(check[0], v) for check, v in picked])
+            # Top keys look at what the single path's _decided looks at (not at a
+            # shadow rule's lone would-be denial with units to spare).
+            top.note(
+                [
+                    (check[0], v)
+                    for check, v in picked
+                    if not v[0] or v[1][2] * 10 <= v[1][1] or len(v[2]) > 1
+                ]
+            )
         return verdicts

@@ -291,8 +291,8 @@ def explicit_burst(burst: object) -> int:
     """
     if burst is None:
         return 0
-    if burst == 0 and type(burst) is int:
-        raise RuleError(f"burst must be an integer 1..{MAX_LIMIT}, got 0")
+    if burst == 0:  # 0, and also 0.0 or false, which Rule would take as "not set"
+        raise RuleError(f"burst must be an integer 1..{MAX_LIMIT}, got {burst!r}")
     return burst  # type: ignore[return-value]  # Rule checks its type and range
 
 

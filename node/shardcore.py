@@ -582,8 +582,10 @@ class ShardCore:
         history with it, and those users started over with a whole quota.
         Kept here, a crash of the new owner promotes them back
         (:meth:`_promote_replicas`) like any replica; the owner's own
-        replication replaces them with newer states. Only when the crash policy
-        replicates at all; swept like other replicas.
+        replication replaces them with newer states. Merged into what is held
+        for that owner (the outbox also holds older leftovers of a failed
+        handoff). Only when the crash policy replicates at all; swept like other
+        replicas.
         """
         if not self.replication_wanted():
             return
@@ -591,7 +593,10 @@ class ShardCore:
             replicas = self.replicas.get(owner)
             if replicas is None:
                 replicas = self.replicas[owner] = MemoryStore()
-            replicas.import_(records, now, config.rule_map, replace=True)
+            # Merged, not replaced: the outbox also holds leftovers of an earlier
+            # failed handoff, older than what their owner may have replicated here
+            # since; the more restrictive state wins (the owner's own rounds replace).
+            replicas.import_(records, now, config.rule_map)
 
     def _promote_replicas(
         self, view: RingView, crashed: Sequence[str], now: float, config: ClusterConfig

@@ -38,6 +38,7 @@ from node.config import (
     load_config,
 )
 from node.frontdoor import FrontDoor
+from node.lease import MAX_LEASE
 from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
 from ring import Member
 from ring.member import check_id, check_url, check_weight
@@ -516,7 +517,7 @@ ROUTER_NUMBERS = (
     ("--failure-threshold", 1, 1000, "[]"),
     ("--health-timeout", 0.0, 3600.0, "(]"),
     ("--forward-timeout", 0.0, 3600.0, "(]"),
-    ("--lease", 0.0, 3600.0, "(]"),
+    ("--lease", 0.0, MAX_LEASE, "(]"),
     ("--removal-interval", 0.0, 86400.0, "[]"),
     ("--removal-quorum", 0.0, 1.0, "[)"),
     ("--coalesce-window", 0.0, 1e6, "[]"),
@@ -536,6 +537,21 @@ def _check_router_numbers(args: argparse.Namespace) -> None:
             low_text = f"{'at least' if bounds[0] == '[' else 'above'} {low:g}"
             high_text = f"{'at most' if bounds[1] == ']' else 'below'} {high:g}"
             raise ValueError(f"{flag} must be {low_text} and {high_text}, got {value!r}")
+    if args.no_health_checks:
+        return
+    # The lease the nodes will be granted: given, or the detection time.
+    renewal = args.health_interval + args.health_timeout
+    lease = args.lease if args.lease is not None else args.failure_threshold * renewal
+    if lease > MAX_LEASE:
+        raise ValueError(
+            f"the default lease, --failure-threshold x (--health-interval + --health-timeout) "
+            f"= {lease:g} s, is over the {MAX_LEASE:g} s a node accepts: set --lease"
+        )
+    if lease < renewal:
+        raise ValueError(
+            f"--lease ({lease:g} s) must outlast a probe round, --health-interval + "
+            f"--health-timeout ({renewal:g} s): nodes would stop deciding between probes"
+        )
 
 
 def _front_door(args: argparse.Namespace) -> FrontDoor:

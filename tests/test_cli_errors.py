@@ -292,7 +292,9 @@ def test_every_router_number_is_checked_against_its_range(
     parser = build_parser()
 
     def check(value: float) -> None:
-        _check_router_numbers(parser.parse_args(["router", flag, str(value)]))
+        # Without health checks: no lease, so each range is seen alone (the lease's
+        # own combination of flags is the next test's).
+        _check_router_numbers(parser.parse_args(["router", "--no-health-checks", flag, str(value)]))
 
     _check_router_numbers(parser.parse_args(["router"]))  # the defaults
     is_int = isinstance(low, int)
@@ -312,6 +314,35 @@ def test_every_router_number_is_checked_against_its_range(
     if not is_int:
         with pytest.raises(ValueError, match=f"^{flag} must be"):
             check(float("nan"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (["--lease", "300"], None),
+        (["--failure-threshold", "1"], None),  # a lease of exactly one probe round
+        (["--lease", "300.5"], "--lease must be above 0 and at most 300"),
+        (["--lease", "1.4"], "--lease (1.4 s) must outlast a probe round"),
+        (["--health-interval", "100"], "the default lease, --failure-threshold x"),
+        (["--health-interval", "100", "--lease", "200"], None),
+        (["--health-interval", "100", "--no-health-checks"], None),
+    ],
+)
+def test_the_lease_a_router_would_grant_is_one_a_node_accepts(
+    flags: list[str], problem: str | None
+) -> None:
+    """Nodes refuse a lease over 300 s: a router granting one answered every check
+    owner_unreachable (allowed, under on_error = open). A lease shorter than a
+    probe round would lapse between probes."""
+    from router.cli import _check_router_numbers, build_parser
+
+    args = build_parser().parse_args(["router", *flags])
+    if problem is None:
+        _check_router_numbers(args)
+    else:
+        with pytest.raises(ValueError) as refused:
+            _check_router_numbers(args)
+        assert str(refused.value).startswith(problem), refused.value
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,19 @@ def owned_by(v: RingView, node_id: str) -> list[str]:
     return [k for k in KEYS if v.owner_id(k) == node_id]
 
 
+def join_after_one_decision(a: ShardCore) -> tuple[RingView, RingView, list[str], Transfer]:
+    """``a`` (n0) alone decides every key once, then n1 joins: the two views, the
+    keys that move to n1, and ``a``'s transfer of them."""
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    a.apply(v1, None, (), NOW, 0.0)
+    for key in KEYS:
+        decide(a, key)
+    moved = owned_by(v2, "n1")
+    a.apply(v2, v1, (), NOW, 0.0)
+    (transfer,) = a.transfers(NOW)
+    return v1, v2, moved, transfer
+
+
 # --------------------------------------------------------------------------- fencing
 
 
@@ -113,15 +126,9 @@ def test_the_lease_is_checked_on_the_time_given() -> None:
 
 
 def test_a_view_takes_moved_states_out_at_once_and_transfers_them_with_a_final_mark() -> None:
-    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
     a, b = core("n0"), core("n1")
-    a.apply(v1, None, (), NOW, 0.0)
-    for key in KEYS:
-        decide(a, key)
-    moved = owned_by(v2, "n1")
-    a.apply(v2, v1, (), NOW, 0.0)
+    v1, v2, moved, transfer = join_after_one_decision(a)
     assert not any(a.holds(k, (RULE,)) for k in moved)
-    (transfer,) = a.transfers(NOW)
     assert (transfer.to, transfer.epoch, transfer.final) == ("n1", 2, True)
     assert sorted(r[2] for r in transfer.records) == sorted(moved)
     assert transfer.payload()["from"] == "n0"
@@ -302,14 +309,9 @@ def test_a_joiner_that_crashes_before_it_replicated_gives_no_fresh_quota(crash: 
     """The joiner defers replicating what it was handed while its view settles;
     the sender keeps those states as the joiner's replicas, so a crash of the
     joiner right after the join starts nobody over (a whole quota, before)."""
-    v1, v2, v3 = view(["n0"], 1), view(["n0", "n1"], 2), view(["n0"], 3)
     a, b = core("n0", config(crash)), core("n1", config(crash))
-    a.apply(v1, None, (), NOW, 0.0)
-    for key in KEYS:
-        decide(a, key)
-    moved = owned_by(v2, "n1")
-    a.apply(v2, v1, (), NOW, 0.0)
-    (transfer,) = a.transfers(NOW)
+    _, v2, moved, transfer = join_after_one_decision(a)
+    v3 = view(["n0"], 3)
     b.receive("n0", 2, transfer.records, True, (), NOW)  # b's view is still settling
     a.delivered(transfer)
     assert not any(a.holds(k, (RULE,)) for k in moved)
@@ -325,6 +327,28 @@ def test_a_joiner_that_crashes_before_it_replicated_gives_no_fresh_quota(crash: 
         else:
             a.conservative(key, (RULE,), NOW)  # what admitting the key does
             assert a.store.check(key, (RULE,), NOW).allowed is False  # starts exhausted
+
+
+def test_kept_copies_never_overwrite_a_newer_replica() -> None:
+    """Leftovers of a failed handoff sit in the outbox; a later view change keeps
+    them as copies too. Merged with what their owner replicated since (the more
+    restrictive wins), they never undo its decisions (replaced, they did: 2
+    counted of 6 after the owner's crash)."""
+    a, b = core("n0"), core("n1")
+    v1, v2, moved, transfer = join_after_one_decision(a)
+    v3, v4 = view(["n0", "n1", "n2"], 3), view(["n0", "n2"], 4)
+    a.undelivered(transfer, NOW)  # the push failed: its records stay in the outbox
+    b.apply(v2, v1, (), NOW, 0.0)
+    for key in moved:  # past its handoff deadline, n1 decides on fresh states
+        for _ in range(5):
+            decide(b, key)
+    for batch in b.replica_batches(NOW):
+        a.receive_replicas("n1", batch.records, NOW)
+    a.apply(v3, v2, (), NOW, 0.0)  # n2 joins: the leftovers are kept as copies again
+    a.apply(v4, v3, ["n1"], NOW, 0.0)  # n1 crashes before its next round
+    taken_back = [k for k in moved if v4.owner_id(k) == "n0"]
+    assert taken_back
+    assert all(decide(a, k) == 6 for k in taken_back)
 
 
 def test_a_member_removed_as_crashed_but_alive_hands_everything_back() -> None:
