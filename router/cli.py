@@ -554,12 +554,24 @@ def _check_router_numbers(args: argparse.Namespace) -> None:
         )
 
 
+#: FrontDoor's fields as the flags that set them, for its errors.
+_FRONT_DOOR_FLAGS = {
+    "keep_alive": "--keep-alive",
+    "header_timeout": "--header-timeout",
+    "max_connections": "--max-connections",
+}
+
+
 def _front_door(args: argparse.Namespace) -> FrontDoor:
-    return FrontDoor(
-        keep_alive=args.keep_alive,
-        header_timeout=args.header_timeout,
-        max_connections=args.max_connections,
-    )
+    try:
+        return FrontDoor(
+            keep_alive=args.keep_alive,
+            header_timeout=args.header_timeout,
+            max_connections=args.max_connections,
+        )
+    except ValueError as exc:
+        field, _, rest = str(exc).partition(" ")
+        raise ValueError(f"{_FRONT_DOOR_FLAGS.get(field, field)} {rest}") from None
 
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
@@ -897,7 +909,7 @@ def _run_up(args: argparse.Namespace) -> int:
     headers = envoy_header_sets(args)
     if args.envoy_headers and args.grpc_port is None:
         raise ValueError("--envoy-headers needs --grpc-port and --envoy-config")
-    _warn_modes(config)
+    # (No round-robin warning here: the router `up` starts prints it.)
     args.envoy_headers = ",".join(headers)
     try:
         return run_cluster(args, config)

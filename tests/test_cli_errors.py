@@ -359,3 +359,22 @@ def test_a_zero_that_used_to_mean_something_else_is_one_line(
     """0 was taken as "the default" (burst, replication interval) or as a real
     timeout (every forward timed out at once)."""
     one_line_failure(ringlimit("router", "--port", str(free_port()), *flags), expected)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--header-timeout", "0"], "--header-timeout must be above 0"),
+        (["--keep-alive", "nan"], "--keep-alive must be above 0"),
+        (["--max-connections", "0"], "--max-connections must be at least 1"),
+    ],
+)
+@pytest.mark.parametrize("command", [["router"], ["node", "--id", "n1", "--port", "1"]])
+def test_connection_limits_are_refused_naming_their_flag(
+    command: list[str], flags: list[str], expected: str
+) -> None:
+    """The errors named FrontDoor's fields (header_timeout), not the flags."""
+    from router.cli import _front_door, build_parser
+
+    with pytest.raises(ValueError, match=f"^{expected}"):
+        _front_door(build_parser().parse_args([*command, *flags]))
