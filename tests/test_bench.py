@@ -402,3 +402,17 @@ def test_the_handoff_step_runs_alone() -> None:
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2, done.stdout
     assert all("3,000 of 3,000 keys arrived" in line for line in lines), done.stdout
+
+
+def test_the_batch_path_runs_alone() -> None:
+    """``python -m benchmarks.batchpath``: a node's batch path in process, as the
+    docs measure it side by side."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.batchpath", "--batches", "5", "--rounds", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "ns per decision (fastest of 2 rounds" in done.stdout, done.stdout
