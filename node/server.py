@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -191,7 +192,7 @@ def serve_node(
     *,
     host: str,
     port: int,
-    join: str | None = None,
+    join: Sequence[str] = (),
     advertise: str | None = None,
     weight: int = 1,
     admin_token: str | None = None,
@@ -199,8 +200,14 @@ def serve_node(
     join_timeout: float = JOIN_DEADLINE,
     front_door: FrontDoor | None = None,
 ) -> int:
-    """Serve until told to stop; the exit status is 1 if a ``--join`` failed."""
+    """Serve until told to stop; the exit status is 1 if a ``--join`` failed.
+
+    ``join``: the routers to join (and later leave) through, tried in turn: a
+    failed attempt moves to the next one, so with the routers of one cluster
+    on etcd a node joins and leaves while any of them answers.
+    """
     url = advertise or f"http://{host}:{port}"
+    routers = [r.rstrip("/") for r in join]
     state: dict[str, Any] = {"leaving": False}
 
     def on_signal(server: _Server) -> None:
@@ -208,7 +215,7 @@ def serve_node(
             server.force_exit = True
             return
         state["leaving"] = True
-        if join is None:
+        if not routers:
             server.should_exit = True
             return
         asyncio.get_running_loop().create_task(_leave_then_exit(server))
@@ -217,27 +224,28 @@ def serve_node(
         """Leave through the router, retrying what a router failover or a concurrent
         change answers (bounded: LEAVE_ATTEMPTS within LEAVE_DEADLINE seconds), so a
         graceful leave does not become a crash because a leader was being elected."""
-        target = f"{join.rstrip('/')}/admin/nodes/{node.settings.node_id}"  # type: ignore[union-attr]
+        path = f"/admin/nodes/{node.settings.node_id}"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + LEAVE_DEADLINE
         status: int | None = None
         problem = "no attempt made"
         async with httpx.AsyncClient(timeout=60.0) as client:
             for attempt in range(LEAVE_ATTEMPTS):
+                router = routers[attempt % len(routers)]
                 try:
-                    response = await client.delete(target, headers=_auth(admin_token))
+                    response = await client.delete(router + path, headers=_auth(admin_token))
                     status = response.status_code
                     if not _retry_admin_answer(response):
                         break
-                    problem = f"router answered {status}: {response.text[:200]}"
+                    problem = f"router {router} answered {status}: {response.text[:200]}"
                 except httpx.HTTPError as exc:
-                    status, problem = None, f"{type(exc).__name__}"
+                    status, problem = None, f"router {router}: {type(exc).__name__}"
                 if loop.time() + 0.5 * (attempt + 1) > deadline:
                     break
                 log.warning("graceful leave: %s; retrying", problem)
                 await asyncio.sleep(0.5 * (attempt + 1))
         if status == 200:
-            log.warning("left the ring: router answered 200")
+            log.warning("left the ring: router %s answered 200", router)
             if linger > 0:
                 # Fenced by the new view: stale routers are told, not left guessing.
                 await asyncio.sleep(linger)
@@ -253,21 +261,23 @@ def serve_node(
         while not server.started:  # noqa: ASYNC110 (uvicorn offers no event)
             await asyncio.sleep(0.02)
         payload = {"id": node.settings.node_id, "url": url, "weight": weight}
-        router = join.rstrip("/")  # type: ignore[union-attr]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + join_timeout
         not_ready = 0
         problem = "no attempt made"
         async with httpx.AsyncClient(timeout=30.0) as client:
             for attempt in range(JOIN_ATTEMPTS):
+                router = routers[attempt % len(routers)]
                 try:
                     response = await client.post(
                         f"{router}/admin/nodes", json=payload, headers=_auth(admin_token)
                     )
                     if response.status_code == 200:
-                        log.warning("joined the ring through %s", join)
+                        log.warning("joined the ring through %s", router)
                         return
-                    problem = f"router answered {response.status_code}: {response.text[:200]}"
+                    problem = (
+                        f"router {router} answered {response.status_code}: {response.text[:200]}"
+                    )
                     if response.status_code == 504:
                         # The router could not reach this node at its --url.
                         not_ready += 1
@@ -297,7 +307,7 @@ def serve_node(
     server = _Server(config, on_signal)
 
     async def main() -> None:
-        task = asyncio.create_task(register(server)) if join else None
+        task = asyncio.create_task(register(server)) if routers else None
         await server.serve()
         if task is not None:
             task.cancel()

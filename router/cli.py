@@ -271,7 +271,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     node.add_argument("--id", required=True, help="node id (stable across restarts)")
     node.add_argument("--host", default="127.0.0.1")
     node.add_argument("--port", type=int, required=True)
-    node.add_argument("--join", metavar="ROUTER_URL", help="register with this router")
+    node.add_argument(
+        "--join",
+        metavar="ROUTER_URL[,ROUTER_URL...]",
+        help="register with this router; with several (the routers of one cluster on etcd), "
+        "the join and the graceful leave on SIGTERM try each in turn, so either works while "
+        "one router is down",
+    )
     node.add_argument(
         "--join-timeout",
         type=float,
@@ -831,8 +837,11 @@ def _run_node(args: argparse.Namespace) -> int:
     if args.url is not None:
         check_url(args.url)
     check_weight(args.weight)
+    routers: list[str] = []
     if args.join is not None:
-        check_url(args.join)
+        routers = [part.strip() for part in args.join.split(",")]
+        for router_url in routers:
+            check_url(router_url)
     front_door = _front_door(args)
     config = cluster_config(args)
     admin_token, internal_token = _tokens()
@@ -860,7 +869,7 @@ def _run_node(args: argparse.Namespace) -> int:
         node,
         host=args.host,
         port=args.port,
-        join=args.join,
+        join=routers,
         advertise=args.url,
         weight=args.weight,
         admin_token=admin_token,

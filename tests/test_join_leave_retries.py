@@ -79,7 +79,24 @@ def test_join_and_leave_retry_a_failover_and_a_concurrent_change(procs: Procs) -
         proc.popen.send_signal(signal.SIGTERM)
         assert proc.popen.wait(30) == 0
         assert router.asked == ["POST"] * 3 + ["DELETE"] * 3
-        assert "left the ring: router answered 200" in proc.output(), proc.output()
+        assert f"left the ring: router {router.url} answered 200" in proc.output(), proc.output()
+
+
+def test_join_and_leave_go_through_whichever_router_answers(procs: Procs) -> None:
+    """``--join A,B`` (the routers of one cluster on etcd): with A down, the node
+    joins through B, and its graceful leave, tried at A first, goes through B too
+    (it used to retry the one router it knew, then exit without a leave)."""
+    down = f"http://127.0.0.1:{free_port()}"
+    with ScriptedRouter({"POST": [OK], "DELETE": [OK]}) as router:
+        proc, _ = procs.node("n1", free_port(), "--join", f"{down},{router.url}")
+        assert wait_for(lambda: "joined the ring" in proc.output(), 20.0), proc.output()
+        assert f"joined the ring through {router.url}" in proc.output()
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(30) == 0
+        assert router.asked == ["POST", "DELETE"]
+        output = proc.output()
+        assert f"graceful leave: router {down}: ConnectError; retrying" in output, output
+        assert f"left the ring: router {router.url} answered 200" in output, output
 
 
 def test_a_final_refusal_is_not_retried(procs: Procs) -> None:
@@ -89,7 +106,7 @@ def test_a_final_refusal_is_not_retried(procs: Procs) -> None:
         )
         assert proc.popen.wait(30) == 1
         assert router.asked == ["POST"]
-        assert "could not join the ring; giving up: router answered 409" in proc.output()
+        assert f"giving up: router {router.url} answered 409" in proc.output()
 
 
 #: What a router answers a join whose URL it cannot reach (router/membership.py:
