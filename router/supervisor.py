@@ -201,6 +201,14 @@ class Cluster:
         elif ring is not None and not in_ring:
             # This incarnation never got into the ring (it failed while starting).
             self._say(f"{what} before it joined the ring; {text}")
+        elif _only_member(ring, child.name):
+            # The router never removes its last member (nobody could take the
+            # users): say so now rather than after ACTION_WAIT of waiting for it.
+            self._say(
+                f"{what}; it is the ring's only node: the router keeps it (there is nobody "
+                f"to hand its users to), and requests are answered per on_error until it is "
+                f"back; {text}"
+            )
         else:
             # The router has not acted yet: it will remove the node on its health
             # checks, or when the restarted node registers (crash, then join).
@@ -311,6 +319,17 @@ def _first_event(
         ):
             return event
     return None
+
+
+def _only_member(ring: dict[str, Any] | None, node: str) -> bool:
+    """Whether ``node`` is the one member of the ring (joining ones aside)."""
+    nodes = ring.get("nodes") if ring else None
+    members = (
+        [n for n in nodes if isinstance(n, dict) and n.get("state") != "joining"]
+        if isinstance(nodes, list)
+        else []
+    )
+    return len(members) == 1 and members[0].get("id") == node
 
 
 def _in_ring(ring: dict[str, Any] | None, node: str) -> bool:

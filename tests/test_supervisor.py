@@ -37,12 +37,17 @@ class Up:
     """A ``ringlimit up`` subprocess, its output in a file, and every pid it ever had."""
 
     def __init__(
-        self, tmp: Path, port: int, *extra: str, env: dict[str, str] | None = None
+        self,
+        tmp: Path,
+        port: int,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        nodes: int = 3,
     ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = tmp / "up.log"
-        argv = ["up", "--nodes", "3", "--port", str(port), *extra]
+        argv = ["up", "--nodes", str(nodes), "--port", str(port), *extra]
         with open(self.log, "wb") as out:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "router", *argv],
@@ -328,3 +333,20 @@ def _ids(url: str, token: str) -> list[str]:
         return sorted(n["id"] for n in ring["nodes"] if n["state"] == "active")
     except (httpx.HTTPError, ValueError, KeyError):
         return []
+
+
+def test_up_says_at_once_that_its_only_node_is_kept(tmp_path: Path, up_factory: list[Up]) -> None:
+    """The router never removes its last member; ``up`` used to wait 30 s for a
+    removal that could not come before saying anything."""
+    port = free_block(2)
+    up = Up(tmp_path, port, "--restart", "never", "--rule", f"{LIMIT}/hour", nodes=1)
+    up_factory.append(up)
+    up.wait_output(r"^try:", 60)
+    victim = up.pid_of("n1")
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    report = line_for(up, rf"^ringlimit: n1 \(pid {victim}\) killed by SIGKILL; .*$", 20.0)
+    assert time.monotonic() - killed < 10.0
+    assert "it is the ring's only node: the router keeps it" in report, report
+    assert report.endswith("not restarted (--restart never)"), report
