@@ -9,6 +9,11 @@ after the fill gives a real node's bytes per key.
 
 Alone, without the rest of the bench (to compare two commits side by side):
 ``python -m benchmarks.handoff [--keys N] [--runs R]`` prints one line per run.
+``--join`` measures the other direction instead (not a bench row): A alone
+holds N states, B joins (``POST /admin/nodes``), and the time is until B has
+every state the join moved to it; A's RSS after the join shows what it keeps
+of them (the sender keeps what it hands over as the new owner's replicas
+until that owner replicates them itself).
 """
 
 from __future__ import annotations
@@ -76,8 +81,54 @@ def run_handoff(procs: Processes, workdir: Path, n: int) -> dict[str, Any]:
     }
 
 
-def _start(procs: Processes, cfg: Path) -> tuple[dict[str, int], dict[str, str], str]:
-    """Fenced nodes A and B, then a router seeded with both: (pids, node URLs, router URL)."""
+def run_join(procs: Processes, workdir: Path, n: int) -> dict[str, Any]:
+    """Fill node A, alone in the ring, with ``n`` states; then B joins: how long until
+    B holds every state the join moved to it, and what A keeps of them."""
+    pids, urls, router = _start(procs, workdir / "cluster.toml", seeds=("A",))
+    keys = [f"h{i}" for i in range(n)]
+    two = RingView.of([Member("A", urls["A"]), Member("B", urls["B"])], epoch=2)
+    moving = sum(1 for key in keys if two.owner_id(key) == "B")
+    with httpx.Client(timeout=60.0) as client:
+        _fill(client, urls["A"], keys)
+        time.sleep(1.5)  # A's sweep gives freed pages back: RSS is what it holds
+        rss_before = rss(pids["A"])
+        started = time.perf_counter()
+        answer = client.post(
+            f"{router}/admin/nodes", json={"id": "B", "url": urls["B"]}, timeout=120.0
+        )
+        joined = time.perf_counter() - started
+        received = 0
+        while time.perf_counter() - started < 120:
+            stats = client.get(f"{urls['B']}/internal/status").json().get("stats", {})
+            received = int(stats.get("keys_received", 0))
+            if received >= moving:
+                break
+            time.sleep(0.05)
+        seconds = time.perf_counter() - started
+        time.sleep(1.5)
+        rss_after = rss(pids["A"])
+        kept = client.get(f"{urls['A']}/internal/status").json().get("replicas", {}).get("B", 0)
+    procs.stop(["handoff-router", "handoff-A", "handoff-B"])
+    return {
+        "keys": n,
+        "moved": moving,
+        "received_by_b": received,
+        "join_answered_seconds": joined,
+        "seconds": seconds,
+        "complete": answer.status_code == 200 and received >= moving,
+        "a_rss_change_bytes": rss_after - rss_before,
+        "a_kept_for_b": int(kept),
+        "detail": f"{received:,} of {moving:,} moved keys arrived; the join answered "
+        f"{answer.status_code} after {joined:.2f} s; A keeps {int(kept):,} of them for B, "
+        f"its RSS {(rss_after - rss_before) / 2**20:+.1f} MiB",
+    }
+
+
+def _start(
+    procs: Processes, cfg: Path, seeds: tuple[str, ...] = NODES
+) -> tuple[dict[str, int], dict[str, str], str]:
+    """Fenced nodes A and B, then a router seeded with ``seeds`` (both by default):
+    (pids, node URLs, router URL)."""
     ports = {node: free_port() for node in NODES}
     pids = {
         node: procs.ringlimit(
@@ -95,7 +146,7 @@ def _start(procs: Processes, cfg: Path) -> tuple[dict[str, int], dict[str, str],
         "handoff-router",
         "router",
         *("--port", str(rport), "--config", str(cfg), "--no-health-checks"),
-        *("--node", f"A={urls['A']}", "--node", f"B={urls['B']}"),
+        *(flag for node in seeds for flag in ("--node", f"{node}={urls[node]}")),
     )
     router = f"http://127.0.0.1:{rport}"
     wait_http(f"{router}/healthz", procs)
@@ -154,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.handoff")
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--join", action="store_true", help="B joins A (instead of A leaving to B)")
     args = parser.parse_args(argv)
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="ringlimit-handoff-") as tmp:
@@ -161,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
             (workdir / "cluster.toml").write_text(cluster_toml(Settings()))
             procs = Processes(workdir)
             try:
-                result = run_handoff(procs, workdir, args.keys)
+                result = (run_join if args.join else run_handoff)(procs, workdir, args.keys)
             finally:
                 procs.stop_all()
-        print(f"handoff of {args.keys:,} keys: {result['seconds']:.2f} s ({result['detail']})")
+        what = "join" if args.join else "handoff"
+        print(f"{what} of {args.keys:,} keys: {result['seconds']:.2f} s ({result['detail']})")
     return 0
 
 

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -416,3 +417,20 @@ def test_the_batch_path_runs_alone() -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "ns per decision (fastest of 2 rounds" in done.stdout, done.stdout
+
+
+def test_the_join_direction_runs_alone() -> None:
+    """``python -m benchmarks.handoff --join``: B joins A; every moved key arrives,
+    and A keeps them as B's replicas."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.handoff", "--join", "--keys", "3000"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    line = done.stdout.strip().splitlines()[-1]
+    moved = re.search(r"([\d,]+) of \1 moved keys arrived", line)
+    assert moved is not None, line
+    assert f"A keeps {moved.group(1)} of them for B" in line, line
