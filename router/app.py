@@ -65,7 +65,7 @@ from router.forward import (
 from router.leases import ADMIT, DENY, FORWARD, RouterLeases
 from router.membership import Membership
 from router.metrics import RouterMetrics
-from router.protocol import ADMIN_PREFIX, CONTROL_PATHS, ProxyCycle
+from router.protocol import ADMIN_PREFIX, CONTROL_PATHS, ProxyCycle, has_dot_segment
 
 log = logging.getLogger("ringlimit.router")
 
@@ -302,6 +302,12 @@ class Router:
                 # The nodes' internal API is never reachable through the front door.
                 await drain(receive)
                 await send_json(send, 404, error_body("not_found", "no such endpoint"))
+                return
+            if "/." in scope["path"] and has_dot_segment(scope["path"]):
+                await drain(receive)
+                await send_json(
+                    send, 400, error_body("invalid_path", "the path has a '.' or '..' segment")
+                )
                 return
             await self.proxy(scope, receive, send)
         elif scope["type"] == "http" and scope["path"] == "/v1/check":

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import aiohttp
 import httpx
+import yarl
 
 
 class Unreachable(Exception):
@@ -90,8 +91,14 @@ class AiohttpForwarder:
         self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | None
     ) -> Answer:
         try:
+            # encoded=True: the path goes out exactly as the router checked it (yarl
+            # would otherwise resolve "/x/%2e%2e/internal" into "/internal").
             async with self._session.request(
-                method, url, headers=_for_aiohttp(headers), data=body, allow_redirects=False
+                method,
+                yarl.URL(url, encoded=True),
+                headers=_for_aiohttp(headers),
+                data=body,
+                allow_redirects=False,
             ) as response:
                 payload = await response.read()
                 out = [

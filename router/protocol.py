@@ -38,13 +38,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ringlimit.router")
 
-__all__ = ["ProxyCycle", "direct_proxy_protocol"]
+__all__ = ["ProxyCycle", "direct_proxy_protocol", "has_dot_segment"]
 
 #: The router's own endpoints (router/app.py dispatches them; everything else is
 #: proxied, except ``/internal``, which is never reachable through the front door).
 CONTROL_PATHS = frozenset({"/healthz", "/metrics", "/v1/check"})
 ADMIN_PREFIX = "/admin/"
 _NOT_PROXIED = (ADMIN_PREFIX, "/internal")
+
+
+def has_dot_segment(path: str) -> bool:
+    """Whether ``path`` (decoded) has a ``.`` or ``..`` segment (RFC 3986 5.2.4): the
+    router refuses it (400), since "/x/../internal" passes its /internal check and
+    something on the way to the node could resolve it."""
+    return any(segment in (".", "..") for segment in path.split("/"))
+
+
 _EMPTY_REQUEST = {"type": "http.request", "body": b"", "more_body": False}
 _DISCONNECT = {"type": "http.disconnect"}
 _INTERNAL_ERROR_BODY = json.dumps(
@@ -247,8 +256,12 @@ def direct_proxy_protocol(base: type) -> type:
             path = raw_path.decode("ascii")
             if "%" in path:
                 path = urllib.parse.unquote(path)
-            if path in CONTROL_PATHS or path.startswith(_NOT_PROXIED):
-                super().on_headers_complete()
+            if (
+                path in CONTROL_PATHS
+                or path.startswith(_NOT_PROXIED)
+                or ("/." in path and has_dot_segment(path))
+            ):
+                super().on_headers_complete()  # the app answers (or refuses) these
                 return
             self._stop_waiting()
             scope = self.scope

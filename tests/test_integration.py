@@ -205,6 +205,30 @@ def test_router_and_fenced_nodes_fronting_an_upstream_an_app_and_echo(
         assert fine.status_code == 201 and "x-ringlimit-degraded" not in fine.headers
 
 
+def test_forwarders_send_the_path_the_router_checked(upstream: str) -> None:
+    """aiohttp (the forwarder for https nodes) resolved dot segments of the URL it
+    was given: "/x/%2e%2e/internal/..." left the router, which had refused only
+    paths starting with /internal, as "/internal/..." with the internal token
+    added (the security audit reached a node's PUT /internal/cluster this way)."""
+    import asyncio
+
+    from router.fastclient import FastForwarder
+    from router.forward import AiohttpForwarder
+
+    async def main() -> None:
+        for forwarder in (AiohttpForwarder(), FastForwarder()):
+            try:
+                answer = await forwarder.request(
+                    "GET", upstream + "/x/%2e%2e/internal/cluster", [], None
+                )
+            finally:
+                await forwarder.close()
+            seen = json.loads(answer.body)
+            assert seen["path"] == "/x/../internal/cluster", (type(forwarder).__name__, seen)
+
+    asyncio.run(main())
+
+
 def test_forwarders_send_the_client_header_bytes_unchanged(upstream: str) -> None:
     """The router holds header values as latin-1 text of the client's bytes; every
     forwarder must put those same bytes back on the wire (aiohttp writes UTF-8)."""

@@ -921,3 +921,27 @@ async def test_the_decision_api_answers_a_leased_key_from_the_routers_leases() -
             "/v1/check", json={"checks": [{"key": "alice", "rule": "hot"}]}
         )
         assert batch.status_code == 200 and batch.json()["results"][0]["allowed"] is False
+
+
+@pytest.mark.parametrize(
+    "path",
+    # Percent-encoded: httpx (like browsers and curl) resolves literal dot segments.
+    ["/x/%2e%2e/internal/cluster", "/x/%2E%2E/y", "/x/%2e/y", "/x/%2e", "/%2e%2e"],
+)
+async def test_a_path_with_a_dot_segment_is_refused(path: str) -> None:
+    """A dot segment could be resolved on the way to the node ("/x/../internal"
+    passes the router's /internal check); clients send paths normalized."""
+    config = ClusterConfig(rules=(ScopedRule(Rule("api", 5, 60.0)),))
+    async with running(config) as cluster:
+        url = httpx.URL(cluster.client.base_url.copy_with(raw_path=path.encode()))
+        response = await cluster.client.get(url, headers={"X-User-Id": "alice"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == "invalid_path"
+
+
+@pytest.mark.parametrize("path", ["/.well-known/x", "/a..b/c", "/x/.hidden", "/x..", "/x/..y"])
+async def test_dots_inside_a_segment_are_proxied(path: str) -> None:
+    config = ClusterConfig(rules=(ScopedRule(Rule("api", 5, 60.0)),))
+    async with running(config) as cluster:
+        response = await get(cluster, "alice", path)
+    assert response.status_code == 200, response.text

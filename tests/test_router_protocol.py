@@ -146,9 +146,14 @@ async def test_a_proxied_exchange_reads_the_same_on_both_paths(procs: Procs) -> 
             answers += await exchange(
                 port, get("/b", "bob"), get("/b", "bob"), get("/b", "bob"), together=True
             )
+            # A dot segment, as sent and percent-encoded: refused on both paths.
+            answers += await exchange(
+                port, get("/x/../internal/cluster", "carol"), get("/x/%2e%2e/y", "carol")
+            )
         seen[direct] = [a.same() for a in answers]
         statuses = [a.status for a in answers]
-        assert statuses == [200, 200, 429, 400, 400, 200, 200, 429], (direct, statuses)
+        assert statuses == [200, 200, 429, 400, 400, 200, 200, 429, 400, 400], (direct, statuses)
+        assert all(json.loads(a.body)["error"] == "invalid_path" for a in answers[-2:])
         assert answers[0].field(b"x-ringlimit-node") == b"n1"
         assert answers[1].body == b"" and answers[1].field(b"content-length") == b"0"
         assert json.loads(answers[3].body)["error"] == "missing_user_id"
