@@ -11,6 +11,12 @@ descriptors, and then every new connection fails. Here:
   started a request).
 * **Header size.** More than ``max_header_bytes`` before the headers end is a
   ``431`` and a closed connection.
+* **Body timeout.** A request's body must arrive within ``body_timeout``
+  seconds of its headers, plus one second per ``MIN_BODY_RATE`` bytes
+  received so far (Apache's mod_reqtimeout, ``body=10,MinRate=500``): a
+  large upload at a working pace goes on, a body sent a byte at a time does
+  not hold a connection (and a slot under the cap) for ever. Then it is
+  closed, with a ``408`` if no answer has begun.
 * **Connection cap.** At most ``max_connections`` connections are open. A
   new connection over the cap closes the connection that has waited longest
   for a request (an idle one never holds a slot a working client needs); when
@@ -35,6 +41,8 @@ __all__ = ["FrontDoor", "raise_fd_limit"]
 #: Descriptors kept for everything that is not a client connection (listening
 #: sockets, logs, the event loop's own, connections to peers at rest).
 RESERVED_FDS = 64
+#: Bytes per second of a request body that extend its time (see the body timeout).
+MIN_BODY_RATE = 500
 
 
 @dataclass(frozen=True)
@@ -47,9 +55,11 @@ class FrontDoor:
     max_header_bytes: int = 64 * 1024
     #: Open client connections at most (None: from the descriptor limit).
     max_connections: int | None = None
+    #: Seconds a request's body has after its headers (plus 1 s per MIN_BODY_RATE bytes).
+    body_timeout: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("keep_alive", "header_timeout"):
+        for name in ("keep_alive", "header_timeout", "body_timeout"):
             value = getattr(self, name)
             if not 0 < value <= 3600:
                 raise ValueError(f"{name} must be above 0 and at most 3600 seconds")
@@ -105,6 +115,9 @@ def _canned(status: int, reason: str, error: str, detail: str) -> bytes:
 
 
 _TIMEOUT = _canned(408, "Request Timeout", "request_timeout", "request headers took too long")
+_BODY_TIMEOUT = _canned(
+    408, "Request Timeout", "request_timeout", "the request body arrived too slowly"
+)
 _MALFORMED = _canned(
     400, "Bad Request", "invalid_http", "the request is not HTTP/1.1 this server can read"
 )
@@ -148,6 +161,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
     when given, wraps the transport (node/server.py coalesces writes)."""
     cap = front_door.connection_cap()
     header_timeout = front_door.header_timeout
+    body_timeout = front_door.body_timeout
     max_header_bytes = front_door.max_header_bytes
 
     class LimitedProtocol(base):  # type: ignore[valid-type,misc]
@@ -158,6 +172,11 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         _reads = 0
         _parsed_bytes = 0
         _header_timer: asyncio.TimerHandle | None = None
+        #: While a request's body is arriving: when its headers ended, its bytes so
+        #: far, and the timer that checks its pace.
+        _body_since = 0.0
+        _body_bytes = 0
+        _body_timer: asyncio.TimerHandle | None = None
         # uvicorn's, set in its __init__ (declared for the type checker).
         app: Any
         limit_concurrency: int | None
@@ -253,8 +272,37 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             """What the HTTP parser cannot read gets a JSON error, like any bad input."""
             self._close_waiting(_TOO_LARGE if getattr(self, "_oversized", False) else _MALFORMED)
 
+        def _await_body(self) -> None:
+            self._body_since = self.loop.time()
+            self._body_bytes = 0
+            if self._body_timer is None:
+                self._body_timer = self.loop.call_later(body_timeout, self._body_late)
+
+        def _body_late(self) -> None:
+            self._body_timer = None
+            cycle = self.cycle
+            if (
+                cycle is None
+                or not getattr(cycle, "more_body", False)  # (the router's ProxyCycle: no body)
+                or self.transport.is_closing()
+            ):
+                return  # the body is whole (or the connection gone)
+            due = self._body_since + body_timeout + self._body_bytes / MIN_BODY_RATE
+            left = due - self.loop.time()
+            if left > 0:
+                self._body_timer = self.loop.call_later(left, self._body_late)
+                return
+            started = getattr(cycle, "response_started", True)
+            self._close_waiting(None if started else _BODY_TIMEOUT)
+
+        def on_body(self, body: bytes) -> None:
+            self._body_bytes += len(body)
+            super().on_body(body)
+
         def on_headers_complete(self) -> None:
             self._stop_waiting()
+            # Every request (a bodyless one is complete before the timer looks).
+            self._await_body()
             limit = self.limit_concurrency
             if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
                 # uvicorn would answer its own plain-text 503 here; every other
@@ -282,6 +330,9 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_waiting()
             self._cancel_timer()
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
             super().connection_lost(exc)
 
     return LimitedProtocol

@@ -37,7 +37,7 @@ from node.config import (
     ScopedRule,
     load_config,
 )
-from node.frontdoor import FrontDoor
+from node.frontdoor import MIN_BODY_RATE, RESERVED_FDS, FrontDoor
 from node.lease import MAX_LEASE
 from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
 from ring import Member
@@ -497,7 +497,7 @@ def _front_door_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int,
         help="open client connections at most (default: half of what ulimit -n leaves "
-        "after 32 kept for the process itself, at least 16)",
+        f"after {RESERVED_FDS} kept for the process itself, at least 16)",
     )
     group.add_argument(
         "--header-timeout",
@@ -510,6 +510,13 @@ def _front_door_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=5.0,
         help="seconds an idle keep-alive connection is kept (default 5)",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's body has after its headers, plus one per "
+        f"{MIN_BODY_RATE} bytes received (default 10)",
     )
 
 
@@ -565,6 +572,7 @@ _FRONT_DOOR_FLAGS = {
     "keep_alive": "--keep-alive",
     "header_timeout": "--header-timeout",
     "max_connections": "--max-connections",
+    "body_timeout": "--body-timeout",
 }
 
 
@@ -574,6 +582,7 @@ def _front_door(args: argparse.Namespace) -> FrontDoor:
             keep_alive=args.keep_alive,
             header_timeout=args.header_timeout,
             max_connections=args.max_connections,
+            body_timeout=args.body_timeout,
         )
     except ValueError as exc:
         field, _, rest = str(exc).partition(" ")
