@@ -50,7 +50,7 @@ from node.middleware import (
 from node.peers import INTERNAL_TOKEN_HEADER, Peers, WireError, bulk, decode_records
 from node.peers import decode as decode_body
 from node.rates import RateMeter
-from node.security import bearer, refusal
+from node.security import bearer, refusal, token_matches
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore
 from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
@@ -352,7 +352,11 @@ class Node:
         size = 0
         error: ApiError | None = None
         headers: list[tuple[bytes, bytes]]
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if self.settings.internal_token is not None and not self._router_token(scope):
+            # With an internal token, a node's decision API is the routers' (they send
+            # it): anyone else reaching the node could spend any user's quota.
+            error = ApiError(401, "unauthorized", "missing or wrong internal token")
+        elif declared is not None and declared.isdigit() and int(declared) > limit:
             error = ApiError(
                 413, "body_too_large", f"body is {declared.decode()} bytes; at most {limit}"
             )
@@ -379,6 +383,19 @@ class Node:
         headers.append((b"content-type", b"application/json"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
+
+    def _router_token(self, scope: Scope) -> bool:
+        """Whether the request carries the internal token (``X-Ringlimit-Token``, or
+        ``Authorization: Bearer``), compared in constant time."""
+        header = INTERNAL_TOKEN_HEADER.lower().encode("latin-1")
+        given: str | None = None
+        for name, value in scope["headers"]:
+            if name == header:
+                given = value.decode("latin-1")
+                break
+            if name == b"authorization" and given is None:
+                given = bearer(value.decode("latin-1"))
+        return given is not None and token_matches(given, self.settings.internal_token)
 
     async def _answer_checks(self, body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """The status, extra headers and JSON body answering a decision-API body."""

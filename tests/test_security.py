@@ -105,3 +105,29 @@ async def test_the_decision_api_needs_its_token_when_one_is_set() -> None:
             "/v1/check", json=check, headers={"Authorization": "Bearer api-s3cret"}
         )
         assert allowed.status_code == 200 and allowed.json()["allowed"] is True
+
+
+async def test_a_nodes_decision_api_takes_the_internal_token_when_one_is_set() -> None:
+    """With RINGLIMIT_INTERNAL_TOKEN set, only routers (which send it) may use a
+    node's decision API: before, anyone reaching a node port could spend any
+    user's quota there (the security audit). Routers' checks still pass."""
+    from router.testing import node_url
+
+    async with InProcessCluster(
+        1, CONFIG, clock=FrozenClock(), internal_token="int-s3cret"
+    ) as cluster:
+        node = node_url("n1") + "/v1/check"
+        check = {"key": "alice", "cost": 5}
+        for headers in ({}, {"X-Ringlimit-Token": "nope"}, {"Authorization": "Bearer nope"}):
+            refused = await cluster.client.post(node, json=check, headers=headers)
+            assert refused.status_code == 401, refused.text
+            assert refused.json()["error"] == "unauthorized"
+        for headers in (
+            {"X-Ringlimit-Token": "int-s3cret"},
+            {"Authorization": "Bearer int-s3cret"},
+        ):
+            taken = await cluster.client.post(node, json={"key": "bob"}, headers=headers)
+            assert taken.status_code == 200 and taken.json()["allowed"] is True
+        # Through the router (which sends the token): decided, and alice's quota whole.
+        routed = await cluster.client.post("/v1/check", json=check)
+        assert routed.status_code == 200 and routed.json()["allowed"] is True
