@@ -55,6 +55,9 @@ def is_loopback(host: str | None) -> bool:
     if not host:
         return False
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return host == "localhost"
+    # A dual-stack socket (--host ::) sees IPv4 clients as ::ffff:a.b.c.d.
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))

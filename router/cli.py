@@ -625,10 +625,19 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def _tokens() -> tuple[str | None, str | None]:
-    return (
-        os.environ.get("RINGLIMIT_ADMIN_TOKEN") or None,
-        os.environ.get("RINGLIMIT_INTERNAL_TOKEN") or None,
-    )
+    return _token("RINGLIMIT_ADMIN_TOKEN"), _token("RINGLIMIT_INTERNAL_TOKEN")
+
+
+def _token(variable: str) -> str | None:
+    """A token from the environment (empty: none). Visible ASCII only: it travels in
+    an HTTP header, where anything else was either a crash at start (the router
+    encodes its internal token as latin-1) or a token no request could match."""
+    value = os.environ.get(variable) or None
+    if value is not None and not (value.isascii() and value.isprintable() and " " not in value):
+        raise ValueError(
+            f"{variable} must be visible ASCII characters (no spaces or control characters)"
+        )
+    return value
 
 
 def _run_router(args: argparse.Namespace) -> int:
@@ -668,7 +677,7 @@ def _run_router(args: argparse.Namespace) -> int:
         seeds=seeds,
         admin_token=admin_token,
         internal_token=internal_token,
-        api_token=os.environ.get("RINGLIMIT_API_TOKEN") or None,
+        api_token=_token("RINGLIMIT_API_TOKEN"),
         state_file=args.state_file,
         health_interval=args.health_interval,
         failure_threshold=args.failure_threshold,

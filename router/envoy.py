@@ -158,6 +158,11 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         if not request.descriptors:
             raise Invalid("rate limit descriptor list must not be empty")
         config = self.router.config
+        if len(request.descriptors) > config.limits.max_batch:
+            # The decision API's bound on checks per request, for the same reason.
+            raise Invalid(
+                f"{len(request.descriptors)} descriptors; at most {config.limits.max_batch}"
+            )
         max_cost = config.limits.max_cost
         default_cost = request.hits_addend or 1
         domain = self.envoy.domains.get(request.domain)

@@ -378,3 +378,18 @@ def test_connection_limits_are_refused_naming_their_flag(
 
     with pytest.raises(ValueError, match=f"^{expected}"):
         _front_door(build_parser().parse_args([*command, *flags]))
+
+
+@pytest.mark.parametrize("value", ["héllo", "a b", "tab\there", "new\nline"])
+def test_a_token_that_cannot_travel_in_a_header_is_refused_at_start(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-latin-1 internal token crashed the router at start (UnicodeEncodeError);
+    a UTF-8 admin or API token could never match a request (the security audit)."""
+    from router.cli import _token
+
+    monkeypatch.setenv("RINGLIMIT_INTERNAL_TOKEN", value)
+    with pytest.raises(ValueError, match=r"^RINGLIMIT_INTERNAL_TOKEN must be visible ASCII"):
+        _token("RINGLIMIT_INTERNAL_TOKEN")
+    monkeypatch.setenv("RINGLIMIT_INTERNAL_TOKEN", "s3cret-._~+/=")
+    assert _token("RINGLIMIT_INTERNAL_TOKEN") == "s3cret-._~+/="

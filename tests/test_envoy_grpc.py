@@ -488,6 +488,8 @@ async def test_refused_requests_are_invalid_argument() -> None:
                 ),
             ),
             request("api", [("user", "a")], hits_addend=UInt64Value(value=10**12)),
+            # Over max_batch (1000) descriptors: unbounded work from one call, before.
+            request("api", *([("user", "a")],) * 1001),
         ]
         for case in cases:
             with pytest.raises(grpc.aio.AioRpcError) as raised:

@@ -131,3 +131,12 @@ async def test_a_nodes_decision_api_takes_the_internal_token_when_one_is_set() -
         # Through the router (which sends the token): decided, and alice's quota whole.
         routed = await cluster.client.post("/v1/check", json=check)
         assert routed.status_code == 200 and routed.json()["allowed"] is True
+
+
+def test_an_ipv4_client_of_a_dual_stack_socket_is_loopback_when_it_is() -> None:
+    """``--host ::`` sees 127.0.0.1 as ::ffff:127.0.0.1: refused as not loopback
+    (403 on the admin API without a token), before."""
+    from node.security import is_loopback
+
+    assert is_loopback("::ffff:127.0.0.1") and is_loopback("127.0.0.1") and is_loopback("::1")
+    assert not is_loopback("::ffff:10.0.0.1") and not is_loopback("10.0.0.1")
