@@ -375,6 +375,8 @@ class EtcdCoordinator:
                     return bool(ok)
 
                 won = await self._call("campaign", campaign)
+                if won:
+                    sent = await self._refresh_now(lease.id, sent, clock)
                 if won and clock() - sent >= self.ttl * 0.8:
                     # Won too late to act safely (a slow etcd): let the lease go.
                     log.warning("won the leadership too late to use it; campaigning again")
@@ -402,6 +404,27 @@ class EtcdCoordinator:
                 else:
                     log.warning("leader election: %s", exc)
                 await asyncio.sleep(0.5)
+
+    async def _refresh_now(self, lease_id: int, sent: float, clock: Callable[[], float]) -> float:
+        """Refresh a lease just won; returns when the lease's time now counts from.
+
+        The grant was asked for at ``sent``, and the step-down deadline counts
+        from there. After a pause of etcd that is already long ago: the new
+        leader stepped down at its first keep-alive (0.65 s after it won, when
+        an audit paused etcd for 10 s) and left the cluster leaderless for
+        another 1.9 s. A refresh that succeeds extends the lease from at least
+        when it was sent, so the deadline may count from then; one that fails
+        or is late changes nothing.
+        """
+        refreshing = clock()
+        try:
+            await asyncio.wait_for(
+                self._call("lease refresh", partial(_refresh, lease_id)),
+                timeout=max(0.0, sent + self.ttl * 0.8 - refreshing),
+            )
+        except Exception:  # TimeoutError included: the caller's checks decide
+            return sent
+        return refreshing
 
     async def _keep_alive(
         self, lease_id: int, key: bytes, value: bytes, last_ok: float, clock: Callable[[], float]

@@ -195,6 +195,48 @@ async def test_a_leader_cut_off_from_etcd_steps_down_within_the_ttl(
         await etcd.close()
 
 
+async def test_a_leader_that_won_during_a_pause_of_etcd_keeps_the_lead(
+    etcd_server: EtcdServer, etcd_endpoint: str
+) -> None:
+    """A campaign whose lease grant was asked for before etcd paused wins once etcd
+    resumes, with that grant already old. Its step-down deadline counted from it,
+    so the new leader stepped down at its first keep-alive (an audit: 0.65 s
+    after it won, then 1.9 s with no leader); a refresh as soon as it wins moves
+    the deadline on."""
+    etcd = coordinator(etcd_endpoint, ttl=2.0)
+    loop = asyncio.get_running_loop()
+    led: list[float] = []
+    lost: list[float] = []
+
+    async def on_lead() -> None:
+        led.append(loop.time())
+
+    async def on_lose() -> None:
+        lost.append(loop.time())
+
+    process = etcd_server.process
+    assert process is not None
+    await etcd.load()  # connected before the pause
+    process.send_signal(signal.SIGSTOP)
+    leading = asyncio.create_task(etcd.lead("http://patient", on_lead, on_lose, loop.time))
+    try:
+        await asyncio.sleep(1.1)  # the grant waits on the paused etcd: 0.55 ttl
+        process.send_signal(signal.SIGCONT)
+        for _ in range(int(10.0 / 0.02)):  # bounded
+            if led:
+                break
+            await asyncio.sleep(0.02)
+        assert led, "never led"
+        await asyncio.sleep(2 * etcd.ttl)  # several keep-alives
+        assert not lost, f"stepped down {lost[0] - led[0]:.2f} s after it won"
+    finally:
+        process.send_signal(signal.SIGCONT)
+        leading.cancel()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(leading, timeout=10.0)
+        await etcd.close()
+
+
 def _setter(event: asyncio.Event) -> Callable[[], Awaitable[None]]:
     async def set_it() -> None:
         event.set()
