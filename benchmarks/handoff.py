@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ import httpx
 
 from benchmarks.deployments import Processes, Settings, cluster_toml, free_port, wait_http
 from benchmarks.measure import rss
+from node.peers import INTERNAL_TOKEN_HEADER
 from ring import Member, RingView
 
 NODES = ("A", "B")
@@ -41,7 +43,7 @@ def run_handoff(procs: Processes, workdir: Path, n: int) -> dict[str, Any]:
     pids, urls, router = _start(procs, workdir / "cluster.toml")
     keys = _keys_of_a(urls, n)
     rss_before = rss(pids["A"])
-    with httpx.Client(timeout=60.0) as client:
+    with httpx.Client(timeout=60.0, headers=_internal_headers()) as client:
         fill_seconds = _fill(client, urls["A"], keys)
         held = client.get(f"{urls['A']}/healthz").json()["keys"]
         settle_seconds = _settle(client, urls["B"], held)
@@ -88,7 +90,7 @@ def run_join(procs: Processes, workdir: Path, n: int) -> dict[str, Any]:
     keys = [f"h{i}" for i in range(n)]
     two = RingView.of([Member("A", urls["A"]), Member("B", urls["B"])], epoch=2)
     moving = sum(1 for key in keys if two.owner_id(key) == "B")
-    with httpx.Client(timeout=60.0) as client:
+    with httpx.Client(timeout=60.0, headers=_internal_headers()) as client:
         _fill(client, urls["A"], keys)
         time.sleep(1.5)  # A's sweep gives freed pages back: RSS is what it holds
         rss_before = rss(pids["A"])
@@ -122,6 +124,13 @@ def run_join(procs: Processes, workdir: Path, n: int) -> dict[str, Any]:
         f"{answer.status_code} after {joined:.2f} s; A keeps {int(kept):,} of them for B, "
         f"its RSS {(rss_after - rss_before) / 2**20:+.1f} MiB",
     }
+
+
+def _internal_headers() -> dict[str, str]:
+    """The internal token, when the environment gives one to the nodes too: their
+    decision API and /internal/status take it then."""
+    token = os.environ.get("RINGLIMIT_INTERNAL_TOKEN")
+    return {INTERNAL_TOKEN_HEADER: token} if token else {}
 
 
 def _start(

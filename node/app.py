@@ -328,6 +328,11 @@ class Node:
     async def check(self, request: Request) -> Response:
         """``POST /v1/check`` through Starlette (kept for the route table; requests
         are answered by :meth:`check_asgi`, which gives the same answers)."""
+        if self.settings.internal_token is not None and not self._router_token(request.scope):
+            return JSONResponse(
+                {"error": "unauthorized", "detail": "missing or wrong internal token"},
+                status_code=401,
+            )
         config = self.authority.config
         try:
             body = await read_body(request, config.limits.max_body)

@@ -287,6 +287,14 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 or self.transport.is_closing()
             ):
                 return  # the body is whole (or the connection gone)
+            if self.flow.read_paused or self.pipeline:
+                # This server stopped reading (a request ahead is still being
+                # answered, or the app has not taken what came): not the client's
+                # time. The clock starts again (a 408 now would also land ahead
+                # of the answer still owed).
+                self._body_since = self.loop.time()
+                self._body_timer = self.loop.call_later(body_timeout, self._body_late)
+                return
             due = self._body_since + body_timeout + self._body_bytes / MIN_BODY_RATE
             left = due - self.loop.time()
             if left > 0:

@@ -179,6 +179,11 @@ class BatchedCounts:
             child.inc(n)
         pending.clear()
 
+    def forget(self, labels: tuple[str, ...]) -> None:
+        """The counter's child for ``labels`` was removed: the next increment makes
+        a new one (a held reference would count into a child nobody exports)."""
+        self._children.pop(labels, None)
+
 
 class Flusher(Collector):
     """Collects nothing: publishes what batched metrics hold whenever the

@@ -185,6 +185,8 @@ JOIN_NOT_READY_ATTEMPTS = 3
 #: within this many seconds (below a typical 30 s termination grace period).
 LEAVE_ATTEMPTS = 6
 LEAVE_DEADLINE = 20.0
+#: Seconds to connect to a router before the join or the leave tries the next one.
+CONNECT_TIMEOUT = 2.0
 
 
 def serve_node(
@@ -207,7 +209,7 @@ def serve_node(
     on etcd a node joins and leaves while any of them answers.
     """
     url = advertise or f"http://{host}:{port}"
-    routers = [r.rstrip("/") for r in join]
+    routers = [r.rstrip("/") for r in ([join] if isinstance(join, str) else join)]
     state: dict[str, Any] = {"leaving": False}
 
     def on_signal(server: _Server) -> None:
@@ -229,11 +231,22 @@ def serve_node(
         deadline = loop.time() + LEAVE_DEADLINE
         status: int | None = None
         problem = "no attempt made"
-        async with httpx.AsyncClient(timeout=60.0) as client:
+        async with httpx.AsyncClient() as client:
             for attempt in range(LEAVE_ATTEMPTS):
                 router = routers[attempt % len(routers)]
+                # Within what is left of the deadline, and quick to give up on a
+                # router that does not accept the connection (a host that is down
+                # drops it): the next router gets its turn.
+                left = max(0.5, deadline - loop.time())
+                # With several routers, one that takes the request and never
+                # answers gets half the time left, not all of it: another router
+                # still gets its turn (a large handoff answers well within 10 s).
+                share = left / 2 if len(routers) > 1 else left
+                timeout = httpx.Timeout(share, connect=min(share, CONNECT_TIMEOUT))
                 try:
-                    response = await client.delete(router + path, headers=_auth(admin_token))
+                    response = await client.delete(
+                        router + path, headers=_auth(admin_token), timeout=timeout
+                    )
                     status = response.status_code
                     if not _retry_admin_answer(response):
                         break
@@ -265,7 +278,8 @@ def serve_node(
         deadline = loop.time() + join_timeout
         not_ready = 0
         problem = "no attempt made"
-        async with httpx.AsyncClient(timeout=30.0) as client:
+        timeout = httpx.Timeout(30.0, connect=CONNECT_TIMEOUT)
+        async with httpx.AsyncClient(timeout=timeout) as client:
             for attempt in range(JOIN_ATTEMPTS):
                 router = routers[attempt % len(routers)]
                 try:

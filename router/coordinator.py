@@ -517,7 +517,13 @@ async def _deleted(watcher: Any) -> bool:
 
 
 async def _refresh(lease_id: int, client: Any) -> Any:
-    return await client.refresh_lease(lease_id)
+    """Refresh a lease; ``CoordinatorError`` if etcd says it has lapsed: etcd answers
+    the keep-alive of an expired or revoked lease with a TTL of 0, not an error,
+    and counting that as a refresh would let a router lead on a lease that is gone."""
+    reply = await client.refresh_lease(lease_id)
+    if getattr(reply, "TTL", 1) <= 0:
+        raise CoordinatorError(f"lease {lease_id} has lapsed")
+    return reply
 
 
 async def _revoke(lease_id: int, client: Any) -> Any:

@@ -164,6 +164,8 @@ class RouterMetrics:
                         stale.add(tuple(sample.labels[name] for name in names))
             for values in stale:
                 counter.remove(*values)
+                if counter is self._forwarded:
+                    self._forwards.forget(values)
 
     def render(self) -> bytes:
         """The text exposition, without ``_created`` series (see :func:`node.metrics.render`)."""

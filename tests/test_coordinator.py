@@ -25,6 +25,8 @@ from router.coordinator import (
     CoordinatorError,
     EtcdCoordinator,
     ViewRecord,
+    _refresh,
+    _revoke,
     parse_endpoints,
 )
 from router.membership import Membership, MembershipError, _cancel_within
@@ -234,6 +236,24 @@ async def test_a_leader_that_won_during_a_pause_of_etcd_keeps_the_lead(
         leading.cancel()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(leading, timeout=10.0)
+        await etcd.close()
+
+
+async def test_a_lapsed_lease_is_never_counted_as_refreshed(etcd_endpoint: str) -> None:
+    """etcd answers the keep-alive of a revoked or expired lease with a TTL of 0,
+    not an error: counted as a refresh, a router could lead on a lease that is
+    gone (the review of the refresh-on-win change)."""
+    from functools import partial
+
+    etcd = coordinator(etcd_endpoint)
+    try:
+        lease = await etcd._call("lease", lambda c: c.lease(2))
+        reply = await etcd._call("lease refresh", partial(_refresh, lease.id))
+        assert reply.TTL > 0
+        await etcd._call("lease revoke", partial(_revoke, lease.id))
+        with pytest.raises(CoordinatorError, match="has lapsed"):
+            await etcd._call("lease refresh", partial(_refresh, lease.id))
+    finally:
         await etcd.close()
 
 

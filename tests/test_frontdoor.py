@@ -259,3 +259,75 @@ def test_every_connection_busy_gets_a_json_503_and_the_server_recovers(
     )
     assert codes == [200] * 5, codes
     assert router_proc.alive()
+
+
+def test_a_pipelined_body_waits_on_the_answer_ahead_without_its_clock_running() -> None:
+    """The server stops reading while a pipelined request waits for the one ahead
+    of it: that time is not the client's. The body clock ran through it, and cut
+    the connection with a 408 written ahead of the first answer (the review:
+    a slow GET, then a POST with part of its body, body timeout 0.5 s)."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    from node.frontdoor import FrontDoor, limited_protocol
+
+    async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        if scope["type"] != "http":
+            return
+        body = b""
+        if scope["path"] == "/slow":
+            await asyncio.sleep(1.5)  # longer than the body timeout; reads nothing
+        else:
+            while True:
+                message = await receive()  # type: ignore[operator]
+                body += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+        payload = f"{scope['path']} got {len(body)}".encode()
+        headers = [(b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": payload})  # type: ignore[operator]
+
+    async def main() -> bytes:
+        protocol = limited_protocol(HttpToolsProtocol, FrontDoor(body_timeout=0.5))
+        config = uvicorn.Config(app, lifespan="off", log_level="error")
+        config.load()
+        state = ServerState()
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: protocol(config=config, server_state=state, app_state={}, _loop=loop),
+            "127.0.0.1",
+            0,
+        )
+        try:
+            port = server.sockets[0].getsockname()[1]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = b"x" * 2000
+            writer.write(
+                b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                b"POST /second HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n" + body[:10]
+            )
+            await asyncio.sleep(0.1)
+            writer.write(body[10:])
+            out = b""
+            for _ in range(100):  # bounded: 10 s at most
+                try:
+                    chunk = await asyncio.wait_for(reader.read(65536), 0.1)
+                except TimeoutError:
+                    continue
+                if not chunk:
+                    break
+                out += chunk
+                if out.endswith(b"/second got 2000"):
+                    break
+            writer.close()
+            return out
+        finally:
+            server.close()
+
+    out = asyncio.run(main())
+    assert out.count(b"HTTP/1.1 200") == 2, out
+    assert b"/slow got 0" in out and out.endswith(b"/second got 2000"), out

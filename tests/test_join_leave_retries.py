@@ -143,3 +143,30 @@ def test_a_mistyped_url_gives_up_after_a_bounded_number_of_attempts(procs: Procs
     # Start (a Python process: 1-4 s on a loaded machine), then 3 answers with
     # 0.1 s and 0.2 s between them: far below the 120 s join deadline.
     assert took <= 15.0, took
+
+
+def test_a_leave_does_not_spend_its_time_on_a_router_that_never_answers(procs: Procs) -> None:
+    """A router takes the connection and never answers (a hung process): the leave
+    gives it half the time left of its 20 s, then goes back to the other router
+    (an attempt used to wait up to 60 s, past the deadline and a kill grace)."""
+    import socket
+
+    with socket.socket() as hung, ScriptedRouter({"POST": [OK], "DELETE": [OK]}) as router:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)  # connections complete in the kernel; nobody reads them
+        silent = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        proc, _ = procs.node("n1", free_port(), "--join", f"{router.url},{silent}")
+        assert wait_for(lambda: "joined the ring" in proc.output(), 20.0), proc.output()
+        router.asked.clear()
+        # The scripted router answers first with a failover's 503, so the hung
+        # one is asked next; the scripted one then takes the leave.
+        router.answers["DELETE"] = [NO_LEADER, OK]
+        started = time.monotonic()
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(30) == 0
+        took = time.monotonic() - started
+    output = proc.output()
+    print(f"\n[leave past a hung router] {took:.1f} s")
+    assert router.asked == ["DELETE", "DELETE"], (router.asked, output)
+    assert f"left the ring: router {router.url} answered 200" in output, output
+    assert took < 19.0, took

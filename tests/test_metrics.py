@@ -196,5 +196,17 @@ async def test_a_departed_nodes_series_leave_the_router_one_scrape_later() -> No
         await cluster.client.get("/hello")  # no user id: an event of no node ("-")
         last = (await cluster.client.get("/metrics")).text
         later = (await cluster.client.get("/metrics")).text
+        # Back under the same id (a restart with a stable --id): counted again.
+        await cluster.add_node("n3")
+        for user in users:
+            await cluster.client.get("/hello", headers={"X-User-Id": user})
+        back = (await cluster.client.get("/metrics")).text
     assert node_labels(last) == {"n1", "n2", "n3", "-"}
     assert node_labels(later) == {"n1", "n2", "-"}
+    forwarded = [
+        s.labels["node"]
+        for f in text_string_to_metric_families(back)
+        for s in f.samples
+        if s.name == "ringlimit_router_forwarded_total"
+    ]
+    assert "n3" in forwarded
