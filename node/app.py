@@ -26,6 +26,7 @@ from math import isfinite
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -390,16 +391,9 @@ class Node:
         await send({"type": "http.response.body", "body": payload})
 
     def _router_token(self, scope: Scope) -> bool:
-        """Whether the request carries the internal token (``X-Ringlimit-Token``, or
-        ``Authorization: Bearer``), compared in constant time."""
-        header = INTERNAL_TOKEN_HEADER.lower().encode("latin-1")
-        given: str | None = None
-        for name, value in scope["headers"]:
-            if name == header:
-                given = value.decode("latin-1")
-                break
-            if name == b"authorization" and given is None:
-                given = bearer(value.decode("latin-1"))
+        """Whether the request carries the internal token (as :meth:`_refuse` reads
+        it), compared in constant time."""
+        given = _given_token(Headers(scope=scope))
         return given is not None and token_matches(given, self.settings.internal_token)
 
     async def _answer_checks(self, body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -479,9 +473,7 @@ class Node:
 
     def _refuse(self, request: Request) -> Response | None:
         """Internal endpoints: the token when configured, otherwise loopback only."""
-        given = request.headers.get(INTERNAL_TOKEN_HEADER) or bearer(
-            request.headers.get("authorization")
-        )
+        given = _given_token(request.headers)
         status = refusal(
             given, self.settings.internal_token, request.client.host if request.client else None
         )
@@ -835,3 +827,8 @@ def create_app(
 ) -> Node:
     """Build a node; the returned object is the ASGI application."""
     return Node(settings, clock=clock, store=store, backend=backend, peers=peers, app=app)
+
+
+def _given_token(headers: Headers) -> str | None:
+    """The internal token a request carries: ``X-Ringlimit-Token``, else a bearer token."""
+    return headers.get(INTERNAL_TOKEN_HEADER) or bearer(headers.get("authorization"))

@@ -179,9 +179,10 @@ class BatchedCounts:
             child.inc(n)
         pending.clear()
 
-    def forget(self, labels: tuple[str, ...]) -> None:
-        """The counter's child for ``labels`` was removed: the next increment makes
+    def remove(self, *labels: str) -> None:
+        """``Counter.remove``, and the child held for it: the next increment makes
         a new one (a held reference would count into a child nobody exports)."""
+        self._counter.remove(*labels)
         self._children.pop(labels, None)
 
 

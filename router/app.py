@@ -303,7 +303,7 @@ class Router:
                 await drain(receive)
                 await send_json(send, 404, error_body("not_found", "no such endpoint"))
                 return
-            if "/." in scope["path"] and has_dot_segment(scope["path"]):
+            if has_dot_segment(scope["path"]):
                 await drain(receive)
                 await send_json(
                     send, 400, error_body("invalid_path", "the path has a '.' or '..' segment")

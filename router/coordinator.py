@@ -410,9 +410,8 @@ class EtcdCoordinator:
 
         The grant was asked for at ``sent``, and the step-down deadline counts
         from there. After a pause of etcd that is already long ago: the new
-        leader stepped down at its first keep-alive (0.65 s after it won, when
-        an audit paused etcd for 10 s) and left the cluster leaderless for
-        another 1.9 s. A refresh that succeeds extends the lease from at least
+        leader stepped down at its first keep-alive and left the cluster
+        without a leader a while longer. A refresh that succeeds extends the lease from at least
         when it was sent, so the deadline may count from then; one that fails
         or is late changes nothing.
         """

@@ -388,18 +388,24 @@ def test_the_batch_target_holds_only_when_every_round_reaches_it() -> None:
     assert target.measured == 190_000 and not target.ok
 
 
-@pytest.mark.timeout(120)
-def test_the_handoff_step_runs_alone() -> None:
-    """``python -m benchmarks.handoff``: the bench's handoff step on its own (to
-    compare two commits side by side), every key arriving, twice."""
+def run_alone(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m module argv...`` from the repository, which must succeed."""
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.handoff", "--keys", "3000", "--runs", "2"],
+        [sys.executable, "-m", module, *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=110,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.timeout(120)
+def test_the_handoff_step_runs_alone() -> None:
+    """``python -m benchmarks.handoff``: the bench's handoff step on its own (to
+    compare two commits side by side), every key arriving, twice."""
+    done = run_alone("benchmarks.handoff", "--keys", "3000", "--runs", "2")
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2, done.stdout
     assert all("3,000 of 3,000 keys arrived" in line for line in lines), done.stdout
@@ -408,28 +414,14 @@ def test_the_handoff_step_runs_alone() -> None:
 def test_the_batch_path_runs_alone() -> None:
     """``python -m benchmarks.batchpath``: a node's batch path in process, as the
     docs measure it side by side."""
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.batchpath", "--batches", "5", "--rounds", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_alone("benchmarks.batchpath", "--batches", "5", "--rounds", "2")
     assert "ns per decision (fastest of 2 rounds" in done.stdout, done.stdout
 
 
 def test_the_join_direction_runs_alone() -> None:
     """``python -m benchmarks.handoff --join``: B joins A; every moved key arrives,
     and A keeps them as B's replicas."""
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.handoff", "--join", "--keys", "3000"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_alone("benchmarks.handoff", "--join", "--keys", "3000")
     line = done.stdout.strip().splitlines()[-1]
     moved = re.search(r"([\d,]+) of \1 moved keys arrived", line)
     assert moved is not None, line

@@ -30,6 +30,7 @@ from router.coordinator import (
     parse_endpoints,
 )
 from router.membership import Membership, MembershipError, _cancel_within
+from router.processes import ChildProcess
 from router.testing import ROUTER_URL, InProcessCluster, node_url
 from tests.etcd_server import EtcdServer
 from tests.processes import wait_until
@@ -152,6 +153,17 @@ async def test_a_watch_after_an_empty_load_misses_no_first_view(etcd_endpoint: s
         await b.close()
 
 
+async def _stop_leading(
+    process: ChildProcess, leading: asyncio.Task[None], etcd: EtcdCoordinator
+) -> None:
+    """After a test that paused etcd: resume it, stop the campaign, close the client."""
+    process.send_signal(signal.SIGCONT)
+    leading.cancel()
+    with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+        await asyncio.wait_for(leading, timeout=10.0)
+    await etcd.close()
+
+
 async def test_a_leader_cut_off_from_etcd_steps_down_within_the_ttl(
     etcd_server: EtcdServer, etcd_endpoint: str
 ) -> None:
@@ -190,11 +202,7 @@ async def test_a_leader_cut_off_from_etcd_steps_down_within_the_ttl(
         # key ttl seconds after it, at the earliest.
         assert lost[0] - paused_at < etcd.ttl, lost[0] - paused_at
     finally:
-        process.send_signal(signal.SIGCONT)
-        leading.cancel()
-        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-            await asyncio.wait_for(leading, timeout=10.0)
-        await etcd.close()
+        await _stop_leading(process, leading, etcd)
 
 
 async def test_a_leader_that_won_during_a_pause_of_etcd_keeps_the_lead(
@@ -202,9 +210,8 @@ async def test_a_leader_that_won_during_a_pause_of_etcd_keeps_the_lead(
 ) -> None:
     """A campaign whose lease grant was asked for before etcd paused wins once etcd
     resumes, with that grant already old. Its step-down deadline counted from it,
-    so the new leader stepped down at its first keep-alive (an audit: 0.65 s
-    after it won, then 1.9 s with no leader); a refresh as soon as it wins moves
-    the deadline on."""
+    so the new leader stepped down at its first keep-alive (it fails so without
+    the fix); a refresh as soon as it wins moves the deadline on."""
     etcd = coordinator(etcd_endpoint, ttl=2.0)
     loop = asyncio.get_running_loop()
     led: list[float] = []
@@ -232,11 +239,7 @@ async def test_a_leader_that_won_during_a_pause_of_etcd_keeps_the_lead(
         await asyncio.sleep(2 * etcd.ttl)  # several keep-alives
         assert not lost, f"stepped down {lost[0] - led[0]:.2f} s after it won"
     finally:
-        process.send_signal(signal.SIGCONT)
-        leading.cancel()
-        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-            await asyncio.wait_for(leading, timeout=10.0)
-        await etcd.close()
+        await _stop_leading(process, leading, etcd)
 
 
 async def test_a_lapsed_lease_is_never_counted_as_refreshed(etcd_endpoint: str) -> None:

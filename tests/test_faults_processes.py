@@ -1158,7 +1158,7 @@ def test_a_joiner_killed_at_once_gives_nobody_a_fresh_quota(procs: Procs, tmp_pa
     only once its view has settled; until then the old owners keep those
     states as its replicas (``ShardCore._keep_handed_off``) and promote them
     when the router removes it as crashed. Without that, every moved user
-    started over with a whole quota (an audit measured 36-37 allowed of 20)."""
+    started over with a whole quota (the assertion's control: +145 here)."""
     limit = 5
     config = config_file(tmp_path, limit)
     cl = start_cluster(procs, ["--config", str(config), *HEALTH], join=("n1", "n2"), spare=("n3",))
