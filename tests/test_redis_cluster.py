@@ -160,15 +160,17 @@ def test_redis_killed_mid_traffic_and_restarted(
         None, "--config", str(config), "--health-interval", "0.2", "--health-timeout", "0.3", *seeds
     )
 
-    def fallbacks() -> dict[str, str]:
+    def fallbacks() -> dict[str, float]:
         """Each node's count of decisions its local fallback made."""
         found = {}
         for node_id, url in node_urls.items():
             text = httpx.get(f"{url}/metrics", timeout=5.0).text
-            lines = [
-                line for line in text.splitlines() if line.startswith("ringlimit_backend_fallback")
+            (line,) = [
+                line
+                for line in text.splitlines()
+                if line.startswith("ringlimit_backend_fallback_decisions_total ")
             ]
-            found[node_id] = " ".join(lines)
+            found[node_id] = float(line.split()[1])
         return found
 
     with httpx.Client(base_url=router, timeout=5.0) as client:
@@ -212,13 +214,21 @@ def test_redis_killed_mid_traffic_and_restarted(
 
         redis.start()
         assert wait_for(lambda: balance() == "round-robin", 15), "did not return to Redis"
+        local_before = sum(fallbacks().values())
         after = [get("/open/x", "after") for _ in range(7)]
         # Which node answered, and whether it decided locally (see the timeout above).
         seen = [
             (r.status_code, r.headers.get("x-ringlimit-node"), r.headers.get("ratelimit"))
             for r in after
         ]
-        assert [r.status_code for r in after].count(200) == 5, (seen, balance(), fallbacks())
+        # A node whose Redis reply is late under load decides that request locally,
+        # from a fresh local limiter (and the next ones, until its probe finds Redis
+        # again): the documented cost of an outage, which admits at most one more
+        # request per such decision here. Redis decides the rest, exactly (and
+        # decided some: its key exists, below).
+        local = sum(fallbacks().values()) - local_before
+        allowed = [r.status_code for r in after].count(200)
+        assert 5 <= allowed <= 5 + local, (local, seen, balance(), fallbacks())
         assert len({r.headers["x-ringlimit-node"] for r in after}) >= 2
         with redis.client() as r:
             assert r.exists("rl:{after}:open:tb")
