@@ -17,6 +17,8 @@ import fnmatch
 import hashlib
 import ipaddress
 import json
+import posixpath
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -56,6 +58,36 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message says where and why."""
 
 
+_PATH_PARAMETERS = re.compile(r";[^/]*")
+
+
+def path_forms(path: str) -> tuple[str, ...]:
+    """The spellings of ``path`` that a rule's ``paths`` patterns are tried on.
+
+    An application behind the router may read several spellings as one path:
+    nginx and Werkzeug merge repeated slashes, Express ignores a trailing
+    slash, Tomcat and Spring drop ``;`` parameters, IIS reads ``\\`` as ``/``,
+    and a node reached directly may resolve dot segments. A limit on
+    ``/api/login`` must not be escaped by ``//api/login``, ``/api/login/``
+    or ``/api/login;jsessionid=1``, so a pattern is tried on the path as it
+    arrived (ASGI's, percent-decoded), on its canonical form (those
+    spellings undone) and on that form with a trailing slash. Matching more
+    spellings can only apply a limit to more requests, never to fewer.
+    """
+    if not path.startswith("/"):
+        return (path,)
+    if not (path.endswith("/") or "//" in path or "/." in path or ";" in path or "\\" in path):
+        return (path, path + "/")  # already canonical: most paths, cheaply
+    canonical = path.replace("\\", "/")
+    if ";" in canonical:
+        canonical = _PATH_PARAMETERS.sub("", canonical)
+    # normpath merges slashes, resolves dot segments and drops a trailing slash,
+    # but keeps POSIX's two leading slashes: hence the lstrip.
+    canonical = "/" + posixpath.normpath(canonical).lstrip("/")
+    slashed = canonical if canonical == "/" else canonical + "/"
+    return tuple(dict.fromkeys((path, canonical, slashed)))
+
+
 @dataclass(frozen=True)
 class ScopedRule:
     """A rule and the requests it applies to (an empty scope matches everything)."""
@@ -73,13 +105,20 @@ class ScopedRule:
         return not (self.paths or self.methods or self.tiers or self.named_only)
 
     def matches(self, method: str, path: str, tier: str | None) -> bool:
+        return self.matches_any(method, path_forms(path), tier)
+
+    def matches_any(self, method: str, paths: tuple[str, ...], tier: str | None) -> bool:
+        """Whether the scope takes this request, ``paths`` being its path's
+        :func:`path_forms` (any one matching a pattern is enough)."""
         if self.named_only:
             return False
         if self.methods and method.upper() not in self.methods:
             return False
         if self.tiers and (tier is None or tier not in self.tiers):
             return False
-        return not self.paths or any(fnmatch.fnmatchcase(path, p) for p in self.paths)
+        return not self.paths or any(
+            fnmatch.fnmatchcase(path, p) for p in self.paths for path in paths
+        )
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = self.rule.to_dict()
@@ -300,7 +339,8 @@ class ClusterConfig:
         key = (method, path, tier)
         found = self._cache.get(key)
         if found is None:
-            found = tuple(s.rule for s in self.rules if s.matches(method, path, tier))
+            paths = path_forms(path)
+            found = tuple(s.rule for s in self.rules if s.matches_any(method, paths, tier))
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
             self._cache[key] = found

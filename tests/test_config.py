@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from node.config import ClusterConfig, ConfigError, hash_token, load_config
+from node.config import ClusterConfig, ConfigError, hash_token, load_config, path_forms
 from node.rules import Rule
 from router.cli import build_parser, cluster_config
 from tests.processes import ROOT
@@ -94,6 +96,68 @@ def test_scopes_select_every_matching_rule(tmp_path: Path) -> None:
     assert names("post", "/api/x/y", "gold") == ["global", "writes", "gold"]
     assert names("POST", "/other", "gold") == ["global", "gold"]
     assert names("DELETE", "/api/x", "silver") == ["global"]
+
+
+@pytest.mark.parametrize(
+    ("path", "canonical"),
+    [
+        ("/api/login", "/api/login"),
+        ("//api///login", "/api/login"),
+        ("/api/login/", "/api/login"),
+        ("/api/login;jsessionid=1", "/api/login"),
+        ("/api;v=2/login;x/", "/api/login"),
+        ("/api\\login", "/api/login"),
+        ("/x/./y/../../api/login", "/api/login"),
+        ("/../../api/login", "/api/login"),
+    ],
+)
+def test_path_forms_undo_the_spellings_an_application_may_merge(path: str, canonical: str) -> None:
+    forms = path_forms(path)
+    assert forms[0] == path  # as it arrived, first
+    assert canonical in forms and canonical + "/" in forms
+
+
+#: Ways to spell one step of a path ("/" + segment) that applications read alike.
+SPELLINGS = {
+    "plain": "/{}",
+    "doubled": "//{}",
+    "parameter": "/{};p=1",
+    "backslash": "\\{}",
+    "dot": "/./{}",
+    "up": "/x/../{}",
+}
+
+
+@given(
+    st.lists(
+        st.tuples(st.text(alphabet="ab", min_size=1, max_size=3), st.sampled_from(list(SPELLINGS))),
+        min_size=1,
+        max_size=5,
+    ),
+    st.booleans(),
+)
+def test_any_spelling_of_a_path_has_the_path_among_its_forms(
+    steps: list[tuple[str, str]], trailing: bool
+) -> None:
+    canonical = "".join(f"/{segment}" for segment, _ in steps)
+    spelled = "".join(SPELLINGS[how].format(segment) for segment, how in steps)
+    spelled = ("" if spelled.startswith("/") else "/") + spelled + ("/" if trailing else "")
+    forms = path_forms(spelled)
+    assert forms[0] == spelled and canonical in forms and canonical + "/" in forms
+
+
+def test_path_forms_of_the_root_and_of_non_paths() -> None:
+    assert path_forms("/") == ("/",)
+    assert path_forms("///") == ("///", "/")
+    assert path_forms("*") == ("*",) and path_forms("") == ("",)
+
+
+def test_a_scope_matches_any_spelling_of_its_paths(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD))
+    for path in ("/api/x", "//api/x", "/api/x;a=b", "/api", "/api/"):
+        assert "writes" in [r.name for r in config.rules_for("POST", path, None)], path
+    for path in ("/apix", "/x/api/x", "/"):
+        assert "writes" not in [r.name for r in config.rules_for("POST", path, None)], path
 
 
 def test_lease_is_off_by_default_and_auto_per_rule(tmp_path: Path) -> None:

@@ -324,6 +324,26 @@ async def test_a_path_no_rule_covers_is_forwarded_without_limiting() -> None:
         assert (await get(cluster, "ivy", "/api/x")).status_code == 429
 
 
+async def test_a_path_rule_counts_every_spelling_of_its_path() -> None:
+    """A limit on /api/login is not escaped by spellings an application behind
+    may read as /api/login: repeated slashes, a trailing slash, ``;``
+    parameters, a backslash (sent percent-encoded)."""
+    config = make_config(ScopedRule(Rule("login", 5, 60.0), paths=("/api/login",)))
+    spellings = ["/api/login", "//api//login", "/api/login/", "/api/login;jsessionid=1"]
+    spellings.append("/api%5Clogin")
+    async with running(config) as cluster:
+        # A whole URL: httpx reads "//api//login" alone as a host ("api") and a path.
+        base = str(cluster.client.base_url).rstrip("/")
+        for path in spellings:
+            response = await get(cluster, "kim", base + path)
+            assert response.status_code == 200, (path, response.text)
+            assert parse_list(response.headers["ratelimit-policy"]).keys() == {"login"}, path
+        for path in spellings:
+            assert (await get(cluster, "kim", base + path)).status_code == 429, path
+        # Another path is still another path.
+        assert (await get(cluster, "kim", "/api/logins")).status_code == 200
+
+
 # --------------------------------------------------------------------------- bypass, headers
 
 
