@@ -231,9 +231,32 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     router.add_argument(
         "--coordinator",
         default=os.environ.get("RINGLIMIT_COORDINATOR"),
-        metavar="etcd://HOST:PORT[,HOST:PORT...]",
+        metavar="etcd[s]://HOST:PORT[,HOST:PORT...]",
         help="keep the ring in etcd, shared by every router of the cluster; one router leads "
         "(changes, health checks, leases) and the others follow (also RINGLIMIT_COORDINATOR)",
+    )
+    etcd = router.add_argument_group(
+        "etcd's TLS and auth",
+        "for a coordinator written etcds:// (TLS) and an etcd with auth enabled; the "
+        "password only from RINGLIMIT_ETCD_PASSWORD, never a flag (docs/configuration.md)",
+    )
+    for flag, what in (
+        ("cacert", "the CA that signed etcd's certificate (default: the system's roots)"),
+        ("cert", "this router's client certificate, for an etcd with --client-cert-auth"),
+        ("key", "the private key of --etcd-cert"),
+    ):
+        variable = f"RINGLIMIT_ETCD_{flag.upper()}"
+        etcd.add_argument(
+            f"--etcd-{flag}",
+            default=os.environ.get(variable),
+            metavar="PEM",
+            help=f"{what} (also {variable})",
+        )
+    etcd.add_argument(
+        "--etcd-user",
+        default=os.environ.get("RINGLIMIT_ETCD_USER"),
+        metavar="NAME",
+        help="etcd's user, with RINGLIMIT_ETCD_PASSWORD (also RINGLIMIT_ETCD_USER)",
     )
     router.add_argument(
         "--cluster",
@@ -800,8 +823,14 @@ def _serve_router(
 
 def _coordinator(args: argparse.Namespace) -> EtcdCoordinator | None:
     from router.coordinator import EtcdCoordinator, parse_endpoints
+    from router.etcd_access import EtcdAccess
 
     if not args.coordinator:
+        given = [
+            f"--etcd-{f}" for f in ("cacert", "cert", "key", "user") if getattr(args, f"etcd_{f}")
+        ]
+        if given:
+            raise SystemExit(f"ringlimit: {', '.join(given)} need --coordinator")
         return None
     if args.state_file:
         print(
@@ -809,8 +838,19 @@ def _coordinator(args: argparse.Namespace) -> EtcdCoordinator | None:
             file=sys.stderr,
         )
     try:
+        access = EtcdAccess.from_files(
+            tls=args.coordinator.startswith("etcds://"),
+            ca=args.etcd_cacert,
+            cert=args.etcd_cert,
+            key=args.etcd_key,
+            user=args.etcd_user,
+            password=os.environ.get("RINGLIMIT_ETCD_PASSWORD"),
+        )
         return EtcdCoordinator(
-            parse_endpoints(args.coordinator), cluster=args.cluster, ttl=args.coordinator_ttl
+            parse_endpoints(args.coordinator),
+            cluster=args.cluster,
+            ttl=args.coordinator_ttl,
+            access=access,
         )
     except ValueError as exc:
         raise SystemExit(f"ringlimit: {exc}") from None

@@ -50,6 +50,7 @@ from urllib.parse import urlsplit
 
 from node.config import ClusterConfig
 from ring import RingView
+from router.etcd_access import EtcdAccess
 
 log = logging.getLogger("ringlimit.router")
 
@@ -106,12 +107,19 @@ class ViewRecord:
             raise CoordinatorError(f"the ring record in etcd is unreadable: {exc}") from None
 
 
+#: The coordinator's URL schemes: plaintext, and TLS (router/etcd_access.py).
+SCHEMES = ("etcd://", "etcds://")
+
+
 def parse_endpoints(spec: str) -> list[tuple[str, int]]:
-    """``etcd://h1:2379,h2:2379`` -> ``[("h1", 2379), ("h2", 2379)]``."""
-    if not spec.startswith("etcd://"):
-        raise ValueError(f"coordinator {spec!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
+    """``etcd://h1:2379,h2:2379`` -> ``[("h1", 2379), ("h2", 2379)]`` (or ``etcds://``)."""
+    scheme = next((s for s in SCHEMES if spec.startswith(s)), None)
+    if scheme is None:
+        raise ValueError(
+            f"coordinator {spec!r}: expected etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS)"
+        )
     endpoints = []
-    for part in spec[len("etcd://") :].split(","):
+    for part in spec[len(scheme) :].split(","):
         parsed = urlsplit(f"etcd://{part.strip()}")
         try:
             port = parsed.port or 2379
@@ -133,6 +141,7 @@ class EtcdCoordinator:
         cluster: str = "default",
         ttl: float = 5.0,
         timeout: float = 2.0,
+        access: EtcdAccess | None = None,
     ) -> None:
         if not _CLUSTER_NAME.match(cluster):
             raise ValueError(f"cluster name {cluster!r}: use [A-Za-z0-9._-], 1-64 characters")
@@ -142,6 +151,8 @@ class EtcdCoordinator:
         self.prefix = f"/ringlimit/{cluster}/".encode()
         self.ttl = max(2, round(ttl))
         self.timeout = timeout
+        #: TLS and auth (router/etcd_access.py); None: plaintext, no user.
+        self.access = access or EtcdAccess()
         self._client: Any = None
         self._connecting = asyncio.Lock()
         self._endpoint = 0
@@ -164,19 +175,15 @@ class EtcdCoordinator:
             await self._connect()
 
     async def _connect(self) -> None:
-        import aetcd
-
         errors = []
         for i in range(len(self.endpoints)):
             host, port = self.endpoints[(self._endpoint + i) % len(self.endpoints)]
-            client = aetcd.Client(
-                host=host, port=port, timeout=self.timeout, connect_wait_timeout=self.timeout
-            )
+            client = self.access.client(host, port, self.timeout)
             try:
                 await client.connect()
                 await client.status()
             except Exception as exc:  # aetcd raises several grpc-derived types
-                errors.append(f"{host}:{port}: {type(exc).__name__}")
+                errors.append(f"{host}:{port}: {_why(exc)}")
                 with contextlib.suppress(Exception):
                     await client.close()
                 continue
@@ -239,7 +246,7 @@ class EtcdCoordinator:
                 raise
             except Exception as exc:
                 if attempt == 1:
-                    raise CoordinatorError(f"etcd {what} failed: {type(exc).__name__}") from None
+                    raise CoordinatorError(f"etcd {what} failed: {_why(exc)}") from None
                 # Its channel too: a leaked gRPC channel can hang the loop.
                 await self._drop(client)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -532,3 +539,12 @@ async def _revoke(lease_id: int, client: Any) -> Any:
 def _watch(key: bytes, seen: int, client: Any) -> Any:
     """A watch of ``key`` from the revision after ``seen`` (0: from now)."""
     return client.watch(key, start_revision=seen + 1 if seen > 0 else None)
+
+
+def _why(exc: BaseException) -> str:
+    """A failed connection, in one line: aetcd's error type and, when gRPC
+    gave them, its details (which say "authentication failed" or which
+    certificate check failed, where the type alone does not)."""
+    details = str(exc).strip().splitlines()
+    detail = details[0] if details else ""
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__

@@ -14,7 +14,8 @@ Fixtures:
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+import ssl
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -25,20 +26,41 @@ from tests.redis_server import dying_with_parent
 
 
 class EtcdServer:
-    def __init__(self, binary: str, directory: Path) -> None:
+    """One etcd; with ``tls`` (PEM files: ``ca``, ``cert``, ``key``) it serves
+    its clients over TLS and requires a client certificate signed by ``ca``.
+    ``extra_args`` go to etcd as they are (``--auth-token-ttl``, say)."""
+
+    def __init__(
+        self,
+        binary: str,
+        directory: Path,
+        *,
+        tls: dict[str, Path] | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.binary = binary
         self.directory = directory
+        self.tls = tls
+        self.extra_args = list(extra_args)
         self.port = free_port()
         self.peer_port = free_port()
         self.process: ChildProcess | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"etcd://127.0.0.1:{self.port}"
+        return f"{'etcds' if self.tls else 'etcd'}://127.0.0.1:{self.port}"
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def http(self) -> httpx.Client:
+        """A client of its JSON gateway (with a client certificate, under TLS)."""
+        if self.tls is None:
+            return httpx.Client(timeout=5.0)
+        context = ssl.create_default_context(cafile=str(self.tls["ca"]))
+        context.load_cert_chain(str(self.tls["cert"]), str(self.tls["key"]))
+        return httpx.Client(timeout=5.0, verify=context)
 
     def start(self, timeout: float = 20.0) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
@@ -60,7 +82,11 @@ class EtcdServer:
             f"test={peer}",
             "--log-level",
             "warn",
+            *self.extra_args,
         ]
+        if self.tls is not None:
+            args += ["--cert-file", str(self.tls["cert"]), "--key-file", str(self.tls["key"])]
+            args += ["--trusted-ca-file", str(self.tls["ca"]), "--client-cert-auth"]
         process = self.process = ChildProcess(
             "etcd", dying_with_parent(args), log=self.directory / "etcd.log"
         )
@@ -69,7 +95,7 @@ class EtcdServer:
             return None if process.alive() else f"etcd exited on start: {self.log_tail()}"
 
         try:
-            with httpx.Client(timeout=1.0) as client:
+            with self.http() as client:
                 wait_ready(
                     http_probe(client, f"{self.client_url}/health"),
                     timeout=timeout,
@@ -83,7 +109,7 @@ class EtcdServer:
 
     def clear(self) -> None:
         """Delete every key (v3 API over its JSON gateway: no client library needed)."""
-        with httpx.Client(timeout=5.0) as client:
+        with self.http() as client:
             response = client.post(
                 f"{self.client_url}/v3/kv/deleterange",
                 json={"key": "AA==", "range_end": "AA=="},  # "\\0".."\\0": every key
@@ -94,7 +120,7 @@ class EtcdServer:
         """One key's value (the JSON gateway again), or None."""
         import base64
 
-        with httpx.Client(timeout=5.0) as client:
+        with self.http() as client:
             response = client.post(
                 f"{self.client_url}/v3/kv/range",
                 json={"key": base64.b64encode(key.encode()).decode()},

@@ -65,8 +65,13 @@ async def stop_coordination(membership: Membership) -> None:
 
 
 def options(endpoint: str, url: str) -> dict[str, object]:
+    return coordinated(coordinator(endpoint), url)
+
+
+def coordinated(coordinator: EtcdCoordinator, url: str) -> dict[str, object]:
+    """A router's options on ``coordinator``, advertising ``url``."""
     return {
-        "coordinator": coordinator(endpoint),
+        "coordinator": coordinator,
         "advertise": url,
         "health_checks": True,
         "health_interval": 0.1,
