@@ -1,9 +1,10 @@
 """The router's admin API: ``/admin/*``.
 
 Ring membership (``GET /admin/ring``, ``POST /admin/nodes``, ``DELETE
-/admin/nodes/{id}``: passed on to the leading router when this one does not
-lead), the most limited keys merged across nodes (``GET /admin/top``) and the
-ring page (``/admin/ui``). Token-protected (``admin_token``), or loopback-only
+/admin/nodes/{id}``) and the rules (``GET``/``PUT /admin/rules``), changes
+passed on to the leading router when this one does not lead; the most
+limited keys merged across nodes (``GET /admin/top``) and the ring page
+(``/admin/ui``). Token-protected (``admin_token``), or loopback-only
 without a token (node/security.py's one access check).
 """
 
@@ -18,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from node.asgi import error_body
-from node.config import Privacy
+from node.config import ClusterConfig, ConfigError, Privacy
 from node.security import bearer, refusal
 from node.topkeys import NEAR_LIMIT_FRACTION
 from node.wire import ApiError, parse_json, read_body
@@ -33,6 +34,29 @@ from router.ui import PAGE as UI_PAGE
 
 if TYPE_CHECKING:
     from router.app import Router
+
+#: ``PUT /admin/rules``: at most this many bytes, and this many rules (each one
+#: is tried on every request's path and method until the rules cache knows it).
+MAX_RULES_BODY = 1 << 20
+MAX_RULES = 1000
+
+
+def new_rules(config: ClusterConfig, data: Any) -> ClusterConfig:
+    """``config`` with the rules of ``data`` (``{"rules": [...]}``), checked as
+    a config file's are; ApiError 400 ``invalid_rules`` saying where and why."""
+    if not isinstance(data, dict) or set(data) != {"rules"}:
+        raise ApiError(400, "invalid_rules", 'the body must be {"rules": [...]} and nothing else')
+    rules = data["rules"]
+    if not isinstance(rules, list) or not 1 <= len(rules) <= MAX_RULES:
+        raise ApiError(
+            400, "invalid_rules", f"rules must be a list of 1 to {MAX_RULES} rule tables"
+        )
+    try:
+        return ClusterConfig.from_dict(
+            {**config.to_dict(), "rules": rules}, source="PUT /admin/rules"
+        )
+    except ConfigError as exc:
+        raise ApiError(400, "invalid_rules", str(exc)) from None
 
 
 class AdminAPI:
@@ -51,6 +75,7 @@ class AdminAPI:
             Route("/admin/ring", self.admin_ring, methods=["GET"]),
             Route("/admin/nodes", self.admin_join, methods=["POST"]),
             Route("/admin/nodes/{node_id}", self.admin_leave, methods=["DELETE"]),
+            Route("/admin/rules", self.admin_rules, methods=["GET", "PUT"]),
             Route("/admin/top", self.admin_top, methods=["GET"]),
             Route("/admin/ui", self.admin_ui, methods=["GET"]),
             Route("/admin/ui/data", self.admin_ui_data, methods=["GET"]),
@@ -194,6 +219,32 @@ class AdminAPI:
         except MembershipError as exc:
             return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
         return JSONResponse(self.router.membership.describe())
+
+    # ------------------------------------------------------------------ rules
+
+    async def admin_rules(self, request: Request) -> Response:
+        """``GET /admin/rules``: the cluster's rules; ``PUT`` ``{"rules": [...]}``
+        (the config file's ``[[rules]]`` tables, as JSON) makes them the cluster's,
+        without a restart (:meth:`router.membership.Membership.change_config`).
+        The rest of the config stays as it is."""
+        if (refused := self.refused(request)) is not None:
+            return refused
+        membership = self.router.membership
+        if request.method == "GET":
+            return JSONResponse({"epoch": membership.view.epoch, "rules": membership.rules_data()})
+        try:
+            raw = await read_body(request, MAX_RULES_BODY)
+            config = new_rules(self.router.config, parse_json(raw, self.router.config))
+            if (forwarded := await self._to_leader(request, raw)) is not None:
+                return forwarded
+            await membership.change_config(config)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except MembershipError as exc:
+            return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
+        except ValueError as exc:  # clashes with this router's --envoy-config rules
+            return JSONResponse(error_body("invalid_rules", str(exc)), status_code=400)
+        return JSONResponse({"epoch": membership.view.epoch, "rules": membership.rules_data()})
 
     # ------------------------------------------------------------------ operators
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import math
 import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from node.config import (
     BACKENDS,
@@ -330,6 +331,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     nodes.add_argument("--router", default="http://127.0.0.1:8000")
     nodes.add_argument("--weight", type=int, default=1)
     nodes.set_defaults(run=_run_nodes)
+
+    rules = commands.add_parser(
+        "rules",
+        help="show the cluster's rules, or make a config file's [[rules]] the cluster's "
+        "(no restart; docs/configuration.md)",
+    )
+    rules.add_argument(
+        "file",
+        nargs="?",
+        help="a config file (TOML or JSON) whose [[rules]] replace the cluster's; "
+        "without it, the rules are shown",
+    )
+    rules.add_argument("--router", default="http://127.0.0.1:8000")
+    rules.set_defaults(run=_run_rules)
 
     _lazy_command(commands, command, "simulate", "run a rebalancing simulation")
     _lazy_command(commands, command, "bench", "the side-by-side benchmark")
@@ -985,11 +1000,6 @@ def _run_up(args: argparse.Namespace) -> int:
 
 
 def _run_nodes(args: argparse.Namespace) -> int:
-    import httpx
-
-    admin_token, _ = _tokens()
-    headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
-    base = args.router.rstrip("/")
     if args.action == "add" and (not args.node_id or not args.node_url):
         raise ValueError("usage: ringlimit nodes add ID URL")
     if args.action == "remove" and not args.node_id:
@@ -998,17 +1008,64 @@ def _run_nodes(args: argparse.Namespace) -> int:
         Member.parse(args.node_id, args.node_url, args.weight)
     elif args.action == "remove":
         check_id(args.node_id)
+    body: dict[str, Any] | None = None
+    if args.action == "list":
+        method, path = "GET", "/admin/ring"
+    elif args.action == "add":
+        method, path = "POST", "/admin/nodes"
+        body = {"id": args.node_id, "url": args.node_url, "weight": args.weight}
+    else:
+        method, path = "DELETE", f"/admin/nodes/{args.node_id}"
+
+    def lines(data: dict[str, Any]) -> list[str]:
+        found = [f"epoch {data['epoch']}"]
+        for node in data["nodes"]:
+            found.append(
+                f"  {node['id']:<10} {node['url']:<32} weight={node['weight']} {node['state']}"
+            )
+        return found
+
+    return _admin_call(args.router, method, path, body, lines, command="ringlimit nodes")
+
+
+def _run_rules(args: argparse.Namespace) -> int:
+    """Show the cluster's rules, or make a file's [[rules]] the cluster's."""
+    body = None
+    if args.file is not None:
+        config = load_config(args.file)  # ConfigError: one line, naming the file
+        body = {"rules": [scoped.to_dict() for scoped in config.rules]}
+        if not body["rules"]:
+            raise ValueError(f"{args.file}: no [[rules]] to apply")
+
+    def lines(data: dict[str, Any]) -> list[str]:
+        return [json.dumps(data, indent=2)]
+
+    if body is None:
+        return _admin_call(
+            args.router, "GET", "/admin/rules", None, lines, command="ringlimit rules"
+        )
+    return _admin_call(args.router, "PUT", "/admin/rules", body, lines, command="ringlimit rules")
+
+
+def _admin_call(
+    router: str,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    lines: Callable[[dict[str, Any]], list[str]],
+    *,
+    command: str,
+) -> int:
+    """One call to a router's admin API, the answer printed by ``lines``; a
+    router that cannot be reached, refuses or answers junk is one line."""
+    import httpx
+
+    admin_token, _ = _tokens()
+    headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
+    base = router.rstrip("/")
     try:
         with httpx.Client(timeout=60.0, headers=headers) as client:
-            if args.action == "list":
-                response = client.get(f"{base}/admin/ring")
-            elif args.action == "add":
-                response = client.post(
-                    f"{base}/admin/nodes",
-                    json={"id": args.node_id, "url": args.node_url, "weight": args.weight},
-                )
-            else:
-                response = client.delete(f"{base}/admin/nodes/{args.node_id}")
+            response = client.request(method, f"{base}{path}", json=body)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise CommandError(
             f"cannot reach the router at {base} ({_http_problem(exc)}); "
@@ -1021,20 +1078,16 @@ def _run_nodes(args: argparse.Namespace) -> int:
         if response.status_code != 200:
             hint = ""
             if response.status_code == 401:
-                hint = " (ringlimit nodes sends RINGLIMIT_ADMIN_TOKEN from the environment)"
+                hint = f" ({command} sends RINGLIMIT_ADMIN_TOKEN from the environment)"
             print(f"ringlimit: {data.get('error')}: {data.get('detail')}{hint}", file=sys.stderr)
             return 1
-        lines = [f"epoch {data['epoch']}"]
-        for node in data["nodes"]:
-            lines.append(
-                f"  {node['id']:<10} {node['url']:<32} weight={node['weight']} {node['state']}"
-            )
+        printed = lines(data)
     except (ValueError, KeyError, TypeError):
         raise CommandError(
             f"{base} answered HTTP {response.status_code}, not as a ringlimit router's admin "
             "API; check --router (the router's URL, not a node's)"
         ) from None
-    print("\n".join(lines))
+    print("\n".join(printed))
     return 0
 
 

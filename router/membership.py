@@ -354,6 +354,10 @@ class Membership:
             self._revision = max(self._revision, record.revision)
             # Adopted before, from a node (which does not say who crashed).
             self.events.crashed(record.view.epoch, record.crashed)
+            if record.settled and record.config != self.config:
+                # New rules for the same ring (:meth:`change_config`).
+                log.warning("taking the cluster config from etcd (epoch %d)", record.view.epoch)
+                self._take_config(record.config, "etcd")
         elif (record.settled or force) and record.view.epoch > self.view.epoch:
             self._revision = record.revision
             if record.config != self.config:
@@ -404,13 +408,15 @@ class Membership:
         works for nodes that keep no view (the Redis backend's).
         """
         try:
-            view, events = await self.nodes.leader_state(leader_url, headers)
+            view, events, rules = await self.nodes.leader_state(leader_url, headers)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.debug("could not poll the leader at %s: %s", leader_url, exc)
             return False
         # The leader's events, as they are: it knows which members crashed and
         # which left (a view learnt here or from a node does not say).
         self.events.mirror(events)
+        if rules is not None and rules != self.rules_data():
+            self._take_leaders_rules(rules, leader_url)
         if view.epoch <= self.view.epoch or not len(view):
             return False
         self.log.saw(view.epoch)
@@ -419,6 +425,22 @@ class Membership:
         self._adopt(view)
         log.info("adopted epoch %d from the leader at %s", view.epoch, leader_url)
         return True
+
+    def rules_data(self) -> list[dict[str, Any]]:
+        return [scoped.to_dict() for scoped in self.config.rules]
+
+    def _take_leaders_rules(self, rules: list[Any], leader_url: str) -> None:
+        """Rules the leader took since (:meth:`change_config`), with this router's
+        other settings: its own flags and file made those, as they made the leader's."""
+        try:
+            config = ClusterConfig.from_dict(
+                {**self.config.to_dict(), "rules": rules}, source=f"the rules of {leader_url}"
+            )
+        except ValueError as exc:
+            log.error("could not take the leader's rules: %s", exc)
+            return
+        log.warning("taking the rules of the leading router at %s", leader_url)
+        self._take_config(config, leader_url)
 
     async def _watch(self) -> None:
         assert self.coordinator is not None
@@ -1110,6 +1132,48 @@ class Membership:
             self.config = config
             await self._push_all(self.view, None, ())
 
+    async def change_config(self, config: ClusterConfig) -> ClusterConfig:
+        """Make ``config`` the cluster's (the admin API's new rules); the config
+        the cluster now has, this router's own rules added.
+
+        Recorded in etcd first, as a settled record of the same view (a config
+        changes no view, so there is nothing to roll forward): the other
+        routers adopt it from their watch, and a leader that dies before its
+        push leaves the next one to push it with its view. Then pushed to
+        every member, which keeps the states of a rule whose algorithm stays
+        (limits and periods are read at decision time) and drops those of a
+        rule whose algorithm changed. Raises ValueError when ``config`` clashes
+        with this router's own rules (``--envoy-config``), MembershipError
+        when etcd cannot take it.
+        """
+        self._must_lead()
+        if self.keep_config is not None:
+            config = self.keep_config(config)
+        async with self.lock:
+            if self.coordinator is not None:
+                await self._record_config(config)
+            self.config = config
+            await self._push_all(self.view, None, ())
+        return config
+
+    async def _record_config(self, config: ClusterConfig) -> None:
+        assert self.coordinator is not None
+        try:
+            record = await self.coordinator.load()
+            if record is None or record.view != self.view or not record.settled:
+                raise MembershipError(409, "ring_changing", "the ring is changing; retry")
+            done = ViewRecord(
+                record.view, record.previous, record.crashed, config, True, record.revision
+            )
+            committed = await self.coordinator.commit(done, expected=record.revision)
+        except CoordinatorError as exc:
+            raise MembershipError(503, "coordinator_unavailable", str(exc)) from None
+        if committed is None:
+            raise MembershipError(
+                409, "ring_changed", "another router changed the ring first; retry"
+            )
+        self._revision = committed.revision
+
     async def _wait_ready(self, member: Member) -> None:
         await self.nodes.wait_ready(member, self.ready_timeout, self.health_timeout)
 
@@ -1136,7 +1200,11 @@ class Membership:
     def describe(self) -> dict[str, Any]:
         nodes = [{**m.to_dict(), "state": self.health.get(m.id, Health()).state} for m in self.view]
         nodes += [{**m.to_dict(), "state": "joining"} for m in self.joining.values()]
-        data: dict[str, Any] = {"epoch": self.view.epoch, "nodes": nodes}
+        data: dict[str, Any] = {
+            "epoch": self.view.epoch,
+            "nodes": nodes,
+            "rules": self.rules_data(),
+        }
         if self.coordinator is not None:
             data["coordinator"] = {"etcd": self.coordinator.where, "leading": self.leading}
         elif self.leader_url is not None:

@@ -216,14 +216,16 @@ class NodeClient:
     async def leader_ring(self, leader_url: str, headers: dict[str, str]) -> RingView:
         """The leading router's ring, without its joining members; raises
         httpx.HTTPError, ValueError, KeyError or TypeError."""
-        view, _ = await self.leader_state(leader_url, headers)
+        view, _, _ = await self.leader_state(leader_url, headers)
         return view
 
     async def leader_state(
         self, leader_url: str, headers: dict[str, str]
-    ) -> tuple[RingView, list[dict[str, Any]]]:
-        """The leading router's ring (without its joining members) and its
-        membership events; raises httpx.HTTPError, ValueError, KeyError or TypeError."""
+    ) -> tuple[RingView, list[dict[str, Any]], list[Any] | None]:
+        """The leading router's ring (without its joining members), its
+        membership events and its rules (as ``[[rules]]`` tables; None from a
+        router that does not say); raises httpx.HTTPError, ValueError, KeyError
+        or TypeError."""
         response = await self.client.get(
             leader_url.rstrip("/") + "/admin/ring", headers=headers, timeout=2.0
         )
@@ -235,7 +237,12 @@ class NodeClient:
         ]
         view = RingView.from_dict({"epoch": data["epoch"], "nodes": nodes})
         events = data.get("events")
-        return view, [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
+        rules = data.get("rules")
+        return (
+            view,
+            [e for e in events if isinstance(e, dict)] if isinstance(events, list) else [],
+            rules if isinstance(rules, list) else None,
+        )
 
 
 def node_id(response: httpx.Response) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -224,3 +225,24 @@ def test_up_starts_a_cluster_that_limits_and_sigterm_stops_every_process(procs: 
     assert time.monotonic() - started < 20
     assert not answers(router)
     assert not any(answers(url) for url in node_urls.values())
+
+
+@pytest.mark.integration
+def test_rules_shows_and_applies_a_files_rules_to_a_running_cluster(
+    procs: Procs, tmp_path: Path
+) -> None:
+    _, node = procs.node("n1")
+    _, router = procs.router(None, "--node", f"n1={node}", "--rule", "api=3/minute")
+    shown = run([sys.executable, "-m", "router", "rules", "--router", router])
+    assert shown.returncode == 0, shown.stderr
+    assert [r["limit"] for r in json.loads(shown.stdout)["rules"]] == [3]
+    with httpx.Client(base_url=router, timeout=10.0) as client:
+        assert client.get("/x", headers={"X-User-Id": "u"}).status_code == 200
+        new = tmp_path / "rules.toml"
+        new.write_text('[[rules]]\nname = "api"\nrate = "1/minute"\n')
+        applied = run([sys.executable, "-m", "router", "rules", str(new), "--router", router])
+        assert applied.returncode == 0, applied.stderr
+        assert [r["limit"] for r in json.loads(applied.stdout)["rules"]] == [1]
+        # u's bucket kept 2 tokens of 3, at most the new 1: one more, then none.
+        codes = [client.get("/x", headers={"X-User-Id": "u"}).status_code for _ in range(2)]
+        assert codes == [200, 429]

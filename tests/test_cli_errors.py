@@ -393,3 +393,18 @@ def test_a_token_that_cannot_travel_in_a_header_is_refused_at_start(
         _token("RINGLIMIT_INTERNAL_TOKEN")
     monkeypatch.setenv("RINGLIMIT_INTERNAL_TOKEN", "s3cret-._~+/=")
     assert _token("RINGLIMIT_INTERNAL_TOKEN") == "s3cret-._~+/="
+
+
+def test_rules_failures_are_one_line(not_a_router: str, tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    one_line_failure(
+        ringlimit("rules", "--router", url), f"cannot reach the router at {url}", "refused"
+    )
+    one_line_failure(ringlimit("rules", "--router", not_a_router), "answered HTTP 404")
+    one_line_failure(ringlimit("rules", str(tmp_path / "none.toml")), "none.toml: no such file")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[rules]]\nname = "api"\nrate = "often"\n')
+    one_line_failure(ringlimit("rules", str(bad)), "bad.toml", "rules[0]")
+    empty = tmp_path / "empty.toml"
+    empty.write_text('[identity]\nname = "X-Api-Key"\n')
+    one_line_failure(ringlimit("rules", str(empty)), "no [[rules]] to apply")

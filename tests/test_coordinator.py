@@ -13,7 +13,7 @@ import logging
 import signal
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -21,6 +21,7 @@ import pytest
 
 from node.clock import FrozenClock
 from ring import Member, RingView
+from router.app import Router
 from router.coordinator import (
     CoordinatorError,
     EtcdCoordinator,
@@ -48,6 +49,22 @@ def anyio_backend() -> str:
 
 def coordinator(endpoint: str, ttl: float = 2.0) -> EtcdCoordinator:
     return EtcdCoordinator(parse_endpoints(endpoint), cluster="test", ttl=ttl)
+
+
+@contextlib.asynccontextmanager
+async def two_routers(endpoint: str) -> AsyncIterator[tuple[InProcessCluster, Router]]:
+    """Three in-process nodes and two routers on etcd, once one of them leads."""
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options(endpoint, ROUTER_URL)
+    ) as cluster:
+        second = cluster.new_router(SECOND, seeds=[], **options(endpoint, SECOND))
+        await second.start()
+        try:
+            first, other = cluster.router.membership, second.membership
+            await wait_until(lambda: first.leading != other.leading)
+            yield cluster, second
+        finally:
+            await second.close()
 
 
 async def cancel_until_done(tasks: list[asyncio.Task[Any]]) -> None:
@@ -545,39 +562,31 @@ async def test_a_change_built_on_a_stale_revision_cannot_fork_the_history(
     to the change etcd holds since. A follower refuses to change the ring at all
     (``not_leader``); what is left is a deposed leader that has not noticed yet
     (it still believes it leads): its commit is conditioned on its revision."""
-    async with InProcessCluster(
-        3, make_config(), clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
-    ) as cluster:
-        second = cluster.new_router(SECOND, seeds=[], **options(etcd_endpoint, SECOND))
-        await second.start()
-        try:
-            first, other = cluster.router.membership, second.membership
-            await wait_until(lambda: first.leading != other.leading)
-            follower = other if first.leading else first
-            # A follower that builds a change itself (bypassing the admin API)
-            # still cannot fork the history: its commit is conditioned on the
-            # revision it knows, and the leader moves first.
-            leader = first if first.leading else other
-            cluster._make_node("n4")
-            cluster._make_node("n5")
-            # The follower has not heard of the leader's change (its watch is
-            # stopped): it builds on epoch 1 and a revision of then.
-            await stop_coordination(follower)
-            stale = follower._revision
-            await leader.join(Member("n4", node_url("n4")))
-            assert follower.view.epoch == 1
-            follower._revision = stale
-            with pytest.raises(MembershipError, match="does not lead"):
-                await follower.join(Member("n5", node_url("n5")))
-            follower.leading = True  # deposed, and has not noticed yet
-            with pytest.raises(MembershipError, match="another router changed the ring"):
-                await follower.join(Member("n5", node_url("n5")))
-            follower.leading = False
-            record = await leader.coordinator.load()  # type: ignore[union-attr]
-            assert record is not None and record.view == leader.view and "n5" not in record.view
-            await wait_until(lambda: follower.view.epoch == leader.view.epoch == 2)
-        finally:
-            await second.close()
+    async with two_routers(etcd_endpoint) as (cluster, second):
+        first, other = cluster.router.membership, second.membership
+        follower = other if first.leading else first
+        # A follower that builds a change itself (bypassing the admin API)
+        # still cannot fork the history: its commit is conditioned on the
+        # revision it knows, and the leader moves first.
+        leader = first if first.leading else other
+        cluster._make_node("n4")
+        cluster._make_node("n5")
+        # The follower has not heard of the leader's change (its watch is
+        # stopped): it builds on epoch 1 and a revision of then.
+        await stop_coordination(follower)
+        stale = follower._revision
+        await leader.join(Member("n4", node_url("n4")))
+        assert follower.view.epoch == 1
+        follower._revision = stale
+        with pytest.raises(MembershipError, match="does not lead"):
+            await follower.join(Member("n5", node_url("n5")))
+        follower.leading = True  # deposed, and has not noticed yet
+        with pytest.raises(MembershipError, match="another router changed the ring"):
+            await follower.join(Member("n5", node_url("n5")))
+        follower.leading = False
+        record = await leader.coordinator.load()  # type: ignore[union-attr]
+        assert record is not None and record.view == leader.view and "n5" not in record.view
+        await wait_until(lambda: follower.view.epoch == leader.view.epoch == 2)
 
 
 class _HoldEpoch(httpx.AsyncBaseTransport):
@@ -745,3 +754,32 @@ def test_a_closed_coordinator_leaves_nothing_for_the_next_event_loop(etcd_endpoi
 
     asyncio.run(one_more_call())
     assert not errors, errors
+
+
+async def test_new_rules_through_a_follower_reach_etcd_every_router_and_node(
+    etcd_endpoint: str,
+) -> None:
+    async with two_routers(etcd_endpoint) as (cluster, second):
+        first, other = cluster.router.membership, second.membership
+        follower = SECOND if first.leading else ROUTER_URL
+        rules = {"rules": [{"name": "api", "limit": 7, "period": 60}]}
+        answer = await cluster.client.put(f"{follower}/admin/rules", json=rules)
+        assert answer.status_code == 200, answer.text
+
+        def limits() -> set[int | None]:
+            configs = [first.config, other.config]
+            configs += [node.authority.config for node in cluster.nodes.values()]
+            return {rule.limit if (rule := c.rule("api")) else None for c in configs}
+
+        await wait_until(lambda: limits() == {7})
+        record = await first.coordinator.load()  # type: ignore[union-attr]
+        assert record is not None and record.settled and record.view == first.view
+        assert record.config.rule("api").limit == 7  # type: ignore[union-attr]
+        # A change of the ring after it carries the new rules on.
+        cluster._make_node("n4")
+        joined = await cluster.client.post(
+            f"{follower}/admin/nodes", json={"id": "n4", "url": node_url("n4")}
+        )
+        assert joined.status_code == 200, joined.text
+        await wait_until(lambda: first.view.epoch == other.view.epoch == 2)
+        assert limits() == {7}

@@ -1,0 +1,186 @@
+"""``GET``/``PUT /admin/rules``: new rules for a running cluster, without a restart.
+
+In process (router/testing.py); the etcd form is in tests/test_coordinator.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from node.clock import FrozenClock
+from node.config import ClusterConfig, ScopedRule
+from node.rules import Rule
+from router.admin import MAX_RULES, MAX_RULES_BODY
+from router.testing import ROUTER_URL, InProcessCluster
+from tests.processes import wait_until
+from tests.test_followers import follower
+
+pytestmark = pytest.mark.anyio
+
+RULES = f"{ROUTER_URL}/admin/rules"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def config(limit: int = 5) -> ClusterConfig:
+    return ClusterConfig(rules=(ScopedRule(Rule("api", limit, 60.0)),))
+
+
+async def spend(cluster: InProcessCluster, user: str, n: int) -> list[int]:
+    return [
+        (await cluster.client.get("/x", headers={"X-User-Id": user})).status_code for _ in range(n)
+    ]
+
+
+def node_limits(cluster: InProcessCluster) -> dict[str, int]:
+    limits = {}
+    for node_id, node in cluster.nodes.items():
+        rule = node.authority.config.rule("api")
+        assert rule is not None
+        limits[node_id] = rule.limit
+    return limits
+
+
+async def test_new_limits_apply_at_once_and_keep_what_users_spent() -> None:
+    async with InProcessCluster(3, config(5), clock=FrozenClock()) as cluster:
+        assert await spend(cluster, "ann", 3) == [200] * 3
+        answer = await cluster.client.put(
+            RULES, json={"rules": [{"name": "api", "limit": 4, "period": 60}]}
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["rules"] == [{**answer.json()["rules"][0], "limit": 4}]
+        assert node_limits(cluster) == {"n1": 4, "n2": 4, "n3": 4}
+        # ann's bucket kept its 2 tokens (at most the new 4); bob's is a new one of 4.
+        assert await spend(cluster, "ann", 3) == [200, 200, 429]
+        assert await spend(cluster, "bob", 5) == [200] * 4 + [429]
+        got = await cluster.client.get(RULES)
+        assert got.json()["rules"][0]["limit"] == 4
+        ring = (await cluster.client.get(f"{ROUTER_URL}/admin/ring")).json()
+        assert ring["rules"] == got.json()["rules"]
+
+
+async def test_a_window_keeps_its_count_under_a_new_limit() -> None:
+    window = ClusterConfig(rules=(ScopedRule(Rule("api", 5, 60.0, algorithm="fixed_window")),))
+    async with InProcessCluster(3, window, clock=FrozenClock()) as cluster:
+        assert await spend(cluster, "ann", 3) == [200] * 3
+        rules = [{"name": "api", "limit": 4, "period": 60, "algorithm": "fixed_window"}]
+        assert (await cluster.client.put(RULES, json={"rules": rules})).status_code == 200
+        # 3 counted in this window, of 4 now.
+        assert await spend(cluster, "ann", 2) == [200, 429]
+
+
+async def test_a_new_algorithm_starts_its_rule_afresh_and_new_rules_add() -> None:
+    async with InProcessCluster(3, config(2), clock=FrozenClock()) as cluster:
+        assert await spend(cluster, "ann", 3) == [200, 200, 429]
+        rules: list[dict[str, Any]] = [
+            {"name": "api", "limit": 2, "period": 60, "algorithm": "fixed_window"},
+            {"name": "writes", "limit": 1, "period": 60, "methods": ["POST"]},
+        ]
+        answer = await cluster.client.put(RULES, json={"rules": rules})
+        assert answer.status_code == 200, answer.text
+        # States of another algorithm cannot be read as this one's: dropped.
+        assert await spend(cluster, "ann", 3) == [200, 200, 429]
+        posts = [
+            (await cluster.client.post("/w", headers={"X-User-Id": "cy"})).status_code
+            for _ in range(2)
+        ]
+        assert posts == [200, 429]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "error", "says"),
+    [
+        (b"{", 400, "invalid_json", "not valid JSON"),
+        (b"[]", 400, "invalid_rules", '{"rules": [...]}'),
+        (b'{"rules": [], "x": 1}', 400, "invalid_rules", '{"rules": [...]}'),
+        (b'{"rules": []}', 400, "invalid_rules", f"1 to {MAX_RULES}"),
+        (b'{"rules": {"name": "api"}}', 400, "invalid_rules", "list"),
+        (b'{"rules": [{"name": "api"}]}', 400, "invalid_rules", "rules[0]"),
+        (b'{"rules": [{"name": "api", "rate": "x"}]}', 400, "invalid_rules", "rules[0]"),
+        (b'{"rules": [{"rate": "1/s", "name": "a"}, 7]}', 400, "invalid_rules", "rules[1]"),
+        (b'{"rules": [{"name": "api", "rate": "1/s", "oops": 1}]}', 400, "invalid_rules", "oops"),
+    ],
+)
+async def test_bad_rules_are_a_400_saying_why_and_change_nothing(
+    body: bytes, status: int, error: str, says: str
+) -> None:
+    async with InProcessCluster(2, config(5), clock=FrozenClock()) as cluster:
+        before = (await cluster.client.get(RULES)).json()
+        answer = await cluster.client.put(
+            RULES, content=body, headers={"content-type": "application/json"}
+        )
+        assert answer.status_code == status, answer.text
+        assert answer.json()["error"] == error and says in answer.json()["detail"], answer.text
+        assert (await cluster.client.get(RULES)).json() == before
+        assert node_limits(cluster) == {"n1": 5, "n2": 5}
+
+
+async def test_rules_past_the_limits_are_refused() -> None:
+    async with InProcessCluster(2, config(5), clock=FrozenClock()) as cluster:
+        many = [{"name": f"r{i}", "rate": "1/s", "paths": [f"/{i}"]} for i in range(MAX_RULES + 1)]
+        answer = await cluster.client.put(RULES, json={"rules": many})
+        assert answer.status_code == 400 and "1 to 1000" in answer.json()["detail"]
+        long_path = "x" * MAX_RULES_BODY
+        huge = json.dumps({"rules": [{"name": "a", "rate": "1/s", "paths": [long_path]}]})
+        answer = await cluster.client.put(RULES, content=huge)
+        assert answer.status_code == 413 and answer.json()["error"] == "body_too_large"
+        assert node_limits(cluster) == {"n1": 5, "n2": 5}
+
+
+async def test_the_rules_take_the_admin_token() -> None:
+    async with InProcessCluster(
+        2, config(5), clock=FrozenClock(), router_options={"admin_token": "adm1n"}
+    ) as cluster:
+        rules = {"rules": [{"name": "api", "limit": 1, "period": 60}]}
+        for call in (cluster.client.get(RULES), cluster.client.put(RULES, json=rules)):
+            answer = await call
+            assert answer.status_code == 401 and answer.json()["error"] == "unauthorized"
+        wrong = {"authorization": "Bearer nope"}
+        assert (await cluster.client.put(RULES, json=rules, headers=wrong)).status_code == 401
+        assert node_limits(cluster) == {"n1": 5, "n2": 5}
+        right = {"authorization": "Bearer adm1n"}
+        assert (await cluster.client.put(RULES, json=rules, headers=right)).status_code == 200
+        assert node_limits(cluster) == {"n1": 1, "n2": 1}
+
+
+async def test_a_following_router_passes_the_change_on_and_takes_the_leaders_rules() -> None:
+    """The workers of ``ringlimit router --workers N`` without etcd: a change
+    through a follower is the leader's, and the follower polls the new rules."""
+    async with InProcessCluster(3, config(5), clock=FrozenClock()) as cluster:
+        second = await follower(cluster)
+        try:
+            answer = await cluster.client.put(
+                "http://router2.cluster/admin/rules",
+                json={"rules": [{"name": "api", "limit": 3, "period": 60}]},
+            )
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["x-ringlimit-leader"] == ROUTER_URL
+            assert node_limits(cluster) == {"n1": 3, "n2": 3, "n3": 3}
+
+            def limit() -> int | None:
+                rule = second.config.rule("api")
+                return rule.limit if rule is not None else None
+
+            await wait_until(lambda: limit() == 3, 5.0)
+        finally:
+            await second.close()
+
+
+async def test_a_follower_refuses_bad_rules_itself() -> None:
+    """Checked where they arrive, before anything is passed on: nothing changes."""
+    async with InProcessCluster(2, config(5), clock=FrozenClock()) as cluster:
+        second = await follower(cluster)
+        try:
+            answer = await cluster.client.put(
+                "http://router2.cluster/admin/rules", json={"rules": [{"name": "api"}]}
+            )
+            assert answer.status_code == 400 and answer.json()["error"] == "invalid_rules"
+            assert node_limits(cluster) == {"n1": 5, "n2": 5}
+        finally:
+            await second.close()
