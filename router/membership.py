@@ -1160,7 +1160,9 @@ class Membership:
         assert self.coordinator is not None
         try:
             record = await self.coordinator.load()
-            if record is None or record.view != self.view or not record.settled:
+            # The view this leader holds is one it carried out: a record of it
+            # left unsettled (a failed settle) is marked settled here too.
+            if record is None or record.view != self.view:
                 raise MembershipError(409, "ring_changing", "the ring is changing; retry")
             done = ViewRecord(
                 record.view, record.previous, record.crashed, config, True, record.revision
