@@ -418,6 +418,15 @@ def test_the_batch_path_runs_alone() -> None:
     assert "ns per decision (fastest of 2 rounds" in done.stdout, done.stdout
 
 
+def test_the_forward_path_runs_alone() -> None:
+    """``python -m benchmarks.forwardpath``: the router's sticky forwarding in
+    process, as the docs measure it side by side (on both event loops, plain and
+    pipelined: every answer must be the node's 200)."""
+    for extra in (("--loop", "uvloop"), ("--loop", "asyncio", "--pipeline", "4")):
+        done = run_alone("benchmarks.forwardpath", "--requests", "400", "--rounds", "2", *extra)
+        assert "ns per forward (fastest of 2 rounds" in done.stdout, done.stdout
+
+
 def test_the_join_direction_runs_alone() -> None:
     """``python -m benchmarks.handoff --join``: B joins A; every moved key arrives,
     and A keeps them as B's replicas."""
