@@ -112,7 +112,10 @@ class _Connection(asyncio.Protocol):
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        # The fields an answer keeps, kept as they are parsed (not filtered again later).
+        name = name.lower()
+        if name not in _DROP:
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -148,9 +151,7 @@ class _Connection(asyncio.Protocol):
     def _settle(self) -> None:
         """The oldest request has its answer."""
         exchange = self.pending.popleft()
-        answer = Answer(
-            self.status, [(k, v) for k, v in self.headers if k not in _DROP], b"".join(self.body)
-        )
+        answer = Answer(self.status, self.headers, b"".join(self.body))
         self.headers = []
         self.body = []
         self.status = 0
