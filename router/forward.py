@@ -50,6 +50,11 @@ MAX_ATTEMPTS = 4
 
 @dataclass(slots=True)
 class Answer:
+    """A node's answer. ``headers``: its fields (names lowercase) less the framing
+    and hop-by-hop ones every forwarder drops (``connection``, ``keep-alive``,
+    ``transfer-encoding``, ``content-length``, ``date``, ``server``): the router
+    relays them without looking for those (router/protocol.py ``relay``)."""
+
     status: int
     headers: list[tuple[bytes, bytes]]
     body: bytes

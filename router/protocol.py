@@ -180,6 +180,22 @@ class ProxyCycle:
     async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """Write a whole answer in one write (``headers`` without ``content-length``
         get one) and end the request as uvicorn's cycle ends it."""
+        sized = False
+        for name, value in headers:
+            if name == b"content-length":
+                sized = True
+            elif name == b"connection" and b"close" in [
+                token.strip() for token in value.lower().split(b",")
+            ]:
+                self.keep_alive = False
+        await self.relay(status, headers, body, sized)
+
+    async def relay(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, sized: bool = False
+    ) -> None:
+        """:meth:`answer` for ``headers`` known to hold neither ``connection`` nor
+        (unless ``sized``) ``content-length``: a node's answer, whose forwarder
+        dropped both (router/forward.py), with the router's own fields."""
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
         self.response_started = True
@@ -189,14 +205,7 @@ class ProxyCycle:
         content = [STATUS_LINE[status]]
         for name, value in self.protocol.server_state.default_headers:
             content += (name, b": ", value, b"\r\n")
-        sized = False
         for name, value in headers:
-            if name == b"content-length":
-                sized = True
-            elif name == b"connection" and b"close" in [
-                token.strip() for token in value.lower().split(b",")
-            ]:
-                self.keep_alive = False
             content += (name, b": ", value, b"\r\n")
         if not sized:
             content.append(b"content-length: %d\r\n" % len(body))
