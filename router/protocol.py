@@ -33,12 +33,20 @@ from typing import TYPE_CHECKING, Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+from node.server import _CoalescedWrites
+
 if TYPE_CHECKING:
     from router.app import Router
 
 log = logging.getLogger("ringlimit.router")
 
-__all__ = ["ProxyCycle", "direct_proxy_protocol", "has_dot_segment", "lazy_keep_alive"]
+__all__ = [
+    "AnswerWrites",
+    "ProxyCycle",
+    "direct_proxy_protocol",
+    "has_dot_segment",
+    "lazy_keep_alive",
+]
 
 #: The router's own endpoints (router/app.py dispatches them; everything else is
 #: proxied, except ``/internal``, which is never reachable through the front door).
@@ -214,7 +222,11 @@ class ProxyCycle:
         content.append(b"\r\n")
         if self.scope["method"] != "HEAD":
             content.append(body)
-        self.transport.write(b"".join(content))
+        transport = self.transport
+        if type(transport) is AnswerWrites:
+            transport.write_answer(b"".join(content), bool(self.protocol.pipeline))
+        else:
+            transport.write(b"".join(content))
         self.response_complete = True
         if not self.keep_alive:
             self.transport.close()
@@ -223,6 +235,30 @@ class ProxyCycle:
 
 def _nothing() -> None:
     return None
+
+
+class AnswerWrites(_CoalescedWrites):
+    """The router's client transport: node/server.py's coalesced writes (what
+    uvicorn's own cycle writes in two parts leaves in one), and whole answers of
+    :class:`ProxyCycle` written at once when nothing is to leave with them.
+
+    An answer already whole gains nothing from waiting for the end of the
+    event-loop step, and costs a callback there. It waits only behind what is
+    buffered (order) or when a client's pipelined request waits behind it (its
+    answer may leave with this one, see ``postpone``)."""
+
+    __slots__ = ()
+
+    def is_closing(self) -> bool:
+        # Asked twice per request: directly, not through ``__getattr__``.
+        return self._transport.is_closing()
+
+    def write_answer(self, data: bytes, more: bool) -> None:
+        """Write a whole answer; ``more``: pipelined requests wait behind it."""
+        if more or self._buffer:
+            self.write(data)
+        else:
+            self._transport.write(data)
 
 
 def lazy_keep_alive(base: type) -> type:

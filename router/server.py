@@ -14,17 +14,17 @@ import socket
 import uvicorn
 
 from node.frontdoor import FrontDoor, limited_protocol, raise_fd_limit
-from node.server import _CoalescedWrites, _run, uvicorn_options
+from node.server import _run, uvicorn_options
 from router.app import Router
-from router.protocol import direct_proxy_protocol, lazy_keep_alive
+from router.protocol import AnswerWrites, direct_proxy_protocol, lazy_keep_alive
 
 
 def router_server(
     router: Router, *, host: str, port: int, front_door: FrontDoor | None = None
 ) -> uvicorn.Server:
     """The uvicorn server of ``router``: the hot-path options, the front door's
-    limits, and the direct proxy path and keep-alive timer of router/protocol.py
-    (on the node's protocol: its limits and coalesced writes)."""
+    limits, and the direct proxy path, keep-alive timer and answer writes of
+    router/protocol.py."""
     options = {**uvicorn_options(front_door), "lifespan": "off"}
     if isinstance(options["http"], type):
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -33,7 +33,7 @@ def router_server(
             limited_protocol(
                 lazy_keep_alive(HttpToolsProtocol),
                 front_door or FrontDoor(),
-                wrap=_CoalescedWrites,
+                wrap=AnswerWrites,
             )
         )
     return uvicorn.Server(uvicorn.Config(router, host=host, port=port, **options))
