@@ -390,11 +390,12 @@ class Router:
         forwarded_for = None
         raw: list[tuple[bytes, bytes]] = []
         framed = False
-        for k, v in scope["headers"]:
+        for header in scope["headers"]:
+            k = header[0]
             if k == b"x-forwarded-for":
-                forwarded_for = v
+                forwarded_for = header[1]
             elif k not in HOP_BY_HOP and (not k.startswith(b"x-ringlimit-") or k == bypass_name):
-                raw.append((k, v))
+                raw.append(header)
             elif k in _BODY_FRAMING:
                 framed = True
         if framed:
@@ -416,7 +417,7 @@ class Router:
             body = b""
         # Percent-encoded: ASCII on the wire whatever the forwarder's header encoding,
         # so the node decides exactly the key the router placed on the ring.
-        raw.append((b"x-ringlimit-key", _quote_key(user).encode()))
+        raw.append((b"x-ringlimit-key", _quote_key(user)))
         raw += self._raw_token_header
         client = scope.get("client")
         if client:
@@ -427,9 +428,9 @@ class Router:
         elif forwarded_for:
             raw.append((b"x-forwarded-for", forwarded_for))
         target = scope.get("raw_path") or scope["path"].encode()
-        path_qs = target.decode("latin-1")
         if scope.get("query_string"):
-            path_qs += "?" + scope["query_string"].decode("latin-1")
+            target += b"?" + scope["query_string"]
+        path_qs = target.decode("latin-1")  # for the text forwarders (the client's bytes)
         method = scope["method"]
         forwarder = self.forwarder
         assert forwarder is not None
@@ -437,7 +438,6 @@ class Router:
         # The forwarder's fields as text (latin-1: the client's bytes), for any other
         # forwarder and for a failover; the fast client gets the bytes themselves.
         headers = _text(raw) if fast is None else None
-        fields = b"".join([k + b": " + v + b"\r\n" for k, v in raw]) if fast else b""
         if config.leasing and await self._leased(
             scope, send, config, resolver, user, method, path_qs, _text(raw), body, started
         ):
@@ -456,12 +456,12 @@ class Router:
                     pool, prefix = fast.base(member.url)
                     answer = await fast.send(
                         pool,
-                        b"".join(
-                            [
-                                *fast.head(method, prefix + path_qs, pool),
-                                fields,
-                                *fast.end(method, body),
-                            ]
+                        fast.payload(
+                            method.encode(),
+                            prefix.encode() + target if prefix else target,
+                            pool,
+                            raw,
+                            body,
                         ),
                         method == "HEAD",
                     )
@@ -701,9 +701,9 @@ def _text(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
 
 
 @lru_cache(maxsize=65536)
-def _quote_key(user: str) -> str:
+def _quote_key(user: str) -> bytes:
     """The user id percent-encoded for ``X-Ringlimit-Key`` (users repeat: cached)."""
-    return quote(user, safe="")
+    return quote(user, safe="").encode()
 
 
 def _respond(

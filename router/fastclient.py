@@ -340,27 +340,32 @@ class FastForwarder:
         return found
 
     @staticmethod
-    def head(method: str, path: str, pool: _Pool) -> list[bytes]:
-        """The start of a request to ``pool``: its request line and ``host``
-        field; the caller adds its own fields and then :meth:`end`'s."""
-        return [f"{method} {path} HTTP/1.1\r\nhost: ".encode(), pool.host_header, b"\r\n"]
-
-    @staticmethod
-    def end(method: str, body: bytes | None) -> list[bytes]:
-        """What follows a request's fields: its length and body."""
+    def payload(
+        method: bytes,
+        target: bytes,
+        pool: _Pool,
+        fields: list[tuple[bytes, bytes]],
+        body: bytes | None,
+    ) -> bytes:
+        """A whole request to ``pool``: its request line (``target``: the path and
+        query as they are sent), ``host``, ``fields``, its length and body; built
+        in one join (a forward's request is made of the client's bytes)."""
+        pieces = [method, b" ", target, b" HTTP/1.1\r\nhost: ", pool.host_header, b"\r\n"]
+        for name, value in fields:
+            pieces += (name, b": ", value, b"\r\n")
         if body:
-            return [b"content-length: %d\r\n\r\n" % len(body), body]
-        return [b"content-length: 0\r\n\r\n" if method in ("POST", "PUT") else b"\r\n"]
+            pieces += (b"content-length: %d\r\n\r\n" % len(body), body)
+        else:
+            pieces.append(b"content-length: 0\r\n\r\n" if method in (b"POST", b"PUT") else b"\r\n")
+        return b"".join(pieces)
 
     async def request(
         self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | None
     ) -> Answer:
         pool, path = self._split(url)
-        lines = self.head(method, path, pool)
-        for name, value in headers:
-            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        lines += self.end(method, body)
-        return await self.send(pool, b"".join(lines), method == "HEAD")
+        fields = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        payload = self.payload(method.encode(), path.encode(), pool, fields, body)
+        return await self.send(pool, payload, method == "HEAD")
 
     async def send(self, pool: _Pool, payload: bytes, head: bool = False) -> Answer:
         """Send a whole request (``payload``, as :meth:`request` builds it) to
