@@ -14,6 +14,8 @@ commits compare side by side here without the cluster's noise. The users
 (:data:`USERS`) are fewer than the bench's and each has been forwarded once
 before the rounds start, so every round sees what a long bench run does (the
 owner of every user known) and no round depends on how many went before.
+Like a router process, it freezes its heap out of garbage collection and
+collects young objects less often (``node.memory.tune_gc``) before measuring.
 
 Run: ``python -m benchmarks.forwardpath [--requests N] [--rounds R]
 [--connections C] [--pipeline P]``, which prints nanoseconds per forward (the
@@ -35,6 +37,7 @@ from typing import Any
 import uvicorn
 
 from node.config import ClusterConfig
+from node.memory import tune_gc
 from ring import Member, RingView
 from router.app import Router, RouterSettings
 from router.fastclient import FastForwarder, _Connection
@@ -179,6 +182,7 @@ async def measure(requests: int, rounds: int, connections: int, pipeline: int) -
         client.protocol.connection_made(client)
     # Every user once (their owners, their quoted keys), whatever is measured after.
     await asyncio.gather(*(c.run(-(-USERS // connections)) for c in clients))
+    tune_gc()  # as a router process does once started (node/server.py)
     share = max(1, requests // connections)
     seconds: list[float] = []
     for _ in range(rounds):
