@@ -432,6 +432,7 @@ class Node:
                 "backend": self.backend.name,
                 "backend_available": self.backend.available,
                 "keys": len(self.store),
+                "config": self.authority.config.digest,
             }
         )
 
@@ -451,6 +452,7 @@ class Node:
             "node": self.settings.node_id,
             "epoch": self.epoch,
             "backend_available": self.backend.available,
+            "config": self.authority.config.digest,
         }
         if shard is None:
             return JSONResponse(data)  # a shared backend: no shard, no lease

@@ -20,8 +20,9 @@ import json
 import posixpath
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,11 @@ class ConfigError(ValueError):
 
 
 _PATH_PARAMETERS = re.compile(r";[^/]*")
+
+
+def _digest(data: Any) -> str:
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def path_forms(path: str) -> tuple[str, ...]:
@@ -116,9 +122,17 @@ class ScopedRule:
             return False
         if self.tiers and (tier is None or tier not in self.tiers):
             return False
-        return not self.paths or any(
-            fnmatch.fnmatchcase(path, p) for p in self.paths for path in paths
-        )
+        if not self.paths:
+            return True
+        match = self._paths_match
+        return any(match(path) for path in paths)
+
+    @cached_property
+    def _paths_match(self) -> Callable[[str], re.Match[str] | None]:
+        """Every pattern of ``paths`` in one regular expression: one match per
+        spelling of a path, however many patterns (``fnmatchcase`` each)."""
+        joined = "|".join(f"(?:{fnmatch.translate(pattern)})" for pattern in self.paths)
+        return re.compile(joined).match
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = self.rule.to_dict()
@@ -348,6 +362,20 @@ class ClusterConfig:
 
     def with_(self, **changes: Any) -> ClusterConfig:
         return replace(self, **changes)
+
+    @cached_property
+    def digest(self) -> str:
+        """A short hash of the whole config: a node reports the one it holds in
+        ``/healthz``, and the leading router pushes its config again to a node
+        whose digest is not its own (one that missed a change of rules, which
+        moves no epoch)."""
+        return _digest(self.to_dict())
+
+    @cached_property
+    def rules_digest(self) -> str:
+        """A short hash of the rules alone: routers that follow a leader compare
+        it with the leader's, and fetch its rules only when they differ."""
+        return _digest([scoped.to_dict() for scoped in self.rules])
 
     # ------------------------------------------------------------------ wire format
 

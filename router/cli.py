@@ -104,6 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
+    if getattr(args, "coordinator", None):
+        # gRPC's core logs lines of its own on stderr (a failed TLS handshake to
+        # etcd is several); the router says what failed in one. Set before gRPC
+        # is first imported, which reads it; GRPC_VERBOSITY in the environment wins.
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
         return int(args.run(args) or 0)
     except (ConfigError, RuleError, ValueError) as exc:
@@ -887,7 +892,8 @@ def _etcd_reachable(coordinator: EtcdCoordinator) -> bool:
         asyncio.run(check())
     except CoordinatorError as exc:
         print(
-            f"ringlimit: cannot start the router: {exc} (check --coordinator and that etcd runs)",
+            f"ringlimit: cannot start the router: {exc} (check --coordinator, the --etcd-* "
+            "flags and that etcd runs)",
             file=sys.stderr,
         )
         return False
@@ -1038,7 +1044,8 @@ def _run_rules(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.file}: no [[rules]] to apply")
 
     def lines(data: dict[str, Any]) -> list[str]:
-        return [json.dumps(data, indent=2)]
+        # The rules alone: what `ringlimit rules > rules.json` saves, this applies.
+        return [json.dumps({"rules": data["rules"]}, indent=2)]
 
     if body is None:
         return _admin_call(

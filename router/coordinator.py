@@ -536,9 +536,15 @@ async def _revoke(lease_id: int, client: Any) -> Any:
     return await client.revoke_lease(lease_id)
 
 
-def _watch(key: bytes, seen: int, client: Any) -> Any:
-    """A watch of ``key`` from the revision after ``seen`` (0: from now)."""
-    return client.watch(key, start_revision=seen + 1 if seen > 0 else None)
+async def _watch(key: bytes, seen: int, client: Any) -> Any:
+    """A watch of ``key`` from the revision after ``seen`` (0: from now).
+
+    A read first: etcd answers a watch made with an expired auth token with
+    a watch created and cancelled at once, which aetcd 1.0 takes for a
+    created one (it then waits for events forever). The read fails on that
+    token instead, and :meth:`EtcdCoordinator._call` connects again."""
+    await client.get(key)
+    return await client.watch(key, start_revision=seen + 1 if seen > 0 else None)
 
 
 def _why(exc: BaseException) -> str:
@@ -547,4 +553,9 @@ def _why(exc: BaseException) -> str:
     certificate check failed, where the type alone does not)."""
     details = str(exc).strip().splitlines()
     detail = details[0] if details else ""
+    if "TSI_" in detail or "handshake" in detail.lower():
+        detail += (
+            " (a TLS handshake failed: etcds:// for a TLS etcd, and --etcd-cert/--etcd-key "
+            "when it wants a client certificate)"
+        )
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__

@@ -65,7 +65,7 @@ class EtcdAccess:
         password: str | None = None,
     ) -> EtcdAccess:
         """Read the PEM files now, so that a missing one stops the start in one line."""
-        return cls(
+        access = cls(
             tls,
             ca=_read(ca, "--etcd-cacert"),
             cert=_read(cert, "--etcd-cert"),
@@ -73,6 +73,26 @@ class EtcdAccess:
             user=user or None,
             password=password or None,
         )
+        # gRPC takes any bytes and fails only at the handshake, with lines of its
+        # own on stderr and "Failed to create security handshaker": check here.
+        import ssl
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            if access.ca is not None:
+                context.load_verify_locations(cadata=access.ca.decode("ascii", "replace"))
+        except ssl.SSLError as exc:
+            why = exc.reason or exc
+            raise ValueError(f"--etcd-cacert {ca}: no certificate in it ({why})") from None
+        if cert is not None and key is not None:
+            try:
+                context.load_cert_chain(cert, key, password=lambda: "")  # never a prompt
+            except ssl.SSLError as exc:
+                why = exc.reason or exc
+                raise ValueError(
+                    f"--etcd-cert {cert} and --etcd-key {key} do not go together ({why})"
+                ) from None
+        return access
 
     def client(self, host: str, port: int, timeout: float) -> Any:
         """An unconnected aetcd client for one endpoint."""

@@ -114,6 +114,14 @@ class HealthMonitor:
             # In the background: a rejoin can take a readiness wait and several
             # pushes, and must not delay the detection of other nodes' crashes.
             self._in_background(member.id, m.refresh_node(member, health.epoch_seen))
+        elif (
+            health.epoch_seen == view.epoch
+            and data.get("config") not in (None, m.config.digest)
+            and not m.lock.locked()
+        ):
+            # It missed a change of rules (which moves no epoch): a push it did
+            # not answer, or a leader that died before reaching it.
+            self._in_background(member.id, m.repush_config(member))
         return True
 
     async def _probe_removed(self, member: Member) -> None:

@@ -351,10 +351,11 @@ class Membership:
         self._seen_revision = max(self._seen_revision, record.revision)
         self.log.saw(record.view.epoch)
         if record.view == self.view:
+            newer = record.revision > self._revision
             self._revision = max(self._revision, record.revision)
             # Adopted before, from a node (which does not say who crashed).
             self.events.crashed(record.view.epoch, record.crashed)
-            if record.settled and record.config != self.config:
+            if newer and record.settled and record.config != self.config:
                 # New rules for the same ring (:meth:`change_config`).
                 log.warning("taking the cluster config from etcd (epoch %d)", record.view.epoch)
                 self._take_config(record.config, "etcd")
@@ -408,15 +409,17 @@ class Membership:
         works for nodes that keep no view (the Redis backend's).
         """
         try:
-            view, events, rules = await self.nodes.leader_state(leader_url, headers)
+            view, events, rules_digest = await self.nodes.leader_state(leader_url, headers)
+            if rules_digest is not None and rules_digest != self.config.rules_digest:
+                self._take_leaders_rules(
+                    await self.nodes.leader_rules(leader_url, headers), leader_url
+                )
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.debug("could not poll the leader at %s: %s", leader_url, exc)
             return False
         # The leader's events, as they are: it knows which members crashed and
         # which left (a view learnt here or from a node does not say).
         self.events.mirror(events)
-        if rules is not None and rules != self.rules_data():
-            self._take_leaders_rules(rules, leader_url)
         if view.epoch <= self.view.epoch or not len(view):
             return False
         self.log.saw(view.epoch)
@@ -1126,6 +1129,16 @@ class Membership:
                 config = kept
         self.config = config
 
+    async def repush_config(self, member: Member) -> None:
+        """The health loop found ``member`` at the current epoch with a config
+        that is not this leader's: push it the view and config again."""
+        if self.follows:
+            return
+        async with self.lock:
+            if member in self.view.members:
+                log.warning("node %s holds other rules than this router's: pushed again", member.id)
+                await self._push([member], self.view, None, (), tolerate=True)
+
     async def push_config(self, config: ClusterConfig) -> None:
         self._must_lead()
         async with self.lock:
@@ -1205,7 +1218,7 @@ class Membership:
         data: dict[str, Any] = {
             "epoch": self.view.epoch,
             "nodes": nodes,
-            "rules": self.rules_data(),
+            "rules_digest": self.config.rules_digest,
         }
         if self.coordinator is not None:
             data["coordinator"] = {"etcd": self.coordinator.where, "leading": self.leading}

@@ -221,11 +221,10 @@ class NodeClient:
 
     async def leader_state(
         self, leader_url: str, headers: dict[str, str]
-    ) -> tuple[RingView, list[dict[str, Any]], list[Any] | None]:
+    ) -> tuple[RingView, list[dict[str, Any]], str | None]:
         """The leading router's ring (without its joining members), its
-        membership events and its rules (as ``[[rules]]`` tables; None from a
-        router that does not say); raises httpx.HTTPError, ValueError, KeyError
-        or TypeError."""
+        membership events and the digest of its rules (None from a router that
+        does not say); raises httpx.HTTPError, ValueError, KeyError or TypeError."""
         response = await self.client.get(
             leader_url.rstrip("/") + "/admin/ring", headers=headers, timeout=2.0
         )
@@ -237,12 +236,24 @@ class NodeClient:
         ]
         view = RingView.from_dict({"epoch": data["epoch"], "nodes": nodes})
         events = data.get("events")
-        rules = data.get("rules")
+        digest = data.get("rules_digest")
         return (
             view,
             [e for e in events if isinstance(e, dict)] if isinstance(events, list) else [],
-            rules if isinstance(rules, list) else None,
+            digest if isinstance(digest, str) else None,
         )
+
+    async def leader_rules(self, leader_url: str, headers: dict[str, str]) -> list[Any]:
+        """The leading router's rules (``GET /admin/rules``), as ``[[rules]]``
+        tables; raises httpx.HTTPError, ValueError, KeyError or TypeError."""
+        response = await self.client.get(
+            leader_url.rstrip("/") + "/admin/rules", headers=headers, timeout=2.0
+        )
+        response.raise_for_status()
+        rules = response.json()["rules"]
+        if not isinstance(rules, list):
+            raise TypeError("rules must be a list")
+        return rules
 
 
 def node_id(response: httpx.Response) -> str | None:

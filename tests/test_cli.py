@@ -246,3 +246,9 @@ def test_rules_shows_and_applies_a_files_rules_to_a_running_cluster(
         # u's bucket kept 2 tokens of 3, at most the new 1: one more, then none.
         codes = [client.get("/x", headers={"X-User-Id": "u"}).status_code for _ in range(2)]
         assert codes == [200, 429]
+    # What it shows, it applies: the round trip of a saved file.
+    saved = tmp_path / "saved.json"
+    saved.write_text(shown.stdout)
+    again = run([sys.executable, "-m", "router", "rules", str(saved), "--router", router])
+    assert again.returncode == 0, again.stderr
+    assert [r["limit"] for r in json.loads(again.stdout)["rules"]] == [3]

@@ -783,3 +783,35 @@ async def test_new_rules_through_a_follower_reach_etcd_every_router_and_node(
         assert joined.status_code == 200, joined.text
         await wait_until(lambda: first.view.epoch == other.view.epoch == 2)
         assert limits() == {7}
+
+
+async def test_new_rules_wait_while_a_change_of_the_ring_is_under_way(
+    etcd_endpoint: str,
+) -> None:
+    """etcd holds a newer view not carried out yet (committed, not settled):
+    a record of new rules on the view this leader holds would roll that change
+    back, so the rules are refused until it is done."""
+    async with two_routers(etcd_endpoint) as (cluster, second):
+        first, other = cluster.router.membership, second.membership
+        leader = first if first.leading else other
+        record = await leader.coordinator.load()  # type: ignore[union-attr]
+        assert record is not None and record.settled
+        members = list(record.view.members)[:2]
+        newer = ViewRecord(
+            RingView.of(members, epoch=record.view.epoch + 1),
+            record.view,
+            (),
+            record.config,
+            settled=False,
+        )
+        writer = coordinator(etcd_endpoint)
+        try:
+            assert await writer.commit(newer, expected=record.revision) is not None
+        finally:
+            await writer.close()
+        rules = {"rules": [{"name": "api", "limit": 7, "period": 60}]}
+        answer = await cluster.client.put(f"{leader.advertise}/admin/rules", json=rules)
+        assert answer.status_code == 409 and answer.json()["error"] == "ring_changing"
+        stored = await leader.coordinator.load()  # type: ignore[union-attr]
+        assert stored is not None and stored.view == newer.view and not stored.settled
+        assert stored.config == record.config

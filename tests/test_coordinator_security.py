@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import shutil
 import subprocess
@@ -23,7 +24,9 @@ import pytest
 import trustme
 
 from node.clock import FrozenClock
-from router.coordinator import CoordinatorError, EtcdCoordinator, parse_endpoints
+from node.config import ClusterConfig
+from ring import Member, RingView
+from router.coordinator import CoordinatorError, EtcdCoordinator, ViewRecord, parse_endpoints
 from router.etcd_access import EtcdAccess
 from router.testing import ROUTER_URL, InProcessCluster, node_url
 from tests.etcd_server import EtcdServer
@@ -216,6 +219,40 @@ async def test_a_refusal_is_one_error_saying_why(
         await coordinator.close()
 
 
+async def test_a_watch_made_on_an_expired_token_sees_changes(secure_etcd: SecureEtcd) -> None:
+    """etcd answers a watch made on an expired token with one created and
+    cancelled at once, which aetcd takes for created: silent for ever."""
+    watching, writer = secure_etcd.coordinator(), secure_etcd.coordinator()
+    seen: list[int] = []
+
+    async def watch() -> None:
+        async for record in watching.watch(0):
+            seen.append(record.view.epoch)
+
+    task = None
+    try:
+        await watching.connect()
+        await watching.load()
+        await asyncio.sleep(2.5)  # its token expires, unused
+        task = asyncio.create_task(watch())
+        await asyncio.sleep(0.5)
+        await writer.connect()
+        current = await writer.load()  # the module's etcd: perhaps a ring already
+        epoch = current.view.epoch + 1 if current is not None else 1
+        view = RingView.of([Member("n1", "http://n1")], epoch=epoch)
+        record = ViewRecord(view, RingView.empty(), (), ClusterConfig(), True)
+        expected = current.revision if current is not None else 0
+        assert await writer.commit(record, expected=expected) is not None
+        await wait_until(lambda: seen == [epoch], 5.0)
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await watching.close()
+        await writer.close()
+
+
 async def test_plaintext_to_a_tls_etcd_is_refused(secure_etcd: SecureEtcd) -> None:
     plain = secure_etcd.server.endpoint.replace("etcds://", "etcd://")
     coordinator = EtcdCoordinator(parse_endpoints(plain), timeout=1.0)
@@ -245,6 +282,8 @@ def test_access_refuses_half_pairs_and_certificates_without_tls(tmp_path: Path) 
     (tmp_path / "junk").write_text("junk")
     with pytest.raises(ValueError, match="not a PEM file"):
         EtcdAccess.from_files(tls=True, key=str(tmp_path / "junk"), cert=str(pem))
+    with pytest.raises(ValueError, match="do not go together"):
+        EtcdAccess.from_files(tls=True, cert=str(pem), key=str(pem))
     access = EtcdAccess.from_files(tls=False, user="root", password=PASSWORD)
     assert PASSWORD not in repr(access) and "root" in repr(access)
 
@@ -294,3 +333,22 @@ def test_bad_etcd_flags_are_one_line(
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_router_without_the_client_certificate_etcd_wants_is_one_line(
+    secure_etcd: SecureEtcd, tmp_path: Path
+) -> None:
+    """gRPC's own lines stay quiet (GRPC_VERBOSITY), the router's says why."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("RINGLIMIT_", "GRPC_"))}
+    flags = ["--coordinator", secure_etcd.server.endpoint, "--etcd-cacert", str(secure_etcd.ca)]
+    result = subprocess.run(
+        [sys.executable, "-m", "router", "router", "--port", "0", *flags],
+        cwd=tmp_path,
+        env={**environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "TLS handshake failed" in result.stderr and "--etcd-cert" in result.stderr

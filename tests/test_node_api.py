@@ -344,14 +344,18 @@ async def test_healthz(node_client: Any) -> None:
     _, _, client = node_client
     health = await client.get("/healthz")
     assert health.status_code == 200
-    assert health.json() == {
+    body = health.json()
+    assert body == {
         "status": "ok",
         "node": "n7",
         "epoch": 0,
         "backend": "memory",
         "backend_available": True,
         "keys": 0,
+        "config": body["config"],
     }
+    # The config it holds, as a short hash (the leader compares it with its own).
+    assert len(body["config"]) == 16 and int(body["config"], 16) >= 0
     await client.post("/v1/check", json={"checks": [{"key": "a"}, {"key": "b"}, {"key": "a"}]})
     assert (await client.get("/healthz")).json()["keys"] == 2
 

@@ -14,6 +14,7 @@ from node.clock import FrozenClock
 from node.config import ClusterConfig, ScopedRule
 from node.rules import Rule
 from router.admin import MAX_RULES, MAX_RULES_BODY
+from router.envoy_config import EnvoyConfig, parse_envoy_config, with_envoy_rules
 from router.testing import ROUTER_URL, InProcessCluster
 from tests.processes import wait_until
 from tests.test_followers import follower
@@ -62,7 +63,7 @@ async def test_new_limits_apply_at_once_and_keep_what_users_spent() -> None:
         got = await cluster.client.get(RULES)
         assert got.json()["rules"][0]["limit"] == 4
         ring = (await cluster.client.get(f"{ROUTER_URL}/admin/ring")).json()
-        assert ring["rules"] == got.json()["rules"]
+        assert ring["rules_digest"] == cluster.router.config.rules_digest
 
 
 async def test_a_window_keeps_its_count_under_a_new_limit() -> None:
@@ -184,3 +185,54 @@ async def test_a_follower_refuses_bad_rules_itself() -> None:
             assert node_limits(cluster) == {"n1": 5, "n2": 5}
         finally:
             await second.close()
+
+
+async def test_a_node_that_missed_the_new_rules_gets_them_when_it_answers_again() -> None:
+    """A config moves no epoch, so the health loop's epoch check cannot see a
+    node that missed it: the probe's config digest does."""
+    async with InProcessCluster(3, config(5), clock=FrozenClock()) as cluster:
+        cluster.take_down("n2")
+        answer = await cluster.client.put(
+            RULES, json={"rules": [{"name": "api", "limit": 1, "period": 60}]}
+        )
+        assert answer.status_code == 200, answer.text
+        assert node_limits(cluster) == {"n1": 1, "n2": 5, "n3": 1}
+        cluster.bring_back("n2")
+        await cluster.router.membership.check_health()
+        await cluster.router.membership.settle()
+        assert node_limits(cluster) == {"n1": 1, "n2": 1, "n3": 1}
+        digests = {n.authority.config.digest for n in cluster.nodes.values()}
+        assert digests == {cluster.router.config.digest}
+
+
+async def test_the_envoy_rules_of_a_router_stay_whatever_the_new_rules() -> None:
+    """Rules from ``--envoy-config`` are the router's own: a PUT without them
+    keeps them (Envoy's calls name them), one that redefines them is refused."""
+    envoy = EnvoyConfig({"api": parse_envoy_config(ENVOY, "api.yaml")})
+    names = {scoped.rule.name for scoped in envoy.rules}
+    async with InProcessCluster(
+        2,
+        with_envoy_rules(config(5), envoy),
+        clock=FrozenClock(),
+        router_options={"envoy": envoy},
+    ) as cluster:
+        answer = await cluster.client.put(
+            RULES, json={"rules": [{"name": "api", "limit": 3, "period": 60}]}
+        )
+        assert answer.status_code == 200, answer.text
+        assert {r["name"] for r in answer.json()["rules"]} == {"api", *names}
+        for node in cluster.nodes.values():
+            assert names <= {s.rule.name for s in node.authority.config.rules}
+        (name,) = names
+        clash = [{"name": "api", "rate": "3/minute"}, {"name": name, "rate": "1/hour"}]
+        answer = await cluster.client.put(RULES, json={"rules": clash})
+        assert answer.status_code == 400 and answer.json()["error"] == "invalid_rules"
+        assert node_limits(cluster) == {"n1": 3, "n2": 3}
+
+
+ENVOY = """\
+domain: api
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 20}
+"""
