@@ -427,6 +427,18 @@ def test_the_forward_path_runs_alone() -> None:
         assert "ns per forward (fastest of 2 rounds" in done.stdout, done.stdout
 
 
+def test_the_request_path_runs_alone() -> None:
+    """``python -m benchmarks.requestpath``: a node's proxied requests in process,
+    limiter off, on (direct) and on behind a router, each answered 200 (with the
+    rate-limit fields exactly when limiting: the script checks)."""
+    done = run_alone(
+        "benchmarks.requestpath", "--requests", "300", "--rounds", "2", "--users", "500"
+    )
+    lines = done.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["off", "direct", "routed"], done.stdout
+    assert all("ns per request (fastest of 2 rounds" in line for line in lines), done.stdout
+
+
 def test_the_join_direction_runs_alone() -> None:
     """``python -m benchmarks.handoff --join``: B joins A; every moved key arrives,
     and A keeps them as B's replicas."""
