@@ -31,9 +31,12 @@ docs/configuration.md says what to raise in production.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import resource
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from types import MethodType
 from typing import Any
 
 __all__ = ["FrontDoor", "raise_fd_limit"]
@@ -151,6 +154,100 @@ async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": _OVER_CAPACITY, "more_body": False})
 
 
+#: Checked response fields a server remembers (a node's differ by little: its
+#: rate-limit fields, the date of the second, a few content types).
+MAX_CHECKED_FIELDS = 4096
+#: Fields whose values uvicorn's cycle reads (framing, keep-alive): never remembered.
+_FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+
+
+def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
+    """``send(cycle, message)``: uvicorn's ``RequestResponseCycle.send`` (``base``'s)
+    with a response's fields checked once per distinct field, not once per response.
+
+    uvicorn checks every field of every answer with two regular expressions
+    and lower-cases its name; a node sends the same fields over and over (its
+    rate-limit fields come from node/headers.py's cache, the date changes once
+    a second), and those checks were a quarter of what limiting added to a
+    proxied request (benchmarks/requestpath.py). Here a field that passed them
+    is remembered with the line it became, and the next answer carrying it
+    takes that line. The bytes written and the errors raised are uvicorn's;
+    framing fields (``content-length`` and co.) are always read as uvicorn
+    reads them, and anything but a response's start (or one with an access
+    log to write) is uvicorn's own ``send``.
+    """
+    from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
+
+    uvicorn_send = base.send  # type: ignore[attr-defined]
+    #: (name, value) -> b"name: value\r\n", for this server's cycles.
+    checked: dict[tuple[bytes, bytes], bytes] = {}
+
+    def send(cycle: Any, message: Any) -> Awaitable[None]:
+        if (
+            message["type"] != "http.response.start"
+            or cycle.response_started
+            or cycle.access_log
+            or cycle.disconnected
+            or cycle.flow.write_paused
+        ):
+            return uvicorn_send(cycle, message)  # type: ignore[no-any-return]
+        return start(cycle, message)
+
+    async def start(cycle: Any, message: Any) -> None:
+        """uvicorn's ``send`` of a response's start (its status line and fields)."""
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        status_code = message["status"]
+        content = [STATUS_LINE[status_code]]
+        has_connection_close = False
+        for field in (*cycle.default_headers, *message.get("headers", ())):
+            try:
+                line = checked.get(field)
+            except TypeError:  # a list, or a bytearray in it: checked each time
+                line = None
+            if line is not None:
+                content.append(line)
+                continue
+            name, value = field
+            if HEADER_RE.search(name):
+                raise RuntimeError("Invalid HTTP header name.")
+            if HEADER_VALUE_RE.search(value):
+                raise RuntimeError("Invalid HTTP header value.")
+            name = name.lower()
+            if name == b"content-length" and cycle.chunked_encoding is None:
+                cycle.expected_content_length = int(value.decode())
+                cycle.chunked_encoding = False
+            elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                cycle.expected_content_length = 0
+                cycle.chunked_encoding = True
+            elif name == b"connection":
+                connection = [token.lower().strip() for token in value.split(b",")]
+                if b"close" in connection:
+                    cycle.keep_alive = False
+                    has_connection_close = True
+            line = b"".join((name, b": ", value, b"\r\n"))
+            if name not in _FRAMING_FIELDS and type(field) is tuple:
+                if len(checked) >= MAX_CHECKED_FIELDS:
+                    checked.clear()
+                with contextlib.suppress(TypeError):  # (a bytearray in it)
+                    checked[field] = line
+            content.append(line)
+        if not cycle.keep_alive and not has_connection_close:
+            content.append(b"connection: close\r\n")
+        if (
+            cycle.chunked_encoding is None
+            and cycle.scope["method"] != "HEAD"
+            and status_code not in (204, 304)
+        ):
+            # Neither content-length nor transfer-encoding specified
+            cycle.chunked_encoding = True
+            content.append(b"transfer-encoding: chunked\r\n")
+        content.append(b"\r\n")
+        cycle.transport.write(b"".join(content))
+
+    return send
+
+
 class _HeadersTooLarge(Exception):
     """Raised from a parser callback to stop parsing an oversized request."""
 
@@ -163,6 +260,9 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
     header_timeout = front_door.header_timeout
     body_timeout = front_door.body_timeout
     max_header_bytes = front_door.max_header_bytes
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    send = checked_send(RequestResponseCycle)
 
     class LimitedProtocol(base):  # type: ignore[valid-type,misc]
         _waiting = False
@@ -322,6 +422,12 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                     self.app, self.limit_concurrency = app, limit
                 return
             super().on_headers_complete()
+            cycle = self.cycle
+            if type(cycle) is RequestResponseCycle:
+                # Before its task's first step, which is when the app gets its ``send``.
+                # (An attribute, not a subclass: a changed ``__class__`` slows every
+                # attribute of the cycle down.)
+                cycle.send = MethodType(send, cycle)  # type: ignore[method-assign]
 
         def on_response_complete(self) -> None:
             pipelined = bool(self.pipeline)

@@ -1,0 +1,182 @@
+"""The front door's ``send`` (node/frontdoor.py ``checked_send``) writes what
+uvicorn's own writes: the same bytes for every answer, the same errors for bad
+fields, the same framing and keep-alive, whether a field is new or remembered.
+
+Each case goes through uvicorn's httptools protocol twice on a transport that
+records its writes: plain, and with the front door's limits (and its cycle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.server import ServerState
+
+from node.frontdoor import FrontDoor, limited_protocol
+
+DEFAULTS = [(b"date", b"Fri, 27 Nov 2026 18:00:00 GMT"), (b"server", b"uvicorn")]
+
+
+class Recorder:
+    """A transport that keeps what is written to it."""
+
+    def __init__(self) -> None:
+        self.out = b""
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 80)}.get(name, default)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def answering(start: dict[str, Any], body: bytes) -> Any:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send(start)
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+async def serve(protocol_class: type, app: Any, requests: bytes, times: int) -> tuple[bytes, bool]:
+    """Everything written answering ``requests`` ``times`` times on one connection."""
+    config = uvicorn.Config(app, lifespan="off", log_level="critical", access_log=False)
+    config.load()
+    state = ServerState()
+    state.default_headers = list(DEFAULTS)
+    loop = asyncio.get_running_loop()
+    protocol = protocol_class(config=config, server_state=state, app_state={}, _loop=loop)
+    transport = Recorder()
+    protocol.connection_made(transport)
+    for _ in range(times):
+        protocol.data_received(requests)
+        for _ in range(20):
+            await asyncio.sleep(0)
+    protocol.connection_lost(None)
+    return transport.out, transport.closed
+
+
+GET = b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n"
+HEAD = b"HEAD /x HTTP/1.1\r\nHost: a\r\n\r\n"
+CASES = {
+    "rate-limit fields": (
+        GET,
+        200,
+        [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"2"),
+            (b"ratelimit-policy", b'"bench";q=1000;w=1'),
+            (b"ratelimit", b'"bench";r=999;t=1'),
+            (b"X-RateLimit-Limit", b"1000"),
+        ],
+        b"{}",
+    ),
+    "lists and a bytearray": (
+        GET,
+        200,
+        [[b"content-length", b"2"], [b"x-a", b"1"], (b"x-b", bytearray(b"2"))],
+        b"{}",
+    ),
+    "no length: chunked": (GET, 200, [(b"content-type", b"text/plain")], b"hi"),
+    "connection close": (
+        GET,
+        200,
+        [(b"content-length", b"2"), (b"Connection", b"Close")],
+        b"{}",
+    ),
+    "head": (HEAD, 200, [(b"content-type", b"text/plain")], b""),
+    "no content": (GET, 204, [(b"x-a", b"1")], b""),
+    "transfer-encoding": (
+        GET,
+        200,
+        [(b"transfer-encoding", b"chunked")],
+        b"ok",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_cycle_writes_what_uvicorns_writes(case: str) -> None:
+    request, status, headers, body = CASES[case]
+    start = {"type": "http.response.start", "status": status, "headers": headers}
+    app = answering(start, body)
+
+    async def both() -> tuple[tuple[bytes, bool], tuple[bytes, bool]]:
+        front = limited_protocol(HttpToolsProtocol, FrontDoor())
+        # Three answers each: the first checks the fields, the others remember them.
+        return await serve(HttpToolsProtocol, app, request, 3), await serve(front, app, request, 3)
+
+    plain, checked = asyncio.run(both())
+    assert checked == plain
+    assert plain[0].count(b"HTTP/1.1 ") >= 1
+
+
+@pytest.mark.parametrize(
+    ("field", "error"),
+    [
+        ((b"bad name", b"1"), "Invalid HTTP header name."),
+        ((b"x-a", b"1\r\nx-b: 2"), "Invalid HTTP header value."),
+    ],
+)
+def test_a_bad_field_is_refused_every_time(field: tuple[bytes, bytes], error: str) -> None:
+    """A bad field fails the answer (uvicorn's error, then its 500), and is never
+    remembered: the second answer carrying it fails too."""
+    errors: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [field]})
+        except RuntimeError as exc:
+            errors.append(str(exc))
+            raise
+
+    async def both() -> tuple[tuple[bytes, bool], tuple[bytes, bool]]:
+        front = limited_protocol(HttpToolsProtocol, FrontDoor())
+        return await serve(HttpToolsProtocol, app, GET, 2), await serve(front, app, GET, 2)
+
+    plain, checked = asyncio.run(both())
+    assert checked == plain
+    assert errors == [error] * len(errors) and len(errors) >= 2
+
+
+def test_the_front_door_serves_with_its_send() -> None:
+    """The app gets the front door's ``send`` (not uvicorn's) on uvicorn's cycle."""
+    seen: list[type] = []
+    sends: list[Any] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        seen.append(type(send.__self__))
+        sends.append(send)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def once() -> None:
+        await serve(limited_protocol(HttpToolsProtocol, FrontDoor()), app, GET, 1)
+
+    asyncio.run(once())
+    assert len(seen) == 1
+    assert seen[0] is RequestResponseCycle
+    assert sends[0].__func__ is not RequestResponseCycle.send
