@@ -157,6 +157,11 @@ async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
 #: Checked response fields a server remembers (a node's differ by little: its
 #: rate-limit fields, the date of the second, a few content types).
 MAX_CHECKED_FIELDS = 4096
+#: A field whose line is longer is checked each time, never remembered: the cache
+#: is bounded in bytes (about MAX_CHECKED_FIELDS x 2 x this), not only in fields,
+#: so an app or upstream that echoes a request's value (up to max_header_bytes)
+#: cannot make it hold hundreds of megabytes.
+MAX_CHECKED_LINE = 256
 #: Fields whose values uvicorn's cycle reads (framing, keep-alive): never remembered.
 _FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 
@@ -226,7 +231,11 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                     cycle.keep_alive = False
                     has_connection_close = True
             line = b"".join((name, b": ", value, b"\r\n"))
-            if name not in _FRAMING_FIELDS and type(field) is tuple:
+            if (
+                name not in _FRAMING_FIELDS
+                and type(field) is tuple
+                and len(line) <= MAX_CHECKED_LINE
+            ):
                 if len(checked) >= MAX_CHECKED_FIELDS:
                     checked.clear()
                 with contextlib.suppress(TypeError):  # (a bytearray in it)

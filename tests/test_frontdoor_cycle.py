@@ -180,3 +180,46 @@ def test_the_front_door_serves_with_its_send() -> None:
     assert len(seen) == 1
     assert seen[0] is RequestResponseCycle
     assert sends[0].__func__ is not RequestResponseCycle.send
+
+
+def test_long_fields_are_not_remembered() -> None:
+    """An app that echoes a request's value (up to the header limit) into its answer
+    must not make the remembered fields grow with it: 600 answers with a distinct
+    32 KB field each leave well under what they would hold (~38 MB) once served."""
+    import gc
+    import tracemalloc
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        echo = dict(scope["headers"])[b"x-echo"]
+        headers = [(b"content-length", b"2"), (b"x-echo", echo)]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    front = limited_protocol(HttpToolsProtocol, FrontDoor())
+
+    async def run() -> int:
+        config = uvicorn.Config(app, lifespan="off", log_level="critical", access_log=False)
+        config.load()
+        state = ServerState()
+        loop = asyncio.get_running_loop()
+        tracemalloc.start()
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(600):
+            protocol = front(config=config, server_state=state, app_state={}, _loop=loop)
+            transport = Recorder()
+            protocol.connection_made(transport)
+            value = b"%06d" % i + b"a" * 32_000
+            protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\nX-Echo: " + value + b"\r\n\r\n")
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert transport.out.startswith(b"HTTP/1.1 200 ")
+            protocol.connection_lost(None)
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        return kept
+
+    assert asyncio.run(run()) < 4_000_000
