@@ -268,11 +268,10 @@ def test_a_pipelined_body_waits_on_the_answer_ahead_without_its_clock_running() 
     a slow GET, then a POST with part of its body, body timeout 0.5 s)."""
     import asyncio
 
-    import uvicorn
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    from uvicorn.server import ServerState
 
     from node.frontdoor import FrontDoor, limited_protocol
+    from tests.uvicorn_serving import serving
 
     async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
         if scope["type"] != "http":
@@ -293,17 +292,7 @@ def test_a_pipelined_body_waits_on_the_answer_ahead_without_its_clock_running() 
 
     async def main() -> bytes:
         protocol = limited_protocol(HttpToolsProtocol, FrontDoor(body_timeout=0.5))
-        config = uvicorn.Config(app, lifespan="off", log_level="error")
-        config.load()
-        state = ServerState()
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(
-            lambda: protocol(config=config, server_state=state, app_state={}, _loop=loop),
-            "127.0.0.1",
-            0,
-        )
-        try:
-            port = server.sockets[0].getsockname()[1]
+        async with serving(protocol, app) as (port, _):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             body = b"x" * 2000
             writer.write(
@@ -325,8 +314,6 @@ def test_a_pipelined_body_waits_on_the_answer_ahead_without_its_clock_running() 
                     break
             writer.close()
             return out
-        finally:
-            server.close()
 
     out = asyncio.run(main())
     assert out.count(b"HTTP/1.1 200") == 2, out

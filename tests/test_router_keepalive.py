@@ -13,11 +13,10 @@ import asyncio
 from typing import Any
 
 import pytest
-import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-from uvicorn.server import ServerState
 
 from router.protocol import lazy_keep_alive
+from tests.uvicorn_serving import serving
 
 pytestmark = pytest.mark.anyio
 
@@ -56,19 +55,8 @@ async def test_an_idle_connection_closes_and_a_busy_one_stays_open() -> None:
     timer armed by the first answer finds it busy or idle for less than 1 s);
     then, idle, it closes about 1 s after its last answer."""
     protocol = lazy_keep_alive(HttpToolsProtocol)
-    config = uvicorn.Config(
-        _app, lifespan="off", log_level="error", timeout_keep_alive=int(KEEP_ALIVE)
-    )
-    config.load()
-    state = ServerState()
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(
-        lambda: protocol(config=config, server_state=state, app_state={}, _loop=loop),
-        "127.0.0.1",
-        0,
-    )
-    try:
-        port = server.sockets[0].getsockname()[1]
+    async with serving(protocol, _app, timeout_keep_alive=int(KEEP_ALIVE)) as (port, state):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             for _ in range(3):
@@ -90,5 +78,3 @@ async def test_an_idle_connection_closes_and_a_busy_one_stays_open() -> None:
         finally:
             writer.close()
         assert state.total_requests == 4
-    finally:
-        server.close()
