@@ -110,10 +110,7 @@ class ScopedRule:
     def is_default(self) -> bool:
         return not (self.paths or self.methods or self.tiers or self.named_only)
 
-    def matches(self, method: str, path: str, tier: str | None) -> bool:
-        return self.matches_any(method, path_forms(path), tier)
-
-    def matches_any(self, method: str, paths: tuple[str, ...], tier: str | None) -> bool:
+    def matches(self, method: str, paths: tuple[str, ...], tier: str | None) -> bool:
         """Whether the scope takes this request, ``paths`` being its path's
         :func:`path_forms` (any one matching a pattern is enough)."""
         if self.named_only:
@@ -354,7 +351,7 @@ class ClusterConfig:
         found = self._cache.get(key)
         if found is None:
             paths = path_forms(path)
-            found = tuple(s.rule for s in self.rules if s.matches_any(method, paths, tier))
+            found = tuple(s.rule for s in self.rules if s.matches(method, paths, tier))
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
             self._cache[key] = found
@@ -362,6 +359,12 @@ class ClusterConfig:
 
     def with_(self, **changes: Any) -> ClusterConfig:
         return replace(self, **changes)
+
+    def with_rule_tables(self, rules: Any, *, source: str) -> ClusterConfig:
+        """This config with ``rules`` (``[[rules]]`` tables, as a file holds them)
+        for its own, checked as a file's are: ConfigError says where and why.
+        The rest stays (PUT /admin/rules, and the routers that take its result)."""
+        return ClusterConfig.from_dict({**self.to_dict(), "rules": rules}, source=source)
 
     @cached_property
     def digest(self) -> str:

@@ -52,9 +52,7 @@ def new_rules(config: ClusterConfig, data: Any) -> ClusterConfig:
             400, "invalid_rules", f"rules must be a list of 1 to {MAX_RULES} rule tables"
         )
     try:
-        return ClusterConfig.from_dict(
-            {**config.to_dict(), "rules": rules}, source="PUT /admin/rules"
-        )
+        return config.with_rule_tables(rules, source="PUT /admin/rules")
     except ConfigError as exc:
         raise ApiError(400, "invalid_rules", str(exc)) from None
 

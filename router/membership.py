@@ -436,9 +436,7 @@ class Membership:
         """Rules the leader took since (:meth:`change_config`), with this router's
         other settings: its own flags and file made those, as they made the leader's."""
         try:
-            config = ClusterConfig.from_dict(
-                {**self.config.to_dict(), "rules": rules}, source=f"the rules of {leader_url}"
-            )
+            config = self.config.with_rule_tables(rules, source=f"the rules of {leader_url}")
         except ValueError as exc:
             log.error("could not take the leader's rules: %s", exc)
             return
