@@ -377,9 +377,16 @@ async def test_two_routers_share_one_ring_and_any_takes_admin_calls(etcd_endpoin
             )
             # A join through the follower is carried out by the leader.
             cluster._make_node("n4")
-            response = await cluster.client.post(
-                f"{follower}/admin/nodes", json={"id": "n4", "url": node_url("n4")}
-            )
+            # A leader whose etcd lease refresh timed out under load steps down, and
+            # the cluster answers 503 no_leader until one leads again: retry (bounded).
+            for _ in range(50):
+                response = await cluster.client.post(
+                    f"{follower}/admin/nodes", json={"id": "n4", "url": node_url("n4")}
+                )
+                if response.status_code != 503 or response.json()["error"] != "no_leader":
+                    break
+                await asyncio.sleep(0.2)
+                follower = SECOND if first.leading else ROUTER_URL
             assert response.status_code == 200, response.text
             assert response.headers["x-ringlimit-leader"] in (ROUTER_URL, SECOND)
             await wait_until(lambda: first.view.epoch == other.view.epoch == 2)
