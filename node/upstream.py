@@ -8,23 +8,17 @@ from typing import Any
 import aiohttp
 
 from node.asgi import ASGIApp, Receive, Scope, Send, drain, dumps, send_json
+from node.hopbyhop import HOP_BY_HOP, without_options
 from node.identity import header_text
 
-#: Hop-by-hop fields (RFC 9110 7.6.1) are not forwarded.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
+#: Request fields not passed to the upstream: hop-by-hop ones, and those aiohttp
+#: sets for the request it makes.
+NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
+#: The upstream's fields not passed back: hop-by-hop ones, and ``date`` and
+#: ``server``, which the node's server sets (twice each otherwise; nginx hides
+#: the upstream's too). Its ``content-length`` is kept: the body is relayed as
+#: it came, byte for byte.
+NOT_RELAYED = HOP_BY_HOP | {b"date", b"server"}
 
 
 def echo_app(node_id: str) -> ASGIApp:
@@ -101,10 +95,12 @@ class UpstreamApp:
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
         # header_text: valid UTF-8 stays UTF-8, which aiohttp writes back byte for byte.
+        fields = scope["headers"]
+        listed = [v for k, v in fields if k == b"connection"]
         headers = [
             (k.decode("latin-1"), header_text(v))
-            for k, v in scope["headers"]
-            if k.decode("latin-1") not in HOP_BY_HOP and not k.startswith(b"x-ringlimit-")
+            for k, v in without_options(fields, listed)
+            if k not in NOT_FORWARDED and not k.startswith(b"x-ringlimit-")
         ]
 
         async def body() -> Any:
@@ -116,15 +112,23 @@ class UpstreamApp:
                 if not message.get("more_body"):
                     return
 
+        # A request that came without a body goes without one: a streamed body
+        # is sent chunked, and some servers refuse a GET with a chunked body.
+        framed = any(
+            k == b"transfer-encoding" or (k == b"content-length" and v.strip() != b"0")
+            for k, v in fields
+        )
         try:
             async with self._client().request(
-                scope["method"], target, headers=headers, data=body(), allow_redirects=False
+                scope["method"],
+                target,
+                headers=headers,
+                data=body() if framed else None,
+                allow_redirects=False,
             ) as response:
-                out = [
-                    (k.lower(), v)
-                    for k, v in response.raw_headers
-                    if k.decode("latin-1").lower() not in HOP_BY_HOP
-                ]
+                raw = [(k.lower(), v) for k, v in response.raw_headers]
+                listed = [v for k, v in raw if k == b"connection"]
+                out = [f for f in without_options(raw, listed) if f[0] not in NOT_RELAYED]
                 await send(
                     {"type": "http.response.start", "status": response.status, "headers": out}
                 )

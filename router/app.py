@@ -44,6 +44,7 @@ from node.asgi import (
 )
 from node.config import ClusterConfig
 from node.headers import denial_response, rate_limit_headers
+from node.hopbyhop import HOP_BY_HOP, connection_options
 from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
 from ring import EmptyRingError, Member, OwnerCache, RingView
@@ -69,21 +70,9 @@ from router.protocol import ADMIN_PREFIX, CONTROL_PATHS, ProxyCycle, has_dot_seg
 
 log = logging.getLogger("ringlimit.router")
 
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"expect",
-        b"content-length",
-    }
-)
+#: Request fields the router does not pass on: the hop-by-hop ones, and those it
+#: sets itself (``host`` and the framing of the body it forwards).
+_NOT_SENT = HOP_BY_HOP | {b"host", b"expect", b"content-length"}
 #: The fields that say a request has a body.
 _BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 #: Keys whose owner the router remembers (per ring view).
@@ -390,14 +379,24 @@ class Router:
         forwarded_for = None
         raw: list[tuple[bytes, bytes]] = []
         framed = False
+        connection: list[bytes] | None = None
         for header in scope["headers"]:
             k = header[0]
             if k == b"x-forwarded-for":
                 forwarded_for = header[1]
-            elif k not in HOP_BY_HOP and (not k.startswith(b"x-ringlimit-") or k == bypass_name):
+            elif k not in _NOT_SENT and (not k.startswith(b"x-ringlimit-") or k == bypass_name):
                 raw.append(header)
             elif k in _BODY_FRAMING:
                 framed = True
+            elif k == b"connection":
+                connection = [header[1]] if connection is None else [*connection, header[1]]
+        if connection is not None:
+            # Fields the client meant for this hop only (node/hopbyhop.py).
+            listed = connection_options(connection)
+            if listed:
+                raw = [header for header in raw if header[0] not in listed]
+                if b"x-forwarded-for" in listed:
+                    forwarded_for = None
         if framed:
             # The configured client limit applies to proxied bodies too (the router
             # buffers them).
@@ -719,8 +718,9 @@ def _respond(
         headers.append((b"x-ringlimit-node", node_id.encode()))
         if extra:
             headers += extra
-        return cycle.relay(answer.status, headers, answer.body)
-    headers.append((b"content-length", str(len(answer.body)).encode()))
+        return cycle.relay(answer.status, headers, answer.body, answer.sized)
+    if not answer.sized:
+        headers.append((b"content-length", str(len(answer.body)).encode()))
     headers.append((b"x-ringlimit-node", node_id.encode()))
     if extra:
         headers += extra

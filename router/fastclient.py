@@ -21,11 +21,10 @@ from collections import deque
 
 import httptools
 
-from router.forward import Answer, NodeTimeout, Timeouts, Unreachable
+from node.hopbyhop import NO_CONTENT, without_options
+from router.forward import NOT_RELAYED, Answer, NodeTimeout, Timeouts, Unreachable
 
-_DROP = frozenset(
-    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server"}
-)
+_DROP = NOT_RELAYED
 
 
 class _NeverProcessed(Unreachable):
@@ -56,15 +55,19 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "body",
         "closed",
+        "connection",
+        "fields",
         "headers",
         "interim",
         "keep_alive",
+        "length",
         "out",
         "parser",
         "pending",
         "pool",
         "received",
         "reused",
+        "sized",
         "status",
         "timer",
         "transport",
@@ -80,6 +83,14 @@ class _Connection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.status = 0
+        #: The answer's ``connection`` values and ``content-length`` (dropped from
+        #: ``headers``), until its fields end.
+        self.connection: list[bytes] | None = None
+        self.length: bytes | None = None
+        #: How many fields the answer has (more after its body: trailers, dropped).
+        self.fields = 0
+        #: The answer's framing is settled (see :class:`router.forward.Answer`).
+        self.sized = False
         self.keep_alive = True
         self.closed = False
         #: Any byte arrived since the connection was (re)used for the requests in flight.
@@ -116,12 +127,29 @@ class _Connection(asyncio.Protocol):
         name = name.lower()
         if name not in _DROP:
             self.headers.append((name, value))
+        elif name == b"content-length":
+            self.length = value
+        elif name == b"connection":
+            self.connection = [value] if self.connection is None else [*self.connection, value]
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        if self.status < 200:
+        self.status = status = self.parser.get_status_code()
+        if status < 200:
             self.interim = True  # 1xx (e.g. 100 Continue): the real answer follows
-        elif self.pending and self.pending[0].head:
+            return
+        if self.connection is not None:
+            self.headers = without_options(self.headers, self.connection)
+            self.connection = None
+        head = bool(self.pending) and self.pending[0].head
+        # A HEAD's length is the node's (that of the content it would have sent);
+        # a 204 or a 304 is given none (router/forward.py Answer).
+        self.sized = head or status in NO_CONTENT
+        if self.length is not None:
+            if head:
+                self.headers.append((b"content-length", self.length))
+            self.length = None
+        self.fields = len(self.headers)
+        if head:
             # The parser cannot know the request was HEAD and would wait for the
             # body that content-length announces; the answer is complete, and
             # the connection is not reused (nor pipelined: see FastForwarder.send).
@@ -137,6 +165,7 @@ class _Connection(asyncio.Protocol):
             self.headers = []
             self.body = []
             self.status = 0
+            self.connection = self.length = None
             return
         if not self.pending or self.pending[0].head:
             return  # a HEAD's answer, settled when its fields ended
@@ -151,7 +180,10 @@ class _Connection(asyncio.Protocol):
     def _settle(self) -> None:
         """The oldest request has its answer."""
         exchange = self.pending.popleft()
-        answer = Answer(self.status, self.headers, b"".join(self.body))
+        headers = self.headers
+        if len(headers) != self.fields:
+            del headers[self.fields :]  # trailers: not relayed (RFC 9110 6.5.1)
+        answer = Answer(self.status, headers, b"".join(self.body), self.sized)
         self.headers = []
         self.body = []
         self.status = 0

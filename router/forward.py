@@ -8,12 +8,15 @@ about 0.4 ms. httpx stays the client of the control plane, the CLI and tests.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
 import httpx
 import yarl
+
+from node.hopbyhop import HOP_BY_HOP, NO_CONTENT, without_options
 
 
 class Unreachable(Exception):
@@ -51,13 +54,22 @@ MAX_ATTEMPTS = 4
 @dataclass(slots=True)
 class Answer:
     """A node's answer. ``headers``: its fields (names lowercase) less the framing
-    and hop-by-hop ones every forwarder drops (``connection``, ``keep-alive``,
-    ``transfer-encoding``, ``content-length``, ``date``, ``server``): the router
-    relays them without looking for those (router/protocol.py ``relay``)."""
+    and hop-by-hop ones every forwarder drops (``connection`` and those it lists,
+    ``keep-alive``, ``transfer-encoding``, ``content-length``, ``date``, ``server``,
+    and trailers): the router relays them without looking for those
+    (router/protocol.py ``relay``).
+
+    ``sized``: the router must not give the answer a ``content-length`` of its
+    body. An answer to a HEAD keeps the node's (the length of what it would
+    have sent, RFC 9110 8.6); a 204 or a 304 has none (a 304's is optional, and
+    uvicorn's cycle would wait for that many bytes of body); the router sizes
+    every other answer by its body.
+    """
 
     status: int
     headers: list[tuple[bytes, bytes]]
     body: bytes
+    sized: bool = False
 
     def lease_expired(self) -> bool:
         """The node decided nothing: its lease ran out (node/lease.py)."""
@@ -106,12 +118,7 @@ class AiohttpForwarder:
                 allow_redirects=False,
             ) as response:
                 payload = await response.read()
-                out = [
-                    (k.lower(), v)
-                    for k, v in response.raw_headers
-                    if k.lower() not in _DROP_RESPONSE
-                ]
-                return Answer(response.status, out, payload)
+                return relayed(response.status, response.raw_headers, payload, method == "HEAD")
         except aiohttp.ConnectionTimeoutError as exc:
             raise Unreachable(type(exc).__name__) from None
         except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
@@ -128,9 +135,29 @@ class AiohttpForwarder:
         await self._session.close()
 
 
-_DROP_RESPONSE = frozenset(
-    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server"}
-)
+#: A node's fields the router does not relay: hop-by-hop, framing, and the two
+#: it sets itself.
+NOT_RELAYED = HOP_BY_HOP | {b"content-length", b"date", b"server"}
+
+
+def relayed(status: int, raw: Iterable[tuple[bytes, bytes]], body: bytes, head: bool) -> Answer:
+    """A node's answer as :class:`Answer` says, from its raw fields (the fast
+    client, router/fastclient.py, does the same as it parses)."""
+    headers: list[tuple[bytes, bytes]] = []
+    connection: list[bytes] = []
+    length: bytes | None = None
+    for name, value in raw:
+        name = name.lower()
+        if name not in NOT_RELAYED:
+            headers.append((name, value))
+        elif name == b"content-length":
+            length = value
+        elif name == b"connection":
+            connection.append(value)
+    headers = without_options(headers, connection)
+    if length is not None and head:
+        headers.append((b"content-length", length))
+    return Answer(status, headers, body, head or status in NO_CONTENT)
 
 
 def _for_aiohttp(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -168,8 +195,8 @@ class HttpxForwarder:
             raise NodeTimeout(type(exc).__name__) from None
         except httpx.TransportError as exc:
             raise Unreachable(type(exc).__name__) from None
-        out = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in _DROP_RESPONSE]
-        return Answer(response.status_code, out, response.content)
+        head = method == "HEAD"
+        return relayed(response.status_code, response.headers.raw, response.content, head)
 
     async def post_json(self, url: str, payload: bytes, headers: list[tuple[str, str]]) -> Answer:
         return await self.request(

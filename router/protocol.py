@@ -201,9 +201,11 @@ class ProxyCycle:
     async def relay(
         self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, sized: bool = False
     ) -> None:
-        """:meth:`answer` for ``headers`` known to hold neither ``connection`` nor
-        (unless ``sized``) ``content-length``: a node's answer, whose forwarder
-        dropped both (router/forward.py), with the router's own fields."""
+        """:meth:`answer` for ``headers`` known to hold no ``connection``: a node's
+        answer, whose forwarder dropped it (router/forward.py), with the router's
+        own fields. ``sized``: ``headers`` settle the answer's length (the
+        forwarder's ``Answer.sized``, or a ``content-length`` among them); otherwise
+        it is given that of ``body``."""
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
         self.response_started = True
