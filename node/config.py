@@ -60,6 +60,8 @@ class ConfigError(ValueError):
 
 
 _PATH_PARAMETERS = re.compile(r";[^/]*")
+#: An HTTP method: a token (RFC 9110 5.6.2); anything else can match no request.
+_METHOD = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 def _digest(data: Any) -> str:
@@ -604,14 +606,28 @@ class _Parser:
         except RuleError as exc:
             raise self.fail(_rule_field(where, str(exc)), str(exc)) from None
         methods = tuple(m.upper() for m in self.strings(data.get("methods"), f"{where}.methods"))
+        for i, method in enumerate(methods):
+            if not _METHOD.fullmatch(method):
+                raise self.fail(f"{where}.methods[{i}]", f"{method!r} is not an HTTP method")
+        paths = self.strings(data.get("paths"), f"{where}.paths")
+        for i, pattern in enumerate(paths):
+            if not pattern.startswith(("/", "*")) or not pattern.isprintable():
+                raise self.fail(
+                    f"{where}.paths[{i}]",
+                    f"{pattern!r} can match no path: a pattern starts with '/' or '*'"
+                    " and holds no control character",
+                )
+        tiers = self.strings(data.get("tiers"), f"{where}.tiers")
+        if "" in tiers:
+            raise self.fail(f"{where}.tiers[{tiers.index('')}]", "a tier is a non-empty string")
         named_only = data.get("named_only", False)
         if not isinstance(named_only, bool):
             raise self.fail(f"{where}.named_only", f"must be true or false, got {named_only!r}")
         return ScopedRule(
             rule=rule,
-            paths=self.strings(data.get("paths"), f"{where}.paths"),
+            paths=paths,
             methods=methods,
-            tiers=self.strings(data.get("tiers"), f"{where}.tiers"),
+            tiers=tiers,
             named_only=named_only,
         )
 
