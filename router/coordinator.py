@@ -64,6 +64,10 @@ class CoordinatorError(Exception):
     """etcd could not be reached or answered something unusable."""
 
 
+class NotLeading(CoordinatorError):
+    """A write of the leader's refused: another router leads now (or none does)."""
+
+
 @dataclass(frozen=True)
 class ViewRecord:
     """What etcd holds about the ring: enough for any router to carry on."""
@@ -159,6 +163,9 @@ class EtcdCoordinator:
         #: etcd's revision at the last :meth:`load` (from the response header,
         #: even when the key is absent): where a watch from "now" really starts.
         self.read_revision = 0
+        #: While this router leads: the creation revision of its leader key,
+        #: which every :meth:`commit` requires to be unchanged (see there).
+        self._leading: int | None = None
 
     @property
     def where(self) -> str:
@@ -274,9 +281,19 @@ class EtcdCoordinator:
 
         Returns the record with its new revision, or None when another router
         changed the ring first (reload and rebuild the change on the new view).
+
+        While this router leads, the write also requires its leader key to be
+        the one it created (etcd's election fence). A leader that a pause or a
+        partition deposed before its own deadline noticed cannot write a view
+        or rules over its successor's, even one built on the latest revision;
+        it gets :class:`NotLeading`. The first record of a cluster is written
+        before anyone leads, unfenced: ``expected`` 0 already lets only one
+        router create it.
         """
         key = self._key("view")
+        leader_key = self._key("leader")
         raw = record.to_json()
+        leading = self._leading
 
         async def txn(client: Any) -> tuple[bool, Any]:
             compare = (
@@ -284,14 +301,19 @@ class EtcdCoordinator:
                 if expected == 0
                 else [client.transactions.mod(key) == expected]
             )
+            if leading is not None:
+                compare.append(client.transactions.create(leader_key) == leading)
             ok, _ = await client.transaction(
                 compare=compare, success=[client.transactions.put(key, raw)], failure=[]
             )
-            got = await client.get(key) if ok else None
-            return ok, got
+            if ok:
+                return ok, await client.get(key)
+            return ok, (await client.get(leader_key) if leading is not None else None)
 
         ok, got = await self._call("commit", txn)
         if not ok:
+            if leading is not None and (got is None or got.create_revision != leading):
+                raise NotLeading("this router no longer leads: etcd's leader key changed")
             return None
         revision = got.mod_revision if got is not None else 0
         return ViewRecord(
@@ -394,6 +416,10 @@ class EtcdCoordinator:
                     await self._wait_for_vacancy(key)
                     continue
                 leading = True
+                got = await self._call("read leader", lambda c: c.get(key))
+                if got is None or got.value != value:
+                    raise CoordinatorError("leadership taken over")
+                self._leading = got.create_revision
                 log.warning("leading the cluster's membership (etcd %s)", self.where)
                 await on_lead()
                 last_ok = sent
@@ -401,10 +427,12 @@ class EtcdCoordinator:
                     await asyncio.sleep(self.ttl / 3)
                     last_ok = await self._keep_alive(lease.id, key, value, last_ok, clock)
             except asyncio.CancelledError:
+                self._leading = None
                 if leading:
                     await on_lose()
                 raise
             except CoordinatorError as exc:
+                self._leading = None
                 if leading:
                     log.warning("stepping down as leader: %s", exc)
                     await on_lose()
@@ -463,7 +491,7 @@ class EtcdCoordinator:
             )
         except TimeoutError:
             raise CoordinatorError("etcd did not answer before the leader lease ran out") from None
-        if got is None or got.value != value:
+        if got is None or got.value != value or got.create_revision != self._leading:
             raise CoordinatorError("leadership taken over")
         if clock() >= deadline:
             raise CoordinatorError("leader lease not refreshed in time")

@@ -47,7 +47,7 @@ from node.config import ClusterConfig
 from node.failures import Failures
 from node.lease import DEFAULT_DRIFT
 from ring import Member, RingView
-from router.coordinator import CoordinatorError, EtcdCoordinator, ViewRecord
+from router.coordinator import CoordinatorError, EtcdCoordinator, NotLeading, ViewRecord
 from router.events import EventLog
 from router.health import Health, HealthMonitor
 from router.nodeclient import NodeClient, push_body
@@ -531,6 +531,8 @@ class Membership:
                     self._revision = committed.revision
                     return committed
                 latest = await self.coordinator.load()
+            except NotLeading as exc:
+                raise MembershipError(503, "no_leader", f"{exc}; retry shortly") from None
             except CoordinatorError as exc:
                 raise MembershipError(503, "coordinator_unavailable", str(exc)) from None
             if latest is None:
@@ -1179,6 +1181,8 @@ class Membership:
                 record.view, record.previous, record.crashed, config, True, record.revision
             )
             committed = await self.coordinator.commit(done, expected=record.revision)
+        except NotLeading as exc:
+            raise MembershipError(503, "no_leader", f"{exc}; retry shortly") from None
         except CoordinatorError as exc:
             raise MembershipError(503, "coordinator_unavailable", str(exc)) from None
         if committed is None:
