@@ -534,7 +534,7 @@ class Node:
             return refused
         try:
             data = await self._internal_json(request)
-            config = ClusterConfig.from_dict(data["config"], source="pushed config")
+            config = ClusterConfig.from_dict(data["config"], source="pushed config", strict=False)
             view = RingView.from_dict(data["ring"])
             previous = RingView.from_dict(data["previous"]) if data.get("previous") else None
             crashed = data.get("crashed", [])

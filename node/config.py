@@ -17,6 +17,7 @@ import fnmatch
 import hashlib
 import ipaddress
 import json
+import logging
 import posixpath
 import re
 import tomllib
@@ -60,8 +61,13 @@ class ConfigError(ValueError):
 
 
 _PATH_PARAMETERS = re.compile(r";[^/]*")
+log = logging.getLogger("ringlimit.config")
+
 #: An HTTP method: a token (RFC 9110 5.6.2); anything else can match no request.
 _METHOD = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: A control character (Cc): what no path pattern holds (format characters such
+#: as ZWNJ, or NBSP, are text: str.isprintable() refuses those too).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _digest(data: Any) -> str:
@@ -362,11 +368,14 @@ class ClusterConfig:
     def with_(self, **changes: Any) -> ClusterConfig:
         return replace(self, **changes)
 
-    def with_rule_tables(self, rules: Any, *, source: str) -> ClusterConfig:
+    def with_rule_tables(self, rules: Any, *, source: str, strict: bool = True) -> ClusterConfig:
         """This config with ``rules`` (``[[rules]]`` tables, as a file holds them)
         for its own, checked as a file's are: ConfigError says where and why.
-        The rest stays (PUT /admin/rules, and the routers that take its result)."""
-        return ClusterConfig.from_dict({**self.to_dict(), "rules": rules}, source=source)
+        The rest stays (PUT /admin/rules, and the routers that take its result,
+        not ``strict``: see :meth:`from_dict`)."""
+        return ClusterConfig.from_dict(
+            {**self.to_dict(), "rules": rules}, source=source, strict=strict
+        )
 
     @cached_property
     def digest(self) -> str:
@@ -402,8 +411,15 @@ class ClusterConfig:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> ClusterConfig:
-        return _Parser(source).config(data)
+    def from_dict(
+        cls, data: Mapping[str, Any], *, source: str = "config", strict: bool = True
+    ) -> ClusterConfig:
+        """``strict=False`` for a config another ringlimit process already took
+        (an etcd record, a push, a leader's rules): a rule that can match nothing
+        is then logged, not refused, so that a version that checks more does not
+        refuse the records and pushes of the version it upgrades (a node that
+        refused its router's push would be removed as crashed)."""
+        return _Parser(source, strict=strict).config(data)
 
 
 def load_config(path: str | Path) -> ClusterConfig:
@@ -439,11 +455,18 @@ class _Parser:
         "balance",
     }
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, *, strict: bool = True) -> None:
         self.source = source
+        self.strict = strict
 
     def fail(self, where: str, problem: str) -> ConfigError:
         return ConfigError(f"{self.source}: {where}: {problem}")
+
+    def useless(self, where: str, problem: str) -> None:
+        """A value that can match nothing: refused, or (not strict) logged."""
+        if self.strict:
+            raise self.fail(where, problem)
+        log.warning("%s: %s: %s (kept: it limits nothing)", self.source, where, problem)
 
     def table(self, data: Any, where: str, allowed: Iterable[str]) -> Mapping[str, Any]:
         if data is None:
@@ -607,19 +630,22 @@ class _Parser:
             raise self.fail(_rule_field(where, str(exc)), str(exc)) from None
         methods = tuple(m.upper() for m in self.strings(data.get("methods"), f"{where}.methods"))
         for i, method in enumerate(methods):
-            if not _METHOD.fullmatch(method):
-                raise self.fail(f"{where}.methods[{i}]", f"{method!r} is not an HTTP method")
+            if method == "*" or not _METHOD.fullmatch(method):
+                self.useless(
+                    f"{where}.methods[{i}]",
+                    f"{method!r} is not an HTTP method (leave methods out for all of them)",
+                )
         paths = self.strings(data.get("paths"), f"{where}.paths")
         for i, pattern in enumerate(paths):
-            if not pattern.startswith(("/", "*")) or not pattern.isprintable():
-                raise self.fail(
+            if not pattern.startswith(("/", "*")) or _CONTROL.search(pattern):
+                self.useless(
                     f"{where}.paths[{i}]",
-                    f"{pattern!r} can match no path: a pattern starts with '/' or '*'"
-                    " and holds no control character",
+                    f"{pattern!r} can match no path: a pattern is a path only (such as"
+                    " '/v1/*'), starts with '/' or '*' and holds no control character",
                 )
         tiers = self.strings(data.get("tiers"), f"{where}.tiers")
         if "" in tiers:
-            raise self.fail(f"{where}.tiers[{tiers.index('')}]", "a tier is a non-empty string")
+            self.useless(f"{where}.tiers[{tiers.index('')}]", "a tier is a non-empty string")
         named_only = data.get("named_only", False)
         if not isinstance(named_only, bool):
             raise self.fail(f"{where}.named_only", f"must be true or false, got {named_only!r}")

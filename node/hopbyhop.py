@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["HOP_BY_HOP", "NO_CONTENT", "connection_options", "without_options"]
+__all__ = [
+    "HOP_BY_HOP",
+    "NO_CONTENT",
+    "PLAIN_CONNECTION",
+    "connection_options",
+    "without_options",
+]
 
 #: Fields that describe one connection, never passed on.
 HOP_BY_HOP = frozenset(
@@ -34,8 +40,9 @@ HOP_BY_HOP = frozenset(
 #: representation is empty.
 NO_CONTENT = frozenset({204, 304})
 
-#: ``Connection`` values that list no field: the common ones, answered at once.
-_NO_FIELDS = frozenset({b"keep-alive", b"close", b"Keep-Alive", b"Close", b""})
+#: ``Connection`` values that list no field: the common ones (browsers and most
+#: clients send ``keep-alive``), which a proxy skips without parsing.
+PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b"Keep-Alive", b"Close", b""})
 
 
 def connection_options(values: Iterable[bytes]) -> frozenset[bytes]:
@@ -43,7 +50,7 @@ def connection_options(values: Iterable[bytes]) -> frozenset[bytes]:
     ``close`` and ``keep-alive`` options (which name no field)."""
     names: set[bytes] = set()
     for value in values:
-        if value in _NO_FIELDS:
+        if value in PLAIN_CONNECTION:
             continue
         names.update(token.strip().lower() for token in value.split(b","))
     names -= {b"close", b"keep-alive", b""}

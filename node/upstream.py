@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 
 from node.asgi import ASGIApp, Receive, Scope, Send, drain, dumps, send_json
-from node.hopbyhop import HOP_BY_HOP, without_options
+from node.hopbyhop import HOP_BY_HOP, NO_CONTENT, without_options
 from node.identity import header_text
 
 #: Request fields not passed to the upstream: hop-by-hop ones, and those aiohttp
@@ -129,6 +129,10 @@ class UpstreamApp:
                 raw = [(k.lower(), v) for k, v in response.raw_headers]
                 listed = [v for k, v in raw if k == b"connection"]
                 out = [f for f in without_options(raw, listed) if f[0] not in NOT_RELAYED]
+                if response.status in NO_CONTENT:
+                    # No content follows, whatever length a 304 announces (RFC 9110
+                    # 8.6); uvicorn would wait for that many bytes of body.
+                    out = [f for f in out if f[0] != b"content-length"]
                 await send(
                     {"type": "http.response.start", "status": response.status, "headers": out}
                 )

@@ -42,9 +42,9 @@ from node.asgi import (
     read_all,
     send_json,
 )
-from node.config import ClusterConfig
+from node.config import ClusterConfig, Identity
 from node.headers import denial_response, rate_limit_headers
-from node.hopbyhop import HOP_BY_HOP, connection_options
+from node.hopbyhop import HOP_BY_HOP, PLAIN_CONNECTION, connection_options
 from node.identity import IdentityResolver, InvalidUserId
 from node.peers import INTERNAL_TOKEN_HEADER
 from ring import EmptyRingError, Member, OwnerCache, RingView
@@ -388,11 +388,12 @@ class Router:
                 raw.append(header)
             elif k in _BODY_FRAMING:
                 framed = True
-            elif k == b"connection":
+            elif k == b"connection" and header[1] not in PLAIN_CONNECTION:
                 connection = [header[1]] if connection is None else [*connection, header[1]]
         if connection is not None:
-            # Fields the client meant for this hop only (node/hopbyhop.py).
-            listed = connection_options(connection)
+            # Fields the client meant for this hop only (node/hopbyhop.py), except
+            # those the cluster decides by.
+            listed = connection_options(connection) - _decided_by(config.identity)
             if listed:
                 raw = [header for header in raw if header[0] not in listed]
                 if b"x-forwarded-for" in listed:
@@ -697,6 +698,19 @@ class Router:
 def _text(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     """Header fields as the forwarders take them: latin-1 text of their bytes."""
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
+
+
+@lru_cache(maxsize=16)
+def _decided_by(identity: Identity) -> frozenset[bytes]:
+    """Fields a client's ``Connection`` cannot take away: the user id's and the
+    tier's. The router reads them before it drops anything and the node after;
+    dropped between the two (``Connection: X-User-Tier``), a user would escape
+    every tier-scoped rule on the node while the router judged by the tier
+    (Traefik's CVE-2024-45410 is this class of flaw)."""
+    names = [identity.name] if identity.source == "header" else []
+    if identity.tier_header:
+        names.append(identity.tier_header)
+    return frozenset(name.lower().encode("latin-1") for name in names)
 
 
 @lru_cache(maxsize=65536)

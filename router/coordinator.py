@@ -68,6 +68,12 @@ class NotLeading(CoordinatorError):
     """A write of the leader's refused: another router leads now (or none does)."""
 
 
+#: ``_leading`` once this router stepped down: a creation revision no key has, so
+#: every commit is refused (NotLeading) until it wins again; None (never led:
+#: a router's first record, before its campaign) stays unfenced.
+_DEPOSED = -1
+
+
 @dataclass(frozen=True)
 class ViewRecord:
     """What etcd holds about the ring: enough for any router to carry on."""
@@ -103,7 +109,7 @@ class ViewRecord:
                 RingView.from_dict(data["ring"]),
                 RingView.from_dict(data["previous"]) if data.get("previous") else None,
                 tuple(str(c) for c in data.get("crashed", [])),
-                ClusterConfig.from_dict(data["config"], source="etcd record"),
+                ClusterConfig.from_dict(data["config"], source="etcd record", strict=False),
                 bool(data["settled"]),
                 revision,
             )
@@ -166,6 +172,9 @@ class EtcdCoordinator:
         #: While this router leads: the creation revision of its leader key,
         #: which every :meth:`commit` requires to be unchanged (see there).
         self._leading: int | None = None
+        #: The creation revision of the leader key this router made last (kept
+        #: after it steps down: :meth:`resign` deletes that key, not a successor's).
+        self._created: int | None = None
 
     @property
     def where(self) -> str:
@@ -295,7 +304,11 @@ class EtcdCoordinator:
         raw = record.to_json()
         leading = self._leading
 
+        sent = 0
+
         async def txn(client: Any) -> tuple[bool, Any]:
+            nonlocal sent
+            sent += 1
             compare = (
                 [client.transactions.create(key) == 0]
                 if expected == 0
@@ -308,6 +321,14 @@ class EtcdCoordinator:
             )
             if ok:
                 return ok, await client.get(key)
+            if sent > 1:
+                stored = await client.get(key)
+                if stored is not None and stored.value == raw:
+                    # This very record: the first send's write, whose answer was
+                    # lost (_call sent it again). Taken for a refusal, the leader
+                    # would build every later change on a revision it can never
+                    # match again.
+                    return True, stored
             return ok, (await client.get(leader_key) if leading is not None else None)
 
         ok, got = await self._call("commit", txn)
@@ -395,15 +416,21 @@ class EtcdCoordinator:
                 sent = clock()
                 lease = await self._call("lease", lambda c: c.lease(self.ttl))
 
-                async def campaign(client: Any, lease: Any = lease) -> bool:
-                    ok, _ = await client.transaction(
+                async def campaign(client: Any, lease: Any = lease) -> int | None:
+                    """The creation revision of the leader key this router made
+                    (read in the same transaction), or None: another holds it."""
+                    ok, answers = await client.transaction(
                         compare=[client.transactions.create(key) == 0],
-                        success=[client.transactions.put(key, value, lease)],
+                        success=[
+                            client.transactions.put(key, value, lease),
+                            client.transactions.get(key),
+                        ],
                         failure=[],
                     )
-                    return bool(ok)
+                    return int(answers[1][0][1].create_revision) if ok else None
 
-                won = await self._call("campaign", campaign)
+                created = await self._call("campaign", campaign)
+                won = created is not None
                 if won:
                     sent = await self._refresh_now(lease.id, sent, clock)
                 if won and clock() - sent >= self.ttl * 0.8:
@@ -416,10 +443,7 @@ class EtcdCoordinator:
                     await self._wait_for_vacancy(key)
                     continue
                 leading = True
-                got = await self._call("read leader", lambda c: c.get(key))
-                if got is None or got.value != value:
-                    raise CoordinatorError("leadership taken over")
-                self._leading = got.create_revision
+                self._leading = self._created = created
                 log.warning("leading the cluster's membership (etcd %s)", self.where)
                 await on_lead()
                 last_ok = sent
@@ -427,13 +451,13 @@ class EtcdCoordinator:
                     await asyncio.sleep(self.ttl / 3)
                     last_ok = await self._keep_alive(lease.id, key, value, last_ok, clock)
             except asyncio.CancelledError:
-                self._leading = None
                 if leading:
+                    self._leading = _DEPOSED
                     await on_lose()
                 raise
             except CoordinatorError as exc:
-                self._leading = None
                 if leading:
+                    self._leading = _DEPOSED
                     log.warning("stepping down as leader: %s", exc)
                     await on_lose()
                 else:
@@ -498,13 +522,20 @@ class EtcdCoordinator:
         return last_ok
 
     async def resign(self, url: str) -> None:
-        """Give leadership up at once (a clean shutdown), if this router holds it."""
+        """Give leadership up at once (a clean shutdown), if this router holds it
+        (the key it created, when it led: not a successor's at the same URL)."""
         key = self._key("leader")
         value = url.encode()
+        created = self._created
 
         async def txn(client: Any) -> None:
+            mine = (
+                client.transactions.create(key) == created
+                if created is not None
+                else client.transactions.value(key) == value
+            )
             await client.transaction(
-                compare=[client.transactions.value(key) == value],
+                compare=[mine],
                 success=[client.transactions.delete(key)],
                 failure=[],
             )

@@ -184,6 +184,7 @@ class _Connection(asyncio.Protocol):
         if len(headers) != self.fields:
             del headers[self.fields :]  # trailers: not relayed (RFC 9110 6.5.1)
         answer = Answer(self.status, headers, b"".join(self.body), self.sized)
+        self.connection = self.length = None  # a trailer's: not the next answer's
         self.headers = []
         self.body = []
         self.status = 0

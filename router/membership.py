@@ -436,7 +436,9 @@ class Membership:
         """Rules the leader took since (:meth:`change_config`), with this router's
         other settings: its own flags and file made those, as they made the leader's."""
         try:
-            config = self.config.with_rule_tables(rules, source=f"the rules of {leader_url}")
+            config = self.config.with_rule_tables(
+                rules, source=f"the rules of {leader_url}", strict=False
+            )
         except ValueError as exc:
             log.error("could not take the leader's rules: %s", exc)
             return
@@ -854,9 +856,8 @@ class Membership:
             config = data.get("config")
             if config:
                 with contextlib.suppress(ValueError):
-                    self._take_config(
-                        ClusterConfig.from_dict(config, source="node config"), node_url
-                    )
+                    taken = ClusterConfig.from_dict(config, source="node config", strict=False)
+                    self._take_config(taken, node_url)
             for member in view:
                 self.health.setdefault(member.id, Health())
             self._adopt(view)

@@ -220,6 +220,8 @@ BAD: list[tuple[str, str, list[str]]] = [
     ("path relative", RULE + 'paths = ["api/*"]\n', ["rules[0].paths[0]", "'/' or '*'"]),
     ("path control char", RULE + 'paths = ["/a\\tb"]\n', ["rules[0].paths[0]"]),
     ("tier empty", RULE + 'tiers = ["gold", ""]\n', ["rules[0].tiers[1]", "non-empty"]),
+    ("method star", RULE + 'methods = ["*"]\n', ["rules[0].methods[0]", "leave methods out"]),
+    ("path a URL", RULE + 'paths = ["https://a.example/v1/*"]\n', ["such as '/v1/*'"]),
     ("duplicate names", RULE + RULE, ["used twice"]),
     ("rules a table", '[rules]\nname = "x"\n', ["rules", "array"]),
     ("unknown top-level key", 'colour = "red"\n' + RULE, ["top level", "colour"]),
@@ -258,6 +260,36 @@ BAD: list[tuple[str, str, list[str]]] = [
     ),
     ("not toml", "[[rules]\nname=", ["not valid TOML"]),
 ]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/\u0645\u0642\u0627\u0644\u0647\u200c\u0647\u0627/*",  # Persian: a ZWNJ in a word
+        "/tags/\U0001f468\u200d\U0001f469\u200d\U0001f467",  # an emoji family: ZWJs
+        "/docs/a\u00a0b",  # NBSP, as %C2%A0 decodes
+    ],
+)
+def test_a_path_with_format_characters_is_text_not_control(path: str) -> None:
+    """Only control characters make a pattern useless (str.isprintable() would
+    refuse these too: the review of the check)."""
+    config = ClusterConfig.from_dict({"rules": [{"name": "r", "rate": "1/s", "paths": [path]}]})
+    assert config.rules_for("GET", path.replace("*", "x"), None)
+
+
+def test_a_useless_rule_from_another_process_is_kept_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What a router or node reads from etcd, a push or a leader (not strict):
+    an older version accepted these, and refusing them would make an upgraded
+    node refuse its router's pushes (removed as crashed)."""
+    data = {"rules": [{"name": "r", "rate": "1/s", "paths": [""], "methods": ["GÉT"]}]}
+    with pytest.raises(ConfigError):
+        ClusterConfig.from_dict(data)
+    with caplog.at_level("WARNING", logger="ringlimit.config"):
+        config = ClusterConfig.from_dict(data, source="pushed config", strict=False)
+    assert config.rules[0].paths == ("",) and config.rules[0].methods == ("GÉT",)
+    assert "rules[0].paths[0]" in caplog.text and "rules[0].methods[0]" in caplog.text
 
 
 @pytest.mark.parametrize(("text", "expected"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])

@@ -26,7 +26,6 @@ from router.app import Router
 from router.coordinator import (
     CoordinatorError,
     EtcdCoordinator,
-    NotLeading,
     ViewRecord,
     _refresh,
     _revoke,
@@ -294,6 +293,20 @@ async def _nothing() -> None:
     pass
 
 
+async def stop_campaigns(
+    tasks: list[asyncio.Task[None]], a: EtcdCoordinator, b: EtcdCoordinator
+) -> None:
+    """Stop two campaigns (``tasks``), resign b's leadership and close both."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(task, timeout=10.0)
+    await b.resign("http://b")
+    await a.close()
+    await b.close()
+
+
 async def test_a_follower_campaigns_as_soon_as_the_leader_key_is_gone(
     etcd_endpoint: str,
 ) -> None:
@@ -320,14 +333,7 @@ async def test_a_follower_campaigns_as_soon_as_the_leader_key_is_gone(
             await asyncio.wait_for(b_led.wait(), timeout=10.0)
             delays.append(loop.time() - resigned)
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                    await asyncio.wait_for(task, timeout=10.0)
-            await b.resign("http://b")
-            await a.close()
-            await b.close()
+            await stop_campaigns(tasks, a, b)
     assert max(delays) < 0.3, delays
 
 
@@ -354,46 +360,6 @@ async def test_a_commit_built_on_an_old_revision_loses(etcd_endpoint: str) -> No
     finally:
         await a.close()
         await b.close()
-
-
-async def test_a_deposed_leader_that_has_not_noticed_cannot_write(etcd_endpoint: str) -> None:
-    """The election fence: a leads; its leader key goes (its lease revoked, as
-    etcd expires it behind a paused router) and b leads. Before a's next
-    keep-alive (ttl/3 = 10 s away) a still believes it leads, and its write
-    built on the latest revision, which the revision check alone would let
-    through, is refused; b's identical write goes through."""
-    loop = asyncio.get_running_loop()
-    a, b, admin = (coordinator(etcd_endpoint, ttl=30.0) for _ in range(3))
-    a_led, b_led, a_lost = asyncio.Event(), asyncio.Event(), asyncio.Event()
-    tasks = [asyncio.create_task(a.lead("http://a", _setter(a_led), _setter(a_lost), loop.time))]
-    try:
-        await asyncio.wait_for(a_led.wait(), timeout=10.0)
-        config = make_config()
-        one = RingView.of([Member("n1", "http://n1")], epoch=1)
-        first = await a.commit(ViewRecord(one, None, (), config, True), expected=0)
-        assert first is not None  # a's own fence holds while it leads
-        tasks.append(asyncio.create_task(b.lead("http://b", _setter(b_led), _nothing, loop.time)))
-        key = admin._key("leader")
-        held = await admin._call("read leader", lambda c: c.get(key))
-        await admin._call("lease revoke", partial(_revoke, held.lease))
-        await asyncio.wait_for(b_led.wait(), timeout=10.0)
-        assert not a_lost.is_set(), "a noticed: the test no longer shows the fence"
-        latest = await a.load()
-        assert latest is not None
-        two = RingView.of([*one, Member("n2", "http://n2")], epoch=2)
-        record = ViewRecord(two, one, (), config, False)
-        with pytest.raises(NotLeading):
-            await a.commit(record, expected=latest.revision)
-        assert await b.commit(record, expected=latest.revision) is not None
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(task, timeout=10.0)
-        await b.resign("http://b")
-        for etcd in (a, b, admin):
-            await etcd.close()
 
 
 async def test_two_routers_share_one_ring_and_any_takes_admin_calls(etcd_endpoint: str) -> None:

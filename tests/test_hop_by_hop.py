@@ -36,6 +36,15 @@ ANSWERS = {
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-sum\r\nx-a: 1\r\n\r\n"
         b"2\r\nok\r\n0\r\nx-sum: 42\r\n\r\n"
     ),
+    b"/early": (
+        b"HTTP/1.1 103 Early Hints\r\nconnection: x-a\r\nlink: </s.css>; rel=preload\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nx-a: 1\r\ncontent-length: 2\r\n\r\nok"
+    ),
+    b"/badtrailer": (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nx-a: 1\r\n\r\n"
+        b"2\r\nok\r\n0\r\nconnection: x-a\r\n\r\n"
+    ),
+    b"/chunkedhead": (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nx-a: 1\r\n\r\n0\r\n\r\n"),
     b"/stamped": (
         b"HTTP/1.1 200 OK\r\ndate: Mon, 01 Jan 2001 00:00:00 GMT\r\nserver: origin/1\r\n"
         b"content-length: 2\r\n\r\nok"
@@ -83,6 +92,13 @@ class Scripted:
     def fields(self, head: bytes) -> dict[bytes, bytes]:
         lines = head.rstrip(b"\r\n").split(b"\r\n")[1:]
         return {k.strip().lower(): v.strip() for k, _, v in (li.partition(b":") for li in lines)}
+
+
+def request(method: str, path: str, user: str, extra: bytes = b"", body: bytes = b"") -> bytes:
+    """A client's request to the router, as bytes."""
+    sized = b"content-length: %d\r\n" % len(body) if body else b""
+    head = f"{method} {path} HTTP/1.1\r\nhost: r\r\nx-user-id: {user}\r\n".encode()
+    return head + extra + sized + b"\r\n" + body
 
 
 @pytest.fixture
@@ -167,15 +183,6 @@ async def test_the_router_passes_on_no_hop_by_hop_field_and_sizes_only_what_has_
     uvicorn's: the client's answers, and what the node was sent."""
     script, url = scripted
 
-    def request(method: str, path: str, user: str, extra: bytes = b"", body: bytes = b"") -> bytes:
-        sized = b"content-length: %d\r\n" % len(body) if body else b""
-        head = b"%s %s HTTP/1.1\r\nhost: r\r\nx-user-id: %s\r\n" % (
-            method.encode(),
-            path.encode(),
-            user.encode(),
-        )
-        return head + extra + sized + b"\r\n" + body
-
     async with served(url, direct=direct) as (_, _, port):
         answers: list[Raw] = await exchange(
             port,
@@ -235,3 +242,100 @@ async def test_a_node_passes_an_upstream_no_hop_by_hop_field_and_one_date(
     assert b"x-secret" not in script.fields(sent_head)
     assert b"transfer-encoding" not in script.fields(sent_head)  # no body came, none goes
     assert empty.status_code == 204 and "content-length" not in empty.headers
+
+
+@pytest.mark.parametrize("kind", list(FORWARDERS))
+async def test_an_interim_answer_names_no_field_of_the_final_one(
+    kind: str, scripted: tuple[Scripted, str]
+) -> None:
+    """A 103's ``Connection`` is its own: the final answer keeps ``x-a``."""
+    _, url = scripted
+    forwarder = FORWARDERS[kind]()
+    try:
+        answer = await forwarder.request("GET", url + "/early", [], None)
+        assert answer.status == 200 and (b"x-a", b"1") in answer.headers
+    finally:
+        await forwarder.close()
+
+
+@pytest.mark.parametrize("kind", list(FORWARDERS))
+async def test_a_trailer_changes_nothing_of_the_next_answer_on_the_connection(
+    kind: str, scripted: tuple[Scripted, str]
+) -> None:
+    """A trailer named ``connection`` is dropped with the trailers; kept by the
+    fast client, it stripped the fields it names from the next answer on that
+    pooled connection, maybe another client's (the review of the change)."""
+    _, url = scripted
+    forwarder = FORWARDERS[kind]()
+    try:
+        first = await forwarder.request("GET", url + "/badtrailer", [], None)
+        assert first.body == b"ok"
+        second = await forwarder.request("GET", url + "/", [], None)
+        assert (b"x-a", b"1") in second.headers, second.headers
+    finally:
+        await forwarder.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_pipelined_heads_and_gets_are_framed_right(
+    direct: bool, scripted: tuple[Scripted, str]
+) -> None:
+    """HEADs (one with a chunked answer, one through uvicorn's cycle), GETs and a
+    304 in one write: each answer is framed so the next one is read right."""
+    _, url = scripted
+
+    async with served(url, direct=direct) as (_, _, port):
+        answers = await exchange(
+            port,
+            request("HEAD", "/", "a"),
+            request("GET", "/", "b"),
+            request("HEAD", "/chunkedhead", "c"),
+            request("GET", "/notmodified", "d"),
+            request("HEAD", "/", "e", b"content-length: 0\r\n"),  # uvicorn's cycle
+            request("GET", "/", "f"),
+            together=True,
+        )
+    assert [a.status for a in answers] == [200, 200, 200, 304, 200, 200]
+    assert answers[0].field(b"content-length") == b"5"
+    assert answers[1].body == b"hello" and answers[5].body == b"hello"
+    assert answers[4].field(b"content-length") == b"5"
+
+
+async def test_a_client_cannot_take_the_tier_away_from_the_node(
+    scripted: tuple[Scripted, str],
+) -> None:
+    """``Connection: X-User-Tier``: the node still gets the tier (and the user
+    id), which it decides tier-scoped rules by; dropped, a free user would
+    escape every rule of the free tier (Traefik's CVE-2024-45410 class)."""
+    script, url = scripted
+    async with served(url, direct=True) as (_, _, port):
+        await exchange(
+            port,
+            b"GET / HTTP/1.1\r\nhost: r\r\nx-user-id: t1\r\nx-user-tier: free\r\n"
+            b"connection: keep-alive, X-User-Tier, x-user-id, x-other\r\nx-other: 1\r\n\r\n",
+        )
+    sent = script.fields(next(h for h in script.heads if b"x-ringlimit-key: t1" in h))
+    assert sent[b"x-user-tier"] == b"free" and sent[b"x-user-id"] == b"t1"
+    assert b"x-other" not in sent
+
+
+async def test_a_node_drops_the_length_of_an_upstreams_304(
+    procs: Procs,  # noqa: F811
+    scripted: tuple[Scripted, str],
+) -> None:
+    """A 304 may carry the length of what it did not send (RFC 9110 8.6);
+    relayed, uvicorn waits for that body, fails the answer and closes the
+    client's connection under its next request."""
+    _, url = scripted
+    _, node = await asyncio.to_thread(procs.node, "n1", None, "--upstream", url)
+    port = int(node.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"GET /notmodified HTTP/1.1\r\nhost: n\r\nx-user-id: u\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 304") and b"content-length" not in head.lower()
+        writer.write(b"GET / HTTP/1.1\r\nhost: n\r\nx-user-id: u\r\n\r\n")
+        again = await asyncio.wait_for(reader.read(65536), 5)
+        assert again.startswith(b"HTTP/1.1 200"), (head, again)
+    finally:
+        writer.close()

@@ -107,6 +107,18 @@ async def test_a_new_algorithm_starts_its_rule_afresh_and_new_rules_add() -> Non
         (b'{"rules": [{"rate": "1/s", "name": "a"}, 7]}', 400, "invalid_rules", "rules[1]"),
         (b'{"rules": [{"name": "api", "rate": "1/s", "oops": 1}]}', 400, "invalid_rules", "oops"),
         (b'{"rules": [{"name": "a", "rate": "1/s", "paths": "a"}]}', 400, "invalid_rules", "paths"),
+        (
+            b'{"rules": [{"name": "a", "rate": "1/s", "methods": ["G T"]}]}',
+            400,
+            "invalid_rules",
+            "methods[0]",
+        ),
+        (
+            b'{"rules": [{"name": "a", "rate": "1/s", "tiers": [""]}]}',
+            400,
+            "invalid_rules",
+            "tiers[0]",
+        ),
     ],
 )
 async def test_bad_rules_are_a_400_saying_why_and_change_nothing(
