@@ -74,14 +74,18 @@ def test_a_test_that_ends_cancels_its_watchdog(tmp_path: Path, plugins: list[str
 def _pytest(
     tests: Path, options: list[str], env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """pytest with the watchdog, in one process, on the test files in ``tests``."""
+    """pytest with the watchdog, in one process, on the test files in ``tests``.
+
+    Only pytest-timeout is loaded besides (unless ``options`` turn it off): the
+    other installed plugins (hypothesis, xdist, anyio...) took 1.5 s of each run."""
+    plugins = [] if "no:timeout" in options else ["-p", "pytest_timeout"]
     return subprocess.run(
         [
-            *(sys.executable, "-m", "pytest", "-n", "0", "-p", "tests.watchdog", *options),
+            *(sys.executable, "-m", "pytest", *plugins, "-p", "tests.watchdog", *options),
             *("-p", "no:cacheprovider", "--rootdir", str(tests), str(tests)),
         ],
         cwd=ROOT,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})},
         capture_output=True,
         text=True,
         timeout=50,
