@@ -79,11 +79,23 @@ class Procs:
         return proc
 
     def node(self, node_id: str, port: int | None = None, *extra: str) -> tuple[Proc, str]:
-        port = port or free_port()
-        proc = self.start(node_id, ["node", "--id", node_id, "--port", str(port), *extra])
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc)
-        return proc, url
+        return self.nodes([node_id], *extra, port=port)[node_id]
+
+    def nodes(
+        self, node_ids: Sequence[str], *extra: str, port: int | None = None
+    ) -> dict[str, tuple[Proc, str]]:
+        """Nodes started at once (a start is about a second of CPU each, so they
+        overlap on two cores), each with ``extra`` flags; returns when all answer.
+        ``port``: the port of a single node (free ports otherwise)."""
+        assert port is None or len(node_ids) == 1
+        started: dict[str, tuple[Proc, str]] = {}
+        for node_id in node_ids:
+            node_port = port or free_port()
+            argv = ["node", "--id", node_id, "--port", str(node_port), *extra]
+            started[node_id] = (self.start(node_id, argv), f"http://127.0.0.1:{node_port}")
+        for proc, url in started.values():
+            wait_healthy(url, proc)
+        return started
 
     def router(
         self,

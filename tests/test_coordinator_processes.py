@@ -62,10 +62,9 @@ def start(
 ) -> tuple[list[tuple[Proc, str]], dict[str, str]]:
     """Two routers (the first one seeds the ring) and three nodes; ``extra`` flags
     for the routers override FLAGS."""
-    nodes: dict[str, str] = {}
-    for node_id in ("n1", "n2", "n3"):
-        _, url = procs.node(node_id, None, "--fenced")
-        nodes[node_id] = url
+    nodes = {
+        node_id: url for node_id, (_, url) in procs.nodes(["n1", "n2", "n3"], "--fenced").items()
+    }
     seeds = [x for node_id, url in nodes.items() for x in ("--node", f"{node_id}={url}")]
     routers = []
     for i in range(2):

@@ -600,12 +600,9 @@ def test_redis_sigstop_answers_per_on_error(
     limit = 5
     config = tmp_path / "redis.toml"
     config.write_text(REDIS_CONFIG.format(limit=limit))
-    seeds = []
-    for node_id in ("n1", "n2", "n3"):
-        _, url = procs.node(
-            node_id, None, "--config", str(config), "--redis-url", redis.url, "--backend", "redis"
-        )
-        seeds += ["--node", f"{node_id}={url}"]
+    redis_flags = ["--config", str(config), "--redis-url", redis.url, "--backend", "redis"]
+    started = procs.nodes(["n1", "n2", "n3"], *redis_flags)
+    seeds = [x for node_id, (_, url) in started.items() for x in ("--node", f"{node_id}={url}")]
     _, router = procs.router(None, "--config", str(config), *HEALTH, *seeds)
     epoch = admin_ring(router)["epoch"]
     names = users(20)

@@ -85,9 +85,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     manager = Procs(tmp_path_factory.mktemp("fuzz"))
     rule = ["--rule", "50/hour", "--algorithm", "sliding_log"]
     try:
-        nodes = {}
-        for node_id in ("n1", "n2"):
-            _, nodes[node_id] = manager.node(node_id, None, *rule)
+        nodes = {node_id: url for node_id, (_, url) in manager.nodes(["n1", "n2"], *rule).items()}
         seeds = [a for node_id, url in nodes.items() for a in ("--node", f"{node_id}={url}")]
         _, router = manager.router(None, *seeds, *rule)
         with httpx.Client(timeout=5.0) as client:

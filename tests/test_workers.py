@@ -170,11 +170,9 @@ def test_workers_share_one_port_and_one_membership(procs: Procs) -> None:
 @pytest.mark.etcd
 def test_workers_on_etcd(procs: Procs, etcd_endpoint: str) -> None:
     """Two workers of one etcd cluster: one leads, admin calls work through the port."""
-    seeds = []
-    for node_id in ("n1", "n2"):
-        _, node_url = procs.node(node_id, None, "--fenced")
-        seeds += ["--node", f"{node_id}={node_url}"]
-    _, spare = procs.node("n3", None, "--fenced")
+    started = procs.nodes(["n1", "n2", "n3"], "--fenced")
+    seeds = [x for node_id in ("n1", "n2") for x in ("--node", f"{node_id}={started[node_id][1]}")]
+    spare = started["n3"][1]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     flags = ["--coordinator", etcd_endpoint, "--cluster", "workers", "--coordinator-ttl", "2"]
