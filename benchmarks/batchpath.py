@@ -23,6 +23,8 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from node.config import ClusterConfig
 from router.testing import InProcessCluster
@@ -65,7 +67,18 @@ async def measure(batches: int, rounds: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.batchpath", description=__doc__)
+    run("python -m benchmarks.batchpath", __doc__, measure, argv)
+
+
+def run(
+    prog: str,
+    doc: str | None,
+    measure: Callable[[int, int], Coroutine[Any, Any, list[float]]],
+    argv: list[str] | None,
+) -> None:
+    """The command line of a batch path's measurement (this one, and the router's
+    benchmarks/batchroute.py): ``measure(batches, rounds)`` gives seconds per decision."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc)
     parser.add_argument("--batches", type=int, default=200, help="batches per round")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)

@@ -418,6 +418,14 @@ def test_the_batch_path_runs_alone() -> None:
     assert "ns per decision (fastest of 2 rounds" in done.stdout, done.stdout
 
 
+def test_the_batch_route_runs_alone() -> None:
+    """``python -m benchmarks.batchroute``: a router's batch path in process (split,
+    forward, merge), as the docs measure it side by side (the script checks that
+    every batch is answered 200 with a result per check)."""
+    done = run_alone("benchmarks.batchroute", "--batches", "5", "--rounds", "2")
+    assert "ns per decision (fastest of 2 rounds" in done.stdout, done.stdout
+
+
 def test_the_forward_path_runs_alone() -> None:
     """``python -m benchmarks.forwardpath``: the router's sticky forwarding in
     process, as the docs measure it side by side (on both event loops, plain and
