@@ -414,7 +414,7 @@ class Node:
         if batch:
             # One result per line (still plain JSON): a router merges the lines of
             # several nodes' answers without decoding them (node/wire.py).
-            return 200, [], node_batch_body(map(self._result_encoder(), verdicts))
+            return 200, [], node_batch_body(map(self._result_encoder().encode, verdicts))
         return 200, [], dumps(result_dict(verdicts[0], self.settings.node_id)).encode()
 
     def _result_encoder(self) -> ResultEncoder:

@@ -210,15 +210,17 @@ class MemoryStore:
             if rules is not last:
                 last = rules
                 table = self.table(rules[0]) if len(rules) == 1 else None
+                if table is not None:
+                    # The run's table, as locals: no attribute read per check.
+                    states, decide, rule = table.states, table.decide, table.rule
             if table is None:
                 append(self.check(key, rules, now, cost))
                 continue
-            states = table.states
             state = states.get(key)
             if state is None and capped and not self._has_room(now):
-                append(self._store_full(table.rule, key, now, cost))
+                append(self._store_full(rule, key, now, cost))
                 continue
-            new, decision = table.decide(state, now, table.rule, cost)
+            new, decision = decide(state, now, rule, cost)
             if new is not state:
                 states[key] = new
                 if dirty is not None:
