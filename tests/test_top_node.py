@@ -63,6 +63,20 @@ async def test_denied_and_near_limit_decisions_are_counted_per_rule() -> None:
             assert_error(await client.get("/internal/top", params=params), 400)
 
 
+async def test_a_quiet_batch_is_counted_whole_and_puts_no_key_in_the_top() -> None:
+    """A batch on one rule, every check allowed and far from the limit: the node's
+    shortcut (Authority.decide_many) counts it as one tally, like any batch."""
+    node = create_app(NodeSettings(node_id="n1", config=CONFIG), clock=FrozenClock())
+    async with client_for(node) as client:
+        batch = {"checks": [{"key": f"u{i}", "rule": "big"} for i in range(4)] * 2}
+        assert (await client.post("/v1/check", json=batch)).status_code == 200
+        answer = (await client.get("/internal/top", params={"n": 5})).json()
+        assert answer["decisions"] == {"allowed": 8, "denied": 0}
+        assert answer["top"] == {}
+        page = (await client.get("/metrics")).text
+        assert metric(page, "ringlimit_decisions_total", rule="big", outcome="allowed") == 8
+
+
 async def test_internal_top_needs_the_token_when_one_is_configured() -> None:
     node = create_app(NodeSettings(node_id="n1", config=CONFIG, internal_token="s3cret"))
     async with client_for(node) as client:
