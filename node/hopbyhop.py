@@ -17,6 +17,7 @@ __all__ = [
     "NO_CONTENT",
     "PLAIN_CONNECTION",
     "connection_options",
+    "passed_on",
     "without_options",
 ]
 
@@ -55,6 +56,15 @@ def connection_options(values: Iterable[bytes]) -> frozenset[bytes]:
         names.update(token.strip().lower() for token in value.split(b","))
     names -= {b"close", b"keep-alive", b""}
     return frozenset(names)
+
+
+def passed_on(
+    fields: list[tuple[bytes, bytes]], dropped: frozenset[bytes]
+) -> list[tuple[bytes, bytes]]:
+    """``fields`` (names lowercase) less the ``dropped`` names and those their
+    ``Connection`` fields list: what a proxy passes on, in one call."""
+    listed = without_options(fields, [v for k, v in fields if k == b"connection"])
+    return [field for field in listed if field[0] not in dropped]
 
 
 def without_options(

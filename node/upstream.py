@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 
 from node.asgi import ASGIApp, Receive, Scope, Send, drain, dumps, send_json
-from node.hopbyhop import HOP_BY_HOP, NO_CONTENT, without_options
+from node.hopbyhop import HOP_BY_HOP, NO_CONTENT, passed_on
 from node.identity import header_text
 
 #: Request fields not passed to the upstream: hop-by-hop ones, and those aiohttp
@@ -19,6 +19,9 @@ NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
 #: the upstream's too). Its ``content-length`` is kept: the body is relayed as
 #: it came, byte for byte.
 NOT_RELAYED = HOP_BY_HOP | {b"date", b"server"}
+#: An answer without content (204, 304) loses its length too: uvicorn would wait
+#: for that many bytes of body (a 304 may announce one, RFC 9110 8.6).
+NOT_RELAYED_NO_CONTENT = NOT_RELAYED | {b"content-length"}
 
 
 def echo_app(node_id: str) -> ASGIApp:
@@ -96,11 +99,10 @@ class UpstreamApp:
             target += "?" + scope["query_string"].decode("latin-1")
         # header_text: valid UTF-8 stays UTF-8, which aiohttp writes back byte for byte.
         fields = scope["headers"]
-        listed = [v for k, v in fields if k == b"connection"]
         headers = [
             (k.decode("latin-1"), header_text(v))
-            for k, v in without_options(fields, listed)
-            if k not in NOT_FORWARDED and not k.startswith(b"x-ringlimit-")
+            for k, v in passed_on(fields, NOT_FORWARDED)
+            if not k.startswith(b"x-ringlimit-")
         ]
 
         async def body() -> Any:
@@ -126,13 +128,10 @@ class UpstreamApp:
                 data=body() if framed else None,
                 allow_redirects=False,
             ) as response:
-                raw = [(k.lower(), v) for k, v in response.raw_headers]
-                listed = [v for k, v in raw if k == b"connection"]
-                out = [f for f in without_options(raw, listed) if f[0] not in NOT_RELAYED]
-                if response.status in NO_CONTENT:
-                    # No content follows, whatever length a 304 announces (RFC 9110
-                    # 8.6); uvicorn would wait for that many bytes of body.
-                    out = [f for f in out if f[0] != b"content-length"]
+                out = passed_on(
+                    [(k.lower(), v) for k, v in response.raw_headers],
+                    NOT_RELAYED_NO_CONTENT if response.status in NO_CONTENT else NOT_RELAYED,
+                )
                 await send(
                     {"type": "http.response.start", "status": response.status, "headers": out}
                 )

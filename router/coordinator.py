@@ -293,11 +293,11 @@ class EtcdCoordinator:
 
         While this router leads, the write also requires its leader key to be
         the one it created (etcd's election fence). A leader that a pause or a
-        partition deposed before its own deadline noticed cannot write a view
-        or rules over its successor's, even one built on the latest revision;
-        it gets :class:`NotLeading`. The first record of a cluster is written
-        before anyone leads, unfenced: ``expected`` 0 already lets only one
-        router create it.
+        partition deposed cannot write a view or rules over its successor's,
+        even one built on the latest revision, before its own deadline notices
+        or after (until it wins again); it gets :class:`NotLeading`. The first
+        record of a cluster is written before anyone leads, unfenced:
+        ``expected`` 0 already lets only one router create it.
         """
         key = self._key("view")
         leader_key = self._key("leader")

@@ -24,8 +24,6 @@ import httptools
 from node.hopbyhop import NO_CONTENT, without_options
 from router.forward import NOT_RELAYED, Answer, NodeTimeout, Timeouts, Unreachable
 
-_DROP = NOT_RELAYED
-
 
 class _NeverProcessed(Unreachable):
     """A pipelined request behind an answer that closed the connection: the node
@@ -84,7 +82,7 @@ class _Connection(asyncio.Protocol):
         self.body: list[bytes] = []
         self.status = 0
         #: The answer's ``connection`` values and ``content-length`` (dropped from
-        #: ``headers``), until its fields end.
+        #: ``headers``), until it is settled.
         self.connection: list[bytes] | None = None
         self.length: bytes | None = None
         #: How many fields the answer has (more after its body: trailers, dropped).
@@ -125,7 +123,7 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         # The fields an answer keeps, kept as they are parsed (not filtered again later).
         name = name.lower()
-        if name not in _DROP:
+        if name not in NOT_RELAYED:
             self.headers.append((name, value))
         elif name == b"content-length":
             self.length = value
@@ -139,15 +137,12 @@ class _Connection(asyncio.Protocol):
             return
         if self.connection is not None:
             self.headers = without_options(self.headers, self.connection)
-            self.connection = None
         head = bool(self.pending) and self.pending[0].head
         # A HEAD's length is the node's (that of the content it would have sent);
         # a 204 or a 304 is given none (router/forward.py Answer).
         self.sized = head or status in NO_CONTENT
-        if self.length is not None:
-            if head:
-                self.headers.append((b"content-length", self.length))
-            self.length = None
+        if head and self.length is not None:
+            self.headers.append((b"content-length", self.length))
         self.fields = len(self.headers)
         if head:
             # The parser cannot know the request was HEAD and would wait for the
@@ -184,7 +179,7 @@ class _Connection(asyncio.Protocol):
         if len(headers) != self.fields:
             del headers[self.fields :]  # trailers: not relayed (RFC 9110 6.5.1)
         answer = Answer(self.status, headers, b"".join(self.body), self.sized)
-        self.connection = self.length = None  # a trailer's: not the next answer's
+        self.connection = self.length = None  # (also a trailer's): not the next answer's
         self.headers = []
         self.body = []
         self.status = 0
