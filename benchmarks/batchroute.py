@@ -27,7 +27,7 @@ from typing import Any
 from benchmarks.batchpath import run
 from node.config import ClusterConfig
 from node.memory import tune_gc
-from node.wire import node_batch_body
+from node.wire import lines_body
 from ring import Member, RingView
 from router.app import Router, RouterSettings
 from router.forward import Answer
@@ -38,10 +38,10 @@ BATCH = 100
 NODES = 2
 #: Distinct bodies, sent round-robin (so the owners' batches vary as in the bench).
 BODIES = 50
-#: One node's result for one check, as a node writes it (node/wire.py ResultEncoder).
+#: One node's result for one check, as a node writes it (node/wire.py node_batch_body).
 RESULT = (
-    '{"allowed":true,"limit":1000,"remaining":998,"reset_after":0.002,"retry_after":null,'
-    '"rule":"bench","available_after":0.001,"node":"n1"}'
+    b'{"allowed":true,"limit":1000,"remaining":998,"reset_after":0.002,"retry_after":null,'
+    b'"rule":"bench","available_after":0.001,"node":"n1"}'
 )
 
 
@@ -49,7 +49,7 @@ class _Nodes:
     """The forwarder: every node answers each batch at once, a result per check."""
 
     def __init__(self) -> None:
-        self.answers = {n: node_batch_body([RESULT] * n) for n in range(1, BATCH + 1)}
+        self.answers = {n: lines_body([RESULT] * n) for n in range(1, BATCH + 1)}
 
     async def post_json(self, url: str, payload: bytes, headers: list[tuple[str, str]]) -> Answer:
         return Answer(200, [], self.answers[payload.count(b'"key"')])

@@ -58,7 +58,6 @@ from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
 from node.upstream import echo_app
 from node.wire import (
     ApiError,
-    ResultEncoder,
     decode_checks,
     dumps,
     node_batch_body,
@@ -206,7 +205,6 @@ class Node:
         self.control = Starlette(
             routes=self._routes(), lifespan=self._lifespan, exception_handlers=json_http_errors()
         )
-        self._encoder: ResultEncoder | None = None
         #: Quota leases for hot keys granted from this node's store (docs/hotkeys.md).
         self.desk = LeaseDesk()
         self.metrics.add_counters(
@@ -412,16 +410,8 @@ class Node:
             self.metrics.error("lease_expired")
             return 503, list(LEASE_EXPIRED_HEADERS), dumps(lease_expired_body(exc)).encode()
         if batch:
-            # One result per line (still plain JSON): a router merges the lines of
-            # several nodes' answers without decoding them (node/wire.py).
-            return 200, [], node_batch_body(map(self._result_encoder().encode, verdicts))
+            return 200, [], node_batch_body(verdicts, self.settings.node_id)
         return 200, [], dumps(result_dict(verdicts[0], self.settings.node_id)).encode()
-
-    def _result_encoder(self) -> ResultEncoder:
-        cached = self._encoder
-        if cached is None:
-            cached = self._encoder = ResultEncoder(self.settings.node_id)
-        return cached
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse(

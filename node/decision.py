@@ -13,6 +13,26 @@ BACKEND_UNAVAILABLE = "backend_unavailable"
 BYPASS = "bypass"
 
 
+def to_micros(seconds: float) -> float:
+    """``seconds`` to the microsecond, as the decision API writes its times.
+
+    ``floor(x * 1e6 + 0.5) / 1e6``, not ``round(x, 6)``: a batch writes three
+    times per check, and ``round`` with digits goes through a decimal string
+    (about 3,200 instructions against 900, and a batch's node spent a third of
+    its time on encoding). The two can differ, by one microsecond, only for a
+    time within a rounding error of a half-microsecond; ``-0.0`` comes out
+    ``0.0``. A time that is not finite, or too large to scale, is returned as
+    it is.
+    """
+    try:
+        return _floor(seconds * 1e6 + 0.5) / 1e6
+    except (OverflowError, ValueError):
+        return seconds
+
+
+_floor = math.floor
+
+
 class Decision(NamedTuple):
     """One rule's answer.
 
@@ -42,10 +62,10 @@ class Decision(NamedTuple):
             "allowed": self.allowed,
             "limit": self.limit,
             "remaining": self.remaining,
-            "reset_after": round(self.reset_after, 6),
-            "retry_after": None if self.retry_after is None else round(self.retry_after, 6),
+            "reset_after": to_micros(self.reset_after),
+            "retry_after": None if self.retry_after is None else to_micros(self.retry_after),
             "rule": self.rule,
-            "available_after": round(self.available_after, 6),
+            "available_after": to_micros(self.available_after),
             **({"reason": self.reason} if self.reason else {}),
         }
 

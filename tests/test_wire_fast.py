@@ -3,7 +3,8 @@
 node/wire.py decodes a batch with msgspec (:func:`decode_checks`), lets a
 router forward each check's own JSON text (:func:`raw_checks`,
 :func:`forward_payload`) and formats results without ``json.dumps``
-(:class:`ResultEncoder`). Each is checked here against the path it shortcuts,
+(:func:`node_batch_body`, which a router splits with :func:`split_results`).
+Each is checked here against the path it shortcuts,
 on many random bodies and verdicts, valid and not.
 """
 
@@ -17,19 +18,20 @@ from typing import Any
 import pytest
 
 from node.config import ClusterConfig
-from node.decision import Decision, Verdict
+from node.decision import Decision, Verdict, to_micros
 from node.wire import (
     ApiError,
-    ResultEncoder,
     checks_payload,
     decode_checks,
     dumps,
     forward_payload,
     forwardable,
+    node_batch_body,
     parse_checks,
     parse_json,
     raw_checks,
     result_dict,
+    split_results,
 )
 
 CONFIGS = [
@@ -132,29 +134,62 @@ def test_decode_checks_edge_cases(body: bytes) -> None:
     assert _outcome(body, config, fast=True) == _outcome(body, config, fast=False)
 
 
-def test_result_encoder_writes_what_dumps_writes() -> None:
+def test_a_batch_answer_says_what_result_dict_says() -> None:
+    """Every result of a node's batch answer, split as a router splits it, is
+    :func:`result_dict`'s JSON value: the common ones (which msgspec writes) and
+    the rest (several rules, a reason), in order."""
     rng = random.Random(11)
-    encode = ResultEncoder("n1")
     times = [0.0, -0.0, 1.0, 0.5, 1e-5, 0.00009999996, 0.0001, 123.4567895, 1e9, 1e10]
-    times += [math.inf, -1.0, 5e-7, 4.9e-7, 999999999.9999996]
+    times += [-1.0, 5e-7, 4.9e-7, 999999999.9999996, 1e300, 2.5e-6, 1.0000005]
 
     def pick() -> float:
+        if rng.random() < 0.002:
+            return math.inf
         return rng.choice([*times, rng.random() * 10 ** rng.randint(-8, 10), -rng.random()])
 
-    for _ in range(50_000):
-        allowed = rng.random() < 0.7
-        reset = pick()
+    def decision(allowed: bool) -> Decision:
         retry = None if allowed or rng.random() < 0.1 else pick()
+        reset = pick()
         available = reset if rng.random() < 0.3 else pick()
-        rule = rng.choice(["bench", 'a"b', "é"])
+        rule = rng.choice(["bench", 'a"b', "é", "\u2028"])
+        reason = rng.choice([None] * 8 + ["store_full", "bypass"])
         limit, remaining = rng.randint(1, 1000), rng.randint(0, 1000)
-        d = Decision(allowed, limit, remaining, reset, retry, rule, None, available)
-        verdict = Verdict(allowed, d, (d,))
+        return Decision(allowed, limit, remaining, reset, retry, rule, reason, available)
+
+    written = 0
+    for _ in range(2_000):
+        verdicts = []
+        for _ in range(rng.randint(1, 30)):
+            decisions = tuple(decision(rng.random() < 0.7) for _ in range(rng.choice([1, 1, 1, 2])))
+            allowed = all(d.allowed for d in decisions)
+            verdicts.append(Verdict(allowed, decisions[-1], decisions))
         try:
-            want = dumps(result_dict(verdict, "n1"))
-        except ValueError:
+            want = [json.loads(dumps(result_dict(v, "n-é"))) for v in verdicts]
+        except ValueError:  # a time that is not finite: JSON cannot say it
             with pytest.raises(ValueError):
-                encode(verdict)
+                node_batch_body(verdicts, "n-é")
             continue
-        assert encode(verdict) == want
-        assert json.loads(want)["allowed"] is allowed
+        body = node_batch_body(verdicts, "n-é")
+        assert json.loads(body) == {"results": want}
+        assert [json.loads(r) for r in split_results(body)] == want
+        written += len(verdicts)
+    assert written > 10_000
+
+
+@pytest.mark.parametrize(
+    ("seconds", "written"),
+    [
+        (0.0, 0.0),
+        (-0.0, 0.0),
+        (0.1234564, 0.123456),
+        (0.1234566, 0.123457),
+        (1e-7, 0.0),
+        (7.5e-6, 8e-6),
+        (86400.0000004, 86400.0),
+        (math.inf, math.inf),
+        (1e303, 1e303),
+    ],
+)
+def test_times_are_written_to_the_microsecond(seconds: float, written: float) -> None:
+    assert to_micros(seconds) == written
+    assert math.isnan(to_micros(math.nan))
