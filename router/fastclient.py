@@ -17,6 +17,7 @@ connection, and never saw the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 
 import httptools
@@ -117,6 +118,11 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if not self.pending and self.pool is not None:
+            # Closed while idle (the node's keep-alive ran out, or the node is
+            # gone): out of the pool now, not when a request next looks there,
+            # which for a node that left the ring is never.
+            self.pool.forget(self)
         self._fail(Unreachable("connection closed"))
 
     # httptools callbacks
@@ -288,6 +294,10 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+#: Pools (one per node address) kept before those without a connection are dropped.
+MAX_POOLS = 1024
+
+
 class _Pool:
     __slots__ = ("filling", "host", "host_header", "idle", "max_idle", "pipelined", "port")
 
@@ -308,6 +318,14 @@ class _Pool:
             self.idle.append(connection)
         else:
             connection.close()
+
+    def forget(self, connection: _Connection) -> None:
+        """``connection`` closed: it leaves the idle connections, if it was one."""
+        with contextlib.suppress(ValueError):
+            self.idle.remove(connection)
+
+    def unused(self) -> bool:
+        return not self.idle and self.filling is None
 
 
 class FastForwarder:
@@ -348,12 +366,22 @@ class FastForwarder:
         origin, path = (rest, "/") if slash < 0 else (rest[:slash], rest[slash:])
         found = self._pools.get(origin)
         if found is None:
+            if len(self._pools) >= MAX_POOLS:
+                self._forget_unused()
             host, _, port = origin.rpartition(":")
             if not host:
                 host, port = origin, "80"
             found = (_Pool(host.strip("[]"), int(port), self.max_idle, self.pipelined), origin)
             self._pools[origin] = found
         return found[0], path
+
+    def _forget_unused(self) -> None:
+        """Drop the pools that hold no connection: the nodes a router has talked to
+        over its life (each restart of a node on a new address is a new one) do
+        not pile up. A pool dropped while a request is under way lives on with
+        that request, and its connection closes when the node's keep-alive ends."""
+        self._pools = {o: found for o, found in self._pools.items() if not found[0].unused()}
+        self._bases.clear()
 
     def base(self, url: str) -> tuple[_Pool, str]:
         """A node's base URL as (its pool, the path in front of every request path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import threading
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from router.fastclient import FastForwarder
+from router.fastclient import MAX_POOLS, FastForwarder
 from router.forward import NodeTimeout, Timeouts, Unreachable
 
 pytestmark = pytest.mark.anyio
@@ -170,4 +171,59 @@ async def test_a_connection_reset_before_the_request_is_written(pipeline: int) -
         stop.set()
         thread.join()
         listener.close()
+        await client.close()
+
+
+async def test_idle_connections_a_node_closes_leave_the_pool() -> None:
+    """A node that closes its idle connections (its keep-alive ran out, or it
+    stopped) takes them out of the router's pool at once: for a node that left
+    the ring no request ever comes to take them out."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while await reader.readuntil(b"\r\n\r\n"):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    client = FastForwarder()
+    try:
+        answers = await asyncio.gather(
+            *(client.request("GET", url + "/", [], None) for _ in range(3))
+        )
+        assert [a.status for a in answers] == [200, 200, 200]
+        pool, _ = client.base(url)
+        assert len(pool.idle) == 3
+        for writer in writers:
+            writer.close()
+        for _ in range(200):  # bounded: 2 s
+            if not pool.idle:
+                break
+            await asyncio.sleep(0.01)
+        assert not pool.idle
+        # The pool still serves: a new connection is made.
+        assert (await client.request("GET", url + "/", [], None)).status == 200
+    finally:
+        await client.close()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def test_pools_of_nodes_long_gone_do_not_pile_up(server: tuple[Scripted, str]) -> None:
+    """Every address a node ever had is a pool; past MAX_POOLS, those holding no
+    connection are dropped (a pool with one is kept, and keeps serving)."""
+    _, url = server
+    client = FastForwarder()
+    try:
+        assert (await client.request("GET", url + "/a", [], None)).status == 200
+        live, _ = client.base(url)
+        for i in range(MAX_POOLS + 10):
+            client.base(f"http://10.0.{i // 250}.{i % 250}:9000")
+        assert len(client._pools) <= MAX_POOLS
+        assert client.base(url)[0] is live and len(live.idle) == 1
+        assert (await client.request("GET", url + "/b", [], None)).status == 200
+    finally:
         await client.close()
