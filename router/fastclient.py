@@ -103,6 +103,8 @@ class _Connection(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.pool is not None:
+            self.pool.open += 1
 
     def data_received(self, data: bytes) -> None:
         if not self.pending:
@@ -118,11 +120,14 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if not self.pending and self.pool is not None:
-            # Closed while idle (the node's keep-alive ran out, or the node is
-            # gone): out of the pool now, not when a request next looks there,
-            # which for a node that left the ring is never.
-            self.pool.forget(self)
+        pool = self.pool
+        if pool is not None:
+            pool.open -= 1
+            if not self.pending:
+                # Closed while idle (the node's keep-alive ran out, or the node is
+                # gone): out of the pool now, not when a request next looks there,
+                # which for a node that left the ring is never.
+                pool.forget(self)
         self._fail(Unreachable("connection closed"))
 
     # httptools callbacks
@@ -299,7 +304,17 @@ MAX_POOLS = 1024
 
 
 class _Pool:
-    __slots__ = ("filling", "host", "host_header", "idle", "max_idle", "pipelined", "port")
+    __slots__ = (
+        "dropped",
+        "filling",
+        "host",
+        "host_header",
+        "idle",
+        "max_idle",
+        "open",
+        "pipelined",
+        "port",
+    )
 
     def __init__(self, host: str, port: int, max_idle: int, pipelined: dict[str, int]) -> None:
         self.host = host
@@ -311,10 +326,19 @@ class _Pool:
         self.filling: _Connection | None = None
         #: The forwarder's counts of pipelined writes and the requests they carried.
         self.pipelined = pipelined
+        #: Connections open to the node (idle or in use).
+        self.open = 0
+        #: No longer the forwarder's pool for its address (see ``_forget_unused``).
+        self.dropped = False
 
     def release(self, connection: _Connection) -> None:
         """A connection with nothing in flight: kept for reuse, or closed."""
-        if connection.keep_alive and not connection.closed and len(self.idle) < self.max_idle:
+        if (
+            connection.keep_alive
+            and not connection.closed
+            and not self.dropped
+            and len(self.idle) < self.max_idle
+        ):
             self.idle.append(connection)
         else:
             connection.close()
@@ -325,7 +349,8 @@ class _Pool:
             self.idle.remove(connection)
 
     def unused(self) -> bool:
-        return not self.idle and self.filling is None
+        """No connection is open, idle or in use (one may be connecting)."""
+        return not self.open and self.filling is None
 
 
 class FastForwarder:
@@ -376,11 +401,18 @@ class FastForwarder:
         return found[0], path
 
     def _forget_unused(self) -> None:
-        """Drop the pools that hold no connection: the nodes a router has talked to
-        over its life (each restart of a node on a new address is a new one) do
-        not pile up. A pool dropped while a request is under way lives on with
-        that request, and its connection closes when the node's keep-alive ends."""
-        self._pools = {o: found for o, found in self._pools.items() if not found[0].unused()}
+        """Drop the pools that hold no open connection: the nodes a router has
+        talked to over its life (each restart of a node on a new address is a
+        new one) do not pile up. A pool dropped while its first connection was
+        being made serves that request, then closes the connection (it is not
+        kept where no request would find it)."""
+        kept: dict[str, tuple[_Pool, str]] = {}
+        for origin, found in self._pools.items():
+            if found[0].unused():
+                found[0].dropped = True
+            else:
+                kept[origin] = found
+        self._pools = kept
         self._bases.clear()
 
     def base(self, url: str) -> tuple[_Pool, str]:

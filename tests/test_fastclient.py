@@ -214,16 +214,49 @@ async def test_idle_connections_a_node_closes_leave_the_pool() -> None:
 
 async def test_pools_of_nodes_long_gone_do_not_pile_up(server: tuple[Scripted, str]) -> None:
     """Every address a node ever had is a pool; past MAX_POOLS, those holding no
-    connection are dropped (a pool with one is kept, and keeps serving)."""
-    _, url = server
+    open connection are dropped. A pool whose connections are all in use (a
+    busy node) is kept, and its connections go back to it."""
+    scripted, url = server
     client = FastForwarder()
     try:
         assert (await client.request("GET", url + "/a", [], None)).status == 200
         live, _ = client.base(url)
+        # Three requests in flight: every connection of the pool is in use.
+        busy = [
+            asyncio.create_task(client.request("GET", url + "/slow", [], None)) for _ in range(3)
+        ]
+        for _ in range(200):  # bounded: 2 s
+            if len(scripted.seen) == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert not live.idle and live.open == 3
         for i in range(MAX_POOLS + 10):
             client.base(f"http://10.0.{i // 250}.{i % 250}:9000")
         assert len(client._pools) <= MAX_POOLS
-        assert client.base(url)[0] is live and len(live.idle) == 1
+        assert [a.status for a in await asyncio.gather(*busy)] == [200, 200, 200]
+        assert client.base(url)[0] is live and len(live.idle) == 3
         assert (await client.request("GET", url + "/b", [], None)).status == 200
+    finally:
+        await client.close()
+
+
+async def test_a_pool_dropped_while_connecting_closes_its_connection(
+    server: tuple[Scripted, str],
+) -> None:
+    """A pool dropped while its first connection was being made (no connection
+    open yet) serves that request, then closes the connection rather than
+    keeping it where no request would look."""
+    _, url = server
+    client = FastForwarder()
+    try:
+        pool, _ = client.base(url)
+        pool.dropped = True  # as _forget_unused marks it
+        answer = await client.request("GET", url + "/a", [], None)
+        assert answer.status == 200 and not pool.idle
+        for _ in range(200):  # bounded: 2 s
+            if not pool.open:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.open == 0
     finally:
         await client.close()
