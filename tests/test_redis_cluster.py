@@ -235,16 +235,34 @@ def test_redis_killed_mid_traffic_and_restarted(
 
         # A Redis that stalls for less than the nodes' timeout is not an outage:
         # the answer waits for it (with the default 100 ms it would be decided locally).
-        assert redis.process is not None
-        before = fallbacks()
-        redis.process.send_signal(signal.SIGSTOP)
-        resume = threading.Timer(0.15, redis.process.send_signal, (signal.SIGCONT,))
-        resume.start()
-        try:
-            stalled = get("/open/x", "stalled")
-        finally:
-            resume.join()
-            redis.process.send_signal(signal.SIGCONT)
+        # The stall lasts until the timer thread wakes: on a loaded machine (a CI run
+        # once saw it) that can be past the nodes' 0.5 s, which is an outage, and
+        # the check would mean nothing. Such an attempt is made again (three at most).
+        process = redis.process
+        assert process is not None
+        for attempt in range(3):
+            before = fallbacks()
+            resumed: list[float] = []
+
+            def resume(resumed: list[float] = resumed) -> None:
+                process.send_signal(signal.SIGCONT)
+                resumed.append(time.monotonic())
+
+            process.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            timer = threading.Timer(0.15, resume)
+            timer.start()
+            try:
+                stalled = get("/open/x", f"stalled-{attempt}")
+            finally:
+                timer.join()
+                process.send_signal(signal.SIGCONT)
+            if resumed[0] - stopped < 0.35:
+                break
+            # A node that decided locally is back on Redis once its probe finds it.
+            assert wait_for(lambda: balance() == "round-robin", 15)
+        else:
+            pytest.fail("Redis was never resumed within 0.35 s of its stop (an overloaded machine)")
         assert stalled.status_code == 200
         assert fallbacks() == before, "a stall within the timeout was decided locally"
         assert balance() == "round-robin"
