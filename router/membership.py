@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -832,6 +833,14 @@ class Membership:
             # A follower shows the leader's events instead (follow_once).
             self.events.change(self.view, view, crashed={*self.removed, *crashed})
         self.log.adopt(view)
+        # Health is kept for the members of the view and the nodes joining it:
+        # the entries of members a view dropped go, whichever way it came. (Only
+        # the leader's leave and crash pop their own: a follower kept an entry
+        # per node id it ever saw, and a departed node's Redis outage made
+        # backend_degraded true for good.)
+        gone = [i for i in self.health if i not in view and i not in self.joining]
+        for member_id in gone:
+            del self.health[member_id]
         self._save_state()
         self.changed.set()
         self.changed = asyncio.Event()
@@ -932,7 +941,13 @@ class Membership:
         task = self._awaiting_repair.get(member.id)
         if task is None or task.done():
             task = self._awaiting_repair[member.id] = self._spawn(self._poll_repair(member))
+            task.add_done_callback(partial(self._repair_awaited, member.id))
         await asyncio.shield(task)
+
+    def _repair_awaited(self, member_id: str, task: asyncio.Task[Any]) -> None:
+        """A finished wait leaves (ids of nodes long gone do not pile up)."""
+        if self._awaiting_repair.get(member_id) is task:
+            del self._awaiting_repair[member_id]
 
     async def _poll_repair(self, member: Member) -> None:
         loop = asyncio.get_running_loop()

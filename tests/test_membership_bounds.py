@@ -1,0 +1,80 @@
+"""What a router keeps per node id stays bounded by the ring: nodes that come
+and go under new ids (pods, an autoscaled group) leave nothing behind in a
+router that follows, nor in one that led (in-process clusters)."""
+
+from __future__ import annotations
+
+import pytest
+
+from node.clock import FrozenClock
+from ring import Member
+from router.health import Health
+from router.testing import ROUTER_URL, InProcessCluster, node_url
+from tests.processes import wait_until
+from tests.test_followers import SECOND
+from tests.test_rebalancing import make_config
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_a_follower_keeps_health_only_for_the_members_of_its_view() -> None:
+    """Node ids churn on the leader (a new node joins, an old one leaves, five
+    times); the follower adopts each view, and its health entries are the
+    view's members, not every id it ever saw."""
+    async with InProcessCluster(2, make_config(), clock=FrozenClock()) as cluster:
+        second = cluster.new_router(SECOND, seeds=[], leader_url=ROUTER_URL, follow_interval=0.05)
+        await second.start()
+        try:
+            leader = cluster.router.membership
+            old = "n1"
+            for i in range(5):
+                await cluster.add_node(f"pod-{i}")
+                await cluster.remove_node(old)
+                old = f"pod-{i}"
+                await wait_until(lambda: second.membership.view.epoch == leader.view.epoch)
+            assert set(second.membership.health) == set(second.membership.view.ids)
+            assert set(leader.health) == set(leader.view.ids)
+            assert len(second.membership.view) == 2
+        finally:
+            await second.close()
+
+
+async def test_a_departed_nodes_outage_does_not_leave_the_backend_degraded() -> None:
+    """A router that led recorded a node's Redis outage (as its probes do), then
+    followed; the new leader removes that node. Adopting the view drops the
+    entry, so backend_degraded (which keeps round-robin routing sticky) does
+    not stay true for good."""
+    async with InProcessCluster(2, make_config(), clock=FrozenClock()) as cluster:
+        second = cluster.new_router(SECOND, seeds=[], leader_url=ROUTER_URL, follow_interval=0.05)
+        await second.start()
+        try:
+            membership = second.membership
+            membership.health["n2"] = Health(backend_available=False)
+            assert membership.backend_degraded
+            await cluster.remove_node("n2")
+            await wait_until(lambda: "n2" not in membership.view)
+            assert "n2" not in membership.health
+            assert not membership.backend_degraded
+        finally:
+            await second.close()
+
+
+async def test_finished_repair_waits_leave() -> None:
+    """A follower waits for the leader to repair a node that answered with an
+    old epoch; the finished wait is not kept per node id."""
+    async with InProcessCluster(2, make_config(), clock=FrozenClock()) as cluster:
+        second = cluster.new_router(SECOND, seeds=[], leader_url=ROUTER_URL, follow_interval=0.05)
+        await second.start()
+        try:
+            membership = second.membership
+            for i in range(3):
+                # An id the view does not know: nothing to wait for, the wait ends.
+                await membership.refresh_node(Member(f"gone-{i}", node_url(f"gone-{i}")), 0)
+            assert not membership._awaiting_repair
+        finally:
+            await second.close()
