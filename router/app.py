@@ -192,7 +192,9 @@ class Router:
             [(b"x-ringlimit-router", settings.name.encode())] if settings.name else []
         )
         #: Quota leases for hot keys of rules with ``lease = "auto"`` (docs/hotkeys.md).
-        self.leases = RouterLeases(lambda: self.forwarder, self.token_header)
+        self.leases = RouterLeases(
+            lambda: self.forwarder, self.token_header, rule_names=lambda: self.config.rule_map
+        )
         self.decisions = DecisionAPI(self)
         self.admin = AdminAPI(self, client)
         self.control = Starlette(

@@ -29,7 +29,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 from node.decision import Decision, Verdict
@@ -62,9 +62,13 @@ class RouterLeases:
         *,
         threshold: float = DEFAULT_THRESHOLD,
         clock: Callable[[], float] = time.monotonic,
+        rule_names: Callable[[], Container[str]] | None = None,
     ) -> None:
         self.forwarder = forwarder
         self.token_header = token_header
+        #: The names of the rules in force (the router's config; None: every name
+        #: seen is kept): see :meth:`note`.
+        self.rule_names = rule_names
         self.threshold = threshold
         self.clock = clock
         self.book = LeaseBook()
@@ -96,6 +100,12 @@ class RouterLeases:
         entry = (rule.name, key)
         hot = self._hot.get(rule.name)
         if hot is None:
+            # A rule seen for the first time: the rates of rules no longer in force
+            # (renamed or removed at runtime) go, up to 4,096 keys each.
+            if self.rule_names is not None:
+                names = self.rule_names()
+                for name in [n for n in self._hot if n not in names]:
+                    del self._hot[name]
             hot = self._hot[rule.name] = HotKeys(self.threshold)
         block = self.policy.block(rule)
         if entry in self.book:

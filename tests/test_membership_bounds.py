@@ -1,4 +1,4 @@
-"""What a router keeps per node id stays bounded by the ring: nodes that come
+"""What a router keeps per node id or rule stays bounded: nodes that come
 and go under new ids (pods, an autoscaled group) leave nothing behind in a
 router that follows, nor in one that led (in-process clusters)."""
 
@@ -78,3 +78,20 @@ async def test_finished_repair_waits_leave() -> None:
             assert not membership._awaiting_repair
         finally:
             await second.close()
+
+
+async def test_hot_key_rates_of_rules_no_longer_in_force_are_dropped() -> None:
+    """A router counts each key's rate per leasing rule (up to 4,096 keys each);
+    rules renamed at runtime (PUT /admin/rules) leave theirs behind no longer:
+    the first request under a new rule drops the rates of rules not in force."""
+    async with InProcessCluster(2, make_config(), clock=FrozenClock()) as cluster:
+        router = cluster.router
+        owner = router.membership.view.members[0]
+        for version in range(1, 6):
+            rules = [{"name": f"api-v{version}", "rate": "100/second", "lease": "auto"}]
+            answer = await cluster.client.put(f"{ROUTER_URL}/admin/rules", json={"rules": rules})
+            assert answer.status_code == 200, answer.text
+            rule = router.config.rule_map[f"api-v{version}"]
+            for i in range(50):
+                router.leases.note(rule, f"user-{i}", owner, 1, float(version))
+            assert set(router.leases._hot) == {f"api-v{version}"}
