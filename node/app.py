@@ -289,6 +289,7 @@ class Node:
                 now = self.clock()
                 self.sample(now)
                 self.store.sweep(now, budget=50_000)
+                self.store.forget_rules(self.authority.config.rule_map)
                 if self.shard is not None:
                     self.shard.sweep_replicas(now)
                 release_free_memory()
@@ -427,6 +428,7 @@ class Node:
         )
 
     async def metrics_endpoint(self, request: Request) -> Response:
+        self.metrics.forget_rules(self.authority.config.rule_map)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------------ internal

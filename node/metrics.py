@@ -9,7 +9,7 @@ mixes keys with seconds).
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -68,6 +68,8 @@ class NodeMetrics:
         flusher.add(self._counts.flush)
         self.observe = self._latency.observe
         self._pending = self._counts.pending
+        #: The rules in force at the last scrape (see :meth:`forget_rules`).
+        self._last_rules: set[str] = set()
 
     def decided(self, rule: str, allowed: bool, seconds: float) -> None:
         """``observe(seconds)`` and ``count(rule, allowed)``: one call on every decision's path."""
@@ -116,8 +118,37 @@ class NodeMetrics:
         """Top limited keys as gauges, read at scrape time: ``(rule, kind, rank, count)``."""
         self.registry.register(TopCollector(read))
 
+    def forget_rules(self, rules: Iterable[str]) -> None:
+        """Drop the per-rule series of rules no longer in force, one scrape after
+        they left (that scrape still shows their last counts).
+
+        Without it a node whose rules are renamed at runtime (PUT /admin/rules)
+        kept two series per name it ever decided, for as long as it ran. Called
+        before each render (``GET /metrics``), as the router forgets departed nodes.
+        """
+        current = set(rules)
+        keep = current | self._last_rules
+        self._last_rules = current
+        self._counts.flush()  # pending counts would bring a dropped series back
+        for labels in _series(self.decisions):
+            if labels[0] not in keep:
+                self._counts.remove(*labels)
+        for labels in _series(self.shadow_denials):
+            if labels[0] not in keep:
+                self.shadow_denials.remove(*labels)
+
     def render(self) -> bytes:
         return render(self.registry)
+
+
+def _series(counter: Counter) -> set[tuple[str, ...]]:
+    """The label values of each series ``counter`` has."""
+    found: set[tuple[str, ...]] = set()
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                found.add(tuple(sample.labels.values()))
+    return found
 
 
 class BatchedHistogram:

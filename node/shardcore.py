@@ -972,8 +972,10 @@ class ShardCore:
             self.store.dirty.update(record[2] for record in records)
 
     def sweep_replicas(self, now: float) -> None:
+        rules = self.config().rule_map
         for replicas in self.replicas.values():
             replicas.sweep(now)
+            replicas.forget_rules(rules)
 
     def status(self) -> dict[str, Any]:
         return {

@@ -20,7 +20,7 @@ the node counts it in a metric and logs it: never silent.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -316,6 +316,21 @@ class MemoryStore:
                 del table.states[key]
                 evicted += 1
         return evicted
+
+    def forget_rules(self, rules: Container[str]) -> int:
+        """Drop the tables of rules not in ``rules`` once they hold no state (the
+        sweep empties them as their states refill); returns how many went.
+
+        Without it a node whose rules are renamed at runtime kept an empty table
+        per name it ever decided. A table with states is kept: the rule may come
+        back (a rename undone), and its states are still right for it.
+        """
+        gone = [
+            name for name, table in self._tables.items() if not table.states and name not in rules
+        ]
+        for name in gone:
+            del self._tables[name]
+        return len(gone)
 
     def _snapshot(self) -> Iterator[tuple[Table, str]]:
         for table in list(self._tables.values()):

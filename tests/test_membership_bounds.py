@@ -95,3 +95,30 @@ async def test_hot_key_rates_of_rules_no_longer_in_force_are_dropped() -> None:
             for i in range(50):
                 router.leases.note(rule, f"user-{i}", owner, 1, float(version))
             assert set(router.leases._hot) == {f"api-v{version}"}
+
+
+async def test_a_node_keeps_no_series_or_table_of_rules_renamed_away() -> None:
+    """Rules renamed at runtime (PUT /admin/rules, pushed to the nodes): a node's
+    /metrics shows a departed rule's counts one scrape more, then not; its
+    store keeps no table of it once the sweep emptied it."""
+    async with InProcessCluster(1, make_config(), clock=FrozenClock()) as cluster:
+        node = cluster.nodes["n1"]
+        for version in range(1, 5):
+            rules = [{"name": f"api-v{version}", "rate": "100/second", "paths": ["/*"]}]
+            answer = await cluster.client.put(f"{ROUTER_URL}/admin/rules", json={"rules": rules})
+            assert answer.status_code == 200, answer.text
+            await wait_until(lambda v=version: f"api-v{v}" in node.authority.config.rule_map)
+            for user in ("alice", "bob"):
+                reply = await cluster.client.get(f"{ROUTER_URL}/x", headers={"X-User-Id": user})
+                assert reply.status_code == 200
+            text = (await cluster.client.get(f"{node_url('n1')}/metrics")).text
+            named = {
+                line.split('rule="')[1].split('"')[0]
+                for line in text.splitlines()
+                if line.startswith("ringlimit_decisions_total{")
+            }
+            # This version's rule, and the last one's for one more scrape.
+            assert named == {f"api-v{version}", f"api-v{version - 1}"} - {"api-v0"}
+        node.store.sweep(float("inf"), budget=None)
+        node.store.forget_rules(node.authority.config.rule_map)
+        assert set(node.store._tables) <= {"api-v4"}
