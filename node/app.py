@@ -290,6 +290,11 @@ class Node:
                 self.sample(now)
                 self.store.sweep(now, budget=50_000)
                 self.store.forget_rules(self.authority.config.rule_map)
+                # A Redis node's local fallback limiter keeps the states of the keys
+                # it decided during outages: swept the same way.
+                sweep_local = getattr(self.backend, "sweep_local", None)
+                if sweep_local is not None:
+                    sweep_local(self.authority.config.rule_map)
                 if self.shard is not None:
                     self.shard.sweep_replicas(now)
                 release_free_memory()

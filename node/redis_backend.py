@@ -51,7 +51,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -553,6 +553,16 @@ class FallbackBackend:
                 self._switch_down(exc)
         now = self.local.clock()
         return [self._decide_locally(key, rules, cost, now) for key, rules, cost in checks]
+
+    def sweep_local(self, rules: Container[str], budget: int = 50_000) -> int:
+        """Evict the local limiter's states that are fresh again, and the tables of
+        rules no longer in force (as the node sweeps its own store); returns how
+        many states went. Without it every key decided locally during an outage
+        stayed for the node's life."""
+        store = self.local.store
+        evicted = store.sweep(self.local.clock(), budget=budget)
+        store.forget_rules(rules)
+        return evicted
 
     async def start(self) -> None:
         await self.local.start()

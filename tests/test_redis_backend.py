@@ -19,7 +19,7 @@ from redis.exceptions import ClusterCrossSlotError
 
 from node.algorithms import decide
 from node.backend import MemoryBackend
-from node.clock import FrozenClock, system_clock
+from node.clock import Clock, FrozenClock, system_clock
 from node.decision import BACKEND_UNAVAILABLE, COST_EXCEEDS_CAPACITY
 from node.lua import CHECK, SCRIPTS
 from node.redis_backend import (
@@ -515,13 +515,17 @@ def test_fallback_degrades_and_recovers(
     assert len([m for m in lines if "available again" in m]) == 1, lines
 
 
+def _redis_down(clock: Clock = system_clock) -> FallbackBackend:
+    """A fallback whose Redis is a port nobody listens on (it starts down)."""
+    primary = RedisBackend(f"redis://127.0.0.1:{free_port()}/0")
+    return FallbackBackend(primary, MemoryBackend(MemoryStore(), clock))
+
+
 def test_fallback_starting_while_redis_is_down() -> None:
-    port = free_port()
     rule = Rule("r", 1, 60.0, on_error="open")
 
     async def scenario() -> None:
-        primary = RedisBackend(f"redis://127.0.0.1:{port}/0")
-        backend = FallbackBackend(primary, MemoryBackend(MemoryStore(), system_clock))
+        backend = _redis_down()
         await backend.start()
         try:
             assert not backend.available and backend.outages == 1
@@ -532,6 +536,67 @@ def test_fallback_starting_while_redis_is_down() -> None:
             assert impossible.decision.reason == COST_EXCEEDS_CAPACITY
         finally:
             await backend.close()
+
+    run(scenario)
+
+
+def test_the_local_limiters_states_are_swept_when_fresh_again() -> None:
+    """Keys decided locally during an outage leave the local limiter once their
+    states are fresh again (the node's sweep calls ``sweep_local``), with the
+    tables of rules no longer in force; before, they stayed for the node's life."""
+    clock = FrozenClock()
+    rule = Rule("r", 5, 1.0, on_error="open")
+
+    async def scenario() -> None:
+        backend = _redis_down(clock)
+        await backend.start()
+        try:
+            assert not backend.available
+            for i in range(100):
+                assert (await backend.check(f"user-{i}", [rule], 1)).allowed
+            store = backend.local.store
+            assert len(store) == 100
+            assert backend.sweep_local({"r"}) == 0  # not fresh yet: all kept
+            clock.advance(2.0)
+            assert backend.sweep_local({"r"}) == 100
+            assert len(store) == 0 and "r" in store._tables
+            backend.sweep_local({"other"})  # "r" is no longer in force
+            assert "r" not in store._tables
+        finally:
+            await backend.close()
+
+    run(scenario)
+
+
+def test_a_redis_nodes_sweep_loop_sweeps_its_local_limiter() -> None:
+    """The node's own sweep loop reaches the fallback's local limiter."""
+    from node.app import NodeSettings, create_app
+    from node.config import ClusterConfig
+
+    clock = FrozenClock()
+
+    async def scenario() -> None:
+        config = ClusterConfig.from_dict(
+            {"backend": "redis", "rules": [{"name": "r", "rate": "5/second"}]}
+        )
+        backend = _redis_down(clock)
+        local = backend.local
+        node = create_app(
+            NodeSettings(node_id="n1", config=config, sweep_interval=0.02),
+            backend=backend,
+            clock=clock,
+        )
+        async with node.control.router.lifespan_context(node.control):
+            rules = (config.rule_map["r"],)
+            for i in range(20):
+                assert (await backend.check(f"user-{i}", rules, 1)).allowed
+            assert len(local.store) == 20
+            clock.advance(5.0)
+            for _ in range(200):  # bounded: 4 s
+                if not len(local.store):
+                    break
+                await asyncio.sleep(0.02)
+            assert len(local.store) == 0
 
     run(scenario)
 
