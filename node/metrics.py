@@ -70,6 +70,10 @@ class NodeMetrics:
         self._pending = self._counts.pending
         #: The rules in force at the last scrape (see :meth:`forget_rules`).
         self._last_rules: set[str] = set()
+        #: Decisions by outcome of the series :meth:`forget_rules` dropped: still
+        #: counted by :meth:`decision_totals`, whose rates must not dip when a
+        #: rule is renamed.
+        self._forgotten: dict[str, int] = {}
 
     def decided(self, rule: str, allowed: bool, seconds: float) -> None:
         """``observe(seconds)`` and ``count(rule, allowed)``: one call on every decision's path."""
@@ -106,12 +110,11 @@ class NodeMetrics:
     def decision_totals(self) -> dict[str, int]:
         """Decisions so far by outcome, all rules together (for the ring page's rates)."""
         totals = {"allowed": 0, "denied": 0}
+        for outcome, n in self._forgotten.items():
+            totals[outcome] = totals.get(outcome, 0) + n
         self._counts.flush()
-        for family in self.decisions.collect():
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    outcome = sample.labels.get("outcome", "")
-                    totals[outcome] = totals.get(outcome, 0) + int(sample.value)
+        for (_, outcome), value in _series(self.decisions).items():
+            totals[outcome] = totals.get(outcome, 0) + int(value)
         return totals
 
     def watch_top(self, read: Callable[[], list[tuple[str, str, int, float]]]) -> None:
@@ -130,8 +133,11 @@ class NodeMetrics:
         keep = current | self._last_rules
         self._last_rules = current
         self._counts.flush()  # pending counts would bring a dropped series back
-        for labels in _series(self.decisions):
+        forgotten = self._forgotten
+        for labels, value in _series(self.decisions).items():
             if labels[0] not in keep:
+                outcome = labels[1]
+                forgotten[outcome] = forgotten.get(outcome, 0) + int(value)
                 self._counts.remove(*labels)
         for labels in _series(self.shadow_denials):
             if labels[0] not in keep:
@@ -141,13 +147,13 @@ class NodeMetrics:
         return render(self.registry)
 
 
-def _series(counter: Counter) -> set[tuple[str, ...]]:
-    """The label values of each series ``counter`` has."""
-    found: set[tuple[str, ...]] = set()
+def _series(counter: Counter) -> dict[tuple[str, ...], float]:
+    """Each series ``counter`` has: its label values -> its value."""
+    found: dict[tuple[str, ...], float] = {}
     for family in counter.collect():
         for sample in family.samples:
             if sample.name.endswith("_total"):
-                found.add(tuple(sample.labels.values()))
+                found[tuple(sample.labels.values())] = sample.value
     return found
 
 

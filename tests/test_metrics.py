@@ -161,6 +161,21 @@ def test_dict_statistics_become_one_metric_each_with_units() -> None:
     assert exposed <= documented()
 
 
+def test_decision_totals_do_not_fall_when_a_departed_rules_series_go() -> None:
+    """The ring page's rates are differences of these totals: a rule renamed
+    away must not take its counts with it when its series leave /metrics."""
+    metrics = NodeMetrics("n1")
+    metrics.count("old", True, 70)
+    metrics.count("old", False, 30)
+    metrics.forget_rules({"old"})
+    metrics.forget_rules({"new"})  # renamed: the old series stay one scrape
+    metrics.forget_rules({"new"})  # and leave now
+    assert 'rule="old"' not in metrics.render().decode()
+    assert metrics.decision_totals() == {"allowed": 70, "denied": 30}
+    metrics.count("new", True, 5)
+    assert metrics.decision_totals() == {"allowed": 75, "denied": 30}
+
+
 def test_documented_names_follow_the_conventions() -> None:
     names = documented()
     assert len(names) >= 15

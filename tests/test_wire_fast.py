@@ -21,6 +21,7 @@ from node.config import ClusterConfig
 from node.decision import Decision, Verdict, to_micros
 from node.wire import (
     ApiError,
+    _Plain,
     checks_payload,
     decode_checks,
     dumps,
@@ -174,6 +175,17 @@ def test_a_batch_answer_says_what_result_dict_says() -> None:
         assert [json.loads(r) for r in split_results(body)] == want
         written += len(verdicts)
     assert written > 10_000
+
+
+def test_a_plain_result_has_result_dicts_fields_in_its_order() -> None:
+    """``_Plain`` is result_dict's shape for one plain verdict, written by
+    msgspec: a field added to (or moved in) one and not the other fails here."""
+    decision = Decision(False, 10, 0, 1.5, 0.25, "api", None, 0.25)
+    verdict = Verdict(False, decision, (decision,))
+    want = result_dict(verdict, "n1")
+    (line,) = split_results(node_batch_body([verdict], "n1"))
+    assert list(json.loads(line)) == list(want)
+    assert list(json.loads(line)) == list(_Plain.__struct_fields__)
 
 
 @pytest.mark.parametrize(
