@@ -31,7 +31,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from node.asgi import ASGIApp, Receive, Scope, Send, json_http_errors, odd_target
+from node.asgi import (
+    ASGIApp,
+    Receive,
+    Scope,
+    Send,
+    invalid_detail,
+    json_http_errors,
+    odd_target,
+)
 from node.authority import Authority
 from node.backend import Backend, MemoryBackend
 from node.clock import Clock, system_clock
@@ -550,7 +558,7 @@ class Node:
             return JSONResponse(exc.body(), status_code=exc.status)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             return JSONResponse(
-                {"error": "invalid_request", "detail": f"bad cluster update: {exc}"},
+                {"error": "invalid_request", "detail": invalid_detail("cluster update", exc)},
                 status_code=400,
             )
         if self.shard is None:
@@ -608,7 +616,8 @@ class Node:
             return JSONResponse(exc.body(), status_code=exc.status)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             return JSONResponse(
-                {"error": "invalid_request", "detail": f"bad {what}: {exc}"}, status_code=400
+                {"error": "invalid_request", "detail": invalid_detail(what, exc)},
+                status_code=400,
             )
 
     async def import_states(self, request: Request) -> Response:
@@ -757,7 +766,7 @@ class Node:
             )
         except (KeyError, TypeError, ValueError) as exc:
             return JSONResponse(
-                {"error": "invalid_request", "detail": f"bad quota ask: {exc}"[:200]},
+                {"error": "invalid_request", "detail": invalid_detail("quota ask", exc)},
                 status_code=400,
             )
         desk = self.desk

@@ -75,6 +75,14 @@ def error_body(error: str, detail: str, **extra: Any) -> dict[str, Any]:
     return {"error": error, "detail": detail, **extra}
 
 
+def invalid_detail(what: str, exc: Exception) -> str:
+    """What an internal body failed on, in words (at most 200 characters): a
+    KeyError's text is the bare field name (``'from'``), which says nothing."""
+    if isinstance(exc, KeyError) and exc.args:
+        return f"bad {what}: missing field {exc.args[0]!r}"[:200]
+    return f"bad {what}: {exc}"[:200]
+
+
 #: What ``OPTIONS *`` (a question about the server, not a resource) is told.
 ALLOW = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"
 

@@ -11,6 +11,12 @@ descriptors, and then every new connection fails. Here:
   started a request).
 * **Header size.** More than ``max_header_bytes`` before the headers end is a
   ``431`` and a closed connection.
+* **Answered early.** A request answered before its body has all arrived
+  (a ``413`` from the declared length, a ``401``) keeps its connection: the
+  rest of the body is read and dropped, and only then does the connection
+  wait for its next request's headers (counting the rest as the next
+  request's headers answered a valid request with a ``431``). Past
+  ``MAX_DRAIN`` bytes of body the connection is closed instead.
 * **Body timeout.** A request's body must arrive within ``body_timeout``
   seconds of its headers, plus one second per ``MIN_BODY_RATE`` bytes
   received so far (Apache's mod_reqtimeout, ``body=10,MinRate=500``): a
@@ -46,6 +52,10 @@ __all__ = ["FrontDoor", "raise_fd_limit"]
 RESERVED_FDS = 64
 #: Bytes per second of a request body that extend its time (see the body timeout).
 MIN_BODY_RATE = 500
+#: Bytes of a request body read (and dropped) after its answer went out, past
+#: which the connection is closed rather than kept for the next request (Go's
+#: net/http reads up to 256 KiB of an unread body for the same reason).
+MAX_DRAIN = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -286,6 +296,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         _body_since = 0.0
         _body_bytes = 0
         _body_timer: asyncio.TimerHandle | None = None
+        #: Whether the request being read has arrived whole (its body too).
+        _message_done = True
         # uvicorn's, set in its __init__ (declared for the type checker).
         app: Any
         limit_concurrency: int | None
@@ -357,7 +369,25 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def on_message_begin(self) -> None:
             self._parsed_bytes = 0
+            self._message_done = False
             super().on_message_begin()
+
+        def on_message_complete(self) -> None:
+            self._message_done = True
+            super().on_message_complete()
+            cycle = self.cycle
+            if (
+                cycle is not None
+                and cycle.response_complete
+                and not self._waiting
+                and not self.pipeline
+                and not self.transport.is_closing()
+            ):
+                # Answered before its body was whole (on_response_complete did
+                # not start the wait): what comes next is a new request. (uvicorn
+                # leaves ``more_body`` set then; the body timer reads it.)
+                cycle.more_body = False
+                self._wait_for_request()
 
         def on_url(self, url: bytes) -> None:
             self._parsed_bytes += len(url)
@@ -414,6 +444,9 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def on_body(self, body: bytes) -> None:
             self._body_bytes += len(body)
+            if self._body_bytes > MAX_DRAIN and self.cycle.response_complete:
+                self._close_waiting(None)  # answered long ago: not worth reading on
+                return
             super().on_body(body)
 
         def on_headers_complete(self) -> None:
@@ -447,7 +480,11 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 if postpone is not None:
                     postpone(self._reads)
             cycle = self.cycle
-            if not self.transport.is_closing() and (cycle is None or cycle.response_complete):
+            if (
+                self._message_done
+                and not self.transport.is_closing()
+                and (cycle is None or cycle.response_complete)
+            ):
                 self._wait_for_request()
 
         def connection_lost(self, exc: Exception | None) -> None:

@@ -68,8 +68,9 @@ class NodeMetrics:
         flusher.add(self._counts.flush)
         self.observe = self._latency.observe
         self._pending = self._counts.pending
-        #: The rules in force at the last scrape (see :meth:`forget_rules`).
-        self._last_rules: set[str] = set()
+        #: The rules in force at the last scrape (see :meth:`forget_rules`); None
+        #: before the first, which drops nothing.
+        self._last_rules: set[str] | None = None
         #: Decisions by outcome of the series :meth:`forget_rules` dropped: still
         #: counted by :meth:`decision_totals`, whose rates must not dip when a
         #: rule is renamed.
@@ -130,8 +131,10 @@ class NodeMetrics:
         before each render (``GET /metrics``), as the router forgets departed nodes.
         """
         current = set(rules)
-        keep = current | self._last_rules
-        self._last_rules = current
+        last, self._last_rules = self._last_rules, current
+        if last is None:
+            return  # the first scrape shows every series there is
+        keep = current | last
         self._counts.flush()  # pending counts would bring a dropped series back
         forgotten = self._forgotten
         for labels, value in _series(self.decisions).items():

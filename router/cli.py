@@ -1082,6 +1082,8 @@ def _admin_call(
         data = response.json()
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
+        if data.get("error") in _LIMITED_PATH_ERRORS:
+            raise ValueError("a limited path answered, not the admin API")
         if response.status_code != 200:
             hint = ""
             if response.status_code == 401:
@@ -1096,6 +1098,11 @@ def _admin_call(
         ) from None
     print("\n".join(printed))
     return 0
+
+
+#: Errors only a limited path answers (a node's, which takes /admin/... as a
+#: request to the app it fronts): a CLI pointed at a node is told so, not these.
+_LIMITED_PATH_ERRORS = frozenset({"missing_user_id", "invalid_user_id"})
 
 
 def _http_problem(exc: Exception) -> str:

@@ -75,7 +75,9 @@ class RouterMetrics:
             (self._events, ("node", "event"), self._events.remove),
             (self._checks, ("node",), self._checks.remove),
         )
-        self._last_members: set[str] = set()
+        #: The members at the last scrape; None before the first, which drops
+        #: nothing (a node that left before it is shown once, like any other).
+        self._last_members: set[str] | None = None
 
     def watch(self, epoch: Callable[[], float], nodes: Callable[[], float]) -> None:
         self._epoch.set_function(epoch)
@@ -153,8 +155,10 @@ class RouterMetrics:
         as long as it ran. Called before each render (``GET /metrics``).
         """
         current = set(members)
-        keep = current | self._last_members | {NO_NODE}
-        self._last_members = current
+        last, self._last_members = self._last_members, current
+        if last is None:
+            return  # the first scrape shows every series there is
+        keep = current | last | {NO_NODE}
         self._forwards.flush()  # pending counts would bring a dropped series back
         for counter, names, remove in self._per_node:
             stale: set[tuple[str, ...]] = set()

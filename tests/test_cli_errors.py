@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from router.cli import ROUTER_NUMBERS
-from tests.processes import ROOT, free_port
+from tests.processes import ROOT, Procs, free_port, procs  # noqa: F401 (fixture)
 from tests.test_cli import free_block
 
 pytestmark = pytest.mark.integration
@@ -92,6 +92,17 @@ def test_nodes_with_a_url_that_is_not_a_router(not_a_router: str) -> None:
     one_line_failure(
         ringlimit("nodes", "list", "--router", not_a_router),
         f"{not_a_router} answered HTTP 404",
+        "check --router",
+    )
+
+
+def test_nodes_pointed_at_a_node_say_so(procs: Procs) -> None:  # noqa: F811
+    """A node takes /admin/nodes as a request for the app it fronts and answers
+    missing_user_id; the CLI said that, not that --router names a node."""
+    _, node = procs.node("n1", None, "--rule", "10/minute")
+    one_line_failure(
+        ringlimit("nodes", "list", "--router", node),
+        f"{node} answered HTTP 400, not as a ringlimit router's admin API",
         "check --router",
     )
 

@@ -318,3 +318,68 @@ def test_a_pipelined_body_waits_on_the_answer_ahead_without_its_clock_running() 
     out = asyncio.run(main())
     assert out.count(b"HTTP/1.1 200") == 2, out
     assert b"/slow got 0" in out and out.endswith(b"/second got 2000"), out
+
+
+@pytest.mark.parametrize(
+    ("who", "method", "path"),
+    [
+        ("router", "POST", "/v1/check"),
+        ("router", "PUT", "/admin/rules"),
+        ("router", "POST", "/admin/nodes"),
+        ("node", "POST", "/v1/check"),
+    ],
+)
+def test_a_body_refused_before_it_is_read_does_not_answer_the_next_request(
+    cluster: tuple[str, str], who: str, method: str, path: str
+) -> None:
+    """A 413 from the declared length goes out before the body is read. The rest
+    of the body is drained; it must not count as the next request's headers
+    (that answered the valid request after it with a 431 and a reset: found by
+    a fault helper). One raw connection: the refused request and its 2 MB body,
+    then a valid request, twice: 413, 200, 200."""
+    router, node = cluster
+    refused = (
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        + b"Content-Length: 2000000\r\n\r\n"
+        + b"x" * 2_000_000
+    )
+    valid = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    port = port_of(router if who == "router" else node)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(refused)
+        first = exchange_rest(sock)
+        assert status(first) == 413 and b"body_too_large" in first, first[:300]
+        for _ in range(2):
+            sock.sendall(valid)
+            answer = exchange_rest(sock)
+            assert status(answer) == 200 and b'"ok"' in answer, answer[:300]
+
+
+def test_a_body_past_what_is_drained_closes_its_connection(cluster: tuple[str, str]) -> None:
+    """Past MAX_DRAIN bytes of a refused body the connection is closed: the
+    answer is the 413 alone (never a 431), whatever the client goes on sending."""
+    from node.frontdoor import MAX_DRAIN
+
+    router, _ = cluster
+    size = MAX_DRAIN + 4_000_000
+    head = (
+        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(size).encode() + b"\r\n\r\n"
+    )
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port_of(router)), timeout=5) as sock:
+        sock.sendall(head)
+        answer = exchange_rest(sock)  # the 413 goes out before any body is read
+        chunk = b"x" * 65536
+        try:
+            for _ in range(size // len(chunk) + 1):
+                sock.sendall(chunk)
+        except OSError:
+            pass  # closed (a reset) once past what the front door drains
+        else:
+            pytest.fail("the connection took the whole body")
+        with pytest.raises(OSError):
+            for _ in range(10):
+                assert sock.recv(65536) == b""
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status(answer) == 413 and b"431" not in answer

@@ -225,3 +225,28 @@ async def test_a_departed_nodes_series_leave_the_router_one_scrape_later() -> No
         if s.name == "ringlimit_router_forwarded_total"
     ]
     assert "n3" in forwarded
+
+
+async def test_a_node_that_left_before_the_first_scrape_is_shown_once() -> None:
+    """The first scrape of a router has no last scrape to compare with: it shows
+    every series (a node gone before it, with its counts and events), and the
+    next one drops the departed node's. (It dropped them unseen.)"""
+    config = ClusterConfig(rules=(ScopedRule(Rule("api", 100, 60.0)),))
+    async with InProcessCluster(3, config, clock=FrozenClock()) as cluster:
+        for i in range(60):
+            await cluster.client.get("/hello", headers={"X-User-Id": f"u{i}"})
+        await cluster.remove_node("n3")
+        first = (await cluster.client.get("/metrics")).text
+        second = (await cluster.client.get("/metrics")).text
+    assert node_labels(first) == {"n1", "n2", "n3"}
+    assert node_labels(second) == {"n1", "n2"}
+
+
+def test_a_rule_gone_before_a_nodes_first_scrape_is_shown_once() -> None:
+    metrics = NodeMetrics("n1")
+    metrics.count("old", True, 3)
+    metrics.forget_rules({"new"})  # the first scrape, after a rename
+    assert 'rule="old"' in metrics.render().decode()
+    metrics.forget_rules({"new"})
+    assert 'rule="old"' not in metrics.render().decode()
+    assert metrics.decision_totals()["allowed"] == 3

@@ -538,6 +538,23 @@ async def test_malformed_internal_bodies_are_4xx(
     assert node.shard is not None and node.shard.epoch == 1
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/internal/import", b'{"epoch": 1, "records": [], "final": true}', "from"),
+        ("/internal/replica", b'{"records": []}', "from"),
+    ],
+)
+async def test_an_internal_body_missing_a_field_names_it(
+    fenced_in_ring: Any, path: str, body: bytes, field: str
+) -> None:
+    """Not the bare KeyError text (``'from'``), which says nothing to an operator."""
+    _, client = fenced_in_ring
+    response = await client.post(path, content=body)
+    assert response.status_code == 400, response.text
+    assert f"missing field '{field}'" in response.json()["detail"], response.text
+
+
 INTERNAL_XFAIL: list[tuple[str, str, bytes]] = [
     ("POST", "/internal/pull", b'{"keys": [], "to": "n1", "epoch": 1e999}'),
     ("POST", "/internal/import", b'{"from": "n1", "epoch": 1e999, "records": [], "final": true}'),
