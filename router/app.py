@@ -445,7 +445,9 @@ class Router:
         ):
             return
         member: Member | None = None
-        for _ in range(MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
+            if attempt and time.perf_counter() - started > self.settings.timeouts.refusals:
+                break
             view = self.membership.view
             try:
                 member = self.pick(view, user)

@@ -14,6 +14,7 @@ Raw ASGI (no Starlette): this is a hot path.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -174,9 +175,11 @@ class DecisionAPI:
             member = self.router.pick(self.router.membership.view, check.key)
         except EmptyRingError:
             return (await self.route_checks([check]))[0]
+        started = time.perf_counter()
         result = await self.coalescer.submit(member.id, (member, check))
         if result is _RETRY:
-            return (await self.route_checks([check]))[0]
+            # Refused once already: the rest of its attempts, and of its time.
+            return (await self.route_checks([check], attempted=1, started=started))[0]
         return result  # type: ignore[no-any-return]
 
     async def _send_coalesced(self, node_id: str, items: list[tuple[Member, Check]]) -> list[Any]:
@@ -190,17 +193,28 @@ class DecisionAPI:
         return out
 
     async def route_checks(
-        self, checks: Sequence[Check], raw: Sequence[Any] | None = None
+        self,
+        checks: Sequence[Check],
+        raw: Sequence[Any] | None = None,
+        *,
+        attempted: int = 0,
+        started: float | None = None,
     ) -> list[Result]:
         """One result per check, in order: a node's answer as JSON bytes, or the
         router's own (an error, an unreachable owner) as a dict. ``raw``: each
         check's JSON text as the client sent it (node/wire.py's ``raw_checks``),
-        passed on to the node rather than encoded again."""
+        passed on to the node rather than encoded again. ``attempted`` and
+        ``started`` (``perf_counter``): sends already refused and when the first
+        left, for checks that come back from the coalescer."""
         router = self.router
         results: list[Result | None] = [None] * len(checks)
         pending = list(range(len(checks)))
-        for _ in range(MAX_ATTEMPTS):
+        if started is None:
+            started = time.perf_counter()
+        for attempt in range(attempted, MAX_ATTEMPTS):
             if not pending:
+                break
+            if attempt and time.perf_counter() - started > router.settings.timeouts.refusals:
                 break
             view = router.membership.view
             groups: dict[str, list[int]] = {}

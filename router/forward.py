@@ -38,17 +38,25 @@ class Timeouts:
     #: owner paused is answered before the owner is removed. Raise it (with
     #: --forward-timeout) for applications that take longer to answer.
     total: float = 3.0
+    #: How long after a request (or a check) arrived the router may still send it
+    #: again because a node refused it while the ring changes; past it the client
+    #: gets ``ring_changing`` (503, Retry-After: 1). Every refusal is followed by
+    #: a wait that brings the router or the node up to date (at most one health
+    #: interval's repair, 2.5 s by default), so this bounds how long a client waits
+    #: on a ring that keeps changing; :data:`MAX_ATTEMPTS` bounds the sends.
+    refusals: float = 5.0
 
 
 #: How many times the router sends a request (or a check) while nodes refuse it
-#: because the ring is changing, before it answers ``ring_changing``. Four: the
-#: repair of a restarted node is two changes (crash, then rejoin), and a request
-#: that races both can be refused by the restarted node, by the interim owner
-#: (already past the rejoin), and by the restarted node again (not yet told of
-#: the rejoin the router learnt from the interim owner): three refusals, each
-#: followed by a wait that brings the router or the node up to date. Three
-#: attempts answered 503 there (a follower router in CI, once).
-MAX_ATTEMPTS = 4
+#: because the ring is changing, before it answers ``ring_changing``. A router
+#: whose view leads or trails the nodes' can be refused twice per change (once
+#: by a node behind it, once by one ahead of it), and the repair of a restarted
+#: node is two changes (crash, then rejoin) after the restarted node's own
+#: refusal: five. Eight leaves room for a third change; :attr:`Timeouts.refusals`
+#: bounds the time. (Four answered 503 to a follower router in CI, refused by
+#: the restarted node, the interim owner behind the crash, the interim owner past
+#: the rejoin, and the restarted node before the rejoin reached it.)
+MAX_ATTEMPTS = 8
 
 
 @dataclass(slots=True)
