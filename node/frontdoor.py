@@ -10,7 +10,14 @@ descriptors, and then every new connection fails. Here:
   data trickling in does not extend it. Then it is closed (``408`` if it had
   started a request).
 * **Header size.** More than ``max_header_bytes`` before the headers end is a
-  ``431`` and a closed connection.
+  ``431`` and a closed connection. It holds for a request pipelined behind
+  one being served too (closed with no answer: one is owed to the request
+  ahead), and for a chunked body's framing and trailers, which the parser
+  buffers as it does headers (``431``).
+* **No protocol switch.** Neither process speaks WebSocket (``ws: none``): an
+  ``Upgrade`` request is plain HTTP, and its connection closes after the
+  answer (httptools parses nothing after an upgrade). One that declares a
+  body is a ``400``: the parser would never deliver that body.
 * **Answered early.** A request answered before its body has all arrived
   (a ``413`` from the declared length, a ``401``) keeps its connection: the
   rest of the body is read and dropped, and only then does the connection
@@ -19,7 +26,7 @@ descriptors, and then every new connection fails. Here:
   ``body_timeout`` seconds from the answer, with no allowance per byte, and
   at most ``MAX_DRAIN`` bytes of body in all; past either, or when the
   client waits for a ``100 Continue`` it was never sent, the connection is
-  closed.
+  closed (and nothing after it in the same read is served).
 * **Body timeout.** A request's body must arrive within ``body_timeout``
   seconds of its headers, plus one second per ``MIN_BODY_RATE`` bytes
   received so far (Apache's mod_reqtimeout, ``body=10,MinRate=500``): a
@@ -98,6 +105,11 @@ class FrontDoor:
         """``uvicorn.Config`` keyword arguments; ``http`` is the protocol in use."""
         cap = self.connection_cap()
         options: dict[str, Any] = {
+            # Neither a router nor a node serves WebSockets: uvicorn's WebSocket
+            # protocol would take an upgrade request's body as frames (and hold the
+            # connection with no timer), and answer a handshake the app cannot
+            # complete with a plain-text 500. An upgrade request is HTTP here.
+            "ws": "none",
             "timeout_keep_alive": self.keep_alive,
             "h11_max_incomplete_event_size": self.max_header_bytes,
             "limit_concurrency": cap,
@@ -141,31 +153,48 @@ _MALFORMED = _canned(
 _TOO_LARGE = _canned(
     431, "Request Header Fields Too Large", "headers_too_large", "request headers are too large"
 )
+_TRAILERS_TOO_LARGE = _canned(
+    431,
+    "Request Header Fields Too Large",
+    "headers_too_large",
+    "the chunked body's framing or trailers are too large",
+)
 
 
-_OVER_CAPACITY = json.dumps(
-    {
-        "error": "over_capacity",
-        "detail": "every connection this server accepts is busy with a request; retry shortly",
-    }
-).encode()
+def _refusal(status: int, error: str, detail: str, *fields: tuple[bytes, bytes]) -> Any:
+    """An ASGI app answering every request with one JSON error (the front door's
+    own refusals of a request whose headers were read; closes the connection)."""
+    body = json.dumps({"error": error, "detail": detail}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *fields,
+        (b"connection", b"close"),
+    ]
+
+    async def refuse(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return refuse
 
 
-async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
-    """The answer when every connection is busy (uvicorn's ``limit_concurrency``)."""
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 503,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(_OVER_CAPACITY)).encode()),
-                (b"retry-after", b"1"),
-                (b"connection", b"close"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": _OVER_CAPACITY, "more_body": False})
+#: The answer when every connection is busy (uvicorn's ``limit_concurrency``).
+_over_capacity = _refusal(
+    503,
+    "over_capacity",
+    "every connection this server accepts is busy with a request; retry shortly",
+    (b"retry-after", b"1"),
+)
+#: The answer to an upgrade request with a body: the HTTP parser (httptools)
+#: stops at an upgrade and never delivers the body, which the app would take
+#: as empty.
+_upgrade_with_body = _refusal(
+    400,
+    "upgrade_with_body",
+    "this server does not switch protocols, and cannot read the body of a request "
+    "that asks to (Connection: upgrade); send it without the Upgrade field",
+)
 
 
 #: Checked response fields a server remembers (a node's differ by little: its
@@ -271,8 +300,17 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
     return send
 
 
-class _HeadersTooLarge(Exception):
-    """Raised from a parser callback to stop parsing an oversized request."""
+class _StopParsing(Exception):
+    """Raised from a parser callback to stop parsing (an oversized request, or a
+    connection closed from the callback: what follows in the read is dropped)."""
+
+
+def _declares_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's (lowercased) fields announce a body."""
+    for name, value in headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
 
 
 def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> type:
@@ -290,7 +328,15 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
     class LimitedProtocol(base):  # type: ignore[valid-type,misc]
         _waiting = False
         _waiting_since = 0.0
+        #: From a request's first byte until its headers end (whether or not the
+        #: connection waits: a request pipelined behind one being served does not).
+        _in_head = False
         _header_bytes = 0
+        #: A chunked body under way, and the bytes read since the last read that
+        #: carried any of its data: framing, and after the last chunk its trailers,
+        #: which the parser buffers as it does headers.
+        _chunked = False
+        _unframed = 0
         #: Reads so far (node/server.py's ``postpone`` tells a batch from a stream).
         _reads = 0
         _parsed_bytes = 0
@@ -332,12 +378,17 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             # connection has been waiting *now* (see _headers_late).
             self._waiting = True
             self._waiting_since = self.loop.time()
-            self._header_bytes = 0
+            if not self._in_head:
+                self._header_bytes = 0
+            # (A request begun behind the one just answered keeps its count: its
+            # bytes so far are headers too.)
             if self._header_timer is None:
                 self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
 
         def _stop_waiting(self) -> None:
+            """The headers ended (or the connection did)."""
             self._waiting = False
+            self._in_head = False
 
         def _cancel_timer(self) -> None:
             if self._header_timer is not None:
@@ -353,27 +404,76 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 # It has waited since a later request ended: not late yet.
                 self._header_timer = self.loop.call_later(left, self._headers_late)
                 return
-            self._close_waiting(_TIMEOUT if self._header_bytes else None)
+            started = self._header_bytes or self._in_head
+            self._close_waiting(_TIMEOUT if started else None)
 
         def _close_waiting(self, answer: bytes | None) -> None:
+            """Close the connection, writing ``answer`` first if the client would
+            read it as the answer to the request it concerns (see _may_answer)."""
+            may_answer = answer is not None and self._may_answer()
             self._stop_waiting()
             self._cancel_timer()
             self.connections.discard(self)
             if not self.transport.is_closing():
-                if answer is not None:
-                    self.transport.write(answer)
+                if may_answer:
+                    self.transport.write(answer)  # type: ignore[arg-type]
                 self.transport.close()
+
+        def _may_answer(self) -> bool:
+            """True unless an answer is owed to a request ahead of the trouble: one
+            begun (``response_started``), or a request served while a later one's
+            headers were arriving behind it or wait in the pipeline (an error
+            written now would be read as that request's answer)."""
+            cycle = self.cycle
+            if cycle is None:
+                return True
+            if cycle.response_complete:
+                # (Not while its body is drained: the client is still sending it.)
+                return not getattr(cycle, "more_body", False)
+            started = getattr(cycle, "response_started", True)
+            return not started and not self._in_head and not self.pipeline
 
         def data_received(self, data: bytes) -> None:
             self._reads += 1
-            if self._waiting:
+            if self._waiting or self._in_head:
                 self._header_bytes += len(data)
-            super().data_received(data)
-            if self._waiting and self._header_bytes > max_header_bytes:
+            if self._chunked:
+                self._chunk_data_received(data)
+            else:
+                super().data_received(data)
+            if (self._waiting or self._in_head) and self._header_bytes > max_header_bytes:
                 self._close_waiting(_TOO_LARGE)
+
+        def _chunk_data_received(self, data: bytes) -> None:
+            """A read during a chunked body: past ``max_header_bytes`` of reads with
+            none of the body's data (a chunk line's extensions, or trailers that
+            never end: httptools joins a trailer's pieces as it does a header's,
+            at a cost that grows with the square of its length) it is refused."""
+            before = self._body_bytes
+            super().data_received(data)
+            if not self._chunked or self.transport.is_closing():
+                return  # the message ended in this read
+            if self._body_bytes != before:
+                self._unframed = 0
+                return
+            self._unframed += len(data)
+            if self._unframed > max_header_bytes:
+                self._close_waiting(_TRAILERS_TOO_LARGE)
+
+        def on_chunk_header(self) -> None:
+            if not self._chunked:
+                self._chunked = True
+                self._unframed = 0
 
         def on_message_begin(self) -> None:
             self._parsed_bytes = 0
+            self._in_head = True
+            if not self._waiting:
+                # Behind a request being served or in the same read as one's end:
+                # its headers count from here (the rest of that read is not counted).
+                self._header_bytes = 0
+            if self._chunked:
+                self._chunked = False  # (the request before it was chunked)
             super().on_message_begin()
 
         def on_message_complete(self) -> None:
@@ -408,7 +508,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def _too_large(self) -> None:
             self._oversized = True
-            raise _HeadersTooLarge  # the parser stops; uvicorn calls send_400_response
+            raise _StopParsing  # the parser stops; uvicorn calls send_400_response
 
         def send_400_response(self, msg: str) -> None:
             """What the HTTP parser cannot read gets a JSON error, like any bad input."""
@@ -445,14 +545,13 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             if left > 0:
                 self._body_timer = self.loop.call_later(left, self._body_late)
                 return
-            started = getattr(cycle, "response_started", True)
-            self._close_waiting(None if started else _BODY_TIMEOUT)
+            self._close_waiting(_BODY_TIMEOUT)
 
         def on_body(self, body: bytes) -> None:
             self._body_bytes += len(body)
             if self._body_bytes > MAX_DRAIN and self.cycle.response_complete:
                 self._close_waiting(None)  # answered long ago: not worth reading on
-                return
+                raise _StopParsing  # nor a request behind it in this read
             super().on_body(body)
 
         def on_headers_complete(self) -> None:
@@ -460,22 +559,37 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             # Every request (a bodyless one is complete before the timer looks).
             self._await_body()
             limit = self.limit_concurrency
+            upgrade = self.parser.should_upgrade()
+            refusal = None
             if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
                 # uvicorn would answer its own plain-text 503 here; every other
                 # refusal of ours is JSON, so this one is too (same status).
-                app, self.app, self.limit_concurrency = self.app, _over_capacity, None
+                refusal = _over_capacity
+            elif upgrade and _declares_body(self.headers):
+                refusal = _upgrade_with_body
+            if refusal is None:
+                super().on_headers_complete()
+            else:
+                app, self.app, self.limit_concurrency = self.app, refusal, None
                 try:
                     super().on_headers_complete()
                 finally:
                     self.app, self.limit_concurrency = app, limit
-                return
-            super().on_headers_complete()
             cycle = self.cycle
             if type(cycle) is RequestResponseCycle:
                 # Before its task's first step, which is when the app gets its ``send``.
                 # (An attribute, not a subclass: a changed ``__class__`` slows every
                 # attribute of the cycle down.)
                 cycle.send = MethodType(send, cycle)  # type: ignore[method-assign]
+                if upgrade:
+                    # The parser reads nothing after an upgrade request (httptools
+                    # stops there): the connection closes after its answer, and
+                    # what the client sent behind it is not read.
+                    cycle.keep_alive = False
+
+        def _unsupported_upgrade_warning(self) -> None:
+            """uvicorn logs two warnings per read after an upgrade request (the parser
+            refuses every read): a client could fill the log. Handled above."""
 
         def on_response_complete(self) -> None:
             pipelined = bool(self.pipeline)

@@ -447,3 +447,205 @@ def test_a_refused_request_that_awaits_100_continue_is_closed(cluster: tuple[str
         assert status(answer) == 413, answer[:200]
         _, took = closed_within(sock, 3)
     assert took < 0.9, took  # before the 1 s timeouts would have closed it
+
+
+WEBSOCKET_HANDSHAKE = (
+    b"GET /hello HTTP/1.1\r\nHost: x\r\nX-User-Id: a\r\nUpgrade: websocket\r\n"
+    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    b"Sec-WebSocket-Version: 13\r\n\r\n"
+)
+
+
+def answer_and_close(url: str, request: bytes) -> tuple[bytes, float]:
+    """Send ``request`` on a new connection: what is answered until the server
+    closes it, and when (see :func:`closed_within`)."""
+    with socket.create_connection(("127.0.0.1", port_of(url)), timeout=5) as sock:
+        sock.sendall(request)
+        return closed_within(sock, 3)
+
+
+@pytest.mark.parametrize("who", ["router", "node"])
+def test_a_websocket_handshake_gets_an_http_answer_and_a_closed_connection(
+    cluster: tuple[str, str], who: str
+) -> None:
+    """Neither server speaks WebSocket: a handshake is an HTTP request like any
+    other (uvicorn's WebSocket protocol answered it, a plain-text 403 or 500). The parser
+    reads nothing after an upgrade request, so the connection closes after the
+    answer, before the 1 s timeouts would (review finding)."""
+    router, node = cluster
+    answer, took = answer_and_close(router if who == "router" else node, WEBSOCKET_HANDSHAKE)
+    # The echo app's answer (uvicorn's WebSocket protocol answered a plain 403 or 500).
+    assert status(answer) == 200 and b'"path":"/hello"' in answer, answer[:300]
+    assert b"connection: close" in answer.lower(), answer[:300]
+    assert took < 0.9, took
+
+
+@pytest.mark.parametrize("who", ["router", "node"])
+def test_an_upgrade_request_with_a_body_is_refused_not_held(
+    cluster: tuple[str, str], who: str
+) -> None:
+    """httptools stops at an upgrade request and never delivers its body: the app
+    would take it as empty (and uvicorn's WebSocket protocol held the connection
+    for 40 s with no timer). It is a 400 saying why, and a closed connection."""
+    router, node = cluster
+    body = b'{"checks": [{"key": "a"}]}'
+    request = (
+        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: Upgrade\r\nUpgrade: websocket\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+    answer, took = answer_and_close(router if who == "router" else node, request)
+    assert status(answer) == 400 and b"upgrade_with_body" in answer, answer[:300]
+    assert took < 0.9, took
+
+
+@pytest.mark.parametrize("who", ["router", "node"])
+def test_endless_chunked_trailers_are_refused(cluster: tuple[str, str], who: str) -> None:
+    """After a chunked body's last chunk the parser buffers trailer fields as it
+    does headers, at a cost that grows with their square: past the header size
+    (64 KiB) it is a 431, not a connection holding megabytes (review finding)."""
+    router, node = cluster
+    head = (
+        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: "
+    )
+    with socket.create_connection(
+        ("127.0.0.1", port_of(router if who == "router" else node))
+    ) as sock:
+        sock.sendall(head)
+        time.sleep(0.05)
+        try:
+            for _ in range(64):  # 512 KiB at most, 8 KiB a write
+                sock.sendall(b"a" * 8192)
+                time.sleep(0.002)
+        except OSError:
+            pass  # closed once past the cap
+        answer, took = closed_within(sock, 3)
+    assert status(answer) == 431 and b"trailers" in answer, answer[:300]
+    assert took < 0.9, took
+
+
+# In-process: a protocol with the front door serving a small app over a real socket.
+
+
+def recording_app(paths: list[str]) -> object:
+    """``/slow`` answers after 1.5 s; ``/refuse`` answers 413 without reading its
+    body; anything else reads its body and answers 200. Every path it is called
+    for goes into ``paths``."""
+    import asyncio
+
+    async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        if scope["type"] != "http":
+            return
+        paths.append(scope["path"])
+        status = 200
+        if scope["path"] == "/slow":
+            await asyncio.sleep(1.5)
+        elif scope["path"] == "/refuse":
+            status = 413
+        else:
+            while (await receive()).get("more_body"):  # type: ignore[operator]
+                pass
+        payload = scope["path"].encode()
+        headers = [(b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": payload})  # type: ignore[operator]
+
+    return app
+
+
+def talk(
+    front_door: object, writes: list[tuple[float, bytes]], seconds: float
+) -> tuple[bytes, float | None, list[str]]:
+    """Serve :func:`recording_app` behind ``front_door``; make ``writes`` (each
+    after a pause) on one connection, then read until it closes or ``seconds``
+    pass: (what was answered, when it closed or None, the paths the app saw)."""
+    import asyncio
+
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from node.frontdoor import limited_protocol
+    from tests.uvicorn_serving import serving
+
+    paths: list[str] = []
+
+    async def main() -> tuple[bytes, float | None]:
+        protocol = limited_protocol(HttpToolsProtocol, front_door)  # type: ignore[arg-type]
+        async with serving(protocol, recording_app(paths), ws="none") as (port, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            started = time.monotonic()
+            try:
+                for pause, data in writes:
+                    await asyncio.sleep(pause)
+                    writer.write(data)
+                    await writer.drain()
+            except OSError:
+                pass  # closed while writing
+            out = b""
+            while time.monotonic() - started < seconds:
+                try:
+                    chunk = await asyncio.wait_for(reader.read(65536), 0.1)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    chunk = b""  # reset
+                if not chunk:
+                    writer.close()
+                    return out, time.monotonic() - started
+                out += chunk
+            writer.close()
+            return out, None
+
+    out, closed = asyncio.run(main())
+    return out, closed, paths
+
+
+def test_a_huge_head_pipelined_behind_a_slow_request_is_cut_off() -> None:
+    """Header bytes were counted only while the connection waited for a request:
+    behind one being served, a head that never ended was buffered without limit
+    (review finding). Past the cap the connection closes with no answer (one is
+    owed to the request ahead, and an error now would be read as it)."""
+    from node.frontdoor import FrontDoor
+
+    front_door = FrontDoor(max_header_bytes=4096, header_timeout=5, body_timeout=5)
+    writes = [(0.0, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /next HTTP/1.1\r\nX-Pad: ")]
+    writes += [(0.01, b"a" * 1024)] * 64
+    out, closed, paths = talk(front_door, writes, 4)
+    assert closed is not None and closed < 1.4, closed  # before /slow answers (1.5 s)
+    assert out == b"" and paths == ["/slow"], (out, paths)
+
+
+def test_a_request_behind_a_drain_past_its_cap_is_not_served() -> None:
+    """Past MAX_DRAIN bytes of a body answered early the connection closes; a
+    request behind it in the same read reached the app anyway (review finding)."""
+    from node.frontdoor import MAX_DRAIN, FrontDoor
+
+    front_door = FrontDoor(header_timeout=5, body_timeout=5)
+    head = b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(MAX_DRAIN + 100).encode()
+    writes = [
+        (0.0, head + b"\r\n\r\n"),
+        (0.2, b"x" * MAX_DRAIN),  # the whole drain: not past the cap yet
+        (0.5, b"x" * 100 + b"GET /behind HTTP/1.1\r\nHost: x\r\n\r\n"),  # its end, then one more
+    ]
+    out, closed, paths = talk(front_door, writes, 4)
+    assert status(out) == 413 and closed is not None, (out[:200], closed)
+    assert paths == ["/refuse"], paths
+
+
+def test_a_partial_request_in_the_read_that_ends_a_drain_is_timed() -> None:
+    """The start of a request in the read that ends a drained body is its head:
+    it is timed, counted and answered 408 when late (it was closed silently, its
+    bytes uncounted: review finding)."""
+    from node.frontdoor import FrontDoor
+
+    front_door = FrontDoor(header_timeout=0.5, body_timeout=5)
+    writes = [
+        (0.0, b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"),
+        (0.2, b"x" * 100 + b"GET /next HTTP/1.1\r\nX-Pad: "),
+    ]
+    out, closed, paths = talk(front_door, writes, 4)
+    assert status(out) == 413 and closed is not None and closed < 2, (out[:200], closed)
+    assert out.count(b"HTTP/1.1 ") == 2 and b"HTTP/1.1 408" in out, out
+    assert paths == ["/refuse"], paths
