@@ -648,8 +648,23 @@ class Membership:
         """True for a repeated registration of a healthy member (nothing to do)."""
         if not self.log.registered(member):
             return False
-        if await self.nodes.epoch(member, self.health_timeout) == self.view.epoch:
+        epoch = await self.nodes.epoch(member, self.health_timeout)
+        if epoch == self.view.epoch:
             return True
+        if epoch is None:
+            # No answer is no sign of a restart: the member may be paused, slow or
+            # gone, which is the health loop's to judge, within the removal budget.
+            # (Taken as a restart, a registration that arrived as the ring's only
+            # node was killed removed that node: CI.)
+            # A 503, which a node retries until its --join-timeout (a 504 would
+            # count as a wrong --url, and a loaded node would give up and exit).
+            raise MembershipError(
+                503,
+                "member_unconfirmed",
+                f"node {member.id} is in the ring but did not answer /healthz at "
+                f"{member.url} within {self.health_timeout:g}s; it is kept as it is "
+                "(retry once it answers)",
+            )
         # The member registers again without the current view: it restarted and
         # lost its state. Its old incarnation crashed; the new one joins.
         log.warning("node %s re-registered after a restart: crash, then join", member.id)

@@ -649,6 +649,30 @@ async def test_node_restart_is_a_crash_then_a_join() -> None:
         assert set(tally.over()) == set(lost)
 
 
+async def test_a_registration_the_member_cannot_confirm_keeps_it() -> None:
+    """A member registers again (a node's retried join) but does not answer when
+    the router asks its epoch: that is no sign of a restart. It was taken for
+    one (crash, then join), which removed a ring's only node as it was killed,
+    past the removal budget that keeps the last member (CI). Now: 503
+    ``member_unconfirmed`` (a node retries it), the view unchanged; once it
+    answers, the registration is the no-op it always was."""
+    clock = FrozenClock()
+    async with InProcessCluster(1, make_config(), clock=clock) as cluster:
+        membership = cluster.router.membership
+        epoch = membership.view.epoch
+        registration = {"id": "n1", "url": node_url("n1"), "weight": 1}
+        cluster.take_down("n1")
+        response = await cluster.client.post("/admin/nodes", json=registration)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"] == "member_unconfirmed"
+        assert membership.view.epoch == epoch and "n1" in membership.view
+        assert membership.crashes == 0
+        cluster.bring_back("n1")
+        response = await cluster.client.post("/admin/nodes", json=registration)
+        assert response.status_code == 200, response.text
+        assert membership.view.epoch == epoch and membership.crashes == 0
+
+
 async def test_node_restart_is_noticed_on_the_first_refused_request() -> None:
     clock = FrozenClock()
     async with InProcessCluster(3, make_config(crash="replica"), clock=clock) as cluster:

@@ -10,6 +10,7 @@ requests it sees, in process.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -31,11 +32,13 @@ def anyio_backend() -> str:
 
 
 class RefusingGate:
-    """An ASGI app in front of ``node``: refuses its first ``refusals`` requests."""
+    """An ASGI app in front of ``node``: refuses its first ``refusals`` requests,
+    each after ``delay`` seconds."""
 
-    def __init__(self, node: Node, refusals: int) -> None:
+    def __init__(self, node: Node, refusals: int, delay: float = 0.0) -> None:
         self.node = node
         self.refusals = refusals
+        self.delay = delay
         self.seen = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -46,6 +49,8 @@ class RefusingGate:
         if self.seen > self.refusals:
             await self.node(scope, receive, send)  # type: ignore[arg-type]
             return
+        if self.delay:
+            await asyncio.sleep(self.delay)
         epoch = self.node.shard.epoch if self.node.shard is not None else 0
         await send_json(
             send,
@@ -55,8 +60,8 @@ class RefusingGate:
         )
 
 
-def gate(cluster: InProcessCluster, refusals: int) -> RefusingGate:
-    gated = RefusingGate(cluster.nodes["n1"], refusals)
+def gate(cluster: InProcessCluster, refusals: int, delay: float = 0.0) -> RefusingGate:
+    gated = RefusingGate(cluster.nodes["n1"], refusals, delay)
     cluster._mounts[node_url("n1")] = httpx.ASGITransport(app=gated)  # type: ignore[arg-type]
     return gated
 
@@ -94,14 +99,17 @@ async def test_endless_refusals_end_in_ring_changing_after_max_attempts(send: An
 
 @pytest.mark.parametrize("send", [proxied, checked], ids=["proxied", "check"])
 async def test_refusals_stop_once_their_time_is_spent(send: Any) -> None:
-    """Each refusal here costs a 0.01 s wait: past ``Timeouts.refusals`` the
-    router sends nothing more, whatever attempts remain."""
-    options = {"timeouts": Timeouts(refusals=0.015)}
+    """Each refusal here takes 0.2 s: past ``Timeouts.refusals`` (0.5 s) the
+    router sends nothing more, whatever attempts remain: three sends (0, 0.2,
+    0.4 s), not eight. (Wall time: a budget of 0.015 s with no delay lost its
+    second send to a loaded CI machine's pause.)"""
+    options = {"timeouts": Timeouts(refusals=0.5)}
     async with InProcessCluster(
         1, make_config(), clock=FrozenClock(), router_options=options
     ) as cluster:
-        gated = gate(cluster, refusals=10**6)
+        gated = gate(cluster, refusals=10**6, delay=0.2)
         response = await send(cluster)
         assert response.status_code == 503, response.text
         assert response.json()["error"] == "ring_changing"
-        assert 2 <= gated.seen < MAX_ATTEMPTS
+        # At least two (the first send takes 0.2 s of the 0.5), at most three.
+        assert 2 <= gated.seen <= 3 < MAX_ATTEMPTS, gated.seen
