@@ -238,6 +238,13 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
             or cycle.disconnected
             or cycle.flow.write_paused
         ):
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                # The answer's last message: the cycle lets go of this method bound
+                # to itself (the app holds its own). Held, every request's cycle,
+                # scope and all on them were a reference cycle that only the
+                # garbage collector freed: 9-14 objects a request, 7-9% of a
+                # node's CPU (tests/test_frontdoor_cycle.py counts them).
+                cycle.__dict__.pop("send", None)
             return uvicorn_send(cycle, message)  # type: ignore[no-any-return]
         return start(cycle, message)
 
