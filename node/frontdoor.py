@@ -108,7 +108,7 @@ class FrontDoor:
             # Neither a router nor a node serves WebSockets: uvicorn's WebSocket
             # protocol would take an upgrade request's body as frames (and hold the
             # connection with no timer), and answer a handshake the app cannot
-            # complete with a plain-text 500. An upgrade request is HTTP here.
+            # complete with a plain-text 403. An upgrade request is HTTP here.
             "ws": "none",
             "timeout_keep_alive": self.keep_alive,
             "h11_max_incomplete_event_size": self.max_header_bytes,
@@ -242,8 +242,8 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                 # The answer's last message: the cycle lets go of this method bound
                 # to itself (the app holds its own). Held, every request's cycle,
                 # scope and all on them were a reference cycle that only the
-                # garbage collector freed: 9-14 objects a request, 7-9% of a
-                # node's CPU (tests/test_frontdoor_cycle.py counts them).
+                # garbage collector freed: 9-14 objects a request
+                # (tests/test_frontdoor_cycle.py counts them).
                 cycle.__dict__.pop("send", None)
             return uvicorn_send(cycle, message)  # type: ignore[no-any-return]
         return start(cycle, message)

@@ -653,11 +653,10 @@ class Membership:
             return True
         if epoch is None:
             # No answer is no sign of a restart: the member may be paused, slow or
-            # gone, which is the health loop's to judge, within the removal budget.
-            # (Taken as a restart, a registration that arrived as the ring's only
-            # node was killed removed that node: CI.)
-            # A 503, which a node retries until its --join-timeout (a 504 would
-            # count as a wrong --url, and a loaded node would give up and exit).
+            # gone, which the health loop judges within the removal budget (taken
+            # as a restart, a registration that arrived as the ring's only node
+            # was killed emptied the ring). A 503, which a node retries until its
+            # --join-timeout: a 504 would read as a wrong --url, and make it exit.
             raise MembershipError(
                 503,
                 "member_unconfirmed",

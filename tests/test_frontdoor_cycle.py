@@ -231,7 +231,7 @@ def test_a_served_request_leaves_no_garbage_for_the_collector(mode: str) -> None
     fake transport), is freed by reference counting. The front door's ``send``,
     bound to its cycle and kept on it, made every request's cycle, scope and
     all they held a reference cycle: 9 (limiter off) to 14 (on) objects a
-    request for the garbage collector, 7-9% of a node's CPU under load."""
+    request for the garbage collector."""
     import gc
     from functools import partial
     from operator import getitem
