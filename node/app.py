@@ -264,6 +264,8 @@ class Node:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if self.shard is not None:
+                await self.shard.close()
             await self.backend.close()
             await self.peers.close()
             close = getattr(self.fronted, "close", None)
@@ -574,12 +576,29 @@ class Node:
         if lease is not None:
             self.shard.lease.required = lease > 0
         applied = self.shard.apply(view, previous, crashed)
+        leaving = self.settings.node_id not in view
         sent: dict[str, int] = {}
-        if applied:
+        if applied or (leaving and wait and self.shard.core.undelivered_states()):
+            # (The same view again while leaving with states undelivered: try again.)
             if wait:
                 sent = await self.shard.deliver()
             else:
                 self.shard.spawn(self.shard.deliver())
+        if leaving and wait and (left := self.shard.core.undelivered_states()):
+            # A leave is graceful only if every state reached its new owner: the
+            # router treats a leaving node that answers otherwise as crashed, so
+            # that the keys' replicas count (docs/rebalancing.md, Graceful leave).
+            # A 200 here made the leave look clean while the states stayed in an
+            # outbox that the node, about to exit, would never deliver.
+            return JSONResponse(
+                {
+                    "error": "handoff_incomplete",
+                    "detail": f"{left} state(s) could not be handed to their new owners",
+                    "epoch": self.shard.epoch,
+                    "sent": sent,
+                },
+                status_code=503,
+            )
         return JSONResponse({"epoch": self.shard.epoch, "applied": applied, "sent": sent})
 
     async def _internal_call(

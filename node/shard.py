@@ -16,6 +16,7 @@ See docs/rebalancing.md for what each event costs in the worst case.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -31,8 +32,8 @@ from node.peers import PeerError, Peers, bulk
 from node.rules import Rule
 from node.shardcore import (
     SUCCESSOR_CACHE,
+    AwaitHandoffs,
     Crash,
-    HandoffLate,
     HandoffStats,
     InFlight,
     LeaseExpired,
@@ -68,6 +69,10 @@ CHUNK = 50_000
 FREEZE_AT = 10_000
 #: Chunks of one handoff in flight at once: two keep sender and receiver busy together.
 WINDOW = 2
+#: A failed delivery is sent again this many times (Shard._redeliver_later), the
+#: pauses doubling from REDELIVERY_PAUSE seconds (0.5 s, 1 s, 2 s... at most 10 s).
+REDELIVERY_TRIES = 8
+REDELIVERY_PAUSE = 0.5
 
 
 class Shard:
@@ -103,6 +108,8 @@ class Shard:
         self._tasks: set[asyncio.Task[Any]] = set()
         #: This shard holds the heap frozen for an outbox still on its way.
         self._frozen = False
+        #: The epoch whose failed delivery is being sent again in the background.
+        self._redelivering: int | None = None
 
     # ------------------------------------------------------------------ the core's state
 
@@ -190,8 +197,8 @@ class Shard:
         step = core.inherit(key, rules, self.timer())
         if isinstance(step, Pull):
             await self._pull(step)
-        elif isinstance(step, HandoffLate):
-            log.warning("handoff from %s not finished in time; deciding anyway", step.owner)
+        elif isinstance(step, AwaitHandoffs):
+            await self._await_handoffs()
         self.check_owner(key)  # the view may have changed during the pull
         if core.crashes:
             core.conservative(key, rules, self.clock())
@@ -229,12 +236,25 @@ class Shard:
         except (PeerError, KeyError, ValueError, TypeError) as exc:
             core.pull_failed(pull)
             log.warning(
-                "pull of one key from %s failed (%s); deciding on local state", pull.owner, exc
+                "pull of one key from %s failed (%s); deciding on local state%s",
+                pull.owner,
+                exc,
+                "; its handoff is past its deadline: no longer waited for" if pull.late else "",
             )
         finally:
             core.pull_done(pull)
             del self._pulling[pull.key]
             future.set_result(None)
+
+    async def _await_handoffs(self) -> None:
+        """Until no member's final mark is awaited (their transfers carry a crashed
+        member's replicas), every deadline has passed, or the view changed."""
+        core = self.core
+        epoch = core.epoch
+        while core.pending and core.epoch == epoch:
+            if all(deadline <= self.timer() for deadline in core.pending.values()):
+                return
+            await asyncio.sleep(0.02)
 
     # ------------------------------------------------------------------ views
 
@@ -333,7 +353,37 @@ class Shard:
                 self._frozen = False
                 thaw_after_transfer()
             self.core.stats.last_transfer_seconds = self.timer() - started
+        view = self.core.view
+        if view is not None and self.id in view and self.core.owes_handoff():
+            self._redeliver_later()
         return sent
+
+    def _redeliver_later(self) -> None:
+        """Send what a failed delivery left in the outbox again, in the background.
+
+        Until it lands its new owner pulls each key it is asked about, and it
+        waits for this node's final mark: with every request on the slow path
+        (``admit``), and past its deadline only for as long as this node
+        answers its pulls. Delivered, the final mark ends that. Tried
+        :data:`REDELIVERY_TRIES` times with growing pauses, while the view lasts
+        (a newer view sends the outbox again itself).
+        """
+        epoch = self.core.epoch
+        if self._redelivering == epoch:
+            return
+        self._redelivering = epoch
+        self.spawn(self._redeliver(epoch))
+
+    async def _redeliver(self, epoch: int) -> None:
+        try:
+            for attempt in range(REDELIVERY_TRIES):
+                await asyncio.sleep(min(REDELIVERY_PAUSE * 2**attempt, 10.0))
+                if self.core.epoch != epoch or not self.core.owes_handoff():
+                    return
+                await self.deliver()  # schedules no other round: this one runs
+        finally:
+            if self._redelivering == epoch:
+                self._redelivering = None
 
     async def _send_chunk(self, chunk: Transfer) -> None:
         """One chunk of a handoff, tried three times; ``PeerError`` if it never lands."""
@@ -358,6 +408,15 @@ class Shard:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Cancel the background work (deliveries, redeliveries, forwards) at shutdown."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     # ------------------------------------------------------------------ peers' calls
 

@@ -55,6 +55,9 @@ from ring import EmptyRingError, OwnerCache, RingView
 #: Keys whose replica targets replication remembers (then it starts over). Small on
 #: purpose: a million-entry cache cost ~90 bytes per key of node memory.
 SUCCESSOR_CACHE = 65_536
+#: Views a new owner looks back through for a key's state (:meth:`ShardCore.inherit`):
+#: the previous one, and older ones whose handoffs had not finished.
+MAX_SOURCES = 4
 #: Keys whose owner fencing remembers, for the current view only (then it starts
 #: over). 8,192 entries stay under 1 byte per key of node memory at a million
 #: keys (ring/owners.py); 65,536 cost several.
@@ -214,23 +217,31 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Pull:
-    """Ask member ``owner`` (at ``url``) for ``key``'s state: POST /internal/pull."""
+    """Ask member ``owner`` (at ``url``) for ``key``'s state: POST /internal/pull.
+
+    ``late``: asked past the handoff deadline. The owner is still asked (its
+    handoff failed, but it keeps the states for pulls and may well answer);
+    if this pull fails too, it is no longer waited for (:meth:`ShardCore.pull_failed`).
+    """
 
     owner: str
     url: str
     key: str
     epoch: int
     to: str
+    late: bool = False
 
     def payload(self) -> dict[str, Any]:
         return {"keys": [self.key], "epoch": self.epoch, "to": self.to}
 
 
 @dataclass(frozen=True)
-class HandoffLate:
-    """The handoff from ``owner`` did not finish in time: its keys are decided anyway."""
+class AwaitHandoffs:
+    """``key`` was a crashed member's: its state, if any, comes from the member
+    holding its replica, in that member's final transfer of this view. Decide
+    it once no member is awaited any more (or every deadline has passed)."""
 
-    owner: str
+    key: str
 
 
 @dataclass(frozen=True)
@@ -286,6 +297,11 @@ class ShardCore:
         #: None until a router sends a view: a standalone node decides every key.
         self.view: RingView | None = None
         self.previous: RingView | None = None
+        #: Where a key's state may still come from, newest first: the previous
+        #: view, then older ones whose handoffs had not finished when the next
+        #: view came (see :meth:`apply`); and the members they lost as crashed.
+        self.sources: list[RingView] = []
+        self.sources_crashed: frozenset[str] = frozenset()
         self.stats = HandoffStats()
         #: Crashes still covered by the conservative policy (newest last).
         self.crashes: list[Crash] = []
@@ -314,6 +330,9 @@ class ShardCore:
         self.settling: set[str] = set()
         #: The epoch of the view whose final marks :meth:`transfers` sent last.
         self.marked = 0
+        #: Members whose final mark of this view did not land (a failed delivery):
+        #: the next :meth:`transfers` sends them one, with whatever is left for them.
+        self.owed_marks: set[str] = set()
         #: The newest epoch a deferred state arrived under: none is released before it.
         self.settling_epoch = 0
         #: Owners :meth:`check_owner` looked up, for whichever view it was last
@@ -365,31 +384,47 @@ class ShardCore:
         self.check_owner(key)
         self.check_lease(elapsed)
 
-    def inherit(self, key: str, rules: Sequence[Rule], elapsed: float) -> Pull | HandoffLate | None:
-        """While a handoff into this node is under way: must ``key`` be pulled first?
+    def inherit(
+        self, key: str, rules: Sequence[Rule], elapsed: float
+    ) -> Pull | AwaitHandoffs | None:
+        """While a handoff into this node is under way: must ``key``'s state be
+        fetched or awaited before it is decided?
 
-        :class:`Pull` when its previous owner's final mark has not arrived,
-        no state for it is here and it was not pulled yet;
-        :class:`HandoffLate` when that owner's deadline passed (it is no longer
-        waited for); None when the key may be decided as it is.
+        :class:`Pull` when a member that owned it in a view still being
+        settled has not sent its final mark, no state for it is here and it was
+        not pulled yet (past that member's deadline too: a failed delivery
+        leaves the states with it for pulls, and only a pull that fails gives
+        up on it). :class:`AwaitHandoffs` when the member that owned it crashed
+        and replicas are kept: the replica's holder sends it in its final
+        transfer. None when the key may be decided as it is.
+
+        The sources go back past the previous view while an older handoff had
+        not finished when a newer view came: a key this node already owned
+        in the previous view may still be in its first owner's outbox (a failed
+        delivery re-sent under the newer view) or in flight.
         """
-        previous = self.previous
-        if not self.pending or previous is None or not len(previous):
+        pending = self.pending
+        if not pending or not self.sources or key in self.pulled or self.holds(key, rules):
             return None
-        previous_owner = previous.owner_id(key)
-        if previous_owner == self.id:
+        me = self.id
+        for source in self.sources:
+            if not len(source):
+                continue
+            owner = source.owner_id(key)
+            if owner == me:
+                continue
+            deadline = pending.get(owner)
+            if deadline is not None:
+                url = source.member(owner).url
+                return Pull(owner, url, key, self.epoch, me, late=elapsed > deadline)
+            if (
+                owner in self.sources_crashed
+                and self.replication_wanted()
+                and any(d > elapsed for d in pending.values())
+            ):
+                return AwaitHandoffs(key)
             return None
-        deadline = self.pending.get(previous_owner)
-        if deadline is None:
-            return None
-        if elapsed > deadline:
-            self.pending.pop(previous_owner, None)
-            if not self.pending:
-                self._release_settling()
-            return HandoffLate(previous_owner)
-        if key in self.pulled or self.holds(key, rules):
-            return None
-        return Pull(previous_owner, previous.member(previous_owner).url, key, self.epoch, self.id)
+        return None
 
     def awaits(self, member_id: str) -> bool:
         """Is this node still waiting for ``member_id``'s handoff (no final mark yet)?"""
@@ -405,7 +440,14 @@ class ShardCore:
         self.stats.keys_received += len(records)
 
     def pull_failed(self, pull: Pull) -> None:
+        """A pull that got no answer. Past the deadline its owner is given up:
+        unreachable as well as late, it is no longer waited for, and the keys
+        it held are decided on what this node has (docs/rebalancing.md, Join)."""
         self.stats.pull_failures += 1
+        if pull.late and pull.epoch == self.epoch:
+            self.pending.pop(pull.owner, None)
+            if not self.pending:
+                self._release_settling()
 
     def pull_done(self, pull: Pull) -> None:
         """Whatever the answer, ``pull.key`` is not pulled again under this view."""
@@ -460,6 +502,13 @@ class ShardCore:
             return None
         config = self.config()
         previous = previous if previous is not None else self.view
+        # A handoff of the view being replaced had not finished (some member's
+        # final mark never came): its sources stay, behind the new one.
+        carried = self.sources[: MAX_SOURCES - 1] if self.pending else []
+        self.sources = [previous, *carried] if previous is not None else []
+        self.sources_crashed = frozenset(crashed) | (
+            self.sources_crashed if carried else frozenset()
+        )
         self.previous = previous
         self.view = view
         self.successors.clear()
@@ -603,10 +652,15 @@ class ShardCore:
     ) -> None:
         """Crashed members' keys that this node now owns start from its replicas.
 
-        The rest of a crashed member's replicas are kept as replicas of the
-        keys' new owners: with ``replicas = 2`` this node may be the second copy
-        of a key whose new owner crashed at the same time, and the removal of
-        that owner (next) must find the copy here.
+        The rest of a crashed member's replicas go to the keys' new owners, in
+        this view's transfers (the owner keeps the more restrictive of that
+        and what it has: :meth:`inherit` makes it wait for them). They are
+        not always this node's: a key the crashed member replicated here under
+        an older view may belong to a member that joined since (a member killed
+        during a join). They are also kept here as replicas of those owners:
+        with ``replicas = 2`` this node may be the second copy of a key whose
+        new owner crashed at the same time, and the removal of that owner
+        (next) must find the copy here.
         """
         if self.id not in view or not len(view):
             self.replicas.clear()
@@ -633,6 +687,13 @@ class ShardCore:
                 if store is None:
                     store = self.replicas[owner] = MemoryStore()
                 store.import_(moved, now, config.rule_map)
+                if owner not in crashed:
+                    self.outbox.setdefault(owner, []).extend(
+                        record
+                        for record in moved
+                        if (rule := config.rule(record[0])) is not None
+                        and (rule.crash_policy or config.policies.crash) == "replica"
+                    )
         for origin in list(self.replicas):
             if origin not in view:
                 del self.replicas[origin]
@@ -689,9 +750,13 @@ class ShardCore:
         marks = previous is not None and self.id in previous and self.marked < view.epoch
         if marks:
             self.marked = view.epoch
+            self.owed_marks = set()
+        owed, self.owed_marks = self.owed_marks, set()
         out: list[Transfer] = []
         for member in view:
-            if member.id == self.id or not (marks or self.outbox.get(member.id)):
+            if member.id == self.id or not (
+                marks or member.id in owed or self.outbox.get(member.id)
+            ):
                 continue
             records = self.outbox.pop(member.id, [])
             out.append(
@@ -704,6 +769,22 @@ class ShardCore:
         for member_id in [m for m in self.outbox if m not in view]:
             self.stats.keys_dropped += len(self.outbox.pop(member_id))
         return out
+
+    def owes_handoff(self) -> bool:
+        """Whether a failed delivery left states or a final mark owed to a member
+        of the current view (:meth:`transfers` sends them)."""
+        view = self.view
+        return view is not None and (
+            any(member in view for member in self.owed_marks) or self.undelivered_states() > 0
+        )
+
+    def undelivered_states(self) -> int:
+        """States waiting in the outbox for members of the current view (a
+        delivery that failed: they are kept for pulls and sent again)."""
+        view = self.view
+        if view is None:
+            return 0
+        return sum(len(records) for member, records in self.outbox.items() if member in view)
 
     def delivered(self, transfer: Transfer) -> None:
         self.stats.keys_sent += len(transfer.records)
@@ -724,6 +805,8 @@ class ShardCore:
         self._landed(transfer)
         if self.view is not None:
             self.stash(rest, self.view, now)
+            if transfer.final and transfer.epoch == self.view.epoch:
+                self.owed_marks.add(transfer.to)
 
     def abandon(self, transfer: Transfer) -> None:
         """A transfer that will never land (its sender was cancelled): stop waiting for it."""

@@ -483,6 +483,173 @@ async def test_pull_on_miss_while_the_bulk_has_not_arrived(delivery: str) -> Non
         assert tally.excess() == 0, tally.over()
 
 
+# ------------------------------------------------------------------ failed deliveries
+
+
+class Gate(httpx.AsyncBaseTransport):
+    """In front of one node: its incoming transfers pass, are refused, or are held."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.mode = "pass"
+        self.release = asyncio.Event()
+        self.refused = 0
+        self.held = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/import":
+            if self.mode == "refuse":
+                self.refused += 1
+                raise httpx.ConnectError("transfer refused by the test", request=request)
+            if self.mode == "hold":
+                self.held += 1
+                await self.release.wait()
+        return await self.inner.handle_async_request(request)
+
+
+def gate(cluster: InProcessCluster, node_id: str) -> Gate:
+    found = Gate(cluster._mounts[node_url(node_id)])
+    cluster._mounts[node_url(node_id)] = found
+    return found
+
+
+async def test_a_failed_join_handoff_is_pulled_past_the_deadline_and_sent_again() -> None:
+    """The old owners' transfers to a newcomer fail; every member stays up.
+
+    The states stay with the old owners for pulls, and the deadline ``W``
+    gives up only on an owner that does not answer either: a reachable one is
+    still asked, and sends its leftovers again in the background. Before, past
+    ``W`` the newcomer decided every moved user on a fresh state while the
+    states sat in the old owners' outboxes (17 users x 20 over the limit).
+    """
+    clock = FrozenClock()
+    wait = 0.3
+    options = {"handoff_wait": wait}
+    async with InProcessCluster(3, make_config(), clock=clock, node_options=options) as cluster:
+        tally = await exhaust(cluster)
+        v1 = cluster.router.membership.view
+        n4 = cluster._make_node("n4")
+        door = gate(cluster, "n4")
+        door.mode = "refuse"
+        await cluster.router.membership.join(Member("n4", node_url("n4")))
+        door.mode = "pass"
+        v2 = cluster.router.membership.view
+        joined = moved(v1, v2)
+        assert joined and door.refused > 0
+        assert any(cluster.nodes[n].shard.core.undelivered_states() for n in ("n1", "n2", "n3"))
+        await asyncio.sleep(wait + 0.1)  # past W (real time; the engine's clock is frozen)
+        await send(cluster.client, tally, USERS, LIMIT + 2)
+        assert tally.excess() == 0, tally.over()
+        assert tally.other == Counter()
+        # The background redelivery lands (0.5 s after the failure): nothing is
+        # left in an outbox and the newcomer waits for nobody.
+        for _ in range(100):
+            left = [cluster.nodes[n].shard.core.undelivered_states() for n in ("n1", "n2", "n3")]
+            if not any(left) and not n4.shard.core.pending:
+                break
+            await asyncio.sleep(0.05)
+        assert not any(left) and not n4.shard.core.pending, (left, n4.shard.core.pending)
+
+
+async def test_a_handoff_still_unsettled_when_the_next_view_comes_is_still_inherited() -> None:
+    """n4 joins and its handoff fails; n5 joins before anyone asked n4 about a
+    moved user, and the old owners' second try at n4 is slow. n4 owned those
+    users under the previous view already, but their states are still on their
+    way: it must wait for them, not decide on fresh states (it admitted 200 of
+    200 checks of 10 exhausted users before)."""
+    clock = FrozenClock()
+    async with InProcessCluster(3, make_config(), clock=clock) as cluster:
+        await exhaust(cluster)
+        v1 = cluster.router.membership.view
+        n4 = cluster._make_node("n4")
+        door = gate(cluster, "n4")
+        door.mode = "refuse"
+        await cluster.router.membership.join(Member("n4", node_url("n4")))
+        v2 = cluster.router.membership.view
+        door.mode = "hold"
+        cluster._make_node("n5")
+        join = asyncio.create_task(cluster.router.membership.join(Member("n5", node_url("n5"))))
+        for _ in range(400):
+            if n4.shard.epoch == 3 and door.held:
+                break
+            await asyncio.sleep(0.005)
+        assert n4.shard.epoch == 3 and door.held
+        v3 = n4.shard.view
+        assert v3 is not None
+        users = [
+            u
+            for u in USERS
+            if v1.owner_id(u) != "n4" and v2.owner_id(u) == "n4" and v3.owner_id(u) == "n4"
+        ]
+        assert users
+
+        async def release_soon() -> None:
+            await asyncio.sleep(0.3)
+            door.release.set()
+
+        releaser = asyncio.create_task(release_soon())
+        allowed = 0
+        for user in users:
+            for _ in range(3):
+                response = await cluster.client.post(
+                    f"{node_url('n4')}/v1/check", json={"key": user, "rule": "api"}
+                )
+                assert response.status_code == 200, response.text
+                allowed += bool(response.json()["allowed"])
+        await releaser
+        await asyncio.wait_for(join, 30)
+        assert allowed == 0, f"{allowed} admissions of exhausted users on fresh states"
+
+
+async def test_a_leave_whose_handoff_fails_counts_as_a_crash() -> None:
+    """A leaving node whose transfer to a new owner fails does not answer its
+    push as if it had left cleanly: the router removes it as crashed, and the
+    new owner starts the keys from their replicas. Before, the leave looked
+    clean, the states stayed in the leaving node's outbox while it exited, and
+    every affected user got a fresh quota."""
+    clock = FrozenClock()
+    config = make_config(crash="replica", on_error="closed")
+    async with InProcessCluster(3, config, clock=clock) as cluster:
+        tally = await exhaust_and_replicate(cluster)
+        v1 = cluster.router.membership.view
+        door = gate(cluster, "n1")
+        door.mode = "refuse"
+        await cluster.remove_node("n2")
+        door.mode = "pass"
+        v2 = cluster.router.membership.view
+        assert "n2" not in v2
+        assert cluster.router.membership.crashes == 1  # the leave became a crash removal
+        cluster.take_down("n2")  # the leaving process exits, its outbox with it
+        affected = [u for u in USERS if v1.owner_id(u) == "n2" and v2.owner_id(u) == "n1"]
+        assert affected and door.refused > 0
+        await send(cluster.client, tally, USERS, LIMIT + 2)
+        assert tally.excess() == 0, tally.over()
+        assert tally.other == Counter()
+
+
+async def test_a_member_killed_during_a_join_hands_its_replicas_to_the_newcomer() -> None:
+    """n1 dies as n4 joins: the join is adopted without it, then n1 is removed
+    as crashed. n1's users that the join moved to n4 have their replicas on
+    n1's successor, which sends them to n4; n4 waits for them. Before, the
+    successor kept them as replicas of n4 and n4 decided those users on fresh
+    states (14 users x 20 over the limit)."""
+    clock = FrozenClock()
+    config = make_config(crash="replica", on_error="closed")
+    async with InProcessCluster(3, config, clock=clock) as cluster:
+        tally = await exhaust_and_replicate(cluster)
+        v1 = cluster.router.membership.view
+        cluster._make_node("n4")
+        cluster.take_down("n1")
+        await cluster.router.membership.join(Member("n4", node_url("n4")))
+        view = cluster.router.membership.view
+        assert view.ids == ("n2", "n3", "n4") and cluster.router.membership.crashes == 1
+        to_n4 = [u for u in USERS if v1.owner_id(u) == "n1" and view.owner_id(u) == "n4"]
+        assert to_n4
+        await send(cluster.client, tally, USERS, LIMIT + 2)
+        assert tally.excess() == 0, tally.over()
+        assert tally.other == Counter()
+
+
 # --------------------------------------------------------------------------- crashes
 
 

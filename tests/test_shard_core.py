@@ -18,7 +18,7 @@ from node.config import ClusterConfig, Policies, ScopedRule
 from node.lease import Lease
 from node.rules import Rule
 from node.shardcore import (
-    HandoffLate,
+    AwaitHandoffs,
     InFlight,
     LeaseExpired,
     NotOwner,
@@ -224,15 +224,86 @@ def test_a_miss_pulls_from_the_previous_owner_once() -> None:
     assert b.stats.pulls == 1
 
 
-def test_a_handoff_that_does_not_finish_in_time_is_not_waited_for() -> None:
+def test_a_handoff_past_its_deadline_is_given_up_only_when_a_pull_fails() -> None:
+    """Past the deadline the previous owner is still asked (its delivery may
+    have failed while it holds the states for pulls); a pull it does not
+    answer gives up on it, and its keys are decided on what is here."""
     v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
     b = core("n1", handoff_wait=5.0)
     b.apply(v2, v1, (), NOW, 100.0)
-    key = owned_by(v2, "n1")[0]
-    assert isinstance(b.inherit(key, (RULE,), 104.0), Pull)
-    assert b.inherit(key, (RULE,), 105.5) == HandoffLate("n0")
+    first, second = owned_by(v2, "n1")[:2]
+    assert b.inherit(first, (RULE,), 104.0) == Pull("n0", "http://n0:8000", first, 2, "n1")
+    late = b.inherit(first, (RULE,), 105.5)
+    assert late == Pull("n0", "http://n0:8000", first, 2, "n1", late=True)
+    assert late is not None and b.awaits("n0")
+    b.start_pull(late)
+    b.take_pulled([], NOW)  # it answered (nothing for that key): still waited for
+    b.pull_done(late)
+    assert b.awaits("n0")
+    again = b.inherit(second, (RULE,), 106.0)
+    assert isinstance(again, Pull) and again.late
+    b.start_pull(again)
+    b.pull_failed(again)  # no answer, past the deadline: given up
+    b.pull_done(again)
     assert not b.awaits("n0")
-    assert b.inherit(key, (RULE,), 105.5) is None
+    assert b.inherit(owned_by(v2, "n1")[2], (RULE,), 106.0) is None
+
+
+def test_a_failed_final_mark_is_owed_and_sent_with_what_is_left() -> None:
+    """A final mark that did not land is sent again at the next transfers(),
+    even once pulls have emptied the outbox: the receiver waits for it."""
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    a = core("n0")
+    a.apply(v1, None, (), NOW, 0.0)
+    key = owned_by(v2, "n1")[0]
+    decide(a, key)
+    a.apply(v2, v1, (), NOW, 0.0)
+    (transfer,) = a.transfers(NOW)
+    a.undelivered(transfer, NOW)
+    assert a.owes_handoff() and a.undelivered_states() == 1
+    assert [r[2] for r in a.serve_pull([key], "n1", 2, NOW)] == [key]
+    assert a.owes_handoff() and a.undelivered_states() == 0
+    (again,) = a.transfers(NOW)
+    assert again.final and again.to == "n1" and again.records == []
+    a.delivered(again)
+    assert not a.owes_handoff() and a.transfers(NOW) == []
+
+
+def test_a_key_owned_before_an_unsettled_handoff_is_pulled_from_its_first_owner() -> None:
+    """n1 joined (epoch 2) and n0's handoff has not landed when n2 joins (epoch
+    3). Under epoch 2 n1 owned the key already, but its state is with n0: n1
+    pulls it from n0, not deciding it on nothing."""
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    v3 = view(["n0", "n1", "n2"], 3)
+    b = core("n1")
+    b.apply(v2, v1, (), NOW, 0.0)
+    assert b.awaits("n0")
+    b.apply(v3, v2, (), NOW, 0.0)
+    key = next(k for k in owned_by(v2, "n1") if v3.owner_id(k) == "n1")
+    assert b.inherit(key, (RULE,), 1.0) == Pull("n0", "http://n0:8000", key, 3, "n1")
+    # Settled (n0's final mark came): the next view looks back one view only.
+    b.receive("n0", 3, [], True, (), NOW)
+    b.receive("n2", 3, [], True, (), NOW)
+    v4 = view(["n0", "n1", "n2", "n3"], 4)
+    b.apply(v4, v3, (), NOW, 0.0)
+    assert b.sources == [v3]
+
+
+def test_a_crashed_members_key_waits_for_the_replicas_of_its_holders() -> None:
+    """n0 dies during n1's join and is removed as crashed (epoch 3): a key of
+    n0's that n1 owns now comes from n0's replica holder's final transfer."""
+    v1, v2 = view(["n0", "n2"], 1), view(["n0", "n1", "n2"], 2)
+    v3 = view(["n1", "n2"], 3)
+    b = core("n1")
+    b.apply(v2, v1, (), NOW, 0.0)
+    b.receive("n2", 2, [], True, (), NOW)
+    assert b.pending.keys() == {"n0"}
+    b.apply(v3, v2, ("n0",), NOW, 0.0)
+    key = next(k for k in owned_by(v3, "n1") if v1.owner_id(k) == "n0")
+    assert b.inherit(key, (RULE,), 1.0) == AwaitHandoffs(key)
+    assert b.inherit(key, (RULE,), 6.0) is None  # past every deadline
+    b.receive("n2", 3, [], True, (), NOW)
+    assert b.inherit(key, (RULE,), 1.0) is None  # nobody awaited any more
 
 
 def test_a_late_transfer_from_an_older_view_is_passed_on() -> None:
@@ -435,7 +506,7 @@ class Cluster:
         except NotOwner:
             return
         step = c.inherit(key, (RULE,), 0.0)
-        assert not isinstance(step, HandoffLate)
+        assert not (isinstance(step, Pull) and step.late)  # no time passes here
         if isinstance(step, Pull):
             self.pull(c, step)
             c.check_owner(key)  # a pull never changes this core's view
