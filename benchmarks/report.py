@@ -442,7 +442,9 @@ def default_notes(report: dict[str, Any]) -> list[str]:
             + "; row 3 coalesces concurrent checks into pipelined EVALSHA round trips "
             f"(median per-round ratio vs row 3b: "
             f"{_ratio(round_ratios(redis['rps_runs'], naive['rps_runs']))} req/s), "
-            "row 3b sends one EVALSHA round trip per check."
+            "row 3b sends one EVALSHA round trip per check. Their nodes run with "
+            "`--redis-timeout 2` (default 0.1 s: a saturated machine's late reply would "
+            "send a check to the local fallback, which counts per node)."
         )
     handoff = report.get("handoff")
     if handoff:

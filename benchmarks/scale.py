@@ -35,6 +35,7 @@ import httpx
 
 from benchmarks.bench import one_line
 from benchmarks.deployments import (
+    BENCH_REDIS_TIMEOUT,
     Processes,
     Row,
     Settings,
@@ -94,7 +95,14 @@ def start_scale(
     cfg.write_text(cluster_toml(settings))
     rows: dict[str, Row] = {}
     for mode in MODES:
-        extra = ["--backend", "redis", "--redis-url", f"{redis_url}/0"] if mode == "redis" else []
+        extra = (
+            [
+                *("--backend", "redis", "--redis-url", f"{redis_url}/0"),
+                *("--redis-timeout", str(BENCH_REDIS_TIMEOUT)),
+            ]
+            if mode == "redis"
+            else []
+        )
         pids, seeds, ready = start_nodes(procs, f"k{k}{mode[0]}", 2 * k, cfg, *extra)
         for url in ready:
             wait_http(url, procs)

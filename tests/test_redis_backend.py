@@ -355,7 +355,17 @@ def test_a_burst_on_a_healthy_redis_is_no_outage(redis_url: str, pipeline: bool)
         finally:
             await backend.close()
 
-    run(scenario)
+    # The premise is a healthy Redis: a reply that itself took longer than the
+    # backend's 100 ms timeout (a loaded CI machine stalled it: seen once) is
+    # an outage by the backend's own definition, not a queued check counted as
+    # one. The queue's failures (BackendUnavailable from None) fail at once.
+    for attempt in range(3):
+        try:
+            run(scenario)
+            return
+        except BackendUnavailable as exc:
+            if not isinstance(exc.__cause__, redis.exceptions.TimeoutError) or attempt == 2:
+                raise
 
 
 def test_calls_queued_behind_a_failure_fail_at_once() -> None:
