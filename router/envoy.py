@@ -40,7 +40,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from node.headers import policy_value, quota_window, ratelimit_value, whole_seco
 from node.rules import Rule
 from node.security import bearer, token_matches
 from node.wire import Check
+from router.decisions import UNANSWERED
 from router.envoy_config import UNIT_ENUM, UNITS, EnvoyConfig, Limit
 
 if TYPE_CHECKING:
@@ -196,6 +196,12 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             if item is None:
                 item = items[(limit.rule.name, key)] = _Item(limit.rule, key, 0)
             item.cost += cost
+            if item.cost > max_cost:
+                # Repeated descriptors are one key's one check: their sum is its cost.
+                raise Invalid(
+                    f"descriptors[{i}]: hits_addend adds up to {item.cost} for a key that "
+                    f"earlier descriptors name too; at most {max_cost}"
+                )
             plan.append(item)
         return plan, list(items.values())
 
@@ -245,9 +251,20 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             for item, peek in zip(items, peeks, strict=True):
                 item.result = _as_denied(peek, item.cost)
             return
+        # A key whose owner did not answer the read has its rule's on_error answer
+        # already: it is not asked again (a paused owner would cost a second
+        # --forward-timeout, and may have decided the first time).
+        asked: list[int] = []
+        for i, peek in enumerate(peeks):
+            if peek.get("reason") in UNANSWERED:
+                items[i].result = peek
+            else:
+                asked.append(i)
+        if not asked:
+            return
         # The tightest key first: a race most likely takes its last units, and then
         # nothing at all is consumed.
-        order = sorted(range(len(items)), key=lambda i: _slack(peeks[i], items[i].cost))
+        order = sorted(asked, key=lambda i: _slack(peeks[i], items[i].cost))
         first = items[order[0]]
         await self._consume(first)
         assert first.result is not None
@@ -387,14 +404,12 @@ def _remaining(result: dict[str, Any]) -> int:
 
 def _slack(peek: dict[str, Any], cost: int) -> float:
     """Room a key has left after this call's cost, judging by its read."""
-    if peek.get("reason") == "owner_unreachable":
-        return math.inf  # the rule's on_error decides; no node is asked
     return int(peek.get("remaining", 0)) - cost
 
 
 def _has_room(peek: dict[str, Any], cost: int) -> bool:
     """Would ``cost`` pass, judging by a read (cost 0) of the same key?"""
-    if peek.get("reason") == "owner_unreachable":
+    if peek.get("reason") in UNANSWERED:
         return bool(peek["allowed"])  # the rule's on_error
     return int(peek.get("remaining", 0)) >= cost
 

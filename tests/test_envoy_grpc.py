@@ -488,6 +488,9 @@ async def test_refused_requests_are_invalid_argument() -> None:
                 ),
             ),
             request("api", [("user", "a")], hits_addend=UInt64Value(value=10**12)),
+            # One key named twice: its cost is the sum (2e9 > max_cost), not each
+            # descriptor's alone (a node's invalid_cost came back as UNAVAILABLE).
+            request("api", [("user", "a")], [("user", "a")], hits_addend=UInt64Value(value=10**9)),
             # Over max_batch (1000) descriptors: unbounded work from one call, before.
             request("api", *([("user", "a")],) * 1001),
         ]
@@ -507,6 +510,35 @@ async def test_an_unreachable_owner_applies_on_error(on_error: str, code: int) -
         cluster.take_down(owner)
         answer = await stub.ShouldRateLimit(request("api", [("user", "erin")]))
         assert answer.overall_code == code
+
+
+class Paused(httpx.AsyncBaseTransport):
+    """A node that takes decision calls and never answers them (the router's read
+    times out), counting them."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.asked += 1
+        raise httpx.ReadTimeout("the test's node never answers", request=request)
+
+
+@pytest.mark.parametrize(("on_error", "code"), [("open", OK), ("closed", OVER)])
+async def test_a_paused_owner_in_a_multi_key_call_is_asked_once(on_error: str, code: int) -> None:
+    """A key whose owner did not answer the call's read gets its rule's on_error
+    answer and is not asked again: a second forward to a paused owner doubled
+    the call's time (3 s -> 6 s with the default --forward-timeout)."""
+    async with envoy_cluster(on_error=on_error) as (cluster, stub):
+        owner = cluster.owner("api/user=erin")
+        other = next(f"u{i}" for i in range(100) if cluster.owner(f"api/account=u{i}") != owner)
+        paused = Paused()
+        cluster._mounts[node_url(owner)] = paused
+        answer = await stub.ShouldRateLimit(
+            request("api", [("user", "erin")], [("account", other)])
+        )
+        assert answer.overall_code == code
+        assert paused.asked == 1
 
 
 async def test_no_decision_at_all_is_unavailable_for_failure_mode_deny() -> None:

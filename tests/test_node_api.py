@@ -410,6 +410,13 @@ async def test_a_fenced_node_refuses_every_key_until_it_gets_a_view() -> None:
         assert refused.headers["x-ringlimit-epoch"] == "0"
         proxied = await client.get("/", headers={"X-User-Id": "a"})
         assert_error(proxied, 421)
+        # A rule it does not know yet (a restarted node's config file may lack
+        # rules the router pushes: Envoy's) is refused as not owned, not as
+        # unknown: the router retries, where a 404 became Envoy's UNAVAILABLE.
+        for body in ({"key": "a", "rule": "edge.user"}, {"checks": [{"key": "a", "rule": "x"}]}):
+            assert assert_error(await client.post("/v1/check", json=body), 421)["error"] == (
+                "not_owner"
+            )
         assert len(node.store) == 0
 
 
