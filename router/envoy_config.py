@@ -209,7 +209,25 @@ def parse_envoy_config(text: str, source: str, *, on_error: str = "open") -> Env
         where = f"line {mark.line + 1}: " if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"{source}: {where}not valid YAML: {problem}") from None
-    return _Reader(source, on_error).domain(document)
+    except RecursionError:
+        # PyYAML composes nested collections recursively: a few hundred levels
+        # deep (no real descriptor tree is) ran out of stack with a traceback.
+        raise ConfigError(f"{source}: not valid YAML: nested too deeply") from None
+    try:
+        return _Reader(source, on_error).domain(document)
+    except RecursionError:
+        raise ConfigError(f"{source}: descriptors nested too deeply") from None
+
+
+#: What YAML resolves a plain scalar to: read as its text by :meth:`_Reader.string`
+#: (``2001-02-30`` resolves to a timestamp that is not a date: still the text).
+_IMPLICIT_TAGS = frozenset(
+    f"tag:yaml.org,2002:{name}" for name in ("str", "int", "float", "bool", "timestamp")
+)
+_NULL_TAG = "tag:yaml.org,2002:null"
+_STR_TAG = "tag:yaml.org,2002:str"
+#: The tag a plain scalar's text resolves to (SafeLoader's own resolver).
+_RESOLVER = yaml.resolver.Resolver()
 
 
 class _Reader:
@@ -250,16 +268,29 @@ class _Reader:
     def scalar(self, node: yaml.Node, where: str, kind: str) -> object:
         if not isinstance(node, yaml.ScalarNode):
             raise self.fail(node, where, f"must be {kind}")
-        return yaml.constructor.SafeConstructor().construct_object(node)
+        try:
+            return yaml.constructor.SafeConstructor().construct_object(node)
+        except (yaml.YAMLError, ValueError, TypeError) as exc:
+            # An unknown tag (``!custom``, ``!!python/object``), a date that is
+            # not one (``2001-02-30``), ``!!int abc``: each escaped as a traceback
+            # or an error naming neither the file nor the line.
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise self.fail(node, where, f"must be {kind}: {problem}"[:300]) from None
 
     def string(self, node: yaml.Node, where: str) -> str:
         """The scalar's text as written, as envoyproxy/ratelimit (Go's yaml into a
         string field) reads it: ``value: 02134`` is "02134", not the octal number
         1116 that YAML 1.1 resolves it to, and ``1.10`` stays "1.10"."""
-        value = self.scalar(node, where, "a string")
-        if value is None:
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.fail(node, where, "must be a string")
+        if node.tag == _NULL_TAG:
             raise self.fail(node, where, f"must be a string, got {node.value!r}")
-        assert isinstance(node, yaml.ScalarNode)
+        implicit = node.tag in _IMPLICIT_TAGS and node.tag in (
+            _STR_TAG,
+            _RESOLVER.resolve(yaml.ScalarNode, node.value, (True, False)),
+        )
+        if not implicit:
+            self.scalar(node, where, "a string")  # an explicit tag: it must construct
         return str(node.value)
 
     def boolean(self, node: yaml.Node, where: str) -> bool:

@@ -203,6 +203,23 @@ def test_several_files_one_domain_each_and_the_rules_they_add(tmp_path: Path) ->
             "descriptor a=* is given twice",
         ),
         ("domain: d\ndescriptors: [\n", 3, "not valid YAML"),
+        # Tags and values YAML cannot construct: a traceback, or no file and line, before.
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    value: !custom x\n",
+            4,
+            "descriptors[0].value: must be a string: could not determine a constructor",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, "
+            "requests_per_unit: !!python/object:os.system x}\n",
+            4,
+            "requests_per_unit: must be an int",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    value: !!int abc\n",
+            4,
+            "descriptors[0].value: must be a string: invalid literal",
+        ),
     ],
 )
 def test_errors_name_the_file_the_line_and_the_field(text: str, line: int, message: str) -> None:
@@ -247,6 +264,17 @@ def test_the_router_command_reports_a_bad_file_in_one_line(
     assert "go together" in capsys.readouterr().err
 
 
+def test_descriptors_nested_too_deeply_are_one_error() -> None:
+    """PyYAML composes recursively: 300 levels ran out of stack (a RecursionError
+    traceback from ``ringlimit router --envoy-config``)."""
+    nested = "".join(
+        "  " * (i + 1) + "- key: k\n" + "  " * (i + 1) + "  descriptors:\n" for i in range(300)
+    )
+    for text in ("domain: d\ndescriptors:\n" + nested, "domain: d\ndescriptors: " + "[" * 5000):
+        with pytest.raises(ConfigError, match=r"limits\.yaml: .*nested too deeply"):
+            parse_envoy_config(text, "limits.yaml")
+
+
 def test_scalars_are_read_as_written_like_envoyproxy_ratelimit(tmp_path: Path) -> None:
     """YAML 1.1 would make ``02134`` the octal 1116 and ``1.10`` the float 1.1: a
     limit on those values would then never match, silently. Go's yaml reads a
@@ -263,9 +291,18 @@ descriptors:
   - key: flag
     value: yes
     rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: day
+    value: 2001-02-30
+    rate_limit: {unit: minute, requests_per_unit: 6}
 """
     domain = load_envoy_config(write(tmp_path, "zips.yaml", text))
-    for entry, limit in ((("zip", "02134"), 3), (("version", "1.10"), 4), (("flag", "yes"), 5)):
+    for entry, limit in (
+        (("zip", "02134"), 3),
+        (("version", "1.10"), 4),
+        (("flag", "yes"), 5),
+        # A timestamp that is no date (it failed to construct) is still its text.
+        (("day", "2001-02-30"), 6),
+    ):
         found = domain.limit_for([entry])
         assert found is not None and found.rule is not None, entry
         assert found.rule.limit == limit
