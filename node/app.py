@@ -677,7 +677,7 @@ class Node:
 
     async def replica(self, request: Request) -> Response:
         def handle(shard: Shard, data: dict[str, Any]) -> dict[str, Any]:
-            return {"taken": shard.receive_replicas(_sender(data), data["records"])}
+            return {"taken": shard.receive_replicas(_sender(data), data["records"], _round(data))}
 
         return await self._internal_call(request, "replica", handle, {"taken": 0}, records=True)
 
@@ -843,6 +843,23 @@ def _epoch(data: dict[str, Any]) -> int:
     if type(epoch) is not int or epoch < 0:
         raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}"[:120])
     return epoch
+
+
+def _round(data: dict[str, Any]) -> tuple[int, int] | None:
+    """A replica batch's ``round``: [the sender's incarnation, its round number]
+    (absent from a sender that does not number its rounds)."""
+    value = data.get("round")
+    if value is None:
+        return None
+    if (
+        type(value) not in (list, tuple)
+        or len(value) != 2
+        or not all(type(n) is int and 0 <= n < 2**63 for n in value)
+    ):
+        raise ValueError(
+            f"round must be [incarnation, number], two integers >= 0, got {value!r}"[:120]
+        )
+    return value[0], value[1]
 
 
 def _flag(data: dict[str, Any], field: str) -> bool:

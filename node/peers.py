@@ -163,6 +163,7 @@ class _RecordsBody(msgspec.Struct, gc=False, forbid_unknown_fields=True, rename=
     epoch: Any = msgspec.UNSET
     final: Any = msgspec.UNSET
     crashes: Any = msgspec.UNSET
+    round: Any = msgspec.UNSET
 
 
 @functools.lru_cache(maxsize=8)

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -91,7 +92,14 @@ class Shard:
         monotonic: Clock = boot_clock,
         timer: Clock = time.monotonic,
     ) -> None:
-        self.core = ShardCore(node_id, store, config, handoff_wait=handoff_wait, lease=lease)
+        self.core = ShardCore(
+            node_id,
+            store,
+            config,
+            handoff_wait=handoff_wait,
+            lease=lease,
+            incarnation=secrets.randbits(62),
+        )
         self.id = node_id
         self.store = store
         self.clock = clock
@@ -460,8 +468,10 @@ class Shard:
         """Give up the named keys' states to their new owner (from the outbox or the store)."""
         return self.core.serve_pull(keys, to, epoch, self.clock())
 
-    def receive_replicas(self, origin: str, records: list[Record]) -> int:
-        return self.core.receive_replicas(origin, records, self.clock())
+    def receive_replicas(
+        self, origin: str, records: list[Record], round: tuple[int, int] | None = None
+    ) -> int:
+        return self.core.receive_replicas(origin, records, self.clock(), round)
 
     # ------------------------------------------------------------------ replication
 

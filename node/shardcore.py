@@ -150,6 +150,7 @@ class HandoffStats:
     pull_failures: int = 0
     replicas_sent: int = 0
     replicas_promoted: int = 0
+    replicas_stale: int = 0
     conservative_keys: int = 0
     views_applied: int = 0
     last_transfer_seconds: float = 0.0
@@ -253,9 +254,16 @@ class ReplicaBatch:
     url: str
     epoch: int
     records: list[Record]
+    #: (the sender's incarnation, its round number): see :meth:`ShardCore.receive_replicas`.
+    round: tuple[int, int] = (0, 0)
 
     def payload(self) -> dict[str, Any]:
-        return {"from": self.sender, "epoch": self.epoch, "records": self.records}
+        return {
+            "from": self.sender,
+            "epoch": self.epoch,
+            "records": self.records,
+            "round": list(self.round),
+        }
 
 
 @dataclass(frozen=True)
@@ -288,8 +296,16 @@ class ShardCore:
         *,
         handoff_wait: float = 5.0,
         lease: Lease | None = None,
+        incarnation: int = 0,
     ) -> None:
         self.id = node_id
+        #: Tells this process's replica rounds from an earlier one's with the same id
+        #: (the driver draws it at random; the core reads no randomness).
+        self.incarnation = incarnation
+        #: Replication rounds started (:meth:`replica_round`), numbering the batches.
+        self.rounds = 0
+        #: The newest replica round applied, by origin: (incarnation, round).
+        self.replica_seen: dict[str, tuple[int, int]] = {}
         self.store = store
         self.config = config
         self.handoff_wait = handoff_wait
@@ -697,6 +713,8 @@ class ShardCore:
         for origin in list(self.replicas):
             if origin not in view:
                 del self.replicas[origin]
+        for origin in [o for o in self.replica_seen if o not in view]:
+            del self.replica_seen[origin]
 
     def mark_dirty(self, records: list[Record]) -> None:
         """States that arrived here must be replicated from here too."""
@@ -948,7 +966,29 @@ class ShardCore:
             )
         return found
 
-    def receive_replicas(self, origin: str, records: list[Record], now: float) -> int:
+    def receive_replicas(
+        self,
+        origin: str,
+        records: list[Record],
+        now: float,
+        round: tuple[int, int] | None = None,
+    ) -> int:
+        """Keep ``origin``'s copies, replacing older ones; returns how many.
+
+        A batch of an older round than one already applied from the same
+        process (``round``: its incarnation and round number) is dropped: it
+        timed out at the sender, whose next round sent those keys again with
+        newer states, and it arrived after that round (this node was paused,
+        or the connections raced). Applied, it would put older states over
+        newer ones, and a crash of the origin would promote them: more lost
+        than its last interval.
+        """
+        if round is not None:
+            seen = self.replica_seen.get(origin)
+            if seen is not None and seen[0] == round[0] and round[1] < seen[1]:
+                self.stats.replicas_stale += 1
+                return 0
+            self.replica_seen[origin] = round
         replicas = self.replicas.get(origin)
         if replicas is None:
             replicas = self.replicas[origin] = MemoryStore()
@@ -992,6 +1032,7 @@ class ShardCore:
         lets new requests in), and sent one small body after another
         back to back instead of one per interval.
         """
+        self.rounds += 1
         dirty = self.store.dirty
         if dirty:
             if self.round:
@@ -1046,7 +1087,11 @@ class ShardCore:
             except KeyError:
                 self.replicas_failed(records)
                 continue
-            batches.append(ReplicaBatch(self.id, target, url, view.epoch, records))
+            batches.append(
+                ReplicaBatch(
+                    self.id, target, url, view.epoch, records, (self.incarnation, self.rounds)
+                )
+            )
         return batches
 
     def replicas_failed(self, records: list[Record]) -> None:

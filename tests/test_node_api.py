@@ -444,6 +444,15 @@ INTERNAL_BAD: list[tuple[str, str, bytes]] = [
     ("POST", "/internal/replica", b'{"from": "n1"}'),
     ("POST", "/internal/replica", b'{"from": "n1", "records": [1, 2]}'),
     ("POST", "/internal/replica", b'{"from": "n1", "records": {"a": 1}}'),
+    ("POST", "/internal/replica", b'{"from": "n1", "records": [], "round": [1]}'),
+    ("POST", "/internal/replica", b'{"from": "n1", "records": [], "round": "1,2"}'),
+    ("POST", "/internal/replica", b'{"from": "n1", "records": [], "round": [1, -2]}'),
+    ("POST", "/internal/replica", b'{"from": "n1", "records": [], "round": [1, 1e3]}'),
+    (
+        "POST",
+        "/internal/replica",
+        b'{"from": "n1", "records": [], "round": [0, 9223372036854775808]}',
+    ),
 ]
 
 

@@ -375,6 +375,36 @@ def test_replicas_go_to_the_successor_and_are_promoted_when_the_owner_crashes() 
     assert all(decide(b, k) == 2 for k in keys)
 
 
+def test_a_replica_round_that_arrives_after_a_newer_one_is_dropped() -> None:
+    """Round 1's batch timed out at the sender (its keys went again in round 2)
+    and reached the successor after round 2: applied, it put older states over
+    newer ones, and a crash of the origin promoted them."""
+    v1 = view(["n0", "n1"], 1)
+    a = core("n0", incarnation=7)
+    b = core("n1")
+    for c in (a, b):
+        c.apply(v1, None, (), NOW, 0.0)
+    key = owned_by(v1, "n0")[0]
+    decide(a, key)
+    (old,) = a.replica_batches(NOW)
+    a.replicas_failed(old.records)  # timed out: sent again in the next round
+    decide(a, key)
+    (new,) = a.replica_batches(NOW)
+    assert (old.round, new.round) == ((7, 1), (7, 2))
+    assert new.payload()["round"] == [7, 2]
+    assert b.receive_replicas("n0", new.records, NOW, new.round) == 1
+    assert b.receive_replicas("n0", old.records, NOW, old.round) == 0  # late: dropped
+    assert b.stats.replicas_stale == 1
+    assert b.replicas["n0"].get(RULE, key) == a.store.get(RULE, key)  # the newer copy
+    # A restarted origin (another incarnation) numbers its rounds afresh.
+    restarted = core("n0", incarnation=8)
+    restarted.apply(v1, None, (), NOW, 0.0)
+    decide(restarted, key)
+    (first,) = restarted.replica_batches(NOW)
+    assert first.round == (8, 1)
+    assert b.receive_replicas("n0", first.records, NOW, first.round) == 1
+
+
 @pytest.mark.parametrize("crash", ["replica", "conservative"])
 def test_a_joiner_that_crashes_before_it_replicated_gives_no_fresh_quota(crash: str) -> None:
     """The joiner defers replicating what it was handed while its view settles;
