@@ -348,22 +348,32 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             return
         if "draft" in self.headers:
             # The same functions as the HTTP path (node/headers.py), so both agree for
-            # every algorithm: q and w from quota_window, t from available_after.
+            # every algorithm: q and w from quota_window, t from available_after. Each
+            # policy once, with its tightest key: descriptors of one rule for many
+            # values (1000 users) repeated the same policy 1000 times, 64 KB of
+            # fields, past Envoy's default limit on a response's headers (60 KiB).
+            tightest: dict[str, tuple[_Item, dict[str, Any]]] = {}
+            for item, result in decided:
+                name = item.rule.name
+                held = tightest.get(name)
+                if held is None or _tighter(result, held[1]):
+                    tightest[name] = (item, result)
             add.append(
                 base_pb2.HeaderValue(
-                    key="ratelimit-policy", value=policy_value([i.rule for i, _ in decided])
+                    key="ratelimit-policy",
+                    value=policy_value([i.rule for i, _ in tightest.values()]),
                 )
             )
             add.append(
                 base_pb2.HeaderValue(
                     key="ratelimit",
-                    value=ratelimit_value(tuple(_decision(i, r) for i, r in decided)),
+                    value=ratelimit_value(tuple(_decision(i, r) for i, r in tightest.values())),
                 )
             )
         if "envoy" in self.headers:
             # As envoyproxy/ratelimit: the descriptor closest to its limit; the reset is
             # the seconds until its window is whole again (its duration_until_reset).
-            item, result = min(decided, key=lambda d: (_remaining(d[1]), -d[1]["reset_after"]))
+            item, result = min(decided, key=lambda d: _closeness(d[1]))
             quota, window = quota_window(item.rule)
             add.append(
                 base_pb2.HeaderValue(key="x-ratelimit-limit", value=f"{quota}, {quota};w={window}")
@@ -400,6 +410,15 @@ def _decision(item: _Item, result: dict[str, Any]) -> Decision:
 
 def _remaining(result: dict[str, Any]) -> int:
     return 0 if not result["allowed"] else max(0, int(result.get("remaining", 0)))
+
+
+def _closeness(result: dict[str, Any]) -> tuple[int, float]:
+    """Orders results closest to their limit first: least remaining, then longest reset."""
+    return _remaining(result), -result["reset_after"]
+
+
+def _tighter(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return _closeness(a) < _closeness(b)
 
 
 def _slack(peek: dict[str, Any], cost: int) -> float:

@@ -420,6 +420,19 @@ async def test_statuses_for_no_limit_unlimited_replaces_and_headers() -> None:
         assert other.overall_code == OK and not other.statuses[0].HasField("current_limit")
 
 
+async def test_one_rule_for_many_values_is_one_policy_with_its_tightest_key() -> None:
+    """A call naming 1000 users of one rule listed that policy 1000 times in each
+    draft field (64 KB of response fields, past Envoy's default 60 KiB)."""
+    async with envoy_cluster(envoy_headers=("draft",)) as (_, stub):
+        await stub.ShouldRateLimit(request("api", [("user", "bea")], hits=5))
+        users = [[("user", f"u{i}")] for i in range(300)]
+        answer = await stub.ShouldRateLimit(request("api", *users, [("user", "bea")]))
+        assert answer.overall_code == OK
+        headers = {h.key: h.value for h in answer.response_headers_to_add}
+        assert headers["ratelimit-policy"] == '"api.user";q=20;w=60'
+        assert headers["ratelimit"] == '"api.user";r=14;t=20'  # bea's: the tightest
+
+
 @pytest.mark.parametrize("sets", [(), ("draft",), ("envoy",), ("draft", "envoy")])
 async def test_each_header_set_and_the_default_none(sets: tuple[str, ...]) -> None:
     draft = {"ratelimit-policy", "ratelimit"}
