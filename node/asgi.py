@@ -6,6 +6,8 @@ import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
+from ring.errors import encodable
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -72,7 +74,10 @@ async def read_all(receive: Receive, limit: int) -> bytes | None:
 
 
 def error_body(error: str, detail: str, **extra: Any) -> dict[str, Any]:
-    return {"error": error, "detail": detail, **extra}
+    """An error answer's JSON body. The detail is made :func:`encodable`: it
+    often quotes an exception that quotes client text, and one lone surrogate
+    in it made the whole answer fail to encode (a plain-text 500)."""
+    return {"error": error, "detail": encodable(detail), **extra}
 
 
 def invalid_detail(what: str, exc: Exception) -> str:
@@ -80,7 +85,7 @@ def invalid_detail(what: str, exc: Exception) -> str:
     KeyError's text is the bare field name (``'from'``), which says nothing."""
     if isinstance(exc, KeyError) and exc.args:
         return f"bad {what}: missing field {exc.args[0]!r}"[:200]
-    return f"bad {what}: {exc}"[:200]
+    return encodable(f"bad {what}: {exc}"[:200])
 
 
 #: What ``OPTIONS *`` (a question about the server, not a resource) is told.

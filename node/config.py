@@ -35,6 +35,7 @@ from node.rules import (
     parse_period,
     parse_rate,
 )
+from ring.errors import names_text
 
 #: ``headers.legacy_reset``: ``X-RateLimit-Reset`` as a Unix time, or in seconds.
 LEGACY_RESETS = ("epoch", "delta")
@@ -475,7 +476,7 @@ class _Parser:
             raise self.fail(where, f"must be a table, got {type(data).__name__}")
         unknown = set(data) - set(allowed)
         if unknown:
-            raise self.fail(where, f"unknown key(s) {', '.join(sorted(unknown))}")
+            raise self.fail(where, f"unknown key(s) {names_text(unknown)}")
         return data
 
     def number(self, value: Any, where: str) -> float:

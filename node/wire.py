@@ -35,6 +35,7 @@ from node.config import ClusterConfig
 from node.decision import Verdict
 from node.rules import Rule
 from node.shadow import denied_names
+from ring.errors import encodable, names_text
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -44,6 +45,8 @@ class ApiError(Exception):
     """A refused request: its status and the JSON body ``{"error", "detail"}``."""
 
     def __init__(self, status: int, error: str, detail: str) -> None:
+        # encodable: a detail quoting client text must not make its answer a 500.
+        detail = encodable(detail)
         super().__init__(detail)
         self.status = status
         self.error = error
@@ -248,7 +251,7 @@ def _parse_checks_strict(data: Any, config: ClusterConfig) -> tuple[list[Check],
     if "checks" in data:
         extra = set(data) - {"checks"}
         if extra:
-            raise ApiError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(extra))}")
+            raise ApiError(400, "invalid_request", f"unknown field(s): {names_text(extra)}")
         items = data["checks"]
         if not isinstance(items, list):
             raise ApiError(400, "invalid_request", "'checks' must be an array")
@@ -270,9 +273,7 @@ def parse_check(item: Any, config: ClusterConfig, where: str) -> Check:
         raise ApiError(400, "invalid_request", f"{where} must be an object")
     extra = set(item) - {"key", "rule", "cost"}
     if extra:
-        raise ApiError(
-            400, "invalid_request", f"{where}: unknown field(s): {', '.join(sorted(extra))}"
-        )
+        raise ApiError(400, "invalid_request", f"{where}: unknown field(s): {names_text(extra)}")
     key = item.get("key")
     if not isinstance(key, str) or not key:
         raise ApiError(400, "invalid_key", f"{where}.key must be a non-empty string")

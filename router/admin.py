@@ -25,6 +25,7 @@ from node.topkeys import NEAR_LIMIT_FRACTION
 from node.wire import ApiError, parse_json, read_body
 from ring import Member
 from ring.analysis import hash_share
+from ring.errors import names_text
 from ring.member import check_id, check_url, check_weight, same_url
 from router.coordinator import CoordinatorError
 from router.membership import MembershipError
@@ -358,9 +359,7 @@ def parse_join(data: Any) -> Member:
         raise ApiError(400, "invalid_request", "body must be an object {id, url, weight}")
     extra = set(data) - {"id", "url", "weight"}
     if extra:
-        raise ApiError(
-            400, "invalid_request", f"unknown field(s): {', '.join(sorted(map(str, extra)))}"
-        )
+        raise ApiError(400, "invalid_request", f"unknown field(s): {names_text(extra)}")
     for name, check, default in (
         ("id", check_id, None),
         ("url", check_url, None),

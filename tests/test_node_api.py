@@ -194,6 +194,10 @@ BAD_BODIES: list[tuple[str, bytes, int]] = [
     ("rule number", b'{"key": "a", "rule": 1}', 400),
     ("unknown field", b'{"key": "a", "extra": 1}', 400),
     ("unknown top-level field in a batch", b'{"checks": [{"key": "a"}], "x": 1}', 400),
+    # A field name UTF-8 cannot carry, quoted in the error: it must not make the answer a 500.
+    ("unknown field lone surrogate", b'{"key": "a", "\\ud800": 1}', 400),
+    ("unknown field lone surrogate in an item", b'{"checks": [{"key": "a", "\\udc00": 1}]}', 400),
+    ("unknown top-level field lone surrogate", b'{"checks": [{"key": "a"}], "\\ud800": 1}', 400),
     ("empty batch", b'{"checks": []}', 400),
     ("batch of null", b'{"checks": null}', 400),
     ("batch item not an object", b'{"checks": ["a"]}', 400),
@@ -492,6 +496,25 @@ INTERNAL_BAD += [
         ),
     ),
     ("POST", "/internal/pull", b'{"keys": [5], "to": "n1", "epoch": 1}'),
+    # Unknown field names UTF-8 cannot carry: quoted in the error, not a 500.
+    ("PUT", "/internal/cluster", b'{"config": {"\\ud800": 1}, "ring": {"epoch": 2, "nodes": []}}'),
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {"rules": [{"name": "api", "rate": "5/minute", "\\ud800": 1}]},'
+        b' "ring": {"epoch": 2, "nodes": []}}',
+    ),
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 2, "nodes": [], "\\ud800": 0}}',
+    ),
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 2, "nodes": '
+        b'[{"id": "n7", "url": "http://node.test", "\\ud800": 1}]}}',
+    ),
     ("POST", "/internal/pull", b'{"keys": ["a"], "to": "n1", "epoch": 1.5}'),
     (
         "PUT",

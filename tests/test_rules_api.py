@@ -106,6 +106,12 @@ async def test_a_new_algorithm_starts_its_rule_afresh_and_new_rules_add() -> Non
         (b'{"rules": [{"name": "api", "rate": "x"}]}', 400, "invalid_rules", "rules[0]"),
         (b'{"rules": [{"rate": "1/s", "name": "a"}, 7]}', 400, "invalid_rules", "rules[1]"),
         (b'{"rules": [{"name": "api", "rate": "1/s", "oops": 1}]}', 400, "invalid_rules", "oops"),
+        (
+            b'{"rules": [{"name": "api", "rate": "1/s", "\\ud800": 1}]}',
+            400,
+            "invalid_rules",
+            "'\\ud800'",
+        ),
         (b'{"rules": [{"name": "a", "rate": "1/s", "paths": "a"}]}', 400, "invalid_rules", "paths"),
         (
             b'{"rules": [{"name": "a", "rate": "1/s", "methods": ["G T"]}]}',
