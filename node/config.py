@@ -35,7 +35,7 @@ from node.rules import (
     parse_period,
     parse_rate,
 )
-from ring.errors import names_text
+from ring.errors import names_text, shown
 
 #: ``headers.legacy_reset``: ``X-RateLimit-Reset`` as a Unix time, or in seconds.
 LEGACY_RESETS = ("epoch", "delta")
@@ -441,6 +441,33 @@ def load_config(path: str | Path) -> ClusterConfig:
     return _Parser(str(path)).config(data)
 
 
+def unencodable(data: Any) -> str | None:
+    """Where in ``data`` (``rules[0].tiers[1]``) a string UTF-8 cannot carry is
+    (a key or a value), or None.
+
+    A config is pushed to every node as JSON bytes: one lone surrogate in a tier
+    or a path (JSON ``"\\ud800"``) was taken, then every push of it failed to
+    encode. Walked with a stack, not recursion: a body nested deeper than
+    Python's recursion limit is answered, not a RecursionError.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "top level"
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                path = f"{where}.{shown(key)}" if where else shown(key)
+                stack.append((path, key))
+                stack.append((path, item))
+        elif isinstance(value, list | tuple):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
 class _Parser:
     """Turns plain data into a config, remembering where each value came from."""
 
@@ -494,6 +521,8 @@ class _Parser:
         return tuple(value)
 
     def config(self, data: Mapping[str, Any]) -> ClusterConfig:
+        if (where := unencodable(data)) is not None:
+            raise self.fail(where, "not valid Unicode (a lone surrogate)")
         data = self.table(data, "top level", self._TOP)
         rules_data = data.get("rules", [])
         if not isinstance(rules_data, list):

@@ -125,6 +125,19 @@ async def test_a_new_algorithm_starts_its_rule_afresh_and_new_rules_add() -> Non
             "invalid_rules",
             "tiers[0]",
         ),
+        # Text no push can carry: it was taken (a 500), and every push after failed.
+        (
+            b'{"rules": [{"name": "a", "rate": "1/s", "tiers": ["\\ud800"]}]}',
+            400,
+            "invalid_rules",
+            "rules[0].tiers[0]: not valid Unicode",
+        ),
+        (
+            b'{"rules": [{"name": "a", "rate": "1/s", "paths": ["/\\udfff"]}]}',
+            400,
+            "invalid_rules",
+            "rules[0].paths[0]: not valid Unicode",
+        ),
     ],
 )
 async def test_bad_rules_are_a_400_saying_why_and_change_nothing(
@@ -139,6 +152,39 @@ async def test_bad_rules_are_a_400_saying_why_and_change_nothing(
         assert answer.json()["error"] == error and says in answer.json()["detail"], answer.text
         assert (await cluster.client.get(RULES)).json() == before
         assert node_limits(cluster) == {"n1": 5, "n2": 5}
+
+
+async def test_a_config_that_cannot_be_pushed_leaves_the_router_as_it_was() -> None:
+    """Past the parser (a config built in code): refused before the router takes
+    it. It used to be taken, then its push failed to encode at every node, and the
+    router decided with rules no node had, answered GET /admin/rules with a 500
+    and failed every join."""
+    async with InProcessCluster(2, config(5), clock=FrozenClock()) as cluster:
+        membership = cluster.router.membership
+        before = membership.config
+        bad = ClusterConfig(rules=(ScopedRule(Rule("api", 7, 60.0), tiers=("\ud800",)),))
+        with pytest.raises(ValueError, match=r"rules\[0\]\.tiers\[0\]"):
+            await membership.change_config(bad)
+        assert membership.config is before
+        assert (await cluster.client.get(RULES)).status_code == 200
+        assert node_limits(cluster) == {"n1": 5, "n2": 5}
+
+
+async def test_a_push_that_fails_leaves_the_router_with_its_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No etcd: nothing recorded the new config, so the old one stays this router's."""
+    async with InProcessCluster(2, config(5), clock=FrozenClock()) as cluster:
+        membership = cluster.router.membership
+        before = membership.config
+
+        async def broken(*args: Any) -> None:
+            raise RuntimeError("push failed")
+
+        monkeypatch.setattr(membership, "_push_all", broken)
+        with pytest.raises(RuntimeError):
+            await membership.change_config(config(7))
+        assert membership.config is before
 
 
 async def test_rules_past_the_limits_are_refused() -> None:
