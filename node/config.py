@@ -521,6 +521,9 @@ class _Parser:
         return tuple(value)
 
     def config(self, data: Mapping[str, Any]) -> ClusterConfig:
+        if not isinstance(data, Mapping):
+            # Not table()'s None-is-empty: a null config would wipe every rule.
+            raise self.fail("top level", f"must be a table, got {type(data).__name__}")
         if (where := unencodable(data)) is not None:
             raise self.fail(where, "not valid Unicode (a lone surrogate)")
         data = self.table(data, "top level", self._TOP)

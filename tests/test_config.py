@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -275,6 +277,27 @@ def test_a_path_with_format_characters_is_text_not_control(path: str) -> None:
     refuse these too: the review of the check)."""
     config = ClusterConfig.from_dict({"rules": [{"name": "r", "rate": "1/s", "paths": [path]}]})
     assert config.rules_for("GET", path.replace("*", "x"), None)
+
+
+@pytest.mark.parametrize("data", [None, [], "rules", 0])
+def test_a_config_that_is_not_a_table_is_refused_not_taken_as_empty(data: Any) -> None:
+    """A push with ``"config": null`` was taken as no rules at all: it wiped a
+    node's rules."""
+    with pytest.raises(ConfigError, match="top level: must be a table"):
+        ClusterConfig.from_dict(data, source="pushed config", strict=False)
+
+
+@pytest.mark.parametrize(
+    ("data", "where"),
+    [
+        ({"rules": [{"name": "r", "rate": "1/s", "tiers": ["\ud800"]}]}, "rules[0].tiers[0]"),
+        ({"identity": {"name": "X-\udc00"}}, "identity.name"),
+        ({"privacy": {"\ud800": 1}}, "privacy.'\\ud800'"),
+    ],
+)
+def test_text_no_push_can_carry_is_refused_where_it_is(data: Any, where: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"{where}: not valid Unicode")):
+        ClusterConfig.from_dict(data, source="pushed config", strict=False)
 
 
 def test_a_useless_rule_from_another_process_is_kept_and_logged(

@@ -425,6 +425,8 @@ INTERNAL_BAD: list[tuple[str, str, bytes]] = [
     ("PUT", "/internal/cluster", b"{}"),
     ("PUT", "/internal/cluster", b'{"config": {}, "ring": 5}'),
     ("PUT", "/internal/cluster", b'{"config": [], "ring": {"epoch": 1, "nodes": []}}'),
+    # A null config was taken as an empty one: it wiped the node's rules.
+    ("PUT", "/internal/cluster", b'{"config": null, "ring": {"epoch": 2, "nodes": []}}'),
     ("PUT", "/internal/cluster", b'{"config": {"rules": [{"name": "x"}]}, "ring": {}}'),
     ("PUT", "/internal/cluster", b'{"config": {"limits": {"max_body": 0}}, "ring": {}}'),
     ("PUT", "/internal/cluster", b'{"config": {"identity": {"name": 5}}, "ring": {}}'),
