@@ -74,6 +74,7 @@ from node.wire import (
 )
 from ring import RingView
 from ring.member import check_id
+from ring.view import check_epoch
 
 log = logging.getLogger("ringlimit.node")
 
@@ -811,10 +812,8 @@ def _sender(data: dict[str, Any], field: str = "from") -> str:
 
 
 def _epoch(data: dict[str, Any]) -> int:
-    epoch = data["epoch"]
-    if type(epoch) is not int or epoch < 0:
-        raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}"[:120])
-    return epoch
+    """The epoch of an internal body (ring/view.py's bounds: one a transfer can carry)."""
+    return check_epoch(data["epoch"])
 
 
 def _flag(data: dict[str, Any], field: str) -> bool:

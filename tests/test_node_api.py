@@ -498,6 +498,20 @@ INTERNAL_BAD += [
         ),
     ),
     ("POST", "/internal/pull", b'{"keys": [5], "to": "n1", "epoch": 1}'),
+    # Epochs past what msgpack carries: a view at 2**64 was applied, then the node
+    # failed every transfer (OverflowError) and stayed at that epoch for good.
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 18446744073709551616, "nodes": []}}',
+    ),
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 9223372036854775808, "nodes": []}}',
+    ),
+    ("POST", "/internal/pull", b'{"keys": [], "to": "n1", "epoch": 18446744073709551616}'),
+    ("POST", "/internal/import", _import(EXHAUSTED_A, extra=', "epoch": 9223372036854775808')),
     # Unknown field names UTF-8 cannot carry: quoted in the error, not a 500.
     ("PUT", "/internal/cluster", b'{"config": {"\\ud800": 1}, "ring": {"epoch": 2, "nodes": []}}'),
     (

@@ -427,6 +427,7 @@ GOOD_NODE = {"id": "n1", "url": "http://127.0.0.1:8001", "weight": 1}
         ({"epoch": "1", "nodes": []}, "'epoch'.*must be an int"),
         ({"epoch": True, "nodes": []}, "'epoch'.*must be an int"),
         ({"epoch": -1, "nodes": []}, "epoch must be >= 0"),
+        ({"epoch": 2**63, "nodes": []}, r"epoch must be >= 0 and < 2\*\*63"),
         ({"epoch": 0, "nodes": {"n1": GOOD_NODE}}, "'nodes' must be a list"),
         ({"epoch": 0, "nodes": ["n1"]}, r"nodes\[0\].*must be a mapping"),
         ({"epoch": 0, "nodes": [GOOD_NODE, {"url": "u"}]}, r"nodes\[1\].*'id'"),
