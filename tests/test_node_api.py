@@ -594,6 +594,19 @@ async def test_an_internal_body_missing_a_field_names_it(
     assert f"missing field '{field}'" in response.json()["detail"], response.text
 
 
+async def test_a_transferred_bucket_fuller_than_the_rule_decides_as_a_full_one(
+    fenced_in_ring: Any,
+) -> None:
+    """A burst lowered between export and import: the state is taken (not the
+    transfer refused), as a full bucket; it answered remaining 999999999 and a
+    negative reset_after."""
+    _, client = fenced_in_ring
+    record = '["api", "token_bucket", "kk", [1e9, 0.0]]'
+    assert (await client.post("/internal/import", content=_import(record))).json() == {"taken": 1}
+    answer = (await client.post("/v1/check", json={"key": "kk"})).json()
+    assert answer["remaining"] == 4 and answer["reset_after"] == 12.0, answer
+
+
 INTERNAL_XFAIL: list[tuple[str, str, bytes]] = [
     ("POST", "/internal/pull", b'{"keys": [], "to": "n1", "epoch": 1e999}'),
     ("POST", "/internal/import", b'{"from": "n1", "epoch": 1e999, "records": [], "final": true}'),
