@@ -441,6 +441,11 @@ def load_config(path: str | Path) -> ClusterConfig:
     return _Parser(str(path)).config(data)
 
 
+def _off_if_empty(value: Any) -> Any:
+    """None for "" (a setting switched off), anything else as it is, for its own check."""
+    return None if isinstance(value, str) and not value else value
+
+
 def unencodable(data: Any) -> str | None:
     """Where in ``data`` (``rules[0].tiers[1]``) a string UTF-8 cannot carry is
     (a key or a value), or None.
@@ -557,8 +562,9 @@ class _Parser:
                 trusted_proxies=self.strings(
                     ident.get("trusted_proxies"), "identity.trusted_proxies"
                 ),
-                # An empty tier header switches tiers off (TOML has no null).
-                tier_header=ident.get("tier_header", "X-User-Tier") or None,
+                # An empty tier header switches tiers off (TOML has no null); only
+                # "": 0, [] or {} (falsy too) quietly switched them off as well.
+                tier_header=_off_if_empty(ident.get("tier_header", "X-User-Tier")),
             )
             policies = Policies(
                 rebalance=pol.get("rebalance", "handoff"),

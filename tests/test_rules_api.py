@@ -125,6 +125,9 @@ async def test_a_new_algorithm_starts_its_rule_afresh_and_new_rules_add() -> Non
             "invalid_rules",
             "tiers[0]",
         ),
+        (b'{"rules": [{"name": "a", "rate": "1/s", "burst": ""}]}', 400, "invalid_rules", "burst"),
+        (b'{"rules": [{"name": "a", "rate": "1/s", "burst": []}]}', 400, "invalid_rules", "burst"),
+        (b'{"rules": [{"name": "a", "rate": "1/s", "burst": {}}]}', 400, "invalid_rules", "burst"),
         # Text no push can carry: it was taken (a 500), and every push after failed.
         (
             b'{"rules": [{"name": "a", "rate": "1/s", "tiers": ["\\ud800"]}]}',
