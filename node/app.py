@@ -36,8 +36,8 @@ from node.asgi import (
     Receive,
     Scope,
     Send,
+    control_app,
     invalid_detail,
-    json_http_errors,
     odd_target,
 )
 from node.authority import Authority
@@ -211,9 +211,7 @@ class Node:
             internal_token=settings.internal_token,
             wall_clock=clock,
         )
-        self.control = Starlette(
-            routes=self._routes(), lifespan=self._lifespan, exception_handlers=json_http_errors()
-        )
+        self.control = control_app(self._routes(), self._lifespan)
         #: Quota leases for hot keys granted from this node's store (docs/hotkeys.md).
         self.desk = LeaseDesk()
         self.metrics.add_counters(

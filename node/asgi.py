@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ring.errors import encodable
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -112,6 +115,19 @@ async def odd_target(scope: Scope, receive: Receive, send: Send) -> None:
         400,
         error_body("invalid_target", "the request target must be a path starting with /"),
     )
+
+
+def control_app(routes: list[Any], lifespan: Any) -> Starlette:
+    """The Starlette app of a process's control endpoints (a node's, a router's):
+    Starlette's 404 and 405 answered as JSON, and no redirect for a trailing
+    slash. Starlette answers ``/admin/ring/`` with a 307 to ``/admin/ring``, before
+    any token check and with a Location built from the client's Host header; now
+    it is the JSON 404 any unknown path gets."""
+    from starlette.applications import Starlette
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=json_http_errors())
+    app.router.redirect_slashes = False
+    return app
 
 
 def json_http_errors() -> dict[Any, Any]:

@@ -809,6 +809,30 @@ async def test_admin_leave_of_an_unknown_node_is_404() -> None:
         assert_error(await cluster.client.delete("/admin/nodes/nope"), 404, "unknown_node")
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("DELETE", "/admin/nodes/n1/"),
+        ("GET", "/admin/ring/"),
+        ("PUT", "/admin/rules/"),
+        ("PUT", "{n1}/internal/cluster/"),
+        ("POST", "{n1}/internal/pull/"),
+    ],
+)
+async def test_a_trailing_slash_is_a_json_404_not_a_redirect(method: str, path: str) -> None:
+    """Starlette answered these with a 307 to the path without its slash, before
+    any token check, its Location built from the client's Host header."""
+    async with running(make_config(Rule("api", 5, 60.0))) as cluster:
+        url = path.format(n1=node_url("n1"))
+        response = await cluster.client.request(
+            method, url, headers={"host": "evil.example"}, content=b"{}"
+        )
+        assert_error(response, 404, "not_found")
+        assert "location" not in response.headers
+        ring = (await cluster.client.get("/admin/ring")).json()
+        assert ring["epoch"] == 1 and [n["id"] for n in ring["nodes"]] == ["n1", "n2", "n3"]
+
+
 async def test_the_decision_api_takes_only_post_on_router_and_node() -> None:
     async with running(limited_config()) as cluster:
         for url in ("/v1/check", node_url(cluster.owner("a")) + "/v1/check"):
