@@ -66,6 +66,7 @@ from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
 from node.upstream import echo_app
 from node.wire import (
     ApiError,
+    count_param,
     decode_checks,
     dumps,
     node_batch_body,
@@ -540,7 +541,9 @@ class Node:
             data = await self._internal_json(request)
             config = ClusterConfig.from_dict(data["config"], source="pushed config", strict=False)
             view = RingView.from_dict(data["ring"])
-            previous = RingView.from_dict(data["previous"]) if data.get("previous") else None
+            # Only absent or null is "no previous view": 0, "" or [] skipped its check.
+            raw_previous = data.get("previous")
+            previous = None if raw_previous is None else RingView.from_dict(raw_previous)
             crashed = data.get("crashed", [])
             if type(crashed) is not list:
                 raise ValueError("crashed must be a list of member ids")
@@ -668,14 +671,9 @@ class Node:
                 {"error": "unknown_rule", "detail": f"no rule named {rule!r}"}, status_code=400
             )
         try:
-            n = int(params.get("n", "20"))
-            if not 1 <= n <= MAX_TOP:
-                raise ValueError
-        except ValueError:
-            return JSONResponse(
-                {"error": "invalid_n", "detail": f"n must be an integer from 1 to {MAX_TOP}"},
-                status_code=400,
-            )
+            n = count_param(params, "n", 20, MAX_TOP)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
         now = self.clock()
         totals, decided = self._totals()
         top = self.top

@@ -23,7 +23,7 @@ Pure: no I/O but :func:`read_body`, which reads a Starlette request.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from json.encoder import encode_basestring_ascii as _jstr
 from math import floor as _floor
@@ -315,6 +315,23 @@ def parse_check(item: Any, config: ClusterConfig, where: str) -> Check:
             )
         rules = (rule,)
     return Check(key, rules, cost)
+
+
+def count_param(params: Mapping[str, str], name: str, default: int, high: int) -> int:
+    """A count in a query string (``?n=20``): ASCII digits only, 1..``high``;
+    ApiError 400 ``invalid_<name>`` otherwise.
+
+    Not ``int()``, which also takes Unicode digits (``%D9%A1``, an Arabic-Indic
+    one, was n=1), signs, spaces and underscores (``2_0``).
+    """
+    text = params.get(name)
+    if text is None:
+        return default
+    if text.isascii() and text.isdigit() and len(text) <= len(str(high)):
+        count = int(text)
+        if 1 <= count <= high:
+            return count
+    raise ApiError(400, f"invalid_{name}", f"{name} must be an integer from 1 to {high}")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

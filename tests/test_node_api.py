@@ -545,6 +545,17 @@ INTERNAL_BAD += [
 ]
 
 
+# A falsy previous view was taken for none (its check skipped).
+INTERNAL_BAD += [
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 2, "nodes": []}, "previous": %s}' % falsy,
+    )
+    for falsy in (b"0", b'""', b"[]", b"{}", b"false")
+]
+
+
 @pytest.fixture
 async def fenced_in_ring() -> AsyncIterator[tuple[Node, httpx.AsyncClient]]:
     """A node that got a view with itself as the only member (epoch 1)."""
