@@ -526,6 +526,35 @@ def _sw_abs(rel: list[Any], now: float) -> State:
     return (now + float(rel[0]), int(rel[1]), int(rel[2]))
 
 
+# --------------------------------------------------------------------------- the receiving rule
+# A transferred state was made under the sender's rule, which may have had a larger
+# burst or limit (lowered at runtime between the export and the import). It is kept
+# as the receiving rule can hold it: spent or full, never more than its capacity.
+# Only the shapes that can hold more are clamped: a GCRA ``tat`` in the past is a
+# full bucket already, and a sliding window's estimate is floored where it is read.
+
+
+def _tb_clamp(state: State, rule: Rule) -> State:
+    """Tokens above the capacity (the bucket answered remaining 999999999 and a
+    negative reset_after) become a full bucket, no more."""
+    if state.real <= rule.capacity:
+        return state
+    return complex(float(rule.capacity), state.imag)
+
+
+def _fw_clamp(state: State, rule: Rule) -> State:
+    """A count over the limit (remaining would be negative) is a spent window."""
+    start, count = state
+    return state if count <= rule.limit else (start, rule.limit)
+
+
+def _log_clamp(state: State, rule: Rule) -> State:
+    """More entries than the limit: the newest ``limit`` are kept, so the next
+    unit comes back when it would have with all of them (the oldest of those
+    expires), and the log stays within the limit the store bounds it by."""
+    return state if len(state) <= rule.limit else state[-rule.limit :]
+
+
 # --------------------------------------------------------------------------- checking the format
 # A state arrives from a peer (handoff, pull, replica) in the relative format above.
 # Each check below accepts exactly what the matching ``to_relative`` can produce
@@ -657,18 +686,39 @@ class Algorithm(NamedTuple):
     from_relative: Callable[[list[Any], float], State]
     #: Raises ValueError unless its argument is a valid relative state.
     check: Callable[[Any], None]
+    #: The state as ``rule`` can hold it (a transfer's, made under another
+    #: rule); None where every valid state already fits.
+    clamp: Callable[[State, Rule], State] | None = None
 
 
 REGISTRY: dict[str, Algorithm] = {
     "token_bucket": Algorithm(
-        "token_bucket", token_bucket, token_bucket_fresh_at, _tb_rel, _tb_abs, _tb_check
+        "token_bucket",
+        token_bucket,
+        token_bucket_fresh_at,
+        _tb_rel,
+        _tb_abs,
+        _tb_check,
+        _tb_clamp,
     ),
     "gcra": Algorithm("gcra", gcra, gcra_fresh_at, _gcra_rel, _gcra_abs, _gcra_check),
     "fixed_window": Algorithm(
-        "fixed_window", fixed_window, fixed_window_fresh_at, _fw_rel, _fw_abs, _fw_check
+        "fixed_window",
+        fixed_window,
+        fixed_window_fresh_at,
+        _fw_rel,
+        _fw_abs,
+        _fw_check,
+        _fw_clamp,
     ),
     "sliding_log": Algorithm(
-        "sliding_log", sliding_log, sliding_log_fresh_at, _log_rel, _log_abs, _log_check
+        "sliding_log",
+        sliding_log,
+        sliding_log_fresh_at,
+        _log_rel,
+        _log_abs,
+        _log_check,
+        _log_clamp,
     ),
     "sliding_window": Algorithm(
         "sliding_window", sliding_window, sliding_window_fresh_at, _sw_rel, _sw_abs, _sw_check

@@ -36,8 +36,8 @@ from node.asgi import (
     Receive,
     Scope,
     Send,
+    control_app,
     invalid_detail,
-    json_http_errors,
     odd_target,
 )
 from node.authority import Authority
@@ -66,6 +66,7 @@ from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
 from node.upstream import echo_app
 from node.wire import (
     ApiError,
+    count_param,
     decode_checks,
     dumps,
     node_batch_body,
@@ -74,6 +75,7 @@ from node.wire import (
 )
 from ring import RingView
 from ring.member import check_id
+from ring.view import check_epoch
 
 log = logging.getLogger("ringlimit.node")
 
@@ -210,9 +212,7 @@ class Node:
             internal_token=settings.internal_token,
             wall_clock=clock,
         )
-        self.control = Starlette(
-            routes=self._routes(), lifespan=self._lifespan, exception_handlers=json_http_errors()
-        )
+        self.control = control_app(self._routes(), self._lifespan)
         #: Quota leases for hot keys granted from this node's store (docs/hotkeys.md).
         self.desk = LeaseDesk()
         self.metrics.add_counters(
@@ -552,7 +552,9 @@ class Node:
             data = await self._internal_json(request)
             config = ClusterConfig.from_dict(data["config"], source="pushed config", strict=False)
             view = RingView.from_dict(data["ring"])
-            previous = RingView.from_dict(data["previous"]) if data.get("previous") else None
+            # Only absent or null is "no previous view": 0, "" or [] skipped its check.
+            raw_previous = data.get("previous")
+            previous = None if raw_previous is None else RingView.from_dict(raw_previous)
             crashed = data.get("crashed", [])
             if type(crashed) is not list:
                 raise ValueError("crashed must be a list of member ids")
@@ -697,14 +699,9 @@ class Node:
                 {"error": "unknown_rule", "detail": f"no rule named {rule!r}"}, status_code=400
             )
         try:
-            n = int(params.get("n", "20"))
-            if not 1 <= n <= MAX_TOP:
-                raise ValueError
-        except ValueError:
-            return JSONResponse(
-                {"error": "invalid_n", "detail": f"n must be an integer from 1 to {MAX_TOP}"},
-                status_code=400,
-            )
+            n = count_param(params, "n", 20, MAX_TOP)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
         now = self.clock()
         totals, decided = self._totals()
         top = self.top
@@ -839,10 +836,8 @@ def _sender(data: dict[str, Any], field: str = "from") -> str:
 
 
 def _epoch(data: dict[str, Any]) -> int:
-    epoch = data["epoch"]
-    if type(epoch) is not int or epoch < 0:
-        raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}"[:120])
-    return epoch
+    """The epoch of an internal body (ring/view.py's bounds: one a transfer can carry)."""
+    return check_epoch(data["epoch"])
 
 
 def _round(data: dict[str, Any]) -> tuple[int, int] | None:

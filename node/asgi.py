@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ring.errors import encodable
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -72,7 +77,10 @@ async def read_all(receive: Receive, limit: int) -> bytes | None:
 
 
 def error_body(error: str, detail: str, **extra: Any) -> dict[str, Any]:
-    return {"error": error, "detail": detail, **extra}
+    """An error answer's JSON body. The detail is made :func:`encodable`: it
+    often quotes an exception that quotes client text, and one lone surrogate
+    in it made the whole answer fail to encode (a plain-text 500)."""
+    return {"error": error, "detail": encodable(detail), **extra}
 
 
 def invalid_detail(what: str, exc: Exception) -> str:
@@ -80,7 +88,7 @@ def invalid_detail(what: str, exc: Exception) -> str:
     KeyError's text is the bare field name (``'from'``), which says nothing."""
     if isinstance(exc, KeyError) and exc.args:
         return f"bad {what}: missing field {exc.args[0]!r}"[:200]
-    return f"bad {what}: {exc}"[:200]
+    return encodable(f"bad {what}: {exc}"[:200])
 
 
 #: What ``OPTIONS *`` (a question about the server, not a resource) is told.
@@ -107,6 +115,19 @@ async def odd_target(scope: Scope, receive: Receive, send: Send) -> None:
         400,
         error_body("invalid_target", "the request target must be a path starting with /"),
     )
+
+
+def control_app(routes: list[Any], lifespan: Any) -> Starlette:
+    """The Starlette app of a process's control endpoints (a node's, a router's):
+    Starlette's 404 and 405 answered as JSON, and no redirect for a trailing
+    slash. Starlette answers ``/admin/ring/`` with a 307 to ``/admin/ring``, before
+    any token check and with a Location built from the client's Host header; now
+    it is the JSON 404 any unknown path gets."""
+    from starlette.applications import Starlette
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=json_http_errors())
+    app.router.redirect_slashes = False
+    return app
 
 
 def json_http_errors() -> dict[Any, Any]:

@@ -35,6 +35,7 @@ from node.rules import (
     parse_period,
     parse_rate,
 )
+from ring.errors import names_text, shown
 
 #: ``headers.legacy_reset``: ``X-RateLimit-Reset`` as a Unix time, or in seconds.
 LEGACY_RESETS = ("epoch", "delta")
@@ -440,6 +441,38 @@ def load_config(path: str | Path) -> ClusterConfig:
     return _Parser(str(path)).config(data)
 
 
+def _off_if_empty(value: Any) -> Any:
+    """None for "" (a setting switched off), anything else as it is, for its own check."""
+    return None if isinstance(value, str) and not value else value
+
+
+def unencodable(data: Any) -> str | None:
+    """Where in ``data`` (``rules[0].tiers[1]``) a string UTF-8 cannot carry is
+    (a key or a value), or None.
+
+    A config is pushed to every node as JSON bytes: one lone surrogate in a tier
+    or a path (JSON ``"\\ud800"``) was taken, then every push of it failed to
+    encode. Walked with a stack, not recursion: a body nested deeper than
+    Python's recursion limit is answered, not a RecursionError.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "top level"
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                path = f"{where}.{shown(key)}" if where else shown(key)
+                stack.append((path, key))
+                stack.append((path, item))
+        elif isinstance(value, list | tuple):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
 class _Parser:
     """Turns plain data into a config, remembering where each value came from."""
 
@@ -475,7 +508,7 @@ class _Parser:
             raise self.fail(where, f"must be a table, got {type(data).__name__}")
         unknown = set(data) - set(allowed)
         if unknown:
-            raise self.fail(where, f"unknown key(s) {', '.join(sorted(unknown))}")
+            raise self.fail(where, f"unknown key(s) {names_text(unknown)}")
         return data
 
     def number(self, value: Any, where: str) -> float:
@@ -493,6 +526,11 @@ class _Parser:
         return tuple(value)
 
     def config(self, data: Mapping[str, Any]) -> ClusterConfig:
+        if not isinstance(data, Mapping):
+            # Not table()'s None-is-empty: a null config would wipe every rule.
+            raise self.fail("top level", f"must be a table, got {type(data).__name__}")
+        if (where := unencodable(data)) is not None:
+            raise self.fail(where, "not valid Unicode (a lone surrogate)")
         data = self.table(data, "top level", self._TOP)
         rules_data = data.get("rules", [])
         if not isinstance(rules_data, list):
@@ -524,8 +562,9 @@ class _Parser:
                 trusted_proxies=self.strings(
                     ident.get("trusted_proxies"), "identity.trusted_proxies"
                 ),
-                # An empty tier header switches tiers off (TOML has no null).
-                tier_header=ident.get("tier_header", "X-User-Tier") or None,
+                # An empty tier header switches tiers off (TOML has no null); only
+                # "": 0, [] or {} (falsy too) quietly switched them off as well.
+                tier_header=_off_if_empty(ident.get("tier_header", "X-User-Tier")),
             )
             policies = Policies(
                 rebalance=pol.get("rebalance", "handoff"),

@@ -34,6 +34,7 @@ from typing import Any
 from node.quota import Held, LeasePolicy, Outstanding, QuotaLease, grant, refund
 from node.rules import Rule
 from node.store import MemoryStore
+from ring.view import MAX_EPOCH
 
 #: (rule, key) entries with outstanding leases a node keeps at most; beyond, no grant.
 MAX_LEASED_KEYS = 65_536
@@ -177,10 +178,11 @@ def lease_from_dict(data: Any, key: Hashable = None) -> QuotaLease:
             raise ValueError(f"lease {name} must be finite")
         return float(value)
 
-    def integer(name: str, low: int) -> int:
+    def integer(name: str, low: int, high: int | None = None) -> int:
         value = data.get(name)
-        if type(value) is not int or value < low:
-            raise ValueError(f"lease {name} must be an integer >= {low}")
+        if type(value) is not int or value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in {low}..{high}"
+            raise ValueError(f"lease {name} must be an integer {bound}")
         return value
 
     rule = data.get("rule")
@@ -194,7 +196,7 @@ def lease_from_dict(data: Any, key: Hashable = None) -> QuotaLease:
         number("granted_at"),
         number("expires_at"),
         number("refill_at", null=True),
-        integer("epoch", 0),
+        integer("epoch", 0, MAX_EPOCH),
         None if window is None else number("window"),
         integer("refill_cost", 1),
         key,

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 
+from ring.errors import names_text
+
 ALGORITHMS = ("token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_window")
 ALGORITHM_ALIASES = {
     "token-bucket": "token_bucket",
@@ -161,7 +163,8 @@ class Rule:
             )
         object.__setattr__(self, "period", period)
         object.__setattr__(self, "algorithm", normalize_algorithm(self.algorithm))
-        burst = self.burst or self.limit
+        # Only the integer 0 is "not set": "", [] or {} (falsy too) were taken for it.
+        burst = self.limit if type(self.burst) is int and self.burst == 0 else self.burst
         if isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= MAX_LIMIT:
             raise RuleError(f"rule {self.name!r}: burst must be an integer 1..{MAX_LIMIT}")
         object.__setattr__(self, "burst", burst)
@@ -243,7 +246,7 @@ class Rule:
             "lease",
         }
         if unknown:
-            raise RuleError(f"unknown rule field(s): {', '.join(sorted(unknown))}")
+            raise RuleError(f"unknown rule field(s): {names_text(unknown)}")
         try:
             return cls(
                 name=data["name"],  # type: ignore[arg-type]

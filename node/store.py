@@ -402,7 +402,9 @@ class MemoryStore:
         *,
         replace: bool = False,
     ) -> int:
-        """Rebase exported states onto this node's clock and keep them.
+        """Rebase exported states onto this node's clock and keep them, each as
+        this node's rule can hold it (``Algorithm.clamp``: a bucket sent with more
+        tokens than the rule's burst, lowered since, arrives full, not fuller).
 
         A record for a rule this node does not know, or whose algorithm
         differs, is skipped (its states could not be interpreted). When a
@@ -422,9 +424,12 @@ class MemoryStore:
                 table = None if rule is None or rule.algorithm != algorithm else self.table(rule)
                 if table is not None:
                     states, from_relative = table.states, table.algorithm.from_relative
+                    clamp = table.algorithm.clamp
             if table is None:
                 continue
             incoming = from_relative(relative, now)
+            if clamp is not None:
+                incoming = clamp(incoming, table.rule)
             current = states.get(key)
             if current is not None and not replace:
                 incoming = more_restrictive(table, current, incoming, now)

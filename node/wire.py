@@ -23,7 +23,7 @@ Pure: no I/O but :func:`read_body`, which reads a Starlette request.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from json.encoder import encode_basestring_ascii as _jstr
 from math import floor as _floor
@@ -35,6 +35,7 @@ from node.config import ClusterConfig
 from node.decision import Verdict
 from node.rules import Rule
 from node.shadow import denied_names
+from ring.errors import encodable, names_text
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -44,6 +45,8 @@ class ApiError(Exception):
     """A refused request: its status and the JSON body ``{"error", "detail"}``."""
 
     def __init__(self, status: int, error: str, detail: str) -> None:
+        # encodable: a detail quoting client text must not make its answer a 500.
+        detail = encodable(detail)
         super().__init__(detail)
         self.status = status
         self.error = error
@@ -248,7 +251,7 @@ def _parse_checks_strict(data: Any, config: ClusterConfig) -> tuple[list[Check],
     if "checks" in data:
         extra = set(data) - {"checks"}
         if extra:
-            raise ApiError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(extra))}")
+            raise ApiError(400, "invalid_request", f"unknown field(s): {names_text(extra)}")
         items = data["checks"]
         if not isinstance(items, list):
             raise ApiError(400, "invalid_request", "'checks' must be an array")
@@ -270,9 +273,7 @@ def parse_check(item: Any, config: ClusterConfig, where: str) -> Check:
         raise ApiError(400, "invalid_request", f"{where} must be an object")
     extra = set(item) - {"key", "rule", "cost"}
     if extra:
-        raise ApiError(
-            400, "invalid_request", f"{where}: unknown field(s): {', '.join(sorted(extra))}"
-        )
+        raise ApiError(400, "invalid_request", f"{where}: unknown field(s): {names_text(extra)}")
     key = item.get("key")
     if not isinstance(key, str) or not key:
         raise ApiError(400, "invalid_key", f"{where}.key must be a non-empty string")
@@ -314,6 +315,23 @@ def parse_check(item: Any, config: ClusterConfig, where: str) -> Check:
             )
         rules = (rule,)
     return Check(key, rules, cost)
+
+
+def count_param(params: Mapping[str, str], name: str, default: int, high: int) -> int:
+    """A count in a query string (``?n=20``): ASCII digits only, 1..``high``;
+    ApiError 400 ``invalid_<name>`` otherwise.
+
+    Not ``int()``, which also takes Unicode digits (``%D9%A1``, an Arabic-Indic
+    one, was n=1), signs, spaces and underscores (``2_0``).
+    """
+    text = params.get(name)
+    if text is None:
+        return default
+    if text.isascii() and text.isdigit() and len(text) <= len(str(high)):
+        count = int(text)
+        if 1 <= count <= high:
+            return count
+    raise ApiError(400, f"invalid_{name}", f"{name} must be an integer from 1 to {high}")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-__all__ = ["EmptyRingError", "check_fields"]
+__all__ = ["EmptyRingError", "check_fields", "encodable", "names_text", "shown"]
+
+#: At most this many characters of one client-chosen name are quoted in an error.
+MAX_SHOWN = 40
+#: At most this many names are listed in one error (the rest are counted).
+MAX_NAMES_SHOWN = 10
 
 
 class EmptyRingError(LookupError):
@@ -28,7 +33,44 @@ def check_fields(
         raise ValueError(f"{what} must be a mapping, got {type(data).__name__}")
     unknown = set(data) - allowed
     if unknown:
-        raise ValueError(f"{what} has unknown field(s): {', '.join(sorted(map(str, unknown)))}")
+        raise ValueError(f"{what} has unknown field(s): {names_text(unknown)}")
     for name in required:
         if name not in data:
             raise ValueError(f"{what} is missing required field {name!r}")
+
+
+def shown(name: object) -> str:
+    """``name`` (a field name or value a client chose) as an error message may quote it.
+
+    Printable text is quoted as it is (so ``unknown key(s) limt`` reads as
+    before); anything else is written as its ``ascii()`` escape. A lone
+    surrogate (JSON ``"\\ud800"``) cannot be encoded as UTF-8: quoted raw, it
+    made the JSON answer itself fail to encode, a plain-text 500. Cut to
+    :data:`MAX_SHOWN` characters, so a 100 kB name does not come back whole.
+    """
+    text = name if isinstance(name, str) and name.isprintable() else ascii(name)
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
+
+
+def names_text(names: Iterable[object]) -> str:
+    """Names for an error message (``a, b, c``): each :func:`shown`, sorted, at
+    most :data:`MAX_NAMES_SHOWN` of them and then how many more there were.
+
+    Sorted as text, so names of mixed types (msgpack allows integer keys)
+    cannot make the error itself raise a ``TypeError``.
+    """
+    texts = sorted(shown(n) for n in names)
+    listed = ", ".join(texts[:MAX_NAMES_SHOWN])
+    more = len(texts) - MAX_NAMES_SHOWN
+    return f"{listed} and {more} more" if more > 0 else listed
+
+
+def encodable(text: str) -> str:
+    """``text`` with anything UTF-8 cannot carry (lone surrogates) written as
+    ``\\udXXX`` escapes: the last line of defence for an error message that
+    quotes client text, so its JSON answer always encodes (never a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text

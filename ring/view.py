@@ -44,7 +44,24 @@ from ._ketama import build_continuum, md5, read_point
 from .errors import EmptyRingError, check_fields
 from .member import Member
 
-__all__ = ["RingView"]
+__all__ = ["MAX_EPOCH", "RingView", "check_epoch"]
+
+#: The largest epoch: what the wire formats carry (msgpack's signed 64-bit
+#: integers among them). A view past it was applied, then every transfer
+#: carrying its epoch failed to encode: the node was wedged at it for good.
+MAX_EPOCH = 2**63 - 1
+
+
+def check_epoch(epoch: object) -> int:
+    """``epoch`` when it is an int in 0..:data:`MAX_EPOCH`: TypeError for another
+    type, ValueError for a value out of range (every parser of an epoch uses
+    this one check, so none lets through what another refuses)."""
+    if isinstance(epoch, bool) or not isinstance(epoch, int):
+        raise TypeError(f"epoch must be an int, got {type(epoch).__name__}")
+    if not 0 <= epoch <= MAX_EPOCH:
+        raise ValueError(f"epoch must be >= 0 and < 2**63, got {epoch}"[:120])
+    return epoch
+
 
 _FIELDS = frozenset({"epoch", "nodes"})
 
@@ -68,10 +85,7 @@ class RingView:
     _by_id: Mapping[str, Member] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int):
-            raise TypeError(f"epoch must be an int, got {type(self.epoch).__name__}")
-        if self.epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {self.epoch}")
+        check_epoch(self.epoch)
         members = tuple(self.members)
         for m in members:
             if not isinstance(m, Member):

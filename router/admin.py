@@ -22,9 +22,10 @@ from node.asgi import error_body
 from node.config import ClusterConfig, ConfigError, Privacy
 from node.security import bearer, refusal
 from node.topkeys import NEAR_LIMIT_FRACTION
-from node.wire import ApiError, parse_json, read_body
+from node.wire import ApiError, count_param, parse_json, read_body
 from ring import Member
 from ring.analysis import hash_share
+from ring.errors import names_text
 from ring.member import check_id, check_url, check_weight, same_url
 from router.coordinator import CoordinatorError
 from router.membership import MembershipError
@@ -275,13 +276,9 @@ class AdminAPI:
                 error_body("unknown_rule", f"no rule named {rule!r}"), status_code=400
             )
         try:
-            n = int(params.get("n", "20"))
-            if not 1 <= n <= 1000:
-                raise ValueError
-        except ValueError:
-            return JSONResponse(
-                error_body("invalid_n", "n must be an integer from 1 to 1000"), status_code=400
-            )
+            n = count_param(params, "n", 20, 1000)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
         reports = await self._node_reports({"n": str(n), **({"rule": rule} if rule else {})})
         return JSONResponse(
             {
@@ -358,9 +355,7 @@ def parse_join(data: Any) -> Member:
         raise ApiError(400, "invalid_request", "body must be an object {id, url, weight}")
     extra = set(data) - {"id", "url", "weight"}
     if extra:
-        raise ApiError(
-            400, "invalid_request", f"unknown field(s): {', '.join(sorted(map(str, extra)))}"
-        )
+        raise ApiError(400, "invalid_request", f"unknown field(s): {names_text(extra)}")
     for name, check, default in (
         ("id", check_id, None),
         ("url", check_url, None),

@@ -35,9 +35,9 @@ from node.asgi import (
     Receive,
     Scope,
     Send,
+    control_app,
     drain,
     error_body,
-    json_http_errors,
     odd_target,
     read_all,
     send_json,
@@ -197,9 +197,7 @@ class Router:
         )
         self.decisions = DecisionAPI(self)
         self.admin = AdminAPI(self, client)
-        self.control = Starlette(
-            routes=self._routes(), lifespan=self._lifespan, exception_handlers=json_http_errors()
-        )
+        self.control = control_app(self._routes(), self._lifespan)
         self.grpc_server: Any = None
         #: The port the gRPC service is bound to (when ``grpc_port`` was 0, the one chosen).
         self.grpc_bound: int | None = None

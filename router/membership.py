@@ -44,7 +44,7 @@ from typing import Any
 
 import httpx
 
-from node.config import ClusterConfig
+from node.config import ClusterConfig, unencodable
 from node.failures import Failures
 from node.lease import DEFAULT_DRIFT
 from ring import Member, RingView
@@ -1186,17 +1186,30 @@ class Membership:
         every member, which keeps the states of a rule whose algorithm stays
         (limits and periods are read at decision time) and drops those of a
         rule whose algorithm changed. Raises ValueError when ``config`` clashes
-        with this router's own rules (``--envoy-config``), MembershipError
-        when etcd cannot take it.
+        with this router's own rules (``--envoy-config``) or cannot be sent,
+        MembershipError when etcd cannot take it.
+
+        A failure leaves this router's config as it was, unless etcd already
+        holds the new one (then it is the cluster's, and a member that missed
+        it gets it again from the health loop): a config adopted before a push
+        that failed was answered by the decision API and pushed to every
+        joining node, though no node had it (a lone surrogate in a tier).
         """
         self._must_lead()
         if self.keep_config is not None:
             config = self.keep_config(config)
+        if (where := unencodable(config.to_dict())) is not None:
+            raise ValueError(f"the config cannot be sent to the nodes: {where} is not UTF-8 text")
         async with self.lock:
             if self.coordinator is not None:
                 await self._record_config(config)
-            self.config = config
-            await self._push_all(self.view, None, ())
+            before, self.config = self.config, config
+            try:
+                await self._push_all(self.view, None, ())
+            except BaseException:
+                if self.coordinator is None:
+                    self.config = before
+                raise
         return config
 
     async def _record_config(self, config: ClusterConfig) -> None:

@@ -67,8 +67,14 @@ async def test_top_merges_every_nodes_sketch() -> None:
         assert list(every["rules"]) == ["api"]
         assert len(every["rules"]["api"]["denied"]) == 7  # user0 was never denied
 
+        # int() took these: a Unicode digit (an Arabic-Indic 1), a sign, spaces, "2_0".
+        odd = ("\u0661", "\uff15", "+5", " 5", "2_0", "", "9" * 5000)
         for params in ({"rule": "nope"}, {"n": "0"}, {"n": "many"}, {"n": "1001"}):
             assert_error(await cluster.client.get("/admin/top", params=params), 400)
+        for n in odd:
+            answer = await cluster.client.get("/admin/top", params={"n": n})
+            assert_error(answer, 400)
+            assert answer.json()["error"] == "invalid_n", n
 
 
 async def test_top_says_which_node_did_not_answer() -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -209,6 +211,11 @@ BAD: list[tuple[str, str, list[str]]] = [
     ("bad on_error", RULE + 'on_error = "maybe"\n', ["rules[0].on_error"]),
     ("bad crash_policy", RULE + 'crash_policy = "pray"\n', ["rules[0].crash_policy"]),
     ("bad burst", RULE + "burst = -3\n", ["rules[0].burst"]),
+    ("empty burst", RULE + 'burst = ""\n', ["rules[0].burst"]),
+    ("burst an empty list", RULE + "burst = []\n", ["rules[0].burst"]),
+    ("burst an empty table", RULE + "burst = {}\n", ["rules[0].burst"]),
+    ("tier header an empty list", "[identity]\ntier_header = []\n", ["identity.tier_header"]),
+    ("tier header zero", "[identity]\ntier_header = 0\n", ["identity.tier_header"]),
     ("bad name", '[[rules]]\nname = "has space"\nrate = "5/minute"\n', ["rules[0].name"]),
     ("missing name", '[[rules]]\nrate = "5/minute"\n', ["rules[0]", "name"]),
     ("rate and limit", RULE + "limit = 5\n", ["rules[0]", "not both"]),
@@ -275,6 +282,27 @@ def test_a_path_with_format_characters_is_text_not_control(path: str) -> None:
     refuse these too: the review of the check)."""
     config = ClusterConfig.from_dict({"rules": [{"name": "r", "rate": "1/s", "paths": [path]}]})
     assert config.rules_for("GET", path.replace("*", "x"), None)
+
+
+@pytest.mark.parametrize("data", [None, [], "rules", 0])
+def test_a_config_that_is_not_a_table_is_refused_not_taken_as_empty(data: Any) -> None:
+    """A push with ``"config": null`` was taken as no rules at all: it wiped a
+    node's rules."""
+    with pytest.raises(ConfigError, match="top level: must be a table"):
+        ClusterConfig.from_dict(data, source="pushed config", strict=False)
+
+
+@pytest.mark.parametrize(
+    ("data", "where"),
+    [
+        ({"rules": [{"name": "r", "rate": "1/s", "tiers": ["\ud800"]}]}, "rules[0].tiers[0]"),
+        ({"identity": {"name": "X-\udc00"}}, "identity.name"),
+        ({"privacy": {"\ud800": 1}}, "privacy.'\\ud800'"),
+    ],
+)
+def test_text_no_push_can_carry_is_refused_where_it_is(data: Any, where: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"{where}: not valid Unicode")):
+        ClusterConfig.from_dict(data, source="pushed config", strict=False)
 
 
 def test_a_useless_rule_from_another_process_is_kept_and_logged(

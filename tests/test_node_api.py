@@ -194,6 +194,10 @@ BAD_BODIES: list[tuple[str, bytes, int]] = [
     ("rule number", b'{"key": "a", "rule": 1}', 400),
     ("unknown field", b'{"key": "a", "extra": 1}', 400),
     ("unknown top-level field in a batch", b'{"checks": [{"key": "a"}], "x": 1}', 400),
+    # A field name UTF-8 cannot carry, quoted in the error: it must not make the answer a 500.
+    ("unknown field lone surrogate", b'{"key": "a", "\\ud800": 1}', 400),
+    ("unknown field lone surrogate in an item", b'{"checks": [{"key": "a", "\\udc00": 1}]}', 400),
+    ("unknown top-level field lone surrogate", b'{"checks": [{"key": "a"}], "\\ud800": 1}', 400),
     ("empty batch", b'{"checks": []}', 400),
     ("batch of null", b'{"checks": null}', 400),
     ("batch item not an object", b'{"checks": ["a"]}', 400),
@@ -428,6 +432,8 @@ INTERNAL_BAD: list[tuple[str, str, bytes]] = [
     ("PUT", "/internal/cluster", b"{}"),
     ("PUT", "/internal/cluster", b'{"config": {}, "ring": 5}'),
     ("PUT", "/internal/cluster", b'{"config": [], "ring": {"epoch": 1, "nodes": []}}'),
+    # A null config was taken as an empty one: it wiped the node's rules.
+    ("PUT", "/internal/cluster", b'{"config": null, "ring": {"epoch": 2, "nodes": []}}'),
     ("PUT", "/internal/cluster", b'{"config": {"rules": [{"name": "x"}]}, "ring": {}}'),
     ("PUT", "/internal/cluster", b'{"config": {"limits": {"max_body": 0}}, "ring": {}}'),
     ("PUT", "/internal/cluster", b'{"config": {"identity": {"name": 5}}, "ring": {}}'),
@@ -508,6 +514,39 @@ INTERNAL_BAD += [
         ),
     ),
     ("POST", "/internal/pull", b'{"keys": [5], "to": "n1", "epoch": 1}'),
+    # Epochs past what msgpack carries: a view at 2**64 was applied, then the node
+    # failed every transfer (OverflowError) and stayed at that epoch for good.
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 18446744073709551616, "nodes": []}}',
+    ),
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 9223372036854775808, "nodes": []}}',
+    ),
+    ("POST", "/internal/pull", b'{"keys": [], "to": "n1", "epoch": 18446744073709551616}'),
+    ("POST", "/internal/import", _import(EXHAUSTED_A, extra=', "epoch": 9223372036854775808')),
+    # Unknown field names UTF-8 cannot carry: quoted in the error, not a 500.
+    ("PUT", "/internal/cluster", b'{"config": {"\\ud800": 1}, "ring": {"epoch": 2, "nodes": []}}'),
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {"rules": [{"name": "api", "rate": "5/minute", "\\ud800": 1}]},'
+        b' "ring": {"epoch": 2, "nodes": []}}',
+    ),
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 2, "nodes": [], "\\ud800": 0}}',
+    ),
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 2, "nodes": '
+        b'[{"id": "n7", "url": "http://node.test", "\\ud800": 1}]}}',
+    ),
     ("POST", "/internal/pull", b'{"keys": ["a"], "to": "n1", "epoch": 1.5}'),
     (
         "PUT",
@@ -519,6 +558,17 @@ INTERNAL_BAD += [
         "/internal/cluster",
         b'{"config": {}, "ring": {"epoch": 2, "nodes": []}, "crashed": ["a/b"]}',
     ),
+]
+
+
+# A falsy previous view was taken for none (its check skipped).
+INTERNAL_BAD += [
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 2, "nodes": []}, "previous": %s}' % falsy,
+    )
+    for falsy in (b"0", b'""', b"[]", b"{}", b"false")
 ]
 
 
@@ -569,6 +619,19 @@ async def test_an_internal_body_missing_a_field_names_it(
     response = await client.post(path, content=body)
     assert response.status_code == 400, response.text
     assert f"missing field '{field}'" in response.json()["detail"], response.text
+
+
+async def test_a_transferred_bucket_fuller_than_the_rule_decides_as_a_full_one(
+    fenced_in_ring: Any,
+) -> None:
+    """A burst lowered between export and import: the state is taken (not the
+    transfer refused), as a full bucket; it answered remaining 999999999 and a
+    negative reset_after."""
+    _, client = fenced_in_ring
+    record = '["api", "token_bucket", "kk", [1e9, 0.0]]'
+    assert (await client.post("/internal/import", content=_import(record))).json() == {"taken": 1}
+    answer = (await client.post("/v1/check", json={"key": "kk"})).json()
+    assert answer["remaining"] == 4 and answer["reset_after"] == 12.0, answer
 
 
 INTERNAL_XFAIL: list[tuple[str, str, bytes]] = [

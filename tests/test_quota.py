@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from node import quota
 from node.algorithms import REGISTRY
+from node.leasing import lease_from_dict, lease_to_dict
 from node.quota import (
     Held,
     HotKeys,
@@ -585,3 +586,12 @@ def test_lease_mode_and_policy() -> None:
     rule = Rule("r", 1000, 60.0, "token_bucket", burst=200)
     assert LeasePolicy().block(rule) == 50 and not LeasePolicy().enabled(rule)
     assert LeasePolicy("auto", max_units=7).block(rule) == 7
+
+
+@pytest.mark.parametrize("epoch", [-1, 2**63, 2**64, True, 1.0])
+def test_a_lease_answer_with_an_epoch_no_wire_carries_is_refused(epoch: Any) -> None:
+    """A lease's epoch is bounded as a view's is (ring/view.py's MAX_EPOCH)."""
+    wire = lease_to_dict(QuotaLease(1, "r", 5, 100.0, 110.0, 100.0, 0))
+    assert lease_from_dict(wire).epoch == 0
+    with pytest.raises(ValueError, match="lease epoch"):
+        lease_from_dict({**wire, "epoch": epoch})

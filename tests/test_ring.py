@@ -26,6 +26,7 @@ from ring import (
     ownership,
 )
 from ring._ketama import ketama_hash
+from ring.errors import encodable, names_text
 from ring.member import MAX_WEIGHT, check_id, check_url, same_url
 
 USER_KEYS = [f"user:{i}" for i in range(10_000)]
@@ -426,6 +427,7 @@ GOOD_NODE = {"id": "n1", "url": "http://127.0.0.1:8001", "weight": 1}
         ({"epoch": "1", "nodes": []}, "'epoch'.*must be an int"),
         ({"epoch": True, "nodes": []}, "'epoch'.*must be an int"),
         ({"epoch": -1, "nodes": []}, "epoch must be >= 0"),
+        ({"epoch": 2**63, "nodes": []}, r"epoch must be >= 0 and < 2\*\*63"),
         ({"epoch": 0, "nodes": {"n1": GOOD_NODE}}, "'nodes' must be a list"),
         ({"epoch": 0, "nodes": ["n1"]}, r"nodes\[0\].*must be a mapping"),
         ({"epoch": 0, "nodes": [GOOD_NODE, {"url": "u"}]}, r"nodes\[1\].*'id'"),
@@ -444,6 +446,29 @@ GOOD_NODE = {"id": "n1", "url": "http://127.0.0.1:8001", "weight": 1}
 def test_from_dict_rejects_bad_input(data: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         RingView.from_dict(data)
+
+
+@given(st.lists(st.one_of(st.text(), st.integers()), min_size=1, max_size=30))
+def test_unknown_field_names_always_make_an_error_utf8_can_carry(names: list[Any]) -> None:
+    """A lone surrogate, a control character or a 100 kB name in an unknown
+    field: its error is UTF-8 text of bounded length (it was the raw name, and the
+    JSON answer quoting it failed to encode: a 500)."""
+    data = {"epoch": 0, "nodes": [], **{n: 1 for n in names if n not in ("epoch", "nodes")}}
+    if len(data) == 2:
+        return
+    with pytest.raises(ValueError) as caught:
+        RingView.from_dict(data)
+    text = str(caught.value)
+    text.encode("utf-8")
+    assert len(text) < 1000
+
+
+def test_printable_names_are_quoted_as_they_are_and_others_escaped() -> None:
+    assert names_text(["wieght", "b"]) == "b, wieght"
+    assert names_text(["\ud800"]) == "'\\ud800'"
+    assert names_text(["x" * 100]) == "x" * 40 + "..."
+    assert names_text([str(i) for i in range(12)]).endswith(" and 2 more")
+    assert encodable("a\udc00b") == "a\\udc00b" and encodable("é") == "é"
 
 
 # -- analysis helpers --------------------------------------------------------

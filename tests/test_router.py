@@ -690,6 +690,8 @@ BAD_CHECKS: list[tuple[str, bytes, int, str]] = [
     ("unknown rule", b'{"key": "a", "rule": "nope"}', 404, "unknown_rule"),
     ("rule not a string", b'{"key": "a", "rule": ["api"]}', 400, "invalid_rule"),
     ("unknown field", b'{"key": "a", "weight": 1}', 400, "invalid_request"),
+    ("unknown field lone surrogate", b'{"key": "a", "\\ud800": 1}', 400, "invalid_request"),
+    ("unknown batch field surrogate", b'{"checks": [{"key": "a", "\\udc00": 1}]}', 400, ""),
     ("checks and key", b'{"checks": [{"key": "a"}], "key": "a"}', 400, "invalid_request"),
     ("checks not a list", b'{"checks": {"key": "a"}}', 400, "invalid_request"),
     ("empty batch", b'{"checks": []}', 400, "invalid_request"),
@@ -768,6 +770,7 @@ ADMIN_BAD: list[tuple[str, bytes, int]] = [
     ("weight bool", b'{"id": "n9", "url": "http://127.0.0.1:1", "weight": true}', 400),
     ("weight float", b'{"id": "n9", "url": "http://127.0.0.1:1", "weight": 1e999}', 400),
     ("unknown field", b'{"id": "n9", "url": "http://127.0.0.1:1", "zone": "a"}', 400),
+    ("unknown field surrogate", b'{"id": "n9", "url": "http://127.0.0.1:1", "\\ud800": 1}', 400),
     ("oversized body", b'{"id": "' + b"n" * 70_000 + b'"}', 413),
     ("existing id, other url", b'{"id": "n1", "url": "http://elsewhere.cluster"}', 409),
     ("weight a million", b'{"id": "n9", "url": "http://127.0.0.1:1", "weight": 1000000}', 400),
@@ -804,6 +807,30 @@ async def test_bad_admin_join_is_a_clear_4xx_and_the_ring_is_unchanged(
 async def test_admin_leave_of_an_unknown_node_is_404() -> None:
     async with running(make_config(Rule("api", 5, 60.0))) as cluster:
         assert_error(await cluster.client.delete("/admin/nodes/nope"), 404, "unknown_node")
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("DELETE", "/admin/nodes/n1/"),
+        ("GET", "/admin/ring/"),
+        ("PUT", "/admin/rules/"),
+        ("PUT", "{n1}/internal/cluster/"),
+        ("POST", "{n1}/internal/pull/"),
+    ],
+)
+async def test_a_trailing_slash_is_a_json_404_not_a_redirect(method: str, path: str) -> None:
+    """Starlette answered these with a 307 to the path without its slash, before
+    any token check, its Location built from the client's Host header."""
+    async with running(make_config(Rule("api", 5, 60.0))) as cluster:
+        url = path.format(n1=node_url("n1"))
+        response = await cluster.client.request(
+            method, url, headers={"host": "evil.example"}, content=b"{}"
+        )
+        assert_error(response, 404, "not_found")
+        assert "location" not in response.headers
+        ring = (await cluster.client.get("/admin/ring")).json()
+        assert ring["epoch"] == 1 and [n["id"] for n in ring["nodes"]] == ["n1", "n2", "n3"]
 
 
 async def test_the_decision_api_takes_only_post_on_router_and_node() -> None:

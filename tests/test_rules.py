@@ -212,6 +212,15 @@ def test_every_algorithm_name_is_accepted() -> None:
         ({"algorithm": "magic"}, "unknown algorithm 'magic'"),
         ({"burst": -3}, "burst must be"),
         ({"burst": 1.5}, "burst must be"),
+        # Falsy, but not the integer 0 that means "not set": taken for the limit before.
+        ({"burst": ""}, "burst must be"),
+        ({"burst": []}, "burst must be"),
+        ({"burst": {}}, "burst must be"),
+        ({"burst": 0.0}, "burst must be"),
+        ({"burst": False}, "burst must be"),
+        ({"crash_policy": ""}, "crash_policy must be"),
+        ({"on_error": ""}, "on_error must be"),
+        ({"lease": ""}, "lease must be"),
         ({"burst": MAX_LIMIT + 1}, "burst must be"),
         ({"on_error": "maybe"}, "on_error must be"),
         ({"crash_policy": "panic"}, "crash_policy must be"),
@@ -227,6 +236,13 @@ def test_rule_validation(kwargs: dict[str, object], problem: str) -> None:
     with pytest.raises(RuleError) as info:
         Rule(**base)  # type: ignore[arg-type]
     assert problem in str(info.value), str(info.value)
+
+
+def test_an_unknown_field_name_utf8_cannot_carry_makes_an_error_that_can() -> None:
+    with pytest.raises(RuleError) as info:
+        Rule.from_dict({"name": "a", "limit": 1, "period": 1.0, "\ud800": 1})
+    assert "'\\ud800'" in str(info.value)
+    str(info.value).encode("utf-8")
 
 
 def test_valid_edges() -> None:

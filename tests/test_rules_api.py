@@ -106,6 +106,12 @@ async def test_a_new_algorithm_starts_its_rule_afresh_and_new_rules_add() -> Non
         (b'{"rules": [{"name": "api", "rate": "x"}]}', 400, "invalid_rules", "rules[0]"),
         (b'{"rules": [{"rate": "1/s", "name": "a"}, 7]}', 400, "invalid_rules", "rules[1]"),
         (b'{"rules": [{"name": "api", "rate": "1/s", "oops": 1}]}', 400, "invalid_rules", "oops"),
+        (
+            b'{"rules": [{"name": "api", "rate": "1/s", "\\ud800": 1}]}',
+            400,
+            "invalid_rules",
+            "'\\ud800'",
+        ),
         (b'{"rules": [{"name": "a", "rate": "1/s", "paths": "a"}]}', 400, "invalid_rules", "paths"),
         (
             b'{"rules": [{"name": "a", "rate": "1/s", "methods": ["G T"]}]}',
@@ -118,6 +124,22 @@ async def test_a_new_algorithm_starts_its_rule_afresh_and_new_rules_add() -> Non
             400,
             "invalid_rules",
             "tiers[0]",
+        ),
+        (b'{"rules": [{"name": "a", "rate": "1/s", "burst": ""}]}', 400, "invalid_rules", "burst"),
+        (b'{"rules": [{"name": "a", "rate": "1/s", "burst": []}]}', 400, "invalid_rules", "burst"),
+        (b'{"rules": [{"name": "a", "rate": "1/s", "burst": {}}]}', 400, "invalid_rules", "burst"),
+        # Text no push can carry: it was taken (a 500), and every push after failed.
+        (
+            b'{"rules": [{"name": "a", "rate": "1/s", "tiers": ["\\ud800"]}]}',
+            400,
+            "invalid_rules",
+            "rules[0].tiers[0]: not valid Unicode",
+        ),
+        (
+            b'{"rules": [{"name": "a", "rate": "1/s", "paths": ["/\\udfff"]}]}',
+            400,
+            "invalid_rules",
+            "rules[0].paths[0]: not valid Unicode",
         ),
     ],
 )
@@ -133,6 +155,39 @@ async def test_bad_rules_are_a_400_saying_why_and_change_nothing(
         assert answer.json()["error"] == error and says in answer.json()["detail"], answer.text
         assert (await cluster.client.get(RULES)).json() == before
         assert node_limits(cluster) == {"n1": 5, "n2": 5}
+
+
+async def test_a_config_that_cannot_be_pushed_leaves_the_router_as_it_was() -> None:
+    """Past the parser (a config built in code): refused before the router takes
+    it. It used to be taken, then its push failed to encode at every node, and the
+    router decided with rules no node had, answered GET /admin/rules with a 500
+    and failed every join."""
+    async with InProcessCluster(2, config(5), clock=FrozenClock()) as cluster:
+        membership = cluster.router.membership
+        before = membership.config
+        bad = ClusterConfig(rules=(ScopedRule(Rule("api", 7, 60.0), tiers=("\ud800",)),))
+        with pytest.raises(ValueError, match=r"rules\[0\]\.tiers\[0\]"):
+            await membership.change_config(bad)
+        assert membership.config is before
+        assert (await cluster.client.get(RULES)).status_code == 200
+        assert node_limits(cluster) == {"n1": 5, "n2": 5}
+
+
+async def test_a_push_that_fails_leaves_the_router_with_its_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No etcd: nothing recorded the new config, so the old one stays this router's."""
+    async with InProcessCluster(2, config(5), clock=FrozenClock()) as cluster:
+        membership = cluster.router.membership
+        before = membership.config
+
+        async def broken(*args: Any) -> None:
+            raise RuntimeError("push failed")
+
+        monkeypatch.setattr(membership, "_push_all", broken)
+        with pytest.raises(RuntimeError):
+            await membership.change_config(config(7))
+        assert membership.config is before
 
 
 async def test_rules_past_the_limits_are_refused() -> None:

@@ -365,6 +365,44 @@ def test_import_keeps_the_more_restrictive_state(
         assert mine.get(rule, key) == kept
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@SETTINGS
+@given(data=st.data(), reqs=requests)
+def test_a_state_from_a_larger_rule_arrives_as_the_receiving_rule_can_hold_it(
+    algorithm: str, data: st.DataObject, reqs: list
+) -> None:
+    """The sender's rule had four times the limit and burst (lowered at runtime
+    since): what arrives answers within the receiving rule, never more remaining
+    than it holds, never less than none, never a negative time (a bucket with a
+    billion tokens answered remaining 999999999 and a negative reset_after)."""
+    small = data.draw(rules_for(algorithm, "r"))
+    big = Rule("r", small.limit * 4, small.period, algorithm, burst=small.capacity * 4)
+    theirs, mine = MemoryStore(), MemoryStore()
+    now = fill(theirs, [big] * len(ALGORITHMS), reqs, T0)
+    mine.import_(theirs.export(now), now, {"r": small})
+    ceiling = small.limit if algorithm in (*WINDOWS, "sliding_log") else small.capacity
+    for key in KEYS:
+        state = mine.get(small, key)
+        if state is None:
+            continue
+        for cost in (0, 1):
+            decision = decide(small, state, now, cost)[1]
+            assert 0 <= decision.remaining <= ceiling, (state, decision)
+            assert decision.reset_after >= 0 and decision.available_after >= 0, decision
+
+
+@pytest.mark.parametrize("tokens", [5.0, 6.0, 7.5, 1e9])
+def test_a_bucket_fuller_than_its_rule_arrives_full_and_no_fuller(tokens: float) -> None:
+    rule = Rule("api", 5, 60.0)
+    for replace in (False, True):  # a transfer, a replica
+        store = MemoryStore()
+        store.import_(
+            [["api", "token_bucket", "k", [tokens, 0.0]]], T0, {"api": rule}, replace=replace
+        )
+        assert store.get(rule, "k") == complex(5.0, T0)
+        assert fresh_like(rule, store.get(rule, "k"), T0)
+
+
 def test_rule_changes() -> None:
     """A changed limit keeps the states (read at decision time); a changed algorithm drops
     them (their shape differs)."""

@@ -59,8 +59,14 @@ async def test_denied_and_near_limit_decisions_are_counted_per_rule() -> None:
         assert metric(page, "ringlimit_top_limited", rule="api", kind="denied", rank="2") == 1
         assert "alice" not in page  # keys are never labels
 
+        # int() took these: a Unicode digit (an Arabic-Indic 1), a sign, spaces, "2_0".
+        odd = ("\u0661", "\uff15", "+5", " 5", "2_0", "", "9" * 5000)
         for params in ({"rule": "nope"}, {"n": "0"}, {"n": "x"}, {"n": "1001"}):
             assert_error(await client.get("/internal/top", params=params), 400)
+        for n in odd:
+            answer = await client.get("/internal/top", params={"n": n})
+            assert_error(answer, 400)
+            assert answer.json()["error"] == "invalid_n", n
 
 
 async def test_a_quiet_batch_is_counted_whole_and_puts_no_key_in_the_top() -> None:
