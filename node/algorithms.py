@@ -95,6 +95,10 @@ def token_bucket(state: State, now: float, rule: Rule, cost: int) -> tuple[State
             if tokens > capacity:
                 tokens = float(capacity)
             last = now
+        elif tokens > capacity:
+            # A burst lowered at runtime (same rule name): full, no fuller. Refilling
+            # clamps the same way once time moves; until then this does.
+            tokens = float(capacity)
     # last > now only after the clock stepped back: nothing refills until it catches up.
     lag = last - now
     need = cost or 1
@@ -286,9 +290,11 @@ def fixed_window(state: State, now: float, rule: Rule, cost: int) -> tuple[State
     need = cost or 1
     reset_after = start + period - now
     # Units come back all at once at the window's end: that is both times.
+    # Denied, a count above the limit (a limit lowered at runtime) has nothing
+    # left, not less (allowed, it is under the limit).
     if need > limit:
         reset = reset_after if count else 0.0
-        return _impossible(state, rule, limit - count, reset, reset)
+        return _impossible(state, rule, limit - count if count < limit else 0, reset, reset)
     if count + need <= limit:
         if cost:
             count += cost
@@ -296,7 +302,16 @@ def fixed_window(state: State, now: float, rule: Rule, cost: int) -> tuple[State
         reset = reset_after if count else 0.0
         return state, _decision((True, limit, limit - count, reset, None, rule.name, None, reset))
     return state, _decision(
-        (False, limit, limit - count, reset_after, reset_after, rule.name, None, reset_after)
+        (
+            False,
+            limit,
+            limit - count if count < limit else 0,
+            reset_after,
+            reset_after,
+            rule.name,
+            None,
+            reset_after,
+        )
     )
 
 
@@ -321,14 +336,16 @@ def sliding_log(state: State, now: float, rule: Rule, cost: int) -> tuple[State,
         live = ()
     count = len(live)
     need = cost or 1
-    # One more unit comes back when the oldest live entry expires.
+    # One more unit comes back when the oldest live entry expires; with more
+    # entries than the limit (a limit lowered at runtime), when enough of them
+    # have expired that one fits: nothing is left until then, not less.
     if need > limit:
         return _impossible(
             state,
             rule,
-            limit - count,
+            limit - count if count < limit else 0,
             live[-1] + period - now if live else 0.0,
-            live[0] + period - now if live else 0.0,
+            live[count - limit if count > limit else 0] + period - now if live else 0.0,
         )
     if count + need <= limit:
         if cost:
@@ -351,12 +368,12 @@ def sliding_log(state: State, now: float, rule: Rule, cost: int) -> tuple[State,
         (
             False,
             limit,
-            limit - count,
+            limit - count if count < limit else 0,
             live[-1] + period - now,
             live[count + need - limit - 1] + period - now,
             rule.name,
             None,
-            live[0] + period - now,
+            live[count - limit if count > limit else 0] + period - now,
         )
     )
 

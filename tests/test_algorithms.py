@@ -152,6 +152,43 @@ def test_decisions_are_well_formed(algorithm: str, spec: Spec, ops: list) -> Non
             assert math.isfinite(d.retry_after) and d.retry_after >= 0, step
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@SETTINGS
+@given(spec=specs, before=forward_ops, after=any_ops, shrink=st.integers(2, 6))
+@example(
+    spec=Spec(8, 60.0, 0), before=[(0, 8)], after=[(0, 1)], shrink=2
+)  # fixed window, count 8 under a limit of 4: remaining was -4
+def test_decisions_stay_well_formed_after_the_rule_is_lowered(
+    algorithm: str, spec: Spec, before: list, after: list, shrink: int
+) -> None:
+    """A rule's limit and burst lowered at runtime (same name, PUT /admin/rules):
+    its states, made under the larger rule, are decided under the smaller one.
+    Remaining stays within 0..capacity and every time is finite and >= 0 (a
+    fixed window or sliding log over the new limit answered a negative
+    remaining, a token bucket over the new burst more than its capacity and a
+    negative reset_after), and a denial's next unit is not promised sooner
+    than its retry time."""
+    big = make_rule(algorithm, spec)
+    small = Rule(
+        "r", max(1, spec.limit // shrink), spec.period, algorithm, burst=spec.burst // shrink
+    )
+    decide = REGISTRY[algorithm].decide
+    steps = run(big, before)
+    state, now = steps[-1].after, steps[-1].now
+    tick = spec.period / TICKS
+    for ticks, cost in after:
+        now += ticks * tick
+        state, d = decide(state, now, small, cost)
+        context = (state, now, cost)
+        assert 0 <= d.remaining <= small.capacity, context
+        for value in (d.reset_after, d.available_after):
+            assert math.isfinite(value) and value >= 0, context
+        if not d.allowed and d.retry_after is not None:
+            assert math.isfinite(d.retry_after) and d.retry_after >= 0, context
+            if cost == d.remaining + 1:
+                assert close(d.available_after, d.retry_after), context
+
+
 def test_gcra_remaining_is_never_negative_at_realistic_times() -> None:
     """100/second at t = 1e6: the 101st request of a burst is denied with remaining -1
     (100 additions of T = 0.01 leave tat 9.3e-10 s past now + tolerance, within EPS)."""

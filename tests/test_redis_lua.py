@@ -179,7 +179,19 @@ def scenarios(draw):
             max_size=40,
         )
     )
-    return rules, [[rules[i] for i in chosen] for chosen in rule_sets], start, ops
+    # Each rule set also as it is after its rules' limits and bursts were lowered
+    # at runtime (same names, same states): some ops decide with that.
+    lowered = [
+        Rule(r.name, max(1, r.limit // 3), r.period, r.algorithm, r.burst // 3) for r in rules
+    ]
+    lowering = draw(st.lists(st.booleans(), min_size=len(ops), max_size=len(ops)))
+    sets = [[rules[i] for i in chosen] for chosen in rule_sets]
+    sets += [[lowered[i] for i in chosen] for chosen in rule_sets]
+    ops = [
+        (u, step, cost, set_i + (len(rule_sets) if low else 0), standalone)
+        for (u, step, cost, set_i, standalone), low in zip(ops, lowering, strict=True)
+    ]
+    return rules, sets, start, ops
 
 
 # --------------------------------------------------------------------------- differential

@@ -25,12 +25,17 @@ do
         need = 1
       end
       local reset_after = start + period - now
+      -- A count above the limit (a limit lowered at runtime) has nothing left, not less.
+      local left = limit - count
+      if left < 0 then
+        left = 0
+      end
       if need > limit then
         local reset = 0.0
         if count ~= 0 then
           reset = reset_after
         end
-        return { false, limit - count, reset, nil, COST_EXCEEDS_CAPACITY, reset }
+        return { false, left, reset, nil, COST_EXCEEDS_CAPACITY, reset }
       end
       if count + need <= limit then
         local pending = nil
@@ -44,7 +49,7 @@ do
         end
         return { true, limit - count, reset, nil, nil, reset }, pending
       end
-      return { false, limit - count, reset_after, reset_after, nil, reset_after }
+      return { false, left, reset_after, reset_after, nil, reset_after }
     end,
 
     commit = function(key, s, now, p)

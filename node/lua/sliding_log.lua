@@ -32,10 +32,19 @@ do
         newest = score_at(key, total - 1)
         oldest = score_at(key, drop)
       end
-      -- One more unit comes back when the oldest live entry expires.
+      -- One more unit comes back when the oldest live entry expires; with more
+      -- entries than the limit (a limit lowered at runtime), when enough have.
       local available = 0.0
       if oldest ~= nil then
-        available = oldest + period - now
+        if count > limit then
+          available = score_at(key, drop + count - limit) + period - now
+        else
+          available = oldest + period - now
+        end
+      end
+      local left = limit - count
+      if left < 0 then
+        left = 0
       end
       local need = cost
       if need == 0 then
@@ -46,7 +55,7 @@ do
         if newest ~= nil then
           reset = newest + period - now
         end
-        return { false, limit - count, reset, nil, COST_EXCEEDS_CAPACITY, available }
+        return { false, left, reset, nil, COST_EXCEEDS_CAPACITY, available }
       end
       if count + need <= limit then
         local pending = nil
@@ -71,7 +80,7 @@ do
       end
       local oldest_needed = score_at(key, drop + count + need - limit - 1)
       return {
-        false, limit - count, newest + period - now, oldest_needed + period - now, nil, available,
+        false, left, newest + period - now, oldest_needed + period - now, nil, available,
       }
     end,
 

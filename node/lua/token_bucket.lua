@@ -41,6 +41,9 @@ do
           tokens = capacity
         end
         last = now
+      elseif tokens > capacity then
+        -- A burst lowered at runtime: full, no fuller.
+        tokens = capacity
       end
       -- last > now only after the clock stepped back: nothing refills until it catches up.
       local lag = last - now
