@@ -370,6 +370,10 @@ class _Reader:
         fields = self.mapping(node, where, _RATE_LIMIT)
         name = self.string(fields["name"][1], f"{where}.name") if "name" in fields else None
         if name is not None:
+            if not name:
+                raise self.fail(
+                    fields["name"][1], f"{where}.name", "must not be empty (leave it out)"
+                )
             if name in self.names:
                 raise self.fail(fields["name"][1], f"{where}.name", f"{name!r} is used twice")
             self.names.add(name)

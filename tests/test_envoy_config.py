@@ -216,6 +216,12 @@ def test_several_files_one_domain_each_and_the_rules_they_add(tmp_path: Path) ->
             "requests_per_unit: must be an int",
         ),
         (
+            'domain: d\ndescriptors:\n  - key: a\n    rate_limit: {name: "", unit: second, '
+            "requests_per_unit: 1}\n",
+            4,
+            "rate_limit.name: must not be empty",
+        ),
+        (
             "domain: d\ndescriptors:\n  - key: a\n    value: !!int abc\n",
             4,
             "descriptors[0].value: must be a string: invalid literal",
