@@ -29,9 +29,11 @@ algorithm bounds a lease's validity (``docs/hotkeys.md`` has the proofs):
   too (its log never moves back), which makes the false denials grow with
   the owner's own traffic rather than with the leased units. See the docs.
 
-``outstanding`` (leases granted and not settled, per key) travels with the
-state in :class:`Held`: a handoff carries it, so a new owner keeps the
-buckets' bound.
+``outstanding`` (leases granted and not settled, per key) is kept beside the
+state in :class:`Held` by the owner's desk (node/leasing.py) for its current
+epoch only. No handoff carries it: a ring change writes the outstanding units
+off (the state keeps them deducted), which keeps the bound (docs/hotkeys.md,
+"Ring changes").
 """
 
 from __future__ import annotations

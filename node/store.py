@@ -148,11 +148,17 @@ class MemoryStore:
         return self.table(rule).states.get(key)
 
     def put(self, rule: Rule, key: str, state: State) -> None:
+        """Set ``key``'s state, as a decision would: the change is tracked for
+        replication like one (a quota lease's grant took units from a hot key's
+        state that its replica never saw: a crash of the owner promoted the
+        replica and the leased units were admitted twice)."""
         table = self.table(rule)
         if state is None:
             table.states.pop(key, None)
         else:
             table.states[key] = state
+        if self.dirty is not None:
+            self.dirty.add(key)
 
     def keys(self) -> set[str]:
         found: set[str] = set()

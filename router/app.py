@@ -551,7 +551,18 @@ class Router:
         with a node's headers and body. Otherwise False: forward as usual.
         """
         rules = config.rules_for(method, scope["path"], resolver.tier(scope))
-        if len(rules) != 1 or rules[0].lease != "auto" or config.balance != "sticky":
+        if (
+            len(rules) != 1
+            or rules[0].lease != "auto"
+            or rules[0].shadow
+            or config.balance != "sticky"
+        ):
+            # A shadow rule is decided and counted, never denied: its owner
+            # decides it (a denial lease answered 429 for it).
+            return False
+        if config.bypass_sha256 and _names(headers, config.bypass_header):
+            # A bypass token is checked by the owner, which skips limiting for it:
+            # decided here from a lease, it was denied or spent the user's units.
             return False
         rule = rules[0]
         view = self.membership.view
@@ -695,6 +706,12 @@ class Router:
     async def metrics_endpoint(self, request: Request) -> Response:
         self.metrics.forget_departed(self.membership.view.ids)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _names(headers: list[tuple[str, str]], name: str) -> bool:
+    """Whether ``headers`` carry a field called ``name`` (any case)."""
+    wanted = name.lower()
+    return any(field.lower() == wanted for field, _ in headers)
 
 
 def _text(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:

@@ -129,7 +129,12 @@ class DecisionAPI:
     def leased(self, check: Check) -> bytes | None:
         """A single check of cost 1 whose one rule leases, answered from the router's
         quota leases (docs/hotkeys.md); ``None``: route it as usual."""
-        if len(check.rules) != 1 or check.cost != 1 or check.rules[0].lease != "auto":
+        if (
+            len(check.rules) != 1
+            or check.cost != 1
+            or check.rules[0].lease != "auto"
+            or check.rules[0].shadow  # decided and counted by its owner, never denied
+        ):
             return None
         router = self.router
         view = router.membership.view

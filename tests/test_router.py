@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from node.clock import FrozenClock
-from node.config import ClusterConfig, Identity, Limits, ScopedRule, hash_token
+from node.config import ClusterConfig, Identity, Limits, Policies, ScopedRule, hash_token
 from node.rules import Rule
 from router.forward import NodeTimeout
 from router.testing import InProcessCluster, node_url
@@ -914,6 +914,63 @@ async def test_a_hot_key_under_lease_is_exact_and_spares_its_owner(token: str | 
         assert all(d.json()["rule"] == "hot" and "retry-after" in d.headers for d in denied)
         # The owner decided a fraction of the key's requests.
         assert _decided(cluster, owner, "hot") < 150
+
+
+async def test_a_crashed_hot_key_owner_promotes_a_replica_that_saw_its_grants() -> None:
+    """A lease's grant takes units from the owner's state, and that state is
+    replicated like a decision's: a crash of the owner promotes a replica that
+    knows the leased units were given out. Before, the grant was never marked
+    changed, the owner decided almost nothing else for the hot key, and its
+    replica still held the units the router had already used (270 of 200)."""
+    limit = 200
+    rule = Rule("hot", limit, 86400.0, lease="auto", on_error="closed")
+    config = make_config(rule, policies=Policies(crash="replica"))
+    async with running(config) as cluster:
+        for node in cluster.nodes.values():
+            node.store.dirty = set()  # replication tracks changes from here on
+        owner = cluster.owner("alice")
+        allowed = 0
+        for _ in range(150):
+            allowed += (await hit(cluster, "alice")).status_code == 200
+            for node in cluster.nodes.values():  # as the 0.1 s rounds would
+                assert node.shard is not None
+                await node.shard.replicate_once()
+        assert cluster.router.leases.counts["granted"] > 0
+        await cluster.crash_node(owner)
+        for _ in range(3 * limit):
+            allowed += (await hit(cluster, "alice")).status_code == 200
+        assert allowed <= limit
+
+
+async def test_a_bypass_token_is_not_decided_from_a_lease() -> None:
+    """A partner's bypass token skips limiting at the owner; the router's lease
+    path denied it (429 for a drained user) or spent the user's units on it."""
+    rule = Rule("hot", 40, 86400.0, lease="auto")
+    config = make_config(rule, bypass_sha256=(hash_token("partner"),))
+    async with running(config) as cluster:
+        own = [(await hit(cluster, "alice")).status_code for _ in range(100)]
+        assert own.count(200) == 40 and cluster.router.leases.counts["denied"] > 0
+        for _ in range(20):
+            answer = await get(cluster, "alice", X_Ringlimit_Bypass="partner")
+            assert answer.status_code == 200 and answer.headers["x-ringlimit-bypass"] == "1"
+        # A wrong token is limited as usual (the owner checks it: drained, 429).
+        assert (await get(cluster, "alice", X_Ringlimit_Bypass="guess")).status_code == 429
+
+
+@pytest.mark.parametrize("path", ["proxy", "decision_api"])
+async def test_a_shadow_rule_that_leases_never_denies(path: str) -> None:
+    """A shadow rule is decided and counted, never denied: the router's denial
+    leases answered 429 for it (160 of 200 requests of a 40/day rule)."""
+    rule = Rule("hot", 40, 86400.0, lease="auto", shadow=True)
+    async with running(make_config(rule)) as cluster:
+        for _ in range(200):
+            if path == "proxy":
+                assert (await hit(cluster, "alice")).status_code == 200
+            else:
+                check = {"key": "alice", "rule": "hot"}
+                answer = await cluster.client.post("/v1/check", json=check)
+                assert answer.status_code == 200 and answer.json()["allowed"] is True
+        assert cluster.router.leases.counts["denied"] == 0
 
 
 async def test_a_new_view_revokes_the_routers_leases() -> None:
