@@ -100,6 +100,7 @@ HANDOFF_METRICS = {
     "pull_failures": "Pulls that failed (the key was decided on what this node knew).",
     "replicas_sent": "State copies sent to successors (crash policy replica).",
     "replicas_promoted": "Replicated states taken over after their owner crashed.",
+    "replicas_stale": "Replica batches dropped: older than a round already applied from that node.",
     "conservative_keys": "States set exhausted after a crash (crash policy conservative).",
     "views_applied": "Ring views this node applied.",
     "last_transfer_seconds": "Duration of this node's most recent outgoing state transfer.",
