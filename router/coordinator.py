@@ -277,13 +277,19 @@ class EtcdCoordinator:
         starts after: a first view committed between an empty read and the
         watch's start is not missed.
         """
+        record, _ = await self._load_at()
+        return record
+
+    async def _load_at(self) -> tuple[ViewRecord | None, int]:
+        """:meth:`load`, and the store's revision at that read."""
         key = self._key("view")
         got = await self._call("read", lambda c: c.get_range(key, key + b"\0"))
-        self.read_revision = max(self.read_revision, int(got.header.revision))
+        at = int(got.header.revision)
+        self.read_revision = max(self.read_revision, at)
         if not got.kvs:
-            return None
+            return None, at
         kv = got.kvs[0]
-        return ViewRecord.from_json(kv.value, kv.mod_revision)
+        return ViewRecord.from_json(kv.value, kv.mod_revision), at
 
     async def commit(self, record: ViewRecord, expected: int) -> ViewRecord | None:
         """Write ``record`` if the view key is still at revision ``expected`` (0: absent).
@@ -373,8 +379,6 @@ class EtcdCoordinator:
                 log.warning("watching etcd: %s; retrying", type(exc).__name__)
                 if client is not None:
                     await self._drop(client)
-                # Perhaps that revision was compacted away: from now on, next time.
-                seen = 0
             finally:
                 # A watch is a gRPC stream: cancel it here, bounded, rather than
                 # leave it to the event loop's shutdown (where it can hang).
@@ -382,6 +386,19 @@ class EtcdCoordinator:
                     with contextlib.suppress(Exception, asyncio.CancelledError):
                         await asyncio.wait_for(watcher.cancel(), timeout=self.timeout)
             await asyncio.sleep(0.5)
+            # Whatever broke the watch (etcd restarted, the revision compacted away),
+            # the record as it is now is read before watching again, from that
+            # read's revision: a change made meanwhile is taken now. (Watching
+            # "from now" after an error lost a rules change for good: nothing but
+            # the next record would have brought it.)
+            try:
+                record, at = await self._load_at()
+            except CoordinatorError as exc:
+                log.warning("reading etcd after the watch broke: %s; retrying", exc)
+                continue
+            if record is not None and record.revision > seen:
+                yield record
+            seen = max(seen, at)
 
     # ------------------------------------------------------------------ leadership
 

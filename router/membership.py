@@ -200,6 +200,9 @@ class Membership:
         self.coordinator = coordinator
         self.advertise = advertise
         self.leading = coordinator is None
+        #: Leadership terms this router has won or lost (a take-over checks that
+        #: its term is still the current one before it claims to lead).
+        self._term = 0
         #: The etcd revision a change of this router is conditioned on: the
         #: record of the view it adopted (or of the change it is carrying out),
         #: never that of a newer record it only saw (unsettled, not adopted).
@@ -467,33 +470,65 @@ class Membership:
             health.lease_until = max(health.lease_until, bound)
             health.failures = 0
         self.leasing = True
-        self._spawn(self._take_lead())
+        self._term += 1
+        self._spawn(self._take_lead(self._term))
 
-    async def _take_lead(self) -> None:
-        # Leases first (granted, then required by a push of the current view), so
-        # that no node is left without one; then any change left half-done.
+    async def _take_lead(self, term: int) -> None:
+        """Leases first (granted, then required by a push of the current view), so
+        that no node is left without one; then any change left half-done.
+
+        The push waits a few probe timeouts per member, not the push timeout:
+        a member paused at the take-over would otherwise hold it for 30 s,
+        with no renewals or removals meanwhile (the health loop waits for
+        ``leading``), and every member's keys answered by ``on_error``. A
+        member that missed it gets the view from the health loop. Leadership
+        lost meanwhile (``term``) is not taken back: an unconditional
+        ``leading = True`` left a deposed router leading beside the new one.
+        """
         try:
             async with self.lock:
                 await asyncio.gather(*(self._renew(m) for m in self.view))
-                await self._push_all(self.view, None, ())
+                await self._push_all(self.view, None, (), seconds=self._takeover_push)
+            if term != self._term:
+                return
             self.leading = True
             log.warning("took the lead at epoch %d", self.view.epoch)
-            await self._roll_forward()
+            await self._roll_forward(term)
         except Exception:
             log.exception("taking the lead failed")
 
+    @property
+    def _takeover_push(self) -> float:
+        return max(2.0, 4 * self.health_timeout)
+
     async def _on_lose(self) -> None:
+        self._term += 1
         self.leading = False
         self.leasing = False
 
-    async def _roll_forward(self) -> None:
+    async def _roll_forward(self, term: int) -> None:
+        """:meth:`_roll_forward_once` until etcd answers, while this term lasts.
+
+        Once was not enough: a take-over whose one read failed (etcd paused or
+        restarting) left the last leader's unsettled change undone, and every
+        later change conditioned on the adopted view got 409 ring_changed for as
+        long as this router led (a crash removal nobody had applied: the dead
+        member stayed in the ring).
+        """
+        delay = 0.25
+        while term == self._term:
+            try:
+                await self._roll_forward_once()
+                return
+            except CoordinatorError as exc:
+                log.warning("could not read the ring from etcd: %s; trying again", exc)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
+
+    async def _roll_forward_once(self) -> None:
         assert self.coordinator is not None
         async with self.lock:
-            try:
-                record = await self.coordinator.load()
-            except CoordinatorError as exc:
-                log.warning("could not read the ring from etcd: %s", exc)
-                return
+            record = await self.coordinator.load()
             if record is None:
                 return
             if record.settled:
@@ -1003,9 +1038,16 @@ class Membership:
         )
 
     async def _push_all(
-        self, view: RingView, previous: RingView | None, crashed: Iterable[str]
+        self,
+        view: RingView,
+        previous: RingView | None,
+        crashed: Iterable[str],
+        *,
+        seconds: float | None = None,
     ) -> None:
-        await self._push(view.members, view, previous, tuple(crashed), tolerate=True)
+        await self._push(
+            view.members, view, previous, tuple(crashed), tolerate=True, seconds=seconds
+        )
 
     async def _push(
         self,

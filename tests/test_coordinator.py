@@ -82,6 +82,32 @@ async def stop_coordination(membership: Membership) -> None:
     await cancel_until_done(membership._coordination)
 
 
+@contextlib.asynccontextmanager
+async def leading_cluster(endpoint: str) -> AsyncIterator[InProcessCluster]:
+    """Three in-process nodes and a router on etcd at ``endpoint``, once it leads."""
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options(endpoint, ROUTER_URL)
+    ) as cluster:
+        await wait_until(lambda: cluster.router.membership.leading)
+        yield cluster
+
+
+async def commit_unsettled_join(
+    cluster: InProcessCluster, etcd: EtcdCoordinator, new: str = "n4"
+) -> RingView:
+    """Commit (unsettled, not pushed) the view in which node ``new`` joins the
+    stored ring, as a leader that died right after its commit leaves it."""
+    record = await etcd.load()
+    assert record is not None
+    cluster._make_node(new)
+    half_done = RingView.of([*record.view, Member(new, node_url(new))], epoch=record.view.epoch + 1)
+    committed = await etcd.commit(
+        ViewRecord(half_done, record.view, (), record.config, settled=False), record.revision
+    )
+    assert committed is not None
+    return half_done
+
+
 def options(endpoint: str, url: str) -> dict[str, object]:
     return coordinated(coordinator(endpoint), url)
 
@@ -148,6 +174,53 @@ async def test_a_watch_from_the_loaded_revision_misses_no_change(etcd_endpoint: 
             await records.aclose()
         assert seen.view == two and seen.revision == second.revision
     finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_watch_broken_by_an_etcd_restart_misses_no_change(
+    etcd_server: EtcdServer, etcd_endpoint: str
+) -> None:
+    """etcd is killed and restarted on its data while a follower's watch is
+    down, and a change is committed before the watch is back. Watching "from
+    now" after the error lost it for good (a rules change at the same epoch:
+    nothing else would bring it); the watch reads the record before it watches
+    again."""
+    a, b = coordinator(etcd_endpoint), coordinator(etcd_endpoint)
+    await a.connect()
+    await b.connect()
+    records = None
+    try:
+        config = make_config()
+        one = RingView.of([Member("n1", "http://n1")], epoch=1)
+        first = await a.commit(ViewRecord(one, None, (), config, True), expected=0)
+        assert first is not None
+        records = b.watch(first.revision)
+        two = RingView.of([*one, Member("n2", "http://n2")], epoch=2)
+        second = await a.commit(ViewRecord(two, one, (), config, True), expected=first.revision)
+        assert second is not None
+        seen = await asyncio.wait_for(anext(records), timeout=5.0)
+        assert seen.revision == second.revision  # watching; suspended at its yield
+        process = etcd_server.process
+        assert process is not None
+        process.kill()
+        etcd_server.process = None
+        etcd_server.start()
+        third = None
+        for _ in range(50):  # bounded: a reconnects to the restarted etcd
+            with contextlib.suppress(CoordinatorError):
+                third = await a.commit(
+                    ViewRecord(two, one, (), config.with_rule_tables([], source="test"), True),
+                    expected=second.revision,
+                )
+                break
+            await asyncio.sleep(0.1)
+        assert third is not None
+        seen = await asyncio.wait_for(anext(records), timeout=10.0)
+        assert seen.revision == third.revision
+    finally:
+        if records is not None:
+            await records.aclose()
         await a.close()
         await b.close()
 
@@ -442,29 +515,18 @@ async def test_a_new_leader_rolls_forward_a_change_its_predecessor_left_half_don
 ) -> None:
     """The leader committed epoch 2 (n4 joins) and died before pushing it: the
     next leader pushes it in the same order and marks it settled."""
-    config = make_config()
-    async with InProcessCluster(
-        3, config, clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
-    ) as cluster:
+    async with leading_cluster(etcd_endpoint) as cluster:
         membership = cluster.router.membership
-        await wait_until(lambda: membership.leading)
         tally = Tally()
         await send(cluster.client, tally, USERS, LIMIT)
         # The leader "dies": it stops leading without resigning; its etcd lease
         # expires after the ttl.
         await stop_coordination(membership)
         membership.leading = False
-        record = await membership.coordinator.load()  # type: ignore[union-attr]
-        assert record is not None
-        cluster._make_node("n4")
-        half_done = RingView.of([*record.view, Member("n4", node_url("n4"))], epoch=2)
         etcd = coordinator(etcd_endpoint)
         await etcd.connect()
         try:
-            committed = await etcd.commit(
-                ViewRecord(half_done, record.view, (), config, settled=False), record.revision
-            )
-            assert committed is not None
+            half_done = await commit_unsettled_join(cluster, etcd)
             second = cluster.new_router(SECOND, seeds=[], **options(etcd_endpoint, SECOND))
             await second.start()
             try:
@@ -485,6 +547,97 @@ async def test_a_new_leader_rolls_forward_a_change_its_predecessor_left_half_don
             finally:
                 await second.close()
         finally:
+            await etcd.close()
+
+
+class Paused(httpx.AsyncBaseTransport):
+    """A node that takes connections and answers nothing (SIGSTOPped), until
+    released; counts the view pushes it was sent."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.released = asyncio.Event()
+        self.pushes = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/cluster":
+            self.pushes += 1
+        # A real connection's read times out at the request's timeout (httpx
+        # leaves that to the network layer, which a mounted transport is not).
+        read = request.extensions.get("timeout", {}).get("read")
+        try:
+            await asyncio.wait_for(self.released.wait(), read)
+        except TimeoutError:
+            raise httpx.ReadTimeout("paused", request=request) from None
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.mark.parametrize("lost", [False, True])
+async def test_a_take_over_is_not_held_by_a_paused_member(etcd_endpoint: str, lost: bool) -> None:
+    """The leader dies while n1 is paused. The new leader's take-over push waited
+    for n1 for the whole push timeout (30 s), leading nobody's health loop
+    meanwhile: no renewals, no removals, every key answered by on_error. It
+    now waits a few probe timeouts per member. And a router that lost the lead
+    during its take-over (``lost``) does not claim it afterwards: it set
+    ``leading`` unconditionally and two routers led."""
+    async with leading_cluster(etcd_endpoint) as cluster:
+        membership = cluster.router.membership
+        await stop_coordination(membership)
+        membership.leading = False
+        paused = Paused(cluster._mounts[node_url("n1")])
+        cluster._mounts[node_url("n1")] = paused
+        second = cluster.new_router(
+            SECOND, seeds=[], **{**options(etcd_endpoint, SECOND), "health_timeout": 0.5}
+        )
+        await second.start()
+        try:
+            other = second.membership
+            # Won in etcd after the dead leader's ttl (2 s): its take-over push to
+            # n1 starts.
+            await wait_until(lambda: paused.pushes > 0, seconds=15.0)
+            started = time.monotonic()
+            if lost:
+                await other._on_lose()
+                await asyncio.sleep(other._takeover_push + 1.0)
+                assert not other.leading
+                return
+            await wait_until(lambda: other.leading, seconds=10.0)
+            assert time.monotonic() - started < other._takeover_push + 2.0
+        finally:
+            paused.released.set()
+            await second.close()
+
+
+async def test_a_roll_forward_whose_read_fails_is_tried_again(
+    etcd_server: EtcdServer, etcd_endpoint: str
+) -> None:
+    """The last leader committed n4's join and died; etcd is paused just as the
+    new leader reads the record to finish it. That one read was all: the join
+    stayed undone and every later change got 409 ring_changed for as long as
+    this router led. It is read again, while its term lasts, until etcd answers."""
+    async with leading_cluster(etcd_endpoint) as cluster:
+        membership = cluster.router.membership
+        await stop_coordination(membership)  # it finishes the change by hand below
+        etcd = coordinator(etcd_endpoint)
+        await etcd.connect()
+        process = etcd_server.process
+        assert process is not None
+        try:
+            half_done = await commit_unsettled_join(cluster, etcd)
+            process.send_signal(signal.SIGSTOP)
+            try:
+                rolling = asyncio.create_task(membership._roll_forward(membership._term))
+                await asyncio.sleep(2.5)  # its first read times out (2 s)
+                assert not rolling.done()
+            finally:
+                process.send_signal(signal.SIGCONT)
+            await asyncio.wait_for(rolling, 20.0)
+            # Carried out once etcd answered. (Marking it settled needs the leader
+            # key, which this router, driven by hand, no longer holds.)
+            assert membership.view == half_done
+            assert all(n.shard.epoch == 2 for n in cluster.nodes.values())  # type: ignore[union-attr]
+        finally:
+            process.send_signal(signal.SIGCONT)
             await etcd.close()
 
 
@@ -547,11 +700,8 @@ async def test_a_revision_moved_by_settling_the_same_view_does_not_refuse_a_chan
     """The router that made a view marks it settled after the leader read it:
     etcd's revision moved, the view did not, and the leader's next change goes
     through (a change built on another view still loses, as below)."""
-    async with InProcessCluster(
-        3, make_config(), clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
-    ) as cluster:
+    async with leading_cluster(etcd_endpoint) as cluster:
         membership = cluster.router.membership
-        await wait_until(lambda: membership.leading)
         etcd = coordinator(etcd_endpoint)
         await etcd.connect()
         try:

@@ -9,13 +9,19 @@ import asyncio
 import pytest
 
 from node.clock import FrozenClock
-from ring import Member, RingView
+from ring import Member
 from router.app import Router
-from router.coordinator import ViewRecord
 from router.membership import Membership, MembershipError
 from router.testing import ROUTER_URL, InProcessCluster, node_url
 from tests.processes import wait_until
-from tests.test_coordinator import SECOND, coordinator, options, stop_coordination
+from tests.test_coordinator import (
+    SECOND,
+    commit_unsettled_join,
+    coordinator,
+    leading_cluster,
+    options,
+    stop_coordination,
+)
 from tests.test_rebalancing import make_config
 
 pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
@@ -39,24 +45,13 @@ async def test_a_change_is_built_on_the_adopted_view_not_on_an_unsettled_record(
     view N-1 has seen N's revision, but a change it builds from N-1 must not be
     committed over N (N would never be carried out, and N+1 would be built on
     a view that is not the last)."""
-    config = make_config()
-    async with InProcessCluster(
-        3, config, clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
-    ) as cluster:
+    async with leading_cluster(etcd_endpoint) as cluster:
         membership = cluster.router.membership
-        await wait_until(lambda: membership.leading)
         etcd = coordinator(etcd_endpoint)
         await etcd.connect()
         try:
-            record = await etcd.load()
-            assert record is not None
-            cluster._make_node("n4")
+            pending = await commit_unsettled_join(cluster, etcd)
             cluster._make_node("n5")
-            pending = RingView.of([*record.view, Member("n4", node_url("n4"))], epoch=2)
-            committed = await etcd.commit(
-                ViewRecord(pending, record.view, (), config, settled=False), record.revision
-            )
-            assert committed is not None
             await wait_until(lambda: membership.log.highest >= 2)  # the watch saw it
             assert membership.view.epoch == 1  # unsettled: not adopted
             with pytest.raises(MembershipError) as refused:
