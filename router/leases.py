@@ -28,10 +28,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Callable, Container
 from typing import Any
 
+from node.clock import boot_clock
 from node.decision import Decision, Verdict
 from node.leasing import lease_from_dict
 from node.quota import HotKeys, LeasePolicy
@@ -53,7 +53,13 @@ __all__ = ["ADMIT", "DENY", "FORWARD", "RouterLeases"]
 
 
 class RouterLeases:
-    """One router's leases, per ``(rule name, key)``."""
+    """One router's leases, per ``(rule name, key)``.
+
+    Its clock keeps counting while the host sleeps (``boot_clock``): a lease
+    must end at the router no later than at its owner, and a router that woke
+    from a suspend on ``time.monotonic`` (stopped meanwhile) spent units the
+    owner had counted in a window long gone, on top of the new window's.
+    """
 
     def __init__(
         self,
@@ -61,7 +67,7 @@ class RouterLeases:
         token_header: list[tuple[str, str]],
         *,
         threshold: float = DEFAULT_THRESHOLD,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = boot_clock,
         rule_names: Callable[[], Container[str]] | None = None,
     ) -> None:
         self.forwarder = forwarder

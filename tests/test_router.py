@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from node.clock import FrozenClock
+from node.clock import FrozenClock, boot_clock
 from node.config import ClusterConfig, Identity, Limits, Policies, ScopedRule, hash_token
 from node.rules import Rule
 from router.forward import NodeTimeout
@@ -986,6 +986,16 @@ async def test_a_new_view_revokes_the_routers_leases() -> None:
         answers = [await hit(cluster, "alice") for _ in range(100)]
         # The lease units of the old epoch are written off: never admitted twice.
         assert sum(a.status_code == 200 for a in answers) == 0
+
+
+async def test_the_routers_lease_clock_counts_a_suspended_hosts_sleep() -> None:
+    """A lease must end at the router no later than at its owner. On
+    ``time.monotonic``, which stops while the host is suspended, a router woken
+    from a suspend went on spending leases whose time was up at their owners
+    (units counted in a window long gone, admitted on top of the new one's).
+    The router reads the clock the nodes' leases use, which keeps counting."""
+    async with running(make_config(Rule("hot", 100, 60.0, lease="auto"))) as cluster:
+        assert cluster.router.leases.clock is boot_clock
 
 
 async def test_a_client_cannot_claim_a_lease_admission() -> None:
