@@ -674,7 +674,12 @@ class Node:
             keys = data["keys"]
             if type(keys) is not list or not all(type(k) is str for k in keys):
                 raise ValueError("keys must be a list of strings")
-            return {"records": shard.serve_pull(keys, _sender(data, "to"), _epoch(data))}
+            records = shard.serve_pull(keys, _sender(data, "to"), _epoch(data))
+            if records:
+                return {"records": records}
+            # Nothing here: the members this node still looked to for these keys
+            # may hold them (ShardCore.earlier_owners; the puller asks them next).
+            return {"records": records, "from": shard.core.earlier_owners(keys)}
 
         return await self._internal_call(request, "pull", handle, {"records": []})
 

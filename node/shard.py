@@ -203,10 +203,13 @@ class Shard:
             return False
         core = self.core
         step = core.inherit(key, rules, self.timer())
-        if isinstance(step, Pull):
-            await self._pull(step)
-        elif isinstance(step, AwaitHandoffs):
+        if isinstance(step, AwaitHandoffs):
             await self._await_handoffs()
+        while isinstance(step, Pull):
+            await self._pull(step)
+            # The owner asked may have referred the key to another member
+            # (ShardCore.refer): each is asked once, so this ends.
+            step = core.inherit(key, rules, self.timer())
         self.check_owner(key)  # the view may have changed during the pull
         if core.crashes:
             core.conservative(key, rules, self.clock())
@@ -240,7 +243,11 @@ class Shard:
                             break
                         continue
                     raise
-            core.take_pulled(check_records(answer.get("records", [])), self.clock())
+            records = check_records(answer.get("records", []))
+            core.take_pulled(records, self.clock())
+            earlier = answer.get("from")
+            if not records and type(earlier) is list:
+                core.refer(pull, [m for m in earlier if type(m) is str])
         except (PeerError, KeyError, ValueError, TypeError) as exc:
             core.pull_failed(pull)
             log.warning(

@@ -335,6 +335,10 @@ class ShardCore:
         self._flying_keys: dict[str, set[str]] = {}
         #: Keys already pulled under the current view (never pulled twice).
         self.pulled: set[str] = set()
+        #: Keys whose pull found nothing at the owner asked, which named members
+        #: it still expected their states from (:meth:`refer`): the member to ask
+        #: next, and the members asked so far.
+        self.referred: dict[str, tuple[str, frozenset[str]]] = {}
         #: Replicas of other members' states, by origin member.
         self.replicas: dict[str, MemoryStore] = {}
         self.successors: dict[str, tuple[str, ...]] = {}
@@ -420,9 +424,18 @@ class ShardCore:
         delivery re-sent under the newer view) or in flight.
         """
         pending = self.pending
-        if not pending or not self.sources or key in self.pulled or self.holds(key, rules):
+        if not pending or not self.sources or self.holds(key, rules):
             return None
         me = self.id
+        referral = self.referred.get(key)
+        if referral is not None and self.previous is not None:
+            owner = referral[0]
+            deadline = pending.get(owner)
+            if deadline is not None:
+                url = self.previous.member(owner).url
+                return Pull(owner, url, key, self.epoch, me, late=elapsed > deadline)
+        if key in self.pulled:
+            return None
         for source in self.sources:
             if not len(source):
                 continue
@@ -455,6 +468,38 @@ class ShardCore:
         self.mark_dirty(records)
         self.stats.keys_received += len(records)
 
+    def refer(self, pull: Pull, members: Sequence[str]) -> None:
+        """The owner asked had nothing for ``pull.key``, and named the members it
+        was itself still expecting that key's state from (:meth:`earlier_owners`):
+        the state may be in one's outbox or on its way here. The first such
+        member this node still awaits is asked next (:meth:`inherit`), each at
+        most once per key."""
+        previous = self.referred.get(pull.key)
+        asked = (previous[1] if previous is not None else frozenset()) | {pull.owner}
+        for member in members:
+            if member != self.id and member not in asked and member in self.pending:
+                self.referred[pull.key] = (member, asked)
+                return
+
+    def earlier_owners(self, keys: Sequence[str]) -> list[str]:
+        """Members that owned ``keys`` in the views this node still looks back
+        through (:attr:`sources`), other than itself.
+
+        Told to a member whose pull found nothing here: a handoff into this
+        node that had not settled when a newer view moved the keys on leaves
+        their states with their earlier owner, which now sends them to the
+        keys' new owner; that owner asked this node, their previous owner,
+        which never had them."""
+        found: list[str] = []
+        for source in self.sources:
+            if not len(source):
+                continue
+            for key in keys:
+                owner = source.owner_id(key)
+                if owner != self.id and owner not in found:
+                    found.append(owner)
+        return found
+
     def pull_failed(self, pull: Pull) -> None:
         """A pull that got no answer. Past the deadline its owner is given up:
         unreachable as well as late, it is no longer waited for, and the keys
@@ -466,8 +511,12 @@ class ShardCore:
                 self._release_settling()
 
     def pull_done(self, pull: Pull) -> None:
-        """Whatever the answer, ``pull.key`` is not pulled again under this view."""
+        """Whatever the answer, ``pull.key`` is not pulled again under this view
+        (from another member only if this one referred it there: :meth:`refer`)."""
         self.pulled.add(pull.key)
+        referral = self.referred.get(pull.key)
+        if referral is not None and referral[0] == pull.owner:
+            del self.referred[pull.key]
 
     def conservative(self, key: str, rules: Sequence[Rule], now: float) -> None:
         """A key a crashed member owned, with no state here, starts exhausted."""
@@ -575,6 +624,7 @@ class ShardCore:
             del self.finals[epoch]
         self.pending = dict.fromkeys(senders, elapsed + self.handoff_wait)
         self.pulled.clear()
+        self.referred.clear()
         # Every state here is in the change set now (above): deferred ones too.
         self.settling = set()
         return 0
@@ -628,6 +678,7 @@ class ShardCore:
         self.settling = set()
         self.pending = {}
         self.pulled.clear()
+        self.referred.clear()
         if self.config().policies.rebalance != "handoff" or not len(view):
             self.stats.keys_dropped += len(records) + len(leftovers)
             return 0

@@ -513,6 +513,21 @@ def gate(cluster: InProcessCluster, node_id: str) -> Gate:
     return found
 
 
+async def checks_admitted(
+    cluster: InProcessCluster, node_id: str, users: list[str], times: int = 3
+) -> int:
+    """``times`` checks of each user sent straight to ``node_id``: how many it admitted."""
+    allowed = 0
+    for user in users:
+        for _ in range(times):
+            response = await cluster.client.post(
+                f"{node_url(node_id)}/v1/check", json={"key": user, "rule": "api"}
+            )
+            assert response.status_code == 200, response.text
+            allowed += bool(response.json()["allowed"])
+    return allowed
+
+
 async def test_a_failed_join_handoff_is_pulled_past_the_deadline_and_sent_again() -> None:
     """The old owners' transfers to a newcomer fail; every member stays up.
 
@@ -588,17 +603,39 @@ async def test_a_handoff_still_unsettled_when_the_next_view_comes_is_still_inher
             door.release.set()
 
         releaser = asyncio.create_task(release_soon())
-        allowed = 0
-        for user in users:
-            for _ in range(3):
-                response = await cluster.client.post(
-                    f"{node_url('n4')}/v1/check", json={"key": user, "rule": "api"}
-                )
-                assert response.status_code == 200, response.text
-                allowed += bool(response.json()["allowed"])
+        allowed = await checks_admitted(cluster, "n4", users)
         await releaser
         await asyncio.wait_for(join, 30)
         assert allowed == 0, f"{allowed} admissions of exhausted users on fresh states"
+
+
+async def test_a_key_that_moves_on_before_its_handoff_landed_is_pulled_where_it_is() -> None:
+    """n4 joins and the old owners' transfers to it fail; n5 joins and their
+    transfers to n5 fail too (each kept for pulls). A user the first join gave
+    n4 and the second gives n5 has its state in its first owner's outbox, now
+    for n5. n5 asks n4, its previous owner, which never had it: n4 points n5 to
+    the member it still awaits for that key, and n5 pulls it there. Before, n4's
+    empty answer made n5 decide each such user on a fresh state."""
+    clock = FrozenClock()
+    async with InProcessCluster(3, make_config(), clock=clock) as cluster:
+        await exhaust(cluster)
+        views = [cluster.router.membership.view]
+        for newcomer in ("n4", "n5"):
+            cluster._make_node(newcomer)
+            door = gate(cluster, newcomer)
+            door.mode = "refuse"
+            await cluster.router.membership.join(Member(newcomer, node_url(newcomer)))
+            assert door.refused > 0
+            views.append(cluster.router.membership.view)
+        v1, v2, v3 = views
+        users = [
+            u
+            for u in USERS
+            if v1.owner_id(u) != "n4" and v2.owner_id(u) == "n4" and v3.owner_id(u) == "n5"
+        ]
+        assert users and cluster.nodes["n5"].shard.epoch == v3.epoch
+        allowed = await checks_admitted(cluster, "n5", users)
+        assert allowed == 0, f"{allowed} admissions of {len(users)} exhausted users"
 
 
 async def test_a_leave_whose_handoff_fails_counts_as_a_crash() -> None:

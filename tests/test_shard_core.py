@@ -289,6 +289,47 @@ def test_a_key_owned_before_an_unsettled_handoff_is_pulled_from_its_first_owner(
     assert b.sources == [v3]
 
 
+def test_a_key_that_moved_on_before_its_handoff_landed_is_pulled_where_it_is() -> None:
+    """n0's handoff to n1 (epoch 2) failed; n2 joins (epoch 3) and takes a key
+    n1 never had: its state is in n0's outbox, now for n2. n2 asks n1, the key's
+    previous owner, which has nothing but names n0, from which it still looked
+    for that key; n2 pulls it there. Before, n1's empty answer ended the search
+    and n2 decided the key on a fresh state (count 1, not 6)."""
+    v1, v2, v3 = view(["n0"], 1), view(["n0", "n1"], 2), view(["n0", "n1", "n2"], 3)
+    a, b, c = core("n0"), core("n1"), core("n2")
+    a.apply(v1, None, (), NOW, 0.0)
+    key = next(k for k in KEYS if v2.owner_id(k) == "n1" and v3.owner_id(k) == "n2")
+    for _ in range(5):
+        decide(a, key)
+    a.apply(v2, v1, (), NOW, 0.0)
+    (failed,) = a.transfers(NOW)
+    a.undelivered(failed, NOW)
+    b.apply(v2, v1, (), NOW, 0.0)
+    for member in (a, b, c):
+        member.apply(v3, v2, (), NOW, 0.0)
+    (travelling,) = [t for t in a.transfers(NOW) if t.to == "n2"]
+    assert [r[2] for r in travelling.records] == [key]
+    step = c.inherit(key, (RULE,), 1.0)
+    assert step == Pull("n1", "http://n1:8000", key, 3, "n2")
+    assert b.serve_pull([key], "n2", 3, NOW) == []
+    assert b.earlier_owners([key]) == ["n0"]
+    c.start_pull(step)
+    c.take_pulled([], NOW)
+    c.refer(step, ["n0"])
+    c.pull_done(step)
+    again = c.inherit(key, (RULE,), 1.0)
+    assert again == Pull("n0", "http://n0:8000", key, 3, "n2")
+    with pytest.raises(InFlight):  # on its way to n2: wait for it
+        a.serve_pull([key], "n2", 3, NOW)
+    a.undelivered(travelling, NOW)  # failed again: back in the outbox for pulls
+    assert again is not None
+    c.start_pull(again)
+    c.take_pulled(a.serve_pull([key], "n2", 3, NOW), NOW)
+    c.pull_done(again)
+    assert c.inherit(key, (RULE,), 1.0) is None
+    assert decide(c, key) == 6
+
+
 def test_a_crashed_members_key_waits_for_the_replicas_of_its_holders() -> None:
     """n0 dies during n1's join and is removed as crashed (epoch 3): a key of
     n0's that n1 owns now comes from n0's replica holder's final transfer."""
