@@ -33,7 +33,6 @@ from node.peers import PeerError, Peers, bulk
 from node.rules import Rule
 from node.shardcore import (
     SUCCESSOR_CACHE,
-    AwaitHandoffs,
     Crash,
     HandoffStats,
     InFlight,
@@ -203,12 +202,16 @@ class Shard:
             return False
         core = self.core
         step = core.inherit(key, rules, self.timer())
-        if isinstance(step, AwaitHandoffs):
-            await self._await_handoffs()
-        while isinstance(step, Pull):
-            await self._pull(step)
-            # The owner asked may have referred the key to another member
-            # (ShardCore.refer): each is asked once, so this ends.
+        while step is not None:
+            if isinstance(step, Pull):
+                await self._pull(step)
+            else:
+                await self._await_handoffs(key, rules)
+            # Asked again: the owner pulled may have referred the key to another
+            # member (ShardCore.refer), or a newer view came during the wait and
+            # the state is to be looked for under it. Each member is asked once per
+            # key and view, and a wait ends only when a deadline passes, the marks
+            # have come or the view changed, so this ends.
             step = core.inherit(key, rules, self.timer())
         self.check_owner(key)  # the view may have changed during the pull
         if core.crashes:
@@ -261,12 +264,13 @@ class Shard:
             del self._pulling[pull.key]
             future.set_result(None)
 
-    async def _await_handoffs(self) -> None:
+    async def _await_handoffs(self, key: str, rules: Sequence[Rule]) -> None:
         """Until no member's final mark is awaited (their transfers carry a crashed
-        member's replicas), every deadline has passed, or the view changed."""
+        member's replicas), every deadline has passed, the view changed, or a
+        state for ``key`` has arrived."""
         core = self.core
         epoch = core.epoch
-        while core.pending and core.epoch == epoch:
+        while core.pending and core.epoch == epoch and not core.holds(key, rules):
             if all(deadline <= self.timer() for deadline in core.pending.values()):
                 return
             await asyncio.sleep(0.02)

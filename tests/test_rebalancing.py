@@ -687,6 +687,57 @@ async def test_a_member_killed_during_a_join_hands_its_replicas_to_the_newcomer(
         assert tally.other == Counter()
 
 
+class HoldOnceAt(httpx.AsyncBaseTransport):
+    """In front of one node: transfers into it are held once it has reached ``epoch``."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, node: Any, epoch: int) -> None:
+        self.inner, self.node, self.epoch = inner, node, epoch
+        self.release = asyncio.Event()
+        self.held = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/import" and self.node.shard.epoch >= self.epoch:
+            self.held += 1
+            await self.release.wait()
+        return await self.inner.handle_async_request(request)
+
+
+async def test_a_wait_for_a_crashed_members_replicas_starts_again_under_a_newer_view() -> None:
+    """n1 dies as n4 joins; under the crash view a check of one of n1's users
+    that n4 owns now waits for the replica holders' final transfers (held). A
+    newer view comes meanwhile: the check must look for the state again under
+    it (its sources still say where from), not decide on what n4 has. Before,
+    every check waiting at that moment was decided on a fresh state."""
+    clock = FrozenClock()
+    config = make_config(crash="replica", on_error="closed")
+    async with InProcessCluster(3, config, clock=clock) as cluster:
+        await exhaust_and_replicate(cluster)
+        v1 = cluster.router.membership.view
+        n4 = cluster._make_node("n4")
+        door = HoldOnceAt(cluster._mounts[node_url("n4")], n4, v1.epoch + 2)
+        cluster._mounts[node_url("n4")] = door
+        cluster.take_down("n1")
+        join = asyncio.create_task(cluster.router.membership.join(Member("n4", node_url("n4"))))
+        for _ in range(400):
+            if n4.shard.epoch == v1.epoch + 2 and door.held:
+                break
+            await asyncio.sleep(0.005)
+        assert n4.shard.epoch == v1.epoch + 2 and door.held
+        v3 = n4.shard.view
+        assert v3 is not None and "n1" not in v3
+        users = [u for u in USERS if v1.owner_id(u) == "n1" and v3.owner_id(u) == "n4"]
+        assert users
+        checks = asyncio.gather(*(checks_admitted(cluster, "n4", [u], times=1) for u in users))
+        await asyncio.sleep(0.1)
+        assert not checks.done()  # waiting for the held transfers
+        n4.shard.apply(RingView.of(list(v3), epoch=v3.epoch + 1), v3)
+        await asyncio.sleep(0.1)
+        door.release.set()
+        allowed = sum(await asyncio.wait_for(checks, 30))
+        await asyncio.wait_for(join, 30)
+        assert allowed == 0, f"{allowed} of {len(users)} exhausted users admitted"
+
+
 # --------------------------------------------------------------------------- crashes
 
 
