@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -120,6 +121,27 @@ class ViewRecord:
 #: The coordinator's URL schemes: plaintext, and TLS (router/etcd_access.py).
 SCHEMES = ("etcd://", "etcds://")
 
+#: The shortest leader lease (seconds) a router asks etcd for. etcd's lease TTLs
+#: are whole seconds, and etcd raises a shorter one to its own minimum, 1.5 election
+#: timeouts rounded up: 2 s with its default settings (more with a longer
+#: ``--election-timeout``, which :meth:`EtcdCoordinator.lead` logs).
+MIN_TTL = 2
+
+
+def lease_ttl(seconds: float) -> int:
+    """``seconds`` as the whole number of seconds etcd's leases are counted in.
+
+    Refused (ValueError) unless it is a whole number of at least :data:`MIN_TTL`:
+    rounded quietly, 0.5 became 2 and 2.7 became 3, so the router led and took
+    over on another ttl than the operator asked for, without a word.
+    """
+    if not math.isfinite(seconds) or seconds != int(seconds) or seconds < MIN_TTL:
+        raise ValueError(
+            f"must be a whole number of seconds, at least {MIN_TTL} "
+            f"(etcd's leases count whole seconds), not {seconds:g}"
+        )
+    return int(seconds)
+
 
 def parse_endpoints(spec: str) -> list[tuple[str, int]]:
     """``etcd://h1:2379,h2:2379`` -> ``[("h1", 2379), ("h2", 2379)]`` (or ``etcds://``)."""
@@ -159,7 +181,11 @@ class EtcdCoordinator:
             raise ValueError("no etcd endpoint given")
         self.endpoints = endpoints
         self.prefix = f"/ringlimit/{cluster}/".encode()
-        self.ttl = max(2, round(ttl))
+        try:
+            #: The leader's etcd lease (whole seconds): see :func:`lease_ttl`.
+            self.ttl = lease_ttl(ttl)
+        except ValueError as exc:
+            raise ValueError(f"coordinator ttl: {exc}") from None
         self.timeout = timeout
         #: TLS and auth (router/etcd_access.py); None: plaintext, no user.
         self.access = access or EtcdAccess()
@@ -175,6 +201,7 @@ class EtcdCoordinator:
         #: The creation revision of the leader key this router made last (kept
         #: after it steps down: :meth:`resign` deletes that key, not a successor's).
         self._created: int | None = None
+        self._warned_ttl = False
 
     @property
     def where(self) -> str:
@@ -432,6 +459,7 @@ class EtcdCoordinator:
                 # Before the grant: etcd's ttl starts when it grants the lease.
                 sent = clock()
                 lease = await self._call("lease", lambda c: c.lease(self.ttl))
+                self._granted(int(lease.ttl))
 
                 async def campaign(client: Any, lease: Any = lease) -> int | None:
                     """The creation revision of the leader key this router made
@@ -480,6 +508,26 @@ class EtcdCoordinator:
                 else:
                     log.warning("leader election: %s", exc)
                 await asyncio.sleep(0.5)
+
+    def _granted(self, ttl: int) -> None:
+        """Say so, once, when etcd grants a longer lease than the ttl asked for.
+
+        etcd raises a ttl below its minimum (1.5 of its election timeout) to that
+        minimum. The step-down deadline still counts from the ttl asked for (the
+        shorter, so still safe), but another router takes over only once etcd
+        expires the longer lease: a failover slower than the operator set.
+        """
+        if ttl > self.ttl and not self._warned_ttl:
+            self._warned_ttl = True
+            log.warning(
+                "etcd %s granted the leader lease %d s, not the %d s asked for "
+                "(--coordinator-ttl is below its minimum, set by its election timeout): "
+                "a take-over waits up to %d s",
+                self.where,
+                ttl,
+                self.ttl,
+                ttl,
+            )
 
     async def _refresh_now(self, lease_id: int, sent: float, clock: Callable[[], float]) -> float:
         """Refresh a lease just won; returns when the lease's time now counts from.
