@@ -554,15 +554,20 @@ class Membership:
     async def _commit(
         self, view: RingView, previous: RingView, crashed: tuple[str, ...]
     ) -> ViewRecord | None:
-        """Record a change in etcd before carrying it out (no coordinator: nothing)."""
+        """Record a change in etcd before carrying it out (no coordinator: nothing).
+
+        A write that did not change the view (the record of ``previous`` marked
+        settled by the router that made it, or given new rules, after this one
+        read it) moves the revision without invalidating the change: the change
+        is tried again on the new revision. Its record is built again for each
+        try, with the config the reload just took: the record built before it
+        wrote the old rules over the newer ones (a lost update). Bounded: each
+        retry needs another write to etcd in between.
+        """
         if self.coordinator is None:
             return None
-        record = ViewRecord(view, previous, crashed, self.config, settled=False)
-        # A write that did not change the view (the record of ``previous`` marked
-        # settled by the router that made it, after this one read it) moves the
-        # revision without invalidating the change: build on the new revision.
-        # Bounded: each retry needs another write to etcd in between.
         for _ in range(3):
+            record = ViewRecord(view, previous, crashed, self.config, settled=False)
             try:
                 committed = await self.coordinator.commit(record, expected=self._revision)
                 if committed is not None:

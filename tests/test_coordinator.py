@@ -773,6 +773,41 @@ async def test_a_revision_moved_by_settling_the_same_view_does_not_refuse_a_chan
             await etcd.close()
 
 
+async def test_a_change_retried_after_new_rules_on_the_same_view_keeps_the_new_rules(
+    etcd_endpoint: str,
+) -> None:
+    """The revision moved because another router recorded new rules on the same
+    view (the last leader, just before this one took over, whose take-over has not
+    read etcd since: its reads failed). The join's commit loses, the reload takes
+    the new rules, and the retry goes through: it used to send the record built
+    before the reload, so etcd went back to the old rules (a lost update: the
+    next leader, or any router restarted, took the old rules from etcd)."""
+    async with leading_cluster(etcd_endpoint) as cluster:
+        membership = cluster.router.membership
+        etcd = coordinator(etcd_endpoint)
+        await etcd.connect()
+        try:
+            # Its watch broken (as by the etcd trouble that failed its reads).
+            await cancel_until_done(membership._coordination[:1])
+            record = await etcd.load()
+            assert record is not None and record.view == membership.view
+            newer = record.config.with_rule_tables(
+                [{"name": "from-the-last-leader", "rate": "2/s"}], source="test"
+            )
+            moved = ViewRecord(record.view, record.previous, record.crashed, newer, True)
+            assert await etcd.commit(moved, record.revision) is not None
+            membership._revision = record.revision  # read before that write
+            cluster._make_node("n4")
+            await membership.join(Member("n4", node_url("n4")))
+            stored = await etcd.load()
+            assert stored is not None and stored.view == membership.view
+            names = [scoped.rule.name for scoped in stored.config.rules]
+            assert names == ["from-the-last-leader"], f"the retry wrote the old rules: {names}"
+            assert membership.config == stored.config
+        finally:
+            await etcd.close()
+
+
 async def test_a_change_built_on_a_stale_revision_cannot_fork_the_history(
     etcd_endpoint: str,
 ) -> None:
