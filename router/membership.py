@@ -251,6 +251,18 @@ class Membership:
         repair (:meth:`refresh_node`)."""
         return self.leader_url is not None or not self.leading
 
+    @property
+    def granting(self) -> bool:
+        """True while this router may grant node leases: ``leasing`` and, with
+        etcd, a lead whose step-down deadline has not passed.
+
+        Asked just before each grant: etcd fences this router's commits, not its
+        grants, and a grant made after the deadline (its step-down, a task of the
+        event loop, not run yet) could outlast the bound a successor elected
+        meanwhile waits out before it removes that member.
+        """
+        return self.leasing and (self.coordinator is None or self.coordinator.holds_lead())
+
     def _must_lead(self) -> None:
         if self.follows:
             raise MembershipError(

@@ -355,6 +355,135 @@ async def test_a_leader_cut_off_from_etcd_steps_down_within_the_ttl(
         await _stop_leading(process, leading, etcd)
 
 
+class Refreshes(EtcdCoordinator):
+    """A coordinator that notes when it sent each lease refresh that succeeded
+    (loop time): the moments the leader's step-down deadline counts from."""
+
+    def __init__(self, endpoint: str, ttl: float) -> None:
+        super().__init__(parse_endpoints(endpoint), cluster="test", ttl=ttl)
+        self.refreshed: list[float] = []
+
+    async def _call(self, what: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        sent = asyncio.get_running_loop().time()
+        got = await super()._call(what, call)
+        if what in ("lease", "lease refresh"):  # a grant starts the ttl as a refresh does
+            self.refreshed.append(sent)
+        return got
+
+    def deadline(self) -> float:
+        """The step-down deadline the refreshes noted so far allow."""
+        return max(self.refreshed, default=float("-inf")) + 0.8 * self.ttl
+
+
+class Grants(httpx.AsyncBaseTransport):
+    """A node that notes every lease grant a router sent it past the step-down
+    deadline its etcd refreshes allowed (seconds past it)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, etcd: Refreshes) -> None:
+        self.inner, self.etcd = inner, etcd
+        self.granted = 0
+        self.late: list[float] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/lease" and json.loads(request.content)["grant"]:
+            self.granted += 1
+            past = asyncio.get_running_loop().time() - self.etcd.deadline()
+            if past >= 0:
+                self.late.append(round(past, 2))
+        return await self.inner.handle_async_request(request)
+
+
+class Stall(Grants):
+    """Grants, and once ``armed`` its next lease offer comes back after the whole
+    router stalled ``seconds`` (a long GC pause, a CPU-bound handler: the event
+    loop runs nothing meanwhile)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, etcd: Refreshes, seconds: float) -> None:
+        super().__init__(inner, etcd)
+        self.seconds = seconds
+        self.armed = False
+        self.stalled = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        offer = request.url.path == "/internal/lease" and not json.loads(request.content)["grant"]
+        if self.armed and offer:
+            self.armed, self.stalled = False, True
+            time.sleep(self.seconds)  # noqa: ASYNC251 (the stall is the point)
+        return response
+
+
+async def test_a_leader_grants_no_lease_past_its_deadline_between_keep_alives(
+    etcd_server: EtcdServer, etcd_endpoint: str
+) -> None:
+    """etcd pauses 0.3 s after a refresh, for 1.9 s (ttl 3 s: deadline 2.4 s after
+    that refresh). The next refresh times out; the read of the leader key that
+    follows is answered once etcd resumes, before the deadline, so that step
+    ends without stepping down, and the leader slept its ttl/3 past the deadline:
+    it led and granted node leases until 3.2 s, after etcd could have expired its
+    key (3 s) and elected another, whose leases it would have outrun. Its grants
+    and its lead must end at the deadline."""
+    etcd = Refreshes(etcd_endpoint, ttl=3.0)
+    loop = asyncio.get_running_loop()
+    process = etcd_server.process
+    assert process is not None
+    options = coordinated(etcd, ROUTER_URL)
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        membership = cluster.router.membership
+        await wait_until(lambda: membership.leading)
+        grants = [Grants(cluster._mounts[node_url(n)], etcd) for n in cluster.nodes]
+        for n, node in zip(cluster.nodes, grants, strict=True):
+            cluster._mounts[node_url(n)] = node
+        seen = len(etcd.refreshed)
+        await wait_until(lambda: len(etcd.refreshed) > seen)
+        refreshed = etcd.refreshed[-1]
+        deadline = refreshed + 0.8 * etcd.ttl
+        await asyncio.sleep(refreshed + 0.3 - loop.time())
+        process.send_signal(signal.SIGSTOP)
+        stepped_down: float | None = None
+        try:
+            while loop.time() < refreshed + 4.0:  # bounded: past the old step-down
+                if loop.time() >= refreshed + 2.2:
+                    process.send_signal(signal.SIGCONT)
+                if stepped_down is None and not membership.leading:
+                    stepped_down = loop.time()
+                await asyncio.sleep(0.01)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        moved = [round(r - refreshed, 2) for r in etcd.refreshed if refreshed < r < deadline]
+        assert not moved, f"a refresh sent in the pause succeeded ({moved}): no case made"
+        assert all(node.granted for node in grants), "a node got no lease: the test shows nothing"
+        assert stepped_down is not None, "never stepped down"
+        assert stepped_down <= deadline + 0.1, f"led {stepped_down - deadline:.2f} s past it"
+        late = [past for node in grants for past in node.late]
+        assert not late, f"leases granted past the deadline (s after it): {late}"
+
+
+async def test_a_leader_stalled_past_its_deadline_grants_no_lease(
+    etcd_endpoint: str,
+) -> None:
+    """The router's whole event loop stalls for longer than 0.8 ttl while a
+    probe's offer is on its way back. The probe resumes first, before the
+    keep-alive task that would step down: it granted the node a lease past the
+    deadline (``leasing`` was still on), which a successor elected meanwhile
+    does not know of. A grant asks for the deadline itself, just before it is
+    sent."""
+    etcd = Refreshes(etcd_endpoint, ttl=2.0)
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=coordinated(etcd, ROUTER_URL)
+    ) as cluster:
+        membership = cluster.router.membership
+        await wait_until(lambda: membership.leading)
+        stall = Stall(cluster._mounts[node_url("n1")], etcd, 0.8 * etcd.ttl + 0.2)
+        cluster._mounts[node_url("n1")] = stall
+        stall.armed = True
+        await wait_until(lambda: stall.stalled)
+        await asyncio.sleep(0.5)  # the rest of that probe, and a few more
+        assert not stall.late, f"leases granted past the deadline (s after it): {stall.late}"
+
+
 async def test_a_leader_that_won_during_a_pause_of_etcd_keeps_the_lead(
     etcd_server: EtcdServer, etcd_endpoint: str
 ) -> None:
