@@ -92,6 +92,21 @@ def _pipeline_depth(value: str) -> int:
     return depth
 
 
+def _coordinator_ttl(value: str) -> int:
+    """``--coordinator-ttl``: whole seconds, at least 2 (router/coordinator.py
+    ``lease_ttl``), refused at parse time rather than rounded without a word."""
+    from router.coordinator import lease_ttl
+
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    try:
+        return lease_ttl(seconds)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv[0] if argv else None)
@@ -277,11 +292,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     router.add_argument(
         "--coordinator-ttl",
-        type=float,
-        default=5.0,
+        type=_coordinator_ttl,
+        default=5,
         metavar="SECONDS",
-        help="the leader's etcd lease: another router takes over this long after it is lost "
-        "(default 5)",
+        help="the leader's etcd lease, whole seconds, at least 2: another router takes over "
+        "this long after it is lost (default 5)",
     )
     router.add_argument(
         "--no-health-checks",

@@ -23,8 +23,10 @@ Why it is safe:
   etcd key on an etcd lease of ``ttl`` seconds. The leader steps down on its
   own once it has not refreshed that lease for 0.8 * ``ttl`` seconds, measured
   from when it *sent* the refresh, so it has stopped acting before etcd can
-  expire the key and elect another. Every keep-alive step runs under that
-  deadline: an etcd that hangs cannot keep a leader leading past it.
+  expire the key and elect another. Every keep-alive step, and the wait
+  between two, runs under that deadline: an etcd that hangs cannot keep a
+  leader leading past it. Its commits are fenced by etcd; a node lease it
+  grants, which etcd does not see, asks :meth:`EtcdCoordinator.holds_lead`.
 * **Roll forward.** The push protocol runs after the commit, so a leader that
   dies mid-change leaves ``settled = false``; the next leader pushes the same
   view again in the same order (pushing a view twice is harmless) and marks
@@ -41,7 +43,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -120,6 +124,32 @@ class ViewRecord:
 #: The coordinator's URL schemes: plaintext, and TLS (router/etcd_access.py).
 SCHEMES = ("etcd://", "etcds://")
 
+#: The shortest leader lease (seconds) a router asks etcd for. etcd's lease TTLs
+#: are whole seconds, and etcd raises a shorter one to its own minimum, 1.5 election
+#: timeouts rounded up: 2 s with its default settings (more with a longer
+#: ``--election-timeout``, which :meth:`EtcdCoordinator.lead` logs).
+MIN_TTL = 2
+
+
+#: The share of the ttl after its last refreshed lease that a leader acts for:
+#: it has stopped before etcd can expire its key (at the whole ttl, at the earliest).
+STEP_DOWN = 0.8
+
+
+def lease_ttl(seconds: float) -> int:
+    """``seconds`` as the whole number of seconds etcd's leases are counted in.
+
+    Refused (ValueError) unless it is a whole number of at least :data:`MIN_TTL`:
+    rounded quietly, 0.5 became 2 and 2.7 became 3, so the router led and took
+    over on another ttl than the operator asked for, without a word.
+    """
+    if not math.isfinite(seconds) or seconds != int(seconds) or seconds < MIN_TTL:
+        raise ValueError(
+            f"must be a whole number of seconds, at least {MIN_TTL} "
+            f"(etcd's leases count whole seconds), not {seconds:g}"
+        )
+    return int(seconds)
+
 
 def parse_endpoints(spec: str) -> list[tuple[str, int]]:
     """``etcd://h1:2379,h2:2379`` -> ``[("h1", 2379), ("h2", 2379)]`` (or ``etcds://``)."""
@@ -159,7 +189,11 @@ class EtcdCoordinator:
             raise ValueError("no etcd endpoint given")
         self.endpoints = endpoints
         self.prefix = f"/ringlimit/{cluster}/".encode()
-        self.ttl = max(2, round(ttl))
+        try:
+            #: The leader's etcd lease (whole seconds): see :func:`lease_ttl`.
+            self.ttl = lease_ttl(ttl)
+        except ValueError as exc:
+            raise ValueError(f"coordinator ttl: {exc}") from None
         self.timeout = timeout
         #: TLS and auth (router/etcd_access.py); None: plaintext, no user.
         self.access = access or EtcdAccess()
@@ -175,6 +209,21 @@ class EtcdCoordinator:
         #: The creation revision of the leader key this router made last (kept
         #: after it steps down: :meth:`resign` deletes that key, not a successor's).
         self._created: int | None = None
+        self._warned_ttl = False
+        #: While this router leads: when it must have stopped acting as leader,
+        #: 0.8 * ttl after the last refresh of its lease that succeeded (on the
+        #: clock :meth:`lead` was given): see :meth:`holds_lead`.
+        self._until = float("-inf")
+        self._clock: Callable[[], float] = time.monotonic
+
+    def holds_lead(self) -> bool:
+        """True while this router leads and its step-down deadline has not passed.
+
+        For an action etcd does not fence, taken just before it is sent (a node
+        lease granted): the keep-alive's own step-down at the deadline is a task
+        of the event loop, which may run late, and the action's task first.
+        """
+        return self._leading not in (None, _DEPOSED) and self._clock() < self._until
 
     @property
     def where(self) -> str:
@@ -422,7 +471,11 @@ class EtcdCoordinator:
         leader before another can be elected. The whole keep-alive step (the
         refresh, the check that the key is still ours, any reconnection in
         between) runs under that deadline: an etcd that hangs (paused, cut off
-        by a partition) cannot keep this router leading past it.
+        by a partition) cannot keep this router leading past it. And so does
+        the wait between two steps, which ends at the deadline at the latest: a
+        step whose refresh failed but whose read came back in time used to
+        sleep its ttl/3 past the deadline, leading (and granting node leases)
+        after etcd could have elected another.
         """
         key = self._key("leader")
         value = url.encode()
@@ -432,6 +485,7 @@ class EtcdCoordinator:
                 # Before the grant: etcd's ttl starts when it grants the lease.
                 sent = clock()
                 lease = await self._call("lease", lambda c: c.lease(self.ttl))
+                self._granted(int(lease.ttl))
 
                 async def campaign(client: Any, lease: Any = lease) -> int | None:
                     """The creation revision of the leader key this router made
@@ -450,7 +504,7 @@ class EtcdCoordinator:
                 won = created is not None
                 if won:
                     sent = await self._refresh_now(lease.id, sent, clock)
-                if won and clock() - sent >= self.ttl * 0.8:
+                if won and clock() - sent >= self.ttl * STEP_DOWN:
                     # Won too late to act safely (a slow etcd): let the lease go.
                     log.warning("won the leadership too late to use it; campaigning again")
                     won = False
@@ -460,13 +514,13 @@ class EtcdCoordinator:
                     await self._wait_for_vacancy(key)
                     continue
                 leading = True
+                self._clock, self._until = clock, sent + self.ttl * STEP_DOWN
                 self._leading = self._created = created
                 log.warning("leading the cluster's membership (etcd %s)", self.where)
                 await on_lead()
-                last_ok = sent
                 while True:
-                    await asyncio.sleep(self.ttl / 3)
-                    last_ok = await self._keep_alive(lease.id, key, value, last_ok, clock)
+                    await asyncio.sleep(min(self.ttl / 3, max(0.0, self._until - clock())))
+                    await self._keep_alive(lease.id, key, value, clock)
             except asyncio.CancelledError:
                 if leading:
                     self._leading = _DEPOSED
@@ -480,6 +534,26 @@ class EtcdCoordinator:
                 else:
                     log.warning("leader election: %s", exc)
                 await asyncio.sleep(0.5)
+
+    def _granted(self, ttl: int) -> None:
+        """Say so, once, when etcd grants a longer lease than the ttl asked for.
+
+        etcd raises a ttl below its minimum (1.5 of its election timeout) to that
+        minimum. The step-down deadline still counts from the ttl asked for (the
+        shorter, so still safe), but another router takes over only once etcd
+        expires the longer lease: a failover slower than the operator set.
+        """
+        if ttl > self.ttl and not self._warned_ttl:
+            self._warned_ttl = True
+            log.warning(
+                "etcd %s granted the leader lease %d s, not the %d s asked for "
+                "(--coordinator-ttl is below its minimum, set by its election timeout): "
+                "a take-over waits up to %d s",
+                self.where,
+                ttl,
+                self.ttl,
+                ttl,
+            )
 
     async def _refresh_now(self, lease_id: int, sent: float, clock: Callable[[], float]) -> float:
         """Refresh a lease just won; returns when the lease's time now counts from.
@@ -495,48 +569,46 @@ class EtcdCoordinator:
         try:
             await asyncio.wait_for(
                 self._call("lease refresh", partial(_refresh, lease_id)),
-                timeout=max(0.0, sent + self.ttl * 0.8 - refreshing),
+                timeout=max(0.0, sent + self.ttl * STEP_DOWN - refreshing),
             )
         except Exception:  # TimeoutError included: the caller's checks decide
             return sent
         return refreshing
 
     async def _keep_alive(
-        self, lease_id: int, key: bytes, value: bytes, last_ok: float, clock: Callable[[], float]
-    ) -> float:
-        """One keep-alive step of the leader; returns when its last refresh was sent.
+        self, lease_id: int, key: bytes, value: bytes, clock: Callable[[], float]
+    ) -> None:
+        """One keep-alive step of the leader.
 
         Raises :class:`CoordinatorError` (step down) when the leader key is no
-        longer ours, or when 0.8 * ttl after the last successful refresh passes
-        before this step is done: the refresh, then the read of the leader key,
-        each bounded by that deadline (which a successful refresh moves on).
+        longer ours, or when the deadline (:attr:`_until`, 0.8 * ttl after the
+        last successful refresh) passes before this step is done: the refresh,
+        then the read of the leader key, each bounded by that deadline (which a
+        successful refresh moves on).
         """
-        deadline = last_ok + self.ttl * 0.8
         sent = clock()
         try:
             # Through _call, by the lease's id: if the watch replaced a broken
             # client meanwhile, the refresh uses the new one.
             await asyncio.wait_for(
                 self._call("lease refresh", partial(_refresh, lease_id)),
-                timeout=max(0.0, min(self.ttl / 3, deadline - sent)),
+                timeout=max(0.0, min(self.ttl / 3, self._until - sent)),
             )
-            last_ok = sent
-            deadline = sent + self.ttl * 0.8
+            self._until = sent + self.ttl * STEP_DOWN
         except Exception as exc:  # TimeoutError included
             log.warning("leader lease refresh failed: %s", type(exc).__name__)
-        if clock() >= deadline:
+        if clock() >= self._until:
             raise CoordinatorError("leader lease not refreshed in time")
         try:
             got = await asyncio.wait_for(
-                self._call("read leader", lambda c: c.get(key)), timeout=deadline - clock()
+                self._call("read leader", lambda c: c.get(key)), timeout=self._until - clock()
             )
         except TimeoutError:
             raise CoordinatorError("etcd did not answer before the leader lease ran out") from None
         if got is None or got.value != value or got.create_revision != self._leading:
             raise CoordinatorError("leadership taken over")
-        if clock() >= deadline:
+        if clock() >= self._until:
             raise CoordinatorError("leader lease not refreshed in time")
-        return last_ok
 
     async def resign(self, url: str) -> None:
         """Give leadership up at once (a clean shutdown), if this router holds it

@@ -170,7 +170,7 @@ class HealthMonitor:
         token = data.get("token")
         health.token = token if isinstance(token, str) else None
         health.offered_at = asyncio.get_running_loop().time()
-        if not m.leasing or health.token is None or member.id in self.condemned:
+        if not m.granting or health.token is None or member.id in self.condemned:
             return data
         health.lease_until = max(
             health.lease_until,

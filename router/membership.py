@@ -251,6 +251,18 @@ class Membership:
         repair (:meth:`refresh_node`)."""
         return self.leader_url is not None or not self.leading
 
+    @property
+    def granting(self) -> bool:
+        """True while this router may grant node leases: ``leasing`` and, with
+        etcd, a lead whose step-down deadline has not passed.
+
+        Asked just before each grant: etcd fences this router's commits, not its
+        grants, and a grant made after the deadline (its step-down, a task of the
+        event loop, not run yet) could outlast the bound a successor elected
+        meanwhile waits out before it removes that member.
+        """
+        return self.leasing and (self.coordinator is None or self.coordinator.holds_lead())
+
     def _must_lead(self) -> None:
         if self.follows:
             raise MembershipError(
@@ -554,15 +566,20 @@ class Membership:
     async def _commit(
         self, view: RingView, previous: RingView, crashed: tuple[str, ...]
     ) -> ViewRecord | None:
-        """Record a change in etcd before carrying it out (no coordinator: nothing)."""
+        """Record a change in etcd before carrying it out (no coordinator: nothing).
+
+        A write that did not change the view (the record of ``previous`` marked
+        settled by the router that made it, or given new rules, after this one
+        read it) moves the revision without invalidating the change: the change
+        is tried again on the new revision. Its record is built again for each
+        try, with the config the reload just took: the record built before it
+        wrote the old rules over the newer ones (a lost update). Bounded: each
+        retry needs another write to etcd in between.
+        """
         if self.coordinator is None:
             return None
-        record = ViewRecord(view, previous, crashed, self.config, settled=False)
-        # A write that did not change the view (the record of ``previous`` marked
-        # settled by the router that made it, after this one read it) moves the
-        # revision without invalidating the change: build on the new revision.
-        # Bounded: each retry needs another write to etcd in between.
         for _ in range(3):
+            record = ViewRecord(view, previous, crashed, self.config, settled=False)
             try:
                 committed = await self.coordinator.commit(record, expected=self._revision)
                 if committed is not None:

@@ -10,11 +10,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,6 +25,7 @@ import pytest
 from node.clock import FrozenClock
 from ring import Member, RingView
 from router.app import Router
+from router.cli import build_parser
 from router.coordinator import (
     CoordinatorError,
     EtcdCoordinator,
@@ -143,6 +146,57 @@ def test_endpoints(spec: str, endpoints: list[tuple[str, int]]) -> None:
 def test_bad_endpoints(spec: str) -> None:
     with pytest.raises(ValueError, match="coordinator"):
         parse_endpoints(spec)
+
+
+@pytest.mark.parametrize("given", ["0.5", "2.7", "1", "0", "-5", "nan", "inf"])
+def test_a_coordinator_ttl_that_is_not_whole_seconds_is_refused_in_one_line(
+    given: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """etcd's leases count whole seconds, and 2 is the least it grants. Before,
+    ``--coordinator-ttl 0.5`` or ``2.7`` was taken and rounded without a word (to
+    2 and 3): the router led and failed over on another ttl than the one given."""
+    argv = ["router", "--coordinator", "etcd://127.0.0.1:1", "--coordinator-ttl", given]
+    with pytest.raises(SystemExit) as exited:
+        build_parser("router").parse_args(argv)
+    assert exited.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --coordinator-ttl: must be a whole number of seconds, at least 2" in last
+    with pytest.raises(ValueError, match="coordinator ttl: must be a whole number"):
+        EtcdCoordinator([("127.0.0.1", 1)], ttl=float(given))
+
+
+@pytest.mark.parametrize(("given", "ttl"), [("2", 2), ("5.0", 5), ("30", 30)])
+def test_a_whole_coordinator_ttl_is_taken_as_it_is(given: str, ttl: int) -> None:
+    argv = ["router", "--coordinator", "etcd://127.0.0.1:1", "--coordinator-ttl", given]
+    assert build_parser("router").parse_args(argv).coordinator_ttl == ttl
+    assert EtcdCoordinator([("127.0.0.1", 1)], ttl=float(given)).ttl == ttl
+
+
+async def test_a_lease_etcd_lengthens_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd raises a lease ttl below 1.5 of its election timeout to that: with a
+    2.5 s election timeout, the 2 s asked for becomes 4 s, and a take-over waits
+    twice as long as the operator set. Nothing said so before."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    slow = EtcdServer(
+        binary, tmp_path, extra_args=["--heartbeat-interval", "500", "--election-timeout", "2500"]
+    )
+    slow.start()
+    etcd = coordinator(slow.endpoint, ttl=2.0)
+    loop = asyncio.get_running_loop()
+    led = asyncio.Event()
+    leading = asyncio.create_task(etcd.lead("http://slow", _setter(led), _nothing, loop.time))
+    try:
+        with caplog.at_level(logging.WARNING, logger="ringlimit.router"):
+            await asyncio.wait_for(led.wait(), timeout=20.0)
+        assert "granted the leader lease 4 s, not the 2 s asked for" in caplog.text
+    finally:
+        await cancel_until_done([leading])
+        await etcd.close()
+        slow.stop()
 
 
 async def test_unreachable_etcd_is_one_clear_error() -> None:
@@ -299,6 +353,135 @@ async def test_a_leader_cut_off_from_etcd_steps_down_within_the_ttl(
         assert lost[0] - paused_at < etcd.ttl, lost[0] - paused_at
     finally:
         await _stop_leading(process, leading, etcd)
+
+
+class Refreshes(EtcdCoordinator):
+    """A coordinator that notes when it sent each lease refresh that succeeded
+    (loop time): the moments the leader's step-down deadline counts from."""
+
+    def __init__(self, endpoint: str, ttl: float) -> None:
+        super().__init__(parse_endpoints(endpoint), cluster="test", ttl=ttl)
+        self.refreshed: list[float] = []
+
+    async def _call(self, what: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        sent = asyncio.get_running_loop().time()
+        got = await super()._call(what, call)
+        if what in ("lease", "lease refresh"):  # a grant starts the ttl as a refresh does
+            self.refreshed.append(sent)
+        return got
+
+    def deadline(self) -> float:
+        """The step-down deadline the refreshes noted so far allow."""
+        return max(self.refreshed, default=float("-inf")) + 0.8 * self.ttl
+
+
+class Grants(httpx.AsyncBaseTransport):
+    """A node that notes every lease grant a router sent it past the step-down
+    deadline its etcd refreshes allowed (seconds past it)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, etcd: Refreshes) -> None:
+        self.inner, self.etcd = inner, etcd
+        self.granted = 0
+        self.late: list[float] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/lease" and json.loads(request.content)["grant"]:
+            self.granted += 1
+            past = asyncio.get_running_loop().time() - self.etcd.deadline()
+            if past >= 0:
+                self.late.append(round(past, 2))
+        return await self.inner.handle_async_request(request)
+
+
+class Stall(Grants):
+    """Grants, and once ``armed`` its next lease offer comes back after the whole
+    router stalled ``seconds`` (a long GC pause, a CPU-bound handler: the event
+    loop runs nothing meanwhile)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, etcd: Refreshes, seconds: float) -> None:
+        super().__init__(inner, etcd)
+        self.seconds = seconds
+        self.armed = False
+        self.stalled = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        offer = request.url.path == "/internal/lease" and not json.loads(request.content)["grant"]
+        if self.armed and offer:
+            self.armed, self.stalled = False, True
+            time.sleep(self.seconds)  # noqa: ASYNC251 (the stall is the point)
+        return response
+
+
+async def test_a_leader_grants_no_lease_past_its_deadline_between_keep_alives(
+    etcd_server: EtcdServer, etcd_endpoint: str
+) -> None:
+    """etcd pauses 0.3 s after a refresh, for 1.9 s (ttl 3 s: deadline 2.4 s after
+    that refresh). The next refresh times out; the read of the leader key that
+    follows is answered once etcd resumes, before the deadline, so that step
+    ends without stepping down, and the leader slept its ttl/3 past the deadline:
+    it led and granted node leases until 3.2 s, after etcd could have expired its
+    key (3 s) and elected another, whose leases it would have outrun. Its grants
+    and its lead must end at the deadline."""
+    etcd = Refreshes(etcd_endpoint, ttl=3.0)
+    loop = asyncio.get_running_loop()
+    process = etcd_server.process
+    assert process is not None
+    options = coordinated(etcd, ROUTER_URL)
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        membership = cluster.router.membership
+        await wait_until(lambda: membership.leading)
+        grants = [Grants(cluster._mounts[node_url(n)], etcd) for n in cluster.nodes]
+        for n, node in zip(cluster.nodes, grants, strict=True):
+            cluster._mounts[node_url(n)] = node
+        seen = len(etcd.refreshed)
+        await wait_until(lambda: len(etcd.refreshed) > seen)
+        refreshed = etcd.refreshed[-1]
+        deadline = refreshed + 0.8 * etcd.ttl
+        await asyncio.sleep(refreshed + 0.3 - loop.time())
+        process.send_signal(signal.SIGSTOP)
+        stepped_down: float | None = None
+        try:
+            while loop.time() < refreshed + 4.0:  # bounded: past the old step-down
+                if loop.time() >= refreshed + 2.2:
+                    process.send_signal(signal.SIGCONT)
+                if stepped_down is None and not membership.leading:
+                    stepped_down = loop.time()
+                await asyncio.sleep(0.01)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        moved = [round(r - refreshed, 2) for r in etcd.refreshed if refreshed < r < deadline]
+        assert not moved, f"a refresh sent in the pause succeeded ({moved}): no case made"
+        assert all(node.granted for node in grants), "a node got no lease: the test shows nothing"
+        assert stepped_down is not None, "never stepped down"
+        assert stepped_down <= deadline + 0.1, f"led {stepped_down - deadline:.2f} s past it"
+        late = [past for node in grants for past in node.late]
+        assert not late, f"leases granted past the deadline (s after it): {late}"
+
+
+async def test_a_leader_stalled_past_its_deadline_grants_no_lease(
+    etcd_endpoint: str,
+) -> None:
+    """The router's whole event loop stalls for longer than 0.8 ttl while a
+    probe's offer is on its way back. The probe resumes first, before the
+    keep-alive task that would step down: it granted the node a lease past the
+    deadline (``leasing`` was still on), which a successor elected meanwhile
+    does not know of. A grant asks for the deadline itself, just before it is
+    sent."""
+    etcd = Refreshes(etcd_endpoint, ttl=2.0)
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=coordinated(etcd, ROUTER_URL)
+    ) as cluster:
+        membership = cluster.router.membership
+        await wait_until(lambda: membership.leading)
+        stall = Stall(cluster._mounts[node_url("n1")], etcd, 0.8 * etcd.ttl + 0.2)
+        cluster._mounts[node_url("n1")] = stall
+        stall.armed = True
+        await wait_until(lambda: stall.stalled)
+        await asyncio.sleep(0.5)  # the rest of that probe, and a few more
+        assert not stall.late, f"leases granted past the deadline (s after it): {stall.late}"
 
 
 async def test_a_leader_that_won_during_a_pause_of_etcd_keeps_the_lead(
@@ -715,6 +898,41 @@ async def test_a_revision_moved_by_settling_the_same_view_does_not_refuse_a_chan
             assert membership.view.epoch == 2
             stored = await etcd.load()
             assert stored is not None and stored.view == membership.view and stored.settled
+        finally:
+            await etcd.close()
+
+
+async def test_a_change_retried_after_new_rules_on_the_same_view_keeps_the_new_rules(
+    etcd_endpoint: str,
+) -> None:
+    """The revision moved because another router recorded new rules on the same
+    view (the last leader, just before this one took over, whose take-over has not
+    read etcd since: its reads failed). The join's commit loses, the reload takes
+    the new rules, and the retry goes through: it used to send the record built
+    before the reload, so etcd went back to the old rules (a lost update: the
+    next leader, or any router restarted, took the old rules from etcd)."""
+    async with leading_cluster(etcd_endpoint) as cluster:
+        membership = cluster.router.membership
+        etcd = coordinator(etcd_endpoint)
+        await etcd.connect()
+        try:
+            # Its watch broken (as by the etcd trouble that failed its reads).
+            await cancel_until_done(membership._coordination[:1])
+            record = await etcd.load()
+            assert record is not None and record.view == membership.view
+            newer = record.config.with_rule_tables(
+                [{"name": "from-the-last-leader", "rate": "2/s"}], source="test"
+            )
+            moved = ViewRecord(record.view, record.previous, record.crashed, newer, True)
+            assert await etcd.commit(moved, record.revision) is not None
+            membership._revision = record.revision  # read before that write
+            cluster._make_node("n4")
+            await membership.join(Member("n4", node_url("n4")))
+            stored = await etcd.load()
+            assert stored is not None and stored.view == membership.view
+            names = [scoped.rule.name for scoped in stored.config.rules]
+            assert names == ["from-the-last-leader"], f"the retry wrote the old rules: {names}"
+            assert membership.config == stored.config
         finally:
             await etcd.close()
 
