@@ -44,6 +44,7 @@ from typing import Any
 
 import httpx
 
+from node.clock import boot_clock
 from node.config import ClusterConfig, unencodable
 from node.failures import Failures
 from node.lease import DEFAULT_DRIFT
@@ -345,11 +346,15 @@ class Membership:
             self._take(record, force=True)
         self._coordination = [asyncio.create_task(self._watch())]
         if health:
-            loop = asyncio.get_running_loop()
+            # The step-down deadline counts on a clock that keeps counting while
+            # the host is suspended: on the event loop's (monotonic, stopped
+            # meanwhile) a leader woken from a suspend longer than the ttl would
+            # grant node leases until its next keep-alive step, while etcd had
+            # expired its key and another router led.
             self._coordination.append(
                 asyncio.create_task(
                     self.coordinator.lead(
-                        self.advertise or "", self._on_lead, self._on_lose, loop.time
+                        self.advertise or "", self._on_lead, self._on_lose, boot_clock
                     )
                 )
             )

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from node.clock import FrozenClock
+from node.clock import FrozenClock, boot_clock
 from ring import Member, RingView
 from router.app import Router
 from router.cli import build_parser
@@ -411,6 +411,17 @@ class Stall(Grants):
             self.armed, self.stalled = False, True
             time.sleep(self.seconds)  # noqa: ASYNC251 (the stall is the point)
         return response
+
+
+async def test_the_step_down_deadline_counts_a_suspended_hosts_sleep(etcd_endpoint: str) -> None:
+    """The leader's deadline is on a clock that keeps counting while the host is
+    suspended. On the event loop's (monotonic: stopped meanwhile), a leader
+    woken from a suspend longer than the ttl held its lead, and granted node
+    leases, until its next keep-alive step, while another router led."""
+    async with leading_cluster(etcd_endpoint) as cluster:
+        coordinator = cluster.router.membership.coordinator
+        assert coordinator is not None and coordinator.holds_lead()
+        assert coordinator._clock is boot_clock
 
 
 async def test_a_leader_grants_no_lease_past_its_deadline_between_keep_alives(
