@@ -594,14 +594,31 @@ class Membership:
             except NotLeading as exc:
                 raise MembershipError(503, "no_leader", f"{exc}; retry shortly") from None
             except CoordinatorError as exc:
+                self._finish_unsettled()
                 raise MembershipError(503, "coordinator_unavailable", str(exc)) from None
             if latest is None:
                 break
             self._take(latest)
             if latest.view != previous:
+                if not latest.settled:
+                    self._finish_unsettled()
                 break
             self._revision = latest.revision
         raise MembershipError(409, "ring_changed", "another router changed the ring first; retry")
+
+    def _finish_unsettled(self) -> None:
+        """Carry out, in the background, a change etcd may hold unsettled.
+
+        A commit whose answer was lost may have landed: etcd then holds a change
+        nobody carries out (this router took the write for failed), and every
+        later change, conditioned on the revision before it, got 409
+        ring_changed for as long as this router led. Only the leader writes
+        changes, so an unsettled record it is not carrying out is its own lost
+        commit (or its predecessor's, which the take-over rolls forward too):
+        it is rolled forward as a new leader would, once the lock is free.
+        """
+        if self.leading and self.coordinator is not None:
+            self._spawn(self._roll_forward(self._term))
 
     async def _settle(self, record: ViewRecord | None) -> ViewRecord | None:
         """Mark a committed change as carried out, so every router adopts it."""

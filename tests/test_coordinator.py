@@ -948,6 +948,47 @@ async def test_a_change_retried_after_new_rules_on_the_same_view_keeps_the_new_r
             await etcd.close()
 
 
+class LostAnswer(EtcdCoordinator):
+    """A coordinator whose next commit lands in etcd and whose answer is lost
+    (every send of it failed, as far as the router can tell)."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(parse_endpoints(endpoint), cluster="test", ttl=2.0)
+        self.lose_next = False
+
+    async def commit(self, record: ViewRecord, expected: int) -> ViewRecord | None:
+        got = await super().commit(record, expected)
+        if self.lose_next and not record.settled:
+            self.lose_next = False
+            raise CoordinatorError("etcd did not answer (the write landed)")
+        return got
+
+
+async def test_a_change_whose_commit_answer_was_lost_is_carried_out(etcd_endpoint: str) -> None:
+    """n4's join was written to etcd but its answer lost: the join fails (503)
+    and etcd holds an unsettled record nobody carries out. Every later change
+    got 409 ring_changed for as long as this router led (its revision was the
+    one before that record). The leader now rolls that record forward: n4
+    joins, the record is settled, and the next change goes through."""
+    etcd = LostAnswer(etcd_endpoint)
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=coordinated(etcd, ROUTER_URL)
+    ) as cluster:
+        membership = cluster.router.membership
+        await wait_until(lambda: membership.leading)
+        cluster._make_node("n4")
+        cluster._make_node("n5")
+        etcd.lose_next = True
+        with pytest.raises(MembershipError) as lost:
+            await membership.join(Member("n4", node_url("n4")))
+        assert lost.value.error == "coordinator_unavailable"
+        await wait_until(lambda: "n4" in membership.view.ids, seconds=10.0)
+        await membership.join(Member("n5", node_url("n5")))
+        stored = await etcd.load()
+        assert stored is not None and stored.settled
+        assert sorted(stored.view.ids) == ["n1", "n2", "n3", "n4", "n5"]
+
+
 async def test_a_change_built_on_a_stale_revision_cannot_fork_the_history(
     etcd_endpoint: str,
 ) -> None:
