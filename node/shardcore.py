@@ -598,6 +598,7 @@ class ShardCore:
                 leftovers = [r for pending in self.outbox.values() for r in pending]
                 self.outbox.clear()
                 self.stash(leftovers, view, now)
+                self.stash(self._flying_elsewhere(view), view, now)
                 if len(view) == 1 and not me_in:
                     # One member left (the other leaving): it owns every key, no
                     # need to hash a million of them to find that out.
@@ -778,6 +779,26 @@ class ShardCore:
         if self.store.dirty is None and self.replication_wanted():
             self.store.dirty = set()
         return self.store.dirty
+
+    def _flying_elsewhere(self, view: RingView) -> list[Record]:
+        """Copies of the states on their way to a member that ``view`` no longer
+        makes their owner (a transfer of an older view, say a redelivery, still in
+        flight when this view came).
+
+        Stashed for their owner under ``view``, they go out with this view's
+        final mark (or back into this node's store, if it owns them again) and
+        answer a pull for them. Without the copies the final mark said nothing
+        more was coming, and the new owner decided those keys on a fresh state
+        before the flight landed at the old owner, to be passed on (or failed
+        and sent again): up to a quota per key. A copy is exact (nobody decides
+        a state in flight), and the flight's own landing is merged as the more
+        restrictive of two states, so the state is never counted twice.
+        """
+        copies: list[Record] = []
+        for target, flights in self.in_flight.items():
+            for records in flights:
+                copies.extend(r for r in records if view.owner_id(r[2]) != target)
+        return copies
 
     def stash(self, records: list[Record], view: RingView, now: float) -> None:
         """Keep undelivered states for their owner under ``view`` (ours go back in)."""

@@ -338,14 +338,14 @@ def test_a_key_that_moved_on_before_its_handoff_landed_is_pulled_where_it_is() -
     assert decide(c, key) == 6
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: docs/rebalancing.md, A delivery that fails")
-def test_a_redelivery_in_flight_when_the_key_moves_on_is_waited_for() -> None:
+def test_a_redelivery_in_flight_when_the_key_moves_on_goes_with_the_final_mark() -> None:
     """n0's handoff to n1 failed and its redelivery is on its way (epoch 2) when
-    n2 joins (epoch 3) and takes the key. n0's states for n2 at that moment do
-    not include it (it is in flight to n1), so its final mark to n2 says
-    nothing more comes, and n2 decides the key on a fresh state; the
-    redelivery then lands at n1, which passes it on to n2, or fails and goes
-    back to n0's outbox for n2: merged, after the decisions. Count 1, not 6."""
+    n2 joins (epoch 3) and takes the key. n0's states for n2 at that moment did
+    not include it (it is in flight to n1), so its final mark to n2 said
+    nothing more comes, and n2 decided the key on a fresh state (count 1, not
+    6); the redelivery then landed at n1, which passed it on to n2, merged
+    after the decisions. A copy of the state in flight now goes to n2 with the
+    final mark, and the flight's landing, passed on, is merged: never twice."""
     a, b, c, v2, v3, key = failed_handoff_then_a_join()
     (redelivery,) = a.transfers(NOW)  # the background redelivery, on its way
     assert [r[2] for r in redelivery.records] == [key]
@@ -354,7 +354,35 @@ def test_a_redelivery_in_flight_when_the_key_moves_on_is_waited_for() -> None:
     for transfer in a.transfers(NOW) + b.transfers(NOW):
         if transfer.to == "n2":
             c.receive(transfer.sender, transfer.epoch, transfer.records, transfer.final, (), NOW)
-    assert c.inherit(key, (RULE,), 1.0) is not None or c.holds(key, (RULE,))
+    assert c.pending == {}
+    assert decide(c, key) == 6
+    # The flight lands at n1 after all, which passes the state on to n2: merged.
+    landed = b.receive("n0", 2, redelivery.records, True, (), NOW)
+    a.delivered(redelivery)
+    (forward,) = landed.forwards
+    c.receive(forward.sender, forward.epoch, forward.records, forward.final, (), NOW)
+    assert decide(c, key) == 7
+
+
+def test_a_state_in_flight_to_a_member_that_lost_it_comes_back_to_its_new_owner() -> None:
+    """n0's redelivery to n1 is on its way when n1 leaves (epoch 3) and the key
+    is n0's again: n0 decides it from a copy of the state in flight, not fresh
+    (count 6, not 1); the flight, landed and passed back, is merged."""
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    v3 = view(["n0"], 3)
+    a = core("n0")
+    a.apply(v1, None, (), NOW, 0.0)
+    key = next(k for k in KEYS if v2.owner_id(k) == "n1")
+    for _ in range(5):
+        decide(a, key)
+    a.apply(v2, v1, (), NOW, 0.0)
+    (flight,) = a.transfers(NOW)  # on its way to n1
+    a.apply(v3, v2, (), NOW, 0.0)
+    assert a.holds(key, (RULE,))
+    assert decide(a, key) == 6
+    a.delivered(flight)
+    a.receive("n1", 2, flight.records, False, (), NOW)  # passed back by n1: merged
+    assert decide(a, key) == 7
 
 
 def test_a_crashed_members_key_waits_for_the_replicas_of_its_holders() -> None:
