@@ -342,9 +342,10 @@ class DecisionAPI:
                 member.url + "/v1/check", payload, router.token_header
             )
         except NodeTimeout:
-            # Sent, not answered: the owner may have decided. Nothing is sent
-            # again (no double decision); the rules' on_error answers, as for an
-            # owner that cannot be reached (issue 10: a paused owner).
+            # Sent, not answered (in time, or the connection closed first: AnswerLost):
+            # the owner may have decided. Nothing is sent again, not even to a new
+            # owner under a newer view (no double decision); the rules' on_error
+            # answers, as for an owner that cannot be reached (issue 10: a paused owner).
             for i in indices:
                 results[i] = unreachable_result(checks[i], member.id, "owner_timeout")
             router.metrics.outcome(member.id, "node_timeout")

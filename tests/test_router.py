@@ -615,6 +615,77 @@ async def test_a_check_whose_owner_times_out_is_answered_per_on_error() -> None:
         assert "n2" in cluster.router.membership.view
 
 
+class AnswerLostAt(httpx.AsyncBaseTransport):
+    """In front of one node: the first request to ``path`` reaches the node, which
+    decides it (and runs the application), then the connection closes before its
+    answer comes back (``then`` runs in between: the ring changes meanwhile)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, path: str, then: Any = None) -> None:
+        self.inner, self.path, self.then, self.lost = inner, path, then, 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.url.path == self.path and not self.lost:
+            self.lost += 1
+            await response.aread()
+            if self.then is not None:
+                await self.then()
+            raise httpx.RemoteProtocolError("server disconnected", request=request)
+        return response
+
+
+def counting_app(runs: list[str], node_id: str) -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            runs.append(node_id)
+        await sample_app.app(scope, receive, send)
+
+    return app
+
+
+async def test_a_request_whose_answer_is_lost_is_not_sent_to_another_node() -> None:
+    """The owner passed a POST to the application, and its connection closed
+    before the answer came back (the owner died as it answered). The request
+    is not failed over: the application would run it twice. Before, the router
+    took the lost answer for an unreachable owner and, the rule failing open,
+    sent the POST to the next node: the application ran it 2 times; now once,
+    and the client gets 504 node_timeout (as after a forward timeout)."""
+    async with running(on_error_config()) as cluster:
+        runs: list[str] = []
+        for node_id, node in cluster.nodes.items():
+            node.limited.app = counting_app(runs, node_id)
+        user = user_owned_by(cluster, "n2")
+        cluster._mounts[node_url("n2")] = AnswerLostAt(cluster._mounts[node_url("n2")], "/soft")
+        response = await cluster.client.post(
+            "/soft", headers={"X-User-Id": user}, content=b'{"order": 1}'
+        )
+        assert runs == ["n2"], runs
+        assert response.status_code == 504, response.text
+        assert response.json()["error"] == "node_timeout"
+        assert "closed the connection" in response.json()["detail"]
+
+
+async def test_a_check_whose_answer_is_lost_as_its_owner_leaves_is_not_decided_twice() -> None:
+    """The owner decided a check, then left the ring (its states, that decision's
+    too, handed to the new owner) and its connection closed before the answer
+    came back. The check is answered per on_error, not routed again to the new
+    owner, which would count it a second time. Before: the next check of the
+    user saw remaining 2 of 5 (the lost check counted twice); now 3."""
+    config = make_config(Rule("api", 5, 60.0))
+    async with running(config) as cluster:
+        user = user_owned_by(cluster, "n2")
+        cluster._mounts[node_url("n2")] = AnswerLostAt(
+            cluster._mounts[node_url("n2")], "/v1/check", lambda: cluster.remove_node("n2")
+        )
+        lost = await cluster.client.post("/v1/check", json={"key": user, "rule": "api"})
+        assert lost.status_code == 200, lost.text
+        assert lost.json()["reason"] == "owner_timeout" and lost.json()["allowed"] is True
+        assert "n2" not in cluster.router.membership.view
+        after = await cluster.client.post("/v1/check", json={"key": user, "rule": "api"})
+        assert after.json()["node"] != "n2"
+        assert after.json()["remaining"] == 3, after.text  # 5 - the lost one - this one
+
+
 async def test_a_failover_request_to_another_node_is_not_limited_there() -> None:
     """Fail-open traffic must not consume the quota the helping node holds for others."""
     async with running(on_error_config()) as cluster:
