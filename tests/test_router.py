@@ -221,6 +221,47 @@ async def test_batch_is_split_by_owner_and_merged_back_in_order() -> None:
         assert all(count > 0 for count in per_node) and sum(per_node) == len(checks)
 
 
+@pytest.mark.parametrize("case", ["non_ascii_keys", "fields_added"])
+async def test_a_valid_batch_is_never_a_body_its_owner_refuses(case: str) -> None:
+    """The router writes a check on the default rule again (naming the rule and
+    its cost); what it sends an owner must stay within ``limits.max_body`` as the
+    client's body did. Before: keys were written with ASCII escapes, so a valid
+    batch of 1,000 keys of 256 "é" (524 KB) became 1.56 MB, and each of its
+    1,000 checks was answered node_error 413; and a batch of 100 short checks
+    under a 2,000-byte max_body (1,515 bytes) became 3.7 KB, refused the same way.
+    Now the keys go as UTF-8 (the first: one request of 533 KB) and a body over
+    the limit leaves in several requests (the second: 2)."""
+    if case == "non_ascii_keys":
+        config = make_config(Rule("api", 100, 60.0))
+        checks = [{"key": "é" * 255 + str(i % 10)} for i in range(1000)]
+    else:
+        config = make_config(Rule("api", 100, 60.0), limits=Limits(max_body=2000, max_batch=100))
+        checks = [{"key": f"u{i:03}"} for i in range(100)]
+    body = json.dumps({"checks": checks}, ensure_ascii=False).encode()
+    async with running(config, nodes=1) as cluster:
+        assert len(body) <= cluster.router.config.limits.max_body
+        sizes: list[int] = []
+        inner = cluster._mounts[node_url("n1")]
+
+        class Sizes(httpx.AsyncBaseTransport):
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                if request.url.path == "/v1/check":
+                    sizes.append(len(await request.aread()))
+                return await inner.handle_async_request(request)
+
+        cluster._mounts[node_url("n1")] = Sizes()
+        response = await cluster.client.post(
+            "/v1/check", content=body, headers={"content-type": "application/json"}
+        )
+        assert len(sizes) == (1 if case == "non_ascii_keys" else 2), sizes
+        assert response.status_code == 200, response.text
+        results = response.json()["results"]
+        assert len(results) == len(checks)
+        errors = [r for r in results if "error" in r]
+        assert not errors, (len(errors), errors[0])
+        assert all(r["allowed"] for r in results)
+
+
 async def test_the_parts_of_a_batch_are_sent_to_their_owners_in_parallel() -> None:
     async with running(make_config(Rule("api", 4, 60.0))) as cluster:
         inner = cluster.router.forwarder
