@@ -262,6 +262,53 @@ async def test_a_valid_batch_is_never_a_body_its_owner_refuses(case: str) -> Non
         assert all(r["allowed"] for r in results)
 
 
+async def test_batches_merged_for_a_node_never_make_a_body_it_refuses() -> None:
+    """Two clients' batches that wait for the same node leave as one request
+    (router/coalesce.py Merger), their checks passed on as each client wrote
+    them. Each body is valid (600 KB: a check padded with JSON whitespace), the
+    two together are over max_body: before, the node refused the merged request
+    (413) and both clients' checks came back node_error, each for the other's
+    size; now a request over max_body leaves in parts."""
+    async with running(make_config(Rule("api", 100, 60.0)), nodes=1) as cluster:
+        inner = cluster._mounts[node_url("n1")]
+        release, both_held = asyncio.Event(), asyncio.Event()
+        held: list[int] = []
+
+        class Hold(httpx.AsyncBaseTransport):
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                if request.url.path == "/v1/check" and len(held) < 2:
+                    held.append(1)
+                    if len(held) == 2:
+                        both_held.set()
+                    await release.wait()
+                return await inner.handle_async_request(request)
+
+        cluster._mounts[node_url("n1")] = Hold()
+
+        def post(body: bytes) -> Any:
+            return asyncio.ensure_future(
+                cluster.client.post(
+                    "/v1/check", content=body, headers={"content-type": "application/json"}
+                )
+            )
+
+        first = [post(json.dumps({"checks": [{"key": "a", "rule": "api"}]}).encode())]
+        first.append(post(json.dumps({"checks": [{"key": "b", "rule": "api"}]}).encode()))
+        await both_held.wait()
+        padded = [
+            post(b'{"checks":[{"key":"c%d",' % i + b" " * 600_000 + b'"rule":"api"}]}')
+            for i in range(2)
+        ]
+        await asyncio.sleep(0.05)  # both wait behind the two held requests
+        release.set()
+        for response in await asyncio.gather(*first, *padded):
+            assert response.status_code == 200, response.text
+            (result,) = response.json()["results"]
+            assert "error" not in result and result["allowed"], result
+        merger = cluster.router.decisions.merger
+        assert merger is not None and merger.batches == 4 and merger.requests == 3
+
+
 async def test_the_parts_of_a_batch_are_sent_to_their_owners_in_parallel() -> None:
     async with running(make_config(Rule("api", 4, 60.0))) as cluster:
         inner = cluster.router.forwarder
