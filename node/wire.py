@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
-from json.encoder import encode_basestring_ascii as _jstr
+from json.encoder import encode_basestring as _jstr
 from math import floor as _floor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -484,6 +484,9 @@ def checks_payload(checks: Sequence[Check], indices: Iterable[int]) -> bytes:
 
 
 def _check_text(check: Check) -> str:
+    # Keys as UTF-8, not ASCII escapes: a key of 256 "é" is 512 bytes as a client
+    # sends it and was 1,536 escaped, so a valid client batch (524 KB of them)
+    # became a 1.5 MB body the node refused (413) for every check in it.
     rules = check.rules
     if len(rules) == 1:
         return (

@@ -471,9 +471,10 @@ class Router:
                     answer = await forwarder.request(
                         method, member.url + path_qs, headers or [], body
                     )
-            except NodeTimeout:
-                # Sent, unanswered: the node may have decided (and passed the
-                # request on to the application), so it is never sent again. A rule
+            except NodeTimeout as exc:
+                # Sent, unanswered (in time, or its connection closed first): the
+                # node may have decided (and passed the request on to the
+                # application), so it is never sent again. A rule
                 # that fails closed answers 503 as for an unreachable owner; an open
                 # one cannot admit without resending, so the client gets a 504.
                 self.metrics.outcome(member.id, "node_timeout")
@@ -484,7 +485,7 @@ class Router:
                     504 if closed is None else 503,
                     error_body(
                         "node_timeout" if closed is None else "limiter_unavailable",
-                        f"node {member.id} did not answer in time",
+                        f"node {member.id} {exc.what}",
                         **({"rule": closed.name} if closed is not None else {}),
                     ),
                     [(b"x-ringlimit-node", member.id.encode())],
@@ -596,12 +597,12 @@ class Router:
             member = others[(turn + i) % len(others)]
             try:
                 answer = await self.forwarder.request(method, member.url + path_qs, marked, body)
-            except NodeTimeout:
+            except NodeTimeout as exc:
                 self.metrics.outcome(member.id, "node_timeout")
                 await send_json(
                     send,
                     504,
-                    error_body("node_timeout", f"node {member.id} did not answer in time"),
+                    error_body("node_timeout", f"node {member.id} {exc.what}"),
                     [(b"x-ringlimit-node", member.id.encode())],
                 )
                 return True

@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 #: A coalesced check that must be routed again (the node refused it: ring change).
 _RETRY = object()
+#: The most single checks coalesced into one batch (fewer when the limits say so).
+COALESCED_BATCH = 256
 
 
 class DecisionAPI:
@@ -64,15 +66,40 @@ class DecisionAPI:
     def __init__(self, router: Router) -> None:
         self.router = router
         window = router.settings.coalesce_window
-        #: Holds single checks ``window`` seconds to send them to their node as one batch.
-        self.coalescer = Coalescer(self._send_coalesced, window=window) if window > 0 else None
-        #: With coalescing on, batches for a node that meet on the way leave as one
-        #: request (router/coalesce.py), within the node's limits on a batch.
-        self.merger = (
-            Merger(self._send_merged, max_items=merged_batch(router.config.limits))
+        limits = router.config.limits
+        #: The limits the coalescer's and the merger's batch sizes were fitted to.
+        self._limits = limits
+        #: Holds single checks ``window`` seconds to send them to their node as one batch
+        #: (within the node's limits on a batch, as the merger's).
+        self.coalescer = (
+            Coalescer(
+                self._send_coalesced,
+                window=window,
+                max_batch=min(COALESCED_BATCH, merged_batch(limits)),
+            )
             if window > 0
             else None
         )
+        #: With coalescing on, batches for a node that meet on the way leave as one
+        #: request (router/coalesce.py), within the node's limits on a batch.
+        self.merger = (
+            Merger(self._send_merged, max_items=merged_batch(limits)) if window > 0 else None
+        )
+
+    def _fit(self) -> None:
+        """Fit the coalescer's and the merger's batch sizes to the cluster's limits
+        when they changed (a config adopted from the nodes or etcd, or changed at
+        runtime): a batch over ``limits.max_batch`` would be refused by the node
+        (413), failing every check it carried."""
+        limits = self.router.config.limits
+        if limits is self._limits:
+            return
+        self._limits = limits
+        size = merged_batch(limits)
+        if self.coalescer is not None:
+            self.coalescer.max_batch = min(COALESCED_BATCH, size)
+        if self.merger is not None:
+            self.merger.max_items = size
 
     def allowed(self, scope: Scope) -> bool:
         """Whether the request carries the decision API's token (``api_token``)."""
@@ -176,6 +203,7 @@ class DecisionAPI:
         """One check; concurrent singles for the same node leave as one batch."""
         if self.coalescer is None:
             return (await self.route_checks([check]))[0]
+        self._fit()
         try:
             member = self.router.pick(self.router.membership.view, check.key)
         except EmptyRingError:
@@ -212,6 +240,8 @@ class DecisionAPI:
         ``started`` (``perf_counter``): sends already refused and when the first
         left, for checks that come back from the coalescer."""
         router = self.router
+        if self.merger is not None:
+            self._fit()
         results: list[Result | None] = [None] * len(checks)
         pending = list(range(len(checks)))
         if started is None:
@@ -306,15 +336,25 @@ class DecisionAPI:
             payload = checks_payload(checks, indices)
         else:
             payload = forward_payload(checks, raw, indices)
+        if len(payload) > router.config.limits.max_body and len(indices) > 1:
+            # Over what the node takes (the checks as the router writes them name
+            # their rule and cost, which a client's need not): in two requests.
+            half = len(indices) // 2
+            await asyncio.gather(
+                self._run_group(member, indices[:half], checks, results, retry, raw),
+                self._run_group(member, indices[half:], checks, results, retry, raw),
+            )
+            return
         assert router.forwarder is not None
         try:
             answer = await router.forwarder.post_json(
                 member.url + "/v1/check", payload, router.token_header
             )
         except NodeTimeout:
-            # Sent, not answered: the owner may have decided. Nothing is sent
-            # again (no double decision); the rules' on_error answers, as for an
-            # owner that cannot be reached (issue 10: a paused owner).
+            # Sent, not answered (in time, or the connection closed first: AnswerLost):
+            # the owner may have decided. Nothing is sent again, not even to a new
+            # owner under a newer view (no double decision); the rules' on_error
+            # answers, as for an owner that cannot be reached (issue 10: a paused owner).
             for i in indices:
                 results[i] = unreachable_result(checks[i], member.id, "owner_timeout")
             router.metrics.outcome(member.id, "node_timeout")

@@ -11,7 +11,9 @@ network; use :class:`router.forward.AiohttpForwarder` for TLS to nodes.
 
 A request that fails on a *reused* connection before any byte of the answer
 arrived is retried once on a fresh connection: the node closed an idle
-connection, and never saw the request.
+connection, and never saw the request. Any other request whose connection
+closes after it was written fails with :class:`router.forward.AnswerLost`:
+the node may have decided it (and passed it to the application).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections import deque
 import httptools
 
 from node.hopbyhop import NO_CONTENT, without_options
-from router.forward import NOT_RELAYED, Answer, NodeTimeout, Timeouts, Unreachable
+from router.forward import NOT_RELAYED, Answer, AnswerLost, NodeTimeout, Timeouts, Unreachable
 
 
 class _NeverProcessed(Unreachable):
@@ -115,7 +117,8 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(Unreachable(f"bad response: {exc}"))
+            # Something answered what was sent: the node may have decided it.
+            self._fail(AnswerLost(f"bad response: {exc}"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -128,7 +131,17 @@ class _Connection(asyncio.Protocol):
                 # gone): out of the pool now, not when a request next looks there,
                 # which for a node that left the ring is never.
                 pool.forget(self)
-        self._fail(Unreachable("connection closed"))
+        # Queued for this step's write and never written: the last ones in flight.
+        unsent = min(len(self.out), len(self.pending))
+        self.out = []
+        for _ in range(unsent):
+            exchange = self.pending.pop()
+            if not exchange.waiter.done():
+                exchange.waiter.set_exception(_NeverProcessed("the connection closed"))
+        # Written: the node may have read them, decided and passed them on before
+        # it closed (a node killed as it answered), so they are not sent again.
+        # (A reused connection that got no byte back is the exception: send.)
+        self._fail(AnswerLost("the connection closed before the answer"))
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -517,7 +530,7 @@ class FastForwarder:
             reused = connection.reused
             try:
                 return await waiter
-            except Unreachable as exc:
+            except (Unreachable, AnswerLost) as exc:
                 unseen = isinstance(exc, _NeverProcessed) or (reused and not connection.received)
                 if unseen and attempt == 0:
                     continue

@@ -30,6 +30,23 @@ class NodeTimeout(Exception):
     may have run), so the router must neither retry nor fail over.
     """
 
+    #: What the node did, for the client's error detail ("node n2 ...").
+    what = "did not answer in time"
+
+
+class AnswerLost(NodeTimeout):
+    """The request was sent and its connection closed (or broke) before the whole
+    answer came back: as for a timeout, the node may have decided, and passed the
+    request to the application, so it is neither sent again nor failed over.
+
+    Not :class:`Unreachable`, which the router answers by routing the request
+    again (a newer view) or, for a rule that fails open, by sending it to
+    another node: a POST whose owner died as it answered (or whose connection a
+    middlebox cut) ran twice in the application.
+    """
+
+    what = "closed the connection before answering"
+
 
 @dataclass(frozen=True)
 class Timeouts:
@@ -131,6 +148,10 @@ class AiohttpForwarder:
             raise Unreachable(type(exc).__name__) from None
         except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
             raise NodeTimeout(type(exc).__name__) from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+            # Sent; aiohttp sends again on a fresh connection only what it judges
+            # safe to (an idempotent request on a connection the node closed idle).
+            raise AnswerLost(type(exc).__name__) from None
         except aiohttp.ClientConnectionError as exc:
             raise Unreachable(type(exc).__name__) from None
 
@@ -201,6 +222,9 @@ class HttpxForwarder:
             response = await self._client.request(method, url, headers=raw, content=body)
         except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
             raise NodeTimeout(type(exc).__name__) from None
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            # Sent, and the connection closed before the answer came back.
+            raise AnswerLost(type(exc).__name__) from None
         except httpx.TransportError as exc:
             raise Unreachable(type(exc).__name__) from None
         head = method == "HEAD"

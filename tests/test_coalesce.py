@@ -91,3 +91,35 @@ async def test_router_singles_are_coalesced_and_answered_exactly(window: float) 
         if cluster.router.coalescer is not None:
             assert cluster.router.coalescer.items == 48
             assert cluster.router.coalescer.batches < 48
+
+
+async def test_coalesced_singles_stay_within_the_nodes_batch_limit() -> None:
+    """Singles coalesced for one node leave in batches the node accepts: at most
+    ``limits.max_batch`` checks (and few enough for ``max_body``). Before, the
+    coalescer held up to 256 whatever the limits, and with ``max_batch = 5`` a
+    burst of 20 concurrent singles was one batch the node refused (413
+    batch_too_large): each of the 20 callers got a 502 ``node_error``."""
+    config = ClusterConfig.from_dict(
+        {"rules": [{"name": "api", "rate": "100/minute"}], "limits": {"max_batch": 5}}
+    )
+    async with InProcessCluster(
+        1, config, clock=FrozenClock(), router_options={"coalesce_window": 0.05}
+    ) as cluster:
+        responses = await asyncio.gather(
+            *(cluster.client.post("/v1/check", json={"key": f"u{i}"}) for i in range(20))
+        )
+        assert [r.status_code for r in responses] == [200] * 20, responses[0].text
+        assert all(r.json()["allowed"] for r in responses)
+        coalescer = cluster.router.coalescer
+        assert coalescer is not None and coalescer.items == 20 and coalescer.batches >= 4
+        # Limits changed at runtime (new rules and limits pushed to the cluster) are
+        # followed too.
+        await cluster.router.membership.change_config(
+            ClusterConfig.from_dict(
+                {"rules": [{"name": "api", "rate": "100/minute"}], "limits": {"max_batch": 3}}
+            )
+        )
+        responses = await asyncio.gather(
+            *(cluster.client.post("/v1/check", json={"key": f"u{i}"}) for i in range(20))
+        )
+        assert [r.status_code for r in responses] == [200] * 20, responses[0].text

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from router.fastclient import FastForwarder
-from router.forward import NodeTimeout, Timeouts, Unreachable
+from router.forward import AnswerLost, NodeTimeout, Timeouts
 from tests.processes import Procs, procs  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.anyio
@@ -214,10 +214,35 @@ async def test_a_connection_lost_after_some_answers_fails_the_rest_unsent_again(
             return_exceptions=True,
         )
         assert results[0].status == 200  # type: ignore[union-attr]
-        # The node may have processed them: never sent again, the router's
-        # on_error decides.
-        assert all(isinstance(r, Unreachable) for r in results[1:]), results
+        # The node may have processed them: never sent again, and not Unreachable
+        # (which the router would route again or fail over): as a timeout.
+        assert all(isinstance(r, AnswerLost) for r in results[1:]), results
         assert script.connections == 1
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("pipeline", [1, 8])
+async def test_a_request_whose_connection_closes_unanswered_is_not_unreachable(  # type: ignore[no-untyped-def]
+    scripted, pipeline: int
+) -> None:
+    """The node reads the request on a fresh connection and closes it without an
+    answer (killed as it answered, or its connection cut): the request may have
+    been decided and passed to the application, so it is AnswerLost (a kind of
+    NodeTimeout: never sent again, never failed over). Before, it was
+    Unreachable, which the router answers by sending it to another node (a rule
+    that fails open) or to a new owner (a newer view): a POST ran twice."""
+
+    async def behave(index: int) -> bytes | None:
+        return None  # read, then close without answering
+
+    script, url = await scripted(behave)
+    client = FastForwarder(pipeline=pipeline)
+    try:
+        with pytest.raises(AnswerLost):
+            await client.request("POST", f"{url}/orders", [], b"{}")
+        await asyncio.sleep(0.05)
+        assert script.seen == 1 and script.connections == 1
     finally:
         await client.close()
 

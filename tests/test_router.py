@@ -221,6 +221,94 @@ async def test_batch_is_split_by_owner_and_merged_back_in_order() -> None:
         assert all(count > 0 for count in per_node) and sum(per_node) == len(checks)
 
 
+@pytest.mark.parametrize("case", ["non_ascii_keys", "fields_added"])
+async def test_a_valid_batch_is_never_a_body_its_owner_refuses(case: str) -> None:
+    """The router writes a check on the default rule again (naming the rule and
+    its cost); what it sends an owner must stay within ``limits.max_body`` as the
+    client's body did. Before: keys were written with ASCII escapes, so a valid
+    batch of 1,000 keys of 256 "é" (524 KB) became 1.56 MB, and each of its
+    1,000 checks was answered node_error 413; and a batch of 100 short checks
+    under a 2,000-byte max_body (1,515 bytes) became 3.7 KB, refused the same way.
+    Now the keys go as UTF-8 (the first: one request of 533 KB) and a body over
+    the limit leaves in several requests (the second: 2)."""
+    if case == "non_ascii_keys":
+        config = make_config(Rule("api", 100, 60.0))
+        checks = [{"key": "é" * 255 + str(i % 10)} for i in range(1000)]
+    else:
+        config = make_config(Rule("api", 100, 60.0), limits=Limits(max_body=2000, max_batch=100))
+        checks = [{"key": f"u{i:03}"} for i in range(100)]
+    body = json.dumps({"checks": checks}, ensure_ascii=False).encode()
+    async with running(config, nodes=1) as cluster:
+        assert len(body) <= cluster.router.config.limits.max_body
+        sizes: list[int] = []
+        inner = cluster._mounts[node_url("n1")]
+
+        class Sizes(httpx.AsyncBaseTransport):
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                if request.url.path == "/v1/check":
+                    sizes.append(len(await request.aread()))
+                return await inner.handle_async_request(request)
+
+        cluster._mounts[node_url("n1")] = Sizes()
+        response = await cluster.client.post(
+            "/v1/check", content=body, headers={"content-type": "application/json"}
+        )
+        assert len(sizes) == (1 if case == "non_ascii_keys" else 2), sizes
+        assert response.status_code == 200, response.text
+        results = response.json()["results"]
+        assert len(results) == len(checks)
+        errors = [r for r in results if "error" in r]
+        assert not errors, (len(errors), errors[0])
+        assert all(r["allowed"] for r in results)
+
+
+async def test_batches_merged_for_a_node_never_make_a_body_it_refuses() -> None:
+    """Two clients' batches that wait for the same node leave as one request
+    (router/coalesce.py Merger), their checks passed on as each client wrote
+    them. Each body is valid (600 KB: a check padded with JSON whitespace), the
+    two together are over max_body: before, the node refused the merged request
+    (413) and both clients' checks came back node_error, each for the other's
+    size; now a request over max_body leaves in parts."""
+    async with running(make_config(Rule("api", 100, 60.0)), nodes=1) as cluster:
+        inner = cluster._mounts[node_url("n1")]
+        release, both_held = asyncio.Event(), asyncio.Event()
+        held: list[int] = []
+
+        class Hold(httpx.AsyncBaseTransport):
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                if request.url.path == "/v1/check" and len(held) < 2:
+                    held.append(1)
+                    if len(held) == 2:
+                        both_held.set()
+                    await release.wait()
+                return await inner.handle_async_request(request)
+
+        cluster._mounts[node_url("n1")] = Hold()
+
+        def post(body: bytes) -> Any:
+            return asyncio.ensure_future(
+                cluster.client.post(
+                    "/v1/check", content=body, headers={"content-type": "application/json"}
+                )
+            )
+
+        first = [post(json.dumps({"checks": [{"key": "a", "rule": "api"}]}).encode())]
+        first.append(post(json.dumps({"checks": [{"key": "b", "rule": "api"}]}).encode()))
+        await both_held.wait()
+        padded = [
+            post(b'{"checks":[{"key":"c%d",' % i + b" " * 600_000 + b'"rule":"api"}]}')
+            for i in range(2)
+        ]
+        await asyncio.sleep(0.05)  # both wait behind the two held requests
+        release.set()
+        for response in await asyncio.gather(*first, *padded):
+            assert response.status_code == 200, response.text
+            (result,) = response.json()["results"]
+            assert "error" not in result and result["allowed"], result
+        merger = cluster.router.decisions.merger
+        assert merger is not None and merger.batches == 4 and merger.requests == 3
+
+
 async def test_the_parts_of_a_batch_are_sent_to_their_owners_in_parallel() -> None:
     async with running(make_config(Rule("api", 4, 60.0))) as cluster:
         inner = cluster.router.forwarder
@@ -613,6 +701,77 @@ async def test_a_check_whose_owner_times_out_is_answered_per_on_error() -> None:
         assert second["allowed"] is True and "reason" not in second
         assert forwarder.sent == 3  # one send each: nothing resent, nothing failed over
         assert "n2" in cluster.router.membership.view
+
+
+class AnswerLostAt(httpx.AsyncBaseTransport):
+    """In front of one node: the first request to ``path`` reaches the node, which
+    decides it (and runs the application), then the connection closes before its
+    answer comes back (``then`` runs in between: the ring changes meanwhile)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, path: str, then: Any = None) -> None:
+        self.inner, self.path, self.then, self.lost = inner, path, then, 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.url.path == self.path and not self.lost:
+            self.lost += 1
+            await response.aread()
+            if self.then is not None:
+                await self.then()
+            raise httpx.RemoteProtocolError("server disconnected", request=request)
+        return response
+
+
+def counting_app(runs: list[str], node_id: str) -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            runs.append(node_id)
+        await sample_app.app(scope, receive, send)
+
+    return app
+
+
+async def test_a_request_whose_answer_is_lost_is_not_sent_to_another_node() -> None:
+    """The owner passed a POST to the application, and its connection closed
+    before the answer came back (the owner died as it answered). The request
+    is not failed over: the application would run it twice. Before, the router
+    took the lost answer for an unreachable owner and, the rule failing open,
+    sent the POST to the next node: the application ran it 2 times; now once,
+    and the client gets 504 node_timeout (as after a forward timeout)."""
+    async with running(on_error_config()) as cluster:
+        runs: list[str] = []
+        for node_id, node in cluster.nodes.items():
+            node.limited.app = counting_app(runs, node_id)
+        user = user_owned_by(cluster, "n2")
+        cluster._mounts[node_url("n2")] = AnswerLostAt(cluster._mounts[node_url("n2")], "/soft")
+        response = await cluster.client.post(
+            "/soft", headers={"X-User-Id": user}, content=b'{"order": 1}'
+        )
+        assert runs == ["n2"], runs
+        assert response.status_code == 504, response.text
+        assert response.json()["error"] == "node_timeout"
+        assert "closed the connection" in response.json()["detail"]
+
+
+async def test_a_check_whose_answer_is_lost_as_its_owner_leaves_is_not_decided_twice() -> None:
+    """The owner decided a check, then left the ring (its states, that decision's
+    too, handed to the new owner) and its connection closed before the answer
+    came back. The check is answered per on_error, not routed again to the new
+    owner, which would count it a second time. Before: the next check of the
+    user saw remaining 2 of 5 (the lost check counted twice); now 3."""
+    config = make_config(Rule("api", 5, 60.0))
+    async with running(config) as cluster:
+        user = user_owned_by(cluster, "n2")
+        cluster._mounts[node_url("n2")] = AnswerLostAt(
+            cluster._mounts[node_url("n2")], "/v1/check", lambda: cluster.remove_node("n2")
+        )
+        lost = await cluster.client.post("/v1/check", json={"key": user, "rule": "api"})
+        assert lost.status_code == 200, lost.text
+        assert lost.json()["reason"] == "owner_timeout" and lost.json()["allowed"] is True
+        assert "n2" not in cluster.router.membership.view
+        after = await cluster.client.post("/v1/check", json={"key": user, "rule": "api"})
+        assert after.json()["node"] != "n2"
+        assert after.json()["remaining"] == 3, after.text  # 5 - the lost one - this one
 
 
 async def test_a_failover_request_to_another_node_is_not_limited_there() -> None:
