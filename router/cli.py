@@ -23,7 +23,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from node.config import (
     BACKENDS,
@@ -81,6 +81,29 @@ def _pipeline_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The highest TCP port.
+MAX_PORT = 65535
+
+
+def _port(lowest: int) -> Callable[[str], int]:
+    """An argparse type: a TCP port from ``lowest`` (0 where the system may choose
+    one, or where 0 means "the default") to 65535. Checked here, any integer was
+    taken and socket.bind's OverflowError came out as a traceback."""
+
+    def port(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = -1
+        if not lowest <= number <= MAX_PORT:
+            raise argparse.ArgumentTypeError(
+                f"must be a port from {lowest} to {MAX_PORT}, got {value!r}"
+            )
+        return number
+
+    return port
+
+
 def _pipeline_depth(value: str) -> int:
     """``--pipeline``: a whole number from 1 (off) to 64."""
     try:
@@ -121,10 +144,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line (what was wrong, where to read
+    more) rather than the whole usage first: a bad argument is one line, as every
+    other failure of the command is. Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        one_line = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {one_line} (see {self.prog} --help)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; ``command`` is the subcommand about to run, so that the heavy
     ones (simulate, bench) are imported only when they are used."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ringlimit",
         description="A rate-limiting cluster: sticky routing to in-memory limiter nodes.",
     )
@@ -133,9 +166,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="start a router and N nodes on 127.0.0.1")
     up.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
-    up.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
+    up.add_argument("--port", type=_port(1), default=8000, help="router port (default 8000)")
     up.add_argument(
-        "--node-port", type=int, default=0, help="first node port (default: router port + 1)"
+        "--node-port", type=_port(0), default=0, help="first node port (default: router port + 1)"
     )
     _config_arguments(up)
     _envoy_arguments(up)
@@ -171,7 +204,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     router = commands.add_parser("router", help="start one router")
     router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000)
+    router.add_argument(
+        "--port", type=_port(0), default=8000, help="default 8000; 0: any free port"
+    )
     router.add_argument(
         "--node",
         action="append",
@@ -299,7 +334,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     node = commands.add_parser("node", help="start one node")
     node.add_argument("--id", required=True, help="node id (stable across restarts)")
     node.add_argument("--host", default="127.0.0.1")
-    node.add_argument("--port", type=int, required=True)
+    node.add_argument("--port", type=_port(1), required=True)
     node.add_argument(
         "--join",
         metavar="ROUTER_URL[,ROUTER_URL...]",
@@ -420,7 +455,7 @@ def _envoy_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Envoy's rate limit service (docs/envoy.md)")
     group.add_argument(
         "--grpc-port",
-        type=int,
+        type=_port(0),
         metavar="P",
         help="serve envoy.service.ratelimit.v3.RateLimitService on this port",
     )
@@ -977,6 +1012,7 @@ def _run_up(args: argparse.Namespace) -> int:
     _redis_timeout(args)
     if args.nodes < 1:
         raise ValueError("--nodes must be at least 1")
+    _check_node_ports(args)
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
     if args.workers > 1 and args.grpc_port is not None:
@@ -1003,6 +1039,19 @@ def _run_up(args: argparse.Namespace) -> int:
         return run_cluster(args, config)
     except StartError as exc:
         raise CommandError(str(exc)) from None
+
+
+def _check_node_ports(args: argparse.Namespace) -> None:
+    """``up``'s nodes listen on consecutive ports from --node-port (or --port + 1):
+    the last one too must be a port (65536 was a traceback from socket.bind)."""
+    first = args.node_port or args.port + 1
+    last = first + args.nodes - 1
+    if last > MAX_PORT:
+        flag = "--node-port" if args.node_port else "--port"
+        raise ValueError(
+            f"{flag} {first - (0 if args.node_port else 1)} with --nodes {args.nodes}: node "
+            f"ports {first}..{last} go past {MAX_PORT}; choose a lower {flag}"
+        )
 
 
 def _run_nodes(args: argparse.Namespace) -> int:

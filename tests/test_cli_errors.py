@@ -419,3 +419,23 @@ def test_rules_failures_are_one_line(not_a_router: str, tmp_path: Path) -> None:
     empty = tmp_path / "empty.toml"
     empty.write_text('[identity]\nname = "X-Api-Key"\n')
     one_line_failure(ringlimit("rules", str(empty)), "no [[rules]] to apply")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["router", "--port", "99999"], "argument --port: must be a port from 0 to 65535"),
+        (["router", "--port", "-1"], "argument --port: must be a port from 0 to 65535"),
+        (["node", "--id", "n1", "--port", "0"], "argument --port: must be a port from 1 to"),
+        (["node", "--id", "n1", "--port", "65536"], "argument --port: must be a port from 1"),
+        (["up", "--port", "0"], "argument --port: must be a port from 1 to 65535, got '0'"),
+        (["up", "--node-port", "70000"], "argument --node-port: must be a port from 0 to"),
+        (["router", "--grpc-port", "1e3"], "argument --grpc-port: must be a port from 0 to"),
+        (["up", "--port", "65534", "--nodes", "2"], "node ports 65535..65536 go past 65535"),
+        (["up", "--node-port", "65535", "--nodes", "2"], "node ports 65535..65536 go past"),
+    ],
+)
+def test_a_port_out_of_range_is_one_line_naming_its_flag(argv: list[str], expected: str) -> None:
+    """Ports were taken as any integer: socket.bind's OverflowError came out as a
+    traceback (and `up` counted node ports past 65535)."""
+    one_line_failure(ringlimit(*argv), expected)
