@@ -780,6 +780,10 @@ def _run_router(args: argparse.Namespace) -> int:
         return 1
     if role is None:
         _check_port(args.host, args.port, "the router")
+        if args.grpc_port:  # 0: any free port, always one
+            from router.supervisor import GRPC_ROLE
+
+            _check_port(args.host, args.grpc_port, GRPC_ROLE, choose="--grpc-port")
         _serve_router(settings, args)
         return 0
     from dataclasses import replace
@@ -851,6 +855,7 @@ def _serve_router(
     gone) says so in one line."""
     from router.app import create_router
     from router.coordinator import CoordinatorError
+    from router.envoy import GrpcPortError
     from router.membership import MembershipError
     from router.server import serve_router
 
@@ -869,6 +874,8 @@ def _serve_router(
             else "check the --node seeds (ID=URL) and that those nodes are running"
         )
         raise CommandError(f"the router could not start: {exc.detail}; {hint}") from None
+    except GrpcPortError as exc:
+        raise CommandError(f"the router could not start: {exc}") from None
     except CoordinatorError as exc:
         raise CommandError(
             f"the router could not start: {exc}; check --coordinator (RINGLIMIT_COORDINATOR) "
@@ -1170,11 +1177,11 @@ def _http_problem(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _check_port(host: str, port: int, role: str) -> None:
+def _check_port(host: str, port: int, role: str, *, choose: str = "--port") -> None:
     from router.supervisor import StartError, check_ports
 
     try:
-        check_ports(host, [(port, role)], choose="--port")
+        check_ports(host, [(port, role)], choose=choose)
     except StartError as exc:
         raise CommandError(str(exc)) from None
 

@@ -16,6 +16,7 @@ import pytest
 from router.cli import ROUTER_NUMBERS
 from tests.processes import ROOT, Procs, free_port, procs  # noqa: F401 (fixture)
 from tests.test_cli import free_block
+from tests.test_envoy_config import MONGO
 
 pytestmark = pytest.mark.integration
 
@@ -439,3 +440,56 @@ def test_a_port_out_of_range_is_one_line_naming_its_flag(argv: list[str], expect
     """Ports were taken as any integer: socket.bind's OverflowError came out as a
     traceback (and `up` counted node ports past 65535)."""
     one_line_failure(ringlimit(*argv), expected)
+
+
+@pytest.mark.parametrize("command", [["router"], ["up", "--nodes", "1"]], ids=["router", "up"])
+def test_a_grpc_port_in_use_is_one_line(
+    command: list[str], taken_port: int, tmp_path: Path
+) -> None:
+    """gRPC's RuntimeError ("Failed to bind to address") came out as a traceback
+    (from `up`'s router, followed by "router exited with code 1")."""
+    config = tmp_path / "envoy.yaml"
+    config.write_text(MONGO)
+    port = str(free_block(3))
+    argv = [*command, "--port", port, "--grpc-port", str(taken_port), "--envoy-config", str(config)]
+    one_line_failure(
+        ringlimit(*argv),
+        f"cannot listen on 127.0.0.1:{taken_port} for Envoy's rate limit service",
+        "--grpc-port",
+    )
+
+
+def test_start_grpc_on_a_port_in_use_says_which(taken_port: int) -> None:
+    """The port taken between the CLI's check and the bind: an error naming the
+    port and the flag, which the CLI prints as its one line."""
+    import asyncio
+
+    from router.envoy import GrpcPortError, RateLimitServicer, start_grpc
+    from router.envoy_config import EnvoyConfig
+
+    async def start() -> None:
+        servicer = RateLimitServicer(None, EnvoyConfig({}))  # type: ignore[arg-type]
+        await start_grpc(servicer, "127.0.0.1", taken_port)
+
+    with pytest.raises(GrpcPortError, match=f"127.0.0.1:{taken_port} .*--grpc-port"):
+        asyncio.run(start())
+
+
+def test_a_grpc_port_taken_after_the_check_is_one_line(
+    taken_port: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Taken between the CLI's check and the bind: the router's start fails with
+    the same one line (it was an OSError traceback from Router.start)."""
+    from router import cli
+
+    config = tmp_path / "envoy.yaml"
+    config.write_text(MONGO)
+    monkeypatch.setattr(cli, "_check_port", lambda *args, **kwargs: None)
+    argv = ["router", "--port", str(free_port()), "--grpc-port", str(taken_port)]
+    assert cli.main([*argv, "--envoy-config", str(config)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ringlimit: the router could not start: cannot listen on"), err
+    assert "--grpc-port" in err and len(err.splitlines()) == 1
