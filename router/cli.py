@@ -47,6 +47,8 @@ from router import __version__
 from router.restart import RESTART_MODES
 
 if TYPE_CHECKING:
+    import httpx
+
     from node.asgi import ASGIApp
     from node.backend import Backend
     from router.app import RouterSettings
@@ -1134,26 +1136,67 @@ def _admin_call(
             f"cannot reach the router at {base} ({_http_problem(exc)}); "
             "check --router and that the router is running"
         ) from None
+    data = _json_object(response)
+    status = response.status_code
+    if status != 200 and data is not None and _is_admin_error(data):
+        hint = ""
+        if status == 401:
+            hint = f" ({command} sends RINGLIMIT_ADMIN_TOKEN from the environment)"
+        detail = data.get("detail")
+        said = _one_line(data["error"]) + ("" if detail is None else f": {_one_line(str(detail))}")
+        print(f"ringlimit: {said}{hint}", file=sys.stderr)
+        return 1
+    if status >= 500:
+        raise CommandError(
+            f"{base} answered HTTP {status}: {_excerpt(response)} (see the router's log)"
+        )
     try:
-        data = response.json()
-        if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-        if data.get("error") in _LIMITED_PATH_ERRORS:
-            raise ValueError("a limited path answered, not the admin API")
-        if response.status_code != 200:
-            hint = ""
-            if response.status_code == 401:
-                hint = f" ({command} sends RINGLIMIT_ADMIN_TOKEN from the environment)"
-            print(f"ringlimit: {data.get('error')}: {data.get('detail')}{hint}", file=sys.stderr)
-            return 1
+        if status != 200 or data is None or data.get("error") in _LIMITED_PATH_ERRORS:
+            raise ValueError("not an admin API's answer")
         printed = lines(data)
     except (ValueError, KeyError, TypeError):
         raise CommandError(
-            f"{base} answered HTTP {response.status_code}, not as a ringlimit router's admin "
-            "API; check --router (the router's URL, not a node's)"
+            f"{base} answered HTTP {status}, not as a ringlimit router's admin API "
+            f"({_excerpt(response)}); check --router (the router's URL, not a node's)"
         ) from None
     print("\n".join(printed))
     return 0
+
+
+def _json_object(response: httpx.Response) -> dict[str, Any] | None:
+    """The answer's JSON object; None for any other body (not JSON, not UTF-8, a
+    list, nested deeper than the parser's recursion: a RecursionError)."""
+    try:
+        data = response.json()
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _is_admin_error(data: dict[str, Any]) -> bool:
+    """A router's error answer, ``{"error": "code", "detail": ...}``, and not a
+    limited path's (a node's, see :data:`_LIMITED_PATH_ERRORS`)."""
+    error = data.get("error")
+    return isinstance(error, str) and error not in _LIMITED_PATH_ERRORS
+
+
+#: At most this many characters of an answer are quoted in the CLI's line.
+MAX_EXCERPT = 160
+
+
+def _one_line(text: str, limit: int = 1000) -> str:
+    """``text`` as part of the one line a failure prints: whitespace runs (newlines
+    too) as one space, at most ``limit`` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _excerpt(response: httpx.Response) -> str:
+    """The start of an answer's body, for a line saying it was not what was
+    expected; bytes that are not text are replaced."""
+    text = response.content[: MAX_EXCERPT * 4].decode("utf-8", "replace")
+    text = "".join(c if c.isprintable() else " " for c in text)
+    return _one_line(text, MAX_EXCERPT) or "empty body"
 
 
 #: Errors only a limited path answers (a node's, which takes /admin/... as a

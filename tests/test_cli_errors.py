@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,6 +54,20 @@ def taken_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 with ``handler``, for the block; its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
 @pytest.fixture
 def not_a_router() -> Iterator[str]:
     """An HTTP server on 127.0.0.1 that is not a ringlimit router (404 in HTML)."""
@@ -63,15 +79,8 @@ def not_a_router() -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serving(Handler) as url:
+        yield url
 
 
 @pytest.mark.parametrize(
@@ -493,3 +502,72 @@ def test_a_grpc_port_taken_after_the_check_is_one_line(
     err = capsys.readouterr().err.strip()
     assert err.startswith("ringlimit: the router could not start: cannot listen on"), err
     assert "--grpc-port" in err and len(err.splitlines()) == 1
+
+
+@pytest.fixture
+def odd_router() -> Iterator[tuple[str, Callable[[int, bytes], None]]]:
+    """An HTTP server on 127.0.0.1 answering every request with the status and body
+    set by the second item (a router whose errors are not {error, detail})."""
+    answer: dict[str, Any] = {"status": 200, "body": b"{}"}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            body = answer["body"]
+            self.send_response(answer["status"])
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PUT = do_DELETE = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    def set_answer(status: int, body: bytes) -> None:
+        answer.update(status=status, body=body)
+
+    with serving(Handler) as url:
+        yield url, set_answer
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected"),
+    [
+        (500, b'{"message": "boom"}', ["answered HTTP 500", '{"message": "boom"}']),
+        (503, b"upstream\nconnect error", ["answered HTTP 503", "upstream connect error"]),
+        (502, b"", ["answered HTTP 502", "empty body"]),
+        (400, b'{"error": "bad\\nrule", "detail": "line 1\\nline 2"}', ["bad rule: line 1 line 2"]),
+        (409, b'{"error": "ring_changed"}', ["ringlimit: ring_changed"]),
+        (400, b'{"error": ["a"], "detail": 1}', ["answered HTTP 400", '{"error": ["a"]']),
+        (200, b"[" * 100_000, ["answered HTTP 200, not as a ringlimit router's", "[[[["]),
+        (404, b"\xff\xfe not utf-8", ["answered HTTP 404", "not utf-8"]),
+    ],
+    ids=[
+        "500-json",
+        "503-text",
+        "502-empty",
+        "newlines",
+        "no-detail",
+        "error-list",
+        "deep",
+        "bytes",
+    ],
+)
+@pytest.mark.parametrize("command", [["nodes", "list"], ["rules"]], ids=["nodes", "rules"])
+def test_an_admin_answer_of_another_shape_is_one_line(
+    odd_router: tuple[str, Callable[[int, bytes], None]],
+    command: list[str],
+    status: int,
+    body: bytes,
+    expected: list[str],
+) -> None:
+    """A router's error not in {error, detail} printed "None: None" (or its
+    JSON's newlines as lines, a deep array as a RecursionError traceback); a
+    body that is no JSON at all did not say what it was. Now: one line with
+    the status and a short excerpt of the body."""
+    url, set_answer = odd_router
+    set_answer(status, body)
+    line = one_line_failure(ringlimit(*command, "--router", url), *expected)
+    assert "None" not in line and len(line) < 400, line
