@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import os
 import socket
 import subprocess
 import sys
@@ -136,7 +137,6 @@ def test_nodes_with_a_url_httpx_cannot_parse() -> None:
 
 def test_an_environment_default_outside_its_choices_is_one_line() -> None:
     """argparse checks choices only of flags given: RINGLIMIT_REDIS_PIPELINE is checked too."""
-    import os
 
     result = subprocess.run(
         [sys.executable, "-m", "router", "node", "--id", "n1", "--port", str(free_port())],
@@ -161,7 +161,6 @@ def test_an_environment_default_outside_its_choices_is_one_line() -> None:
 def test_a_redis_timeout_that_is_not_seconds_is_one_line(
     flags: list[str], env: dict[str, str], expected: str
 ) -> None:
-    import os
 
     result = subprocess.run(
         [sys.executable, "-m", "router", "node", "--id", "n1", "--port", str(free_port()), *flags],
@@ -260,7 +259,6 @@ def test_a_router_with_an_unreadable_state_file(tmp_path: Path) -> None:
 def test_bench_with_a_node_that_cannot_start_is_one_line() -> None:
     """A process of the benchmark that exits at start (here: a bad setting in the
     environment its nodes read) ends the run in one line, everything stopped."""
-    import os
 
     result = subprocess.run(
         [
@@ -571,3 +569,73 @@ def test_an_admin_answer_of_another_shape_is_one_line(
     set_answer(status, body)
     line = one_line_failure(ringlimit(*command, "--router", url), *expected)
     assert "None" not in line and len(line) < 400, line
+
+
+def _unreadable(path: Path) -> None:
+    path.write_text("{}")
+    path.chmod(0)
+
+
+#: A file of each kind that cannot be used: (how to make it at a path, the problem said).
+BAD_FILES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "directory": (lambda p: p.mkdir(), "cannot read: a directory, not a"),
+    "not-utf8": (
+        lambda p: p.write_bytes(b"\xff\xfe[x]\n"),
+        "not UTF-8 text (byte 0xff at offset 0)",
+    ),
+    "nested": (
+        lambda p: p.write_text(
+            "[" * 100_000 if p.suffix in (".json", ".yaml") else "a = " + "[" * 5000 + "]" * 5000
+        ),
+        "nested too deeply",
+    ),
+    "under-a-file": (lambda p: p.parent.write_text(""), "Not a directory"),
+    "unreadable": (lambda p: _unreadable(p), "Permission denied"),
+}
+
+#: Each command given such a file: (argv before the path, the file's name, what the line says).
+FILE_COMMANDS: dict[str, tuple[list[str], str, str]] = {
+    "rules": (["rules"], "rules.json", "ringlimit: error:"),
+    "up-config": (["up", "--nodes", "1", "--config"], "cluster.toml", "ringlimit: error:"),
+    "simulate": (["simulate", "--quiet"], "scenario.toml", "ringlimit simulate:"),
+    "state-file": (["router", "--state-file"], "ring.json", "the router could not start"),
+    "envoy-config": (
+        ["router", "--grpc-port", "0", "--envoy-config"],
+        "envoy.yaml",
+        "ringlimit: error:",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_FILES)
+@pytest.mark.parametrize("command", FILE_COMMANDS)
+def test_a_file_that_cannot_be_used_is_one_line_naming_it(
+    command: str, kind: str, tmp_path: Path
+) -> None:
+    """A directory, an unreadable file, bytes that are not UTF-8 or a document
+    nested past the parser's recursion: each a traceback (IsADirectoryError,
+    RecursionError...) or a codec's message naming no file, for one command or
+    another; a state file under a regular file failed at its first save."""
+    make, problem = BAD_FILES[kind]
+    if kind == "unreadable" and os.geteuid() == 0:
+        pytest.skip("root reads any file")
+    argv, name, says = FILE_COMMANDS[command]
+    path = tmp_path / "sub" / name if kind == "under-a-file" else tmp_path / name
+    make(path)
+    if command == "state-file":
+        argv = [*argv, str(path), "--port", str(free_port())]
+    else:
+        argv = [*argv, str(path)]
+    line = one_line_failure(ringlimit(*argv), says, str(path), problem)
+    if command == "state-file":
+        assert line.endswith("check --state-file"), line
+
+
+def test_a_state_file_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    """Its folder cannot be made (not even by root, under /proc): the first save
+    at start was an OSError traceback."""
+    state = "/proc/ringlimit-no-such-dir/ring.json"
+    result = ringlimit("router", "--port", str(free_port()), "--state-file", state)
+    one_line_failure(
+        result, "the router could not start", f"{state}: cannot write ring state", "--state-file"
+    )
