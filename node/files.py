@@ -10,6 +10,7 @@ tracebacks, or as a codec's message that did not say which file it was.
 from __future__ import annotations
 
 import json
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -66,3 +67,36 @@ def parse_json(text: str, path: Path) -> Any:
         raise FileProblem(path, f"not valid JSON: {exc}") from None
     except RecursionError:
         raise FileProblem(path, "not valid JSON: nested too deeply") from None
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """ValueError (``"FLAG PATH: problem"``) unless ``path`` can be written: checked
+    before a run that ends by writing it, where a directory or a folder that
+    cannot be made was a traceback after the whole run, its results lost. The
+    check opens the file to append (its folder made), and removes it again if it
+    was not there."""
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except IsADirectoryError:
+        raise ValueError(f"{flag} {path}: a directory, not a file") from None
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"{flag} {path}: cannot write: a folder of its path is a file") from None
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def check_output_dir(path: Path, flag: str) -> None:
+    """:func:`check_output_file` for a folder files are written into (made here)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except FileExistsError:
+        raise ValueError(f"{flag} {path}: not a directory") from None
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write: {exc.strerror or exc}") from None

@@ -639,3 +639,58 @@ def test_a_state_file_that_cannot_be_written_is_one_line(tmp_path: Path) -> None
     one_line_failure(
         result, "the router could not start", f"{state}: cannot write ring state", "--state-file"
     )
+
+
+#: Outputs that cannot be written: (how to make the path, what the line says).
+BAD_OUTPUTS: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "directory": (lambda tmp: tmp, "a directory, not a file"),
+    "under-a-file": (
+        lambda tmp: _file(tmp / "plain") / "out.json",
+        "a folder of its path is a file",
+    ),
+    "no-folder": (lambda tmp: Path("/proc/ringlimit-no-such-dir/out.json"), "cannot write"),
+}
+
+
+def _file(path: Path) -> Path:
+    path.write_text("")
+    return path
+
+
+@pytest.mark.parametrize("kind", BAD_OUTPUTS)
+def test_simulate_to_an_output_it_cannot_write_is_one_line_before_running(
+    kind: str, tmp_path: Path
+) -> None:
+    """--json at a directory (or where no file can be made) was an IsADirectoryError
+    traceback after the whole simulation, its results lost: now one line, before
+    anything runs (no report printed)."""
+    make, problem = BAD_OUTPUTS[kind]
+    out = make(tmp_path)
+    result = ringlimit("simulate", "tiny", "--quiet", "--json", str(out))
+    one_line_failure(result, "ringlimit simulate:", f"--json {out}", problem)
+    assert result.stdout == "", result.stdout
+
+
+def test_simulate_plots_into_a_file_is_one_line_before_running(tmp_path: Path) -> None:
+    plots = _file(tmp_path / "plots")
+    result = ringlimit("simulate", "tiny", "--quiet", "--plots", str(plots))
+    one_line_failure(result, f"--plots {plots}: not a directory")
+    assert result.stdout == "", result.stdout
+
+
+BENCH_DIRECT = [sys.executable, "-m", "router", "bench", "--quick", "--rows", "direct"]
+
+
+def test_bench_to_an_output_it_cannot_write_is_one_line_before_running(tmp_path: Path) -> None:
+    """--json (or --markdown) at a directory was a traceback after the whole
+    benchmark. (A node that cannot start would end the run in its own line: the
+    output is checked before that.)"""
+    result = subprocess.run(
+        [*BENCH_DIRECT, "--no-progress", "--json", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RINGLIMIT_REDIS_PIPELINE": "sideways"},
+    )
+    one_line_failure(result, f"--json {tmp_path}: a directory, not a file")
