@@ -106,6 +106,22 @@ def _port(lowest: int) -> Callable[[str], int]:
     return port
 
 
+def _join_timeout(value: str) -> float:
+    """``--join-timeout``: seconds above 0, at most a day. 0 and negative ones
+    gave up at once, NaN never (its deadline comparison is always false)."""
+    from node.server import MAX_JOIN_TIMEOUT
+
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_JOIN_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"must be seconds above 0 and at most {MAX_JOIN_TIMEOUT:g}, got {value!r}"
+        )
+    return seconds
+
+
 def _pipeline_depth(value: str) -> int:
     """``--pipeline``: a whole number from 1 (off) to 64."""
     try:
@@ -346,10 +362,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     node.add_argument(
         "--join-timeout",
-        type=float,
+        type=_join_timeout,
         default=120.0,
         metavar="SECONDS",
-        help="give up joining (and exit 1) after this long (default 120)",
+        help="give up joining (and exit 1) after this long (default 120, at most 86400)",
     )
     node.add_argument("--url", help="the URL the router should use (default http://HOST:PORT)")
     node.add_argument("--weight", type=int, default=1)

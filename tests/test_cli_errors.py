@@ -694,3 +694,49 @@ def test_bench_to_an_output_it_cannot_write_is_one_line_before_running(tmp_path:
         env={**os.environ, "RINGLIMIT_REDIS_PIPELINE": "sideways"},
     )
     one_line_failure(result, f"--json {tmp_path}: a directory, not a file")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e9", "soon"])
+def test_a_join_timeout_that_is_not_seconds_is_one_line(value: str) -> None:
+    """0, negative, NaN and infinite timeouts were taken (NaN never ran out: the
+    deadline comparison is always false)."""
+    argv = ["node", "--id", "n1", "--port", str(free_port()), "--join-timeout", value]
+    one_line_failure(
+        ringlimit(*argv, "--join", "http://127.0.0.1:9"),
+        "argument --join-timeout: must be seconds above 0 and at most 86400",
+    )
+
+
+def test_a_join_to_a_router_that_never_answers_ends_within_its_timeout() -> None:
+    """Each join attempt waited up to a fixed 30 s for the answer: a router that
+    took the connection and said nothing held a --join-timeout 1 for 30 s."""
+    import time
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # connections complete in the backlog; none is answered
+        router = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        result = ringlimit(
+            "node", "--id", "n1", "--port", str(free_port()), "--join", router,
+            "--join-timeout", "1",
+        )  # fmt: skip
+        elapsed = time.monotonic() - started
+    one_line_failure(result, "could not join the ring", router)
+    assert elapsed < 15, elapsed
+
+
+def test_a_join_answered_200_by_something_else_is_not_taken_as_joined(
+    odd_router: tuple[str, Callable[[int, bytes], None]],
+) -> None:
+    """Any 200 was taken as joined: a --join at a server that is not a ringlimit
+    router left the node serving, fenced (refusing every key) for good."""
+    url, set_answer = odd_router
+    set_answer(200, b'{"ok": true}')
+    argv = ["node", "--id", "n1", "--port", str(free_port()), "--join", url]
+    one_line_failure(
+        ringlimit(*argv, "--join-timeout", "5", timeout=30),
+        "could not join the ring",
+        f"{url} answered 200, not as a ringlimit router",
+        "check --join",
+    )
