@@ -630,6 +630,7 @@ ROUTER_NUMBERS = (
     ("--removal-interval", 0.0, 86400.0, "[]"),
     ("--removal-quorum", 0.0, 1.0, "[)"),
     ("--coalesce-window", 0.0, 1e6, "[]"),
+    ("--coordinator-ttl", 0.0, 3600.0, "(]"),
 )
 
 

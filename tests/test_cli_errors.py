@@ -740,3 +740,14 @@ def test_a_join_answered_200_by_something_else_is_not_taken_as_joined(
         f"{url} answered 200, not as a ringlimit router",
         "check --join",
     )
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5"])
+def test_a_coordinator_ttl_that_is_not_seconds_is_one_line(value: str) -> None:
+    """inf was an OverflowError traceback, NaN a line naming no flag ("cannot
+    convert float NaN to integer"), 0 and negative ones quietly 2 s."""
+    argv = ["router", "--port", str(free_port()), "--coordinator", "etcd://127.0.0.1:1"]
+    one_line_failure(
+        ringlimit(*argv, "--coordinator-ttl", value),
+        "--coordinator-ttl must be above 0 and at most 3600",
+    )
