@@ -968,6 +968,22 @@ def _reachable(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _check_upstream(url: str | None) -> None:
+    """``--upstream``: an http(s) URL with a host (a path prefix is kept). Anything
+    else was taken, the cluster started, and every allowed request failed."""
+    if url is None:
+        return
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port out of range)
+    except ValueError as exc:
+        raise ValueError(f"--upstream {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--upstream {url!r}: expected http://HOST[:PORT][/PATH] (or https://)")
+
+
 def _run_node(args: argparse.Namespace) -> int:
     from node.app import NodeSettings, create_app
     from node.server import serve_node
@@ -977,6 +993,7 @@ def _run_node(args: argparse.Namespace) -> int:
     if args.url is not None:
         check_url(args.url)
     check_weight(args.weight)
+    _check_upstream(args.upstream)
     routers: list[str] = []
     if args.join is not None:
         routers = [part.strip() for part in args.join.split(",")]
@@ -1034,6 +1051,7 @@ def _run_up(args: argparse.Namespace) -> int:
     from router.supervisor import StartError, run_cluster
 
     config = cluster_config(args)
+    _check_upstream(args.upstream)
     _redis_pipeline(args)
     _redis_timeout(args)
     if args.nodes < 1:

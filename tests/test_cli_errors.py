@@ -751,3 +751,11 @@ def test_a_coordinator_ttl_that_is_not_seconds_is_one_line(value: str) -> None:
         ringlimit(*argv, "--coordinator-ttl", value),
         "--coordinator-ttl must be above 0 and at most 3600",
     )
+
+
+@pytest.mark.parametrize("command", [["node", "--id", "n1"], ["up", "--nodes", "1"]])
+@pytest.mark.parametrize("url", ["notaurl", "ftp://x", "http://", "http://h:99999"])
+def test_an_upstream_that_is_not_an_http_url_is_one_line(command: list[str], url: str) -> None:
+    """Taken as it was: the cluster started, and every allowed request failed."""
+    argv = [*command, "--port", str(free_block(2)), "--upstream", url]
+    one_line_failure(ringlimit(*argv, timeout=30), f"--upstream {url!r}", "http://")
