@@ -80,6 +80,7 @@ from benchmarks.report import (
     summarise_row,
     targets,
 )
+from node.files import check_output_file
 
 __all__ = [
     "DEFAULT_MARKDOWN",
@@ -268,6 +269,11 @@ def run(args: argparse.Namespace) -> int:
         return run_command(args, settings, tool_name)
     quick = bool(args.quick)
     markdown_path = _markdown_path(args.markdown, quick)
+    # Before the run, not after it: a path that cannot be written lost every number.
+    if args.json:
+        check_output_file(Path(args.json), "--json")
+    if markdown_path is not None:
+        check_output_file(markdown_path, "--markdown")
 
     # A SIGTERM stops us like Ctrl-C: through the finally below, which stops everything.
     def on_term(signum: int, frame: FrameType | None) -> None:

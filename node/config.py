@@ -20,13 +20,13 @@ import json
 import logging
 import posixpath
 import re
-import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from node.files import FileProblem, parse_json, parse_toml, read_text
 from node.rules import (
     CRASH_POLICIES,
     Rule,
@@ -427,17 +427,10 @@ def load_config(path: str | Path) -> ClusterConfig:
     """Read a TOML (or JSON) config file; errors name the file, the key and the problem."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    except ValueError as exc:
-        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+        text = read_text(path)
+        data = parse_json(text, path) if path.suffix == ".json" else parse_toml(text, path)
+    except FileProblem as exc:
+        raise ConfigError(str(exc)) from None
     return _Parser(str(path)).config(data)
 
 

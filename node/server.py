@@ -176,9 +176,12 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-#: A ``--join`` node gives up after this many attempts or seconds, whichever first.
-JOIN_ATTEMPTS = 30
+#: A ``--join`` node gives up after this many seconds (``--join-timeout``), at
+#: most MAX_JOIN_TIMEOUT; and waits at most JOIN_ANSWER_TIMEOUT for one answer
+#: (a join waits on the router's readiness check of the node and its pushes).
 JOIN_DEADLINE = 120.0
+MAX_JOIN_TIMEOUT = 86400.0
+JOIN_ANSWER_TIMEOUT = 30.0
 #: ... and after this many answers saying the router cannot reach it at its --url.
 JOIN_NOT_READY_ATTEMPTS = 3
 #: A graceful leave (SIGTERM) retries a busy or failing-over router this often,
@@ -278,17 +281,34 @@ def serve_node(
         deadline = loop.time() + join_timeout
         not_ready = 0
         problem = "no attempt made"
-        timeout = httpx.Timeout(30.0, connect=CONNECT_TIMEOUT)
-        async with httpx.AsyncClient(timeout=timeout) as client:
-            for attempt in range(JOIN_ATTEMPTS):
+        attempt = 0
+        async with httpx.AsyncClient() as client:
+            while True:
                 router = routers[attempt % len(routers)]
+                attempt += 1
+                # Within the time left: a router that takes the request and never
+                # answers held every attempt a fixed 30 s, past --join-timeout.
+                left = max(0.1, deadline - loop.time())
+                wait = min(JOIN_ANSWER_TIMEOUT, left)
+                timeout = httpx.Timeout(wait, connect=min(CONNECT_TIMEOUT, wait))
                 try:
                     response = await client.post(
-                        f"{router}/admin/nodes", json=payload, headers=_auth(admin_token)
+                        f"{router}/admin/nodes",
+                        json=payload,
+                        headers=_auth(admin_token),
+                        timeout=timeout,
                     )
-                    if response.status_code == 200:
+                    if response.status_code == 200 and _lists(response, node.settings.node_id):
                         log.warning("joined the ring through %s", router)
                         return
+                    if response.status_code == 200:
+                        # Any 200 was taken as joined: a --join at something else
+                        # left the node fenced, refusing every key, for good.
+                        problem = (
+                            f"{router} answered 200, not as a ringlimit router (its answer "
+                            "does not list this node); check --join"
+                        )
+                        break
                     problem = (
                         f"router {router} answered {response.status_code}: {response.text[:200]}"
                     )
@@ -309,9 +329,10 @@ def serve_node(
                 if not_ready >= JOIN_NOT_READY_ATTEMPTS or loop.time() > deadline:
                     break
                 # Retries are expected (a node may start before its router): quiet
-                # unless -v; the outcome is one line either way.
-                log.info("join attempt %d failed: %s; retrying", attempt + 1, problem)
-                await asyncio.sleep(max(0.0, min(0.1 * (attempt + 1), 2.0, deadline - loop.time())))
+                # unless -v; the outcome is one line either way. Until the deadline
+                # (a cap of 30 attempts ended a long --join-timeout after ~50 s).
+                log.info("join attempt %d failed: %s; retrying", attempt, problem)
+                await asyncio.sleep(max(0.0, min(0.1 * attempt, 2.0, deadline - loop.time())))
         log.error("could not join the ring; giving up: %s", problem)
         state["join_failed"] = True
         server.should_exit = True
@@ -328,6 +349,16 @@ def serve_node(
 
     _run(main())
     return 1 if state.get("join_failed") else 0
+
+
+def _lists(response: httpx.Response, node_id: str) -> bool:
+    """Whether a join's answer is a router's ring listing the node (``describe()``:
+    ``{"epoch": ..., "nodes": [{"id": ...}, ...]}``)."""
+    try:
+        nodes = response.json().get("nodes")
+        return any(isinstance(n, dict) and n.get("id") == node_id for n in nodes)
+    except (ValueError, RecursionError, AttributeError, TypeError):
+        return False
 
 
 def _retry_admin_answer_code(status: int) -> bool:

@@ -23,7 +23,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from node.config import (
     BACKENDS,
@@ -47,6 +47,8 @@ from router import __version__
 from router.restart import RESTART_MODES
 
 if TYPE_CHECKING:
+    import httpx
+
     from node.asgi import ASGIApp
     from node.backend import Backend
     from router.app import RouterSettings
@@ -79,6 +81,45 @@ def _pipeline_argument(parser: argparse.ArgumentParser) -> None:
         "request may wait behind a slower one); for applications that answer quickly and "
         "evenly (default 1: off)",
     )
+
+
+#: The highest TCP port.
+MAX_PORT = 65535
+
+
+def _port(lowest: int) -> Callable[[str], int]:
+    """An argparse type: a TCP port from ``lowest`` (0 where the system may choose
+    one, or where 0 means "the default") to 65535. Checked here, any integer was
+    taken and socket.bind's OverflowError came out as a traceback."""
+
+    def port(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = -1
+        if not lowest <= number <= MAX_PORT:
+            raise argparse.ArgumentTypeError(
+                f"must be a port from {lowest} to {MAX_PORT}, got {value!r}"
+            )
+        return number
+
+    return port
+
+
+def _join_timeout(value: str) -> float:
+    """``--join-timeout``: seconds above 0, at most a day. 0 and negative ones
+    gave up at once, NaN never (its deadline comparison is always false)."""
+    from node.server import MAX_JOIN_TIMEOUT
+
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_JOIN_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"must be seconds above 0 and at most {MAX_JOIN_TIMEOUT:g}, got {value!r}"
+        )
+    return seconds
 
 
 def _pipeline_depth(value: str) -> int:
@@ -136,10 +177,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line (what was wrong, where to read
+    more) rather than the whole usage first: a bad argument is one line, as every
+    other failure of the command is. Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        one_line = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {one_line} (see {self.prog} --help)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; ``command`` is the subcommand about to run, so that the heavy
     ones (simulate, bench) are imported only when they are used."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ringlimit",
         description="A rate-limiting cluster: sticky routing to in-memory limiter nodes.",
     )
@@ -148,9 +199,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="start a router and N nodes on 127.0.0.1")
     up.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
-    up.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
+    up.add_argument("--port", type=_port(1), default=8000, help="router port (default 8000)")
     up.add_argument(
-        "--node-port", type=int, default=0, help="first node port (default: router port + 1)"
+        "--node-port", type=_port(0), default=0, help="first node port (default: router port + 1)"
     )
     _config_arguments(up)
     _envoy_arguments(up)
@@ -186,7 +237,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     router = commands.add_parser("router", help="start one router")
     router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000)
+    router.add_argument(
+        "--port", type=_port(0), default=8000, help="default 8000; 0: any free port"
+    )
     router.add_argument(
         "--node",
         action="append",
@@ -314,7 +367,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     node = commands.add_parser("node", help="start one node")
     node.add_argument("--id", required=True, help="node id (stable across restarts)")
     node.add_argument("--host", default="127.0.0.1")
-    node.add_argument("--port", type=int, required=True)
+    node.add_argument("--port", type=_port(1), required=True)
     node.add_argument(
         "--join",
         metavar="ROUTER_URL[,ROUTER_URL...]",
@@ -324,10 +377,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     node.add_argument(
         "--join-timeout",
-        type=float,
+        type=_join_timeout,
         default=120.0,
         metavar="SECONDS",
-        help="give up joining (and exit 1) after this long (default 120)",
+        help="give up joining (and exit 1) after this long (default 120, at most 86400)",
     )
     node.add_argument("--url", help="the URL the router should use (default http://HOST:PORT)")
     node.add_argument("--weight", type=int, default=1)
@@ -435,7 +488,7 @@ def _envoy_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Envoy's rate limit service (docs/envoy.md)")
     group.add_argument(
         "--grpc-port",
-        type=int,
+        type=_port(0),
         metavar="P",
         help="serve envoy.service.ratelimit.v3.RateLimitService on this port",
     )
@@ -592,6 +645,7 @@ ROUTER_NUMBERS = (
     ("--removal-interval", 0.0, 86400.0, "[]"),
     ("--removal-quorum", 0.0, 1.0, "[)"),
     ("--coalesce-window", 0.0, 1e6, "[]"),
+    ("--coordinator-ttl", 0.0, 3600.0, "(]"),
 )
 
 
@@ -760,6 +814,10 @@ def _run_router(args: argparse.Namespace) -> int:
         return 1
     if role is None:
         _check_port(args.host, args.port, "the router")
+        if args.grpc_port:  # 0: any free port, always one
+            from router.supervisor import GRPC_ROLE
+
+            _check_port(args.host, args.grpc_port, GRPC_ROLE, choose="--grpc-port")
         _serve_router(settings, args)
         return 0
     from dataclasses import replace
@@ -831,6 +889,7 @@ def _serve_router(
     gone) says so in one line."""
     from router.app import create_router
     from router.coordinator import CoordinatorError
+    from router.envoy import GrpcPortError
     from router.membership import MembershipError
     from router.server import serve_router
 
@@ -849,6 +908,8 @@ def _serve_router(
             else "check the --node seeds (ID=URL) and that those nodes are running"
         )
         raise CommandError(f"the router could not start: {exc.detail}; {hint}") from None
+    except GrpcPortError as exc:
+        raise CommandError(f"the router could not start: {exc}") from None
     except CoordinatorError as exc:
         raise CommandError(
             f"the router could not start: {exc}; check --coordinator (RINGLIMIT_COORDINATOR) "
@@ -922,6 +983,22 @@ def _reachable(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _check_upstream(url: str | None) -> None:
+    """``--upstream``: an http(s) URL with a host (a path prefix is kept). Anything
+    else was taken, the cluster started, and every allowed request failed."""
+    if url is None:
+        return
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port out of range)
+    except ValueError as exc:
+        raise ValueError(f"--upstream {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--upstream {url!r}: expected http://HOST[:PORT][/PATH] (or https://)")
+
+
 def _run_node(args: argparse.Namespace) -> int:
     from node.app import NodeSettings, create_app
     from node.server import serve_node
@@ -931,6 +1008,7 @@ def _run_node(args: argparse.Namespace) -> int:
     if args.url is not None:
         check_url(args.url)
     check_weight(args.weight)
+    _check_upstream(args.upstream)
     routers: list[str] = []
     if args.join is not None:
         routers = [part.strip() for part in args.join.split(",")]
@@ -988,10 +1066,12 @@ def _run_up(args: argparse.Namespace) -> int:
     from router.supervisor import StartError, run_cluster
 
     config = cluster_config(args)
+    _check_upstream(args.upstream)
     _redis_pipeline(args)
     _redis_timeout(args)
     if args.nodes < 1:
         raise ValueError("--nodes must be at least 1")
+    _check_node_ports(args)
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
     if args.workers > 1 and args.grpc_port is not None:
@@ -1018,6 +1098,19 @@ def _run_up(args: argparse.Namespace) -> int:
         return run_cluster(args, config)
     except StartError as exc:
         raise CommandError(str(exc)) from None
+
+
+def _check_node_ports(args: argparse.Namespace) -> None:
+    """``up``'s nodes listen on consecutive ports from --node-port (or --port + 1):
+    the last one too must be a port (65536 was a traceback from socket.bind)."""
+    first = args.node_port or args.port + 1
+    last = first + args.nodes - 1
+    if last > MAX_PORT:
+        flag = "--node-port" if args.node_port else "--port"
+        raise ValueError(
+            f"{flag} {first - (0 if args.node_port else 1)} with --nodes {args.nodes}: node "
+            f"ports {first}..{last} go past {MAX_PORT}; choose a lower {flag}"
+        )
 
 
 def _run_nodes(args: argparse.Namespace) -> int:
@@ -1093,26 +1186,67 @@ def _admin_call(
             f"cannot reach the router at {base} ({_http_problem(exc)}); "
             "check --router and that the router is running"
         ) from None
+    data = _json_object(response)
+    status = response.status_code
+    if status != 200 and data is not None and _is_admin_error(data):
+        hint = ""
+        if status == 401:
+            hint = f" ({command} sends RINGLIMIT_ADMIN_TOKEN from the environment)"
+        detail = data.get("detail")
+        said = _one_line(data["error"]) + ("" if detail is None else f": {_one_line(str(detail))}")
+        print(f"ringlimit: {said}{hint}", file=sys.stderr)
+        return 1
+    if status >= 500:
+        raise CommandError(
+            f"{base} answered HTTP {status}: {_excerpt(response)} (see the router's log)"
+        )
     try:
-        data = response.json()
-        if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-        if data.get("error") in _LIMITED_PATH_ERRORS:
-            raise ValueError("a limited path answered, not the admin API")
-        if response.status_code != 200:
-            hint = ""
-            if response.status_code == 401:
-                hint = f" ({command} sends RINGLIMIT_ADMIN_TOKEN from the environment)"
-            print(f"ringlimit: {data.get('error')}: {data.get('detail')}{hint}", file=sys.stderr)
-            return 1
+        if status != 200 or data is None or data.get("error") in _LIMITED_PATH_ERRORS:
+            raise ValueError("not an admin API's answer")
         printed = lines(data)
     except (ValueError, KeyError, TypeError):
         raise CommandError(
-            f"{base} answered HTTP {response.status_code}, not as a ringlimit router's admin "
-            "API; check --router (the router's URL, not a node's)"
+            f"{base} answered HTTP {status}, not as a ringlimit router's admin API "
+            f"({_excerpt(response)}); check --router (the router's URL, not a node's)"
         ) from None
     print("\n".join(printed))
     return 0
+
+
+def _json_object(response: httpx.Response) -> dict[str, Any] | None:
+    """The answer's JSON object; None for any other body (not JSON, not UTF-8, a
+    list, nested deeper than the parser's recursion: a RecursionError)."""
+    try:
+        data = response.json()
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _is_admin_error(data: dict[str, Any]) -> bool:
+    """A router's error answer, ``{"error": "code", "detail": ...}``, and not a
+    limited path's (a node's, see :data:`_LIMITED_PATH_ERRORS`)."""
+    error = data.get("error")
+    return isinstance(error, str) and error not in _LIMITED_PATH_ERRORS
+
+
+#: At most this many characters of an answer are quoted in the CLI's line.
+MAX_EXCERPT = 160
+
+
+def _one_line(text: str, limit: int = 1000) -> str:
+    """``text`` as part of the one line a failure prints: whitespace runs (newlines
+    too) as one space, at most ``limit`` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _excerpt(response: httpx.Response) -> str:
+    """The start of an answer's body, for a line saying it was not what was
+    expected; bytes that are not text are replaced."""
+    text = response.content[: MAX_EXCERPT * 4].decode("utf-8", "replace")
+    text = "".join(c if c.isprintable() else " " for c in text)
+    return _one_line(text, MAX_EXCERPT) or "empty body"
 
 
 #: Errors only a limited path answers (a node's, which takes /admin/... as a
@@ -1136,11 +1270,11 @@ def _http_problem(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _check_port(host: str, port: int, role: str) -> None:
+def _check_port(host: str, port: int, role: str, *, choose: str = "--port") -> None:
     from router.supervisor import StartError, check_ports
 
     try:
-        check_ports(host, [(port, role)], choose="--port")
+        check_ports(host, [(port, role)], choose=choose)
     except StartError as exc:
         raise CommandError(str(exc)) from None
 

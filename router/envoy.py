@@ -455,15 +455,30 @@ def _unit_enum(rule: Rule) -> int:
     return 0
 
 
+class GrpcPortError(OSError):
+    """The gRPC port cannot be bound; the message says which and the flag to change."""
+
+
 async def start_grpc(
     servicer: RateLimitServicer, host: str, port: int
 ) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server in the running loop (the router's); returns it and its port."""
+    """A grpc.aio server in the running loop (the router's); returns it and its port.
+
+    gRPC says a port it cannot bind with a RuntimeError (newer versions) or a
+    0 for the port (older ones), and never why: both are a :class:`GrpcPortError`
+    the CLI prints as one line."""
     server = grpc.aio.server()
     rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind the gRPC port {host}:{port}")
+        raise GrpcPortError(
+            f"cannot listen on {host}:{port} for Envoy's rate limit service (in use, or "
+            "not an address of this host); stop what uses it or choose another port "
+            "(--grpc-port)"
+        )
     await server.start()
     log.info("envoy rate limit service on %s:%d", host, bound)
     return server, bound

@@ -39,6 +39,7 @@ from pathlib import Path
 import yaml
 
 from node.config import ClusterConfig, ConfigError, ScopedRule
+from node.files import FileProblem, read_text
 from node.rules import MAX_NAME, Rule, RuleError
 
 #: Seconds per unit, as envoyproxy/ratelimit divides time (month: 30 days, year: 365).
@@ -193,11 +194,9 @@ def load_envoy_configs(paths: Sequence[str | Path], *, on_error: str = "open") -
 def load_envoy_config(path: str | Path, *, on_error: str = "open") -> EnvoyDomain:
     path = Path(path)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from None
+        text = read_text(path)
+    except FileProblem as exc:
+        raise ConfigError(str(exc)) from None
     return parse_envoy_config(text, str(path), on_error=on_error)
 
 

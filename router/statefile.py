@@ -14,33 +14,46 @@ import os
 import tempfile
 from pathlib import Path
 
+from node.files import FileProblem, NoSuchFile, parse_json, read_text
 from ring import RingView
 from router.viewlog import MembershipError
 
 
 def save_view(path: Path, view: RingView) -> None:
-    """Write ``view`` to ``path`` atomically (its folder is made if missing)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ring-")
+    """Write ``view`` to ``path`` atomically (its folder is made if missing);
+    MembershipError if it cannot be written (the router's start saves the ring
+    it starts with, so a state file that cannot be kept is found then)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ring-")
+    except OSError as exc:
+        raise _bad(path, f"cannot write ring state: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "w") as handle:
             json.dump(view.to_dict(), handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise _bad(path, f"cannot write ring state: {exc.strerror or exc}") from None
         raise
 
 
 def load_view(path: Path) -> RingView | None:
-    """The view saved at ``path``; None if there is none, MembershipError if unreadable."""
-    if not path.exists():
-        return None
+    """The view saved at ``path``; None if there is none, MembershipError if it
+    cannot be read (a directory, not UTF-8, not a ring...)."""
     try:
-        return RingView.from_dict(json.loads(path.read_text()))
+        return RingView.from_dict(parse_json(read_text(path, "state file"), path))
+    except NoSuchFile:
+        return None
+    except FileProblem as exc:
+        raise _bad(path, f"cannot read ring state: {exc.problem}") from None
     except (ValueError, TypeError) as exc:
-        raise MembershipError(
-            500, "bad_state_file", f"{path}: cannot read ring state: {exc}"
-        ) from None
+        raise _bad(path, f"cannot read ring state: {exc}") from None
+
+
+def _bad(path: Path, problem: str) -> MembershipError:
+    return MembershipError(500, "bad_state_file", f"{path}: {problem}")

@@ -342,6 +342,10 @@ def _in_ring(ring: dict[str, Any] | None, node: str) -> bool:
 # ---------------------------------------------------------------------- preflight
 
 
+#: What a --grpc-port is for, in the one line saying it is taken.
+GRPC_ROLE = "Envoy's rate limit service"
+
+
 def check_ports(
     host: str, ports: Iterable[tuple[int, str]], choose: str = "--port, --node-port"
 ) -> None:
@@ -393,6 +397,8 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
     ports = [(args.port, "the router")]
     ports += [(first_node_port + i, f"node n{i + 1}") for i in range(args.nodes)]
     check_ports(host, ports)
+    if args.grpc_port:
+        check_ports(host, [(args.grpc_port, GRPC_ROLE)], choose="--grpc-port")
     if config.backend == "redis":
         check_redis(args.redis_url)
     policy = RestartPolicy(mode=args.restart, max_restarts=args.max_restarts)

@@ -11,6 +11,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from node.files import check_output_dir, check_output_file
+
 from .scenario import MODES, ScenarioError, load_scenario
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
@@ -99,6 +101,14 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         print("ringlimit simulate: --jobs must be >= 1", file=sys.stderr)
         return 2
+    try:  # before the run, not after it: a bad path lost every result
+        if args.json:
+            check_output_file(Path(args.json), "--json")
+        if args.plots:
+            check_output_dir(Path(args.plots), "--plots")
+    except ValueError as exc:
+        print(f"ringlimit simulate: {exc}", file=sys.stderr)
+        return 2
     # Optional dependencies are checked before a long run, each in one line.
     # numpy is a core dependency (reinstalling ringlimit brings it back); matplotlib
     # comes with the `sim` extra.
@@ -127,14 +137,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"ringlimit simulate: {exc}", file=sys.stderr)
         return 2
     print(format_report(result.report))
-    if args.json:
-        path = write_json(result.report, args.json)
-        say(f"wrote {path}", verbose)
-    if args.plots:
-        from .plots import write_plots
-
-        for path in write_plots(result.report, args.plots):
+    try:
+        if args.json:
+            path = write_json(result.report, args.json)
             say(f"wrote {path}", verbose)
+        if args.plots:
+            from .plots import write_plots
+
+            for path in write_plots(result.report, args.plots):
+                say(f"wrote {path}", verbose)
+    except OSError as exc:  # since the check (a full disk, a folder removed)
+        print(f"ringlimit simulate: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from node.files import FileProblem, parse_toml, read_text
 from node.lease import MAX_LEASE
 from node.rules import Rule, RuleError, parse_rule
 
@@ -539,12 +540,9 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
     """Read and validate a scenario file; ``overrides``: ``TABLE.KEY=VALUE`` (TOML) each."""
     path = Path(path)
     try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ScenarioError(f"{path}: no such scenario file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ScenarioError(f"{path}: not valid TOML: {exc}") from None
+        data = parse_toml(read_text(path, "scenario file"), path)
+    except FileProblem as exc:
+        raise ScenarioError(str(exc)) from None
     for item in overrides:
         _override(data, item)
     return parse_scenario(data, source=str(path))

@@ -3,19 +3,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import os
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from router.cli import ROUTER_NUMBERS
 from tests.processes import ROOT, Procs, free_port, procs  # noqa: F401 (fixture)
 from tests.test_cli import free_block
+from tests.test_envoy_config import MONGO
 
 pytestmark = pytest.mark.integration
 
@@ -51,6 +55,20 @@ def taken_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 with ``handler``, for the block; its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
 @pytest.fixture
 def not_a_router() -> Iterator[str]:
     """An HTTP server on 127.0.0.1 that is not a ringlimit router (404 in HTML)."""
@@ -62,15 +80,8 @@ def not_a_router() -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serving(Handler) as url:
+        yield url
 
 
 @pytest.mark.parametrize(
@@ -126,7 +137,6 @@ def test_nodes_with_a_url_httpx_cannot_parse() -> None:
 
 def test_an_environment_default_outside_its_choices_is_one_line() -> None:
     """argparse checks choices only of flags given: RINGLIMIT_REDIS_PIPELINE is checked too."""
-    import os
 
     result = subprocess.run(
         [sys.executable, "-m", "router", "node", "--id", "n1", "--port", str(free_port())],
@@ -151,7 +161,6 @@ def test_an_environment_default_outside_its_choices_is_one_line() -> None:
 def test_a_redis_timeout_that_is_not_seconds_is_one_line(
     flags: list[str], env: dict[str, str], expected: str
 ) -> None:
-    import os
 
     result = subprocess.run(
         [sys.executable, "-m", "router", "node", "--id", "n1", "--port", str(free_port()), *flags],
@@ -250,7 +259,6 @@ def test_a_router_with_an_unreadable_state_file(tmp_path: Path) -> None:
 def test_bench_with_a_node_that_cannot_start_is_one_line() -> None:
     """A process of the benchmark that exits at start (here: a bad setting in the
     environment its nodes read) ends the run in one line, everything stopped."""
-    import os
 
     result = subprocess.run(
         [
@@ -419,3 +427,335 @@ def test_rules_failures_are_one_line(not_a_router: str, tmp_path: Path) -> None:
     empty = tmp_path / "empty.toml"
     empty.write_text('[identity]\nname = "X-Api-Key"\n')
     one_line_failure(ringlimit("rules", str(empty)), "no [[rules]] to apply")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["router", "--port", "99999"], "argument --port: must be a port from 0 to 65535"),
+        (["router", "--port", "-1"], "argument --port: must be a port from 0 to 65535"),
+        (["node", "--id", "n1", "--port", "0"], "argument --port: must be a port from 1 to"),
+        (["node", "--id", "n1", "--port", "65536"], "argument --port: must be a port from 1"),
+        (["up", "--port", "0"], "argument --port: must be a port from 1 to 65535, got '0'"),
+        (["up", "--node-port", "70000"], "argument --node-port: must be a port from 0 to"),
+        (["router", "--grpc-port", "1e3"], "argument --grpc-port: must be a port from 0 to"),
+        (["up", "--port", "65534", "--nodes", "2"], "node ports 65535..65536 go past 65535"),
+        (["up", "--node-port", "65535", "--nodes", "2"], "node ports 65535..65536 go past"),
+    ],
+)
+def test_a_port_out_of_range_is_one_line_naming_its_flag(argv: list[str], expected: str) -> None:
+    """Ports were taken as any integer: socket.bind's OverflowError came out as a
+    traceback (and `up` counted node ports past 65535)."""
+    one_line_failure(ringlimit(*argv), expected)
+
+
+@pytest.mark.parametrize("command", [["router"], ["up", "--nodes", "1"]], ids=["router", "up"])
+def test_a_grpc_port_in_use_is_one_line(
+    command: list[str], taken_port: int, tmp_path: Path
+) -> None:
+    """gRPC's RuntimeError ("Failed to bind to address") came out as a traceback
+    (from `up`'s router, followed by "router exited with code 1")."""
+    config = tmp_path / "envoy.yaml"
+    config.write_text(MONGO)
+    port = str(free_block(3))
+    argv = [*command, "--port", port, "--grpc-port", str(taken_port), "--envoy-config", str(config)]
+    one_line_failure(
+        ringlimit(*argv),
+        f"cannot listen on 127.0.0.1:{taken_port} for Envoy's rate limit service",
+        "--grpc-port",
+    )
+
+
+def test_start_grpc_on_a_port_in_use_says_which(taken_port: int) -> None:
+    """The port taken between the CLI's check and the bind: an error naming the
+    port and the flag, which the CLI prints as its one line."""
+    import asyncio
+
+    from router.envoy import GrpcPortError, RateLimitServicer, start_grpc
+    from router.envoy_config import EnvoyConfig
+
+    async def start() -> None:
+        servicer = RateLimitServicer(None, EnvoyConfig({}))  # type: ignore[arg-type]
+        await start_grpc(servicer, "127.0.0.1", taken_port)
+
+    with pytest.raises(GrpcPortError, match=f"127.0.0.1:{taken_port} .*--grpc-port"):
+        asyncio.run(start())
+
+
+def test_a_grpc_port_taken_after_the_check_is_one_line(
+    taken_port: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Taken between the CLI's check and the bind: the router's start fails with
+    the same one line (it was an OSError traceback from Router.start)."""
+    from router import cli
+
+    config = tmp_path / "envoy.yaml"
+    config.write_text(MONGO)
+    monkeypatch.setattr(cli, "_check_port", lambda *args, **kwargs: None)
+    argv = ["router", "--port", str(free_port()), "--grpc-port", str(taken_port)]
+    assert cli.main([*argv, "--envoy-config", str(config)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ringlimit: the router could not start: cannot listen on"), err
+    assert "--grpc-port" in err and len(err.splitlines()) == 1
+
+
+@pytest.fixture
+def odd_router() -> Iterator[tuple[str, Callable[[int, bytes], None]]]:
+    """An HTTP server on 127.0.0.1 answering every request with the status and body
+    set by the second item (a router whose errors are not {error, detail})."""
+    answer: dict[str, Any] = {"status": 200, "body": b"{}"}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            body = answer["body"]
+            self.send_response(answer["status"])
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PUT = do_DELETE = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    def set_answer(status: int, body: bytes) -> None:
+        answer.update(status=status, body=body)
+
+    with serving(Handler) as url:
+        yield url, set_answer
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected"),
+    [
+        (500, b'{"message": "boom"}', ["answered HTTP 500", '{"message": "boom"}']),
+        (503, b"upstream\nconnect error", ["answered HTTP 503", "upstream connect error"]),
+        (502, b"", ["answered HTTP 502", "empty body"]),
+        (400, b'{"error": "bad\\nrule", "detail": "line 1\\nline 2"}', ["bad rule: line 1 line 2"]),
+        (409, b'{"error": "ring_changed"}', ["ringlimit: ring_changed"]),
+        (400, b'{"error": ["a"], "detail": 1}', ["answered HTTP 400", '{"error": ["a"]']),
+        (200, b"[" * 100_000, ["answered HTTP 200, not as a ringlimit router's", "[[[["]),
+        (404, b"\xff\xfe not utf-8", ["answered HTTP 404", "not utf-8"]),
+    ],
+    ids=[
+        "500-json",
+        "503-text",
+        "502-empty",
+        "newlines",
+        "no-detail",
+        "error-list",
+        "deep",
+        "bytes",
+    ],
+)
+@pytest.mark.parametrize("command", [["nodes", "list"], ["rules"]], ids=["nodes", "rules"])
+def test_an_admin_answer_of_another_shape_is_one_line(
+    odd_router: tuple[str, Callable[[int, bytes], None]],
+    command: list[str],
+    status: int,
+    body: bytes,
+    expected: list[str],
+) -> None:
+    """A router's error not in {error, detail} printed "None: None" (or its
+    JSON's newlines as lines, a deep array as a RecursionError traceback); a
+    body that is no JSON at all did not say what it was. Now: one line with
+    the status and a short excerpt of the body."""
+    url, set_answer = odd_router
+    set_answer(status, body)
+    line = one_line_failure(ringlimit(*command, "--router", url), *expected)
+    assert "None" not in line and len(line) < 400, line
+
+
+def _unreadable(path: Path) -> None:
+    path.write_text("{}")
+    path.chmod(0)
+
+
+#: A file of each kind that cannot be used: (how to make it at a path, the problem said).
+BAD_FILES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "directory": (lambda p: p.mkdir(), "cannot read: a directory, not a"),
+    "not-utf8": (
+        lambda p: p.write_bytes(b"\xff\xfe[x]\n"),
+        "not UTF-8 text (byte 0xff at offset 0)",
+    ),
+    "nested": (
+        lambda p: p.write_text(
+            "[" * 100_000 if p.suffix in (".json", ".yaml") else "a = " + "[" * 5000 + "]" * 5000
+        ),
+        "nested too deeply",
+    ),
+    "under-a-file": (lambda p: p.parent.write_text(""), "Not a directory"),
+    "unreadable": (lambda p: _unreadable(p), "Permission denied"),
+}
+
+#: Each command given such a file: (argv before the path, the file's name, what the line says).
+FILE_COMMANDS: dict[str, tuple[list[str], str, str]] = {
+    "rules": (["rules"], "rules.json", "ringlimit: error:"),
+    "up-config": (["up", "--nodes", "1", "--config"], "cluster.toml", "ringlimit: error:"),
+    "simulate": (["simulate", "--quiet"], "scenario.toml", "ringlimit simulate:"),
+    "state-file": (["router", "--state-file"], "ring.json", "the router could not start"),
+    "envoy-config": (
+        ["router", "--grpc-port", "0", "--envoy-config"],
+        "envoy.yaml",
+        "ringlimit: error:",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_FILES)
+@pytest.mark.parametrize("command", FILE_COMMANDS)
+def test_a_file_that_cannot_be_used_is_one_line_naming_it(
+    command: str, kind: str, tmp_path: Path
+) -> None:
+    """A directory, an unreadable file, bytes that are not UTF-8 or a document
+    nested past the parser's recursion: each a traceback (IsADirectoryError,
+    RecursionError...) or a codec's message naming no file, for one command or
+    another; a state file under a regular file failed at its first save."""
+    make, problem = BAD_FILES[kind]
+    if kind == "unreadable" and os.geteuid() == 0:
+        pytest.skip("root reads any file")
+    argv, name, says = FILE_COMMANDS[command]
+    path = tmp_path / "sub" / name if kind == "under-a-file" else tmp_path / name
+    make(path)
+    if command == "state-file":
+        argv = [*argv, str(path), "--port", str(free_port())]
+    else:
+        argv = [*argv, str(path)]
+    line = one_line_failure(ringlimit(*argv), says, str(path), problem)
+    if command == "state-file":
+        assert line.endswith("check --state-file"), line
+
+
+def test_a_state_file_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    """Its folder cannot be made (not even by root, under /proc): the first save
+    at start was an OSError traceback."""
+    state = "/proc/ringlimit-no-such-dir/ring.json"
+    result = ringlimit("router", "--port", str(free_port()), "--state-file", state)
+    one_line_failure(
+        result, "the router could not start", f"{state}: cannot write ring state", "--state-file"
+    )
+
+
+#: Outputs that cannot be written: (how to make the path, what the line says).
+BAD_OUTPUTS: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "directory": (lambda tmp: tmp, "a directory, not a file"),
+    "under-a-file": (
+        lambda tmp: _file(tmp / "plain") / "out.json",
+        "a folder of its path is a file",
+    ),
+    "no-folder": (lambda tmp: Path("/proc/ringlimit-no-such-dir/out.json"), "cannot write"),
+}
+
+
+def _file(path: Path) -> Path:
+    path.write_text("")
+    return path
+
+
+@pytest.mark.parametrize("kind", BAD_OUTPUTS)
+def test_simulate_to_an_output_it_cannot_write_is_one_line_before_running(
+    kind: str, tmp_path: Path
+) -> None:
+    """--json at a directory (or where no file can be made) was an IsADirectoryError
+    traceback after the whole simulation, its results lost: now one line, before
+    anything runs (no report printed)."""
+    make, problem = BAD_OUTPUTS[kind]
+    out = make(tmp_path)
+    result = ringlimit("simulate", "tiny", "--quiet", "--json", str(out))
+    one_line_failure(result, "ringlimit simulate:", f"--json {out}", problem)
+    assert result.stdout == "", result.stdout
+
+
+def test_simulate_plots_into_a_file_is_one_line_before_running(tmp_path: Path) -> None:
+    plots = _file(tmp_path / "plots")
+    result = ringlimit("simulate", "tiny", "--quiet", "--plots", str(plots))
+    one_line_failure(result, f"--plots {plots}: not a directory")
+    assert result.stdout == "", result.stdout
+
+
+BENCH_DIRECT = [sys.executable, "-m", "router", "bench", "--quick", "--rows", "direct"]
+
+
+def test_bench_to_an_output_it_cannot_write_is_one_line_before_running(tmp_path: Path) -> None:
+    """--json (or --markdown) at a directory was a traceback after the whole
+    benchmark. (A node that cannot start would end the run in its own line: the
+    output is checked before that.)"""
+    result = subprocess.run(
+        [*BENCH_DIRECT, "--no-progress", "--json", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RINGLIMIT_REDIS_PIPELINE": "sideways"},
+    )
+    one_line_failure(result, f"--json {tmp_path}: a directory, not a file")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e9", "soon"])
+def test_a_join_timeout_that_is_not_seconds_is_one_line(value: str) -> None:
+    """0, negative, NaN and infinite timeouts were taken (NaN never ran out: the
+    deadline comparison is always false)."""
+    argv = ["node", "--id", "n1", "--port", str(free_port()), "--join-timeout", value]
+    one_line_failure(
+        ringlimit(*argv, "--join", "http://127.0.0.1:9"),
+        "argument --join-timeout: must be seconds above 0 and at most 86400",
+    )
+
+
+def test_a_join_to_a_router_that_never_answers_ends_within_its_timeout() -> None:
+    """Each join attempt waited up to a fixed 30 s for the answer: a router that
+    took the connection and said nothing held a --join-timeout 1 for 30 s."""
+    import time
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # connections complete in the backlog; none is answered
+        router = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        result = ringlimit(
+            "node", "--id", "n1", "--port", str(free_port()), "--join", router,
+            "--join-timeout", "1",
+        )  # fmt: skip
+        elapsed = time.monotonic() - started
+    one_line_failure(result, "could not join the ring", router)
+    assert elapsed < 15, elapsed
+
+
+def test_a_join_answered_200_by_something_else_is_not_taken_as_joined(
+    odd_router: tuple[str, Callable[[int, bytes], None]],
+) -> None:
+    """Any 200 was taken as joined: a --join at a server that is not a ringlimit
+    router left the node serving, fenced (refusing every key) for good."""
+    url, set_answer = odd_router
+    set_answer(200, b'{"ok": true}')
+    argv = ["node", "--id", "n1", "--port", str(free_port()), "--join", url]
+    one_line_failure(
+        ringlimit(*argv, "--join-timeout", "5", timeout=30),
+        "could not join the ring",
+        f"{url} answered 200, not as a ringlimit router",
+        "check --join",
+    )
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5"])
+def test_a_coordinator_ttl_that_is_not_seconds_is_one_line(value: str) -> None:
+    """inf was an OverflowError traceback, NaN a line naming no flag ("cannot
+    convert float NaN to integer"), 0 and negative ones quietly 2 s."""
+    argv = ["router", "--port", str(free_port()), "--coordinator", "etcd://127.0.0.1:1"]
+    one_line_failure(
+        ringlimit(*argv, "--coordinator-ttl", value),
+        "--coordinator-ttl must be above 0 and at most 3600",
+    )
+
+
+@pytest.mark.parametrize("command", [["node", "--id", "n1"], ["up", "--nodes", "1"]])
+@pytest.mark.parametrize("url", ["notaurl", "ftp://x", "http://", "http://h:99999"])
+def test_an_upstream_that_is_not_an_http_url_is_one_line(command: list[str], url: str) -> None:
+    """Taken as it was: the cluster started, and every allowed request failed."""
+    argv = [*command, "--port", str(free_block(2)), "--upstream", url]
+    one_line_failure(ringlimit(*argv, timeout=30), f"--upstream {url!r}", "http://")

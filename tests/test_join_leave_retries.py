@@ -67,7 +67,8 @@ class ScriptedRouter:
 CHANGED = (409, {"error": "ring_changed", "detail": "another router changed the ring first"})
 NO_LEADER = (503, {"error": "no_leader", "detail": "no router leads the ring right now"})
 TAKEN = (409, {"error": "already_member", "detail": "node n1 is in the ring with another url"})
-OK = (200, {"epoch": 2, "nodes": []})
+#: A router's answer to a join or a leave: its ring (a join's lists the node).
+OK = (200, {"epoch": 2, "nodes": [{"id": "n1", "url": "http://127.0.0.1:1", "weight": 1}]})
 
 
 def test_join_and_leave_retry_a_failover_and_a_concurrent_change(procs: Procs) -> None:
