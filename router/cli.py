@@ -134,7 +134,7 @@ def _pipeline_depth(value: str) -> int:
 
 
 def _coordinator_ttl(value: str) -> int:
-    """``--coordinator-ttl``: whole seconds, at least 2 (router/coordinator.py
+    """``--coordinator-ttl``: whole seconds from 2 to 3600 (router/coordinator.py
     ``lease_ttl``), refused at parse time rather than rounded without a word."""
     from router.coordinator import lease_ttl
 
@@ -348,7 +348,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=_coordinator_ttl,
         default=5,
         metavar="SECONDS",
-        help="the leader's etcd lease, whole seconds, at least 2: another router takes over "
+        help="the leader's etcd lease, whole seconds from 2 to 3600: another router takes over "
         "this long after it is lost (default 5)",
     )
     router.add_argument(
@@ -645,7 +645,7 @@ ROUTER_NUMBERS = (
     ("--removal-interval", 0.0, 86400.0, "[]"),
     ("--removal-quorum", 0.0, 1.0, "[)"),
     ("--coalesce-window", 0.0, 1e6, "[]"),
-    ("--coordinator-ttl", 0.0, 3600.0, "(]"),
+    # --coordinator-ttl: whole seconds, checked by its type (_coordinator_ttl).
 )
 
 

@@ -129,6 +129,8 @@ SCHEMES = ("etcd://", "etcds://")
 #: timeouts rounded up: 2 s with its default settings (more with a longer
 #: ``--election-timeout``, which :meth:`EtcdCoordinator.lead` logs).
 MIN_TTL = 2
+#: The longest (an hour): a leader that dies is replaced this long after, at most.
+MAX_TTL = 3600
 
 
 #: The share of the ttl after its last refreshed lease that a leader acts for:
@@ -139,13 +141,14 @@ STEP_DOWN = 0.8
 def lease_ttl(seconds: float) -> int:
     """``seconds`` as the whole number of seconds etcd's leases are counted in.
 
-    Refused (ValueError) unless it is a whole number of at least :data:`MIN_TTL`:
-    rounded quietly, 0.5 became 2 and 2.7 became 3, so the router led and took
-    over on another ttl than the operator asked for, without a word.
+    Refused (ValueError) unless it is a whole number from :data:`MIN_TTL` to
+    :data:`MAX_TTL`: rounded quietly, 0.5 became 2 and 2.7 became 3, so the
+    router led and took over on another ttl than the operator asked for,
+    without a word.
     """
-    if not math.isfinite(seconds) or seconds != int(seconds) or seconds < MIN_TTL:
+    if not math.isfinite(seconds) or seconds != int(seconds) or not MIN_TTL <= seconds <= MAX_TTL:
         raise ValueError(
-            f"must be a whole number of seconds, at least {MIN_TTL} "
+            f"must be a whole number of seconds from {MIN_TTL} to {MAX_TTL} "
             f"(etcd's leases count whole seconds), not {seconds:g}"
         )
     return int(seconds)

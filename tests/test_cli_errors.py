@@ -749,7 +749,8 @@ def test_a_coordinator_ttl_that_is_not_seconds_is_one_line(value: str) -> None:
     argv = ["router", "--port", str(free_port()), "--coordinator", "etcd://127.0.0.1:1"]
     one_line_failure(
         ringlimit(*argv, "--coordinator-ttl", value),
-        "--coordinator-ttl must be above 0 and at most 3600",
+        "--coordinator-ttl",
+        "whole number of seconds from 2 to 3600",
     )
 
 

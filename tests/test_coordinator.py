@@ -160,7 +160,7 @@ def test_a_coordinator_ttl_that_is_not_whole_seconds_is_refused_in_one_line(
         build_parser("router").parse_args(argv)
     assert exited.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "argument --coordinator-ttl: must be a whole number of seconds, at least 2" in last
+    assert "argument --coordinator-ttl: must be a whole number of seconds from 2 to 3600" in last
     with pytest.raises(ValueError, match="coordinator ttl: must be a whole number"):
         EtcdCoordinator([("127.0.0.1", 1)], ttl=float(given))
 
