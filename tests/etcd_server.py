@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.processes import ChildProcess, NotReady, free_port, http_probe, wait_ready
+from router.processes import ChildProcess, NotReady, http_probe, wait_ready
+from tests.processes import free_port
 from tests.redis_server import dying_with_parent
 
 

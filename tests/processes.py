@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -19,15 +21,67 @@ import pytest
 from router.processes import (
     ChildProcess,
     NotReady,
-    free_port,
     http_probe,
     ringlimit_argv,
     wait_ready,
 )
 
-__all__ = ["ROOT", "Proc", "Procs", "free_port", "procs", "wait_for", "wait_healthy", "wait_until"]
+__all__ = [
+    "ROOT",
+    "Proc",
+    "Procs",
+    "free_block",
+    "free_port",
+    "procs",
+    "wait_for",
+    "wait_healthy",
+    "wait_until",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_block(count: int, attempts: int = 50) -> int:
+    """A port P with P..P+count-1 all free on 127.0.0.1 (``up`` uses P and P+1..P+N).
+
+    Taken below the kernel's ephemeral range when there is room: a port in that
+    range can be handed to any outgoing connection on the machine between this
+    check and the moment a child binds it (so can a restarted node's port).
+    """
+    low = 32_768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(attempts):
+        base = (
+            rng.randrange(10_000, low - count)
+            if low - count > 10_000
+            else rng.randrange(20_000, 60_000)
+        )
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no free block of ports")
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, below the ephemeral range (:func:`free_block`):
+    one the kernel picked (``bind(0)``) is in that range, where an outgoing
+    connection of any test could take it before the child binds it (a node of
+    a cluster test failed to start, "Address already in use")."""
+    return free_block(1)
 
 
 class Proc(ChildProcess):

@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from router.processes import ChildProcess, NotReady, free_port, redis_probe, wait_ready
+from router.processes import ChildProcess, NotReady, redis_probe, wait_ready
+from tests.processes import free_port
 
 __all__ = ["RedisServer", "dying_with_parent", "find_redis_server", "free_port"]
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +16,7 @@ import pytest
 
 from ring import Member, RingView
 from router import __version__
-from tests.processes import ROOT, Procs, wait_for
+from tests.processes import ROOT, Procs, free_block, wait_for
 
 
 def run(argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
@@ -82,41 +80,6 @@ def test_a_lazy_command_does_not_hide_any_other_import_error(
     with pytest.raises(ModuleNotFoundError) as raised:
         cli.main(["simulate"])
     assert raised.value.name == "ringlimit_no_such_module"
-
-
-def free_block(count: int, attempts: int = 50) -> int:
-    """A port P with P..P+count-1 all free on 127.0.0.1 (``up`` uses P and P+1..P+N).
-
-    Taken below the kernel's ephemeral range when there is room: a port in that
-    range can be handed to any outgoing connection on the machine between this
-    check and the moment a child binds it (so can a restarted node's port).
-    """
-    low = 32_768
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
-            low = int(handle.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(attempts):
-        base = (
-            rng.randrange(10_000, low - count)
-            if low - count > 10_000
-            else rng.randrange(20_000, 60_000)
-        )
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError("no free block of ports")
 
 
 def children_of(pid: int) -> list[int]:

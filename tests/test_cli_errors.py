@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 
 from router.cli import ROUTER_NUMBERS
-from tests.processes import ROOT, Procs, free_port, procs  # noqa: F401 (fixture)
-from tests.test_cli import free_block
+from tests.processes import ROOT, Procs, free_block, free_port, procs  # noqa: F401 (fixture)
 from tests.test_envoy_config import MONGO
 
 pytestmark = pytest.mark.integration

@@ -39,8 +39,8 @@ from router.envoy_config import (
     with_envoy_rules,
 )
 from router.testing import InProcessCluster, node_url
-from tests.processes import Procs, free_port, wait_for
-from tests.test_cli import alive, children_of, free_block
+from tests.processes import Procs, free_block, free_port, wait_for
+from tests.test_cli import alive, children_of
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,7 @@ from aiohttp import web
 from node.app import Node
 from node.peers import MSGPACK, PeerError, Peers
 from node.shard import Shard
-from router.processes import free_port
+from tests.processes import free_port
 from tests.test_node_api import make_node, node_config
 from tests.test_shard_core import KEYS, NOW, core, decide, view
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.processes import ROOT, wait_for
-from tests.test_cli import alive, children_of, free_block
+from tests.processes import ROOT, free_block, wait_for
+from tests.test_cli import alive, children_of
 
 pytestmark = [
     pytest.mark.integration,
