@@ -4,7 +4,7 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-pytest_plugins = ["tests.redis_server", "tests.etcd_server", "tests.processes", "tests.watchdog"]
+pytest_plugins = ["tests.processes", "tests.redis_server", "tests.etcd_server", "tests.watchdog"]
 
 # CI machines are shared and slow: no per-example deadline, and a profile that
 # keeps the default run bounded. HYPOTHESIS_PROFILE=thorough runs more examples.
