@@ -10,7 +10,6 @@ from typing import NamedTuple
 COST_EXCEEDS_CAPACITY = "cost_exceeds_capacity"
 STORE_FULL = "store_full"
 BACKEND_UNAVAILABLE = "backend_unavailable"
-BYPASS = "bypass"
 
 
 def to_micros(seconds: float) -> float:

@@ -150,8 +150,8 @@ class DecisionAPI:
             if leased is not None:
                 await _send_json_bytes(send, 200, leased)
                 return
-        status, payload = await self.answer_checks(checks, batch)
-        await _send_json_bytes(send, status, payload)
+        status, payload, headers = await self.answer_checks(checks, batch)
+        await _send_json_bytes(send, status, payload, headers)
 
     def leased(self, check: Check) -> bytes | None:
         """A single check of cost 1 whose one rule leases, answered from the router's
@@ -180,24 +180,30 @@ class DecisionAPI:
         verdict = leases.verdict(rule, check.key, outcome == ADMIT, now)
         return dumps(result_dict(verdict, owner.id)).encode()
 
-    async def answer_checks(self, checks: Sequence[Check], batch: bool) -> tuple[int, bytes]:
-        """The status and JSON body answering valid checks."""
+    async def answer_checks(
+        self, checks: Sequence[Check], batch: bool
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        """The status, JSON body and extra headers answering valid checks."""
         if batch:
             results = await self.route_checks(checks)
-            return 200, batch_body(results)
+            return 200, batch_body(results), []
         result = await self.route_single(checks[0])
         if type(result) is bytes:
-            return 200, result  # a node's decision
+            return 200, result, []  # a node's decision
         assert isinstance(result, dict)
+        headers: list[tuple[bytes, bytes]] = []
         if "error" in result:
             # No decision: say so with the status too, not a 200 carrying an error
             # (the request was valid here; the node could not answer it).
             status = {"ring_changing": 503, "no_nodes": 503, "node_timeout": 504}.get(
                 result["error"], 502
             )
+            if result["error"] == "ring_changing":
+                # As the proxy path says it: the change settles within a second or so.
+                headers.append((b"retry-after", b"1"))
         else:
             status = 503 if result.get("reason") in UNANSWERED and not result["allowed"] else 200
-        return status, dumps(result).encode()
+        return status, dumps(result).encode(), headers
 
     async def route_single(self, check: Check) -> Result:
         """One check; concurrent singles for the same node leave as one batch."""
@@ -413,7 +419,9 @@ def _complete(results: list[Result | None]) -> list[Result]:
     return [r if r is not None else {} for r in results]
 
 
-async def _send_json_bytes(send: Send, status: int, payload: bytes) -> None:
+async def _send_json_bytes(
+    send: Send, status: int, payload: bytes, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
     await send(
         {
             "type": "http.response.start",
@@ -421,6 +429,7 @@ async def _send_json_bytes(send: Send, status: int, payload: bytes) -> None:
             "headers": [
                 (b"content-length", str(len(payload)).encode()),
                 (b"content-type", b"application/json"),
+                *extra,
             ],
         }
     )
