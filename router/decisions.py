@@ -384,6 +384,18 @@ class DecisionAPI:
                 results[i] = unreachable_result(checks[i], member.id)
             router.metrics.outcome(member.id, "lease_expired")
             return
+        if answer.status == 404 and len(indices) > 1 and b'"unknown_rule"' in answer.body[:64]:
+            parts = _by_rules(checks, indices)
+            if len(parts) > 1:
+                # A rule the node does not know yet (a rules change on its way to
+                # it): the node refused the whole batch before deciding any of it,
+                # so it is sent again, a request per set of rules; only the checks
+                # on that rule fail. (The other callers of a coalesced or merged
+                # batch were failed with it.)
+                await asyncio.gather(
+                    *(self._run_group(member, part, checks, results, retry, raw) for part in parts)
+                )
+                return
         if answer.status != 200:
             detail = answer.body[:200].decode("utf-8", "replace")
             for i in indices:
@@ -417,6 +429,14 @@ def merged_batch(limits: Limits) -> int:
 
 def _complete(results: list[Result | None]) -> list[Result]:
     return [r if r is not None else {} for r in results]
+
+
+def _by_rules(checks: Sequence[Check], indices: list[int]) -> list[list[int]]:
+    """``indices`` grouped by the rules their checks name, in order of first appearance."""
+    parts: dict[tuple[str, ...], list[int]] = {}
+    for i in indices:
+        parts.setdefault(tuple(rule.name for rule in checks[i].rules), []).append(i)
+    return list(parts.values())
 
 
 async def _send_json_bytes(

@@ -123,3 +123,36 @@ async def test_coalesced_singles_stay_within_the_nodes_batch_limit() -> None:
             *(cluster.client.post("/v1/check", json={"key": f"u{i}"}) for i in range(20))
         )
         assert [r.status_code for r in responses] == [200] * 20, responses[0].text
+
+
+async def test_a_rule_its_owner_does_not_know_yet_fails_only_its_own_checks() -> None:
+    """Between a rules change reaching the router and its push reaching the node,
+    a check on the new rule is one the node refuses (404 unknown_rule), before
+    deciding anything. Coalesced with other callers' checks, it failed them all:
+    20 of 20 answered 502. The batch is sent again split by rules: the other
+    callers are decided, the new rule's check alone says node_error."""
+    config = ClusterConfig.from_dict({"rules": [{"name": "api", "rate": "100/minute"}]})
+    async with InProcessCluster(
+        1, config, clock=FrozenClock(), router_options={"coalesce_window": 0.05}
+    ) as cluster:
+        # The router has the new rule; the node does not have it yet.
+        cluster.router.membership.config = ClusterConfig.from_dict(
+            {"rules": [{"name": "api", "rate": "100/minute"}, {"name": "new", "rate": "5/minute"}]}
+        )
+        bodies = [{"key": f"u{i}", "rule": "api"} for i in range(19)] + [
+            {"key": "v", "rule": "new"}
+        ]
+        responses = await asyncio.gather(
+            *(cluster.client.post("/v1/check", json=body) for body in bodies)
+        )
+        coalescer = cluster.router.coalescer
+        assert coalescer is not None and coalescer.batches < 20  # they did leave together
+        assert [r.status_code for r in responses[:19]] == [200] * 19, responses[0].text
+        assert all(r.json()["allowed"] for r in responses[:19])
+        assert responses[19].status_code == 502
+        assert responses[19].json()["error"] == "node_error"
+        # A batch of one client, likewise: its other checks are decided.
+        batch = await cluster.client.post("/v1/check", json={"checks": bodies[18:]})
+        assert batch.status_code == 200
+        first, second = batch.json()["results"]
+        assert first["allowed"] and second["error"] == "node_error"
