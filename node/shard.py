@@ -529,8 +529,5 @@ class Shard:
                 except Exception as exc:  # the loop outlives any one failure, never silently
                     self.failures.record("replication_loop", exc)
 
-    def sweep_replicas(self, now: float) -> None:
-        self.core.sweep_replicas(now)
-
     def status(self) -> dict[str, Any]:
         return self.core.status()
