@@ -3,6 +3,9 @@ in process, before and after N operations, on a frozen clock (never timed)."""
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import pytest
 
 import node.app
@@ -10,8 +13,11 @@ import node.store
 from node.app import NodeSettings, create_app
 from node.clock import FrozenClock
 from node.config import ClusterConfig, ScopedRule
+from node.peers import PeerError
 from node.rules import Rule
+from node.shard import Shard
 from node.store import MemoryStore
+from ring import Member, RingView
 
 #: One request drains it; it is whole (fresh) again one second later.
 ONCE = Rule("once", 1, 1.0)
@@ -73,3 +79,43 @@ async def test_the_sweep_keeps_up_with_replicas_of_new_keys(
         sizes.append(len(n.shard.core.replicas["n2"]))
     assert max(sizes[30:]) <= 3000 * 12, sizes[-1]
     assert sizes[-1] <= sizes[30] + 3000, (sizes[30], sizes[-1])
+
+
+class RefusingPeers:
+    """Peers that refuse every call (as a previous owner with another token would)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def post(self, url: str, path: str, payload: Any, **options: Any) -> Any:
+        self.calls += 1
+        raise PeerError("HTTP 401 unauthorized", 401)
+
+
+@pytest.mark.anyio
+async def test_failed_pulls_do_not_log_a_line_per_key(caplog: pytest.LogCaptureFixture) -> None:
+    """A new owner whose previous owner refuses its pulls decides each key it is
+    asked about on what it has, and said so in a warning per key: every client
+    with a new user id during the handoff made the node log a line (200 here).
+    One line per 10 s now, saying how many were left out; every failure is still
+    counted (ringlimit_handoff_pull_failures_total)."""
+    config = ClusterConfig(rules=(ScopedRule(ONCE),))
+    peers = RefusingPeers()
+    shard = Shard(
+        "n1",
+        MemoryStore(),
+        FrozenClock(),
+        peers,
+        lambda: config,
+        timer=lambda: 0.0,  # type: ignore[arg-type]
+    )
+    v1 = RingView.of([Member("n0", "http://n0:8000")], epoch=1)
+    v2 = RingView.of([Member("n0", "http://n0:8000"), Member("n1", "http://n1:8000")], epoch=2)
+    shard.apply(v2, v1)
+    keys = [k for k in (f"user-{i}" for i in range(1000)) if v2.owner_id(k) == "n1"][:200]
+    caplog.set_level(logging.WARNING, logger="ringlimit.node")
+    for key in keys:
+        await shard.admit(key, (ONCE,))
+    assert peers.calls == len(keys) and shard.stats.pull_failures == len(keys)
+    lines = [r for r in caplog.records if "pull of one key" in r.getMessage()]
+    assert len(lines) == 1, len(lines)
