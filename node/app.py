@@ -106,6 +106,12 @@ HANDOFF_METRICS = {
     "last_transfer_seconds": "Duration of this node's most recent outgoing state transfer.",
 }
 MAX_INTERNAL_BODY = 512 << 20
+#: States the sweep looks at in one go (then it lets requests in).
+SWEEP_SLICE = 50_000
+#: A sweep round looks at this fraction of the store (1/N) at least: a whole pass
+#: takes at most N rounds, so a state stays at most its fresh time plus N rounds
+#: (N seconds), whatever the rate new keys arrive at.
+SWEEP_PASS = 10
 #: The most keys one ``/internal/top`` answer lists per rule and kind.
 MAX_TOP = 1000
 
@@ -297,20 +303,30 @@ class Node:
         while True:
             await asyncio.sleep(self.settings.sweep_interval)
             try:
-                now = self.clock()
-                self.sample(now)
-                self.store.sweep(now, budget=50_000)
-                self.store.forget_rules(self.authority.config.rule_map)
-                # A Redis node's local fallback limiter keeps the states of the keys
-                # it decided during outages: swept the same way.
-                sweep_local = getattr(self.backend, "sweep_local", None)
-                if sweep_local is not None:
-                    sweep_local(self.authority.config.rule_map)
-                if self.shard is not None:
-                    self.shard.sweep_replicas(now)
-                release_free_memory()
+                await self.sweep_once()
             except Exception as exc:  # eviction outlives any one failure, never silently
                 self.failures.record("sweep_loop", exc)
+
+    async def sweep_once(self) -> None:
+        """One round of the sweep loop: sample the rates, evict fresh states (the
+        store's, a Redis node's fallback limiter's, the replicas'), forget rules."""
+        now = self.clock()
+        self.sample(now)
+        rules = self.authority.config.rule_map
+        await sweep_paced(self.store, now)
+        self.store.forget_rules(rules)
+        # A Redis node's local fallback limiter keeps the states of the keys
+        # it decided during outages: swept the same way.
+        sweep_local = getattr(self.backend, "sweep_local", None)
+        if sweep_local is not None:
+            sweep_local(rules)
+        if self.shard is not None:
+            # The copies of other members' states, paced as the store is: they
+            # arrive as fast as their owners make new keys.
+            for replicas in list(self.shard.core.replicas.values()):
+                await sweep_paced(replicas, now)
+                replicas.forget_rules(rules)
+        release_free_memory()
 
     def _failure_counts(self) -> dict[str, float]:
         counts: dict[str, float] = dict(self.failures.counts)
@@ -868,6 +884,22 @@ def _flag(data: dict[str, Any], field: str) -> bool:
     if type(value) is not bool:
         raise ValueError(f"{field} must be true or false, got {value!r}"[:120])
     return value
+
+
+async def sweep_paced(store: MemoryStore, now: float) -> int:
+    """Evict ``store``'s fresh states: at least a tenth of the store per round
+    (:data:`SWEEP_PASS`), in slices of :data:`SWEEP_SLICE` with the event loop let
+    in between; returns how many went. A fixed slice per round fell behind for
+    good once new keys came faster than a slice per round, and the store grew
+    without bound."""
+    budget = max(SWEEP_SLICE, -(-len(store) // SWEEP_PASS))
+    evicted = 0
+    while True:
+        evicted += store.sweep(now, budget=min(budget, SWEEP_SLICE))
+        budget -= SWEEP_SLICE
+        if budget <= 0:
+            return evicted
+        await asyncio.sleep(0)
 
 
 def create_app(

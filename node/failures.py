@@ -4,7 +4,8 @@ A health loop or a replication loop must outlive any one failure (a bug, a
 peer answering garbage, a full disk), but it must not hide it either: every
 error is counted by kind (exposed on ``/metrics``) and logged with its
 traceback, at most one line per kind every ``every`` seconds, saying how many
-were not logged in between.
+were not logged in between. :meth:`Failures.warn` puts the same limit on
+warnings that a peer or a client can cause once per request.
 """
 
 from __future__ import annotations
@@ -37,13 +38,9 @@ class Failures:
 
         Returns whether it was logged (for tests)."""
         self.counts[kind] = self.counts.get(kind, 0) + 1
-        now = self.clock()
-        last = self._logged_at.get(kind)
-        if last is not None and now - last < self.every:
-            self._unlogged[kind] = self._unlogged.get(kind, 0) + 1
+        skipped = self._due(kind)
+        if skipped is None:
             return False
-        self._logged_at[kind] = now
-        skipped = self._unlogged.pop(kind, 0)
         self.logger.error(
             "%s failed: %s: %s%s",
             kind,
@@ -53,6 +50,29 @@ class Failures:
             exc_info=(type(exc), exc, exc.__traceback__),
         )
         return True
+
+    def warn(self, kind: str, message: str, *args: object) -> bool:
+        """Log a warning, at most one of ``kind`` every ``every`` seconds (saying how
+        many were not logged in between): for events a peer or a client can repeat
+        once per request, which are counted elsewhere. Returns whether it was logged."""
+        skipped = self._due(kind)
+        if skipped is None:
+            return False
+        if skipped:
+            message += f" ({skipped} more since the last report)"
+        self.logger.warning(message, *args)
+        return True
+
+    def _due(self, kind: str) -> int | None:
+        """None if a line of ``kind`` was logged within ``every`` seconds (this one is
+        counted as not logged); else how many were not logged since the last."""
+        now = self.clock()
+        last = self._logged_at.get(kind)
+        if last is not None and now - last < self.every:
+            self._unlogged[kind] = self._unlogged.get(kind, 0) + 1
+            return None
+        self._logged_at[kind] = now
+        return self._unlogged.pop(kind, 0)
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.counts)

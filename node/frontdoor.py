@@ -49,11 +49,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import resource
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import MethodType
 from typing import Any
+
+from node.failures import Failures
 
 __all__ = ["FrontDoor", "raise_fd_limit"]
 
@@ -320,6 +323,24 @@ def _declares_body(headers: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
+class _QuietLogger:
+    """uvicorn's logger for one server, with its warnings at most one line per
+    message every 10 s (node/failures.py): uvicorn warns on every request its
+    parser refuses (``Invalid HTTP request received.``) and every request over
+    its concurrency limit, so any client could make the server log a line per
+    connection. Its messages are fixed strings, so they are few kinds."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._limit = Failures(logger)
+
+    def warning(self, message: str, *args: Any) -> None:
+        self._limit.warn(message, message, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
 def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> type:
     """``base`` (uvicorn's httptools protocol) with the header timeout, header
     size limit and connection cap of ``front_door``. ``wrap(transport, loop)``,
@@ -331,6 +352,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
     send = checked_send(RequestResponseCycle)
+    quiet = _QuietLogger(logging.getLogger("uvicorn.error"))
 
     class LimitedProtocol(base):  # type: ignore[valid-type,misc]
         _waiting = False
@@ -361,6 +383,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         expect_100_continue: bool
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self.logger = quiet
             super().connection_made(wrap(transport, self.loop) if wrap else transport)
             self._wait_for_request()
             if len(self.connections) > cap:

@@ -253,12 +253,22 @@ class Shard:
                 core.refer(pull, [m for m in earlier if type(m) is str])
         except (PeerError, KeyError, ValueError, TypeError) as exc:
             core.pull_failed(pull)
-            log.warning(
-                "pull of one key from %s failed (%s); deciding on local state%s",
-                pull.owner,
-                exc,
-                "; its handoff is past its deadline: no longer waited for" if pull.late else "",
-            )
+            if pull.late and not core.awaits(pull.owner):
+                log.warning(
+                    "pull of one key from %s failed (%s); deciding on local state; "
+                    "its handoff is past its deadline: no longer waited for",
+                    pull.owner,
+                    exc,
+                )
+            else:
+                # One per key asked about while the previous owner fails: at most
+                # a line per 10 s (each is counted: ringlimit_handoff_pull_failures_total).
+                self.failures.warn(
+                    "pull",
+                    "pull of one key from %s failed (%s); deciding on local state",
+                    pull.owner,
+                    exc,
+                )
         finally:
             core.pull_done(pull)
             del self._pulling[pull.key]
@@ -528,9 +538,6 @@ class Shard:
                     await self.replicate_once()
                 except Exception as exc:  # the loop outlives any one failure, never silently
                     self.failures.record("replication_loop", exc)
-
-    def sweep_replicas(self, now: float) -> None:
-        self.core.sweep_replicas(now)
 
     def status(self) -> dict[str, Any]:
         return self.core.status()

@@ -508,12 +508,15 @@ class ShardCore:
         if pull.late and pull.epoch == self.epoch:
             self.pending.pop(pull.owner, None)
             if not self.pending:
+                self._settled()
                 self._release_settling()
 
     def pull_done(self, pull: Pull) -> None:
         """Whatever the answer, ``pull.key`` is not pulled again under this view
-        (from another member only if this one referred it there: :meth:`refer`)."""
-        self.pulled.add(pull.key)
+        (from another member only if this one referred it there: :meth:`refer`).
+        Once no handoff is awaited nothing is pulled, and nothing is remembered."""
+        if self.pending:
+            self.pulled.add(pull.key)
         referral = self.referred.get(pull.key)
         if referral is not None and referral[0] == pull.owner:
             del self.referred[pull.key]
@@ -957,8 +960,10 @@ class ShardCore:
             if crash.until > now and (crash.view.epoch, crash.crashed) not in known:
                 self.crashes.append(crash)
         if final:
-            if epoch == self.epoch:
-                self.pending.pop(sender, None)
+            if epoch == self.epoch and sender in self.pending:
+                del self.pending[sender]
+                if not self.pending:
+                    self._settled()
             elif epoch > self.epoch:
                 self.finals.setdefault(epoch, set()).add(sender)
         if not self.pending and self.settling_epoch <= self.epoch:
@@ -974,6 +979,13 @@ class ShardCore:
             and all(deadline <= elapsed for deadline in self.pending.values())
         ):
             self._release_settling()
+
+    def _settled(self) -> None:
+        """No handoff into this node is awaited any more: what it remembered per key
+        for pulls (:meth:`inherit`) is of no use until the next view sets up
+        another, and goes now rather than stay for as long as the ring does."""
+        self.pulled = set()
+        self.referred = {}
 
     def _release_settling(self) -> None:
         if not self.settling:

@@ -9,7 +9,12 @@ fresh one (``fresh_at``). Such states are dropped by :meth:`MemoryStore.sweep`,
 which the node runs periodically in small slices so the event loop never
 stalls, and by an immediate sweep when the key cap is reached.
 
-The cap. ``max_keys`` bounds the number of states. When it is reached and a
+The cap. ``max_keys`` bounds the number of states. When it is reached, a new
+key first makes the store sweep every state (a full sweep), which also notes
+the earliest time any state left will be fresh (``_floor``, lowered by every
+state written since): until then another full sweep could free nothing, and
+is not made. (Without it, a full store of active keys scanned every state for
+every new key: a stream of one-off keys cost O(max_keys) each.) When a
 sweep frees nothing, *existing* keys keep being decided normally (an active
 key never loses its state, so nobody gets a fresh quota from memory
 pressure), and a *new* key is not stored: it is decided on a fresh state
@@ -20,6 +25,7 @@ the node counts it in a metric and logs it: never silent.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -115,6 +121,9 @@ class MemoryStore:
         self.max_keys = max_keys
         self._tables: dict[str, Table] = {}
         self._sweep_cursor: Iterator[tuple[Table, str]] | None = None
+        #: With a cap: no state is fresh before this time (a lower bound, from the
+        #: last full sweep and every state written since; -inf: unknown).
+        self._floor = -math.inf
         self.store_full_events = 0
         self.on_store_full: Callable[[Rule, str], None] | None = None
         #: Keys whose state changed since the set was last taken (replication reads it);
@@ -132,6 +141,8 @@ class MemoryStore:
         """
         table = self._tables.get(rule.name)
         if table is None or table.rule is not rule:
+            # A new rule may read its states as fresh sooner (a lower limit).
+            self._floor = -math.inf
             if table is None or table.rule.algorithm != rule.algorithm:
                 table = Table(rule)
             else:
@@ -157,6 +168,8 @@ class MemoryStore:
             table.states.pop(key, None)
         else:
             table.states[key] = state
+            if self.max_keys is not None:
+                self._lower(table, state)
         if self.dirty is not None:
             self.dirty.add(key)
 
@@ -184,6 +197,8 @@ class MemoryStore:
                 states[key] = new
                 if self.dirty is not None:
                     self.dirty.add(key)
+                if self.max_keys is not None:
+                    self._lower(table, new)
             return _verdict((decision[0], decision, (decision,)))
         tables = [self.table(rule) for rule in rules]
         old = [t.states.get(key) for t in tables]
@@ -194,6 +209,8 @@ class MemoryStore:
             for table, before, after in zip(tables, old, new_states, strict=True):
                 if after is not before:
                     table.states[key] = after
+                    if self.max_keys is not None:
+                        self._lower(table, after)
             if self.dirty is not None:
                 self.dirty.add(key)
         return verdict
@@ -231,6 +248,8 @@ class MemoryStore:
                 states[key] = new
                 if dirty is not None:
                     dirty.add(key)
+                if capped:
+                    self._lower(table, new)
             append(_verdict((decision[0], decision, (decision,))))
         return out
 
@@ -238,8 +257,16 @@ class MemoryStore:
         assert self.max_keys is not None
         if len(self) < self.max_keys:
             return True
+        if now < self._floor:
+            return False  # no state is fresh yet: a full sweep would free nothing
         self.sweep(now, budget=None)
         return len(self) < self.max_keys
+
+    def _lower(self, table: Table, state: State) -> None:
+        """``state`` was written into ``table``: the floor is at most its fresh time."""
+        fresh = table.fresh_at(state, table.rule)
+        if fresh < self._floor:
+            self._floor = fresh
 
     def _store_full(self, rule: Rule, key: str, now: float, cost: int) -> Verdict:
         self.store_full_events += 1
@@ -278,6 +305,7 @@ class MemoryStore:
             for table, before, after in zip(tables, old, new_states, strict=True):
                 if before is not None and after is not before:
                     table.states[key] = after
+                    self._lower(table, after)
         elif not allowed and verdict.allowed and cost:
             # A closed rule refused: nothing was consumed, so show what is really left.
             for i, (rule, state) in enumerate(zip(rules, old, strict=True)):
@@ -298,13 +326,21 @@ class MemoryStore:
         """
         if budget is None:
             evicted = 0
+            floor = math.inf
             for table in list(self._tables.values()):
                 fresh_at, rule, states = table.fresh_at, table.rule, table.states
-                stale = [k for k, s in states.items() if fresh_at(s, rule) <= now]
+                stale = []
+                for k, s in states.items():
+                    fresh = fresh_at(s, rule)
+                    if fresh <= now:
+                        stale.append(k)
+                    elif fresh < floor:
+                        floor = fresh
                 for k in stale:
                     del states[k]
                 evicted += len(stale)
             self._sweep_cursor = None
+            self._floor = floor
             return evicted
         evicted = 0
         looked = 0
@@ -420,6 +456,7 @@ class MemoryStore:
         (replicas: the newest copy is the right one, even if it refilled).
         """
         taken = 0
+        self._floor = -math.inf  # states that may be fresh sooner than any held
         # A transfer is long runs of one rule: look its table up once per run.
         last_name = last_algorithm = None
         table: Table | None = None

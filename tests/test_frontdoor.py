@@ -649,3 +649,47 @@ def test_a_partial_request_in_the_read_that_ends_a_drain_is_timed() -> None:
     assert status(out) == 413 and closed is not None and closed < 2, (out[:200], closed)
     assert out.count(b"HTTP/1.1 ") == 2 and b"HTTP/1.1 408" in out, out
     assert paths == ["/refuse"], paths
+
+
+def test_bad_requests_do_not_log_a_line_each() -> None:
+    """uvicorn logs a warning for every request its parser refuses (``Invalid HTTP
+    request received.``): a client sending garbage on new connections made the
+    server log a line per connection (30 here). One line per 10 s now, with how
+    many were left out; each still gets its 400 and a closed connection."""
+    import asyncio
+    import logging
+
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from node.frontdoor import FrontDoor, limited_protocol
+    from tests.uvicorn_serving import serving
+
+    front_door = FrontDoor(header_timeout=5, body_timeout=5)
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    async def main() -> list[bytes]:
+        protocol = limited_protocol(HttpToolsProtocol, front_door)
+        answers = []
+        async with serving(protocol, recording_app([]), ws="none") as (port, _):
+            logger = logging.getLogger("uvicorn.error")  # (uvicorn's loggers do not propagate)
+            logger.setLevel(logging.WARNING)
+            logger.addHandler(handler)
+            for _ in range(30):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"\x00\x01 not http\r\n\r\n")
+                answers.append(await asyncio.wait_for(reader.read(), 3))
+                writer.close()
+        return answers
+
+    handler = Lines()
+    try:
+        answers = asyncio.run(main())
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert all(status(a) == 400 for a in answers), answers[:2]
+    invalid = [line for line in lines if "Invalid HTTP request" in line]
+    assert len(invalid) == 1, len(invalid)

@@ -249,6 +249,39 @@ def test_a_handoff_past_its_deadline_is_given_up_only_when_a_pull_fails() -> Non
     assert b.inherit(owned_by(v2, "n1")[2], (RULE,), 106.0) is None
 
 
+def test_what_a_handoff_remembered_per_key_goes_once_it_has_settled() -> None:
+    """The keys pulled (and referred) while a handoff into this node was under way
+    matter only while some member's final mark is awaited: they stayed until the
+    next view, however long the ring stayed as it was (every key first asked
+    about in the handoff's window: 1,000 here, kept after its final mark came).
+    Now they go when the last awaited mark comes, or the last awaited member is
+    given up."""
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    keys = [k for k in (f"user-{i}" for i in range(3000)) if v2.owner_id(k) == "n1"][:1000]
+    for give_up in (False, True):
+        b = core("n1", handoff_wait=5.0)
+        b.apply(v2, v1, (), NOW, 0.0)
+        for key in keys:
+            step = b.inherit(key, (RULE,), 1.0)
+            assert isinstance(step, Pull)
+            b.start_pull(step)
+            b.take_pulled([], NOW)
+            b.refer(step, ["n2"])  # (not awaited: no referral is kept)
+            b.pull_done(step)
+        assert len(b.pulled) == len(keys)
+        b.referred["user-x"] = ("n0", frozenset())  # as a referral still unanswered
+        if give_up:
+            late = b.inherit("user-y", (RULE,), 6.0)
+            assert isinstance(late, Pull) and late.late
+            b.start_pull(late)
+            b.pull_failed(late)
+            b.pull_done(late)
+        else:
+            b.receive("n0", 2, [], True, (), NOW)
+        assert not b.pending
+        assert (len(b.pulled), len(b.referred)) == (0, 0), give_up
+
+
 def test_a_failed_final_mark_is_owed_and_sent_with_what_is_left() -> None:
     """A final mark that did not land is sent again at the next transfers(),
     even once pulls have emptied the outbox: the receiver waits for it."""

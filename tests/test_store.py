@@ -413,3 +413,36 @@ def test_rule_changes() -> None:
     assert store.check("k", [bigger], T0, 0).decision.remaining == 0
     window = rule.with_(algorithm="fixed_window")
     assert store.check("k", [window], T0, 0).decision.remaining == 5
+
+
+def test_a_full_store_of_active_keys_does_not_scan_every_state_for_each_new_key() -> None:
+    """A full store whose states are all still in use: a stream of new keys made it
+    sweep every state for every one of them (1,000 new keys at a cap of 1,000:
+    1,001,000 states looked at before). A full sweep notes when the first state
+    left will be fresh, and none is made before then; once it comes, new keys
+    get room again as before."""
+    cap = 1000
+    rule = Rule("r", 10, 60.0)  # a token back every 6 s
+    store = MemoryStore(max_keys=cap)
+    looked = 0
+    fresh_at = store.table(rule).fresh_at
+
+    def counting(state: Any, rule: Rule) -> float:
+        nonlocal looked
+        looked += 1
+        return fresh_at(state, rule)
+
+    store.table(rule).fresh_at = counting
+    for i in range(cap):
+        assert store.check(f"old{i}", [rule], T0 + i * 0.001, 1).allowed
+    looked = 0
+    for i in range(cap):
+        assert store.check(f"new{i}", [rule], T0 + 2.0, 1).decision.reason == STORE_FULL
+    assert store.store_full_events == cap
+    assert looked <= 2 * cap, looked
+    # The active keys keep counting (each write lowers the floor to its own fresh time).
+    assert store.check("old999", [rule], T0 + 2.0, 1).allowed
+    # The first state is whole again 6 s after its one request: room for a new key.
+    d = store.check("later", [rule], T0 + 6.0005, 1).decision
+    assert d.reason is None and store.get(rule, "old0") is None
+    assert store.get(rule, "later") is not None and len(store) == cap

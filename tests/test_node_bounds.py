@@ -1,0 +1,121 @@
+"""What a node holds stays bounded under adversarial or long-running load: counted
+in process, before and after N operations, on a frozen clock (never timed)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+import node.app
+import node.store
+from node.app import NodeSettings, create_app
+from node.clock import FrozenClock
+from node.config import ClusterConfig, ScopedRule
+from node.peers import PeerError
+from node.rules import Rule
+from node.shard import Shard
+from node.store import MemoryStore
+from ring import Member, RingView
+
+#: One request drains it; it is whole (fresh) again one second later.
+ONCE = Rule("once", 1, 1.0)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_sweep_keeps_up_with_new_keys_arriving_faster_than_a_slice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One-off users, each fresh again after 1 s, arriving at 3 slices' worth per
+    sweep. The sweep looked at one slice per round whatever the store held, so it
+    fell behind for good and the store grew by two slices a round without bound
+    (a slice is 50,000 states: a node deciding new keys faster than that per
+    second held every key it ever saw). A round now looks at a tenth of the store
+    at least, in slices: a key stays at most its fresh time plus ten rounds."""
+    monkeypatch.setattr(node.app, "SWEEP_SLICE", 1000)
+    clock = FrozenClock()
+    config = ClusterConfig(rules=(ScopedRule(ONCE),))
+    n = create_app(NodeSettings(node_id="n1", config=config), clock=clock)
+    rules = (ONCE,)
+    sizes = []
+    for round_ in range(60):
+        n.store.check_many(((f"u{round_}-{i}", rules, 1) for i in range(3000)), clock())
+        clock.advance(1.0)
+        await n.sweep_once()
+        sizes.append(len(n.store))
+    # 3,000 keys a round, each fresh 1 s later: at most 11 rounds' worth held.
+    assert max(sizes[30:]) <= 3000 * 12, sizes[-1]
+    assert sizes[-1] <= sizes[30] + 3000, (sizes[30], sizes[-1])
+
+
+@pytest.mark.anyio
+async def test_the_sweep_keeps_up_with_replicas_of_new_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same for the copies of a predecessor's states (crash policy replica): they
+    arrive as fast as their owner makes new keys, and were swept 10,000 a round
+    (here patched to 1,000 for the store and the replicas alike), so they piled up
+    for good as well."""
+    monkeypatch.setattr(node.app, "SWEEP_SLICE", 1000)
+    monkeypatch.setattr(node.store.MemoryStore.sweep, "__defaults__", (1000,))
+    clock = FrozenClock()
+    config = ClusterConfig(rules=(ScopedRule(ONCE),))
+    n = create_app(NodeSettings(node_id="n1", config=config), clock=clock)
+    assert n.shard is not None
+    rules = (ONCE,)
+    sizes = []
+    for round_ in range(60):
+        origin = MemoryStore()
+        origin.check_many(((f"u{round_}-{i}", rules, 1) for i in range(3000)), clock())
+        n.shard.receive_replicas("n2", origin.export(clock()))
+        clock.advance(1.0)
+        await n.sweep_once()
+        sizes.append(len(n.shard.core.replicas["n2"]))
+    assert max(sizes[30:]) <= 3000 * 12, sizes[-1]
+    assert sizes[-1] <= sizes[30] + 3000, (sizes[30], sizes[-1])
+
+
+class RefusingPeers:
+    """Peers that refuse every call (as a previous owner with another token would)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def post(self, url: str, path: str, payload: Any, **options: Any) -> Any:
+        self.calls += 1
+        raise PeerError("HTTP 401 unauthorized", 401)
+
+
+@pytest.mark.anyio
+async def test_failed_pulls_do_not_log_a_line_per_key(caplog: pytest.LogCaptureFixture) -> None:
+    """A new owner whose previous owner refuses its pulls decides each key it is
+    asked about on what it has, and said so in a warning per key: every client
+    with a new user id during the handoff made the node log a line (200 here).
+    One line per 10 s now, saying how many were left out; every failure is still
+    counted (ringlimit_handoff_pull_failures_total)."""
+    config = ClusterConfig(rules=(ScopedRule(ONCE),))
+    peers = RefusingPeers()
+    shard = Shard(
+        "n1",
+        MemoryStore(),
+        FrozenClock(),
+        peers,
+        lambda: config,
+        timer=lambda: 0.0,  # type: ignore[arg-type]
+    )
+    v1 = RingView.of([Member("n0", "http://n0:8000")], epoch=1)
+    v2 = RingView.of([Member("n0", "http://n0:8000"), Member("n1", "http://n1:8000")], epoch=2)
+    shard.apply(v2, v1)
+    keys = [k for k in (f"user-{i}" for i in range(1000)) if v2.owner_id(k) == "n1"][:200]
+    caplog.set_level(logging.WARNING, logger="ringlimit.node")
+    for key in keys:
+        await shard.admit(key, (ONCE,))
+    assert peers.calls == len(keys) and shard.stats.pull_failures == len(keys)
+    lines = [r for r in caplog.records if "pull of one key" in r.getMessage()]
+    assert len(lines) == 1, len(lines)
