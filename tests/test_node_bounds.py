@@ -36,9 +36,11 @@ async def test_the_sweep_keeps_up_with_new_keys_arriving_faster_than_a_slice(
     sweep. The sweep looked at one slice per round whatever the store held, so it
     fell behind for good and the store grew by two slices a round without bound
     (a slice is 50,000 states: a node deciding new keys faster than that per
-    second held every key it ever saw). A round now looks at a tenth of the store
-    at least, in slices: a key stays at most its fresh time plus ten rounds."""
+    second held every key it ever saw). A round now looks at 1/SWEEP_PASS of the
+    store at least (patched to 10 here), in slices: a key stays at most its fresh
+    time plus ten rounds."""
     monkeypatch.setattr(node.app, "SWEEP_SLICE", 1000)
+    monkeypatch.setattr(node.app, "SWEEP_PASS", 10)
     clock = FrozenClock()
     config = ClusterConfig(rules=(ScopedRule(ONCE),))
     n = create_app(NodeSettings(node_id="n1", config=config), clock=clock)
@@ -63,6 +65,7 @@ async def test_the_sweep_keeps_up_with_replicas_of_new_keys(
     (here patched to 1,000 for the store and the replicas alike), so they piled up
     for good as well."""
     monkeypatch.setattr(node.app, "SWEEP_SLICE", 1000)
+    monkeypatch.setattr(node.app, "SWEEP_PASS", 10)
     monkeypatch.setattr(node.store.MemoryStore.sweep, "__defaults__", (1000,))
     clock = FrozenClock()
     config = ClusterConfig(rules=(ScopedRule(ONCE),))
