@@ -473,7 +473,10 @@ class ShardCore:
         was itself still expecting that key's state from (:meth:`earlier_owners`):
         the state may be in one's outbox or on its way here. The first such
         member this node still awaits is asked next (:meth:`inherit`), each at
-        most once per key."""
+        most once per key. (A pull of an older view refers nobody: its sources
+        are not this view's.)"""
+        if pull.epoch != self.epoch:
+            return
         previous = self.referred.get(pull.key)
         asked = (previous[1] if previous is not None else frozenset()) | {pull.owner}
         for member in members:
@@ -514,7 +517,12 @@ class ShardCore:
     def pull_done(self, pull: Pull) -> None:
         """Whatever the answer, ``pull.key`` is not pulled again under this view
         (from another member only if this one referred it there: :meth:`refer`).
-        Once no handoff is awaited nothing is pulled, and nothing is remembered."""
+        Once no handoff is awaited nothing is pulled, and nothing is remembered.
+        Nor is a pull of an older view (a newer one came while it was on its way):
+        marked pulled, its key was not asked for under the view in force, and was
+        decided on what this node had before that view's handoff came."""
+        if pull.epoch != self.epoch:
+            return
         if self.pending:
             self.pulled.add(pull.key)
         referral = self.referred.get(pull.key)

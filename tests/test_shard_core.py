@@ -742,3 +742,22 @@ def test_no_key_is_decided_by_two_cores_and_states_follow_their_keys(
                 except NotOwner:
                     pass
             assert len(deciders) <= 1 or cores[0].view is None
+
+
+def test_a_pull_of_an_older_view_that_ends_late_does_not_stop_the_pull_of_the_new_one() -> None:
+    """n1 pulls a key from n0 under epoch 2; epoch 3 (n2 joins) comes while the pull
+    is on its way, and the key is still n1's, still awaited from n0. The old pull
+    ended (with nothing) and marked the key pulled under epoch 3: n1 no longer
+    asked n0 for it and decided it on a fresh state, though n0's handoff of
+    epoch 3 had not come. Only a pull of the view in force is remembered."""
+    v1, v2, v3 = view(["n0"], 1), view(["n0", "n1"], 2), view(["n0", "n1", "n2"], 3)
+    b = core("n1")
+    b.apply(v2, v1, (), NOW, 0.0)
+    key = next(k for k in KEYS if v2.owner_id(k) == "n1" and v3.owner_id(k) == "n1")
+    old = b.inherit(key, (RULE,), 1.0)
+    assert old == Pull("n0", "http://n0:8000", key, 2, "n1")
+    b.start_pull(old)
+    b.apply(v3, v2, (), NOW, 0.0)  # while the pull is on its way
+    b.take_pulled([], NOW)
+    b.pull_done(old)
+    assert b.inherit(key, (RULE,), 1.0) == Pull("n0", "http://n0:8000", key, 3, "n1")
