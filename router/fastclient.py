@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 
 import httptools
@@ -59,6 +60,7 @@ class _Connection(asyncio.Protocol):
         "connection",
         "fields",
         "headers",
+        "idle_since",
         "interim",
         "keep_alive",
         "length",
@@ -98,6 +100,8 @@ class _Connection(asyncio.Protocol):
         self.received = False
         #: It was taken from the idle pool (so the node may have closed it meanwhile).
         self.reused = False
+        #: When it was last put back in the idle pool (``time.monotonic``).
+        self.idle_since = 0.0
         self.interim = False
         #: The one timer that watches the oldest request's deadline (see :meth:`watch`).
         self.timer: asyncio.TimerHandle | None = None
@@ -314,6 +318,12 @@ class _Connection(asyncio.Protocol):
 
 #: Pools (one per node address) kept before those without a connection are dropped.
 MAX_POOLS = 1024
+#: An idle connection is closed after this long (seconds). A node closes its own
+#: idle connections sooner (its keep-alive, 5 s by default): one idle longer is to
+#: a node that died without closing it (its host lost, a partition), and would
+#: otherwise hold a file descriptor for the router's life, up to ``max_idle`` per
+#: node, every replaced node's on top of the last.
+IDLE_TIMEOUT = 60.0
 
 
 class _Pool:
@@ -352,9 +362,17 @@ class _Pool:
             and not self.dropped
             and len(self.idle) < self.max_idle
         ):
+            connection.idle_since = time.monotonic()
             self.idle.append(connection)
         else:
             connection.close()
+
+    def close_idle_since(self, before: float) -> None:
+        """Close the idle connections put back before ``before`` (the oldest are
+        first: connections are reused last in, first out)."""
+        idle = self.idle
+        while idle and idle[0].idle_since < before:
+            idle.popleft().close()
 
     def forget(self, connection: _Connection) -> None:
         """``connection`` closed: it leaves the idle connections, if it was one."""
@@ -382,12 +400,21 @@ class FastForwarder:
     """
 
     def __init__(
-        self, *, timeouts: Timeouts | None = None, max_idle: int = 256, pipeline: int = 1
+        self,
+        *,
+        timeouts: Timeouts | None = None,
+        max_idle: int = 256,
+        pipeline: int = 1,
+        idle_timeout: float = IDLE_TIMEOUT,
     ) -> None:
         if pipeline < 1:
             raise ValueError("pipeline must be at least 1")
         self.timeouts = timeouts or Timeouts()
         self.max_idle = max_idle
+        self.idle_timeout = idle_timeout
+        #: The timer that closes connections idle past ``idle_timeout`` (set while
+        #: there are pools: started by the first).
+        self._reaper: asyncio.TimerHandle | None = None
         self.pipeline = pipeline
         self._pools: dict[str, tuple[_Pool, str]] = {}
         self._bases: dict[str, tuple[_Pool, str]] = {}
@@ -411,7 +438,22 @@ class FastForwarder:
                 host, port = origin, "80"
             found = (_Pool(host.strip("[]"), int(port), self.max_idle, self.pipelined), origin)
             self._pools[origin] = found
+            if self._reaper is None:
+                self._reap_later()
         return found[0], path
+
+    def _reap_later(self) -> None:
+        self._reaper = asyncio.get_running_loop().call_later(self.idle_timeout / 4, self._reap)
+
+    def _reap(self) -> None:
+        """Close connections idle past ``idle_timeout`` (no request pays for this:
+        a timer, every quarter of it, while there are pools)."""
+        before = time.monotonic() - self.idle_timeout
+        for pool, _ in self._pools.values():
+            pool.close_idle_since(before)
+        self._reaper = None
+        if self._pools:
+            self._reap_later()
 
     def _forget_unused(self) -> None:
         """Drop the pools that hold no open connection: the nodes a router has
@@ -563,6 +605,9 @@ class FastForwarder:
         )
 
     async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         for pool, _ in self._pools.values():
             while pool.idle:
                 pool.idle.pop().close()

@@ -262,3 +262,28 @@ async def test_a_pool_dropped_while_connecting_closes_its_connection(
         assert pool.open == 0
     finally:
         await client.close()
+
+
+async def test_a_connection_idle_past_its_timeout_is_closed(server: tuple[Scripted, str]) -> None:
+    """A node that died without closing its connections (its host lost, a
+    partition) left them idle in the pool for the router's life, a file
+    descriptor each, up to max_idle per node, every replaced node's on top of
+    the last: nothing closed an idle connection but the node. Closed after
+    ``idle_timeout`` now (a live node closes its own sooner: its keep-alive)."""
+    _, url = server
+    client = FastForwarder(idle_timeout=0.2)
+    try:
+        answer = await client.request("GET", url + "/a", [], None)
+        assert answer.status == 200
+        (pool, _) = next(iter(client._pools.values()))
+        assert len(pool.idle) == 1 and pool.open == 1
+        for _ in range(100):  # bounded: 2 s
+            if pool.open == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert len(pool.idle) == 0 and pool.open == 0
+        # The pool still serves: a new connection.
+        assert (await client.request("GET", url + "/b", [], None)).status == 200
+    finally:
+        await client.close()
+    assert client._reaper is None
