@@ -75,12 +75,20 @@ local function advance(start, now, period)
   return start, windows
 end
 
+-- The longest TTL written: 2^53 ms (285,000 years), the largest integer '%d' formats
+-- exactly. A bucket can be fresh again ~3e16 s ahead (burst 1e9, 1 per 366 days), more
+-- milliseconds than SET PX accepts (about 2^63 minus the time): uncapped, the write
+-- failed with "invalid expire time" after the rules before it had been committed.
+local MAX_TTL_MS = 2 ^ 53
+
 -- Milliseconds until fresh_at, rounded up (a key never expires before its state is
--- fresh again), plus the configured slack; at least 1 ms.
+-- fresh again), plus the configured slack; at least 1 ms, at most MAX_TTL_MS.
 local function ttl_ms(fresh_at, now)
   local ms = ceil((fresh_at - now) * 1000) + SLACK_MS
   if ms < 1 then
     ms = 1
+  elseif not (ms <= MAX_TTL_MS) then
+    ms = MAX_TTL_MS
   end
   return string.format('%d', ms)
 end
