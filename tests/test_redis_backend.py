@@ -235,6 +235,51 @@ def test_keys_expire_when_fresh_and_come_back_fresh(redis_url: str) -> None:
     run(scenario)
 
 
+#: A rule tightened at runtime (same name and algorithm): a lower rate with the same
+#: burst, or a longer period. A state written before is fresh again later under it
+#: (not GCRA's: its state, tat, is the time it is fresh again, whatever the rule).
+TIGHTENED = {
+    "token_bucket": (Rule("t", 100, 0.6, burst=100), Rule("t", 10, 0.6, burst=100)),
+    "fixed_window": (Rule("t", 5, 0.6, "fixed_window"), Rule("t", 5, 6.0, "fixed_window")),
+    "sliding_log": (Rule("t", 5, 0.6, "sliding_log"), Rule("t", 5, 6.0, "sliding_log")),
+    "sliding_window": (Rule("t", 5, 0.6, "sliding_window"), Rule("t", 5, 6.0, "sliding_window")),
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(TIGHTENED))
+def test_a_denied_user_keeps_its_state_after_the_rule_is_tightened(
+    redis_url: str, algorithm: str
+) -> None:
+    """A key's TTL ended at fresh_at under the rule of its last write. Denials write
+    nothing, so after the rule was tightened at runtime a user denied under it kept
+    the old TTL, and Redis dropped a state that still mattered: a full quota once
+    the old rule would have refilled (before: the token bucket showed 100 remaining
+    where the engine shows 16, the log and windows 5 where it shows 0). A check that
+    writes nothing now stretches the TTL to the state's fresh_at under the rule in
+    force (its reset_after), never shortens it."""
+    before, after = TIGHTENED[algorithm]
+    clock = FrozenClock(1_000_000.0)
+
+    async def scenario() -> None:
+        backend = RedisBackend(redis_url, clock=clock)
+        memory = MemoryBackend(MemoryStore(), clock)
+        try:
+            for rule, cost in ((before, before.capacity), (after, 1)):
+                assert await backend.check("u", [rule], cost) == await memory.check(
+                    "u", [rule], cost
+                )
+                clock.advance(0.01)
+            assert not (await memory.check("u", [after], 1)).allowed
+            # Past every TTL the old rule gave; injected time moves as much.
+            await asyncio.sleep(1.0)
+            clock.advance(1.0)
+            assert await backend.check("u", [after], 0) == await memory.check("u", [after], 0)
+        finally:
+            await backend.close()
+
+    run(scenario)
+
+
 # --------------------------------------------------------------------------- keys
 
 
