@@ -70,6 +70,11 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+try:
+    from redis.maint_notifications import MaintNotificationsConfig
+except ImportError:  # redis-py before 7: no maintenance notifications
+    MaintNotificationsConfig = None  # type: ignore[assignment,misc]
+
 from node.algorithms import REGISTRY
 from node.backend import Check, MemoryBackend
 from node.clock import Clock
@@ -223,6 +228,13 @@ class RedisBackend:
         self._slots = asyncio.Semaphore(max_connections)
         #: Bumped by every call that finds Redis unavailable.
         self._failures = 0
+        options: dict[str, Any] = {}
+        if MaintNotificationsConfig is not None:
+            # Off: with them on ("auto", redis-py 8's default with RESP3) the pool
+            # skips its check of an idle connection before handing it out, so one
+            # the server closed (its `timeout`, a proxy, a NAT) failed the next
+            # check, and the node fell back to local limits as if Redis were down.
+            options["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
         pool = BlockingConnectionPool.from_url(
             url,
             # Room beyond the call slots for start() and the probe's PING.
@@ -231,6 +243,7 @@ class RedisBackend:
             socket_timeout=timeout,
             socket_connect_timeout=connect_timeout or timeout,
             retry=Retry(NoBackoff(), 0),
+            **options,
         )
         self.redis: Redis = Redis.from_pool(pool)
         self._available = True

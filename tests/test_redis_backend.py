@@ -20,7 +20,7 @@ from redis.exceptions import ClusterCrossSlotError
 from node.algorithms import decide
 from node.backend import MemoryBackend
 from node.clock import Clock, FrozenClock, system_clock
-from node.decision import BACKEND_UNAVAILABLE, COST_EXCEEDS_CAPACITY
+from node.decision import BACKEND_UNAVAILABLE, COST_EXCEEDS_CAPACITY, Verdict
 from node.lua import CHECK, SCRIPTS
 from node.redis_backend import (
     ALGORITHM_CODES,
@@ -377,6 +377,36 @@ def test_hung_redis_times_out_in_milliseconds() -> None:
         time.sleep(0.2)  # let the accept loop catch up
         # One connection per call: a timeout is never retried.
         assert len(accepted) == 3
+
+
+def test_idle_connections_the_server_closed_are_no_outage(redis_url: str, pipeline: bool) -> None:
+    """Redis's ``timeout`` setting, a proxy or a NAT closes idle connections. The pool
+    must open new ones, not hand out the closed ones: with redis-py 8 (RESP3, where
+    maintenance notifications default to "auto") its check of a pooled connection
+    was skipped, and every check after an idle spell failed with "Connection closed
+    by server" (before: 10 of 10 BackendUnavailable after each kill), so the node
+    fell back to local limits for a probe interval."""
+    rule = [Rule("r", 1000, 60.0)]
+
+    async def scenario() -> None:
+        backend = RedisBackend(redis_url, pipeline=pipeline, max_connections=4)
+        await backend.start()
+        try:
+            with sync_client(redis_url) as client:
+                for _ in range(3):
+                    killed = client.client_kill_filter(_type="normal", skipme=True)
+                    assert killed >= 1  # the pool's warm connections
+                    await asyncio.sleep(0.05)  # the loop sees them closed
+                    outcomes = await asyncio.gather(
+                        *(backend.check(f"k{i}", rule, 1) for i in range(10)),
+                        return_exceptions=True,
+                    )
+                    assert all(isinstance(o, Verdict) for o in outcomes), outcomes
+            assert backend.available
+        finally:
+            await backend.close()
+
+    run(scenario)
 
 
 def test_a_burst_on_a_healthy_redis_is_no_outage(redis_url: str, pipeline: bool) -> None:
