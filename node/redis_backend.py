@@ -34,7 +34,9 @@ caller's clock, plus ``ttl_slack``.
 Failure. Timeouts are tight (``timeout``, default 100 ms, for connecting and
 for each reply), nothing is retried except one ``SCRIPT LOAD`` after
 ``NOSCRIPT`` (a restarted or flushed Redis), and an unreachable, timing-out,
-loading, read-only or out-of-memory Redis raises :class:`BackendUnavailable`.
+loading, read-only or out-of-memory Redis, or one that refuses writes (a failed
+snapshot: ``MISCONF``; too few replicas: ``NOREPLICAS``), raises
+:class:`BackendUnavailable`.
 At most ``max_connections`` calls are in Redis at once; the rest queue (for at
 most ``queue_timeout``), and queued calls fail at once when one in flight
 finds Redis unavailable, so a dead Redis is never tried by a pile of waiters.
@@ -121,7 +123,19 @@ _UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     asyncio.TimeoutError,
 )
 _PING_ERRORS: tuple[type[BaseException], ...] = (RedisError, *_UNAVAILABLE_ERRORS)
-_UNAVAILABLE_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
+#: Replies of a Redis that cannot take a write now: a script running too long, a
+#: dataset loading, a replica (READONLY), a failed RDB snapshot with
+#: stop-writes-on-bgsave-error (MISCONF), fewer replicas than min-replicas-to-write.
+_UNAVAILABLE_PREFIXES = (
+    "BUSY",
+    "LOADING",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "TRYAGAIN",
+    "READONLY",
+    "MISCONF",
+    "NOREPLICAS",
+)
 
 
 class BackendUnavailable(Exception):

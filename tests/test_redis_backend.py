@@ -10,6 +10,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,7 +33,7 @@ from node.redis_backend import (
 )
 from node.rules import ALGORITHMS, Rule
 from node.store import MemoryStore
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer, find_redis_server, free_port
 
 pytestmark = pytest.mark.redis
 
@@ -514,6 +515,68 @@ def test_bad_calls_are_errors_not_outages(redis_url: str, pipeline: bool) -> Non
             await backend.close()
 
     run(scenario)
+
+
+@pytest.mark.parametrize("refusal", ["MISCONF", "NOREPLICAS"])
+def test_a_redis_refusing_writes_is_unavailable(tmp_path: Path, refusal: str) -> None:
+    """A Redis that refuses every write, as a replica does with READONLY, cannot
+    decide now, and each rule's on_error must: MISCONF (its RDB snapshot failed, a
+    full disk) and NOREPLICAS (fewer replicas than min-replicas-to-write) were plain
+    errors (before: every check raised ResponseError, a 500, in both modes, open and
+    closed rules alike)."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    (tmp_path / "redis").mkdir()
+    extra = {
+        # Snapshots go to a directory removed once the server runs: BGSAVE fails.
+        "MISCONF": ["--dir", str(gone), "--save", "3600 1"],
+        "NOREPLICAS": ["--min-replicas-to-write", "1"],
+    }[refusal]
+    server = RedisServer(binary, tmp_path / "redis", extra_args=extra)
+    server.start()
+    try:
+        with server.client() as client:
+            if refusal == "MISCONF":
+                gone.rmdir()
+                client.bgsave()
+                deadline = time.monotonic() + 10.0
+                while client.info("persistence")["rdb_last_bgsave_status"] != "err":
+                    assert time.monotonic() < deadline, "BGSAVE did not fail"
+                    time.sleep(0.02)
+            with pytest.raises(redis.ResponseError, match=f"^{refusal}"):
+                client.set("x", "1")
+        rules = [Rule("open", 3, 60.0), Rule("shut", 3, 60.0, on_error="closed")]
+
+        async def scenario() -> None:
+            for pipelined in (False, True):
+                backend = RedisBackend(server.url, pipeline=pipelined)
+                await backend.start()
+                try:
+                    with pytest.raises(BackendUnavailable, match=refusal):
+                        await backend.check("u", rules[:1], 1)
+                    assert not backend.available
+                finally:
+                    await backend.close()
+            fallback = FallbackBackend(
+                RedisBackend(server.url, pipeline=True), MemoryBackend(MemoryStore(), system_clock)
+            )
+            await fallback.start()
+            try:
+                verdict = await fallback.check("u", rules[:1], 1)
+                assert verdict.allowed and verdict.decision.reason == BACKEND_UNAVAILABLE
+                verdict = await fallback.check("u", rules, 1)
+                assert not verdict.allowed and verdict.decision.rule == "shut"
+            finally:
+                await fallback.close()
+
+        run(scenario)
+    finally:
+        with contextlib.suppress(redis.RedisError), server.client() as client:
+            client.config_set("save", "")  # else SIGTERM's final save fails: no exit
+        server.stop()
 
 
 def test_fallback_degrades_and_recovers(
