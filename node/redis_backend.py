@@ -34,7 +34,9 @@ caller's clock, plus ``ttl_slack``.
 Failure. Timeouts are tight (``timeout``, default 100 ms, for connecting and
 for each reply), nothing is retried except one ``SCRIPT LOAD`` after
 ``NOSCRIPT`` (a restarted or flushed Redis), and an unreachable, timing-out,
-loading, read-only or out-of-memory Redis raises :class:`BackendUnavailable`.
+loading, read-only or out-of-memory Redis, or one that refuses writes (a failed
+snapshot: ``MISCONF``; too few replicas: ``NOREPLICAS``), raises
+:class:`BackendUnavailable`.
 At most ``max_connections`` calls are in Redis at once; the rest queue (for at
 most ``queue_timeout``), and queued calls fail at once when one in flight
 finds Redis unavailable, so a dead Redis is never tried by a pile of waiters.
@@ -69,6 +71,11 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+try:
+    from redis.maint_notifications import MaintNotificationsConfig
+except ImportError:  # redis-py before 7: no maintenance notifications
+    MaintNotificationsConfig = None  # type: ignore[assignment,misc]
 
 from node.algorithms import REGISTRY
 from node.backend import Check, MemoryBackend
@@ -116,7 +123,19 @@ _UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     asyncio.TimeoutError,
 )
 _PING_ERRORS: tuple[type[BaseException], ...] = (RedisError, *_UNAVAILABLE_ERRORS)
-_UNAVAILABLE_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
+#: Replies of a Redis that cannot take a write now: a script running too long, a
+#: dataset loading, a replica (READONLY), a failed RDB snapshot with
+#: stop-writes-on-bgsave-error (MISCONF), fewer replicas than min-replicas-to-write.
+_UNAVAILABLE_PREFIXES = (
+    "BUSY",
+    "LOADING",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "TRYAGAIN",
+    "READONLY",
+    "MISCONF",
+    "NOREPLICAS",
+)
 
 
 class BackendUnavailable(Exception):
@@ -223,6 +242,13 @@ class RedisBackend:
         self._slots = asyncio.Semaphore(max_connections)
         #: Bumped by every call that finds Redis unavailable.
         self._failures = 0
+        options: dict[str, Any] = {}
+        if MaintNotificationsConfig is not None:
+            # Off: with them on ("auto", redis-py 8's default with RESP3) the pool
+            # skips its check of an idle connection before handing it out, so one
+            # the server closed (its `timeout`, a proxy, a NAT) failed the next
+            # check, and the node fell back to local limits as if Redis were down.
+            options["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
         pool = BlockingConnectionPool.from_url(
             url,
             # Room beyond the call slots for start() and the probe's PING.
@@ -231,6 +257,7 @@ class RedisBackend:
             socket_timeout=timeout,
             socket_connect_timeout=connect_timeout or timeout,
             retry=Retry(NoBackoff(), 0),
+            **options,
         )
         self.redis: Redis = Redis.from_pool(pool)
         self._available = True

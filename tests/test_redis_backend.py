@@ -10,6 +10,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from redis.exceptions import ClusterCrossSlotError
 from node.algorithms import decide
 from node.backend import MemoryBackend
 from node.clock import Clock, FrozenClock, system_clock
-from node.decision import BACKEND_UNAVAILABLE, COST_EXCEEDS_CAPACITY
+from node.decision import BACKEND_UNAVAILABLE, COST_EXCEEDS_CAPACITY, Verdict
 from node.lua import CHECK, SCRIPTS
 from node.redis_backend import (
     ALGORITHM_CODES,
@@ -32,7 +33,7 @@ from node.redis_backend import (
 )
 from node.rules import ALGORITHMS, Rule
 from node.store import MemoryStore
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer, find_redis_server, free_port
 
 pytestmark = pytest.mark.redis
 
@@ -235,6 +236,51 @@ def test_keys_expire_when_fresh_and_come_back_fresh(redis_url: str) -> None:
     run(scenario)
 
 
+#: A rule tightened at runtime (same name and algorithm): a lower rate with the same
+#: burst, or a longer period. A state written before is fresh again later under it
+#: (not GCRA's: its state, tat, is the time it is fresh again, whatever the rule).
+TIGHTENED = {
+    "token_bucket": (Rule("t", 100, 0.6, burst=100), Rule("t", 10, 0.6, burst=100)),
+    "fixed_window": (Rule("t", 5, 0.6, "fixed_window"), Rule("t", 5, 6.0, "fixed_window")),
+    "sliding_log": (Rule("t", 5, 0.6, "sliding_log"), Rule("t", 5, 6.0, "sliding_log")),
+    "sliding_window": (Rule("t", 5, 0.6, "sliding_window"), Rule("t", 5, 6.0, "sliding_window")),
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(TIGHTENED))
+def test_a_denied_user_keeps_its_state_after_the_rule_is_tightened(
+    redis_url: str, algorithm: str
+) -> None:
+    """A key's TTL ended at fresh_at under the rule of its last write. Denials write
+    nothing, so after the rule was tightened at runtime a user denied under it kept
+    the old TTL, and Redis dropped a state that still mattered: a full quota once
+    the old rule would have refilled (before: the token bucket showed 100 remaining
+    where the engine shows 16, the log and windows 5 where it shows 0). A check that
+    writes nothing now stretches the TTL to the state's fresh_at under the rule in
+    force (its reset_after), never shortens it."""
+    before, after = TIGHTENED[algorithm]
+    clock = FrozenClock(1_000_000.0)
+
+    async def scenario() -> None:
+        backend = RedisBackend(redis_url, clock=clock)
+        memory = MemoryBackend(MemoryStore(), clock)
+        try:
+            for rule, cost in ((before, before.capacity), (after, 1)):
+                assert await backend.check("u", [rule], cost) == await memory.check(
+                    "u", [rule], cost
+                )
+                clock.advance(0.01)
+            assert not (await memory.check("u", [after], 1)).allowed
+            # Past every TTL the old rule gave; injected time moves as much.
+            await asyncio.sleep(1.0)
+            clock.advance(1.0)
+            assert await backend.check("u", [after], 0) == await memory.check("u", [after], 0)
+        finally:
+            await backend.close()
+
+    run(scenario)
+
+
 # --------------------------------------------------------------------------- keys
 
 
@@ -332,6 +378,36 @@ def test_hung_redis_times_out_in_milliseconds() -> None:
         time.sleep(0.2)  # let the accept loop catch up
         # One connection per call: a timeout is never retried.
         assert len(accepted) == 3
+
+
+def test_idle_connections_the_server_closed_are_no_outage(redis_url: str, pipeline: bool) -> None:
+    """Redis's ``timeout`` setting, a proxy or a NAT closes idle connections. The pool
+    must open new ones, not hand out the closed ones: with redis-py 8 (RESP3, where
+    maintenance notifications default to "auto") its check of a pooled connection
+    was skipped, and every check after an idle spell failed with "Connection closed
+    by server" (before: 10 of 10 BackendUnavailable after each kill), so the node
+    fell back to local limits for a probe interval."""
+    rule = [Rule("r", 1000, 60.0)]
+
+    async def scenario() -> None:
+        backend = RedisBackend(redis_url, pipeline=pipeline, max_connections=4)
+        await backend.start()
+        try:
+            with sync_client(redis_url) as client:
+                for _ in range(3):
+                    killed = client.client_kill_filter(_type="normal", skipme=True)
+                    assert killed >= 1  # the pool's warm connections
+                    await asyncio.sleep(0.05)  # the loop sees them closed
+                    outcomes = await asyncio.gather(
+                        *(backend.check(f"k{i}", rule, 1) for i in range(10)),
+                        return_exceptions=True,
+                    )
+                    assert all(isinstance(o, Verdict) for o in outcomes), outcomes
+            assert backend.available
+        finally:
+            await backend.close()
+
+    run(scenario)
 
 
 def test_a_burst_on_a_healthy_redis_is_no_outage(redis_url: str, pipeline: bool) -> None:
@@ -439,6 +515,68 @@ def test_bad_calls_are_errors_not_outages(redis_url: str, pipeline: bool) -> Non
             await backend.close()
 
     run(scenario)
+
+
+@pytest.mark.parametrize("refusal", ["MISCONF", "NOREPLICAS"])
+def test_a_redis_refusing_writes_is_unavailable(tmp_path: Path, refusal: str) -> None:
+    """A Redis that refuses every write, as a replica does with READONLY, cannot
+    decide now, and each rule's on_error must: MISCONF (its RDB snapshot failed, a
+    full disk) and NOREPLICAS (fewer replicas than min-replicas-to-write) were plain
+    errors (before: every check raised ResponseError, a 500, in both modes, open and
+    closed rules alike)."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    (tmp_path / "redis").mkdir()
+    extra = {
+        # Snapshots go to a directory removed once the server runs: BGSAVE fails.
+        "MISCONF": ["--dir", str(gone), "--save", "3600 1"],
+        "NOREPLICAS": ["--min-replicas-to-write", "1"],
+    }[refusal]
+    server = RedisServer(binary, tmp_path / "redis", extra_args=extra)
+    server.start()
+    try:
+        with server.client() as client:
+            if refusal == "MISCONF":
+                gone.rmdir()
+                client.bgsave()
+                deadline = time.monotonic() + 10.0
+                while client.info("persistence")["rdb_last_bgsave_status"] != "err":
+                    assert time.monotonic() < deadline, "BGSAVE did not fail"
+                    time.sleep(0.02)
+            with pytest.raises(redis.ResponseError, match=f"^{refusal}"):
+                client.set("x", "1")
+        rules = [Rule("open", 3, 60.0), Rule("shut", 3, 60.0, on_error="closed")]
+
+        async def scenario() -> None:
+            for pipelined in (False, True):
+                backend = RedisBackend(server.url, pipeline=pipelined)
+                await backend.start()
+                try:
+                    with pytest.raises(BackendUnavailable, match=refusal):
+                        await backend.check("u", rules[:1], 1)
+                    assert not backend.available
+                finally:
+                    await backend.close()
+            fallback = FallbackBackend(
+                RedisBackend(server.url, pipeline=True), MemoryBackend(MemoryStore(), system_clock)
+            )
+            await fallback.start()
+            try:
+                verdict = await fallback.check("u", rules[:1], 1)
+                assert verdict.allowed and verdict.decision.reason == BACKEND_UNAVAILABLE
+                verdict = await fallback.check("u", rules, 1)
+                assert not verdict.allowed and verdict.decision.rule == "shut"
+            finally:
+                await fallback.close()
+
+        run(scenario)
+    finally:
+        with contextlib.suppress(redis.RedisError), server.client() as client:
+            client.config_set("save", "")  # else SIGTERM's final save fails: no exit
+        server.stop()
 
 
 def test_fallback_degrades_and_recovers(

@@ -325,6 +325,31 @@ def test_denied_multi_rule_call_changes_nothing(client: redis.Redis) -> None:
         assert client.pttl(state_key(PREFIX, "u", r)) <= ttls[r.name]
 
 
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra"])
+def test_a_bucket_fresh_again_in_a_million_years_is_stored(
+    client: redis.Redis, algorithm: str
+) -> None:
+    """A bucket's fresh_at can lie ~3e16 s ahead (burst 1e9, 1 per 366 days): more
+    milliseconds than Redis's PX accepts (~9.2e18). The script used to fail with
+    "invalid expire time" after committing the rules before it, so a check that
+    errored had consumed the first rule's units."""
+    client.flushdb()
+    roomy = Rule("roomy", 10**9, 60.0)
+    slow = Rule("slow", 1, 366 * 86400.0, algorithm, burst=10**9)
+    rules = [roomy, slow]
+    store = MemoryStore()
+    now = 1_000_000.0
+    for cost in (3 * 10**8, 1):
+        want = store.check("u", rules, now, cost)
+        _, got = call(client, CHECK, "u", rules, now, cost)
+        assert_same_verdict(got, want, f"cost={cost}")
+        for rule in rules:
+            assert redis_state(client, "u", rule) == store.get(rule, "u"), rule.name
+            # Stored for longer than any test (a capped TTL, not none and not an error).
+            assert client.pttl(state_key(PREFIX, "u", rule)) > SLACK_MS, rule.name
+        now += 1.0
+
+
 def test_large_cost_on_the_sliding_log(client: redis.Redis) -> None:
     # More units than one ZADD batch, several at one time stamp.
     client.flushdb()

@@ -33,8 +33,9 @@ token bucket ``"<tokens> <updated_at>"``, GCRA ``"<tat>"``, fixed window
 ``"<start> <count>"``, sliding window ``"<start> <previous> <current>"`` (plain
 strings set with ``PX``), sliding log a sorted set of one entry per admitted unit.
 Each write sets a TTL ending when the state is fresh again (the algorithm's
-``fresh_at``, rounded up to the millisecond, plus the slack); denials and
-peeks write nothing, so they never move a TTL.
+``fresh_at``, rounded up to the millisecond, plus the slack; at most 2^53 ms);
+denials and peeks write no state, and touch a TTL only to stretch it to the
+state's ``fresh_at`` under a rule tightened since the write (prelude's ``keep``).
 """
 
 from __future__ import annotations

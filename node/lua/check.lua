@@ -1,7 +1,9 @@
 -- check.lua: the dispatcher, the tail of every ringlimit script (after prelude.lua and
 -- the algorithm fragments). Decides a request against one or more rules atomically,
 -- exactly like node.limiter.decide_all: every rule must allow; when one denies, nothing
--- is stored and the allowing rules' decisions are recomputed as peeks (cost 0).
+-- is stored and the allowing rules' decisions are recomputed as peeks (cost 0). A key
+-- not written keeps its TTL, stretched if needed to last until its state is fresh
+-- again under these rules (prelude's keep: the rule may have changed since the write).
 -- KEYS[i]: the state key of rule i (all keys of one call share the user's hash tag).
 -- ARGV[1] now ('' = Redis TIME), ARGV[2] cost, ARGV[3] TTL slack in ms (see prelude),
 --   then 6 per rule i, from ARGV[4 + 6 * (i - 1)]: algorithm, limit, period, capacity,
@@ -54,6 +56,12 @@ elseif COST ~= 0 then
     if decisions[i][1] then
       decisions[i] = algs[i].decide(KEYS[i], NOW, params[i], 0)
     end
+  end
+end
+-- The states nothing was written to keep their keys until fresh under these rules.
+for i = 1, n do
+  if not allowed or pendings[i] == nil then
+    keep(KEYS[i], decisions[i][3], NOW)
   end
 end
 

@@ -75,14 +75,50 @@ local function advance(start, now, period)
   return start, windows
 end
 
+-- The longest TTL written: 2^53 ms (285,000 years), the largest integer '%d' formats
+-- exactly. A bucket can be fresh again ~3e16 s ahead (burst 1e9, 1 per 366 days), more
+-- milliseconds than SET PX accepts (about 2^63 minus the time): uncapped, the write
+-- failed with "invalid expire time" after the rules before it had been committed.
+local MAX_TTL_MS = 2 ^ 53
+
 -- Milliseconds until fresh_at, rounded up (a key never expires before its state is
--- fresh again), plus the configured slack; at least 1 ms.
-local function ttl_ms(fresh_at, now)
+-- fresh again), plus the configured slack; at least 1 ms, at most MAX_TTL_MS.
+local function ttl_number(fresh_at, now)
   local ms = ceil((fresh_at - now) * 1000) + SLACK_MS
   if ms < 1 then
     ms = 1
+  elseif not (ms <= MAX_TTL_MS) then
+    ms = MAX_TTL_MS
   end
-  return string.format('%d', ms)
+  return ms
+end
+
+local function ttl_ms(fresh_at, now)
+  return string.format('%d', ttl_number(fresh_at, now))
+end
+
+-- How far short of fresh_at a kept key's TTL may end before keep() stretches it: more
+-- than the rounding between the TTL written and the one read back (a few ms), so that
+-- a check that writes nothing under an unchanged rule writes nothing at all.
+local KEEP_TOLERANCE_MS = 10
+
+-- A key left as it was (a denial, a peek) keeps the TTL of its last write, which ended
+-- at fresh_at under the rule in force then. A rule changed since (a lower rate with
+-- the same burst, a longer period) makes the state fresh again later: stretch the TTL
+-- to fresh_at = now + reset_after under this rule (never shorten it), so that Redis
+-- does not drop a state that still matters while its user is being denied.
+local function keep(key, reset_after, now)
+  if not (reset_after > 0) then
+    return
+  end
+  local have = redis.call('PTTL', key)
+  if have < 0 then
+    return -- absent (nothing to keep) or without a TTL (not written by these scripts)
+  end
+  local want = ttl_number(now + reset_after, now)
+  if want > have + KEEP_TOLERANCE_MS then
+    redis.call('PEXPIRE', key, string.format('%d', want))
+  end
 end
 
 -- A plain state (token bucket, fixed and sliding window): space-separated numbers,
