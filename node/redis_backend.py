@@ -384,10 +384,18 @@ class RedisBackend:
     # ------------------------------------------------------------------ helpers
 
     async def ping(self) -> bool:
-        """One PING within the timeouts; never raises."""
+        """Whether Redis takes a write now, within the timeouts; never raises.
+
+        A PING, then a write of a probe key that expires at once: a Redis that
+        answers PING but refuses writes (a replica: READONLY; a failed snapshot:
+        MISCONF; too few replicas: NOREPLICAS; full: OOM) cannot decide. On PING
+        alone the node was switched back every probe and down again by its next
+        check, logging both, for as long as the refusal lasted.
+        """
         was_available = self._available
         try:
             await self.redis.ping()
+            await self.redis.set(f"{self.prefix}:probe", b"1", px=1000)
         except _PING_ERRORS:
             self._available = False
             return False

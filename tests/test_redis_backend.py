@@ -561,7 +561,9 @@ def test_a_redis_refusing_writes_is_unavailable(tmp_path: Path, refusal: str) ->
                 finally:
                     await backend.close()
             fallback = FallbackBackend(
-                RedisBackend(server.url, pipeline=True), MemoryBackend(MemoryStore(), system_clock)
+                RedisBackend(server.url, pipeline=True),
+                MemoryBackend(MemoryStore(), system_clock),
+                probe_interval=0.05,
             )
             await fallback.start()
             try:
@@ -569,6 +571,12 @@ def test_a_redis_refusing_writes_is_unavailable(tmp_path: Path, refusal: str) ->
                 assert verdict.allowed and verdict.decision.reason == BACKEND_UNAVAILABLE
                 verdict = await fallback.check("u", rules, 1)
                 assert not verdict.allowed and verdict.decision.rule == "shut"
+                # Its probes must not take it for back: PING answers, writes do not.
+                # (On PING alone it switched back each probe and down at the next
+                # check, logging both, for as long as the refusal lasted.)
+                for _ in range(6):
+                    await asyncio.sleep(0.05)
+                    assert not fallback._up
             finally:
                 await fallback.close()
 
