@@ -71,6 +71,26 @@ async def test_the_app_sees_neither_the_internal_token_nor_routing_fields() -> N
         assert seen["x-forwarded-for"][0].startswith("203.0.113.9, ")
 
 
+async def test_the_app_gets_every_forwarded_for_field_in_one_chain() -> None:
+    """Several X-Forwarded-For fields are one list (RFC 9110 5.3): the router
+    passed on only the last one, so the application lost the hops before it."""
+    cluster = InProcessCluster(1, CONFIG, clock=FrozenClock(), internal_token="s3cret")
+    for node in cluster.nodes.values():
+        node.limited.app = headers_app
+    async with cluster:
+        response = await cluster.client.get(
+            "/x",
+            headers=[
+                ("X-User-Id", "alice"),
+                ("X-Forwarded-For", "198.51.100.1"),
+                ("X-Forwarded-For", "203.0.113.9"),
+            ],
+        )
+        assert response.status_code == 200
+        chains = [v for k, v in response.json()["headers"] if k == "x-forwarded-for"]
+        assert chains == ["198.51.100.1, 203.0.113.9, 127.0.0.1"]
+
+
 def test_redis_passwords_are_redacted_from_logs_and_errors() -> None:
     from node.redis_backend import RedisBackend, redact_url
 
