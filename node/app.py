@@ -513,13 +513,16 @@ class Node:
         """Internal endpoints: the token when configured, otherwise loopback only."""
         given = _given_token(request.headers)
         status = refusal(
-            given, self.settings.internal_token, request.client.host if request.client else None
+            given,
+            self.settings.internal_token,
+            request.client.host if request.client else None,
+            request.headers,
         )
         if status == 403:
             return JSONResponse(
                 {
                     "error": "forbidden",
-                    "detail": "internal API is loopback-only without a token",
+                    "detail": "internal API is loopback-only without a token (not for web pages)",
                 },
                 status_code=403,
             )

@@ -92,14 +92,19 @@ class IdentityResolver:
     def client(self, scope: Mapping[str, Any]) -> str | None:
         """The client address, believing ``X-Forwarded-For`` only from trusted proxies.
 
-        The address is the right-most entry of the chain that is not itself a
-        trusted proxy: entries further left were written by the client.
+        The address is the right-most entry of the chain (every ``X-Forwarded-For``
+        field, in order) that is not itself a trusted proxy: entries further left
+        were written by the client.
         """
         client = scope.get("client")
         peer = client[0] if client else None
         if not peer or not self._networks or not self._trusted(peer):
             return peer
-        forwarded = header(scope["headers"], b"x-forwarded-for")
+        # Every field, in order, as one list (RFC 9110 5.3): a proxy may add its own
+        # field rather than append to the client's, which then comes first.
+        forwarded = ", ".join(
+            header_text(value) for key, value in scope["headers"] if key == b"x-forwarded-for"
+        )
         if not forwarded:
             return peer
         for hop in reversed([h.strip() for h in forwarded.split(",") if h.strip()]):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+from collections.abc import Mapping
 
 
 def token_matches(given: str | None, expected: str | None) -> bool:
@@ -16,17 +17,52 @@ def token_matches(given: str | None, expected: str | None) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-def refusal(given: str | None, expected: str | None, host: str | None) -> int | None:
+def refusal(
+    given: str | None,
+    expected: str | None,
+    host: str | None,
+    headers: Mapping[str, str] | None = None,
+) -> int | None:
     """The one access check of token-protected endpoints (the router's admin API,
     the node's internal API): None when the call may proceed, else its status.
 
     With a token configured, the caller must present it (401 otherwise); without
     one, only a caller on this host is served (403 otherwise), so an unconfigured
-    cluster is never open to the network.
+    cluster is never open to the network, nor to the pages a browser on this host
+    shows (``headers``, the request's: see :func:`for_another_site`).
     """
     if expected is None:
-        return None if is_loopback(host) else 403
+        loopback = is_loopback(host) and not (headers is not None and for_another_site(headers))
+        return None if loopback else 403
     return None if token_matches(given, expected) else 401
+
+
+def for_another_site(headers: Mapping[str, str]) -> bool:
+    """Whether a browser on this host sent the request for a page that is not
+    one of this server's at a loopback address.
+
+    A browser is a loopback client to every page it shows: a page of any site may
+    send a POST with a text/plain body (no preflight) to ``127.0.0.1``, and one
+    whose name its DNS rebinds to ``127.0.0.1`` may even read the answers. Browsers
+    mark their requests (``Sec-Fetch-Site``, ``Origin``); tools, routers and nodes
+    send neither, and are not affected. A browser's request is served only from
+    a page of this same origin, addressed by a loopback name (``localhost``,
+    ``127.0.0.1``, ``[::1]``).
+    """
+    site = headers.get("sec-fetch-site")
+    origin = headers.get("origin")
+    if site is None and origin is None:
+        return False
+    if site is not None and site not in ("same-origin", "none"):
+        return True
+    authority = headers.get("host", "")
+    if origin is not None and origin.partition("://")[2] != authority:
+        return True
+    if authority.startswith("["):
+        name = authority[1:].partition("]")[0]  # [::1]:8000
+    else:
+        name = authority.partition(":")[0]
+    return not is_loopback(name)
 
 
 def bearer(authorization: str | None) -> str | None:

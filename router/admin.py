@@ -93,10 +93,15 @@ class AdminAPI:
             bearer(request.headers.get("authorization")),
             self.router.settings.admin_token,
             request.client.host if request.client else None,
+            request.headers,
         )
         if status == 403:
             return JSONResponse(
-                error_body("forbidden", "the admin API is loopback-only without an admin token"),
+                error_body(
+                    "forbidden",
+                    "the admin API is loopback-only without an admin token (a browser's request: "
+                    "from its own page at a loopback address)",
+                ),
                 status_code=403,
             )
         if status is not None:

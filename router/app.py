@@ -383,7 +383,10 @@ class Router:
         for header in scope["headers"]:
             k = header[0]
             if k == b"x-forwarded-for":
-                forwarded_for = header[1]
+                # Several fields are one list, in order (RFC 9110 5.3).
+                forwarded_for = (
+                    header[1] if forwarded_for is None else forwarded_for + b", " + header[1]
+                )
             elif k not in _NOT_SENT and (not k.startswith(b"x-ringlimit-") or k == bypass_name):
                 raw.append(header)
             elif k in _BODY_FRAMING:

@@ -161,6 +161,12 @@ def parse_endpoints(spec: str) -> list[tuple[str, int]]:
         raise ValueError(
             f"coordinator {spec!r}: expected etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS)"
         )
+    if "@" in spec:
+        # Not echoed: what comes before the "@" is a password.
+        raise ValueError(
+            f"coordinator {scheme}...: no user or password in the URL; give etcd's user "
+            "with --etcd-user and its password in RINGLIMIT_ETCD_PASSWORD"
+        )
     endpoints = []
     for part in spec[len(scheme) :].split(","):
         parsed = urlsplit(f"etcd://{part.strip()}")

@@ -28,14 +28,14 @@ class EtcdAccess:
     ``tls``: connect over TLS (endpoints written ``etcds://``), checking etcd's
     certificate against ``ca`` (PEM; None: the system's roots). ``cert`` and
     ``key`` (PEM, both or neither): the router's client certificate.
-    ``user`` and ``password``: etcd's auth (both or neither). The password is
-    kept out of ``repr`` and so out of logs.
+    ``user`` and ``password``: etcd's auth (both or neither). The password and
+    the private key are kept out of ``repr`` and so out of logs.
     """
 
     tls: bool = False
     ca: bytes | None = None
     cert: bytes | None = None
-    key: bytes | None = None
+    key: bytes | None = field(default=None, repr=False)
     user: str | None = None
     password: str | None = field(default=None, repr=False)
 

@@ -148,6 +148,19 @@ def test_bad_endpoints(spec: str) -> None:
         parse_endpoints(spec)
 
 
+@pytest.mark.parametrize(
+    "spec", ["etcd://root:hunter2@h1:2379", "etcds://h0:2379,root:hunter2@h1:23x9"]
+)
+def test_credentials_in_the_coordinator_url_are_refused_without_showing_them(spec: str) -> None:
+    """A user and password written into ``--coordinator`` were dropped without a
+    word (the router connected without auth), and an error about the same URL
+    printed the password; etcd's user is ``--etcd-user`` and its password only
+    ``RINGLIMIT_ETCD_PASSWORD``."""
+    with pytest.raises(ValueError, match="--etcd-user") as refused:
+        parse_endpoints(spec)
+    assert "hunter2" not in str(refused.value)
+
+
 @pytest.mark.parametrize("given", ["0.5", "2.7", "1", "0", "-5", "nan", "inf"])
 def test_a_coordinator_ttl_that_is_not_whole_seconds_is_refused_in_one_line(
     given: str, capsys: pytest.CaptureFixture[str]

@@ -288,6 +288,17 @@ def test_access_refuses_half_pairs_and_certificates_without_tls(tmp_path: Path) 
     assert PASSWORD not in repr(access) and "root" in repr(access)
 
 
+def test_the_client_key_is_kept_out_of_repr() -> None:
+    """The password was kept out of ``repr`` (and so out of logs and tracebacks),
+    the router's private key was not: its PEM was in it."""
+    access = EtcdAccess(
+        tls=True,
+        cert=b"-----BEGIN CERTIFICATE-----\nPUBLIC\n",
+        key=b"-----BEGIN PRIVATE KEY-----\nS3CRETKEY\n",
+    )
+    assert "S3CRETKEY" not in repr(access) and "PUBLIC" in repr(access)
+
+
 # --------------------------------------------------------------------------- the CLI
 
 

@@ -527,6 +527,30 @@ async def test_client_address_honours_forwarded_for_only_from_trusted_proxies() 
         assert again.status_code == 429
 
 
+async def test_a_forwarded_for_sent_as_several_fields_is_one_chain() -> None:
+    """A trusted proxy that adds its own X-Forwarded-For field instead of appending
+    to the client's (HAProxy's ``option forwardfor`` does) leaves the client's
+    field first. Read as one chain, fields in order (RFC 9110 5.3), the client is
+    still the right-most untrusted hop; only the first field was read before, so a
+    client chose its address, and its quota, by sending the header itself."""
+    trusted = make_config(
+        Rule("api", 1, 60.0),
+        identity=Identity(source="client", trusted_proxies=("127.0.0.0/8",)),
+    )
+    async with running(trusted) as cluster:
+        answers = []
+        for forged in ("6.6.6.1", "6.6.6.2"):
+            answers.append(
+                await cluster.client.get(
+                    "/", headers=[("X-Forwarded-For", forged), ("X-Forwarded-For", "203.0.113.7")]
+                )
+            )
+        assert answers[0].status_code == 200
+        assert answers[0].json()["user"] == "203.0.113.7"
+        assert answers[0].headers["x-ringlimit-node"] == cluster.owner("203.0.113.7")
+        assert answers[1].status_code == 429
+
+
 async def test_no_user_id_is_a_clear_400_unless_falling_back_to_the_client() -> None:
     async with running(make_config(Rule("api", 1, 60.0))) as cluster:
         response = await get(cluster, None)

@@ -71,6 +71,26 @@ async def test_the_app_sees_neither_the_internal_token_nor_routing_fields() -> N
         assert seen["x-forwarded-for"][0].startswith("203.0.113.9, ")
 
 
+async def test_the_app_gets_every_forwarded_for_field_in_one_chain() -> None:
+    """Several X-Forwarded-For fields are one list (RFC 9110 5.3): the router
+    passed on only the last one, so the application lost the hops before it."""
+    cluster = InProcessCluster(1, CONFIG, clock=FrozenClock(), internal_token="s3cret")
+    for node in cluster.nodes.values():
+        node.limited.app = headers_app
+    async with cluster:
+        response = await cluster.client.get(
+            "/x",
+            headers=[
+                ("X-User-Id", "alice"),
+                ("X-Forwarded-For", "198.51.100.1"),
+                ("X-Forwarded-For", "203.0.113.9"),
+            ],
+        )
+        assert response.status_code == 200
+        chains = [v for k, v in response.json()["headers"] if k == "x-forwarded-for"]
+        assert chains == ["198.51.100.1, 203.0.113.9, 127.0.0.1"]
+
+
 def test_redis_passwords_are_redacted_from_logs_and_errors() -> None:
     from node.redis_backend import RedisBackend, redact_url
 
@@ -140,3 +160,59 @@ def test_an_ipv4_client_of_a_dual_stack_socket_is_loopback_when_it_is() -> None:
 
     assert is_loopback("::ffff:127.0.0.1") and is_loopback("127.0.0.1") and is_loopback("::1")
     assert not is_loopback("::ffff:10.0.0.1") and not is_loopback("10.0.0.1")
+
+
+#: What a browser adds to a request a page of another site makes: a POST with a
+#: text/plain body is a "simple" request, sent without asking the router first.
+CROSS_SITE = {
+    "Origin": "https://evil.example",
+    "Sec-Fetch-Site": "cross-site",
+    "Content-Type": "text/plain",
+}
+#: A page of evil.example whose name its DNS now resolves to 127.0.0.1 (DNS
+#: rebinding): same origin as far as the browser knows, so it may read answers.
+REBOUND = {"Host": "evil.example:8000", "Sec-Fetch-Site": "same-origin"}
+
+
+async def test_without_an_admin_token_another_sites_page_cannot_use_the_admin_api() -> None:
+    """Without an admin token the admin API trusts loopback clients, and an
+    operator's browser is one: a page of any site could join its own node to the
+    ring (a cross-site POST needs no preflight) or, rebinding its name to
+    127.0.0.1, read the ring. Before, the join below was made (200) and the ring
+    read; now both are 403, and calls without a browser's fields still pass."""
+    from ring import Member
+    from router.testing import node_url
+
+    async with InProcessCluster(2, CONFIG, clock=FrozenClock()) as cluster:
+        cluster._make_node("n3")
+        join = json.dumps({"id": "n3", "url": node_url("n3")})
+        forged = await cluster.client.post("/admin/nodes", content=join, headers=CROSS_SITE)
+        assert forged.status_code == 403, forged.text
+        assert "n3" not in cluster.router.membership.view.ids
+        rebound = await cluster.client.get("/admin/ring", headers=REBOUND)
+        assert rebound.status_code == 403
+        data = await cluster.client.get("/admin/ui/data", headers=REBOUND)
+        assert data.status_code == 403
+        # The ring page itself, and its data, opened at a loopback address.
+        page = {"Host": "127.0.0.1:8000", "Sec-Fetch-Site": "same-origin"}
+        assert (await cluster.client.get("/admin/ui/data", headers=page)).status_code == 200
+        local = {"Host": "localhost:8000", "Origin": "http://localhost:8000"}
+        assert (await cluster.client.get("/admin/ring", headers=local)).status_code == 200
+        # Tools (no browser fields) are served as before.
+        assert (await cluster.client.get("/admin/ring")).status_code == 200
+        assert Member("n1", node_url("n1")) in cluster.router.membership.view.members
+
+
+async def test_without_an_internal_token_another_sites_page_cannot_call_a_node() -> None:
+    """The nodes' internal API trusts loopback clients without an internal token
+    (``ringlimit up``): a cross-site POST reached ``/internal/lease`` and the other
+    POST endpoints (answered 200 before, 403 now)."""
+    from router.testing import node_url
+
+    async with InProcessCluster(1, CONFIG, clock=FrozenClock()) as cluster:
+        url = node_url("n1") + "/internal/lease"
+        forged = await cluster.client.post(url, content=b"{}", headers=CROSS_SITE)
+        assert forged.status_code == 403, forged.text
+        rebound = await cluster.client.get(node_url("n1") + "/internal/status", headers=REBOUND)
+        assert rebound.status_code == 403
+        assert (await cluster.client.post(url, content=b"{}")).status_code == 200
