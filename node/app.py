@@ -79,8 +79,11 @@ from ring.view import check_epoch
 
 log = logging.getLogger("ringlimit.node")
 
-CONTROL_PREFIXES = ("/v1/", "/internal/")
-CONTROL_PATHS = frozenset({"/healthz", "/metrics"})
+#: Paths a node answers itself; every other one is the application's. (The node's
+#: only ``/v1/`` path is ``/v1/check``: the whole ``/v1/`` prefix, taken once,
+#: answered an application's ``/v1/users`` 404 through the cluster.)
+CONTROL_PREFIXES = ("/internal/",)
+CONTROL_PATHS = frozenset({"/v1/check", "/healthz", "/metrics"})
 
 #: Help of the ``ringlimit_handoff_*`` metrics, one per field of ``HandoffStats``.
 #: The owner's side of quota leases for hot keys (node/leasing.py, docs/hotkeys.md).

@@ -585,6 +585,24 @@ async def test_non_ascii_user_id_in_a_header_is_the_same_key_as_in_the_decision_
 # --------------------------------------------------------------------------- forwarding
 
 
+async def test_an_applications_v1_routes_reach_it() -> None:
+    """A node took every path under ``/v1/`` for its own, though its one is
+    ``/v1/check``: an application's ``/v1/users`` (the commonest API prefix there
+    is) answered 404 through the cluster, and was neither limited nor served."""
+    async with running(make_config(Rule("api", 2, 60.0))) as cluster:
+        for node in cluster.nodes.values():
+            node.limited.app = sample_app.app
+        headers = {"X-User-Id": "val"}
+        answers = [await cluster.client.get("/v1/users/7", headers=headers) for _ in range(3)]
+        assert [a.status_code for a in answers] == [201, 201, 429], answers[0].text  # its 201
+        assert answers[0].json()["path"] == "/v1/users/7"
+        posted = await cluster.client.post("/v1/checks", headers=headers, content=b"x")
+        assert posted.status_code == 429  # the application's, limited as any path
+        # The decision API is where it was.
+        check = await cluster.client.post("/v1/check", json={"key": "val2"})
+        assert check.status_code == 200 and check.json()["allowed"]
+
+
 async def test_the_whole_request_is_forwarded_and_the_answer_returned() -> None:
     async with running(make_config(Rule("api", 5, 60.0))) as cluster:
         for node in cluster.nodes.values():
