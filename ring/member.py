@@ -166,6 +166,9 @@ class Member:
             check_url(member.url)
         except ValueError as exc:
             raise ValueError(f"member {member.id!r}: {exc}") from None
+        if member.url.endswith("/"):
+            # Request paths are appended to it: "http://h:8001/" sent "//x" for "/x".
+            member = cls(id=member.id, url=member.url[:-1], weight=member.weight)
         return member
 
     @classmethod

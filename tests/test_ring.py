@@ -531,7 +531,7 @@ def test_check_id_accepts_exactly_the_safe_charset(value: str) -> None:
 )
 def test_check_url_accepts_plain_http_urls(url: str) -> None:
     assert check_url(url) == url
-    assert Member.parse("n1", url).url == url
+    assert Member.parse("n1", url).url == url.removesuffix("/")
 
 
 @pytest.mark.parametrize(
@@ -559,6 +559,16 @@ def test_check_url_refuses_what_would_send_requests_elsewhere(url: Any, match: s
         check_url(url)
     with pytest.raises(ValueError):
         Member.from_dict({"id": "n1", "url": url})
+
+
+def test_a_members_url_is_kept_without_its_trailing_slash() -> None:
+    """Request paths are appended to a member's URL: registered as
+    ``http://h:8001/``, a node was sent ``//x`` for ``/x`` (the application saw
+    another path than the client asked for)."""
+    member = Member.from_dict({"id": "n1", "url": "http://127.0.0.1:8001/"})
+    assert member.url == "http://127.0.0.1:8001"
+    assert member.url + "/x" == "http://127.0.0.1:8001/x"
+    assert Member.parse("n1", "http://h") == Member.parse("n1", "http://h/")
 
 
 def test_same_url_ignores_case_default_ports_and_loopback_spelling() -> None:
