@@ -494,6 +494,9 @@ def test_a_grpc_port_taken_after_the_check_is_one_line(
     config = tmp_path / "envoy.yaml"
     config.write_text(MONGO)
     monkeypatch.setattr(cli, "_check_port", lambda *args, **kwargs: None)
+    # In process: a server's start freezes the heap out of the GC (node.memory.tune_gc),
+    # which stayed frozen for the worker's later tests (one asserts it is not).
+    monkeypatch.setattr("node.server.tune_gc", lambda: None)
     argv = ["router", "--port", str(free_port()), "--grpc-port", str(taken_port)]
     assert cli.main([*argv, "--envoy-config", str(config)]) == 1
     err = capsys.readouterr().err.strip()
