@@ -851,7 +851,6 @@ class ShardCore:
         marks = previous is not None and self.id in previous and self.marked < view.epoch
         if marks:
             self.marked = view.epoch
-            self.owed_marks = set()
         owed, self.owed_marks = self.owed_marks, set()
         out: list[Transfer] = []
         for member in view:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import deque
 
 import httptools
@@ -60,7 +59,7 @@ class _Connection(asyncio.Protocol):
         "connection",
         "fields",
         "headers",
-        "idle_since",
+        "idle_at",
         "interim",
         "keep_alive",
         "length",
@@ -100,8 +99,8 @@ class _Connection(asyncio.Protocol):
         self.received = False
         #: It was taken from the idle pool (so the node may have closed it meanwhile).
         self.reused = False
-        #: When it was last put back in the idle pool (``time.monotonic``).
-        self.idle_since = 0.0
+        #: Its pool's reap count when it was last put back idle (see ``_Pool.reaps``).
+        self.idle_at = 0
         self.interim = False
         #: The one timer that watches the oldest request's deadline (see :meth:`watch`).
         self.timer: asyncio.TimerHandle | None = None
@@ -318,12 +317,14 @@ class _Connection(asyncio.Protocol):
 
 #: Pools (one per node address) kept before those without a connection are dropped.
 MAX_POOLS = 1024
-#: An idle connection is closed after this long (seconds). A node closes its own
-#: idle connections sooner (its keep-alive, 5 s by default): one idle longer is to
-#: a node that died without closing it (its host lost, a partition), and would
-#: otherwise hold a file descriptor for the router's life, up to ``max_idle`` per
-#: node, every replaced node's on top of the last.
+#: An idle connection is closed after about this long (seconds: between 3/4 of it
+#: and all of it). A node closes its own idle connections sooner (its keep-alive,
+#: 5 s by default): one idle longer is to a node that died without closing it (its
+#: host lost, a partition), and would otherwise hold a file descriptor for the
+#: router's life, up to ``max_idle`` per node, every replaced node's on top of the last.
 IDLE_TIMEOUT = 60.0
+#: Reaps per ``IDLE_TIMEOUT``: a connection idle through this many is closed.
+REAPS = 4
 
 
 class _Pool:
@@ -337,6 +338,7 @@ class _Pool:
         "open",
         "pipelined",
         "port",
+        "reaps",
     )
 
     def __init__(self, host: str, port: int, max_idle: int, pipelined: dict[str, int]) -> None:
@@ -353,6 +355,9 @@ class _Pool:
         self.open = 0
         #: No longer the forwarder's pool for its address (see ``_forget_unused``).
         self.dropped = False
+        #: Reaps of idle connections so far (a count, not a clock: a connection put
+        #: back notes it with no call on the request's path).
+        self.reaps = 0
 
     def release(self, connection: _Connection) -> None:
         """A connection with nothing in flight: kept for reuse, or closed."""
@@ -362,16 +367,17 @@ class _Pool:
             and not self.dropped
             and len(self.idle) < self.max_idle
         ):
-            connection.idle_since = time.monotonic()
+            connection.idle_at = self.reaps
             self.idle.append(connection)
         else:
             connection.close()
 
-    def close_idle_since(self, before: float) -> None:
-        """Close the idle connections put back before ``before`` (the oldest are
+    def reap(self) -> None:
+        """Close the connections idle through :data:`REAPS` reaps (the oldest are
         first: connections are reused last in, first out)."""
+        self.reaps += 1
         idle = self.idle
-        while idle and idle[0].idle_since < before:
+        while idle and idle[0].idle_at <= self.reaps - REAPS:
             idle.popleft().close()
 
     def forget(self, connection: _Connection) -> None:
@@ -443,14 +449,13 @@ class FastForwarder:
         return found[0], path
 
     def _reap_later(self) -> None:
-        self._reaper = asyncio.get_running_loop().call_later(self.idle_timeout / 4, self._reap)
+        self._reaper = asyncio.get_running_loop().call_later(self.idle_timeout / REAPS, self._reap)
 
     def _reap(self) -> None:
         """Close connections idle past ``idle_timeout`` (no request pays for this:
-        a timer, every quarter of it, while there are pools)."""
-        before = time.monotonic() - self.idle_timeout
+        a timer, :data:`REAPS` times per timeout, while there are pools)."""
         for pool, _ in self._pools.values():
-            pool.close_idle_since(before)
+            pool.reap()
         self._reaper = None
         if self._pools:
             self._reap_later()
