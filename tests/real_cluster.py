@@ -57,6 +57,10 @@ class Load:
     pace: float = 0.2
     #: The quota ``excess`` and ``over`` measure against.
     limit: int = LIMIT
+    #: A new connection for every request, so a port the kernel shares between
+    #: processes (SO_REUSEPORT, ``router --workers``) spreads them: the few
+    #: keep-alive connections a paced load reuses may all hash to one worker.
+    fresh_connections: bool = False
     log: dict[str, list[Sent]] = field(default_factory=dict)
     #: How long each request that got no answer waited (refused, reset, the
     #: client's 10 s timeout), so a latency bound covers every request.
@@ -73,7 +77,7 @@ class Load:
         return self.done / self.total
 
     async def run(self) -> None:
-        connector = aiohttp.TCPConnector(limit=64)
+        connector = aiohttp.TCPConnector(limit=64, force_close=self.fresh_connections)
         timeout = aiohttp.ClientTimeout(total=10)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 

@@ -126,7 +126,7 @@ def test_workers_share_one_port_and_one_membership(procs: Procs) -> None:
     assert admin_ring(started[1][1])["leader"] == started[0][1]
 
     assert wait_for(lambda: both_listening(url), timeout=15.0)
-    load = Load([url])
+    load = Load([url], fresh_connections=True)
     thread = load.start()
     assert wait_for(lambda: load.progress >= 0.3, timeout=20.0)
     add_node(url, "n4", cluster.urls["n4"])  # through the public port: either worker
@@ -191,7 +191,7 @@ def test_workers_on_etcd(procs: Procs, etcd_endpoint: str) -> None:
     assert wait_for(lambda: sorted(leaders()) == [False, True], timeout=15.0), leaders()
     assert wait_for(lambda: both_listening(url), timeout=15.0)
     users = USERS[:60]
-    load = Load([url], users=users)
+    load = Load([url], users=users, fresh_connections=True)
     thread = load.start()
     assert wait_for(lambda: load.progress >= 0.3, timeout=20.0)
     add_node(url, "n3", spare)
