@@ -414,7 +414,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "file",
         nargs="?",
         help="a config file (TOML or JSON) whose [[rules]] replace the cluster's; "
-        "without it, the rules are shown",
+        "without it (or with 'list' or 'show', as `nodes list`), the rules are shown",
     )
     rules.add_argument("--router", default="http://127.0.0.1:8000")
     rules.set_defaults(run=_run_rules)
@@ -1142,9 +1142,16 @@ def _run_nodes(args: argparse.Namespace) -> int:
     return _admin_call(args.router, method, path, body, lines, command="ringlimit nodes")
 
 
+#: Words ``ringlimit rules`` takes for "show the rules" when no such file exists.
+SHOW_WORDS = ("list", "show")
+
+
 def _run_rules(args: argparse.Namespace) -> int:
     """Show the cluster's rules, or make a file's [[rules]] the cluster's."""
     body = None
+    if args.file in SHOW_WORDS and not os.path.lexists(args.file):
+        # `rules list`, as `nodes list` says it (a file of that name still wins).
+        args.file = None
     if args.file is not None:
         config = load_config(args.file)  # ConfigError: one line, naming the file
         body = {"rules": [scoped.to_dict() for scoped in config.rules]}

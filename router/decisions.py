@@ -195,9 +195,7 @@ class DecisionAPI:
         if "error" in result:
             # No decision: say so with the status too, not a 200 carrying an error
             # (the request was valid here; the node could not answer it).
-            status = {"ring_changing": 503, "no_nodes": 503, "node_timeout": 504}.get(
-                result["error"], 502
-            )
+            status = {"ring_changing": 503, "no_nodes": 503}.get(result["error"], 502)
             if result["error"] == "ring_changing":
                 # As the proxy path says it: the change settles within a second or so.
                 headers.append((b"retry-after", b"1"))

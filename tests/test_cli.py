@@ -199,6 +199,11 @@ def test_rules_shows_and_applies_a_files_rules_to_a_running_cluster(
     shown = run([sys.executable, "-m", "router", "rules", "--router", router])
     assert shown.returncode == 0, shown.stderr
     assert [r["limit"] for r in json.loads(shown.stdout)["rules"]] == [3]
+    # `rules list` / `rules show`, as `nodes list` says it: the same listing.
+    for word in ("list", "show"):
+        listed = run([sys.executable, "-m", "router", "rules", word, "--router", router])
+        assert listed.returncode == 0, listed.stderr
+        assert listed.stdout == shown.stdout
     with httpx.Client(base_url=router, timeout=10.0) as client:
         assert client.get("/x", headers={"X-User-Id": "u"}).status_code == 200
         new = tmp_path / "rules.toml"
