@@ -141,7 +141,9 @@ class RateLimitMiddleware:
                 bypass = value
             elif kind == _LEASED:
                 leased = value
-            else:
+            elif tier is None:
+                # The first, as a router reads it (IdentityResolver.tier): the rules
+                # it judged the request by are the ones decided here.
                 tier = value.decode("latin-1")
         if (
             routed_key is not None

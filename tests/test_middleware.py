@@ -320,3 +320,21 @@ def test_headers_for_a_denied_multi_rule_verdict() -> None:
     legacy_off = dict(rate_limit_headers(rules, verdict, legacy=False))
     assert not [h for h in legacy_off if h.startswith(b"x-ratelimit")]
     assert legacy_off[b"retry-after"] == b"1"
+
+
+async def test_a_node_reads_the_first_of_two_tier_fields_as_a_router_does() -> None:
+    """Two ``X-User-Tier`` fields: the node's rules are those of the tier a
+    router judged the request by (``IdentityResolver.tier``: the first field).
+    The node took the last, so a request a router judged as ``premium`` (its
+    open/closed rules, its quota leases) was decided under ``free``'s rules."""
+    premium = ScopedRule(Rule("premium", 1, 60.0), tiers=("premium",))
+    free = ScopedRule(Rule("free", 5, 60.0), tiers=("free",))
+    authority, _ = frozen(premium, free)
+    app = RateLimitMiddleware(sample_app.app, authority=authority, trust_router=False)
+    fields = [("X-User-Id", "u"), ("X-User-Tier", "premium"), ("X-User-Tier", "free")]
+    request = {"headers": [(k.lower().encode(), v.encode()) for k, v in fields]}
+    assert IdentityResolver(Identity()).tier(request) == "premium"
+    async with client(app) as c:
+        first = await c.get("/", headers=fields)
+        assert first.headers["ratelimit-policy"] == '"premium";q=1;w=60'
+        assert (await c.get("/", headers=fields)).status_code == 429
