@@ -174,6 +174,7 @@ class Router:
         )
         self.metrics.watch_failures(self.membership.failures.snapshot)
         self.metrics.watch_pipelining(lambda: getattr(self.forwarder, "pipelined", {}))
+        self.metrics.watch_coalescing(self._coalesced)
         self.forwarder: Forwarder | None = forwarder
         #: Read by router/protocol.py, per request.
         self.direct_proxy = settings.direct_proxy
@@ -202,6 +203,12 @@ class Router:
         #: The port the gRPC service is bound to (when ``grpc_port`` was 0, the one chosen).
         self.grpc_bound: int | None = None
         self.envoy_servicer: Any = None
+
+    def _coalesced(self) -> dict[str, float]:
+        coalescer = self.coalescer
+        if coalescer is None:
+            return {}
+        return {"batches": coalescer.batches, "checks": coalescer.items}
 
     @property
     def coalescer(self) -> Coalescer | None:

@@ -300,7 +300,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         default=300.0,
         metavar="MICROSECONDS",
         help="hold single decision-API checks up to this long to batch them per node "
-        "(default 300; 0 turns coalescing off)",
+        "(default 300; 0 turns coalescing off; uvloop counts whole milliseconds: under "
+        "500 the window is the event loop's current pass; docs/envoy.md)",
     )
     router.add_argument(
         "--coordinator",

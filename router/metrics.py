@@ -114,6 +114,19 @@ class RouterMetrics:
             )
         )
 
+    def watch_coalescing(self, counts: Callable[[], Mapping[str, float]]) -> None:
+        """Single decision-API checks coalesced, and the batches they left in
+        (``--coalesce-window``): their ratio is the mean batch, what tuning the
+        window is judged by (docs/decision-api.md)."""
+        self.registry.register(
+            DictCollector(
+                "ringlimit_router_coalesced",
+                "Single decision-API and Envoy checks held by the coalescer "
+                "(router --coalesce-window): batches sent to nodes, and the checks they carried.",
+                counts,
+            )
+        )
+
     def watch_failures(self, counts: Callable[[], Mapping[str, float]]) -> None:
         """Errors background loops survived, by kind (node/failures.py)."""
         self.registry.register(

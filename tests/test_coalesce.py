@@ -11,6 +11,7 @@ from node.clock import FrozenClock
 from node.config import ClusterConfig
 from router.coalesce import Coalescer
 from router.testing import InProcessCluster
+from tests.real_cluster import metric
 
 pytestmark = pytest.mark.anyio
 
@@ -88,9 +89,16 @@ async def test_router_singles_are_coalesced_and_answered_exactly(window: float) 
             allowed[user] = allowed.get(user, 0) + body["allowed"]
         # Each user gets exactly 3 of 4, whatever the batching.
         assert allowed == dict.fromkeys(users, 3)
+        text = (await cluster.client.get("/metrics")).text
         if cluster.router.coalescer is not None:
             assert cluster.router.coalescer.items == 48
             assert cluster.router.coalescer.batches < 48
+            # What an operator tunes --coalesce-window by: checks per batch.
+            assert metric(text, "ringlimit_router_coalesced_total", kind="checks") == 48
+            batches = metric(text, "ringlimit_router_coalesced_total", kind="batches")
+            assert batches == cluster.router.coalescer.batches
+        else:
+            assert "ringlimit_router_coalesced_total{" not in text
 
 
 async def test_coalesced_singles_stay_within_the_nodes_batch_limit() -> None:
