@@ -21,7 +21,7 @@ from node.clock import Clock, system_clock
 from node.config import ClusterConfig, ScopedRule
 from node.decision import BACKEND_UNAVAILABLE
 from node.headers import HeaderCache, denial_response
-from node.identity import IdentityResolver, InvalidUserId
+from node.identity import IdentityResolver, InvalidUserId, header_text
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.rules import Rule, parse_rule
 from node.security import bypass_matches, is_loopback, token_matches
@@ -142,9 +142,9 @@ class RateLimitMiddleware:
             elif kind == _LEASED:
                 leased = value
             elif tier is None:
-                # The first, as a router reads it (IdentityResolver.tier): the rules
-                # it judged the request by are the ones decided here.
-                tier = value.decode("latin-1")
+                # The first, read as a router reads it (IdentityResolver.tier: UTF-8,
+                # else latin-1): the rules it judged the request by are decided here.
+                tier = header_text(value)
         if (
             routed_key is not None
             or token is not None

@@ -300,8 +300,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         default=300.0,
         metavar="MICROSECONDS",
         help="hold single decision-API checks up to this long to batch them per node "
-        "(default 300; 0 turns coalescing off; uvloop counts whole milliseconds: under "
-        "500 the window is the event loop's current pass; docs/envoy.md)",
+        "(default 300; 0 turns coalescing off; uvloop counts whole milliseconds: at "
+        "500 or less the window is the event loop's current pass; docs/envoy.md)",
     )
     router.add_argument(
         "--coordinator",
@@ -415,7 +415,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "file",
         nargs="?",
         help="a config file (TOML or JSON) whose [[rules]] replace the cluster's; "
-        "without it (or with 'list' or 'show', as `nodes list`), the rules are shown",
+        "without it (or with 'list' or 'show', as `nodes list`), the rules are shown "
+        "(a file of that name: ./list)",
     )
     rules.add_argument("--router", default="http://127.0.0.1:8000")
     rules.set_defaults(run=_run_rules)
@@ -1150,9 +1151,14 @@ SHOW_WORDS = ("list", "show")
 def _run_rules(args: argparse.Namespace) -> int:
     """Show the cluster's rules, or make a file's [[rules]] the cluster's."""
     body = None
-    if args.file in SHOW_WORDS and not os.path.lexists(args.file):
-        # `rules list`, as `nodes list` says it (a file of that name still wins).
-        args.file = None
+    if args.file in SHOW_WORDS:
+        if os.path.lexists(args.file):
+            # A read must never turn into a write of the cluster's rules.
+            raise ValueError(
+                f"{args.file!r} names a file here too: `ringlimit rules ./{args.file}` "
+                "applies it, `ringlimit rules` shows the rules"
+            )
+        args.file = None  # `rules list`, as `nodes list` says it
     if args.file is not None:
         config = load_config(args.file)  # ConfigError: one line, naming the file
         body = {"rules": [scoped.to_dict() for scoped in config.rules]}

@@ -426,6 +426,18 @@ def test_rules_failures_are_one_line(not_a_router: str, tmp_path: Path) -> None:
     empty = tmp_path / "empty.toml"
     empty.write_text('[identity]\nname = "X-Api-Key"\n')
     one_line_failure(ringlimit("rules", str(empty)), "no [[rules]] to apply")
+    # `rules list` reads; with a file named list here it refuses rather than
+    # apply that file's rules to the cluster (./list does that).
+    (tmp_path / "list").write_text('[[rules]]\nname = "api"\nrate = "1/hour"\n')
+    listed = subprocess.run(
+        [sys.executable, "-m", "router", "rules", "list", "--router", url],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60.0,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    one_line_failure(listed, "'list' names a file here too", "ringlimit rules ./list")
 
 
 @pytest.mark.parametrize(

@@ -327,14 +327,16 @@ async def test_a_node_reads_the_first_of_two_tier_fields_as_a_router_does() -> N
     router judged the request by (``IdentityResolver.tier``: the first field).
     The node took the last, so a request a router judged as ``premium`` (its
     open/closed rules, its quota leases) was decided under ``free``'s rules."""
-    premium = ScopedRule(Rule("premium", 1, 60.0), tiers=("premium",))
+    premium = ScopedRule(Rule("premium", 1, 60.0), tiers=("premium", "prémium"))
     free = ScopedRule(Rule("free", 5, 60.0), tiers=("free",))
     authority, _ = frozen(premium, free)
     app = RateLimitMiddleware(sample_app.app, authority=authority, trust_router=False)
-    fields = [("X-User-Id", "u"), ("X-User-Tier", "premium"), ("X-User-Tier", "free")]
-    request = {"headers": [(k.lower().encode(), v.encode()) for k, v in fields]}
-    assert IdentityResolver(Identity()).tier(request) == "premium"
-    async with client(app) as c:
-        first = await c.get("/", headers=fields)
-        assert first.headers["ratelimit-policy"] == '"premium";q=1;w=60'
-        assert (await c.get("/", headers=fields)).status_code == 429
+    # A tier's bytes are read as the router reads them too: UTF-8 (else latin-1).
+    for user, tier in (("u", "premium"), ("v", "prémium")):
+        fields = [(b"x-user-id", user.encode()), (b"x-user-tier", tier.encode())]
+        fields.append((b"x-user-tier", b"free"))
+        assert IdentityResolver(Identity()).tier({"headers": fields}) == tier
+        async with client(app) as c:
+            first = await c.get("/", headers=fields)
+            assert first.headers["ratelimit-policy"] == '"premium";q=1;w=60', tier
+            assert (await c.get("/", headers=fields)).status_code == 429
