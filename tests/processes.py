@@ -41,12 +41,20 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_block(count: int, attempts: int = 50) -> int:
-    """A port P with P..P+count-1 all free on 127.0.0.1 (``up`` uses P and P+1..P+N).
+#: Ports :func:`free_block` handed out in this process: a child may not have bound
+#: one yet, so a later call must not hand it out again (cleared when many are).
+_HANDED: set[int] = set()
 
-    Taken below the kernel's ephemeral range when there is room: a port in that
-    range can be handed to any outgoing connection on the machine between this
-    check and the moment a child binds it (so can a restarted node's port).
+
+def _port_range(count: int) -> tuple[int, int]:
+    """Where this process picks ports: below the kernel's ephemeral range when
+    there is room, and with pytest-xdist the slice of it that is this worker's.
+
+    Below the ephemeral range: a port in it can be handed to any outgoing
+    connection on the machine between the check and the moment a child binds it.
+    One slice per worker: two workers that picked the same free port each
+    started a child on it, and one test's node joined the other test's
+    cluster (CI: "could not join the ring ... missing_user_id").
     """
     low = 32_768
     try:
@@ -54,19 +62,38 @@ def free_block(count: int, attempts: int = 50) -> int:
             low = int(handle.read().split()[0])
     except (OSError, ValueError, IndexError):
         pass
+    start, end = (10_000, low - count) if low - count > 10_000 else (20_000, 60_000)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    try:
+        index = int(worker.removeprefix("gw"))
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    except ValueError:
+        return start, end
+    if not 0 <= index < workers:
+        return start, end
+    size = (end - start) // workers
+    return start + index * size, start + (index + 1) * size
+
+
+def free_block(count: int, attempts: int = 50) -> int:
+    """A port P with P..P+count-1 all free on 127.0.0.1 (``up`` uses P and P+1..P+N),
+    none handed out before by this process, in this process's range (:func:`_port_range`)."""
+    start, end = _port_range(count)
+    if len(_HANDED) > (end - start) // 4:
+        _HANDED.clear()
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(attempts):
-        base = (
-            rng.randrange(10_000, low - count)
-            if low - count > 10_000
-            else rng.randrange(20_000, 60_000)
-        )
+        base = rng.randrange(start, end - count + 1)
+        block = range(base, base + count)
+        if any(port in _HANDED for port in block):
+            continue
         sockets = []
         try:
-            for port in range(base, base + count):
+            for port in block:
                 sock = socket.socket()
                 sockets.append(sock)
                 sock.bind(("127.0.0.1", port))
+            _HANDED.update(block)
             return base
         except OSError:
             continue

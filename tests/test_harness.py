@@ -5,6 +5,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+from tests import processes
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -33,3 +37,27 @@ def test_no_test_starts_a_process_with_a_preexec_fn() -> None:
 def test_the_checker_sees_a_preexec_fn() -> None:
     source = "import subprocess\nsubprocess.Popen(['true'], preexec_fn=print)\n"
     assert _calls_with_preexec_fn(source) == [2]
+
+
+def test_xdist_workers_pick_ports_apart_and_never_hand_one_out_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two xdist workers that picked the same free port each started a child on
+    it: one test's node joined another test's cluster (CI failed on "could not
+    join the ring ... missing_user_id"). Each worker now has its own slice of
+    the range, and a port handed out (whose child may not have bound it yet)
+    is not handed out again by that process."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    slices = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        slices.append(processes._port_range(4))
+    (a0, a1), (b0, b1) = slices
+    assert a0 < a1 <= b0 < b1, slices
+    monkeypatch.setattr(processes, "_HANDED", set())
+    ports = [processes.free_block(4) for _ in range(200)]
+    assert all(b0 <= port and port + 3 < b1 for port in ports)
+    handed = [port + i for port in ports for i in range(4)]
+    assert len(set(handed)) == len(handed)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    assert processes._port_range(1)[1] - processes._port_range(1)[0] > b1 - b0
