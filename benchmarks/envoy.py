@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -284,15 +285,51 @@ def lines(envoy: dict[str, Any]) -> list[str]:
     return out
 
 
+async def serve_floor(port: int) -> None:
+    """A RateLimitService that answers OK and does nothing else, on ``port`` until
+    cancelled: gRPC's own cost per call (the floor of the router's), measured by
+    running ``load`` against it (docs/envoy.md)."""
+    import grpc
+    from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+
+    ok = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK)
+
+    class Floor(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+        async def ShouldRateLimit(self, request: Any, context: Any) -> Any:
+            return ok
+
+    server = grpc.aio.server()
+    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(Floor(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.envoy")
-    parser.add_argument("command", choices=["load"])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.envoy",
+        description="load: the load generator; floor: a do-nothing RateLimitService "
+        "(gRPC's own cost per call) until interrupted",
+    )
+    parser.add_argument("command", choices=["load", "floor"])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--users", type=int, default=10_000)
     parser.add_argument("--key", default="user")
     args = parser.parse_args(argv)
+    if args.command == "floor":
+        import signal
+
+        import uvloop  # the loop a router serves gRPC on (node/server.py)
+
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        with contextlib.suppress(KeyboardInterrupt):
+            uvloop.run(serve_floor(args.port))
+        return 0
     result = asyncio.run(_drive(args.port, args.seconds, args.concurrency, args.users, args.key))
     print(json.dumps(result))
     return 0

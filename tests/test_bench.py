@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 from benchmarks import bench, deployments, loadgen, measure
 from benchmarks import report as reporting
 from benchmarks.deployments import ROWS
+from tests.processes import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -455,3 +457,28 @@ def test_the_join_direction_runs_alone() -> None:
     moved = re.search(r"([\d,]+) of \1 moved keys arrived", line)
     assert moved is not None, line
     assert f"A keeps {moved.group(1)} of them for B" in line, line
+
+
+def test_the_envoy_floor_server_answers_ok_and_stops() -> None:
+    """``python -m benchmarks.envoy floor``: gRPC's own cost per call, which
+    docs/envoy.md compares the router's with, is measured against a server
+    that answers OK; ``load`` against it counts every call OK."""
+    from benchmarks import envoy
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.envoy", "floor", "--port", str(port)], cwd=ROOT
+    )
+    try:
+        assert wait_for(lambda: _accepts(port) or server.poll() is not None, timeout=30.0)
+        result = envoy.load(port, 0.5, 4, 10, "user")
+        assert result["calls"] > 0 and result["ok"] == result["calls"], result
+        assert result["errors"] == 0
+    finally:
+        server.terminate()
+        assert server.wait(timeout=10) == 0
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
