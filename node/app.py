@@ -437,15 +437,14 @@ class Node:
         """The status, extra headers and JSON body answering a decision-API body."""
         config = self.authority.config
         shard = self.shard
-        if shard is not None and shard.view is not None and not len(shard.view):
-            # Fenced (a restarted node before its router's first push) or in an empty
-            # ring: it may not know the cluster's rules either, so the body is not
-            # read against them. A restarted node's unknown_rule (404) reached Envoy
-            # as UNAVAILABLE; this refusal makes a router refresh and retry.
-            exc = NotOwner("", shard.epoch, None)
-            self.metrics.error("not_owner")
-            return 421, not_owner_headers(exc), dumps(not_owner_body(exc)).encode()
         try:
+            if shard is not None and shard.view is not None and not len(shard.view):
+                # Fenced (a restarted node before its router's first push) or in an
+                # empty ring: it may not know the cluster's rules either, so the body
+                # is not read against them. A restarted node's unknown_rule (404)
+                # reached Envoy as UNAVAILABLE; this refusal makes a router refresh
+                # and retry.
+                raise NotOwner("", shard.epoch, None)
             checks, batch = decode_checks(body, config)
             verdicts = await self.authority.decide_many(checks)
         except ApiError as exc:
