@@ -21,7 +21,7 @@ def refusal(
     given: str | None,
     expected: str | None,
     host: str | None,
-    headers: Mapping[str, str] | None = None,
+    headers: Mapping[str, str],
 ) -> int | None:
     """The one access check of token-protected endpoints (the router's admin API,
     the node's internal API): None when the call may proceed, else its status.
@@ -32,8 +32,7 @@ def refusal(
     shows (``headers``, the request's: see :func:`for_another_site`).
     """
     if expected is None:
-        loopback = is_loopback(host) and not (headers is not None and for_another_site(headers))
-        return None if loopback else 403
+        return None if is_loopback(host) and not for_another_site(headers) else 403
     return None if token_matches(given, expected) else 401
 
 
