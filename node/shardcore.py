@@ -744,6 +744,12 @@ class ShardCore:
         if self.id not in view or not len(view):
             self.replicas.clear()
             return
+
+        def replicated(record: Record) -> bool:
+            """Whether ``record``'s rule is known here and replicated on a crash."""
+            rule = config.rule(record[0])
+            return rule is not None and (rule.crash_policy or config.policies.crash) == "replica"
+
         for origin in crashed:
             replicas = self.replicas.pop(origin, None)
             if replicas is None:
@@ -755,9 +761,7 @@ class ShardCore:
                 owner = view.owner_id(record[2])
                 if owner != self.id:
                     kept.setdefault(owner, []).append(record)
-                    continue
-                rule = config.rule(record[0])
-                if rule is not None and (rule.crash_policy or config.policies.crash) == "replica":
+                elif replicated(record):
                     promoted.append(record)
             self.stats.replicas_promoted += self.store.import_(promoted, now, config.rule_map)
             self.mark_dirty(promoted)
@@ -767,12 +771,7 @@ class ShardCore:
                     store = self.replicas[owner] = MemoryStore()
                 store.import_(moved, now, config.rule_map)
                 if owner not in crashed:
-                    self.outbox.setdefault(owner, []).extend(
-                        record
-                        for record in moved
-                        if (rule := config.rule(record[0])) is not None
-                        and (rule.crash_policy or config.policies.crash) == "replica"
-                    )
+                    self.outbox.setdefault(owner, []).extend(filter(replicated, moved))
         for origin in list(self.replicas):
             if origin not in view:
                 del self.replicas[origin]
