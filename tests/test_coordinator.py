@@ -198,17 +198,19 @@ async def test_a_lease_etcd_lengthens_is_logged(
         binary, tmp_path, extra_args=["--heartbeat-interval", "500", "--election-timeout", "2500"]
     )
     slow.start()
-    etcd = coordinator(slow.endpoint, ttl=2.0)
-    loop = asyncio.get_running_loop()
-    led = asyncio.Event()
-    leading = asyncio.create_task(etcd.lead("http://slow", _setter(led), _nothing, loop.time))
-    try:
-        with caplog.at_level(logging.WARNING, logger="ringlimit.router"):
-            await asyncio.wait_for(led.wait(), timeout=20.0)
-        assert "granted the leader lease 4 s, not the 2 s asked for" in caplog.text
+    try:  # the etcd this test started is stopped whatever fails below
+        etcd = coordinator(slow.endpoint, ttl=2.0)
+        loop = asyncio.get_running_loop()
+        led = asyncio.Event()
+        leading = asyncio.create_task(etcd.lead("http://slow", _setter(led), _nothing, loop.time))
+        try:
+            with caplog.at_level(logging.WARNING, logger="ringlimit.router"):
+                await asyncio.wait_for(led.wait(), timeout=20.0)
+            assert "granted the leader lease 4 s, not the 2 s asked for" in caplog.text
+        finally:
+            await cancel_until_done([leading])
+            await etcd.close()
     finally:
-        await cancel_until_done([leading])
-        await etcd.close()
         slow.stop()
 
 
