@@ -570,8 +570,8 @@ async def test_a_handoff_still_unsettled_when_the_next_view_comes_is_still_inher
     """n4 joins and its handoff fails; n5 joins before anyone asked n4 about a
     moved user, and the old owners' second try at n4 is slow. n4 owned those
     users under the previous view already, but their states are still on their
-    way: it must wait for them, not decide on fresh states (it admitted 200 of
-    200 checks of 10 exhausted users before)."""
+    way: it must wait for them, not decide on fresh states (before, it admitted
+    every check of those exhausted users: 30 of 30, docs/rebalancing.md)."""
     clock = FrozenClock()
     async with InProcessCluster(3, make_config(), clock=clock) as cluster:
         await exhaust(cluster)
