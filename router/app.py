@@ -449,7 +449,7 @@ class Router:
         # forwarder and for a failover; the fast client gets the bytes themselves.
         headers = _text(raw) if fast is None else None
         if config.leasing and await self._leased(
-            scope, send, config, resolver, user, method, path_qs, _text(raw), body, started
+            scope, send, config, resolver, user, method, path_qs, raw, body, started
         ):
             return
         member: Member | None = None
@@ -550,7 +550,7 @@ class Router:
         user: str,
         method: str,
         path_qs: str,
-        headers: list[tuple[str, str]],
+        raw: list[tuple[bytes, bytes]],
         body: bytes,
         started: float,
     ) -> bool:
@@ -560,6 +560,8 @@ class Router:
         marked ``X-Ringlimit-Leased`` (believed with the internal token only),
         so the owner neither decides nor proxies it. Denied: a 429 from here,
         with a node's headers and body. Otherwise False: forward as usual.
+        ``raw``: the fields passed on, as bytes (made text only to serve an
+        admitted request: most requests here are forwarded as usual).
         """
         rules = config.rules_for(method, scope["path"], resolver.tier(scope))
         if (
@@ -571,7 +573,7 @@ class Router:
             # A shadow rule is decided and counted, never denied: its owner
             # decides it (a denial lease answered 429 for it).
             return False
-        if config.bypass_sha256 and _names(headers, config.bypass_header):
+        if config.bypass_sha256 and self._bypass_name(config) in (k for k, _ in raw):
             # A bypass token is checked by the owner, which skips limiting for it:
             # decided here from a lease, it was denied or spent the user's units.
             return False
@@ -602,7 +604,7 @@ class Router:
         assert self.forwarder is not None
         others = [m for m in view.members if m.id != owner.id] or [owner]
         turn = next(self._turn)
-        marked = [*headers, ("x-ringlimit-leased", rule.name)]
+        marked = [*_text(raw), ("x-ringlimit-leased", rule.name)]
         for i in range(len(others)):
             member = others[(turn + i) % len(others)]
             try:
@@ -717,12 +719,6 @@ class Router:
     async def metrics_endpoint(self, request: Request) -> Response:
         self.metrics.forget_departed(self.membership.view.ids)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
-
-
-def _names(headers: list[tuple[str, str]], name: str) -> bool:
-    """Whether ``headers`` carry a field called ``name`` (any case)."""
-    wanted = name.lower()
-    return any(field.lower() == wanted for field, _ in headers)
 
 
 def _text(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
