@@ -63,7 +63,7 @@ from router.forward import (
     Timeouts,
     Unreachable,
 )
-from router.leases import ADMIT, DENY, FORWARD, RouterLeases
+from router.leases import ADMIT, DENY, FORWARD, RouterLeases, leased_rule
 from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.protocol import ADMIN_PREFIX, CONTROL_PATHS, ProxyCycle, has_dot_segment
@@ -563,21 +563,13 @@ class Router:
         ``raw``: the fields passed on, as bytes (made text only to serve an
         admitted request: most requests here are forwarded as usual).
         """
-        rules = config.rules_for(method, scope["path"], resolver.tier(scope))
-        if (
-            len(rules) != 1
-            or rules[0].lease != "auto"
-            or rules[0].shadow
-            or config.balance != "sticky"
-        ):
-            # A shadow rule is decided and counted, never denied: its owner
-            # decides it (a denial lease answered 429 for it).
+        rule = leased_rule(config.rules_for(method, scope["path"], resolver.tier(scope)))
+        if rule is None or config.balance != "sticky":
             return False
         if config.bypass_sha256 and self._bypass_name(config) in (k for k, _ in raw):
             # A bypass token is checked by the owner, which skips limiting for it:
             # decided here from a lease, it was denied or spent the user's units.
             return False
-        rule = rules[0]
         view = self.membership.view
         if not view.members:
             return False

@@ -42,7 +42,7 @@ from node.wire import (
 from ring import EmptyRingError, Member
 from router.coalesce import Coalescer, Merger
 from router.forward import MAX_ATTEMPTS, NodeTimeout, Unreachable
-from router.leases import ADMIT, FORWARD
+from router.leases import ADMIT, FORWARD, leased_rule
 
 #: Reasons of a result the router made up for an owner that did not answer.
 UNANSWERED = frozenset({"owner_unreachable", "owner_timeout"})
@@ -156,18 +156,13 @@ class DecisionAPI:
     def leased(self, check: Check) -> bytes | None:
         """A single check of cost 1 whose one rule leases, answered from the router's
         quota leases (docs/hotkeys.md); ``None``: route it as usual."""
-        if (
-            len(check.rules) != 1
-            or check.cost != 1
-            or check.rules[0].lease != "auto"
-            or check.rules[0].shadow  # decided and counted by its owner, never denied
-        ):
+        rule = leased_rule(check.rules)
+        if rule is None or check.cost != 1:
             return None
         router = self.router
         view = router.membership.view
         if not view.members or router.config.balance != "sticky":
             return None
-        rule = check.rules[0]
         leases = router.leases
         now = leases.clock()
         outcome = leases.decide(rule, check.key, view.epoch, now)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 from node.clock import boot_clock
@@ -49,7 +49,19 @@ EXPIRE_EVERY = 1.0
 #: Asks in flight at once (one per key): beyond, a hot key waits for the next request.
 MAX_ASKS = 64
 
-__all__ = ["ADMIT", "DENY", "FORWARD", "RouterLeases"]
+__all__ = ["ADMIT", "DENY", "FORWARD", "RouterLeases", "leased_rule"]
+
+
+def leased_rule(rules: Sequence[Rule]) -> Rule | None:
+    """The rule a request may be decided by from the router's leases: its one
+    rule, when that rule leases and is not a shadow rule (decided and counted
+    by its owner, never denied: a denial lease answered 429 for it). None: the
+    request goes to its owner as usual. The proxy path and the decision API
+    ask the same."""
+    if len(rules) != 1:
+        return None
+    rule = rules[0]
+    return rule if rule.lease == "auto" and not rule.shadow else None
 
 
 class RouterLeases:
