@@ -1105,12 +1105,12 @@ def _run_up(args: argparse.Namespace) -> int:
 def _check_node_ports(args: argparse.Namespace) -> None:
     """``up``'s nodes listen on consecutive ports from --node-port (or --port + 1):
     the last one too must be a port (65536 was a traceback from socket.bind)."""
+    flag, given = ("--node-port", args.node_port) if args.node_port else ("--port", args.port)
     first = args.node_port or args.port + 1
     last = first + args.nodes - 1
     if last > MAX_PORT:
-        flag = "--node-port" if args.node_port else "--port"
         raise ValueError(
-            f"{flag} {first - (0 if args.node_port else 1)} with --nodes {args.nodes}: node "
+            f"{flag} {given} with --nodes {args.nodes}: node "
             f"ports {first}..{last} go past {MAX_PORT}; choose a lower {flag}"
         )
 
