@@ -26,20 +26,18 @@ def save_view(path: Path, view: RingView) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ring-")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump(view.to_dict(), handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
     except OSError as exc:
         raise _bad(path, f"cannot write ring state: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(view.to_dict(), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise _bad(path, f"cannot write ring state: {exc.strerror or exc}") from None
-        raise
 
 
 def load_view(path: Path) -> RingView | None:
