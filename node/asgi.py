@@ -35,7 +35,17 @@ async def send_json(
     headers: Iterable[tuple[bytes, bytes]] = (),
     content_type: bytes = b"application/json",
 ) -> None:
-    payload = dumps(body)
+    await send_json_bytes(send, status, dumps(body), headers, content_type)
+
+
+async def send_json_bytes(
+    send: Send,
+    status: int,
+    payload: bytes,
+    headers: Iterable[tuple[bytes, bytes]] = (),
+    content_type: bytes = b"application/json",
+) -> None:
+    """:func:`send_json` of a body already encoded (a node's answer, relayed)."""
     await send(
         {
             "type": "http.response.start",

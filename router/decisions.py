@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from node.asgi import Receive, Scope, Send, drain, error_body, read_all
+from node.asgi import Receive, Scope, Send, drain, error_body, read_all, send_json_bytes
 from node.config import Limits
 from node.rules import MAX_NAME
 from node.security import bearer, token_matches
@@ -116,7 +116,7 @@ class DecisionAPI:
         limit = config.limits.max_body
         if self.router.settings.api_token is not None and not self.allowed(scope):
             await drain(receive)
-            await _send_json_bytes(
+            await send_json_bytes(
                 send,
                 401,
                 dumps(
@@ -135,7 +135,7 @@ class DecisionAPI:
                 raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
             checks, batch = decode_checks(body, config)
         except ApiError as exc:
-            await _send_json_bytes(send, exc.status, dumps(exc.body()).encode())
+            await send_json_bytes(send, exc.status, dumps(exc.body()).encode())
             return
         if batch:
             try:
@@ -143,15 +143,15 @@ class DecisionAPI:
             except (msgspec.MsgspecError, ValueError, RecursionError):
                 raw = None  # valid for json, not msgspec: encode the checks again
             results = await self.route_checks(checks, raw)
-            await _send_json_bytes(send, 200, batch_body(results))
+            await send_json_bytes(send, 200, batch_body(results))
             return
         if config.leasing:
             leased = self.leased(checks[0])
             if leased is not None:
-                await _send_json_bytes(send, 200, leased)
+                await send_json_bytes(send, 200, leased)
                 return
         status, payload, headers = await self.answer_checks(checks, batch)
-        await _send_json_bytes(send, status, payload, headers)
+        await send_json_bytes(send, status, payload, headers)
 
     def leased(self, check: Check) -> bytes | None:
         """A single check of cost 1 whose one rule leases, answered from the router's
@@ -430,20 +430,3 @@ def _by_rules(checks: Sequence[Check], indices: list[int]) -> list[list[int]]:
     for i in indices:
         parts.setdefault(tuple(rule.name for rule in checks[i].rules), []).append(i)
     return list(parts.values())
-
-
-async def _send_json_bytes(
-    send: Send, status: int, payload: bytes, extra: Sequence[tuple[bytes, bytes]] = ()
-) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-length", str(len(payload)).encode()),
-                (b"content-type", b"application/json"),
-                *extra,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})
