@@ -18,6 +18,18 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 RawHeaders = list[tuple[bytes, bytes]]
 
+#: An extension (``scope["extensions"]``) of a node's front door
+#: (node/frontdoor.py): a list, per request, of node/headers.py's
+#: ``Rendered`` fields that the server adds to the response's start, whatever
+#: the app sends. RateLimitMiddleware puts an allowed request's rate-limit
+#: fields there instead of wrapping ``send``: no wrapper per request, and the
+#: server writes lines checked once per distinct entry instead of looking
+#: each field up on every response. Under any other server the middleware
+#: wraps ``send`` as usual. The fields go on whatever answer the server writes
+#: for the request, its own 500 for an app that failed before answering
+#: included (the request was counted).
+RESPONSE_FIELDS = "ringlimit.response_fields"
+
 
 #: One encoder for every answer: ``json.dumps`` with a non-default argument builds
 #: a new ``JSONEncoder`` per call, which was a tenth of the echo app's cost.

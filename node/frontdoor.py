@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from types import MethodType
 from typing import Any
 
+from node.asgi import RESPONSE_FIELDS
 from node.failures import Failures
 
 __all__ = ["FrontDoor", "raise_fd_limit"]
@@ -241,7 +242,12 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
             or cycle.disconnected
             or cycle.flow.write_paused
         ):
-            if message["type"] == "http.response.body" and not message.get("more_body"):
+            if message["type"] == "http.response.start" and not cycle.response_started:
+                added = _added_fields(cycle)
+                if added:  # uvicorn's own send takes fields as pairs only
+                    extra = [field for entry in added for field in entry.fields]
+                    message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
                 # The answer's last message: the cycle lets go of this method bound
                 # to itself (the app holds its own). Held, every request's cycle,
                 # scope and all on them were a reference cycle that only the
@@ -294,6 +300,12 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                 with contextlib.suppress(TypeError):  # (a bytearray in it)
                     checked[field] = line
             content.append(line)
+        added = _added_fields(cycle)
+        if added:
+            # The middleware's rate-limit fields (node/asgi.py RESPONSE_FIELDS),
+            # checked when they were rendered (node/headers.py Rendered.lines).
+            for entry in added:
+                content.append(entry.lines)
         if not cycle.keep_alive and not has_connection_close:
             content.append(b"connection: close\r\n")
         if (
@@ -308,6 +320,23 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
         cycle.transport.write(b"".join(content))
 
     return send
+
+
+def _added_fields(cycle: Any) -> list[Any] | None:
+    """The fields a middleware asked this server to add to ``cycle``'s answer
+    (the :data:`~node.asgi.RESPONSE_FIELDS` extension), if any."""
+    extensions = cycle.scope.get("extensions")
+    return extensions.get(RESPONSE_FIELDS) if extensions else None
+
+
+def offer_response_fields(scope: Any) -> None:
+    """Advertise the :data:`~node.asgi.RESPONSE_FIELDS` extension in ``scope``:
+    a fresh list, per request, for an allowed request's rate-limit fields."""
+    extensions = scope.get("extensions")
+    if extensions is None:
+        scope["extensions"] = {RESPONSE_FIELDS: []}
+    else:
+        extensions[RESPONSE_FIELDS] = []
 
 
 class _StopParsing(Exception):
@@ -611,6 +640,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 # (An attribute, not a subclass: a changed ``__class__`` slows every
                 # attribute of the cycle down.)
                 cycle.send = MethodType(send, cycle)  # type: ignore[method-assign]
+                offer_response_fields(cycle.scope)
                 if upgrade:
                     # The parser reads nothing after an upgrade request (httptools
                     # stops there): the connection closes after its answer, and

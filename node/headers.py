@@ -36,9 +36,10 @@ ringlimit's plain JSON; both keep the same ringlimit members.
 from __future__ import annotations
 
 import math
+import re
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from node.decision import Decision, Verdict
 from node.rules import Rule
@@ -282,6 +283,36 @@ _CACHE_PLANS = 1024
 
 Headers = tuple[tuple[bytes, bytes], ...]
 
+#: What uvicorn refuses in a field's name and value (its HEADER_RE and
+#: HEADER_VALUE_RE): checked once per rendered entry, since its lines are
+#: written as they are (:attr:`Rendered.lines`).
+_BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
+_BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+class Rendered(NamedTuple):
+    """One decision's rate-limit fields, in the two forms a server takes.
+
+    ``fields`` are ASGI header pairs, for any server; ``lines`` are the same
+    fields as an HTTP/1.1 response writes them (``name: value`` and CRLF each),
+    checked as uvicorn checks a field, for a server that takes them whole
+    (node/asgi.py's :data:`~node.asgi.RESPONSE_FIELDS` extension: a node's
+    front door), which then skips its per-field checks and lookups.
+    """
+
+    fields: Headers
+    lines: bytes
+
+
+def rendered(fields: Headers) -> Rendered:
+    """``fields`` with their :attr:`Rendered.lines`; ValueError for a field
+    uvicorn would refuse (none of ours can be: rule names are checked when
+    read, the rest are numbers)."""
+    for name, value in fields:
+        if _BAD_NAME.search(name) or _BAD_VALUE.search(value):
+            raise ValueError(f"invalid response field {name!r}: {value!r}")
+    return Rendered(fields, b"".join(b"%s: %s\r\n" % (n.lower(), v) for n, v in fields))
+
 
 class HeaderCache:
     """:func:`rate_limit_headers`, rendered once per rule set and decided values.
@@ -303,20 +334,26 @@ class HeaderCache:
         self.legacy_reset = legacy_reset
         #: id(rules) -> (rules, shadowed, rendered): the rules object is kept, so
         #: its id is not reused while the plan exists.
-        self._plans: dict[int, tuple[tuple[Rule, ...], bool, dict[Any, Headers]]] = {}
+        self._plans: dict[int, tuple[tuple[Rule, ...], bool, dict[Any, Rendered]]] = {}
 
     def render(self, rules: tuple[Rule, ...], verdict: Verdict, now: float) -> Headers:
         """The same fields as ``rate_limit_headers(rules, verdict, legacy=...,
         legacy_reset=..., now=now)``."""
+        return self.rendered(rules, verdict, now).fields
+
+    def rendered(self, rules: tuple[Rule, ...], verdict: Verdict, now: float) -> Rendered:
+        """:meth:`render`, with the fields' lines too (:class:`Rendered`)."""
         plan = self._plans.get(id(rules))
         if plan is None or plan[0] is not rules:
             if len(self._plans) >= _CACHE_PLANS:
                 self._plans.clear()
             plan = self._plans[id(rules)] = (rules, has_shadow(rules), {})
         if plan[1]:
-            return tuple(
-                rate_limit_headers(
-                    rules, verdict, legacy=self.legacy, legacy_reset=self.legacy_reset, now=now
+            return rendered(
+                tuple(
+                    rate_limit_headers(
+                        rules, verdict, legacy=self.legacy, legacy_reset=self.legacy_reset, now=now
+                    )
                 )
             )
         decision = verdict.decision
@@ -335,14 +372,16 @@ class HeaderCache:
                 key,
                 tuple((d.rule, d.remaining, whole_seconds(d.available_after)) for d in decisions),
             )
-        rendered = plan[2]
-        found = rendered.get(key)
+        entries = plan[2]
+        found = entries.get(key)
         if found is None:
-            if len(rendered) >= _CACHE_ENTRIES:
-                rendered.clear()
-            found = rendered[key] = tuple(
-                rate_limit_headers(
-                    rules, verdict, legacy=self.legacy, legacy_reset=self.legacy_reset, now=now
+            if len(entries) >= _CACHE_ENTRIES:
+                entries.clear()
+            found = entries[key] = rendered(
+                tuple(
+                    rate_limit_headers(
+                        rules, verdict, legacy=self.legacy, legacy_reset=self.legacy_reset, now=now
+                    )
                 )
             )
         return found

@@ -15,7 +15,17 @@ from collections.abc import Awaitable, Sequence
 from functools import lru_cache
 from urllib.parse import unquote
 
-from node.asgi import ASGIApp, Message, Receive, Scope, Send, drain, error_body, send_json
+from node.asgi import (
+    RESPONSE_FIELDS,
+    ASGIApp,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    drain,
+    error_body,
+    send_json,
+)
 from node.authority import Authority
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig, ScopedRule
@@ -229,14 +239,22 @@ class RateLimitMiddleware:
             await drain(receive)
             await send_json(send, 503, lease_expired_body(exc), LEASE_EXPIRED_HEADERS)
             return
-        fields = prepared.headers.render(rules, verdict, self.wall_clock())
         if verdict.allowed:
             state = scope.get("state")  # a server's scope has one: no setdefault's spare {}
             if state is None:
                 state = scope["state"] = {}
             state["ringlimit"] = {"key": user, "verdict": verdict}
-            await self.app(scope, receive, _adding(send, fields))
+            extensions = scope.get("extensions")
+            added = extensions.get(RESPONSE_FIELDS) if extensions else None
+            if added is not None:
+                # A node's front door adds the fields itself (node/asgi.py).
+                added.append(prepared.headers.rendered(rules, verdict, self.wall_clock()))
+                await self.app(scope, receive, send)
+            else:
+                fields = prepared.headers.render(rules, verdict, self.wall_clock())
+                await self.app(scope, receive, _adding(send, fields))
             return
+        fields = prepared.headers.render(rules, verdict, self.wall_clock())
         await drain(receive)
         # A rule that fails closed while its backend is down: the service, not the
         # client, is the problem, so 503 rather than 429. (An open rule decided by
@@ -288,7 +306,8 @@ def _adding(send: Send, headers: Sequence[tuple[bytes, bytes]]) -> Send:
     # messages cost no coroutine of their own.
     def send_with_headers(message: Message) -> Awaitable[None]:
         if message["type"] == "http.response.start":
-            message["headers"] = [*message.get("headers", ()), *headers]
+            # A copy: the message is the app's, which may send the same one again.
+            message = {**message, "headers": [*message.get("headers", ()), *headers]}
         return send(message)
 
     return send_with_headers

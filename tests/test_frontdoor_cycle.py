@@ -57,9 +57,12 @@ def answering(start: dict[str, Any], body: bytes) -> Any:
     return app
 
 
-async def serve(protocol_class: type, app: Any, requests: bytes, times: int) -> tuple[bytes, bool]:
-    """Everything written answering ``requests`` ``times`` times on one connection."""
-    config = uvicorn.Config(app, lifespan="off", log_level="critical", access_log=False)
+async def serve(
+    protocol_class: type, app: Any, requests: bytes, times: int, *, access_log: bool = False
+) -> tuple[bytes, bool]:
+    """Everything written answering ``requests`` ``times`` times on one connection
+    (with uvicorn's access log on or off)."""
+    config = uvicorn.Config(app, lifespan="off", log_level="critical", access_log=access_log)
     config.load()
     state = ServerState()
     state.default_headers = list(DEFAULTS)
@@ -270,3 +273,129 @@ def test_a_served_request_leaves_no_garbage_for_the_collector(mode: str) -> None
 
     per_request = requestpath.run(main())[0]
     assert per_request < 0.05, per_request
+
+
+def limited(start: dict[str, Any], body: bytes, *, legacy: bool = True) -> Any:
+    """``answering(start, body)`` behind RateLimitMiddleware (``2/minute``, one
+    user, a frozen clock): two answers allowed, then 429s."""
+    from node.authority import Authority
+    from node.config import ClusterConfig
+    from node.middleware import RateLimitMiddleware
+
+    config = ClusterConfig.from_dict(
+        {
+            "rules": [{"name": "api", "rate": "2/minute"}],
+            "identity": {"source": "header", "name": "X-User"},
+            "headers": {"legacy": legacy},
+        }
+    )
+    clock = lambda: 1_000_000.0  # noqa: E731
+    authority = Authority.in_memory(config, clock=clock)
+    return RateLimitMiddleware(
+        answering(start, body), authority=authority, trust_router=False, wall_clock=clock
+    )
+
+
+LIMITED_GET = b"GET /x HTTP/1.1\r\nHost: a\r\nX-User: u1\r\n\r\n"
+LIMITED_HEAD = b"HEAD /x HTTP/1.1\r\nHost: a\r\nX-User: u1\r\n\r\n"
+
+
+@pytest.mark.parametrize("legacy", [True, False])
+@pytest.mark.parametrize("access_log", [False, True])
+@pytest.mark.parametrize(
+    ("request_bytes", "headers", "body"),
+    [
+        (LIMITED_GET, [(b"content-type", b"text/plain"), (b"content-length", b"2")], b"ok"),
+        (LIMITED_GET, [(b"Content-Type", b"text/plain")], b"chunked"),
+        (LIMITED_HEAD, [(b"content-length", b"2")], b""),
+        (LIMITED_GET, [[b"x-list", b"1"], (b"content-length", b"2")], b"ok"),
+    ],
+    ids=["length", "chunked", "head", "list-field"],
+)
+def test_a_limited_answer_under_the_front_door_is_uvicorns_byte_for_byte(
+    legacy: bool, access_log: bool, request_bytes: bytes, headers: list[Any], body: bytes
+) -> None:
+    """Under a node's front door RateLimitMiddleware hands its fields to the
+    server (the ``ringlimit.response_fields`` extension, written as lines
+    checked once) instead of wrapping ``send``; under plain uvicorn it wraps
+    ``send``. Allowed answers, a 429 and the keep-alive after it: the same
+    bytes either way, with the access log on too (the front door then
+    answers through uvicorn's own ``send``, with the fields as pairs)."""
+    start = {"type": "http.response.start", "status": 200, "headers": headers}
+
+    async def both() -> tuple[tuple[bytes, bool], tuple[bytes, bool]]:
+        front = limited_protocol(HttpToolsProtocol, FrontDoor())
+        return (
+            await serve(
+                HttpToolsProtocol,
+                limited(start, body, legacy=legacy),
+                request_bytes,
+                3,
+                access_log=access_log,
+            ),
+            await serve(
+                front, limited(start, body, legacy=legacy), request_bytes, 3, access_log=access_log
+            ),
+        )
+
+    plain, checked = asyncio.run(both())
+    assert checked == plain
+    answers = plain[0].split(b"HTTP/1.1 ")[1:]
+    assert [a[:3] for a in answers] == [b"200", b"200", b"429"]
+    assert all(b"\r\nratelimit: " in a for a in answers)
+    assert all((b"\r\nx-ratelimit-remaining: " in a) == legacy for a in answers)
+
+
+def test_under_the_front_door_the_middleware_hands_its_fields_over_unwrapped() -> None:
+    """The app behind RateLimitMiddleware gets the front door's own ``send``
+    (no wrapper per request), and the allowed request's fields wait in the
+    ``ringlimit.response_fields`` extension. Under plain uvicorn there is no
+    such extension, and ``send`` is wrapped."""
+    from node.asgi import RESPONSE_FIELDS
+    from node.headers import Rendered
+
+    def watched(seen: list[tuple[str, list[type]]]) -> Any:
+        middleware = limited({"type": "http.response.start", "status": 200, "headers": []}, b"")
+        inner = middleware.app
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            added = scope.get("extensions", {}).get(RESPONSE_FIELDS)
+            seen.append((send.__name__, [type(entry) for entry in added or ()]))
+            await inner(scope, receive, send)
+
+        middleware.app = app
+        return middleware
+
+    front: list[tuple[str, list[type]]] = []
+    plain: list[tuple[str, list[type]]] = []
+
+    async def both() -> None:
+        door = limited_protocol(HttpToolsProtocol, FrontDoor())
+        await serve(door, watched(front), LIMITED_GET, 3)
+        await serve(HttpToolsProtocol, watched(plain), LIMITED_GET, 3)
+
+    asyncio.run(both())
+    # Two allowed of three each (2/minute): the denied one never reaches the app.
+    assert front == [("send", [Rendered])] * 2
+    assert plain == [("send_with_headers", [])] * 2
+
+
+def test_an_app_that_fails_after_an_allowed_decision_gets_uvicorns_500_with_the_fields() -> None:
+    """The fields go on whatever answer the front door writes for the request,
+    its own 500 included: the request was counted, and the client learns
+    where its quota stands. The connection still closes as uvicorn closes it."""
+    middleware = limited({}, b"")
+
+    async def failing(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        raise RuntimeError("the app failed")
+
+    middleware.app = failing
+
+    async def once() -> tuple[bytes, bool]:
+        door = limited_protocol(HttpToolsProtocol, FrontDoor())
+        return await serve(door, middleware, LIMITED_GET, 3)
+
+    out, closed = asyncio.run(once())
+    assert out.startswith(b"HTTP/1.1 500 ")
+    assert b'\r\nratelimit: "api";r=1;t=30\r\n' in out
+    assert b"\r\nconnection: close\r\n" in out and closed

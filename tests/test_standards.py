@@ -26,7 +26,7 @@ from node.authority import Authority
 from node.clock import FrozenClock
 from node.config import ClusterConfig, ConfigError, Identity, ScopedRule
 from node.decision import BACKEND_UNAVAILABLE, Decision, Verdict
-from node.headers import QUOTA_EXCEEDED, rate_limit_headers
+from node.headers import QUOTA_EXCEEDED, HeaderCache, rate_limit_headers, rendered
 from node.limiter import decide_all
 from node.middleware import RateLimitMiddleware
 from node.rules import ALGORITHMS, Rule, parse_rule
@@ -143,6 +143,56 @@ def test_every_field_keeps_the_drafts_relations(rule: Rule, steps: list[tuple[fl
             assert later == r
             if not verdict.allowed:  # then only a cost no quota can ever cover is denied
                 assert decision.reason == "cost_exceeds_capacity", decision
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(rule_strategy, min_size=1, max_size=3),
+    events,
+    st.booleans(),
+    st.sampled_from(["epoch", "delta"]),
+    st.booleans(),
+)
+def test_the_header_cache_renders_what_rate_limit_headers_does(
+    rules_list: list[Rule],
+    steps: list[tuple[float, int]],
+    legacy: bool,
+    legacy_reset: str,
+    shadow_second: bool,
+) -> None:
+    """node/headers.py's HeaderCache (what a node sends) answers each verdict
+    with rate_limit_headers' fields, and its lines are those fields as uvicorn
+    writes them (what a node's front door writes as they are)."""
+    rules = tuple(
+        Rule(
+            f"r{i}", r.limit, r.period, r.algorithm, burst=r.burst, shadow=shadow_second and i == 1
+        )
+        for i, r in enumerate(rules_list)
+    )
+    cache = HeaderCache(legacy=legacy, legacy_reset=legacy_reset)
+    states: list[Any] = [None] * len(rules)
+    now = START
+    for dt, cost in steps:
+        now += dt
+        states, verdict = decide_all(states, now, rules, cost)
+        expected = tuple(
+            rate_limit_headers(rules, verdict, legacy=legacy, legacy_reset=legacy_reset, now=now)
+        )
+        for _ in range(2):  # rendered, then remembered
+            entry = cache.rendered(rules, verdict, now)
+            assert entry.fields == expected
+            assert entry.lines == b"".join(b"%s: %s\r\n" % (n.lower(), v) for n, v in expected)
+            assert cache.render(rules, verdict, now) == expected
+
+
+@pytest.mark.parametrize("field", [(b"x-a", b"1\r\nx-b: 2"), (b"x a", b"1"), (b"x-a", b"\x00")])
+def test_a_field_uvicorn_would_refuse_is_never_rendered_into_lines(
+    field: tuple[bytes, bytes],
+) -> None:
+    """Lines are written past the front door's per-field checks, so rendering
+    checks them as uvicorn does: a bad one is an error, never response splitting."""
+    with pytest.raises(ValueError, match="invalid response field"):
+        rendered(((b"ratelimit", b"1"), field))
 
 
 @pytest.mark.parametrize(
