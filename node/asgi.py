@@ -19,15 +19,15 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 RawHeaders = list[tuple[bytes, bytes]]
 
 #: An extension (``scope["extensions"]``) of a node's front door
-#: (node/frontdoor.py): a list, per request, of node/headers.py's
-#: ``Rendered`` fields that the server adds to the response's start, whatever
-#: the app sends. RateLimitMiddleware puts an allowed request's rate-limit
-#: fields there instead of wrapping ``send``: no wrapper per request, and the
-#: server writes lines checked once per distinct entry instead of looking
-#: each field up on every response. Under any other server the middleware
-#: wraps ``send`` as usual. The fields go on whatever answer the server writes
-#: for the request, its own 500 for an app that failed before answering
-#: included (the request was counted).
+#: (node/frontdoor.py): a dict of node/headers.py's ``Rendered`` fields by name
+#: (``rate_limit``), which the server adds to the request's response start,
+#: whatever the app sends, and then empties. RateLimitMiddleware puts an
+#: allowed request's rate-limit fields there instead of wrapping ``send``: no
+#: wrapper per request, and the server writes lines checked once per distinct
+#: entry instead of looking each field up on every response. Under any other
+#: server the middleware wraps ``send`` as usual. The fields go on whatever
+#: answer the server writes for the request, its own 500 for an app that
+#: failed before answering included (the request was counted).
 RESPONSE_FIELDS = "ringlimit.response_fields"
 
 

@@ -245,7 +245,8 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
             if message["type"] == "http.response.start" and not cycle.response_started:
                 added = _added_fields(cycle)
                 if added:  # uvicorn's own send takes fields as pairs only
-                    extra = [field for entry in added for field in entry.fields]
+                    extra = [field for entry in added.values() for field in entry.fields]
+                    added.clear()
                     message = {**message, "headers": [*message.get("headers", ()), *extra]}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 # The answer's last message: the cycle lets go of this method bound
@@ -300,12 +301,15 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                 with contextlib.suppress(TypeError):  # (a bytearray in it)
                     checked[field] = line
             content.append(line)
-        added = _added_fields(cycle)
-        if added:
-            # The middleware's rate-limit fields (node/asgi.py RESPONSE_FIELDS),
-            # checked when they were rendered (node/headers.py Rendered.lines).
-            for entry in added:
-                content.append(entry.lines)
+        extensions = cycle.scope.get("extensions")  # _added_fields, inline
+        if extensions:
+            added = extensions.get(RESPONSE_FIELDS)
+            if added:
+                # The middleware's rate-limit fields (node/asgi.py RESPONSE_FIELDS),
+                # checked when they were rendered (node/headers.py Rendered.lines).
+                for entry in added.values():
+                    content.append(entry.lines)
+                added.clear()  # the connection's next request starts with none
         if not cycle.keep_alive and not has_connection_close:
             content.append(b"connection: close\r\n")
         if (
@@ -322,21 +326,11 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
     return send
 
 
-def _added_fields(cycle: Any) -> list[Any] | None:
+def _added_fields(cycle: Any) -> dict[str, Any] | None:
     """The fields a middleware asked this server to add to ``cycle``'s answer
     (the :data:`~node.asgi.RESPONSE_FIELDS` extension), if any."""
     extensions = cycle.scope.get("extensions")
     return extensions.get(RESPONSE_FIELDS) if extensions else None
-
-
-def offer_response_fields(scope: Any) -> None:
-    """Advertise the :data:`~node.asgi.RESPONSE_FIELDS` extension in ``scope``:
-    a fresh list, per request, for an allowed request's rate-limit fields."""
-    extensions = scope.get("extensions")
-    if extensions is None:
-        scope["extensions"] = {RESPONSE_FIELDS: []}
-    else:
-        extensions[RESPONSE_FIELDS] = []
 
 
 class _StopParsing(Exception):
@@ -413,6 +407,11 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.logger = quiet
+            #: The RESPONSE_FIELDS extension (node/asgi.py), one per connection:
+            #: uvicorn runs one request of a connection at a time (a pipelined one
+            #: starts once the answer ahead is complete), and the answer's start
+            #: empties it. No allocation per request.
+            self._extensions: dict[str, dict[object, object]] = {RESPONSE_FIELDS: {}}
             super().connection_made(wrap(transport, self.loop) if wrap else transport)
             self._wait_for_request()
             if len(self.connections) > cap:
@@ -563,7 +562,11 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             self._parsed_bytes += len(name) + len(value) + 4
             if self._parsed_bytes > max_header_bytes:
                 self._too_large()
-            super().on_header(name, value)
+            # uvicorn's on_header (0.54), inline: no second call per field.
+            name = name.lower()
+            if name == b"expect" and value.lower() == b"100-continue":
+                self.expect_100_continue = True
+            self.headers.append((name, value))
 
         def _too_large(self) -> None:
             self._oversized = True
@@ -640,7 +643,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 # (An attribute, not a subclass: a changed ``__class__`` slows every
                 # attribute of the cycle down.)
                 cycle.send = MethodType(send, cycle)  # type: ignore[method-assign]
-                offer_response_fields(cycle.scope)
+                cycle.scope["extensions"] = self._extensions  # uvicorn's scope has none
                 if upgrade:
                     # The parser reads nothing after an upgrade request (httptools
                     # stops there): the connection closes after its answer, and

@@ -248,7 +248,7 @@ class RateLimitMiddleware:
             added = extensions.get(RESPONSE_FIELDS) if extensions else None
             if added is not None:
                 # A node's front door adds the fields itself (node/asgi.py).
-                added.append(prepared.headers.rendered(rules, verdict, self.wall_clock()))
+                added["rate_limit"] = prepared.headers.rendered(rules, verdict, self.wall_clock())
                 await self.app(scope, receive, send)
             else:
                 fields = prepared.headers.render(rules, verdict, self.wall_clock())

@@ -275,16 +275,21 @@ def test_a_served_request_leaves_no_garbage_for_the_collector(mode: str) -> None
     assert per_request < 0.05, per_request
 
 
-def limited(start: dict[str, Any], body: bytes, *, legacy: bool = True) -> Any:
+def limited(
+    start: dict[str, Any], body: bytes, *, legacy: bool = True, paths: tuple[str, ...] = ()
+) -> Any:
     """``answering(start, body)`` behind RateLimitMiddleware (``2/minute``, one
-    user, a frozen clock): two answers allowed, then 429s."""
+    user, a frozen clock; on ``paths`` only, if given): two answers allowed,
+    then 429s."""
     from node.authority import Authority
     from node.config import ClusterConfig
     from node.middleware import RateLimitMiddleware
 
     config = ClusterConfig.from_dict(
         {
-            "rules": [{"name": "api", "rate": "2/minute"}],
+            "rules": [
+                {"name": "api", "rate": "2/minute", **({"paths": list(paths)} if paths else {})}
+            ],
             "identity": {"source": "header", "name": "X-User"},
             "headers": {"legacy": legacy},
         }
@@ -360,7 +365,7 @@ def test_under_the_front_door_the_middleware_hands_its_fields_over_unwrapped() -
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             added = scope.get("extensions", {}).get(RESPONSE_FIELDS)
-            seen.append((send.__name__, [type(entry) for entry in added or ()]))
+            seen.append((send.__name__, [type(entry) for entry in (added or {}).values()]))
             await inner(scope, receive, send)
 
         middleware.app = app
@@ -399,3 +404,27 @@ def test_an_app_that_fails_after_an_allowed_decision_gets_uvicorns_500_with_the_
     assert out.startswith(b"HTTP/1.1 500 ")
     assert b'\r\nratelimit: "api";r=1;t=30\r\n' in out
     assert b"\r\nconnection: close\r\n" in out and closed
+
+
+def test_a_connections_next_request_does_not_inherit_the_fields_of_the_last() -> None:
+    """The front door keeps one extension per connection (no allocation per
+    request) and empties it with each answer: a request nobody limits, behind a
+    limited one on the same connection (pipelined in one write, then alone),
+    gets no rate-limit fields, as under plain uvicorn."""
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+    limited_get = b"GET /limited HTTP/1.1\r\nHost: a\r\nX-User: u1\r\n\r\n"
+    free_get = b"GET /free HTTP/1.1\r\nHost: a\r\nX-User: u1\r\n\r\n"
+
+    async def both() -> tuple[tuple[bytes, bool], tuple[bytes, bool]]:
+        door = limited_protocol(HttpToolsProtocol, FrontDoor())
+        app = limited(start, b"ok", paths=("/limited",))
+        plain_app = limited(start, b"ok", paths=("/limited",))
+        return (
+            await serve(HttpToolsProtocol, plain_app, limited_get + free_get, 2),
+            await serve(door, app, limited_get + free_get, 2),
+        )
+
+    plain, checked = asyncio.run(both())
+    assert checked == plain
+    answers = checked[0].split(b"HTTP/1.1 ")[1:]
+    assert [b"\r\nratelimit: " in a for a in answers] == [True, False, True, False]
