@@ -488,3 +488,68 @@ def test_the_envoy_floor_server_answers_ok_and_stops() -> None:
 def _accepts(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_compare_reads_each_benchmarks_figures_and_pairs_them() -> None:
+    """benchmarks/compare.py: the series every path benchmark prints, callgrind's
+    total, and the table of two sides' runs (medians, paired ratios, and each
+    series against the first)."""
+    from benchmarks import compare
+
+    printed = (
+        "off: 27,881 ns per request (fastest of 5 rounds; median 28,043)\n"
+        "direct: 38,378 ns per request (fastest of 5 rounds; median 38,583)\n"
+    )
+    assert compare.parse(printed) == {"off": 27_881.0, "direct": 38_378.0}
+    assert compare.parse("81,008 ns per forward (fastest of 1 rounds; median 81,008)") == {
+        "forward": 81_008.0
+    }
+    with pytest.raises(compare.CompareError, match="no 'ns per' figure"):
+        compare.parse("Traceback (most recent call last): ...")
+    assert compare.collected("==1== Events    : Ir\n==1== Collected : 8595938374\n") == 8595938374
+    a = [{"off": 100.0, "direct": 140.0}, {"off": 110.0, "direct": 150.0}]
+    b = [{"off": 100.0, "direct": 130.0}, {"off": 121.0, "direct": 150.0}]
+    lines = compare.summary(a, b)
+    assert lines[2] == "| off | 105 | 110 | 1.050x | 1.000-1.100x |"
+    assert lines[3] == "| direct | 145 | 140 | 0.964x | 0.929-1.000x |"
+    # direct/off per run: A 1.400 and 1.364; B 1.300 and 1.240.
+    assert lines[4] == "direct/off: A 1.382x, B 1.270x (medians of runs)"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git exports the revision")
+def test_compare_runs_two_versions_side_by_side() -> None:
+    """``python -m benchmarks.compare HEAD -- requestpath ...``: HEAD exported
+    with git archive, this checkout as it is, one pair; a revision git does
+    not know and a missing benchmark are one line each."""
+    done = run_alone(
+        "benchmarks.compare",
+        "HEAD",
+        "--pairs",
+        "1",
+        "--",
+        "requestpath",
+        "--requests",
+        "200",
+        "--rounds",
+        "1",
+        "--users",
+        "200",
+        "--modes",
+        "off,direct",
+    )
+    assert "A = HEAD, B = .: requestpath" in done.stdout, done.stdout
+    assert re.search(r"^\| off \| [\d,]+ \| [\d,]+ \| [\d.]+x \|", done.stdout, re.M), done.stdout
+    assert re.search(r"^direct/off: A [\d.]+x, B [\d.]+x", done.stdout, re.M), done.stdout
+    for argv, said in (
+        (["no-such-revision", "--", "requestpath"], "compare: git archive no-such-revision:"),
+        (["HEAD"], "give the benchmark after --"),
+    ):
+        failed = subprocess.run(
+            [sys.executable, "-m", "benchmarks.compare", *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert failed.returncode == 2 and said in failed.stderr, failed.stderr
+        assert "Traceback" not in failed.stderr, failed.stderr
