@@ -15,8 +15,9 @@ targets are read from (limited over off).
 cannot move: each version runs once under ``valgrind --tool=callgrind`` at
 two request counts with ``PYTHONHASHSEED=0`` (dict layouts, so the counts,
 otherwise vary by a few thousand between runs), and the difference of the
-totals over the difference of the counts is the cost of one request. Give it
-one series (``--modes direct``): the totals cover everything a run does.
+totals over the difference of the counts is the cost of one request (one
+count per version: ``--pairs`` does not apply). Give it one series
+(``--modes direct``): the totals cover everything a run does.
 
 Versions are git revisions, exported with ``git archive`` into a temporary
 directory (the repository is not touched), or ``.``: this checkout as it
@@ -81,8 +82,14 @@ def collected(stderr: str) -> int:
     return int(match.group(1))
 
 
+def last_line(text: str) -> str:
+    """What a failed run said last (its error), not its whole traceback."""
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "(nothing on stderr)"
+
+
 def export(revision: str, into: Path) -> Path:
-    """A tree of ``revision`` (``.``: this checkout as it is)."""
+    """A tree of ``revision`` in the new folder ``into`` (``.``: this checkout as it is)."""
     if revision == ".":
         return ROOT
     try:
@@ -96,10 +103,12 @@ def export(revision: str, into: Path) -> Path:
     if archive.returncode != 0:
         message = archive.stderr.decode(errors="replace").strip().splitlines()
         raise CompareError(f"git archive {revision}: {message[-1] if message else 'failed'}")
-    tree = into / re.sub(r"[^\w.-]", "_", revision)
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(tree, filter="data")
-    return tree
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
+            tar.extractall(into, filter="data")
+        else:  # pragma: no cover (git's own archive of this repository)
+            tar.extractall(into)
+    return into
 
 
 def command(tree: Path, bench: str, argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -114,7 +123,7 @@ def run_once(tree: Path, bench: str, argv: Sequence[str]) -> dict[str, float]:
         args, cwd=tree, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT
     )
     if done.returncode != 0:
-        raise CompareError(f"{' '.join(args[1:])} in {tree} failed: {done.stderr[-500:]}")
+        raise CompareError(f"{' '.join(args[1:])} failed: {last_line(done.stderr)}")
     return parse(done.stdout)
 
 
@@ -134,14 +143,18 @@ def instructions(tree: Path, bench: str, argv: Sequence[str], counts: tuple[int,
             timeout=RUN_TIMEOUT,
         )
         if done.returncode != 0:
-            raise CompareError(f"{' '.join(args[1:])} under callgrind failed: {done.stderr[-500:]}")
+            raise CompareError(
+                f"{' '.join(args[1:])} under callgrind failed: {last_line(done.stderr)}"
+            )
         totals.append(collected(done.stderr))
     return (totals[1] - totals[0]) / (counts[1] - counts[0])
 
 
 def summary(a: list[dict[str, float]], b: list[dict[str, float]]) -> list[str]:
     """The report's lines: ``a`` and ``b`` are the runs of each side, in pairs."""
-    series = list(a[0])
+    series = [name for name in a[0] if all(name in run for run in (*a, *b))]
+    if not series:
+        raise CompareError(f"the two sides printed no series in common: {list(a[0])}, {list(b[0])}")
     lines = ["| series | A ns | B ns | B/A (median of pairs) | range |", "|---|---|---|---|---|"]
     for name in series:
         ratios = [y[name] / x[name] for x, y in zip(a, b, strict=True)]
@@ -173,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
+        parser.parse_args(argv)  # --help, or a usage error of its own
         parser.error(f"give the benchmark after --, one of {', '.join(BENCHES)}, then its options")
     cut = argv.index("--")
     args = parser.parse_args(argv[:cut])
@@ -189,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--counts: the first must be positive and below the second")
     try:
         with tempfile.TemporaryDirectory(prefix="ringlimit-compare-") as scratch:
-            trees = [export(rev, Path(scratch)) for rev in (args.a, args.b)]
+            # A folder per side: two revisions never share one (HEAD~2 and HEAD^2).
+            trees = [
+                export(rev, Path(scratch) / side) for rev, side in ((args.a, "a"), (args.b, "b"))
+            ]
             print(f"A = {args.a}, B = {args.b}: {bench} {' '.join(options)}")
             if args.instructions:
                 for label, tree in zip("AB", trees, strict=True):
@@ -207,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare: {exc}", file=sys.stderr)
         return 2
     except subprocess.TimeoutExpired as exc:
-        print(f"compare: a run took over {exc.timeout:.0f} s: {exc.cmd}", file=sys.stderr)
+        cmd = " ".join(map(str, exc.cmd)) if isinstance(exc.cmd, list) else str(exc.cmd)
+        print(f"compare: a run took over {exc.timeout:.0f} s: {cmd}", file=sys.stderr)
         return 2
     return 0
 

@@ -19,9 +19,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 RawHeaders = list[tuple[bytes, bytes]]
 
 #: An extension (``scope["extensions"]``) of a node's front door
-#: (node/frontdoor.py): a dict of node/headers.py's ``Rendered`` fields by name
-#: (``rate_limit``), which the server adds to the request's response start,
-#: whatever the app sends, and then empties. RateLimitMiddleware puts an
+#: (node/frontdoor.py): a dict of node/headers.py's ``Rendered`` fields, keyed
+#: by whoever added them (each RateLimitMiddleware: nested ones add theirs),
+#: which the server adds to the request's response start, whatever the app
+#: sends, and then empties. RateLimitMiddleware puts an
 #: allowed request's rate-limit fields there instead of wrapping ``send``: no
 #: wrapper per request, and the server writes lines checked once per distinct
 #: entry instead of looking each field up on every response. Under any other

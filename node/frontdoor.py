@@ -245,7 +245,7 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
             if message["type"] == "http.response.start" and not cycle.response_started:
                 added = _added_fields(cycle)
                 if added:  # uvicorn's own send takes fields as pairs only
-                    extra = [field for entry in added.values() for field in entry.fields]
+                    extra = [field for entry in reversed(added.values()) for field in entry.fields]
                     added.clear()
                     message = {**message, "headers": [*message.get("headers", ()), *extra]}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
@@ -307,7 +307,8 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
             if added:
                 # The middleware's rate-limit fields (node/asgi.py RESPONSE_FIELDS),
                 # checked when they were rendered (node/headers.py Rendered.lines).
-                for entry in added.values():
+                # The innermost middleware's first, as wrappers of send would add them.
+                for entry in reversed(added.values()):
                     content.append(entry.lines)
                 added.clear()  # the connection's next request starts with none
         if not cycle.keep_alive and not has_connection_close:
@@ -407,11 +408,12 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.logger = quiet
-            #: The RESPONSE_FIELDS extension (node/asgi.py), one per connection:
-            #: uvicorn runs one request of a connection at a time (a pipelined one
-            #: starts once the answer ahead is complete), and the answer's start
-            #: empties it. No allocation per request.
-            self._extensions: dict[str, dict[object, object]] = {RESPONSE_FIELDS: {}}
+            #: What the RESPONSE_FIELDS extension (node/asgi.py) holds, one per
+            #: connection: uvicorn starts a connection's next request only once the
+            #: answer ahead is complete, and each answer's start empties it. (Each
+            #: request gets its own ``extensions`` dict around it: a scope is the
+            #: request's, and an app may write to it.)
+            self._response_fields: dict[object, Any] = {}
             super().connection_made(wrap(transport, self.loop) if wrap else transport)
             self._wait_for_request()
             if len(self.connections) > cap:
@@ -643,7 +645,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 # (An attribute, not a subclass: a changed ``__class__`` slows every
                 # attribute of the cycle down.)
                 cycle.send = MethodType(send, cycle)  # type: ignore[method-assign]
-                cycle.scope["extensions"] = self._extensions  # uvicorn's scope has none
+                # uvicorn's scope has no extensions of its own.
+                cycle.scope["extensions"] = {RESPONSE_FIELDS: self._response_fields}
                 if upgrade:
                     # The parser reads nothing after an upgrade request (httptools
                     # stops there): the connection closes after its answer, and

@@ -339,7 +339,18 @@ class HeaderCache:
     def render(self, rules: tuple[Rule, ...], verdict: Verdict, now: float) -> Headers:
         """The same fields as ``rate_limit_headers(rules, verdict, legacy=...,
         legacy_reset=..., now=now)``."""
+        plan = self._plans.get(id(rules))
+        if plan is not None and plan[0] is rules and plan[1]:
+            # Shadow rules: rendered each time, and their lines are not wanted here.
+            return self._uncached(rules, verdict, now)
         return self.rendered(rules, verdict, now).fields
+
+    def _uncached(self, rules: tuple[Rule, ...], verdict: Verdict, now: float) -> Headers:
+        return tuple(
+            rate_limit_headers(
+                rules, verdict, legacy=self.legacy, legacy_reset=self.legacy_reset, now=now
+            )
+        )
 
     def rendered(self, rules: tuple[Rule, ...], verdict: Verdict, now: float) -> Rendered:
         """:meth:`render`, with the fields' lines too (:class:`Rendered`)."""
@@ -349,13 +360,7 @@ class HeaderCache:
                 self._plans.clear()
             plan = self._plans[id(rules)] = (rules, has_shadow(rules), {})
         if plan[1]:
-            return rendered(
-                tuple(
-                    rate_limit_headers(
-                        rules, verdict, legacy=self.legacy, legacy_reset=self.legacy_reset, now=now
-                    )
-                )
-            )
+            return rendered(self._uncached(rules, verdict, now))
         decision = verdict.decision
         after = decision.available_after
         t = _ceil(after - 1e-9)  # whole_seconds(after), inline
@@ -377,11 +382,5 @@ class HeaderCache:
         if found is None:
             if len(entries) >= _CACHE_ENTRIES:
                 entries.clear()
-            found = entries[key] = rendered(
-                tuple(
-                    rate_limit_headers(
-                        rules, verdict, legacy=self.legacy, legacy_reset=self.legacy_reset, now=now
-                    )
-                )
-            )
+            found = entries[key] = rendered(self._uncached(rules, verdict, now))
         return found

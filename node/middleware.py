@@ -248,7 +248,8 @@ class RateLimitMiddleware:
             added = extensions.get(RESPONSE_FIELDS) if extensions else None
             if added is not None:
                 # A node's front door adds the fields itself (node/asgi.py).
-                added["rate_limit"] = prepared.headers.rendered(rules, verdict, self.wall_clock())
+                # Keyed by this middleware: one nested in another adds its own.
+                added[self] = prepared.headers.rendered(rules, verdict, self.wall_clock())
                 await self.app(scope, receive, send)
             else:
                 fields = prepared.headers.render(rules, verdict, self.wall_clock())

@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -514,6 +515,11 @@ def test_compare_reads_each_benchmarks_figures_and_pairs_them() -> None:
     assert lines[3] == "| direct | 145 | 140 | 0.964x | 0.929-1.000x |"
     # direct/off per run: A 1.400 and 1.364; B 1.300 and 1.240.
     assert lines[4] == "direct/off: A 1.382x, B 1.270x (medians of runs)"
+    # An older revision without a series: only the series both sides printed.
+    newer = [{**run, "routed": 1.0} for run in b]
+    assert compare.summary(a, newer) == lines
+    with pytest.raises(compare.CompareError, match="no series in common"):
+        compare.summary([{"forward": 1.0}], [{"off": 1.0}])
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git exports the revision")
@@ -538,6 +544,19 @@ def test_compare_runs_two_versions_side_by_side() -> None:
         "off,direct",
     )
     assert "A = HEAD, B = .: requestpath" in done.stdout, done.stdout
+    # Side A is HEAD as git has it, in a folder of its own.
+    from benchmarks import compare
+
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = compare.export("HEAD", Path(scratch) / "a")
+        shown = subprocess.run(
+            ["git", "-C", str(ROOT), "show", "HEAD:benchmarks/requestpath.py"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        assert (tree / "benchmarks" / "requestpath.py").read_text() == shown
+        assert not (tree / ".git").exists()
     assert re.search(r"^\| off \| [\d,]+ \| [\d,]+ \| [\d.]+x \|", done.stdout, re.M), done.stdout
     assert re.search(r"^direct/off: A [\d.]+x, B [\d.]+x", done.stdout, re.M), done.stdout
     for argv, said in (

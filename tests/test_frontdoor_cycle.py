@@ -303,6 +303,9 @@ def limited(
 
 LIMITED_GET = b"GET /x HTTP/1.1\r\nHost: a\r\nX-User: u1\r\n\r\n"
 LIMITED_HEAD = b"HEAD /x HTTP/1.1\r\nHost: a\r\nX-User: u1\r\n\r\n"
+#: Answered, then closed: the fields go before uvicorn's ``connection: close``.
+LIMITED_CLOSE = b"GET /x HTTP/1.1\r\nHost: a\r\nX-User: u1\r\nConnection: close\r\n\r\n"
+LIMITED_HTTP10 = b"GET /x HTTP/1.0\r\nHost: a\r\nX-User: u1\r\n\r\n"
 
 
 @pytest.mark.parametrize("legacy", [True, False])
@@ -314,8 +317,10 @@ LIMITED_HEAD = b"HEAD /x HTTP/1.1\r\nHost: a\r\nX-User: u1\r\n\r\n"
         (LIMITED_GET, [(b"Content-Type", b"text/plain")], b"chunked"),
         (LIMITED_HEAD, [(b"content-length", b"2")], b""),
         (LIMITED_GET, [[b"x-list", b"1"], (b"content-length", b"2")], b"ok"),
+        (LIMITED_CLOSE, [(b"content-length", b"2")], b"ok"),
+        (LIMITED_HTTP10, [(b"content-type", b"text/plain")], b"ok"),
     ],
-    ids=["length", "chunked", "head", "list-field"],
+    ids=["length", "chunked", "head", "list-field", "connection-close", "http-1.0"],
 )
 def test_a_limited_answer_under_the_front_door_is_uvicorns_byte_for_byte(
     legacy: bool, access_log: bool, request_bytes: bytes, headers: list[Any], body: bytes
@@ -346,7 +351,11 @@ def test_a_limited_answer_under_the_front_door_is_uvicorns_byte_for_byte(
     plain, checked = asyncio.run(both())
     assert checked == plain
     answers = plain[0].split(b"HTTP/1.1 ")[1:]
-    assert [a[:3] for a in answers] == [b"200", b"200", b"429"]
+    if request_bytes in (LIMITED_CLOSE, LIMITED_HTTP10):
+        assert [a[:3] for a in answers] == [b"200"]  # and the connection closed
+        assert plain[1] and b"\r\nconnection: close\r\n" in answers[0]
+    else:
+        assert [a[:3] for a in answers] == [b"200", b"200", b"429"]
     assert all(b"\r\nratelimit: " in a for a in answers)
     assert all((b"\r\nx-ratelimit-remaining: " in a) == legacy for a in answers)
 
@@ -428,3 +437,55 @@ def test_a_connections_next_request_does_not_inherit_the_fields_of_the_last() ->
     assert checked == plain
     answers = checked[0].split(b"HTTP/1.1 ")[1:]
     assert [b"\r\nratelimit: " in a for a in answers] == [True, False, True, False]
+
+
+def test_nested_middlewares_both_add_their_fields_in_the_order_wrappers_would() -> None:
+    """A user's app with its own RateLimitMiddleware, served behind a node's:
+    each adds its fields (the extension is keyed by middleware), innermost
+    first, the same bytes as under plain uvicorn, where each wraps ``send``."""
+    from node.authority import Authority
+    from node.config import ClusterConfig
+    from node.middleware import RateLimitMiddleware
+
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+
+    def nested() -> Any:
+        inner = limited(start, b"ok")
+        outer_config = ClusterConfig.from_dict(
+            {
+                "rules": [{"name": "outer", "rate": "9/minute"}],
+                "identity": {"source": "header", "name": "X-User"},
+            }
+        )
+        clock = lambda: 1_000_000.0  # noqa: E731
+        authority = Authority.in_memory(outer_config, clock=clock)
+        return RateLimitMiddleware(inner, authority=authority, trust_router=False, wall_clock=clock)
+
+    async def both() -> tuple[tuple[bytes, bool], tuple[bytes, bool]]:
+        door = limited_protocol(HttpToolsProtocol, FrontDoor())
+        return (
+            await serve(HttpToolsProtocol, nested(), LIMITED_GET, 1),
+            await serve(door, nested(), LIMITED_GET, 1),
+        )
+
+    plain, checked = asyncio.run(both())
+    assert checked == plain
+    policies = [line for line in plain[0].split(b"\r\n") if line.startswith(b"ratelimit-policy")]
+    assert policies == [b'ratelimit-policy: "api";q=2;w=60', b'ratelimit-policy: "outer";q=9;w=60']
+
+
+def test_the_front_door_inlines_uvicorns_on_header_as_it_is() -> None:
+    """node/frontdoor.py's on_header does what uvicorn's does, inline (one call per
+    request field instead of two). A uvicorn release that changes its on_header
+    must be read again: this fails until the copy is checked."""
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(HttpToolsProtocol.on_header))
+    assert source == (
+        "def on_header(self, name: bytes, value: bytes) -> None:\n"
+        "    name = name.lower()\n"
+        '    if name == b"expect" and value.lower() == b"100-continue":\n'
+        "        self.expect_100_continue = True\n"
+        "    self.headers.append((name, value))\n"
+    )
