@@ -45,8 +45,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks.report import round_ratios
+
 ROOT = Path(__file__).resolve().parent.parent
-BENCHES = ("requestpath", "forwardpath", "batchpath", "batchroute")
 #: What each path benchmark prints: ``[series: ]N ns per <unit> (fastest ...``.
 _LINE = re.compile(r"^(?:(?P<series>[\w-]+): )?(?P<ns>[\d,]+) ns per (?P<unit>\w+)", re.M)
 #: The option that sets how much one run does, per benchmark (for --instructions).
@@ -56,6 +57,7 @@ COUNT_OPTION = {
     "batchpath": "--batches",
     "batchroute": "--batches",
 }
+BENCHES = tuple(COUNT_OPTION)
 RUN_TIMEOUT = 900.0
 
 
@@ -101,8 +103,8 @@ def export(revision: str, into: Path) -> Path:
     except FileNotFoundError:
         raise CompareError("git is not installed; give '.' for this checkout") from None
     if archive.returncode != 0:
-        message = archive.stderr.decode(errors="replace").strip().splitlines()
-        raise CompareError(f"git archive {revision}: {message[-1] if message else 'failed'}")
+        said = last_line(archive.stderr.decode(errors="replace"))
+        raise CompareError(f"git archive {revision}: {said}")
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
             tar.extractall(into, filter="data")
@@ -111,48 +113,51 @@ def export(revision: str, into: Path) -> Path:
     return into
 
 
-def command(tree: Path, bench: str, argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+def run(
+    tree: Path, bench: str, argv: Sequence[str], *, under: Sequence[str] = (), seed: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.<bench> argv`` on ``tree``'s code (``under``: a
+    command it runs under, valgrind's), which must succeed."""
+    args = [sys.executable, "-m", f"benchmarks.{bench}", *argv]
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    return [sys.executable, "-m", f"benchmarks.{bench}", *argv], env
+    if seed:
+        env["PYTHONHASHSEED"] = seed
+    done = subprocess.run(
+        [*under, *args], cwd=tree, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT
+    )
+    if done.returncode != 0:
+        raise CompareError(f"{' '.join(args[1:])} failed: {last_line(done.stderr)}")
+    return done
 
 
 def run_once(tree: Path, bench: str, argv: Sequence[str]) -> dict[str, float]:
     """One run of ``bench`` on ``tree``'s code: ns per request by series."""
-    args, env = command(tree, bench, argv)
-    done = subprocess.run(
-        args, cwd=tree, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT
-    )
-    if done.returncode != 0:
-        raise CompareError(f"{' '.join(args[1:])} failed: {last_line(done.stderr)}")
-    return parse(done.stdout)
+    return parse(run(tree, bench, argv).stdout)
 
 
 def instructions(tree: Path, bench: str, argv: Sequence[str], counts: tuple[int, int]) -> float:
     """Instructions per request of ``bench`` on ``tree``'s code, under callgrind."""
     if shutil.which("valgrind") is None:
         raise CompareError("--instructions needs valgrind (apt-get install valgrind)")
-    totals = []
-    for count in counts:
-        args, env = command(tree, bench, [*argv, COUNT_OPTION[bench], str(count), "--rounds", "1"])
-        done = subprocess.run(
-            ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *args],
-            cwd=tree,
-            env={**env, "PYTHONHASHSEED": "0"},
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT,
+    callgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+    totals = [
+        collected(
+            run(
+                tree,
+                bench,
+                [*argv, COUNT_OPTION[bench], str(count), "--rounds", "1"],
+                under=callgrind,
+                seed="0",
+            ).stderr
         )
-        if done.returncode != 0:
-            raise CompareError(
-                f"{' '.join(args[1:])} under callgrind failed: {last_line(done.stderr)}"
-            )
-        totals.append(collected(done.stderr))
+        for count in counts
+    ]
     return (totals[1] - totals[0]) / (counts[1] - counts[0])
 
 
 def summary(a: list[dict[str, float]], b: list[dict[str, float]]) -> list[str]:
     """The report's lines: ``a`` and ``b`` are the runs of each side, in pairs."""
-    series = [name for name in a[0] if all(name in run for run in (*a, *b))]
+    series = [name for name in a[0] if all(name in each for each in (*a, *b))]
     if not series:
         raise CompareError(f"the two sides printed no series in common: {list(a[0])}, {list(b[0])}")
     lines = ["| series | A ns | B ns | B/A (median of pairs) | range |", "|---|---|---|---|---|"]
@@ -165,8 +170,8 @@ def summary(a: list[dict[str, float]], b: list[dict[str, float]]) -> list[str]:
         )
     first = series[0]
     for name in series[1:]:
-        side_a = statistics.median(x[name] / x[first] for x in a)
-        side_b = statistics.median(y[name] / y[first] for y in b)
+        side_a = round_ratios([x[name] for x in a], [x[first] for x in a])
+        side_b = round_ratios([y[name] for y in b], [y[first] for y in b])
         lines.append(f"{name}/{first}: A {side_a:.3f}x, B {side_b:.3f}x (medians of runs)")
     return lines
 

@@ -289,8 +289,9 @@ async def serve_floor(port: int) -> None:
     """A RateLimitService that answers OK and does nothing else, on ``port`` until
     cancelled: gRPC's own cost per call (the floor of the router's), measured by
     running ``load`` against it (docs/envoy.md)."""
-    import grpc
     from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+
+    from router.envoy import start_grpc
 
     ok = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK)
 
@@ -298,10 +299,8 @@ async def serve_floor(port: int) -> None:
         async def ShouldRateLimit(self, request: Any, context: Any) -> Any:
             return ok
 
-    server = grpc.aio.server()
-    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(Floor(), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
+    # Set up as the router's own service is (and refused as it is if the port is taken).
+    server, _ = await start_grpc(Floor(), "127.0.0.1", port)
     try:
         await server.wait_for_termination()
     finally:

@@ -327,7 +327,7 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
     return send
 
 
-def _added_fields(cycle: Any) -> dict[str, Any] | None:
+def _added_fields(cycle: Any) -> dict[object, Any] | None:
     """The fields a middleware asked this server to add to ``cycle``'s answer
     (the :data:`~node.asgi.RESPONSE_FIELDS` extension), if any."""
     extensions = cycle.scope.get("extensions")

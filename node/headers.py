@@ -36,10 +36,11 @@ ringlimit's plain JSON; both keep the same ringlimit members.
 from __future__ import annotations
 
 import math
-import re
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any, NamedTuple
+
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
 
 from node.decision import Decision, Verdict
 from node.rules import Rule
@@ -283,11 +284,11 @@ _CACHE_PLANS = 1024
 
 Headers = tuple[tuple[bytes, bytes], ...]
 
-#: What uvicorn refuses in a field's name and value (its HEADER_RE and
-#: HEADER_VALUE_RE): checked once per rendered entry, since its lines are
-#: written as they are (:attr:`Rendered.lines`).
-_BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
-_BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+#: What uvicorn refuses in a field's name and value, checked once per rendered
+#: entry: its lines are written as they are (:attr:`Rendered.lines`), past the
+#: front door's own per-field checks.
+_BAD_NAME = HEADER_RE
+_BAD_VALUE = HEADER_VALUE_RE
 
 
 class Rendered(NamedTuple):
@@ -324,7 +325,8 @@ class HeaderCache:
     per such combination and kept (bounded), and a request costs a dict lookup
     instead of formatting five fields. Answers are tuples, the same object for
     equal inputs: callers copy, never modify them. Rule sets with shadow rules
-    are rendered each time (:func:`rate_limit_headers`).
+    are rendered each time (:func:`rate_limit_headers`), their lines once per
+    distinct fields.
     """
 
     __slots__ = ("_plans", "legacy", "legacy_reset")
@@ -339,18 +341,7 @@ class HeaderCache:
     def render(self, rules: tuple[Rule, ...], verdict: Verdict, now: float) -> Headers:
         """The same fields as ``rate_limit_headers(rules, verdict, legacy=...,
         legacy_reset=..., now=now)``."""
-        plan = self._plans.get(id(rules))
-        if plan is not None and plan[0] is rules and plan[1]:
-            # Shadow rules: rendered each time, and their lines are not wanted here.
-            return self._uncached(rules, verdict, now)
         return self.rendered(rules, verdict, now).fields
-
-    def _uncached(self, rules: tuple[Rule, ...], verdict: Verdict, now: float) -> Headers:
-        return tuple(
-            rate_limit_headers(
-                rules, verdict, legacy=self.legacy, legacy_reset=self.legacy_reset, now=now
-            )
-        )
 
     def rendered(self, rules: tuple[Rule, ...], verdict: Verdict, now: float) -> Rendered:
         """:meth:`render`, with the fields' lines too (:class:`Rendered`)."""
@@ -359,8 +350,17 @@ class HeaderCache:
             if len(self._plans) >= _CACHE_PLANS:
                 self._plans.clear()
             plan = self._plans[id(rules)] = (rules, has_shadow(rules), {})
+        entries = plan[2]
         if plan[1]:
-            return rendered(self._uncached(rules, verdict, now))
+            # Shadow rules: the fields are rendered each time, their lines checked
+            # once per distinct fields (as the front door checks a field once).
+            fields = self._uncached(rules, verdict, now)
+            found = entries.get(fields)
+            if found is None:
+                if len(entries) >= _CACHE_ENTRIES:
+                    entries.clear()
+                found = entries[fields] = rendered(fields)
+            return found
         decision = verdict.decision
         after = decision.available_after
         t = _ceil(after - 1e-9)  # whole_seconds(after), inline
@@ -377,10 +377,16 @@ class HeaderCache:
                 key,
                 tuple((d.rule, d.remaining, whole_seconds(d.available_after)) for d in decisions),
             )
-        entries = plan[2]
         found = entries.get(key)
         if found is None:
             if len(entries) >= _CACHE_ENTRIES:
                 entries.clear()
             found = entries[key] = rendered(self._uncached(rules, verdict, now))
         return found
+
+    def _uncached(self, rules: tuple[Rule, ...], verdict: Verdict, now: float) -> Headers:
+        return tuple(
+            rate_limit_headers(
+                rules, verdict, legacy=self.legacy, legacy_reset=self.legacy_reset, now=now
+            )
+        )

@@ -635,8 +635,7 @@ class ShardCore:
         for epoch in [e for e in self.finals if e < view.epoch]:
             del self.finals[epoch]
         self.pending = dict.fromkeys(senders, elapsed + self.handoff_wait)
-        self.pulled.clear()
-        self.referred.clear()
+        self._settled()  # nothing remembered for pulls carries over
         # Every state here is in the change set now (above): deferred ones too.
         self.settling = set()
         return 0
@@ -689,8 +688,7 @@ class ShardCore:
         self.round = set()
         self.settling = set()
         self.pending = {}
-        self.pulled.clear()
-        self.referred.clear()
+        self._settled()  # nothing remembered for pulls carries over
         if self.config().policies.rebalance != "handoff" or not len(view):
             self.stats.keys_dropped += len(records) + len(leftovers)
             return 0

@@ -460,7 +460,7 @@ class GrpcPortError(OSError):
 
 
 async def start_grpc(
-    servicer: RateLimitServicer, host: str, port: int
+    servicer: rls_pb2_grpc.RateLimitServiceServicer, host: str, port: int
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server in the running loop (the router's); returns it and its port.
 

@@ -472,6 +472,7 @@ def test_the_envoy_floor_server_answers_ok_and_stops() -> None:
     )
     try:
         assert wait_for(lambda: _accepts(port) or server.poll() is not None, timeout=30.0)
+        assert server.poll() is None, "the floor server exited before it answered"
         result = envoy.load(port, 0.5, 4, 10, "user")
         assert result["calls"] > 0 and result["ok"] == result["calls"], result
         assert result["errors"] == 0

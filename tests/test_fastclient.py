@@ -13,6 +13,7 @@ import pytest
 
 from router.fastclient import MAX_POOLS, FastForwarder
 from router.forward import AnswerLost, NodeTimeout, Timeouts, Unreachable
+from tests.processes import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -277,10 +278,7 @@ async def test_a_connection_idle_past_its_timeout_is_closed(server: tuple[Script
         assert answer.status == 200
         (pool, _) = next(iter(client._pools.values()))
         assert len(pool.idle) == 1 and pool.open == 1
-        for _ in range(100):  # bounded: 2 s
-            if pool.open == 0:
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: pool.open == 0, seconds=2.0)
         assert len(pool.idle) == 0 and pool.open == 0
         # The pool still serves: a new connection.
         assert (await client.request("GET", url + "/b", [], None)).status == 200

@@ -686,10 +686,12 @@ def test_bad_requests_do_not_log_a_line_each() -> None:
         return answers
 
     handler = Lines()
+    level = logging.getLogger("uvicorn.error").level
     try:
         answers = asyncio.run(main())
     finally:
         logging.getLogger("uvicorn.error").removeHandler(handler)
+        logging.getLogger("uvicorn.error").setLevel(level)
     assert all(status(a) == 400 for a in answers), answers[:2]
     invalid = [line for line in lines if "Invalid HTTP request" in line]
     assert len(invalid) == 1, len(invalid)

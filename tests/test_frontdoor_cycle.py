@@ -276,11 +276,17 @@ def test_a_served_request_leaves_no_garbage_for_the_collector(mode: str) -> None
 
 
 def limited(
-    start: dict[str, Any], body: bytes, *, legacy: bool = True, paths: tuple[str, ...] = ()
+    start: dict[str, Any],
+    body: bytes,
+    *,
+    legacy: bool = True,
+    paths: tuple[str, ...] = (),
+    rule: tuple[str, str] = ("api", "2/minute"),
+    app: Any = None,
 ) -> Any:
-    """``answering(start, body)`` behind RateLimitMiddleware (``2/minute``, one
-    user, a frozen clock; on ``paths`` only, if given): two answers allowed,
-    then 429s."""
+    """``answering(start, body)`` (or ``app``) behind RateLimitMiddleware (``rule``:
+    its name and rate, ``2/minute`` by default; one user, a frozen clock; on
+    ``paths`` only, if given): two answers allowed, then 429s."""
     from node.authority import Authority
     from node.config import ClusterConfig
     from node.middleware import RateLimitMiddleware
@@ -288,7 +294,7 @@ def limited(
     config = ClusterConfig.from_dict(
         {
             "rules": [
-                {"name": "api", "rate": "2/minute", **({"paths": list(paths)} if paths else {})}
+                {"name": rule[0], "rate": rule[1], **({"paths": list(paths)} if paths else {})}
             ],
             "identity": {"source": "header", "name": "X-User"},
             "headers": {"legacy": legacy},
@@ -297,7 +303,7 @@ def limited(
     clock = lambda: 1_000_000.0  # noqa: E731
     authority = Authority.in_memory(config, clock=clock)
     return RateLimitMiddleware(
-        answering(start, body), authority=authority, trust_router=False, wall_clock=clock
+        app or answering(start, body), authority=authority, trust_router=False, wall_clock=clock
     )
 
 
@@ -443,23 +449,10 @@ def test_nested_middlewares_both_add_their_fields_in_the_order_wrappers_would() 
     """A user's app with its own RateLimitMiddleware, served behind a node's:
     each adds its fields (the extension is keyed by middleware), innermost
     first, the same bytes as under plain uvicorn, where each wraps ``send``."""
-    from node.authority import Authority
-    from node.config import ClusterConfig
-    from node.middleware import RateLimitMiddleware
-
     start = {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
 
     def nested() -> Any:
-        inner = limited(start, b"ok")
-        outer_config = ClusterConfig.from_dict(
-            {
-                "rules": [{"name": "outer", "rate": "9/minute"}],
-                "identity": {"source": "header", "name": "X-User"},
-            }
-        )
-        clock = lambda: 1_000_000.0  # noqa: E731
-        authority = Authority.in_memory(outer_config, clock=clock)
-        return RateLimitMiddleware(inner, authority=authority, trust_router=False, wall_clock=clock)
+        return limited(start, b"", rule=("outer", "9/minute"), app=limited(start, b"ok"))
 
     async def both() -> tuple[tuple[bytes, bool], tuple[bytes, bool]]:
         door = limited_protocol(HttpToolsProtocol, FrontDoor())

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 import node.app
-import node.store
 from node.app import NodeSettings, create_app
 from node.clock import FrozenClock
 from node.config import ClusterConfig, ScopedRule
@@ -62,11 +61,10 @@ async def test_the_sweep_keeps_up_with_replicas_of_new_keys(
 ) -> None:
     """The same for the copies of a predecessor's states (crash policy replica): they
     arrive as fast as their owner makes new keys, and were swept 10,000 a round
-    (here patched to 1,000 for the store and the replicas alike), so they piled up
+    (here SWEEP_SLICE, patched to 1,000, paces both alike), so they piled up
     for good as well."""
     monkeypatch.setattr(node.app, "SWEEP_SLICE", 1000)
     monkeypatch.setattr(node.app, "SWEEP_PASS", 10)
-    monkeypatch.setattr(node.store.MemoryStore.sweep, "__defaults__", (1000,))
     clock = FrozenClock()
     config = ClusterConfig(rules=(ScopedRule(ONCE),))
     n = create_app(NodeSettings(node_id="n1", config=config), clock=clock)
