@@ -59,7 +59,7 @@ from typing import Any
 from node.asgi import RESPONSE_FIELDS
 from node.failures import Failures
 
-__all__ = ["FrontDoor", "raise_fd_limit"]
+__all__ = ["KEEP_ALIVE", "REUSE_IDLE", "FrontDoor", "raise_fd_limit"]
 
 #: Descriptors kept for everything that is not a client connection (listening
 #: sockets, logs, the event loop's own, connections to peers at rest).
@@ -71,12 +71,24 @@ MIN_BODY_RATE = 500
 #: closed instead of kept for the next request (Go's net/http reads up to
 #: 256 KiB of an unread body for the same reason).
 MAX_DRAIN = 4 * 1024 * 1024
+#: Seconds an idle keep-alive connection is kept after a response (uvicorn's default).
+KEEP_ALIVE = 5.0
+#: Seconds ringlimit's own clients reuse an idle pooled connection to a router or
+#: node (router -> node, node -> node, router and node control calls): less than
+#: :data:`KEEP_ALIVE`. A client that reuses a connection as its server closes it
+#: for idleness writes a request nothing will answer, and a POST (a decision, a
+#: handoff, a view) cannot safely be sent again: the server may have read it. Idle
+#: up to the server's own limit, 1 in 2 such POSTs was lost (aiohttp and httpx
+#: pools: tests/test_idle_reuse.py).
+REUSE_IDLE = 4.0
 
 
 @dataclass(frozen=True)
 class FrontDoor:
-    #: Seconds an idle keep-alive connection is kept after a response (uvicorn's).
-    keep_alive: float = 5.0
+    #: Seconds an idle keep-alive connection is kept after a response. Above
+    #: :data:`REUSE_IDLE`, or requests from the router and peers can meet a
+    #: connection as it closes (see :meth:`reuse_warning`).
+    keep_alive: float = KEEP_ALIVE
     #: Seconds a connection has to send a request's complete headers.
     header_timeout: float = 10.0
     #: Bytes a request's line and headers may take.
@@ -95,6 +107,18 @@ class FrontDoor:
             raise ValueError("max_header_bytes must be from 1024 to 16 MiB")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
+
+    def reuse_warning(self) -> str | None:
+        """What to tell whoever set a keep-alive at or below :data:`REUSE_IDLE`:
+        ringlimit's own clients would then reuse connections this process is
+        closing, and lose some of their POSTs (``None``: nothing to tell)."""
+        if self.keep_alive > REUSE_IDLE:
+            return None
+        return (
+            f"--keep-alive {self.keep_alive:g} s is not above the {REUSE_IDLE:g} s for which "
+            "routers and nodes reuse an idle connection: a request of theirs can meet this "
+            f"process closing that connection and be lost (keep it above {REUSE_IDLE:g} s)"
+        )
 
     def connection_cap(self) -> int:
         """The cap in force: the configured one, or half the free descriptors."""

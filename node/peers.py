@@ -36,6 +36,7 @@ import aiohttp
 import httpx
 import msgspec
 
+from node.frontdoor import REUSE_IDLE
 from node.rules import MAX_NAME
 from node.store import check_record_states, check_records
 
@@ -226,7 +227,9 @@ class Peers:
         self._client = client or httpx.AsyncClient(
             headers=headers,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 0.5)),
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+            limits=httpx.Limits(
+                max_connections=64, max_keepalive_connections=16, keepalive_expiry=REUSE_IDLE
+            ),
         )
 
     async def post(
@@ -275,7 +278,9 @@ class Peers:
                 timeout=aiohttp.ClientTimeout(
                     total=self._timeout, sock_connect=min(self._timeout, 0.5)
                 ),
-                connector=aiohttp.TCPConnector(limit=64, limit_per_host=16, keepalive_timeout=30),
+                connector=aiohttp.TCPConnector(
+                    limit=64, limit_per_host=16, keepalive_timeout=REUSE_IDLE
+                ),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
             )

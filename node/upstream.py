@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 
 from node.asgi import ASGIApp, Receive, Scope, Send, drain, dumps, send_json
+from node.frontdoor import REUSE_IDLE
 from node.hopbyhop import HOP_BY_HOP, NO_CONTENT, passed_on
 from node.identity import header_text
 
@@ -72,16 +73,24 @@ def load_app(spec: str) -> ASGIApp:
 class UpstreamApp:
     """Forward each request to an upstream HTTP service (streaming both bodies)."""
 
-    def __init__(self, url: str, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self, url: str, *, timeout: float = 30.0, idle_timeout: float = REUSE_IDLE
+    ) -> None:
         self.url = url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=2.0)
+        #: How long an idle connection is reused: below the upstream's keep-alive,
+        #: or a request written as the upstream closes it gets no answer. aiohttp
+        #: sends an idempotent request again then, never a POST: that one is a 502.
+        self.idle_timeout = idle_timeout
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 timeout=self.timeout,
-                connector=aiohttp.TCPConnector(limit=256, ttl_dns_cache=300),
+                connector=aiohttp.TCPConnector(
+                    limit=256, ttl_dns_cache=300, keepalive_timeout=self.idle_timeout
+                ),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
             )

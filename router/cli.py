@@ -38,7 +38,7 @@ from node.config import (
     ScopedRule,
     load_config,
 )
-from node.frontdoor import MIN_BODY_RATE, RESERVED_FDS, FrontDoor
+from node.frontdoor import KEEP_ALIVE, MIN_BODY_RATE, RESERVED_FDS, REUSE_IDLE, FrontDoor
 from node.lease import MAX_LEASE
 from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
 from ring import Member
@@ -538,6 +538,15 @@ def _fronting_arguments(parser: argparse.ArgumentParser) -> None:
     choice = group.add_mutually_exclusive_group()
     choice.add_argument("--upstream", metavar="URL", help="forward allowed requests to this URL")
     choice.add_argument("--app", metavar="MODULE:ATTR", help="serve this ASGI application")
+    group.add_argument(
+        "--upstream-idle",
+        type=float,
+        default=REUSE_IDLE,
+        metavar="SECONDS",
+        help=f"seconds an idle connection to the upstream is reused (default {REUSE_IDLE:g}: "
+        "below the 5 s keep-alive of uvicorn, Node.js and Apache; keep it below your "
+        "upstream's, or a POST can meet a connection it is closing and get a 502)",
+    )
 
 
 def _backend_arguments(parser: argparse.ArgumentParser, *, connects: bool = True) -> None:
@@ -621,8 +630,9 @@ def _front_door_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--keep-alive",
         type=float,
-        default=5.0,
-        help="seconds an idle keep-alive connection is kept (default 5)",
+        default=KEEP_ALIVE,
+        help=f"seconds an idle keep-alive connection is kept (default {KEEP_ALIVE:g}; "
+        f"keep it above {REUSE_IDLE:g}, how long routers and nodes reuse one)",
     )
     group.add_argument(
         "--body-timeout",
@@ -779,7 +789,7 @@ def _run_router(args: argparse.Namespace) -> int:
         print(f"ringlimit: {exc}", file=sys.stderr)
         return 2
     seeds = [_parse_seed(spec) for spec in args.node]
-    _front_door(args)  # checked before anything starts: a bad value is one line
+    _warn_keep_alive(_front_door(args))  # checked before anything starts: a bad value is one line
     _check_router_numbers(args)
     from router.workers import worker_role
 
@@ -985,6 +995,11 @@ def _reachable(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _check_upstream_idle(seconds: float) -> None:
+    if not 0 < seconds <= 3600:
+        raise ValueError(f"--upstream-idle {seconds:g}: must be above 0 and at most 3600 seconds")
+
+
 def _check_upstream(url: str | None) -> None:
     """``--upstream``: an http(s) URL with a host (a path prefix is kept). Anything
     else was taken, the cluster started, and every allowed request failed."""
@@ -1011,17 +1026,19 @@ def _run_node(args: argparse.Namespace) -> int:
         check_url(args.url)
     check_weight(args.weight)
     _check_upstream(args.upstream)
+    _check_upstream_idle(args.upstream_idle)
     routers: list[str] = []
     if args.join is not None:
         routers = [part.strip() for part in args.join.split(",")]
         for router_url in routers:
             check_url(router_url)
     front_door = _front_door(args)
+    _warn_keep_alive(front_door)
     config = cluster_config(args)
     admin_token, internal_token = _tokens()
     app: ASGIApp | None = None
     if args.upstream:
-        app = UpstreamApp(args.upstream)
+        app = UpstreamApp(args.upstream, idle_timeout=args.upstream_idle)
     elif args.app:
         app = load_app(args.app)
     pipeline = _redis_pipeline(args)
@@ -1069,6 +1086,7 @@ def _run_up(args: argparse.Namespace) -> int:
 
     config = cluster_config(args)
     _check_upstream(args.upstream)
+    _check_upstream_idle(args.upstream_idle)
     _redis_pipeline(args)
     _redis_timeout(args)
     if args.nodes < 1:
@@ -1314,6 +1332,12 @@ def _own_urls(host: str, port: int) -> tuple[str, ...]:
         if h
         for scheme in ("http", "https")
     )
+
+
+def _warn_keep_alive(front_door: FrontDoor) -> None:
+    said = front_door.reuse_warning()
+    if said is not None:
+        print(f"ringlimit: warning: {said}", file=sys.stderr)
 
 
 def _warn_modes(config: ClusterConfig) -> None:

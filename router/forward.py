@@ -16,6 +16,7 @@ import aiohttp
 import httpx
 import yarl
 
+from node.frontdoor import REUSE_IDLE
 from node.hopbyhop import HOP_BY_HOP, NO_CONTENT, without_options
 
 
@@ -118,12 +119,22 @@ class Forwarder(Protocol):
 class AiohttpForwarder:
     """The production client: pooled keep-alive; create it inside the running loop."""
 
-    def __init__(self, *, timeouts: Timeouts = Timeouts(), pool_size: int = 512) -> None:
+    def __init__(
+        self,
+        *,
+        timeouts: Timeouts = Timeouts(),
+        pool_size: int = 512,
+        idle_timeout: float = REUSE_IDLE,
+    ) -> None:
         self.timeouts = timeouts
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=timeouts.total, sock_connect=timeouts.connect),
             connector=aiohttp.TCPConnector(
-                limit=pool_size, limit_per_host=pool_size, keepalive_timeout=30
+                # An idle connection is reused for less than a node keeps it
+                # (node/frontdoor.py REUSE_IDLE): aiohttp sends a POST once only.
+                limit=pool_size,
+                limit_per_host=pool_size,
+                keepalive_timeout=idle_timeout,
             ),
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),

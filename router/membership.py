@@ -47,6 +47,7 @@ import httpx
 from node.clock import boot_clock
 from node.config import ClusterConfig, unencodable
 from node.failures import Failures
+from node.frontdoor import REUSE_IDLE
 from node.lease import DEFAULT_DRIFT
 from ring import Member, RingView
 from router.coordinator import CoordinatorError, EtcdCoordinator, NotLeading, ViewRecord
@@ -222,7 +223,10 @@ class Membership:
         self.crashes = 0
         self._owned = client is None
         self.push_timeout = push_timeout
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(push_timeout, connect=1.0))
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(push_timeout, connect=1.0),
+            limits=httpx.Limits(keepalive_expiry=REUSE_IDLE),
+        )
         #: The HTTP calls to nodes (router/nodeclient.py).
         self.nodes = NodeClient(self._client, internal_token)
         #: Probes, leases and removals on probe failures (router/health.py).

@@ -471,7 +471,7 @@ def _node_argv(
     argv += ["--config", str(config_file), "--backend", config.backend]
     argv += ["--balance", config.balance]
     if args.upstream:
-        argv += ["--upstream", args.upstream]
+        argv += ["--upstream", args.upstream, "--upstream-idle", repr(args.upstream_idle)]
     if args.app:
         argv += ["--app", args.app]
     if args.verbose:

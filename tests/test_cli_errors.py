@@ -774,3 +774,33 @@ def test_an_upstream_that_is_not_an_http_url_is_one_line(command: list[str], url
     """Taken as it was: the cluster started, and every allowed request failed."""
     argv = [*command, "--port", str(free_block(2)), "--upstream", url]
     one_line_failure(ringlimit(*argv, timeout=30), f"--upstream {url!r}", "http://")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "3601"])
+def test_an_upstream_idle_that_is_not_seconds_is_refused(value: str) -> None:
+    from router.cli import _check_upstream_idle, build_parser
+
+    args = build_parser().parse_args(
+        ["node", "--id", "n1", "--port", "1", "--upstream-idle", value]
+    )
+    with pytest.raises(ValueError, match=r"^--upstream-idle .*: must be above 0 and at most 3600"):
+        _check_upstream_idle(args.upstream_idle)
+
+
+def test_an_upstream_idle_that_is_not_seconds_is_one_line() -> None:
+    argv = ["node", "--id", "n1", "--port", str(free_port()), "--upstream", "http://127.0.0.1:9"]
+    one_line_failure(ringlimit(*argv, "--upstream-idle", "0"), "--upstream-idle 0", "at most 3600")
+
+
+def test_a_keep_alive_routers_and_nodes_would_race_is_warned_of(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """At or below REUSE_IDLE, routers and peers would write requests on
+    connections this process is closing (tests/test_idle_reuse.py)."""
+    from router.cli import _front_door, _warn_keep_alive, build_parser
+
+    for keep_alive, warned in (("4", True), ("4.5", False), ("5", False)):
+        args = build_parser().parse_args(["router", "--keep-alive", keep_alive])
+        _warn_keep_alive(_front_door(args))
+        said = capsys.readouterr().err
+        assert ("ringlimit: warning: --keep-alive" in said) is warned, (keep_alive, said)
