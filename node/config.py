@@ -50,6 +50,10 @@ BACKENDS = ("memory", "redis")
 #: costs milliseconds, and configurable (``--redis-timeout``) because a
 #: CPU-starved node can miss it with Redis healthy (docs/redis.md).
 REDIS_TIMEOUT = 0.1
+#: Seconds an idle connection to a node's upstream is reused (``--upstream-idle``):
+#: below the 5 s keep-alive of uvicorn, Node.js and Apache. (Not the cluster's own
+#: REUSE_IDLE, node/frontdoor.py, though equal: that one follows ringlimit's servers.)
+UPSTREAM_IDLE = 4.0
 MIN_REDIS_TIMEOUT = 0.001
 MAX_REDIS_TIMEOUT = 60.0
 BALANCES = ("sticky", "round-robin")

@@ -85,8 +85,8 @@ REUSE_IDLE = 4.0
 
 @dataclass(frozen=True)
 class FrontDoor:
-    #: Seconds an idle keep-alive connection is kept after a response. Above
-    #: :data:`REUSE_IDLE`, or requests from the router and peers can meet a
+    #: Seconds an idle keep-alive connection is kept after a response. At least
+    #: 1 s above :data:`REUSE_IDLE`, or requests from the router and peers can meet a
     #: connection as it closes (see :meth:`reuse_warning`).
     keep_alive: float = KEEP_ALIVE
     #: Seconds a connection has to send a request's complete headers.
@@ -109,15 +109,18 @@ class FrontDoor:
             raise ValueError("max_connections must be at least 1")
 
     def reuse_warning(self) -> str | None:
-        """What to tell whoever set a keep-alive at or below :data:`REUSE_IDLE`:
+        """What to tell whoever set a keep-alive within 1 s of :data:`REUSE_IDLE`:
         ringlimit's own clients would then reuse connections this process is
         closing, and lose some of their POSTs (``None``: nothing to tell)."""
-        if self.keep_alive > REUSE_IDLE:
+        # A second of margin: the server's time starts as its answer is written,
+        # the client's once it has read it (and its event loop got to it).
+        if self.keep_alive >= REUSE_IDLE + 1:
             return None
         return (
-            f"--keep-alive {self.keep_alive:g} s is not above the {REUSE_IDLE:g} s for which "
-            "routers and nodes reuse an idle connection: a request of theirs can meet this "
-            f"process closing that connection and be lost (keep it above {REUSE_IDLE:g} s)"
+            f"--keep-alive {self.keep_alive:g} s is less than 1 s above the {REUSE_IDLE:g} s "
+            "for which routers and nodes reuse an idle connection: a request of theirs can "
+            f"meet this process closing that connection and be lost (keep it at "
+            f"{REUSE_IDLE + 1:g} s or more)"
         )
 
     def connection_cap(self) -> int:

@@ -47,6 +47,15 @@ WIRE_VERSION = 1
 #: The content type of a msgpack body (JSON bodies stay application/json).
 MSGPACK = "application/msgpack"
 
+#: A node's httpx pool to its peers; and the router's to its nodes (httpx's own
+#: caps): idle connections reused for REUSE_IDLE at most (node/frontdoor.py).
+PEER_LIMITS = httpx.Limits(
+    max_connections=64, max_keepalive_connections=16, keepalive_expiry=REUSE_IDLE
+)
+CONTROL_LIMITS = httpx.Limits(
+    max_connections=100, max_keepalive_connections=20, keepalive_expiry=REUSE_IDLE
+)
+
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder().decode
 
@@ -227,9 +236,7 @@ class Peers:
         self._client = client or httpx.AsyncClient(
             headers=headers,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 0.5)),
-            limits=httpx.Limits(
-                max_connections=64, max_keepalive_connections=16, keepalive_expiry=REUSE_IDLE
-            ),
+            limits=PEER_LIMITS,
         )
 
     async def post(

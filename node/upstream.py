@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 
 from node.asgi import ASGIApp, Receive, Scope, Send, drain, dumps, send_json
-from node.frontdoor import REUSE_IDLE
+from node.config import UPSTREAM_IDLE
 from node.hopbyhop import HOP_BY_HOP, NO_CONTENT, passed_on
 from node.identity import header_text
 
@@ -74,7 +74,7 @@ class UpstreamApp:
     """Forward each request to an upstream HTTP service (streaming both bodies)."""
 
     def __init__(
-        self, url: str, *, timeout: float = 30.0, idle_timeout: float = REUSE_IDLE
+        self, url: str, *, timeout: float = 30.0, idle_timeout: float = UPSTREAM_IDLE
     ) -> None:
         self.url = url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=2.0)

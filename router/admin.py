@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from node.asgi import error_body
 from node.config import ClusterConfig, ConfigError, Privacy
-from node.frontdoor import REUSE_IDLE
+from node.peers import CONTROL_LIMITS
 from node.security import bearer, refusal
 from node.topkeys import NEAR_LIMIT_FRACTION
 from node.wire import ApiError, count_param, parse_json, read_body
@@ -262,7 +262,7 @@ class AdminAPI:
 
     async def _node_reports(self, params: dict[str, str]) -> dict[str, Report]:
         if self._client is None:
-            self._client = httpx.AsyncClient(limits=httpx.Limits(keepalive_expiry=REUSE_IDLE))
+            self._client = httpx.AsyncClient(limits=CONTROL_LIMITS)
         return await ask_nodes(
             self._client,
             self.router.membership.view.members,

@@ -55,9 +55,11 @@ from router.decisions import DecisionAPI
 from router.envoy_config import EnvoyConfig, with_envoy_rules
 from router.fastclient import FastForwarder
 from router.forward import (
+    MAX_ANSWER,
     MAX_ATTEMPTS,
     AiohttpForwarder,
     Answer,
+    AnswerTooLarge,
     Forwarder,
     NodeTimeout,
     Timeouts,
@@ -106,6 +108,9 @@ class RouterSettings:
     advertise: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_buffered_body: int = 1 << 20
+    #: Bytes of a node's answer the router holds (it relays whole answers): past
+    #: it, ``502 answer_too_large`` (router/forward.py :class:`AnswerTooLarge`).
+    max_answer: int = MAX_ANSWER
     health_checks: bool = True
     #: The URLs this router answers on: a join at one of them is refused.
     own_urls: Sequence[str] = ()
@@ -233,10 +238,15 @@ class Router:
         if self.forwarder is None:
             tls = any(m.url.startswith("https://") for m in self.settings.seeds)
             # router/fastclient.py speaks plain http only; aiohttp also https.
+            settings = self.settings
             self.forwarder = (
-                AiohttpForwarder(timeouts=self.settings.timeouts)
+                AiohttpForwarder(timeouts=settings.timeouts, max_answer=settings.max_answer)
                 if tls
-                else FastForwarder(timeouts=self.settings.timeouts, pipeline=self.settings.pipeline)
+                else FastForwarder(
+                    timeouts=settings.timeouts,
+                    pipeline=settings.pipeline,
+                    max_answer=settings.max_answer,
+                )
             )
         await self.membership.start(self.settings.seeds, health=self.settings.health_checks)
         if self.settings.leader_url is not None:
@@ -481,6 +491,9 @@ class Router:
                     answer = await forwarder.request(
                         method, member.url + path_qs, headers or [], body
                     )
+            except AnswerTooLarge as exc:
+                await self._not_answered(send, member, exc)  # decided, not for on_error
+                return
             except NodeTimeout as exc:
                 # Sent, unanswered (in time, or its connection closed first): the
                 # node may have decided (and passed the request on to the
@@ -602,13 +615,7 @@ class Router:
             try:
                 answer = await self.forwarder.request(method, member.url + path_qs, marked, body)
             except NodeTimeout as exc:
-                self.metrics.outcome(member.id, "node_timeout")
-                await send_json(
-                    send,
-                    504,
-                    error_body("node_timeout", f"node {member.id} {exc.what}"),
-                    [(b"x-ringlimit-node", member.id.encode())],
-                )
+                await self._not_answered(send, member, exc)
                 return True
             except Unreachable:
                 continue  # the unit is spent here: serve it through another node
@@ -618,6 +625,20 @@ class Router:
             return True
         await send_json(send, 503, error_body("no_nodes", "no node could serve the request"))
         return True
+
+    async def _not_answered(self, send: Send, member: Member, exc: NodeTimeout) -> None:
+        """The node was sent the request and its whole answer did not come back:
+        ``504 node_timeout``, or ``502 answer_too_large`` when it answered more
+        than the router holds. Either way it may have decided: not sent again."""
+        too_large = isinstance(exc, AnswerTooLarge)
+        error = "answer_too_large" if too_large else "node_timeout"
+        self.metrics.outcome(member.id, error)
+        await send_json(
+            send,
+            502 if too_large else 504,
+            error_body(error, f"node {member.id} {exc.what}"),
+            [(b"x-ringlimit-node", member.id.encode())],
+        )
 
     async def stale(self, answer: Answer, member: Member) -> bool:
         """A node refused a key: bring the router or the node up to date. Retry?"""

@@ -32,6 +32,7 @@ from node.config import (
     MIN_REDIS_TIMEOUT,
     REBALANCE_POLICIES,
     REDIS_TIMEOUT,
+    UPSTREAM_IDLE,
     ClusterConfig,
     ConfigError,
     Policies,
@@ -267,6 +268,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="seconds a node (and the application behind it) has to answer a forwarded "
         "request (default 3: below the crash detection time, so no client waits on a paused "
         "node longer than it takes to notice it)",
+    )
+    router.add_argument(
+        "--max-answer",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes of a node's answer the router holds (default 16 MiB: router/forward.py "
+        "MAX_ANSWER): it relays whole answers, and answers 502 answer_too_large past this",
     )
     router.add_argument(
         "--lease",
@@ -541,9 +550,9 @@ def _fronting_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--upstream-idle",
         type=float,
-        default=REUSE_IDLE,
+        default=UPSTREAM_IDLE,
         metavar="SECONDS",
-        help=f"seconds an idle connection to the upstream is reused (default {REUSE_IDLE:g}: "
+        help=f"seconds an idle connection to the upstream is reused (default {UPSTREAM_IDLE:g}: "
         "below the 5 s keep-alive of uvicorn, Node.js and Apache; keep it below your "
         "upstream's, or a POST can meet a connection it is closing and get a 502)",
     )
@@ -632,7 +641,7 @@ def _front_door_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=KEEP_ALIVE,
         help=f"seconds an idle keep-alive connection is kept (default {KEEP_ALIVE:g}; "
-        f"keep it above {REUSE_IDLE:g}, how long routers and nodes reuse one)",
+        f"keep it at {REUSE_IDLE + 1:g} or more: routers and nodes reuse one for {REUSE_IDLE:g})",
     )
     group.add_argument(
         "--body-timeout",
@@ -653,6 +662,8 @@ ROUTER_NUMBERS = (
     ("--failure-threshold", 1, 1000, "[]"),
     ("--health-timeout", 0.0, 3600.0, "(]"),
     ("--forward-timeout", 0.0, 3600.0, "(]"),
+    # At least what the decision API's largest batch answers (1,000 results).
+    ("--max-answer", 1 << 20, 1 << 40, "[]"),
     ("--lease", 0.0, MAX_LEASE, "(]"),
     ("--removal-interval", 0.0, 86400.0, "[]"),
     ("--removal-quorum", 0.0, 1.0, "[)"),
@@ -767,7 +778,7 @@ def _token(variable: str) -> str | None:
 def _run_router(args: argparse.Namespace) -> int:
     from router.app import RouterSettings
     from router.envoy_config import load_envoy_configs, with_envoy_rules
-    from router.forward import Timeouts
+    from router.forward import MAX_ANSWER, Timeouts
 
     config = cluster_config(args)
     admin_token, internal_token = _tokens()
@@ -789,11 +800,13 @@ def _run_router(args: argparse.Namespace) -> int:
         print(f"ringlimit: {exc}", file=sys.stderr)
         return 2
     seeds = [_parse_seed(spec) for spec in args.node]
-    _warn_keep_alive(_front_door(args))  # checked before anything starts: a bad value is one line
+    front_door = _front_door(args)  # checked before anything starts: a bad value is one line
     _check_router_numbers(args)
     from router.workers import worker_role
 
     role = worker_role()
+    if role is None:
+        _warn_keep_alive(front_door)  # once, not again by each worker
     if role is None and args.workers != 1:
         return _run_workers(args)
     settings = RouterSettings(
@@ -807,6 +820,7 @@ def _run_router(args: argparse.Namespace) -> int:
         failure_threshold=args.failure_threshold,
         health_timeout=args.health_timeout,
         timeouts=Timeouts(total=args.forward_timeout),
+        max_answer=MAX_ANSWER if args.max_answer is None else args.max_answer,
         lease=args.lease,
         removal_interval=args.removal_interval,
         removal_quorum=args.removal_quorum,
@@ -996,6 +1010,8 @@ def _reachable(host: str) -> str:
 
 
 def _check_upstream_idle(seconds: float) -> None:
+    """``--upstream-idle``: seconds, as the front door's timeouts are (at most an
+    hour: past that, a connection idle so long is to an upstream that is gone)."""
     if not 0 < seconds <= 3600:
         raise ValueError(f"--upstream-idle {seconds:g}: must be above 0 and at most 3600 seconds")
 

@@ -25,12 +25,25 @@ from collections import deque
 import httptools
 
 from node.hopbyhop import NO_CONTENT, without_options
-from router.forward import NOT_RELAYED, Answer, AnswerLost, NodeTimeout, Timeouts, Unreachable
+from router.forward import (
+    MAX_ANSWER,
+    NOT_RELAYED,
+    Answer,
+    AnswerLost,
+    AnswerTooLarge,
+    NodeTimeout,
+    Timeouts,
+    Unreachable,
+)
 
 
 class _NeverProcessed(Unreachable):
     """A pipelined request behind an answer that closed the connection: the node
     processes nothing after such an answer (RFC 9112 9.6), so it is sent again."""
+
+
+class _TooLarge(Exception):
+    """Raised in the parser's body callback: stops reading an answer past the cap."""
 
 
 class _Exchange:
@@ -63,6 +76,7 @@ class _Connection(asyncio.Protocol):
         "interim",
         "keep_alive",
         "length",
+        "max_answer",
         "out",
         "parser",
         "pending",
@@ -71,6 +85,7 @@ class _Connection(asyncio.Protocol):
         "reused",
         "sized",
         "status",
+        "taken",
         "timer",
         "transport",
     )
@@ -84,6 +99,9 @@ class _Connection(asyncio.Protocol):
         self.pool: _Pool | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
+        #: Bytes of body so far, and how many an answer may have (the forwarder's).
+        self.taken = 0
+        self.max_answer = MAX_ANSWER
         self.status = 0
         #: The answer's ``connection`` values and ``content-length`` (dropped from
         #: ``headers``), until it is settled.
@@ -120,8 +138,17 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            # Something answered what was sent: the node may have decided it.
-            self._fail(AnswerLost(f"bad response: {exc}"))
+            if isinstance(exc.__context__, _TooLarge):
+                # The oldest has its answer, only too large to hold; those behind
+                # it were sent and may have been decided too: not sent again.
+                self.body = []
+                waiter = self.pending.popleft().waiter
+                if not waiter.done():
+                    waiter.set_exception(AnswerTooLarge(self.max_answer))
+                self._fail(AnswerLost("an answer ahead of it was too large to hold"))
+            else:
+                # Something answered what was sent: the node may have decided it.
+                self._fail(AnswerLost(f"bad response: {exc}"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -180,12 +207,16 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
+        self.taken += len(body)
+        if self.taken > self.max_answer:
+            raise _TooLarge  # (a bound on memory: without it, an endless answer)
 
     def on_message_complete(self) -> None:
         if self.interim:
             self.interim = False
             self.headers = []
             self.body = []
+            self.taken = 0
             self.status = 0
             self.connection = self.length = None
             return
@@ -209,6 +240,7 @@ class _Connection(asyncio.Protocol):
         self.connection = self.length = None  # (also a trailer's): not the next answer's
         self.headers = []
         self.body = []
+        self.taken = 0
         self.status = 0
         if not exchange.waiter.done():
             exchange.waiter.set_result(answer)
@@ -412,10 +444,13 @@ class FastForwarder:
         max_idle: int = 256,
         pipeline: int = 1,
         idle_timeout: float = IDLE_TIMEOUT,
+        max_answer: int = MAX_ANSWER,
     ) -> None:
         if pipeline < 1:
             raise ValueError("pipeline must be at least 1")
         self.timeouts = timeouts or Timeouts()
+        #: Bytes of an answer held at most (:class:`router.forward.AnswerTooLarge`).
+        self.max_answer = max_answer
         self.max_idle = max_idle
         self.idle_timeout = idle_timeout
         #: The timer that closes connections idle past ``idle_timeout`` (set while
@@ -590,6 +625,7 @@ class FastForwarder:
         """Connect ``connection`` to ``pool``'s node; ``Unreachable`` (for every
         request already waiting on it too) when that fails."""
         connection.pool = pool
+        connection.max_answer = self.max_answer
         try:
             await asyncio.wait_for(
                 loop.create_connection(lambda: connection, pool.host, pool.port),

@@ -49,6 +49,24 @@ class AnswerLost(NodeTimeout):
     what = "closed the connection before answering"
 
 
+class AnswerTooLarge(NodeTimeout):
+    """The node answered with more than the router holds (``--max-answer``): the
+    router relays whole answers, so it stops reading, closes the connection and
+    answers ``502 answer_too_large``. As for a timeout, the node decided and may
+    have passed the request on, so it is neither sent again nor failed over."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.what = f"answered more than the {limit} bytes the router holds (--max-answer)"
+
+
+#: Bytes of a node's answer the router holds by default (``--max-answer``). The
+#: router relays whole answers; without a cap, one answer that never ended
+#: (an application streaming) grew the router by 4.7 GB within its 3 s forward
+#: timeout (tests/test_answer_cap.py).
+MAX_ANSWER = 16 << 20
+
+
 @dataclass(frozen=True)
 class Timeouts:
     connect: float = 0.5
@@ -125,8 +143,10 @@ class AiohttpForwarder:
         timeouts: Timeouts = Timeouts(),
         pool_size: int = 512,
         idle_timeout: float = REUSE_IDLE,
+        max_answer: int = MAX_ANSWER,
     ) -> None:
         self.timeouts = timeouts
+        self.max_answer = max_answer
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=timeouts.total, sock_connect=timeouts.connect),
             connector=aiohttp.TCPConnector(
@@ -153,7 +173,7 @@ class AiohttpForwarder:
                 data=body,
                 allow_redirects=False,
             ) as response:
-                payload = await response.read()
+                payload = await self._read(response)
                 return relayed(response.status, response.raw_headers, payload, method == "HEAD")
         except aiohttp.ConnectionTimeoutError as exc:
             raise Unreachable(type(exc).__name__) from None
@@ -165,6 +185,19 @@ class AiohttpForwarder:
             raise AnswerLost(type(exc).__name__) from None
         except aiohttp.ClientConnectionError as exc:
             raise Unreachable(type(exc).__name__) from None
+
+    async def _read(self, response: aiohttp.ClientResponse) -> bytes:
+        """The whole body, or :class:`AnswerTooLarge` past ``max_answer`` bytes
+        (the connection is then closed, not reused)."""
+        chunks: list[bytes] = []
+        taken = 0
+        async for chunk in response.content.iter_any():
+            taken += len(chunk)
+            if taken > self.max_answer:
+                response.close()
+                raise AnswerTooLarge(self.max_answer) from None
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def post_json(self, url: str, payload: bytes, headers: list[tuple[str, str]]) -> Answer:
         return await self.request(

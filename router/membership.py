@@ -47,8 +47,8 @@ import httpx
 from node.clock import boot_clock
 from node.config import ClusterConfig, unencodable
 from node.failures import Failures
-from node.frontdoor import REUSE_IDLE
 from node.lease import DEFAULT_DRIFT
+from node.peers import CONTROL_LIMITS
 from ring import Member, RingView
 from router.coordinator import CoordinatorError, EtcdCoordinator, NotLeading, ViewRecord
 from router.events import EventLog
@@ -225,7 +225,7 @@ class Membership:
         self.push_timeout = push_timeout
         self._client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(push_timeout, connect=1.0),
-            limits=httpx.Limits(keepalive_expiry=REUSE_IDLE),
+            limits=CONTROL_LIMITS,
         )
         #: The HTTP calls to nodes (router/nodeclient.py).
         self.nodes = NodeClient(self._client, internal_token)
