@@ -108,8 +108,10 @@ class RouterSettings:
     advertise: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_buffered_body: int = 1 << 20
-    #: Bytes of a node's answer the router holds (it relays whole answers): past
-    #: it, ``502 answer_too_large`` (router/forward.py :class:`AnswerTooLarge`).
+    #: Bytes of a node's answer to a proxied request the router holds (it relays
+    #: whole answers): past it, ``502 answer_too_large`` (router/forward.py
+    #: :class:`AnswerTooLarge`). For the forwarder the router makes; one passed
+    #: to :class:`Router` keeps its own.
     max_answer: int = MAX_ANSWER
     health_checks: bool = True
     #: The URLs this router answers on: a join at one of them is refused.
@@ -699,6 +701,9 @@ class Router:
                 )
             except Unreachable:
                 continue
+            except AnswerTooLarge as exc:
+                await self._not_answered(send, other, exc)
+                return
             except NodeTimeout:
                 break
             await _respond(send, answer, other.id, self._extra_headers)

@@ -662,7 +662,7 @@ ROUTER_NUMBERS = (
     ("--failure-threshold", 1, 1000, "[]"),
     ("--health-timeout", 0.0, 3600.0, "(]"),
     ("--forward-timeout", 0.0, 3600.0, "(]"),
-    # At least what the decision API's largest batch answers (1,000 results).
+    # Answers to proxied requests (the decision API's are bounded by its own limits).
     ("--max-answer", 1 << 20, 1 << 40, "[]"),
     ("--lease", 0.0, MAX_LEASE, "(]"),
     ("--removal-interval", 0.0, 86400.0, "[]"),
@@ -670,6 +670,11 @@ ROUTER_NUMBERS = (
     ("--coalesce-window", 0.0, 1e6, "[]"),
     # --coordinator-ttl: whole seconds, checked by its type (_coordinator_ttl).
 )
+
+
+def _number(value: float) -> str:
+    """A bound as said in an error: an int whole (1048576, not 1.04858e+06)."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def _check_router_numbers(args: argparse.Namespace) -> None:
@@ -682,8 +687,8 @@ def _check_router_numbers(args: argparse.Namespace) -> None:
         above = value >= low if bounds[0] == "[" else value > low
         below = value <= high if bounds[1] == "]" else value < high
         if not (above and below and math.isfinite(value)):
-            low_text = f"{'at least' if bounds[0] == '[' else 'above'} {low:g}"
-            high_text = f"{'at most' if bounds[1] == ']' else 'below'} {high:g}"
+            low_text = f"{'at least' if bounds[0] == '[' else 'above'} {_number(low)}"
+            high_text = f"{'at most' if bounds[1] == ']' else 'below'} {_number(high)}"
             raise ValueError(f"{flag} must be {low_text} and {high_text}, got {value!r}")
     if args.no_health_checks:
         return

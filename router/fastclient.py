@@ -49,12 +49,14 @@ class _TooLarge(Exception):
 class _Exchange:
     """One request on a connection, waiting for its answer."""
 
-    __slots__ = ("deadline", "head", "waiter")
+    __slots__ = ("deadline", "head", "uncapped", "waiter")
 
     def __init__(self, waiter: asyncio.Future[Answer], head: bool, deadline: float) -> None:
         self.waiter = waiter
         self.head = head
         self.deadline = deadline
+        #: Its answer may pass the forwarder's ``max_answer`` (``post_json``'s).
+        self.uncapped = False
 
 
 class _Connection(asyncio.Protocol):
@@ -99,7 +101,8 @@ class _Connection(asyncio.Protocol):
         self.pool: _Pool | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
-        #: Bytes of body so far, and how many an answer may have (the forwarder's).
+        #: Bytes of the answer's body so far, and how many an answer may have
+        #: (the forwarder's ``max_answer``) unless its exchange is uncapped.
         self.taken = 0
         self.max_answer = MAX_ANSWER
         self.status = 0
@@ -142,9 +145,9 @@ class _Connection(asyncio.Protocol):
                 # The oldest has its answer, only too large to hold; those behind
                 # it were sent and may have been decided too: not sent again.
                 self.body = []
-                waiter = self.pending.popleft().waiter
-                if not waiter.done():
-                    waiter.set_exception(AnswerTooLarge(self.max_answer))
+                oldest = self.pending.popleft()
+                if not oldest.waiter.done():
+                    oldest.waiter.set_exception(AnswerTooLarge(self.max_answer))
                 self._fail(AnswerLost("an answer ahead of it was too large to hold"))
             else:
                 # Something answered what was sent: the node may have decided it.
@@ -209,6 +212,11 @@ class _Connection(asyncio.Protocol):
         self.body.append(body)
         self.taken += len(body)
         if self.taken > self.max_answer:
+            self._past_the_cap()
+
+    def _past_the_cap(self) -> None:
+        pending = self.pending
+        if not pending or not pending[0].uncapped:
             raise _TooLarge  # (a bound on memory: without it, an endless answer)
 
     def on_message_complete(self) -> None:
@@ -543,16 +551,24 @@ class FastForwarder:
         return b"".join(pieces)
 
     async def request(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | None
+        self,
+        method: str,
+        url: str,
+        headers: list[tuple[str, str]],
+        body: bytes | None,
+        capped: bool = True,
     ) -> Answer:
         pool, path = self._split(url)
         fields = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         payload = self.payload(method.encode(), path.encode(), pool, fields, body)
-        return await self.send(pool, payload, method == "HEAD")
+        return await self.send(pool, payload, method == "HEAD", capped)
 
-    async def send(self, pool: _Pool, payload: bytes, head: bool = False) -> Answer:
+    async def send(
+        self, pool: _Pool, payload: bytes, head: bool = False, capped: bool = True
+    ) -> Answer:
         """Send a whole request (``payload``, as :meth:`request` builds it) to
-        ``pool`` and read its answer; ``head``: the request is a HEAD.
+        ``pool`` and read its answer; ``head``: the request is a HEAD;
+        ``capped``: its answer's body may have ``max_answer`` bytes at most.
 
         A request that fails on a *reused* connection before any byte came
         back on it is sent once more on a fresh connection: the node closed an
@@ -571,6 +587,8 @@ class FastForwarder:
             ):
                 connection = filling
                 waiter = connection.add(payload, loop, seconds)
+                if not capped:
+                    connection.pending[-1].uncapped = True  # (just queued: no await between)
             else:
                 # An idle connection without a coroutine (the common case).
                 idle = pool.idle
@@ -589,6 +607,8 @@ class FastForwarder:
                 if pipelined:
                     pool.filling = connection
                     waiter = connection.add(payload, loop, seconds)
+                    if not capped:
+                        connection.pending[-1].uncapped = True  # (just queued: no await between)
                     if taken is None:
                         try:
                             await self._connect(pool, loop, connection)
@@ -609,6 +629,8 @@ class FastForwarder:
                         loop.call_soon(connection.flush)
                 else:
                     waiter = connection.start(payload, loop, head, seconds)
+                    if not capped:
+                        connection.pending[-1].uncapped = True  # (just queued: no await between)
             reused = connection.reused
             try:
                 return await waiter
@@ -642,7 +664,7 @@ class FastForwarder:
 
     async def post_json(self, url: str, payload: bytes, headers: list[tuple[str, str]]) -> Answer:
         return await self.request(
-            "POST", url, [("content-type", "application/json"), *headers], payload
+            "POST", url, [("content-type", "application/json"), *headers], payload, False
         )
 
     async def close(self) -> None:

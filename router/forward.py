@@ -8,6 +8,7 @@ about 0.4 ms. httpx stays the client of the control plane, the CLI and tests.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -65,6 +66,9 @@ class AnswerTooLarge(NodeTimeout):
 #: (an application streaming) grew the router by 4.7 GB within its 3 s forward
 #: timeout (tests/test_answer_cap.py).
 MAX_ANSWER = 16 << 20
+#: (Answers to ``post_json``, the decision API's batches and quotas, are not
+#: capped: a node answers one result per check, so their size follows from the
+#: request's own limits, ``max_body`` and ``max_batch``.)
 
 
 @dataclass(frozen=True)
@@ -161,8 +165,15 @@ class AiohttpForwarder:
         )
 
     async def request(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | None
+        self,
+        method: str,
+        url: str,
+        headers: list[tuple[str, str]],
+        body: bytes | None,
+        capped: bool = True,
     ) -> Answer:
+        """The node's whole answer; ``capped``: its body at most ``max_answer``
+        bytes (:class:`AnswerTooLarge`)."""
         try:
             # encoded=True: the path goes out exactly as the router checked it (yarl
             # would otherwise resolve "/x/%2e%2e/internal" into "/internal").
@@ -173,7 +184,7 @@ class AiohttpForwarder:
                 data=body,
                 allow_redirects=False,
             ) as response:
-                payload = await self._read(response)
+                payload = await self._read(response, self.max_answer if capped else sys.maxsize)
                 return relayed(response.status, response.raw_headers, payload, method == "HEAD")
         except aiohttp.ConnectionTimeoutError as exc:
             raise Unreachable(type(exc).__name__) from None
@@ -186,22 +197,23 @@ class AiohttpForwarder:
         except aiohttp.ClientConnectionError as exc:
             raise Unreachable(type(exc).__name__) from None
 
-    async def _read(self, response: aiohttp.ClientResponse) -> bytes:
-        """The whole body, or :class:`AnswerTooLarge` past ``max_answer`` bytes
-        (the connection is then closed, not reused)."""
+    @staticmethod
+    async def _read(response: aiohttp.ClientResponse, limit: int) -> bytes:
+        """The whole body, or :class:`AnswerTooLarge` past ``limit`` bytes (the
+        connection is then closed, not reused)."""
         chunks: list[bytes] = []
         taken = 0
         async for chunk in response.content.iter_any():
             taken += len(chunk)
-            if taken > self.max_answer:
+            if taken > limit:
                 response.close()
-                raise AnswerTooLarge(self.max_answer) from None
+                raise AnswerTooLarge(limit) from None
             chunks.append(chunk)
         return b"".join(chunks)
 
     async def post_json(self, url: str, payload: bytes, headers: list[tuple[str, str]]) -> Answer:
         return await self.request(
-            "POST", url, [("content-type", "application/json"), *headers], payload
+            "POST", url, [("content-type", "application/json"), *headers], payload, False
         )
 
     async def close(self) -> None:

@@ -17,15 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.fastclient import FastForwarder
-from router.forward import AiohttpForwarder, AnswerLost, AnswerTooLarge, Forwarder, Timeouts
+from router.forward import AiohttpForwarder, AnswerLost, AnswerTooLarge, Timeouts
 from tests.processes import Procs, procs  # noqa: F401 (fixture)
+from tests.real_cluster import admin_ring, view_of
 from tests.streaming_app import app
 from tests.uvicorn_serving import serving
 
@@ -43,18 +44,16 @@ async def streaming_server() -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
 
 
-def _forwarders() -> list[Forwarder]:
-    timeouts = Timeouts(total=30.0)
-    return [
-        FastForwarder(timeouts=timeouts, max_answer=CAP),
-        AiohttpForwarder(timeouts=timeouts, max_answer=CAP),
-    ]
+FORWARDERS: dict[str, Callable[[], FastForwarder | AiohttpForwarder]] = {
+    "fastclient": lambda: FastForwarder(timeouts=Timeouts(total=30.0), max_answer=CAP),
+    "aiohttp": lambda: AiohttpForwarder(timeouts=Timeouts(total=30.0), max_answer=CAP),
+}
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("which", [0, 1], ids=["fastclient", "aiohttp"])
-async def test_an_answer_past_the_cap_is_refused_and_one_at_it_passes(which: int) -> None:
-    forwarder = _forwarders()[which]
+@pytest.mark.parametrize("which", list(FORWARDERS))
+async def test_an_answer_past_the_cap_is_refused_and_one_at_it_passes(which: str) -> None:
+    forwarder = FORWARDERS[which]()
     try:
         async with streaming_server() as url:
             whole = await forwarder.request("GET", f"{url}/bytes/{CAP}", [], None)
@@ -70,6 +69,13 @@ async def test_an_answer_past_the_cap_is_refused_and_one_at_it_passes(which: int
             assert time.monotonic() - started < 10
             after = await forwarder.request("GET", f"{url}/bytes/10", [], None)
             assert (after.status, after.body) == (200, b"x" * 10)
+            # The cap is per answer: answers on one connection add up past it.
+            for _ in range(3):
+                half = await forwarder.request("GET", f"{url}/bytes/{CAP // 2 + 1}", [], None)
+                assert len(half.body) == CAP // 2 + 1
+            # The decision API's answers (post_json) follow from its own limits.
+            internal = await forwarder.post_json(f"{url}/bytes/{CAP * 2}", b"{}", [])
+            assert len(internal.body) == CAP * 2
     finally:
         await forwarder.close()
 
@@ -88,6 +94,12 @@ async def test_requests_pipelined_behind_an_answer_too_large_are_lost_not_resent
             )
             assert isinstance(first, AnswerTooLarge)
             assert isinstance(second, AnswerLost) and not isinstance(second, AnswerTooLarge)
+            # A decision-API call pipelined with a capped request keeps its exemption.
+            internal, small = await asyncio.gather(
+                forwarder.post_json(f"{url}/bytes/{CAP * 2}", b"{}", []),
+                forwarder.request("GET", f"{url}/bytes/10", [], None),
+            )
+            assert (len(internal.body), small.body) == (CAP * 2, b"x" * 10)
     finally:
         await forwarder.close()
 
@@ -123,3 +135,25 @@ def test_a_real_router_answers_502_for_an_answer_past_its_cap(procs: Procs) -> N
         assert (whole.status_code, len(whole.content)) == (200, cap)
         assert client.get(f"{router}/bytes/{cap + 1}", headers=user).status_code == 502
         assert client.get(f"{router}/bytes/10", headers=user).status_code == 200
+
+
+def test_a_failover_answer_past_the_cap_is_a_502_too(procs: Procs) -> None:  # noqa: F811
+    """The owner is down and the rule fails open: the request goes to the next
+    node, whose answer is too large. Named as such (it was ``no_node_available``,
+    uncounted)."""
+    nodes = procs.nodes(["n1", "n2"], "--app", "tests.streaming_app:app")
+    seeds = [f"{node_id}={url}" for node_id, (_, url) in nodes.items()]
+    _, router = procs.router(
+        None,
+        *(a for s in seeds for a in ("--node", s)),
+        "--no-health-checks",
+        "--max-answer",
+        str(1 << 20),
+    )
+    view = view_of(admin_ring(router))
+    user = next(f"u{i}" for i in range(1000) if view.owner_id(f"u{i}") == "n2")
+    nodes["n2"][0].kill9()
+    answer = httpx.get(f"{router}/stream", headers={"X-User-Id": user}, timeout=20.0)
+    assert answer.status_code == 502, answer.text
+    assert answer.json()["error"] == "answer_too_large"
+    assert answer.headers["x-ringlimit-node"] == "n1"
