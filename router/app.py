@@ -107,6 +107,8 @@ class RouterSettings:
     #: This router's admin URL as other routers reach it (the leader's address).
     advertise: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
+    #: Bytes of a proxied request's body the router holds (``--max-request-body``:
+    #: it buffers bodies); ``limits.max_body`` bounds them too, the smaller wins.
     max_buffered_body: int = 1 << 20
     #: Bytes of a node's answer to a proxied request the router holds (it relays
     #: whole answers): past it, ``502 answer_too_large`` (router/forward.py
@@ -423,14 +425,22 @@ class Router:
         if framed:
             # The configured client limit applies to proxied bodies too (the router
             # buffers them).
-            max_body = min(self.settings.max_buffered_body, config.limits.max_body)
-            body = await read_all(receive, max_body)
+            buffered = self.settings.max_buffered_body
+            max_body = min(buffered, config.limits.max_body)
+            declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+            if declared is not None and declared.isdigit() and int(declared) > max_body:
+                body = None  # refused unread (the front door drains what comes)
+            else:
+                body = await read_all(receive, max_body)
             if body is None:
                 self.metrics.outcome("-", "body_too_large")
+                bound = "--max-request-body" if buffered < config.limits.max_body else "max_body"
                 await send_json(
                     send,
                     413,
-                    error_body("body_too_large", f"request body is over {max_body} bytes"),
+                    error_body(
+                        "body_too_large", f"request body is over {max_body} bytes ({bound})"
+                    ),
                 )
                 return
         else:

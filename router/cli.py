@@ -270,6 +270,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "node longer than it takes to notice it)",
     )
     router.add_argument(
+        "--max-request-body",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes of a proxied request's body the router holds (default 1 MiB, as nginx's "
+        "client_max_body_size): it buffers bodies, and answers 413 past this or past the "
+        "config's limits.max_body, the smaller",
+    )
+    router.add_argument(
         "--max-answer",
         type=int,
         default=None,
@@ -664,6 +673,7 @@ ROUTER_NUMBERS = (
     ("--forward-timeout", 0.0, 3600.0, "(]"),
     # Answers to proxied requests (the decision API's are bounded by its own limits).
     ("--max-answer", 1 << 20, 1 << 40, "[]"),
+    ("--max-request-body", 1, 1 << 40, "[]"),
     ("--lease", 0.0, MAX_LEASE, "(]"),
     ("--removal-interval", 0.0, 86400.0, "[]"),
     ("--removal-quorum", 0.0, 1.0, "[)"),
@@ -826,6 +836,11 @@ def _run_router(args: argparse.Namespace) -> int:
         health_timeout=args.health_timeout,
         timeouts=Timeouts(total=args.forward_timeout),
         max_answer=MAX_ANSWER if args.max_answer is None else args.max_answer,
+        max_buffered_body=(
+            RouterSettings.max_buffered_body
+            if args.max_request_body is None
+            else args.max_request_body
+        ),
         lease=args.lease,
         removal_interval=args.removal_interval,
         removal_quorum=args.removal_quorum,

@@ -1,0 +1,92 @@
+"""A proxied request's body, through a real router and node: the router buffers
+it, up to ``--max-request-body`` (default 1 MiB) and the config's
+``limits.max_body``, the smaller; past either, ``413 body_too_large`` naming
+which one, at once.
+
+Before: a body past the bound sent whole was never answered (the router read
+it to its end, then waited for more that could not come, and the client
+waited until it gave up: ``node.asgi.read_all``); the router's own 1 MiB had
+no flag, so raising ``limits.max_body`` for uploads changed nothing, and the
+413 did not say why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from node.asgi import read_all
+from tests.processes import Procs, procs  # noqa: F401 (fixture)
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [[b"x" * 10], [b"x" * 6, b"x" * 4], [b"x" * 10, b"x"]],
+    ids=["in-one-part", "the-last-part-crosses", "an-earlier-part-crosses"],
+)
+def test_a_body_past_the_limit_is_refused_without_waiting_for_more(parts: list[bytes]) -> None:
+    """As a server's ``receive`` does: after the last part it waits (for a
+    disconnect), so reading on after the last part never returns."""
+
+    async def run() -> bytes | None:
+        messages = [
+            {"type": "http.request", "body": part, "more_body": i < len(parts) - 1}
+            for i, part in enumerate(parts)
+        ]
+        forever = asyncio.get_running_loop().create_future()
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            return await forever  # type: ignore[no-any-return]
+
+        return await asyncio.wait_for(read_all(receive, 9), timeout=2.0)
+
+    assert asyncio.run(run()) is None
+
+
+def _parts(size: int) -> Iterator[bytes]:
+    """A body without a length (chunked), its last part the one past the bound."""
+    yield b"s" * (size - 1)
+    yield b"s"
+
+
+@pytest.mark.integration
+def test_uploads_past_a_mebibyte_pass_once_both_bounds_allow_them(
+    procs: Procs,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "cluster.toml"
+    config.write_text(
+        '[[rules]]\nname = "api"\nrate = "100/minute"\n\n[limits]\nmax_body = 4194304\n'
+    )
+    _, node = procs.node("n1", None, "--config", str(config), "--app", "tests.sample_app:app")
+    seed = ("--node", f"n1={node}", "--config", str(config))
+    _, default = procs.router(None, *seed)
+    _, raised = procs.router(None, *seed, "--max-request-body", str(3 * MIB))
+    user = {"X-User-Id": "alice"}
+    with httpx.Client(timeout=10.0) as client:
+        for content in (b"x" * (MIB + 1), _parts(MIB + 1)):
+            refused = client.post(f"{default}/upload", headers=user, content=content)
+            assert refused.status_code == 413
+            assert refused.json()["error"] == "body_too_large"
+            assert "(--max-request-body)" in refused.json()["detail"]
+        upload = b"y" * (2 * MIB)
+        passed = client.post(f"{raised}/upload", headers=user, content=upload)
+        assert passed.status_code == 201, passed.text
+        assert passed.json()["body"] == upload.decode()
+        # Past the config's limits.max_body (4 MiB), whatever the flag says.
+        over = client.post(f"{raised}/upload", headers=user, content=b"z" * (4 * MIB + 1))
+        assert over.status_code == 413
+        assert "(--max-request-body)" in over.json()["detail"]
+        _, wide = procs.router(None, *seed, "--max-request-body", str(8 * MIB))
+        over = client.post(f"{wide}/upload", headers=user, content=b"z" * (4 * MIB + 1))
+        assert over.status_code == 413
+        assert "(max_body)" in over.json()["detail"], over.json()
