@@ -51,12 +51,14 @@ class _Exchange:
 
     __slots__ = ("deadline", "head", "uncapped", "waiter")
 
-    def __init__(self, waiter: asyncio.Future[Answer], head: bool, deadline: float) -> None:
+    def __init__(
+        self, waiter: asyncio.Future[Answer], head: bool, deadline: float, uncapped: bool
+    ) -> None:
         self.waiter = waiter
         self.head = head
         self.deadline = deadline
         #: Its answer may pass the forwarder's ``max_answer`` (``post_json``'s).
-        self.uncapped = False
+        self.uncapped = uncapped
 
 
 class _Connection(asyncio.Protocol):
@@ -267,10 +269,15 @@ class _Connection(asyncio.Protocol):
                 exchange.waiter.set_exception(exc)
 
     def start(
-        self, payload: bytes, loop: asyncio.AbstractEventLoop, head: bool, seconds: float
+        self,
+        payload: bytes,
+        loop: asyncio.AbstractEventLoop,
+        head: bool,
+        seconds: float,
+        capped: bool = True,
     ) -> asyncio.Future[Answer]:
         """Send a request now (its answer: the future)."""
-        waiter = self._enqueue(loop, head, seconds)
+        waiter = self._enqueue(loop, head, seconds, capped)
         if self.writable():
             self.transport.write(payload)  # type: ignore[union-attr]
         else:
@@ -278,17 +285,21 @@ class _Connection(asyncio.Protocol):
         return waiter
 
     def add(
-        self, payload: bytes, loop: asyncio.AbstractEventLoop, seconds: float
+        self,
+        payload: bytes,
+        loop: asyncio.AbstractEventLoop,
+        seconds: float,
+        capped: bool = True,
     ) -> asyncio.Future[Answer]:
         """Queue a request for this step's write (:meth:`flush`)."""
         self.out.append(payload)
-        return self._enqueue(loop, False, seconds)
+        return self._enqueue(loop, False, seconds, capped)
 
     def _enqueue(
-        self, loop: asyncio.AbstractEventLoop, head: bool, seconds: float
+        self, loop: asyncio.AbstractEventLoop, head: bool, seconds: float, capped: bool
     ) -> asyncio.Future[Answer]:
         waiter: asyncio.Future[Answer] = loop.create_future()
-        self.pending.append(_Exchange(waiter, head, loop.time() + seconds))
+        self.pending.append(_Exchange(waiter, head, loop.time() + seconds, not capped))
         if self.timer is None:
             self.timer = loop.call_at(self.pending[0].deadline, self._check_deadline, loop)
         return waiter
@@ -586,9 +597,7 @@ class FastForwarder:
                 and len(filling.pending) < self.pipeline
             ):
                 connection = filling
-                waiter = connection.add(payload, loop, seconds)
-                if not capped:
-                    connection.pending[-1].uncapped = True  # (just queued: no await between)
+                waiter = connection.add(payload, loop, seconds, capped)
             else:
                 # An idle connection without a coroutine (the common case).
                 idle = pool.idle
@@ -606,9 +615,7 @@ class FastForwarder:
                     connection = await self._connect(pool, loop, _Connection())
                 if pipelined:
                     pool.filling = connection
-                    waiter = connection.add(payload, loop, seconds)
-                    if not capped:
-                        connection.pending[-1].uncapped = True  # (just queued: no await between)
+                    waiter = connection.add(payload, loop, seconds, capped)
                     if taken is None:
                         try:
                             await self._connect(pool, loop, connection)
@@ -628,9 +635,7 @@ class FastForwarder:
                     else:
                         loop.call_soon(connection.flush)
                 else:
-                    waiter = connection.start(payload, loop, head, seconds)
-                    if not capped:
-                        connection.pending[-1].uncapped = True  # (just queued: no await between)
+                    waiter = connection.start(payload, loop, head, seconds, capped)
             reused = connection.reused
             try:
                 return await waiter
