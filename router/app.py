@@ -397,7 +397,7 @@ class Router:
         # Clients may not send ringlimit's internal fields, except the bypass token
         # (whose default name also starts with x-ringlimit-): the node checks it.
         bypass_name = self._bypass_name(config)
-        forwarded_for = None
+        forwarded_for = host = None
         raw: list[tuple[bytes, bytes]] = []
         framed = False
         connection: list[bytes] | None = None
@@ -412,8 +412,14 @@ class Router:
                 raw.append(header)
             elif k in _BODY_FRAMING:
                 framed = True
-            elif k == b"connection" and header[1] not in PLAIN_CONNECTION:
-                connection = [header[1]] if connection is None else [*connection, header[1]]
+            elif k == b"connection":
+                if header[1] not in PLAIN_CONNECTION:
+                    connection = [header[1]] if connection is None else [*connection, header[1]]
+            elif k == b"host":
+                # Passed on as it came (the node's address is the router's business):
+                # an application builds its absolute URLs, redirects among them,
+                # from the host its client asked for.
+                host = header[1]
         if connection is not None:
             # Fields the client meant for this hop only (node/hopbyhop.py), except
             # those the cluster decides by.
@@ -469,9 +475,9 @@ class Router:
         fast = forwarder if type(forwarder) is FastForwarder else None
         # The forwarder's fields as text (latin-1: the client's bytes), for any other
         # forwarder and for a failover; the fast client gets the bytes themselves.
-        headers = _text(raw) if fast is None else None
+        headers = _text(raw, host) if fast is None else None
         if config.leasing and await self._leased(
-            scope, send, config, resolver, user, method, path_qs, raw, body, started
+            scope, send, config, resolver, user, method, path_qs, raw, body, started, host
         ):
             return
         member: Member | None = None
@@ -496,6 +502,7 @@ class Router:
                             pool,
                             raw,
                             body,
+                            host,
                         ),
                         method == "HEAD",
                     )
@@ -530,7 +537,16 @@ class Router:
                 if await self.membership.newer_view(member):
                     continue  # our view was stale: the key has another owner now
                 await self._owner_unreachable(
-                    scope, send, view, member, user, method, path_qs, _text(raw), body, str(exc)
+                    scope,
+                    send,
+                    view,
+                    member,
+                    user,
+                    method,
+                    path_qs,
+                    _text(raw, host),
+                    body,
+                    str(exc),
                 )
                 return
             if answer.status == 421 and await self.stale(answer, member):
@@ -550,7 +566,7 @@ class Router:
                     user,
                     method,
                     path_qs,
-                    _text(raw),
+                    _text(raw, host),
                     body,
                     "lease expired",
                 )
@@ -578,6 +594,7 @@ class Router:
         raw: list[tuple[bytes, bytes]],
         body: bytes,
         started: float,
+        host: bytes | None,
     ) -> bool:
         """Answer from a quota lease when the request's one rule leases (True: answered).
 
@@ -586,7 +603,8 @@ class Router:
         so the owner neither decides nor proxies it. Denied: a 429 from here,
         with a node's headers and body. Otherwise False: forward as usual.
         ``raw``: the fields passed on, as bytes (made text only to serve an
-        admitted request: most requests here are forwarded as usual).
+        admitted request: most requests here are forwarded as usual), and
+        ``host`` the client's, passed on with them.
         """
         rule = leased_rule(config.rules_for(method, scope["path"], resolver.tier(scope)))
         if rule is None or config.balance != "sticky":
@@ -621,7 +639,7 @@ class Router:
         assert self.forwarder is not None
         others = [m for m in view.members if m.id != owner.id] or [owner]
         turn = next(self._turn)
-        marked = [*_text(raw), ("x-ringlimit-leased", rule.name)]
+        marked = [*_text(raw, host), ("x-ringlimit-leased", rule.name)]
         for i in range(len(others)):
             member = others[(turn + i) % len(others)]
             try:
@@ -749,9 +767,13 @@ class Router:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-def _text(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    """Header fields as the forwarders take them: latin-1 text of their bytes."""
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
+def _text(raw: list[tuple[bytes, bytes]], host: bytes | None = None) -> list[tuple[str, str]]:
+    """Header fields as the forwarders take them: latin-1 text of their bytes,
+    the client's ``host`` first when it sent one."""
+    fields = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
+    if host is not None:
+        fields.insert(0, ("host", host.decode("latin-1")))
+    return fields
 
 
 @lru_cache(maxsize=16)

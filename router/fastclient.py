@@ -548,11 +548,20 @@ class FastForwarder:
         pool: _Pool,
         fields: list[tuple[bytes, bytes]],
         body: bytes | None,
+        host: bytes | None = None,
     ) -> bytes:
         """A whole request to ``pool``: its request line (``target``: the path and
-        query as they are sent), ``host``, ``fields``, its length and body; built
-        in one join (a forward's request is made of the client's bytes)."""
-        pieces = [method, b" ", target, b" HTTP/1.1\r\nhost: ", pool.host_header, b"\r\n"]
+        query as they are sent), ``host`` (the node's unless given: a proxied
+        request keeps its client's), ``fields``, its length and body; built in
+        one join (a forward's request is made of the client's bytes)."""
+        pieces = [
+            method,
+            b" ",
+            target,
+            b" HTTP/1.1\r\nhost: ",
+            pool.host_header if host is None else host,
+            b"\r\n",
+        ]
         for name, value in fields:
             pieces += (name, b": ", value, b"\r\n")
         if body:
@@ -571,7 +580,12 @@ class FastForwarder:
     ) -> Answer:
         pool, path = self._split(url)
         fields = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-        payload = self.payload(method.encode(), path.encode(), pool, fields, body)
+        # A ``host`` among them is the request's (a proxied request's client's),
+        # written once in its place.
+        host = next((v for k, v in fields if k.lower() == b"host"), None)
+        if host is not None:
+            fields = [field for field in fields if field[0].lower() != b"host"]
+        payload = self.payload(method.encode(), path.encode(), pool, fields, body, host)
         return await self.send(pool, payload, method == "HEAD", capped)
 
     async def send(
