@@ -440,7 +440,13 @@ class Router:
                 body = await read_all(receive, max_body)
             if body is None:
                 self.metrics.outcome("-", "body_too_large")
-                bound = "--max-request-body" if buffered < config.limits.max_body else "max_body"
+                bound = (
+                    "--max-request-body"
+                    if buffered < config.limits.max_body
+                    else "max_body"
+                    if buffered > config.limits.max_body
+                    else "--max-request-body and max_body"
+                )
                 await send_json(
                     send,
                     413,

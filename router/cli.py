@@ -207,6 +207,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _config_arguments(up)
     _envoy_arguments(up)
     _fronting_arguments(up)
+    _proxy_arguments(up)
     _backend_arguments(up)
     up.add_argument("--state-file", help="where the router keeps its ring (default: none)")
     _pipeline_argument(up)
@@ -261,31 +262,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     router.add_argument("--health-interval", type=float, default=1.0)
     router.add_argument("--failure-threshold", type=int, default=3)
     router.add_argument("--health-timeout", type=float, default=0.5)
-    router.add_argument(
-        "--forward-timeout",
-        type=float,
-        default=3.0,
-        help="seconds a node (and the application behind it) has to answer a forwarded "
-        "request (default 3: below the crash detection time, so no client waits on a paused "
-        "node longer than it takes to notice it)",
-    )
-    router.add_argument(
-        "--max-request-body",
-        type=int,
-        default=None,
-        metavar="BYTES",
-        help="bytes of a proxied request's body the router holds (default 1 MiB, as nginx's "
-        "client_max_body_size): it buffers bodies, and answers 413 past this or past the "
-        "config's limits.max_body, the smaller",
-    )
-    router.add_argument(
-        "--max-answer",
-        type=int,
-        default=None,
-        metavar="BYTES",
-        help="bytes of a node's answer the router holds (default 16 MiB: router/forward.py "
-        "MAX_ANSWER): it relays whole answers, and answers 502 answer_too_large past this",
-    )
+    _proxy_arguments(router)
     router.add_argument(
         "--lease",
         type=float,
@@ -551,6 +528,40 @@ def envoy_header_sets(args: argparse.Namespace) -> tuple[str, ...]:
     return headers
 
 
+def _proxy_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the router's proxy waits for and holds (``router``, and ``up`` for its router)."""
+    parser.add_argument(
+        "--forward-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a node (and the application behind it) has to answer a forwarded "
+        "request (default 3: below the crash detection time, so no client waits on a paused "
+        "node longer than it takes to notice it)",
+    )
+    parser.add_argument(
+        "--max-request-body",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes of a proxied request's body the router holds (default 1 MiB, as nginx's "
+        "client_max_body_size): it buffers bodies, and answers 413 past this or past the "
+        "config's limits.max_body, the smaller",
+    )
+    parser.add_argument(
+        "--max-answer",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes of a node's answer the router holds (default 16 MiB: router/forward.py "
+        "MAX_ANSWER): it relays whole answers, and answers 502 answer_too_large past this",
+    )
+
+
+#: The flags of :func:`_proxy_arguments`, as ``up`` passes them to its router.
+PROXY_FLAGS = ("--forward-timeout", "--max-request-body", "--max-answer")
+
+
 def _fronting_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("what the nodes serve")
     choice = group.add_mutually_exclusive_group()
@@ -691,7 +702,7 @@ def _check_router_numbers(args: argparse.Namespace) -> None:
     """``ValueError`` naming the first of :data:`ROUTER_NUMBERS` out of its range
     (a flag left at None, its default, is not checked)."""
     for flag, low, high, bounds in ROUTER_NUMBERS:
-        value = getattr(args, flag[2:].replace("-", "_"))
+        value = getattr(args, flag[2:].replace("-", "_"), None)  # (``up`` has a few)
         if value is None:
             continue
         above = value >= low if bounds[0] == "[" else value > low
@@ -700,7 +711,7 @@ def _check_router_numbers(args: argparse.Namespace) -> None:
             low_text = f"{'at least' if bounds[0] == '[' else 'above'} {_number(low)}"
             high_text = f"{'at most' if bounds[1] == ']' else 'below'} {_number(high)}"
             raise ValueError(f"{flag} must be {low_text} and {high_text}, got {value!r}")
-    if args.no_health_checks:
+    if getattr(args, "no_health_checks", True):
         return
     # The lease the nodes will be granted: given, or the detection time.
     renewal = args.health_interval + args.health_timeout
@@ -834,7 +845,9 @@ def _run_router(args: argparse.Namespace) -> int:
         health_interval=args.health_interval,
         failure_threshold=args.failure_threshold,
         health_timeout=args.health_timeout,
-        timeouts=Timeouts(total=args.forward_timeout),
+        timeouts=Timeouts()
+        if args.forward_timeout is None
+        else Timeouts(total=args.forward_timeout),
         max_answer=MAX_ANSWER if args.max_answer is None else args.max_answer,
         max_buffered_body=(
             RouterSettings.max_buffered_body
@@ -1123,6 +1136,7 @@ def _run_up(args: argparse.Namespace) -> int:
     config = cluster_config(args)
     _check_upstream(args.upstream)
     _check_upstream_idle(args.upstream_idle)
+    _check_router_numbers(args)  # those of its router that ``up`` takes
     _redis_pipeline(args)
     _redis_timeout(args)
     if args.nodes < 1:

@@ -40,6 +40,7 @@ from typing import Any, TextIO
 import httpx
 
 from node.config import ClusterConfig
+from router.cli import PROXY_FLAGS
 from router.processes import (
     ChildProcess,
     NotReady,
@@ -504,6 +505,10 @@ def _router_argv(
         argv += ["--envoy-config", str(Path(envoy_file).resolve())]
     if getattr(args, "envoy_headers", None):
         argv += ["--envoy-headers", args.envoy_headers]
+    for flag in PROXY_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            argv += [flag, repr(value)]
     if args.verbose:
         argv += ["--verbose"]
     return argv

@@ -90,3 +90,22 @@ def test_uploads_past_a_mebibyte_pass_once_both_bounds_allow_them(
         over = client.post(f"{wide}/upload", headers=user, content=b"z" * (4 * MIB + 1))
         assert over.status_code == 413
         assert "(max_body)" in over.json()["detail"], over.json()
+        _, even = procs.router(None, *seed, "--max-request-body", str(4 * MIB))
+        over = client.post(f"{even}/upload", headers=user, content=b"z" * (4 * MIB + 1))
+        assert "(--max-request-body and max_body)" in over.json()["detail"], over.json()
+
+
+def test_up_passes_its_routers_proxy_flags_on(tmp_path: Path) -> None:
+    """``ringlimit up`` takes them for its router (before: refused as unknown)."""
+    from node.config import ClusterConfig
+    from router.cli import build_parser
+    from router.supervisor import _router_argv
+
+    flags = ["--forward-timeout", "7.5", "--max-request-body", "2000000", "--max-answer", "3000000"]
+    args = build_parser().parse_args(["up", *flags])
+    argv = _router_argv(args, ClusterConfig(), "127.0.0.1", tmp_path / "c.toml", [])
+    assert [argv[argv.index(f) + 1] for f in flags[::2]] == flags[1::2]
+    plain = _router_argv(
+        build_parser().parse_args(["up"]), ClusterConfig(), "127.0.0.1", tmp_path / "c.toml", []
+    )
+    assert not set(flags[::2]) & set(plain)
