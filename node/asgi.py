@@ -82,7 +82,13 @@ async def drain(receive: Receive) -> None:
 
 
 async def read_all(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None (the rest drained) once it passes ``limit`` bytes."""
+    """The whole request body, or None once it passes ``limit`` bytes.
+
+    The rest is not read: the caller answers at once, and the server deals
+    with what the client still sends (a node's or router's front door reads
+    and drops a bounded rest, or closes; uvicorn drops it). Read here, a
+    body sent on and on held its request for as long as its sender liked,
+    and reading on after the last part waited for a disconnect."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -91,10 +97,6 @@ async def read_all(receive: Receive, limit: int) -> bytes | None:
         if chunk:
             size += len(chunk)
             if size > limit:
-                if message.get("more_body"):
-                    # (Not after the last part: a server's receive then waits for
-                    # a disconnect, and the client for its answer, until one gives up.)
-                    await drain(receive)
                 return None
             chunks.append(chunk)
         if not message.get("more_body"):

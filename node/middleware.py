@@ -22,7 +22,6 @@ from node.asgi import (
     Receive,
     Scope,
     Send,
-    drain,
     error_body,
     send_json,
 )
@@ -82,6 +81,11 @@ class RateLimitMiddleware:
     passed in as a node does, and then only with the internal token when one is
     configured); otherwise it is extracted as the configuration's identity
     section says.
+
+    A refusal (400, 421, 429, 503) is answered without reading the request's
+    body: a denied upload is not uploaded first (with ``Expect: 100-continue``
+    not at all), and the server drops what the client still sends (a node's
+    front door reads a bounded rest, or closes the connection).
     """
 
     def __init__(
@@ -193,11 +197,9 @@ class RateLimitMiddleware:
             try:
                 user = prepared.resolver.user(scope)
             except InvalidUserId as exc:
-                await drain(receive)
                 await send_json(send, 400, error_body("invalid_user_id", str(exc)))
                 return
         if not user:
-            await drain(receive)
             await send_json(
                 send,
                 400,
@@ -208,7 +210,6 @@ class RateLimitMiddleware:
             )
             return
         if len(user) > prepared.max_key_length:
-            await drain(receive)
             await send_json(
                 send,
                 400,
@@ -230,13 +231,11 @@ class RateLimitMiddleware:
             if verdict is None:
                 verdict = await authority.decide(user, rules, 1)
         except NotOwner as exc:
-            await drain(receive)
             await send_json(send, 421, not_owner_body(exc), not_owner_headers(exc))
             return
         except LeaseExpired as exc:
             if authority.metrics is not None:
                 authority.metrics.error("lease_expired")
-            await drain(receive)
             await send_json(send, 503, lease_expired_body(exc), LEASE_EXPIRED_HEADERS)
             return
         if verdict.allowed:
@@ -256,7 +255,6 @@ class RateLimitMiddleware:
                 await self.app(scope, receive, _adding(send, fields))
             return
         fields = prepared.headers.render(rules, verdict, self.wall_clock())
-        await drain(receive)
         # A rule that fails closed while its backend is down: the service, not the
         # client, is the problem, so 503 rather than 429. (An open rule decided by
         # the local fallback carries the same reason but a real retry time: that

@@ -36,7 +36,6 @@ from node.asgi import (
     Scope,
     Send,
     control_app,
-    drain,
     error_body,
     odd_target,
     read_all,
@@ -310,11 +309,9 @@ class Router:
                 return
             if scope["path"].startswith("/internal"):
                 # The nodes' internal API is never reachable through the front door.
-                await drain(receive)
                 await send_json(send, 404, error_body("not_found", "no such endpoint"))
                 return
             if has_dot_segment(scope["path"]):
-                await drain(receive)
                 await send_json(
                     send, 400, error_body("invalid_path", "the path has a '.' or '..' segment")
                 )
@@ -364,12 +361,10 @@ class Router:
         try:
             user = resolver.user(scope)
         except InvalidUserId as exc:
-            await drain(receive)
             self.metrics.outcome("-", "invalid_user_id")
             await send_json(send, 400, error_body("invalid_user_id", str(exc)))
             return
         if not user:
-            await drain(receive)
             self.metrics.outcome("-", "missing_user_id")
             identity = config.identity
             await send_json(
@@ -383,7 +378,6 @@ class Router:
             )
             return
         if len(user) > config.limits.max_key_length:
-            await drain(receive)
             self.metrics.outcome("-", "key_too_long")
             await send_json(
                 send,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from node.asgi import Receive, Scope, Send, drain, error_body, read_all, send_json_bytes
+from node.asgi import Receive, Scope, Send, error_body, read_all, send_json_bytes
 from node.config import Limits
 from node.rules import MAX_NAME
 from node.security import bearer, token_matches
@@ -115,7 +115,6 @@ class DecisionAPI:
         config = self.router.config
         limit = config.limits.max_body
         if self.router.settings.api_token is not None and not self.allowed(scope):
-            await drain(receive)
             await send_json_bytes(
                 send,
                 401,

@@ -13,6 +13,7 @@ no flag, so raising ``limits.max_body`` for uploads changed nothing, and the
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,31 @@ def test_up_passes_its_routers_proxy_flags_on(tmp_path: Path) -> None:
         build_parser().parse_args(["up"]), ClusterConfig(), "127.0.0.1", tmp_path / "c.toml", []
     )
     assert not set(flags[::2]) & set(plain)
+
+
+def _head_only(url: str, path: str, *fields: str) -> bytes:
+    """A POST's head announcing 10 MB and awaiting ``100 Continue``: what comes
+    back first, within 3 s (the body is never sent)."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n"
+        "Expect: 100-continue\r\n" + "".join(f"{f}\r\n" for f in fields) + "\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=3) as sock:
+        sock.sendall(head.encode())
+        return sock.recv(65536)
+
+
+@pytest.mark.integration
+def test_a_refusal_does_not_invite_the_body_it_refuses(procs: Procs) -> None:  # noqa: F811
+    """Before, the router and the node read a refused request's whole body
+    first (sending ``100 Continue`` for it): a denied 50 MB upload was
+    uploaded, then refused."""
+    _, node = procs.node("n1", None, "--rule", "api=1/minute")
+    _, router = procs.router(None, "--node", f"n1={node}", "--rule", "api=1/minute")
+    # The router's own refusals: no user id, an id too long.
+    assert _head_only(router, "/upload").startswith(b"HTTP/1.1 400 "), "missing user"
+    assert _head_only(router, "/upload", "X-User-Id: " + "k" * 300).startswith(b"HTTP/1.1 400 ")
+    # The node's 429 (straight to it: through the router the body is whole first).
+    assert httpx.post(f"{node}/upload", headers={"X-User-Id": "u"}, content=b"x").status_code == 200
+    assert _head_only(node, "/upload", "X-User-Id: u").startswith(b"HTTP/1.1 429 ")
