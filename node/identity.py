@@ -56,6 +56,27 @@ def user_text(value: bytes, where: str) -> str:
         raise InvalidUserId(f"the user id in {where} is not valid UTF-8") from None
 
 
+def preflight_origin(scope: Mapping[str, Any]) -> bytes | None:
+    """The ``Origin`` of a CORS preflight (``OPTIONS`` with ``Origin`` and
+    ``Access-Control-Request-Method``), else None.
+
+    A preflight is never limited: a browser sends it on its own, before the
+    request it asks about, and without that request's credentials or custom
+    fields, so it has no user id to decide by (an API whose users send
+    ``X-User-Id`` or an API key would refuse every cross-origin call with
+    ``400 missing_user_id``), and counting it would charge a browser's users
+    twice. The application answers it (its CORS handling)."""
+    if scope["method"] != "OPTIONS":
+        return None
+    origin = asked = None
+    for name, value in scope["headers"]:
+        if name == b"origin":
+            origin = value
+        elif name == b"access-control-request-method":
+            asked = value
+    return origin if origin is not None and asked is not None else None
+
+
 class IdentityResolver:
     """Extracts the user id (and tier) as an :class:`Identity` configuration says."""
 

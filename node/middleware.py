@@ -30,7 +30,7 @@ from node.clock import Clock, system_clock
 from node.config import ClusterConfig, ScopedRule
 from node.decision import BACKEND_UNAVAILABLE
 from node.headers import HeaderCache, denial_response
-from node.identity import IdentityResolver, InvalidUserId, header_text
+from node.identity import IdentityResolver, InvalidUserId, header_text, preflight_origin
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.rules import Rule, parse_rule
 from node.security import bypass_matches, is_loopback, token_matches
@@ -189,6 +189,9 @@ class RateLimitMiddleware:
             return
         if bypass is not None and bypass_matches(bypass.decode("latin-1"), config.bypass_sha256):
             await self.app(scope, receive, _adding(send, [(b"x-ringlimit-bypass", b"1")]))
+            return
+        if scope["method"] == "OPTIONS" and preflight_origin(scope) is not None:
+            await self.app(scope, receive, send)  # a CORS preflight: never limited
             return
         if routed_key is not None and trusted:
             text = routed_key.decode("latin-1")

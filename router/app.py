@@ -44,7 +44,7 @@ from node.asgi import (
 from node.config import ClusterConfig, Identity
 from node.headers import denial_response, rate_limit_headers
 from node.hopbyhop import HOP_BY_HOP, PLAIN_CONNECTION, connection_options
-from node.identity import IdentityResolver, InvalidUserId
+from node.identity import IdentityResolver, InvalidUserId, preflight_origin
 from node.peers import INTERNAL_TOKEN_HEADER
 from ring import EmptyRingError, Member, OwnerCache, RingView
 from router.admin import AdminAPI, parse_join
@@ -364,6 +364,11 @@ class Router:
             self.metrics.outcome("-", "invalid_user_id")
             await send_json(send, 400, error_body("invalid_user_id", str(exc)))
             return
+        origin = preflight_origin(scope) if scope["method"] == "OPTIONS" else None
+        if not user and origin is not None:
+            # A CORS preflight (no user id: node/identity.py preflight_origin): routed
+            # by its origin, passed to the application by the node, never limited.
+            user = origin.decode("latin-1")[: config.limits.max_key_length]
         if not user:
             self.metrics.outcome("-", "missing_user_id")
             identity = config.identity
@@ -476,8 +481,12 @@ class Router:
         # The forwarder's fields as text (latin-1: the client's bytes), for any other
         # forwarder and for a failover; the fast client gets the bytes themselves.
         headers = _text(raw, host) if fast is None else None
-        if config.leasing and await self._leased(
-            scope, send, config, resolver, user, method, path_qs, raw, body, started, host
+        if (
+            config.leasing
+            and origin is None
+            and await self._leased(
+                scope, send, config, resolver, user, method, path_qs, raw, body, started, host
+            )
         ):
             return
         member: Member | None = None
