@@ -46,6 +46,13 @@ class _TooLarge(Exception):
     """Raised in the parser's body callback: stops reading an answer past the cap."""
 
 
+class _HeadAnswered(Exception):
+    """Raised in the parser's head callback once a HEAD's answer is settled: stops
+    the parser at the end of the head (it would take what follows for the body
+    that the answer's length announces; httptools ignores what the callback
+    returns, so it cannot be told to skip the body as llhttp can)."""
+
+
 class _Exchange:
     """One request on a connection, waiting for its answer."""
 
@@ -143,6 +150,17 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, _HeadAnswered):
+                # A HEAD's answer ended with its head, and its parser (stopped
+                # there, waiting for a body) with it: a fresh one reads the next
+                # answer. Unless this read went on past the head: bytes a node
+                # should not have sent (the body, to a HEAD), which would be taken
+                # for the next answer, in this read or the next ones.
+                if self.closed or not self._ends_with_the_head(data):
+                    self.close()
+                else:
+                    self.parser = httptools.HttpResponseParser(self)
+                return
             if isinstance(exc.__context__, _TooLarge):
                 # The oldest has its answer, only too large to hold; those behind
                 # it were sent and may have been decided too: not sent again.
@@ -205,10 +223,39 @@ class _Connection(asyncio.Protocol):
         self.fields = len(self.headers)
         if head:
             # The parser cannot know the request was HEAD and would wait for the
-            # body that content-length announces; the answer is complete, and
-            # the connection is not reused (nor pipelined: see FastForwarder.send).
-            self.keep_alive = False
+            # body that content-length announces: the answer is complete, and the
+            # parser is stopped here and replaced (data_received). The connection
+            # is kept as after any answer (never pipelined: see FastForwarder.send,
+            # so nothing is in flight behind it).
+            self.keep_alive = self._kept_after_head()
             self._settle()
+            raise _HeadAnswered
+
+    def _kept_after_head(self) -> bool:
+        """The node keeps the connection after this HEAD's answer: llhttp's rule
+        (RFC 9112 9.3), without its wait for the end of a body that has no length
+        (``should_keep_alive`` is false for an answer with neither a length nor
+        chunks, which for a HEAD's is no reason to close)."""
+        options = {
+            token.strip().lower() for value in self.connection or () for token in value.split(b",")
+        }
+        if b"close" in options:
+            return False
+        return self.parser.get_http_version() == "1.1" or b"keep-alive" in options
+
+    @staticmethod
+    def _ends_with_the_head(data: bytes) -> bool:
+        """``data``, a read in which a HEAD's answer's head ended, ends with it.
+
+        The parser stopped at the head's end but does not say where that was. A
+        head ends at its first blank line (llhttp requires CRLFs), so the head
+        ends the read if the read's only ``CRLF CRLF`` ends it and the read does
+        not start with a CR or an LF (which may finish a blank line begun in the
+        read before). Otherwise (bytes after the head, or perhaps: a 1xx answer
+        ahead of it in the same read) the connection is not trusted with another
+        answer: it is closed."""
+        end = data.find(b"\r\n\r\n")
+        return end >= 0 and end == len(data) - 4 and data[0] not in b"\r\n"
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -230,8 +277,8 @@ class _Connection(asyncio.Protocol):
             self.status = 0
             self.connection = self.length = None
             return
-        if not self.pending or self.pending[0].head:
-            return  # a HEAD's answer, settled when its fields ended
+        if not self.pending:
+            return  # (a HEAD's answer never gets here: settled when its head ended)
         self.keep_alive = self.parser.should_keep_alive()
         self._settle()
         if not self.keep_alive and self.pending:
