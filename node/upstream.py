@@ -24,7 +24,8 @@ log = logging.getLogger("ringlimit.node")
 NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
 #: Seconds a request to the upstream may take, from connecting to its answer's
 #: last byte (``--upstream-timeout``): past it, a 502 if the answer had not
-#: begun, else the answer is cut off.
+#: begun, else the answer is cut off. (router/cli.py repeats it: importing this
+#: module loads aiohttp, which every other command would pay for.)
 UPSTREAM_TIMEOUT = 30.0
 #: Bytes the upstream's status line, and any one field of its answer, may take:
 #: as many as the node's front door takes of a request's whole head. aiohttp's

@@ -551,6 +551,11 @@ def envoy_header_sets(args: argparse.Namespace) -> tuple[str, ...]:
     return headers
 
 
+#: node/upstream.py ``UPSTREAM_TIMEOUT`` (not imported: that module loads aiohttp,
+#: which every command would then pay for; a test checks that they agree).
+_UPSTREAM_TIMEOUT = 30.0
+
+
 def _fronting_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("what the nodes serve")
     choice = group.add_mutually_exclusive_group()
@@ -564,6 +569,15 @@ def _fronting_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"seconds an idle connection to the upstream is reused (default {UPSTREAM_IDLE:g}: "
         "below the 5 s keep-alive of uvicorn, Node.js and Apache; keep it below your "
         "upstream's, or a POST can meet a connection it is closing and get a 502)",
+    )
+    group.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=_UPSTREAM_TIMEOUT,
+        metavar="SECONDS",
+        help=f"seconds a request to the upstream may take, from connecting to its answer's "
+        f"last byte (default {_UPSTREAM_TIMEOUT:g}): past it, a 502, or an answer already "
+        "begun is cut off",
     )
 
 
@@ -1036,6 +1050,14 @@ def _check_upstream_idle(seconds: float) -> None:
         raise ValueError(f"--upstream-idle {seconds:g}: must be above 0 and at most 3600 seconds")
 
 
+def _check_upstream_timeout(seconds: float) -> None:
+    """``--upstream-timeout``: seconds, at most an hour, as ``--upstream-idle``."""
+    if not 0 < seconds <= 3600:
+        raise ValueError(
+            f"--upstream-timeout {seconds:g}: must be above 0 and at most 3600 seconds"
+        )
+
+
 def _check_upstream(url: str | None) -> None:
     """``--upstream``: an http(s) URL with a host (a path prefix is kept). Anything
     else was taken, the cluster started, and every allowed request failed."""
@@ -1063,6 +1085,7 @@ def _run_node(args: argparse.Namespace) -> int:
     check_weight(args.weight)
     _check_upstream(args.upstream)
     _check_upstream_idle(args.upstream_idle)
+    _check_upstream_timeout(args.upstream_timeout)
     routers: list[str] = []
     if args.join is not None:
         routers = [part.strip() for part in args.join.split(",")]
@@ -1074,7 +1097,9 @@ def _run_node(args: argparse.Namespace) -> int:
     admin_token, internal_token = _tokens()
     app: ASGIApp | None = None
     if args.upstream:
-        app = UpstreamApp(args.upstream, idle_timeout=args.upstream_idle)
+        app = UpstreamApp(
+            args.upstream, timeout=args.upstream_timeout, idle_timeout=args.upstream_idle
+        )
     elif args.app:
         app = load_app(args.app)
     pipeline = _redis_pipeline(args)
@@ -1123,6 +1148,7 @@ def _run_up(args: argparse.Namespace) -> int:
     config = cluster_config(args)
     _check_upstream(args.upstream)
     _check_upstream_idle(args.upstream_idle)
+    _check_upstream_timeout(args.upstream_timeout)
     _redis_pipeline(args)
     _redis_timeout(args)
     if args.nodes < 1:

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 import wsgiref.simple_server
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
@@ -408,3 +409,38 @@ async def test_answer_fields_up_to_the_front_doors_64_kib_are_relayed() -> None:
     assert many.startswith(b"HTTP/1.1 200 ") and MANY in many and many.endswith(b"\r\n\r\nok")
     assert wide.startswith(b"HTTP/1.1 200 ") and WIDE in wide and wide.endswith(b"\r\n\r\nok")
     assert too_wide.startswith(b"HTTP/1.1 502 ") and b"upstream_unavailable" in too_wide
+
+
+# 5. --upstream-timeout.
+
+
+async def test_upstream_timeout_is_a_node_flag(procs: Procs) -> None:  # noqa: F811
+    """The timeout was 30 s, fixed. A node with ``--upstream-timeout 0.5``
+    answers a slow upstream's request 502 within about that, and serves the next."""
+    async with scripted() as (_, url):
+        argv = ["--upstream", url, "--upstream-timeout", "0.5"]
+        _, node = await asyncio.to_thread(procs.node, "n1", None, *argv)
+        async with httpx.AsyncClient(base_url=node, timeout=5) as client:
+            began = time.monotonic()
+            slow = await client.get(SLOW.decode(), headers={"x-user-id": "u1"})
+            waited = time.monotonic() - began
+            quick = await client.post("/echo", content=b"hi", headers={"x-user-id": "u1"})
+    assert slow.status_code == 502 and slow.json()["error"] == "upstream_unavailable"
+    assert 0.4 < waited < 2.0, waited
+    assert quick.status_code == 200 and quick.content == b"hi"
+
+
+def test_up_passes_the_upstream_timeout_to_its_nodes(tmp_path: Any) -> None:
+    from node.config import ClusterConfig
+    from node.upstream import UPSTREAM_TIMEOUT
+    from router.cli import build_parser
+    from router.supervisor import _node_argv
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["up", "--upstream", "http://127.0.0.1:9", "--upstream-timeout", "7.5"]
+    )
+    argv = _node_argv(args, ClusterConfig(), "n1", "127.0.0.1", 8001, tmp_path / "c.toml")
+    assert argv[argv.index("--upstream-timeout") + 1] == "7.5"
+    node = parser.parse_args(["node", "--id", "n1", "--port", "1"])
+    assert node.upstream_timeout == UPSTREAM_TIMEOUT  # the flag's default is the app's
