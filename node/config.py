@@ -54,6 +54,10 @@ REDIS_TIMEOUT = 0.1
 #: below the 5 s keep-alive of uvicorn, Node.js and Apache. (Not the cluster's own
 #: REUSE_IDLE, node/frontdoor.py, though equal: that one follows ringlimit's servers.)
 UPSTREAM_IDLE = 4.0
+#: Seconds a request to a node's upstream may take, from connecting to its
+#: answer's last byte (``--upstream-timeout``): past it, a 502 if the answer had
+#: not begun, else the answer is cut off.
+UPSTREAM_TIMEOUT = 30.0
 MIN_REDIS_TIMEOUT = 0.001
 MAX_REDIS_TIMEOUT = 60.0
 BALANCES = ("sticky", "round-robin")

@@ -3,18 +3,35 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import logging
+from collections.abc import AsyncIterator
 
 import aiohttp
+import yarl
 
-from node.asgi import ASGIApp, Receive, Scope, Send, drain, dumps, send_json
-from node.config import UPSTREAM_IDLE
+from node.asgi import ASGIApp, RawHeaders, Receive, Scope, Send, drain, dumps, send_json
+from node.config import UPSTREAM_IDLE, UPSTREAM_TIMEOUT
+from node.failures import Failures
+from node.frontdoor import FrontDoor
 from node.hopbyhop import HOP_BY_HOP, NO_CONTENT, passed_on
 from node.identity import header_text
 
+log = logging.getLogger("ringlimit.node")
+
 #: Request fields not passed to the upstream: hop-by-hop ones, and those aiohttp
-#: sets for the request it makes.
+#: sets for the request it makes (a declared length is set again: see
+#: :func:`declared_length`).
 NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
+#: Bytes the upstream's status line, and any one field of its answer, may take:
+#: as many as the node's front door takes of a request's whole head. aiohttp's
+#: default, 8190, made a longer field (a large cookie, a CSP) an opaque 502.
+ANSWER_FIELD_BYTES = FrontDoor.max_header_bytes
+#: Fields an upstream's answer may have. aiohttp's default, 128, made an answer
+#: with more an opaque 502. aiohttp bounds the count and each field, not their
+#: sum: with both at the front door's figure an answer's head could hold a
+#: gigabyte, so the count is what real answers need with room to spare (an
+#: answer's head: 64 MiB at most).
+ANSWER_FIELDS = 1024
 #: The upstream's fields not passed back: hop-by-hop ones, and ``date`` and
 #: ``server``, which the node's server sets (twice each otherwise; nginx hides
 #: the upstream's too). Its ``content-length`` is kept: the body is relayed as
@@ -70,19 +87,78 @@ def load_app(spec: str) -> ASGIApp:
     return app  # type: ignore[return-value]
 
 
+class BodyMismatch(Exception):
+    """A request's body did not end at the length it declared: its client went
+    away before the end, or its server passed on more.
+
+    Raised in the body aiohttp is sending, which then closes that connection to
+    the upstream instead of ending the request: the upstream never takes a cut
+    chunked body as whole, nor waits for bytes that will not come (and reads
+    whatever comes next on the connection as them)."""
+
+
+def declared_length(fields: RawHeaders) -> int | None:
+    """The length of the body a request declared: ``None`` when it came chunked,
+    ``0`` when it declared none. Sent on as it came: a body streamed without a
+    length goes chunked, which servers that read ``Content-Length`` only
+    (Python's wsgiref, under Django's runserver) take as empty, without an error.
+
+    (The front door's parser refuses a malformed or doubled length, and one
+    given with ``Transfer-Encoding``; such a request goes chunked here.)"""
+    length = 0
+    for name, value in fields:
+        if name == b"transfer-encoding":
+            return None
+        if name == b"content-length":
+            if not value.strip().isdigit():
+                return None
+            length = int(value)
+    return length
+
+
+async def request_body(receive: Receive, length: int | None) -> AsyncIterator[bytes]:
+    """The client's body as it arrives, ``length`` bytes (``None``: as many as
+    come, chunked); :class:`BodyMismatch` when it does not end there."""
+    sent = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # http.disconnect: the client went
+            raise BodyMismatch(f"the client went away after {sent} bytes of its body")
+        chunk = message.get("body", b"")
+        sent += len(chunk)
+        if length is not None and sent > length:
+            raise BodyMismatch(f"{sent} bytes of a body declared as {length}")
+        if chunk:
+            yield chunk
+        if not message.get("more_body"):
+            if length is not None and sent != length:
+                raise BodyMismatch(f"{sent} bytes of a body declared as {length}")
+            return
+
+
 class UpstreamApp:
     """Forward each request to an upstream HTTP service (streaming both bodies)."""
 
     def __init__(
-        self, url: str, *, timeout: float = 30.0, idle_timeout: float = UPSTREAM_IDLE
+        self,
+        url: str,
+        *,
+        timeout: float = UPSTREAM_TIMEOUT,
+        idle_timeout: float = UPSTREAM_IDLE,
     ) -> None:
         self.url = url.rstrip("/")
+        #: The URL as yarl encodes it (once); each request's path and query are
+        #: added to it as they came.
+        self._base = str(yarl.URL(self.url))
         self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=2.0)
         #: How long an idle connection is reused: below the upstream's keep-alive,
         #: or a request written as the upstream closes it gets no answer. aiohttp
         #: sends an idempotent request again then, never a POST: that one is a 502.
         self.idle_timeout = idle_timeout
         self._session: aiohttp.ClientSession | None = None
+        #: Answers that broke off after they began: a warning each, at most one
+        #: every 10 s (an upstream that keeps dying must not flood the log).
+        self._broken = Failures(log)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -93,6 +169,9 @@ class UpstreamApp:
                 ),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
+                max_line_size=ANSWER_FIELD_BYTES,
+                max_field_size=ANSWER_FIELD_BYTES,
+                max_headers=ANSWER_FIELDS,
             )
         return self._session
 
@@ -100,12 +179,20 @@ class UpstreamApp:
         if self._session is not None:
             await self._session.close()
 
+    def target(self, scope: Scope) -> yarl.URL:
+        """The upstream's URL for a request: its path and query exactly as the
+        client sent them. A str URL goes through yarl, which decodes and quotes
+        again (``%3A`` became ``:``, ``%zz`` became ``%25zz``, dot segments were
+        resolved), and a signed URL or an HMAC over the query no longer matched.
+        (The front door takes only ASCII in a request's target.)"""
+        target = self._base + (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        if scope.get("query_string"):
+            target += "?" + scope["query_string"].decode("latin-1")
+        return yarl.URL(target, encoded=True)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        target = self.url + scope.get("raw_path", scope["path"].encode()).decode("latin-1")
-        if scope.get("query_string"):
-            target += "?" + scope["query_string"].decode("latin-1")
         # header_text: valid UTF-8 stays UTF-8, which aiohttp writes back byte for byte.
         fields = scope["headers"]
         headers = [
@@ -113,28 +200,19 @@ class UpstreamApp:
             for k, v in passed_on(fields, NOT_FORWARDED)
             if not k.startswith(b"x-ringlimit-")
         ]
-
-        async def body() -> Any:
-            while True:
-                message = await receive()
-                chunk = message.get("body", b"")
-                if chunk:
-                    yield chunk
-                if not message.get("more_body"):
-                    return
-
-        # A request that came without a body goes without one: a streamed body
-        # is sent chunked, and some servers refuse a GET with a chunked body.
-        framed = any(
-            k == b"transfer-encoding" or (k == b"content-length" and v.strip() != b"0")
-            for k, v in fields
-        )
+        # A request that came without a body goes without one (some servers
+        # refuse a GET with an empty chunked body); one that came sized goes
+        # sized (aiohttp does not chunk a body given a Content-Length).
+        length = declared_length(fields)
+        if length:
+            headers.append(("Content-Length", str(length)))
+        started = False
         try:
             async with self._client().request(
                 scope["method"],
-                target,
+                self.target(scope),
                 headers=headers,
-                data=body() if framed else None,
+                data=None if length == 0 else request_body(receive, length),
                 allow_redirects=False,
             ) as response:
                 out = passed_on(
@@ -144,18 +222,42 @@ class UpstreamApp:
                 await send(
                     {"type": "http.response.start", "status": response.status, "headers": out}
                 )
+                started = True
                 async for chunk in response.content.iter_chunked(65536):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b""})
         except (aiohttp.ClientError, TimeoutError) as exc:
-            payload = dumps(
-                {"error": "upstream_unavailable", "detail": f"{type(exc).__name__} from upstream"}
-            )
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 502,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
-            await send({"type": "http.response.body", "body": payload})
+            if started:
+                self._broke_off(scope, exc)
+            else:
+                await _unavailable(send, exc)
+
+    def _broke_off(self, scope: Scope, exc: BaseException) -> None:
+        """The answer broke off after it began (the upstream closed mid-body, or
+        the timeout ran out): no second start can follow the first. Returning
+        with the answer unfinished makes uvicorn close the client's connection
+        (and log that it did), so the client sees an answer cut short, never a
+        complete one that is wrong."""
+        self._broken.warn(
+            "upstream_broke_off",
+            "the upstream's answer to %s %s broke off after it began (%s): "
+            "the client's connection is closed",
+            scope["method"],
+            scope["path"],
+            type(exc).__name__,
+        )
+
+
+async def _unavailable(send: Send, exc: BaseException) -> None:
+    """``502 upstream_unavailable``, naming what went wrong (not the upstream's address)."""
+    payload = dumps(
+        {"error": "upstream_unavailable", "detail": f"{type(exc).__name__} from upstream"}
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 502,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})

@@ -33,6 +33,7 @@ from node.config import (
     REBALANCE_POLICIES,
     REDIS_TIMEOUT,
     UPSTREAM_IDLE,
+    UPSTREAM_TIMEOUT,
     ClusterConfig,
     ConfigError,
     Policies,
@@ -576,6 +577,15 @@ def _fronting_arguments(parser: argparse.ArgumentParser) -> None:
         "below the 5 s keep-alive of uvicorn, Node.js and Apache; keep it below your "
         "upstream's, or a POST can meet a connection it is closing and get a 502)",
     )
+    group.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=UPSTREAM_TIMEOUT,
+        metavar="SECONDS",
+        help=f"seconds a request to the upstream may take, from connecting to its answer's "
+        f"last byte (default {UPSTREAM_TIMEOUT:g}): past it, a 502, or an answer already "
+        "begun is cut off",
+    )
 
 
 def _backend_arguments(parser: argparse.ArgumentParser, *, connects: bool = True) -> None:
@@ -1049,6 +1059,14 @@ def _check_upstream_idle(seconds: float) -> None:
         raise ValueError(f"--upstream-idle {seconds:g}: must be above 0 and at most 3600 seconds")
 
 
+def _check_upstream_timeout(seconds: float) -> None:
+    """``--upstream-timeout``: seconds, at most an hour, as ``--upstream-idle``."""
+    if not 0 < seconds <= 3600:
+        raise ValueError(
+            f"--upstream-timeout {seconds:g}: must be above 0 and at most 3600 seconds"
+        )
+
+
 def _check_upstream(url: str | None) -> None:
     """``--upstream``: an http(s) URL with a host (a path prefix is kept). Anything
     else was taken, the cluster started, and every allowed request failed."""
@@ -1076,6 +1094,7 @@ def _run_node(args: argparse.Namespace) -> int:
     check_weight(args.weight)
     _check_upstream(args.upstream)
     _check_upstream_idle(args.upstream_idle)
+    _check_upstream_timeout(args.upstream_timeout)
     routers: list[str] = []
     if args.join is not None:
         routers = [part.strip() for part in args.join.split(",")]
@@ -1087,7 +1106,9 @@ def _run_node(args: argparse.Namespace) -> int:
     admin_token, internal_token = _tokens()
     app: ASGIApp | None = None
     if args.upstream:
-        app = UpstreamApp(args.upstream, idle_timeout=args.upstream_idle)
+        app = UpstreamApp(
+            args.upstream, timeout=args.upstream_timeout, idle_timeout=args.upstream_idle
+        )
     elif args.app:
         app = load_app(args.app)
     pipeline = _redis_pipeline(args)
@@ -1137,6 +1158,7 @@ def _run_up(args: argparse.Namespace) -> int:
     _check_upstream(args.upstream)
     _check_upstream_idle(args.upstream_idle)
     _check_router_numbers(args)  # those of its router that ``up`` takes
+    _check_upstream_timeout(args.upstream_timeout)
     _redis_pipeline(args)
     _redis_timeout(args)
     if args.nodes < 1:

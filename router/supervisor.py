@@ -473,6 +473,7 @@ def _node_argv(
     argv += ["--balance", config.balance]
     if args.upstream:
         argv += ["--upstream", args.upstream, "--upstream-idle", repr(args.upstream_idle)]
+        argv += ["--upstream-timeout", repr(args.upstream_timeout)]
     if args.app:
         argv += ["--app", args.app]
     if args.verbose:

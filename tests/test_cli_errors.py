@@ -792,6 +792,24 @@ def test_an_upstream_idle_that_is_not_seconds_is_one_line() -> None:
     one_line_failure(ringlimit(*argv, "--upstream-idle", "0"), "--upstream-idle 0", "at most 3600")
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "3601"])
+def test_an_upstream_timeout_that_is_not_seconds_is_refused(value: str) -> None:
+    from router.cli import _check_upstream_timeout, build_parser
+
+    args = build_parser().parse_args(
+        ["up", "--upstream", "http://127.0.0.1:9", "--upstream-timeout", value]
+    )
+    with pytest.raises(ValueError, match=r"^--upstream-timeout .*: must be above 0 and at most"):
+        _check_upstream_timeout(args.upstream_timeout)
+
+
+def test_an_upstream_timeout_that_is_not_seconds_is_one_line() -> None:
+    argv = ["node", "--id", "n1", "--port", str(free_port()), "--upstream", "http://127.0.0.1:9"]
+    one_line_failure(
+        ringlimit(*argv, "--upstream-timeout", "nan"), "--upstream-timeout nan", "at most 3600"
+    )
+
+
 def test_a_keep_alive_routers_and_nodes_would_race_is_warned_of(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
