@@ -74,7 +74,9 @@ async def send_json_bytes(
 
 
 async def drain(receive: Receive) -> None:
-    """Consume a request body we will not use, so the connection stays reusable."""
+    """Consume a request body an application will not use, before it answers
+    (the echo app: the body is the client's to send whole). A refusal does not
+    drain: it answers at once, and the server drops or drains the rest."""
     while True:
         message = await receive()
         if message["type"] != "http.request" or not message.get("more_body"):
@@ -126,8 +128,8 @@ ALLOW = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"
 async def odd_target(scope: Scope, receive: Receive, send: Send) -> None:
     """Answer a request whose target is not a path (``OPTIONS *``, ``CONNECT
     host:port``, ...): nothing behind this server can take it, so it is never
-    routed. ``OPTIONS *`` gets 204 with the methods; anything else 400."""
-    await drain(receive)
+    routed. ``OPTIONS *`` gets 204 with the methods; anything else 400 (its
+    body unread, as any refusal: the server drops what the client sends)."""
     if scope["method"] == "OPTIONS" and scope["path"] == "*":
         await send(
             {

@@ -338,7 +338,12 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                 for entry in reversed(added.values()):
                     content.append(entry.lines)
                 added.clear()  # the connection's next request starts with none
-        if not cycle.keep_alive and not has_connection_close:
+        if not has_connection_close and (
+            not cycle.keep_alive or (cycle.more_body and _rest_not_drained(cycle.scope["headers"]))
+        ):
+            # (Answered early with more to come than is drained: the connection
+            # closes after MAX_DRAIN. Said now; closed then, not now, or the
+            # client still sending would get a reset before it read this.)
             content.append(b"connection: close\r\n")
         if (
             cycle.chunked_encoding is None
@@ -352,6 +357,20 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
         cycle.transport.write(b"".join(content))
 
     return send
+
+
+def _rest_not_drained(headers: list[tuple[bytes, bytes]]) -> bool:
+    """An answer that starts before its request's body ended: the connection
+    stays only if the rest is read and dropped, and a declared length past
+    ``MAX_DRAIN`` will not be (the connection closes there: see ``on_body``).
+    Said in the answer (``connection: close``): a client that pooled the
+    connection (a router's) wrote its next request, another client's, on a
+    connection about to close. (A chunked body's size is not known ahead: it is
+    drained, or closed past the cap, unannounced.)"""
+    for name, value in headers:
+        if name == b"content-length":
+            return not value.isdigit() or int(value) > MAX_DRAIN
+    return False
 
 
 def _added_fields(cycle: Any) -> dict[object, Any] | None:

@@ -60,12 +60,13 @@ def preflight_origin(scope: Mapping[str, Any]) -> bytes | None:
     """The ``Origin`` of a CORS preflight (``OPTIONS`` with ``Origin`` and
     ``Access-Control-Request-Method``), else None.
 
-    A preflight is never limited: a browser sends it on its own, before the
-    request it asks about, and without that request's credentials or custom
-    fields, so it has no user id to decide by (an API whose users send
-    ``X-User-Id`` or an API key would refuse every cross-origin call with
-    ``400 missing_user_id``), and counting it would charge a browser's users
-    twice. The application answers it (its CORS handling)."""
+    A browser sends a preflight on its own, before the request it asks about,
+    and without that request's credentials or custom fields: it has no user id
+    (an API whose users send ``X-User-Id`` or an API key refused every
+    cross-origin call with ``400 missing_user_id``), and charging it to a user
+    would charge a browser's users twice. So it is decided under the same
+    rules by its client's address instead (:meth:`IdentityResolver.preflight_key`):
+    never unlimited, or two fields would open any endpoint to a flood."""
     if scope["method"] != "OPTIONS":
         return None
     origin = asked = None
@@ -104,6 +105,11 @@ class IdentityResolver:
         if not found and identity.fallback_to_client and identity.source != "client":
             found = self.client(scope)
         return found or None
+
+    def preflight_key(self, scope: Mapping[str, Any]) -> str:
+        """The key a CORS preflight is decided by (see :func:`preflight_origin`):
+        its client's address, apart from every user's own quota."""
+        return f"preflight:{self.client(scope) or '-'}"
 
     def tier(self, scope: Mapping[str, Any]) -> str | None:
         if not self._tier:

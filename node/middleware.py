@@ -190,12 +190,12 @@ class RateLimitMiddleware:
         if bypass is not None and bypass_matches(bypass.decode("latin-1"), config.bypass_sha256):
             await self.app(scope, receive, _adding(send, [(b"x-ringlimit-bypass", b"1")]))
             return
-        if scope["method"] == "OPTIONS" and preflight_origin(scope) is not None:
-            await self.app(scope, receive, send)  # a CORS preflight: never limited
-            return
         if routed_key is not None and trusted:
             text = routed_key.decode("latin-1")
             user: str | None = unquote(text, errors="replace") if "%" in text else text
+        elif scope["method"] == "OPTIONS" and preflight_origin(scope) is not None:
+            # A CORS preflight: by its client's address (node/identity.py).
+            user = prepared.resolver.preflight_key(scope)
         else:
             try:
                 user = prepared.resolver.user(scope)

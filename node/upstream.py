@@ -200,6 +200,17 @@ class UpstreamApp:
             for k, v in passed_on(fields, NOT_FORWARDED)
             if not k.startswith(b"x-ringlimit-")
         ]
+        # The upstream gets its own Host (as nginx sends it); the client's goes in
+        # X-Forwarded-Host, unless a proxy ahead set one, for the absolute URLs and
+        # redirects an application builds.
+        host = forwarded_host = None
+        for name, value in fields:
+            if name == b"host":
+                host = value
+            elif name == b"x-forwarded-host":
+                forwarded_host = value
+        if host is not None and forwarded_host is None:
+            headers.append(("X-Forwarded-Host", header_text(host)))
         # A request that came without a body goes without one (some servers
         # refuse a GET with an empty chunked body); one that came sized goes
         # sized (aiohttp does not chunk a body given a Content-Length).

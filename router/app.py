@@ -364,11 +364,10 @@ class Router:
             self.metrics.outcome("-", "invalid_user_id")
             await send_json(send, 400, error_body("invalid_user_id", str(exc)))
             return
-        origin = preflight_origin(scope) if scope["method"] == "OPTIONS" else None
-        if not user and origin is not None:
-            # A CORS preflight (no user id: node/identity.py preflight_origin): routed
-            # by its origin, passed to the application by the node, never limited.
-            user = origin.decode("latin-1")[: config.limits.max_key_length]
+        if scope["method"] == "OPTIONS" and preflight_origin(scope) is not None:
+            # A CORS preflight: decided by its client's address, never charged to
+            # a user (node/identity.py preflight_origin).
+            user = resolver.preflight_key(scope)
         if not user:
             self.metrics.outcome("-", "missing_user_id")
             identity = config.identity
@@ -481,12 +480,8 @@ class Router:
         # The forwarder's fields as text (latin-1: the client's bytes), for any other
         # forwarder and for a failover; the fast client gets the bytes themselves.
         headers = _text(raw, host) if fast is None else None
-        if (
-            config.leasing
-            and origin is None
-            and await self._leased(
-                scope, send, config, resolver, user, method, path_qs, raw, body, started, host
-            )
+        if config.leasing and await self._leased(
+            scope, send, config, resolver, user, method, path_qs, raw, body, started, host
         ):
             return
         member: Member | None = None

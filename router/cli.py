@@ -1052,19 +1052,15 @@ def _reachable(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _check_upstream_idle(seconds: float) -> None:
-    """``--upstream-idle``: seconds, as the front door's timeouts are (at most an
-    hour: past that, a connection idle so long is to an upstream that is gone)."""
-    if not 0 < seconds <= 3600:
-        raise ValueError(f"--upstream-idle {seconds:g}: must be above 0 and at most 3600 seconds")
-
-
-def _check_upstream_timeout(seconds: float) -> None:
-    """``--upstream-timeout``: seconds, at most an hour, as ``--upstream-idle``."""
-    if not 0 < seconds <= 3600:
-        raise ValueError(
-            f"--upstream-timeout {seconds:g}: must be above 0 and at most 3600 seconds"
-        )
+def _check_upstream_seconds(args: argparse.Namespace) -> None:
+    """``--upstream-idle`` and ``--upstream-timeout``: seconds, as the front
+    door's timeouts are (at most an hour)."""
+    for flag, seconds in (
+        ("--upstream-idle", args.upstream_idle),
+        ("--upstream-timeout", args.upstream_timeout),
+    ):
+        if not 0 < seconds <= 3600:
+            raise ValueError(f"{flag} {seconds:g}: must be above 0 and at most 3600 seconds")
 
 
 def _check_upstream(url: str | None) -> None:
@@ -1093,8 +1089,7 @@ def _run_node(args: argparse.Namespace) -> int:
         check_url(args.url)
     check_weight(args.weight)
     _check_upstream(args.upstream)
-    _check_upstream_idle(args.upstream_idle)
-    _check_upstream_timeout(args.upstream_timeout)
+    _check_upstream_seconds(args)
     routers: list[str] = []
     if args.join is not None:
         routers = [part.strip() for part in args.join.split(",")]
@@ -1156,9 +1151,8 @@ def _run_up(args: argparse.Namespace) -> int:
 
     config = cluster_config(args)
     _check_upstream(args.upstream)
-    _check_upstream_idle(args.upstream_idle)
+    _check_upstream_seconds(args)
     _check_router_numbers(args)  # those of its router that ``up`` takes
-    _check_upstream_timeout(args.upstream_timeout)
     _redis_pipeline(args)
     _redis_timeout(args)
     if args.nodes < 1:

@@ -165,8 +165,8 @@ class _Connection(asyncio.Protocol):
                 # The oldest has its answer, only too large to hold; those behind
                 # it were sent and may have been decided too: not sent again.
                 self.body = []
-                oldest = self.pending.popleft()
-                if not oldest.waiter.done():
+                oldest = self.pending.popleft() if self.pending else None
+                if oldest is not None and not oldest.waiter.done():
                     oldest.waiter.set_exception(AnswerTooLarge(self.max_answer))
                 self._fail(AnswerLost("an answer ahead of it was too large to hold"))
             else:
@@ -650,7 +650,9 @@ class FastForwarder:
         seconds = self.timeouts.total
         pipelined = self.pipeline > 1 and not head
         for attempt in (0, 1):
-            filling = pool.filling
+            # A second attempt goes on a fresh connection: the idle ones may have
+            # been closed by the node as the first one was.
+            filling = pool.filling if attempt == 0 else None
             if (
                 pipelined
                 and filling is not None
@@ -661,7 +663,7 @@ class FastForwarder:
                 waiter = connection.add(payload, loop, seconds, capped)
             else:
                 # An idle connection without a coroutine (the common case).
-                idle = pool.idle
+                idle = pool.idle if attempt == 0 else None
                 taken = idle.pop() if idle else None
                 while taken is not None and not taken.writable():
                     taken = idle.pop() if idle else None

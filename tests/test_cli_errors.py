@@ -776,31 +776,22 @@ def test_an_upstream_that_is_not_an_http_url_is_one_line(command: list[str], url
     one_line_failure(ringlimit(*argv, timeout=30), f"--upstream {url!r}", "http://")
 
 
+@pytest.mark.parametrize("flag", ["--upstream-idle", "--upstream-timeout"])
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "3601"])
-def test_an_upstream_idle_that_is_not_seconds_is_refused(value: str) -> None:
-    from router.cli import _check_upstream_idle, build_parser
+def test_upstream_seconds_that_are_not_seconds_are_refused(flag: str, value: str) -> None:
+    from router.cli import _check_upstream_seconds, build_parser
 
-    args = build_parser().parse_args(
-        ["node", "--id", "n1", "--port", "1", "--upstream-idle", value]
-    )
-    with pytest.raises(ValueError, match=r"^--upstream-idle .*: must be above 0 and at most 3600"):
-        _check_upstream_idle(args.upstream_idle)
+    for command in (["node", "--id", "n1", "--port", "1"], ["up"]):
+        args = build_parser().parse_args(
+            [*command, "--upstream", "http://127.0.0.1:9", flag, value]
+        )
+        with pytest.raises(ValueError, match=f"^{flag} .*: must be above 0 and at most 3600"):
+            _check_upstream_seconds(args)
 
 
 def test_an_upstream_idle_that_is_not_seconds_is_one_line() -> None:
     argv = ["node", "--id", "n1", "--port", str(free_port()), "--upstream", "http://127.0.0.1:9"]
     one_line_failure(ringlimit(*argv, "--upstream-idle", "0"), "--upstream-idle 0", "at most 3600")
-
-
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "3601"])
-def test_an_upstream_timeout_that_is_not_seconds_is_refused(value: str) -> None:
-    from router.cli import _check_upstream_timeout, build_parser
-
-    args = build_parser().parse_args(
-        ["up", "--upstream", "http://127.0.0.1:9", "--upstream-timeout", value]
-    )
-    with pytest.raises(ValueError, match=r"^--upstream-timeout .*: must be above 0 and at most"):
-        _check_upstream_timeout(args.upstream_timeout)
 
 
 def test_an_upstream_timeout_that_is_not_seconds_is_one_line() -> None:

@@ -418,3 +418,24 @@ async def test_a_connection_idle_past_its_timeout_is_closed(server: tuple[Script
     finally:
         await client.close()
     assert client._reaper is None
+
+
+async def test_a_request_sent_again_goes_on_a_fresh_connection() -> None:
+    """A request that found its reused connection closed by the node (no byte
+    back) is sent once more: on a fresh connection, not another idle one, which
+    the node may have closed as well (two idle connections, both closed by the
+    node as a request arrives on them: the retry took the second and lost)."""
+    from tests.test_idle_reuse import one_answer_per_connection
+
+    async with one_answer_per_connection() as (url, server):
+        forwarder = FastForwarder()
+        try:
+            first = await asyncio.gather(
+                *(forwarder.request("GET", f"{url}/a", [], None) for _ in range(2))
+            )
+            assert [a.status for a in first] == [200, 200] and server.connections == 2
+            again = await forwarder.request("GET", f"{url}/b", [], None)
+            assert again.status == 200
+            assert (server.connections, server.unanswered) == (3, 1)
+        finally:
+            await forwarder.close()

@@ -19,6 +19,7 @@ import pytest
 
 from tests.processes import Procs, procs  # noqa: F401 (fixture)
 from tests.real_cluster import admin_ring, view_of
+from tests.test_integration import upstream  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -61,3 +62,22 @@ def test_the_clients_host_reaches_the_application(procs: Procs) -> None:  # noqa
         failover = client.get(f"{router}/items", headers={**host, "X-User-Id": on_n2})
         assert _seen_host(failover) == ["api.example.com"]
         assert failover.headers.get("x-ringlimit-node") == "n1"
+
+
+def test_an_upstream_gets_the_clients_host_as_x_forwarded_host(
+    procs: Procs,  # noqa: F811
+    upstream: str,  # noqa: F811
+) -> None:
+    """A node's ``--upstream`` sends its own Host there (as nginx does) and the
+    client's in ``X-Forwarded-Host`` (it sent none: the redirect bug stayed for
+    upstream apps, found by a review), unless a proxy ahead set one."""
+    _, node = procs.node("n1", None, "--upstream", upstream)
+    _, router = procs.router(None, "--node", f"n1={node}", "--no-health-checks")
+    with httpx.Client(timeout=10.0) as client:
+        headers = {"Host": "api.example.com", "X-User-Id": "u"}
+        seen = dict(client.get(f"{router}/items", headers=headers).json()["headers"])
+        assert seen["x-forwarded-host"] == "api.example.com"
+        assert seen["host"] == upstream.removeprefix("http://")
+        ahead = {**headers, "X-Forwarded-Host": "public.example"}
+        seen = dict(client.get(f"{router}/items", headers=ahead).json()["headers"])
+        assert seen["x-forwarded-host"] == "public.example"

@@ -135,6 +135,49 @@ def test_a_refusal_does_not_invite_the_body_it_refuses(procs: Procs) -> None:  #
     # The router's own refusals: no user id, an id too long.
     assert _head_only(router, "/upload").startswith(b"HTTP/1.1 400 "), "missing user"
     assert _head_only(router, "/upload", "X-User-Id: " + "k" * 300).startswith(b"HTTP/1.1 400 ")
+    # A target that is not a path, on either process.
+    for url in (router, node):
+        assert _head_only(url, "*").startswith(b"HTTP/1.1 400 "), url
     # The node's 429 (straight to it: through the router the body is whole first).
     assert httpx.post(f"{node}/upload", headers={"X-User-Id": "u"}, content=b"x").status_code == 200
     assert _head_only(node, "/upload", "X-User-Id: u").startswith(b"HTTP/1.1 429 ")
+
+
+def _refused_early(url: str, size: int) -> tuple[bytes, bool]:
+    """A denied POST of ``size`` bytes, sent whole: its answer's head, and
+    whether the same connection then serves another request."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        head = f"POST /upload HTTP/1.1\r\nHost: x\r\nX-User-Id: u\r\nContent-Length: {size}\r\n\r\n"
+        sock.sendall(head.encode())
+        answer = sock.recv(65536)
+        try:
+            sock.sendall(b"x" * size)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            rest = b""
+            while b"HTTP/1.1 200" not in rest:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return answer, False
+                rest += chunk
+        except OSError:
+            return answer, False
+        return answer, True
+
+
+@pytest.mark.integration
+def test_an_early_answer_whose_rest_will_not_be_read_says_connection_close(
+    procs: Procs,  # noqa: F811
+) -> None:
+    """A node answering a body past what its front door drains (4 MiB) closes the
+    connection after the answer: the answer says so. It did not, and the
+    router's client pooled the connection and lost the next request written on
+    it (another client's: ``504 node_timeout``; found by a review)."""
+    _, node = procs.node("n1", None, "--rule", "api=1/minute")
+    assert httpx.post(f"{node}/upload", headers={"X-User-Id": "u"}, content=b"x").status_code == 200
+    head, kept = _refused_early(node, 6 * MIB)
+    assert head.startswith(b"HTTP/1.1 429 ") and b"\r\nconnection: close\r\n" in head.lower()
+    assert not kept
+    head, kept = _refused_early(node, 3 * MIB)  # drained: the connection stays
+    assert head.startswith(b"HTTP/1.1 429 ") and b"connection: close" not in head.lower()
+    assert kept
