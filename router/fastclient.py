@@ -650,9 +650,12 @@ class FastForwarder:
         seconds = self.timeouts.total
         pipelined = self.pipeline > 1 and not head
         for attempt in (0, 1):
-            # A second attempt goes on a fresh connection: the idle ones may have
-            # been closed by the node as the first one was.
-            filling = pool.filling if attempt == 0 else None
+            # A second attempt goes on a fresh connection (the idle ones may have
+            # been closed by the node as the first one was): one still filling
+            # takes it only if it was not reused (the batch sent again joins one).
+            filling = pool.filling
+            if attempt and filling is not None and filling.reused:
+                filling = None
             if (
                 pipelined
                 and filling is not None
