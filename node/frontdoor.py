@@ -444,6 +444,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         #: far, and the timer that checks its pace.
         _body_since = 0.0
         _body_bytes = 0
+        #: Body bytes of every request on the connection (never reset).
+        _body_seen = 0
         _body_timer: asyncio.TimerHandle | None = None
         #: When a body answered before it arrived whole must have arrived.
         _drained_by = 0.0
@@ -555,11 +557,14 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             none of the body's data (a chunk line's extensions, or trailers that
             never end: httptools joins a trailer's pieces as it does a header's,
             at a cost that grows with the square of its length) it is refused."""
-            before = self._body_bytes
+            # (Body bytes of any request: a new one's count starts at 0 within this
+            # read, and one the same size as the last compared equal: a chunked
+            # upload the size of the one before it on the connection got a 431.)
+            before = self._body_seen
             super().data_received(data)
             if not self._chunked or self.transport.is_closing():
                 return  # the message ended in this read
-            if self._body_bytes != before:
+            if self._body_seen != before:
                 self._unframed = 0
                 return
             self._unframed += len(data)
@@ -659,6 +664,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def on_body(self, body: bytes) -> None:
             self._body_bytes += len(body)
+            self._body_seen += len(body)
             if self._body_bytes > MAX_DRAIN and self.cycle.response_complete:
                 self._close_waiting(None)  # answered long ago: not worth reading on
                 raise _StopParsing  # nor a request behind it in this read

@@ -61,6 +61,7 @@ from router.forward import (
     AnswerTooLarge,
     Forwarder,
     NodeTimeout,
+    SchemeForwarder,
     Timeouts,
     Unreachable,
 )
@@ -239,18 +240,7 @@ class Router:
 
     async def start(self) -> None:
         if self.forwarder is None:
-            tls = any(m.url.startswith("https://") for m in self.settings.seeds)
-            # router/fastclient.py speaks plain http only; aiohttp also https.
-            settings = self.settings
-            self.forwarder = (
-                AiohttpForwarder(timeouts=settings.timeouts, max_answer=settings.max_answer)
-                if tls
-                else FastForwarder(
-                    timeouts=settings.timeouts,
-                    pipeline=settings.pipeline,
-                    max_answer=settings.max_answer,
-                )
-            )
+            self.forwarder = node_forwarder(self.settings)
         await self.membership.start(self.settings.seeds, health=self.settings.health_checks)
         if self.settings.leader_url is not None:
             headers = self.admin.headers()
@@ -476,10 +466,18 @@ class Router:
         method = scope["method"]
         forwarder = self.forwarder
         assert forwarder is not None
-        fast = forwarder if type(forwarder) is FastForwarder else None
+        # The fast client, driven directly for http:// members (the router's own
+        # forwarder, or one given that is a fast client).
+        fast = (
+            forwarder.fast
+            if type(forwarder) is SchemeForwarder
+            else forwarder
+            if type(forwarder) is FastForwarder
+            else None
+        )
         # The forwarder's fields as text (latin-1: the client's bytes), for any other
-        # forwarder and for a failover; the fast client gets the bytes themselves.
-        headers = _text(raw, host) if fast is None else None
+        # forwarder or member and for a failover; the fast client gets the bytes.
+        headers: list[tuple[str, str]] | None = None
         if config.leasing and await self._leased(
             scope, send, config, resolver, user, method, path_qs, raw, body, started, host
         ):
@@ -495,7 +493,7 @@ class Router:
                 await send_json(send, 503, error_body("no_nodes", "the ring has no nodes"))
                 return
             try:
-                if fast is not None:
+                if fast is not None and member.url.startswith("http://"):
                     # What FastForwarder.request sends, built from the client's bytes.
                     pool, prefix = fast.base(member.url)
                     answer = await fast.send(
@@ -511,9 +509,9 @@ class Router:
                         method == "HEAD",
                     )
                 else:
-                    answer = await forwarder.request(
-                        method, member.url + path_qs, headers or [], body
-                    )
+                    if headers is None:
+                        headers = _text(raw, host)
+                    answer = await forwarder.request(method, member.url + path_qs, headers, body)
             except AnswerTooLarge as exc:
                 await self._not_answered(send, member, exc)  # decided, not for on_error
                 return
@@ -769,6 +767,18 @@ class Router:
     async def metrics_endpoint(self, request: Request) -> Response:
         self.metrics.forget_departed(self.membership.view.ids)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def node_forwarder(settings: RouterSettings) -> SchemeForwarder:
+    """The forwarder a router makes for itself: router/fastclient.py speaks plain
+    http only, aiohttp also https, for whichever members are (whatever the
+    seeds: members join later, or come from a state file)."""
+    return SchemeForwarder(
+        FastForwarder(
+            timeouts=settings.timeouts, pipeline=settings.pipeline, max_answer=settings.max_answer
+        ),
+        lambda: AiohttpForwarder(timeouts=settings.timeouts, max_answer=settings.max_answer),
+    )
 
 
 def _text(raw: list[tuple[bytes, bytes]], host: bytes | None = None) -> list[tuple[str, str]]:

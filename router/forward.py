@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 import httpx
@@ -260,6 +260,57 @@ def _for_aiohttp(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
                 value = value.encode("latin-1").decode("utf-8")
         out.append((name, value))
     return out
+
+
+class SchemeForwarder:
+    """The router's forwarder: ``http://`` nodes through the fast client
+    (router/fastclient.py), ``https://`` ones through aiohttp, made when the
+    first is met.
+
+    A router chose one of the two once, from its seeds: one started without
+    ``https://`` seeds (a worker beside the leader, a restart that recovers
+    its ring from ``--state-file``, a router whose members were added later)
+    could not reach an ``https://`` member at all, and under an ``open`` rule
+    admitted everything that member owned (found by an exploratory tester).
+    """
+
+    def __init__(self, fast: Any, make_tls: Callable[[], AiohttpForwarder]) -> None:
+        #: The fast client, which the router's proxy path drives directly.
+        self.fast = fast
+        self._make_tls = make_tls
+        self._tls: AiohttpForwarder | None = None
+
+    @property
+    def pipelined(self) -> dict[str, int]:
+        counts: dict[str, int] = self.fast.pipelined
+        return counts
+
+    def tls(self) -> AiohttpForwarder:
+        if self._tls is None:
+            self._tls = self._make_tls()
+        return self._tls
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        headers: list[tuple[str, str]],
+        body: bytes | None,
+        capped: bool = True,
+    ) -> Answer:
+        client = self.fast if url.startswith("http://") else self.tls()
+        answer: Answer = await client.request(method, url, headers, body, capped)
+        return answer
+
+    async def post_json(self, url: str, payload: bytes, headers: list[tuple[str, str]]) -> Answer:
+        client = self.fast if url.startswith("http://") else self.tls()
+        answer: Answer = await client.post_json(url, payload, headers)
+        return answer
+
+    async def close(self) -> None:
+        await self.fast.close()
+        if self._tls is not None:
+            await self._tls.close()
 
 
 class HttpxForwarder:
