@@ -96,6 +96,16 @@ class NodeClient:
             raise MembershipError(
                 502, "push_failed", f"node {member.id} unreachable: {type(exc).__name__}"
             ) from None
+        if response.status_code in (401, 403):
+            # Not the network: the node requires the internal token, and this
+            # router sends none or another (it would otherwise serve on, with the
+            # nodes' own rules, suspecting its own network).
+            raise MembershipError(
+                502,
+                "push_failed",
+                f"node {member.id} refused this router's internal token (HTTP "
+                f"{response.status_code}): set RINGLIMIT_INTERNAL_TOKEN to the nodes' token",
+            )
         if response.status_code != 200:
             raise MembershipError(
                 502, "push_failed", f"node {member.id} answered HTTP {response.status_code}"

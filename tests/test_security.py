@@ -216,3 +216,24 @@ async def test_without_an_internal_token_another_sites_page_cannot_call_a_node()
         rebound = await cluster.client.get(node_url("n1") + "/internal/status", headers=REBOUND)
         assert rebound.status_code == 403
         assert (await cluster.client.post(url, content=b"{}")).status_code == 200
+
+
+async def test_a_router_without_the_nodes_token_is_told_so() -> None:
+    """A node that requires the internal token refuses a router that sends none:
+    the push failure says which token, where it said only "answered HTTP 401"
+    and the router went on to suspect its own network (an exploratory tester)."""
+    import httpx
+
+    from node.app import NodeSettings, create_app
+    from ring import Member
+    from router.membership import MembershipError
+    from router.nodeclient import NodeClient
+
+    node = create_app(NodeSettings(node_id="n1", internal_token="s3cret"))
+    transport = httpx.ASGITransport(app=node)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://n1") as client:
+        member = Member("n1", "http://n1")
+        with pytest.raises(MembershipError) as refused:
+            await NodeClient(client).push_one(member, {"ring": None})
+        assert "RINGLIMIT_INTERNAL_TOKEN" in str(refused.value)
+        assert "s3cret" not in str(refused.value)
