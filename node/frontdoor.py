@@ -78,7 +78,7 @@ KEEP_ALIVE = 5.0
 #: :data:`KEEP_ALIVE`. A client that reuses a connection as its server closes it
 #: for idleness writes a request nothing will answer, and a POST (a decision, a
 #: handoff, a view) cannot safely be sent again: the server may have read it. Idle
-#: up to the server's own limit, 1 in 2 such POSTs was lost (aiohttp and httpx
+#: up to the server's own limit, such POSTs were lost (aiohttp and httpx
 #: pools: tests/test_idle_reuse.py).
 REUSE_IDLE = 4.0
 

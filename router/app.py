@@ -538,28 +538,20 @@ class Router:
             except Unreachable as exc:
                 if await self.membership.newer_view(member):
                     continue  # our view was stale: the key has another owner now
-                await self._owner_unreachable(
-                    scope,
-                    send,
-                    view,
-                    member,
-                    user,
-                    method,
-                    path_qs,
-                    _text(raw, host),
-                    body,
-                    str(exc),
-                )
-                return
-            if answer.status == 421 and await self.stale(answer, member):
-                continue
-            if answer.status == 503 and answer.lease_expired():
-                # The owner decided nothing (it has not heard from a router within
-                # its lease): as if it were unreachable. Perhaps it was removed and
-                # this router has not been told: look for a newer view first.
-                self.metrics.outcome(member.id, "lease_expired")
-                if await self.membership.newer_view(member):
+                unreachable: str | None = str(exc)
+            else:
+                if answer.status == 421 and await self.stale(answer, member):
                     continue
+                unreachable = None
+                if answer.status == 503 and answer.lease_expired():
+                    # The owner decided nothing (it has not heard from a router within
+                    # its lease): as if it were unreachable. Perhaps it was removed and
+                    # this router has not been told: look for a newer view first.
+                    self.metrics.outcome(member.id, "lease_expired")
+                    if await self.membership.newer_view(member):
+                        continue
+                    unreachable = "lease expired"
+            if unreachable is not None:
                 await self._owner_unreachable(
                     scope,
                     send,
@@ -570,7 +562,7 @@ class Router:
                     path_qs,
                     _text(raw, host),
                     body,
-                    "lease expired",
+                    unreachable,
                 )
                 return
             self.metrics.forwarded(member.id, answer.status, time.perf_counter() - started)

@@ -63,7 +63,7 @@ class AnswerTooLarge(NodeTimeout):
 
 #: Bytes of a node's answer the router holds by default (``--max-answer``). The
 #: router relays whole answers; without a cap, one answer that never ended
-#: (an application streaming) grew the router by 4.7 GB within its 3 s forward
+#: (an application streaming) grew the router by gigabytes within its 3 s forward
 #: timeout (tests/test_answer_cap.py).
 MAX_ANSWER = 16 << 20
 #: (Answers to ``post_json``, the decision API's batches and quotas, are not

@@ -3,7 +3,7 @@
 
 It relays whole answers. Without the cap, an answer that went on and on (an
 application streaming) was held whole: one such request grew a real router
-by 4.7 GB within its 3 s forward timeout, and the client still got a 504.
+by gigabytes within its 3 s forward timeout, and the client still got a 504.
 Now the router stops reading past the cap, closes that connection to the node
 and answers ``502 answer_too_large`` at once; an answer of exactly the cap
 passes whole.

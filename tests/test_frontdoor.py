@@ -701,7 +701,7 @@ def test_chunked_uploads_of_one_size_in_a_row_are_served() -> None:
     """A chunked upload the size of the one before it on the connection, its body
     in the read that carries its head, was counted as framing and answered 431
     (``headers_too_large``), the connection closed (found by an exploratory
-    tester: 50 of 100 aiohttp uploads of 64 KiB)."""
+    tester, with aiohttp uploads of 64 KiB)."""
     from node.frontdoor import FrontDoor
 
     size = 100_000

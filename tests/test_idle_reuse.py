@@ -4,11 +4,10 @@ closes it (node/frontdoor.py ``REUSE_IDLE``, below ``KEEP_ALIVE``).
 A server closes a keep-alive connection once it has been idle for its
 keep-alive; a client that writes a request on it at that moment gets no
 answer. aiohttp sends an idempotent request again, never a POST, and httpx
-sends nothing again: the POST is lost. Measured against uvicorn with a 1 s
-keep-alive and requests sent 0.997-1.003 s apart, half of them were, through
-the router's aiohttp forwarder and the nodes' httpx client alike (before
-this, they reused connections for 30 s and 5 s: as long as a node keeps one,
-or longer).
+sends nothing again: the POST is lost. Against uvicorn, POSTs sent just as
+its keep-alive ran out were lost through the router's aiohttp forwarder and
+the nodes' httpx client alike (before this, they reused connections for 30 s
+and 5 s: as long as a node keeps one, or longer).
 
 The server here does on purpose what an idle close does by chance: it answers
 each connection's first request and closes the connection, unanswered, when

@@ -128,7 +128,7 @@ def _head_only(url: str, path: str, *fields: str) -> bytes:
 @pytest.mark.integration
 def test_a_refusal_does_not_invite_the_body_it_refuses(procs: Procs) -> None:  # noqa: F811
     """Before, the router and the node read a refused request's whole body
-    first (sending ``100 Continue`` for it): a denied 50 MB upload was
+    first (sending ``100 Continue`` for it): a denied upload was
     uploaded, then refused."""
     _, node = procs.node("n1", None, "--rule", "api=1/minute")
     _, router = procs.router(None, "--node", f"n1={node}", "--rule", "api=1/minute")
