@@ -137,6 +137,14 @@ class RouterSettings:
     #: is polled every ``follow_interval`` seconds.
     leader_url: str | None = None
     follow_interval: float = 0.2
+    #: A leading worker its supervisor started again (router/workers.py): the other
+    #: workers' admin URLs, whose rings name the nodes to recover the ring from
+    #: (a worker may have no state file and no seeds: its nodes joined it).
+    fellows: Sequence[str] = ()
+    #: Take the rules the nodes hold over this router's flags at start: a leading
+    #: worker started again would otherwise push its flags' rules over those
+    #: applied at runtime (``PUT /admin/rules``), the cluster's.
+    adopt_cluster_config: bool = False
     #: This router's name in ``X-Ringlimit-Router`` on proxied answers (workers: w0, w1...).
     name: str | None = None
     #: Proxied requests without a body skip uvicorn's request cycle (router/protocol.py);
@@ -241,7 +249,13 @@ class Router:
     async def start(self) -> None:
         if self.forwarder is None:
             self.forwarder = node_forwarder(self.settings)
-        await self.membership.start(self.settings.seeds, health=self.settings.health_checks)
+        await self.membership.start(
+            self.settings.seeds,
+            health=self.settings.health_checks,
+            fellows=self.settings.fellows,
+            fellow_headers=self.admin.headers(),
+            adopt_config=self.settings.adopt_cluster_config,
+        )
         if self.settings.leader_url is not None:
             headers = self.admin.headers()
             await self.membership.first_follow(self.settings.leader_url, headers)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -285,8 +285,23 @@ class Membership:
 
     # ------------------------------------------------------------------ start / stop
 
-    async def start(self, seeds: Iterable[Member] = (), *, health: bool = True) -> None:
-        """Recover membership (state file, then the nodes), else build it from seeds."""
+    async def start(
+        self,
+        seeds: Iterable[Member] = (),
+        *,
+        health: bool = True,
+        fellows: Sequence[str] = (),
+        fellow_headers: Mapping[str, str] | None = None,
+        adopt_config: bool = False,
+    ) -> None:
+        """Recover membership (state file, then the nodes), else build it from seeds.
+
+        ``fellows`` (routers' admin URLs) name more nodes to ask: a leading
+        worker restarted by its supervisor has no other way to find nodes that
+        joined it. With ``adopt_config`` the rules of the node that knows the
+        newest view win over this router's own: the cluster's rules, those
+        applied at runtime included, rather than the flags it was started with.
+        """
         seeds = list(seeds)
         # With etcd, leases are the leader's: on only while this router leads.
         self.leasing = health and self.coordinator is None
@@ -294,10 +309,16 @@ class Membership:
             await self._start_coordinated(seeds, health)
             return
         recovered = self._load_state()
-        candidates = list(recovered) if recovered is not None else []
-        known = {m.id for m in candidates}
-        candidates += [m for m in seeds if m.id not in known]
-        discovered = await self.nodes.discover(candidates, self.health_timeout)
+        candidates: dict[str, Member] = {}  # by id; the first one named wins
+        fellows_members = await self._fellows_members(fellows, dict(fellow_headers or {}))
+        for member in [*(recovered or ()), *seeds, *fellows_members]:
+            candidates.setdefault(member.id, member)
+        found = await self.nodes.discover(
+            list(candidates.values()), self.health_timeout, with_urls=True
+        )
+        discovered = found[0] if found is not None else None
+        if adopt_config and found is not None:
+            await self._adopt_nodes_config(found[1])
         best = max(
             [v for v in (recovered, discovered) if v is not None],
             key=lambda v: v.epoch,
@@ -322,6 +343,35 @@ class Membership:
             # Leases lapsed while no router ran: renew them before serving.
             await asyncio.gather(*(self._renew(m) for m in self.view))
             self._health_task = asyncio.create_task(self._health_loop())
+
+    async def _fellows_members(
+        self, fellows: Sequence[str], headers: dict[str, str]
+    ) -> list[Member]:
+        """The members in other routers' rings (those that answer within the
+        health timeout): where a router without a state file finds its nodes."""
+
+        async def ring(url: str) -> list[Member]:
+            try:
+                async with asyncio.timeout(self.health_timeout):
+                    return list(await self.nodes.leader_ring(url, headers))
+            except (TimeoutError, httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+                log.warning("could not read the ring of the router at %s: %s", url, exc)
+                return []
+
+        rings = await asyncio.gather(*(ring(url) for url in fellows))
+        return [member for members in rings for member in members]
+
+    async def _adopt_nodes_config(self, node_url: str) -> None:
+        """Take the config of the node at ``node_url`` (it knows the newest view)."""
+        try:
+            data = await self.nodes.cluster(node_url)
+            config = ClusterConfig.from_dict(data["config"], source="node config", strict=False)
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+            log.error("could not take the cluster's rules from %s: %s", node_url, exc)
+            return
+        if config != self.config:
+            log.warning("took the cluster's rules from %s over this router's own", node_url)
+            self._take_config(config, node_url)
 
     async def _start_coordinated(self, seeds: list[Member], health: bool) -> None:
         """The ring from etcd; the first view from the seeds only if etcd has none."""

@@ -70,6 +70,11 @@ class WorkerRole:
     admin_url: str
     #: Without a coordinator: worker 0's admin URL for the others (None for worker 0).
     leader_url: str | None
+    #: Started again after it exited (the parent restarts a worker that dies).
+    restarted: bool = False
+    #: The other workers' admin URLs: a leader started again learns from their
+    #: rings which nodes to recover its own from (it may have no state file).
+    fellows: tuple[str, ...] = ()
 
     def encode(self) -> str:
         return ";".join(
@@ -80,14 +85,25 @@ class WorkerRole:
                 str(self.admin_fd),
                 self.admin_url,
                 self.leader_url or "",
+                "1" if self.restarted else "",
+                ",".join(self.fellows),
             ]
         )
 
     @classmethod
     def decode(cls, value: str) -> WorkerRole:
-        index, count, public_fd, admin_fd, admin_url, leader_url = value.split(";")
+        index, count, public_fd, admin_fd, admin_url, leader_url, restarted, fellows = value.split(
+            ";"
+        )
         return cls(
-            int(index), int(count), int(public_fd), int(admin_fd), admin_url, leader_url or None
+            int(index),
+            int(count),
+            int(public_fd),
+            int(admin_fd),
+            admin_url,
+            leader_url or None,
+            restarted=bool(restarted),
+            fellows=tuple(url for url in fellows.split(",") if url),
         )
 
     @property
@@ -176,6 +192,9 @@ class Supervisor:
 
     def _role(self, worker: _Worker, public: socket.socket) -> WorkerRole:
         leader = None if self.coordinated or worker.index == 0 else self.admin_url(0)
+        fellows = tuple(
+            self.admin_url(other.index) for other in self.workers if other is not worker
+        )
         return WorkerRole(
             worker.index,
             self.count,
@@ -183,6 +202,8 @@ class Supervisor:
             worker.admin.fileno(),
             self.admin_url(worker.index),
             leader,
+            restarted=worker.process is not None,
+            fellows=fellows,
         )
 
     def start(self, worker: _Worker) -> None:

@@ -73,6 +73,9 @@ def answered_by(url: str, n: int) -> Counter[str]:
 def test_role_round_trip_and_shared_port() -> None:
     role = WorkerRole(1, 2, 7, 8, "http://127.0.0.1:5", "http://127.0.0.1:4")
     assert WorkerRole.decode(role.encode()) == role
+    fellows = ("http://127.0.0.1:4", "http://127.0.0.1:6")
+    again = WorkerRole(1, 3, 7, 8, "http://127.0.0.1:5", None, restarted=True, fellows=fellows)
+    assert WorkerRole.decode(again.encode()) == again
     lead = WorkerRole(0, 2, 7, 8, "http://127.0.0.1:4", None)
     assert WorkerRole.decode(lead.encode()) == lead and lead.name == "w0"
     first = bind_public("127.0.0.1", 0)
@@ -164,6 +167,56 @@ def test_workers_share_one_port_and_one_membership(procs: Procs) -> None:
     assert restarted[1] == started[1][1]  # the same admin URL
     wait_healthy(restarted[1], cluster.router_proc)
     assert wait_for(lambda: "w1" in answered_by(url, 10), timeout=10.0, interval=0.2)
+    kill_all(procs)
+
+
+def test_a_restarted_leader_keeps_the_ring_and_the_rules_applied_at_runtime(
+    procs: Procs,
+) -> None:
+    """kill -9 of worker 0, the leader of a ring whose nodes joined it (no state
+    file, no seeds): the supervisor starts it again, and it routes by the ring
+    and the rules the cluster had. It came back with an empty ring (every
+    request it took answered 503, and the nodes' leases ran out, so that the
+    other worker admitted everything under the default open rule), and pushing
+    its flags' rules it dropped a rule applied at runtime (a user refused under
+    it was admitted again)."""
+    cluster = start_cluster(procs, [*RULE, "--workers", "2"])
+    url = cluster.router
+    assert wait_for(lambda: len(workers(cluster.router_proc)) == 2, timeout=10.0)
+    started = workers(cluster.router_proc)
+    leader_pid, leader = started[0]
+    _, follower = started[1]
+    for admin in (leader, follower):
+        wait_healthy(admin, cluster.router_proc)
+    ring = admin_ring(leader)
+    assert len(ring["nodes"]) == 3
+    rules = httpx.get(f"{url}/admin/rules", timeout=5.0).json()["rules"]
+    login = {"name": "login", "limit": 2, "period": 60, "paths": ["/login"]}
+    answer = httpx.put(f"{url}/admin/rules", json={"rules": [*rules, login]}, timeout=10.0)
+    assert answer.status_code == 200, answer.text
+    digest = admin_ring(leader)["rules_digest"]
+    assert wait_for(lambda: admin_ring(follower)["rules_digest"] == digest, timeout=5.0)
+    user = {"X-User-Id": "spent-login"}
+    with httpx.Client(timeout=5.0) as client:
+        spent = [client.get(f"{url}/login", headers=user).status_code for _ in range(3)]
+    assert spent == [200, 200, 429], spent
+
+    os.kill(leader_pid, signal.SIGKILL)
+    assert wait_for(lambda: workers(cluster.router_proc)[0][0] != leader_pid, timeout=10.0)
+    wait_healthy(leader, cluster.router_proc)
+    again = admin_ring(leader)
+    assert (again["epoch"], again["nodes"]) == (ring["epoch"], ring["nodes"]), again
+    assert again["rules_digest"] == digest
+    assert "took the cluster's rules from" in cluster.router_proc.output()
+    # Both workers refuse the user spent under the runtime rule, on the nodes' count.
+    assert wait_for(lambda: both_listening(url), timeout=10.0)
+    seen: Counter[tuple[str, int]] = Counter()
+    with httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        for _ in range(20):
+            response = client.get(f"{url}/login", headers=user)
+            seen[(response.headers.get("x-ringlimit-router", "?"), response.status_code)] += 1
+    assert {status for _, status in seen} == {429}, seen
+    assert {router for router, _ in seen} == {"w0", "w1"}, seen
     kill_all(procs)
 
 
