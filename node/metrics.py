@@ -245,25 +245,32 @@ class Flusher(Collector):
         return []
 
 
-def render(registry: CollectorRegistry) -> bytes:
-    """The text exposition of ``registry`` without the ``_created`` series.
+def render(registry: CollectorRegistry, labels: Mapping[str, str] | None = None) -> bytes:
+    """The text exposition of ``registry`` without the ``_created`` series,
+    ``labels`` added to every sample (a router worker's name).
 
     prometheus-client adds a ``<name>_created`` timestamp to every counter and
     histogram; Prometheus' text format has no use for it and it doubles the
     series count. ``disable_created_metrics()`` would drop it for the whole
     process (global state); filtering here keeps it per registry.
     """
-    return generate_latest(_WithoutCreated(registry))
+    return generate_latest(_WithoutCreated(registry, dict(labels or {})))
 
 
 class _WithoutCreated(Collector):
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
         self.registry = registry
+        self.labels = labels
 
     def collect(self) -> Iterator[Metric]:
+        extra = self.labels
         for family in self.registry.collect():
             created = family.name + "_created"
-            family.samples = [s for s in family.samples if s.name != created]
+            family.samples = [
+                s._replace(labels={**extra, **s.labels}) if extra else s
+                for s in family.samples
+                if s.name != created
+            ]
             yield family
 
 

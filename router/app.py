@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 from typing import Any
@@ -67,7 +67,7 @@ from router.forward import (
 )
 from router.leases import ADMIT, DENY, FORWARD, RouterLeases, leased_rule
 from router.membership import Membership
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, merge_workers
 from router.protocol import ADMIN_PREFIX, CONTROL_PATHS, ProxyCycle, has_dot_segment
 
 log = logging.getLogger("ringlimit.router")
@@ -137,14 +137,15 @@ class RouterSettings:
     #: is polled every ``follow_interval`` seconds.
     leader_url: str | None = None
     follow_interval: float = 0.2
-    #: A leading worker its supervisor started again (router/workers.py): the other
-    #: workers' admin URLs, whose rings name the nodes to recover the ring from
-    #: (a worker may have no state file and no seeds: its nodes joined it).
-    fellows: Sequence[str] = ()
-    #: Take the rules the nodes hold over this router's flags at start: a leading
-    #: worker started again would otherwise push its flags' rules over those
-    #: applied at runtime (``PUT /admin/rules``), the cluster's.
-    adopt_cluster_config: bool = False
+    #: The other workers of ``--workers N`` (router/workers.py): name -> admin URL.
+    #: ``/metrics`` gathers theirs; a restarted leader recovers the ring from the
+    #: nodes their rings name (it may have no state file and no seeds: its nodes
+    #: joined it).
+    fellows: Mapping[str, str] = field(default_factory=dict)
+    #: A leading worker its supervisor started again: it takes the rules the nodes
+    #: hold over its flags (else it would push its flags' rules over those applied
+    #: at runtime, ``PUT /admin/rules``, the cluster's) and recovers from its fellows.
+    restarted: bool = False
     #: This router's name in ``X-Ringlimit-Router`` on proxied answers (workers: w0, w1...).
     name: str | None = None
     #: Proxied requests without a body skip uvicorn's request cycle (router/protocol.py);
@@ -252,9 +253,9 @@ class Router:
         await self.membership.start(
             self.settings.seeds,
             health=self.settings.health_checks,
-            fellows=self.settings.fellows,
+            fellows=list(self.settings.fellows.values()) if self.settings.restarted else (),
             fellow_headers=self.admin.headers(),
-            adopt_config=self.settings.adopt_cluster_config,
+            adopt_config=self.settings.restarted,
         )
         if self.settings.leader_url is not None:
             headers = self.admin.headers()
@@ -771,8 +772,31 @@ class Router:
         )
 
     async def metrics_endpoint(self, request: Request) -> Response:
+        """This router's metrics; a worker's, with ``--workers``, gathers every
+        worker's (router/metrics.py :func:`merge_workers`) unless asked for its
+        own (``?scope=worker``)."""
         self.metrics.forget_departed(self.membership.view.ids)
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+        own = self.metrics.render(self.settings.name if self.settings.fellows else None)
+        fellows = self.settings.fellows
+        if fellows and request.query_params.get("scope") != "worker":
+            names = list(fellows)
+            texts = await asyncio.gather(*(self._worker_metrics(fellows[n]) for n in names))
+            own = merge_workers(
+                {self.settings.name or "?": own, **dict(zip(names, texts, strict=True))}
+            )
+        return Response(own, media_type="text/plain; version=0.0.4")
+
+    async def _worker_metrics(self, admin_url: str) -> bytes | None:
+        """Another worker's own metrics; None if it does not answer in time."""
+        try:
+            response = await self.membership.client.get(
+                admin_url.rstrip("/") + "/metrics",
+                params={"scope": "worker"},
+                timeout=self.settings.admin_timeout,
+            )
+        except httpx.HTTPError:
+            return None
+        return response.content if response.status_code == 200 else None
 
 
 def node_forwarder(settings: RouterSettings) -> SchemeForwarder:

@@ -894,9 +894,6 @@ def _run_router(args: argparse.Namespace) -> int:
     from router.workers import worker_sockets
 
     follower = role.leader_url is not None
-    # A leader started again after a crash recovers the ring and the rules the
-    # cluster has (from its fellows and the nodes) rather than its flags'.
-    recovers = role.restarted and not follower and settings.coordinator is None
     settings = replace(
         settings,
         name=role.name,
@@ -906,8 +903,10 @@ def _run_router(args: argparse.Namespace) -> int:
         seeds=seeds if role.index == 0 else [],
         state_file=None if follower else settings.state_file,
         health_checks=settings.health_checks and not follower,
-        fellows=role.fellows if recovers else (),
-        adopt_cluster_config=recovers,
+        fellows=role.fellows,
+        # A leader started again after a crash recovers the ring and the rules the
+        # cluster has (from its fellows and the nodes) rather than its flags'.
+        restarted=role.restarted and not follower and settings.coordinator is None,
     )
     _serve_router(settings, args, worker_sockets(role))
     return 0

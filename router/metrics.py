@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from node.metrics import BatchedCounts, BatchedHistogram, DictCollector, Flusher, render
 
@@ -182,6 +186,46 @@ class RouterMetrics:
             for values in stale:
                 remove(*values)
 
-    def render(self) -> bytes:
-        """The text exposition, without ``_created`` series (see :func:`node.metrics.render`)."""
-        return render(self.registry)
+    def render(self, worker: str | None = None) -> bytes:
+        """The text exposition, without ``_created`` series (see
+        :func:`node.metrics.render`); a ``worker`` label on every sample when named."""
+        return render(self.registry, {"worker": worker} if worker else None)
+
+
+def merge_workers(expositions: Mapping[str, bytes | None]) -> bytes:
+    """One exposition of every worker's (worker name -> its text, None if it did
+    not answer), each sample keeping its ``worker`` label, with
+    ``ringlimit_router_worker_up`` saying whose are missing.
+
+    A scrape of the public port lands on any one worker: its own counters alone
+    would jump between scrapes, and the workers' admin ports are the kernel's
+    choice, not a target one can configure. So the worker that takes the
+    scrape asks the others for theirs (``/metrics?scope=worker``).
+    """
+    families: dict[str, Metric] = {}
+    up = GaugeMetricFamily(
+        "ringlimit_router_worker_up",
+        "1 if the worker's metrics are in this scrape, 0 if it did not answer (router --workers).",
+        labels=["worker"],
+    )
+    for worker, text in sorted(expositions.items()):
+        parsed: list[Metric] = []
+        if text is not None:
+            try:
+                parsed = list(text_string_to_metric_families(text.decode()))
+            except (ValueError, UnicodeDecodeError):
+                text = None
+        up.add_metric([worker], 0.0 if text is None else 1.0)
+        for family in parsed:
+            kept = families.setdefault(family.name, family)
+            if kept is not family:
+                kept.samples.extend(family.samples)
+    return generate_latest(_Families([*families.values(), up]))
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)

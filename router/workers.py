@@ -72,9 +72,10 @@ class WorkerRole:
     leader_url: str | None
     #: Started again after it exited (the parent restarts a worker that dies).
     restarted: bool = False
-    #: The other workers' admin URLs: a leader started again learns from their
-    #: rings which nodes to recover its own from (it may have no state file).
-    fellows: tuple[str, ...] = ()
+    #: Every worker's admin URL, by index (this one's included): a leader started
+    #: again learns from the others' rings which nodes to recover its own from
+    #: (it may have no state file), and ``/metrics`` gathers every worker's.
+    admin_urls: tuple[str, ...] = ()
 
     def encode(self) -> str:
         return ";".join(
@@ -86,15 +87,13 @@ class WorkerRole:
                 self.admin_url,
                 self.leader_url or "",
                 "1" if self.restarted else "",
-                ",".join(self.fellows),
+                ",".join(self.admin_urls),
             ]
         )
 
     @classmethod
     def decode(cls, value: str) -> WorkerRole:
-        index, count, public_fd, admin_fd, admin_url, leader_url, restarted, fellows = value.split(
-            ";"
-        )
+        index, count, public_fd, admin_fd, admin_url, leader_url, restarted, urls = value.split(";")
         return cls(
             int(index),
             int(count),
@@ -103,13 +102,18 @@ class WorkerRole:
             admin_url,
             leader_url or None,
             restarted=bool(restarted),
-            fellows=tuple(url for url in fellows.split(",") if url),
+            admin_urls=tuple(url for url in urls.split(",") if url),
         )
 
     @property
     def name(self) -> str:
-        """The worker's name in ``X-Ringlimit-Router`` and in log lines."""
+        """The worker's name in ``X-Ringlimit-Router``, log lines and metrics."""
         return f"w{self.index}"
+
+    @property
+    def fellows(self) -> dict[str, str]:
+        """The other workers: name -> admin URL."""
+        return {f"w{i}": url for i, url in enumerate(self.admin_urls) if i != self.index}
 
 
 def worker_role() -> WorkerRole | None:
@@ -192,9 +196,6 @@ class Supervisor:
 
     def _role(self, worker: _Worker, public: socket.socket) -> WorkerRole:
         leader = None if self.coordinated or worker.index == 0 else self.admin_url(0)
-        fellows = tuple(
-            self.admin_url(other.index) for other in self.workers if other is not worker
-        )
         return WorkerRole(
             worker.index,
             self.count,
@@ -203,7 +204,7 @@ class Supervisor:
             self.admin_url(worker.index),
             leader,
             restarted=worker.process is not None,
-            fellows=fellows,
+            admin_urls=tuple(self.admin_url(other.index) for other in self.workers),
         )
 
     def start(self, worker: _Worker) -> None:

@@ -22,6 +22,7 @@ from node.metrics import NodeMetrics, render
 from node.redis_backend import FallbackBackend
 from node.rules import Rule
 from node.store import MemoryStore
+from router.metrics import RouterMetrics, merge_workers
 from router.testing import InProcessCluster, node_url
 
 pytestmark = pytest.mark.anyio
@@ -250,3 +251,39 @@ def test_a_rule_gone_before_a_nodes_first_scrape_is_shown_once() -> None:
     metrics.forget_rules({"new"})
     assert 'rule="old"' not in metrics.render().decode()
     assert metrics.decision_totals()["allowed"] == 3
+
+
+def test_a_scrape_of_workers_gathers_every_workers_metrics() -> None:
+    """``router --workers N``: the public port's ``/metrics`` lands on any one
+    worker, which adds the others' (router/metrics.py merge_workers); each
+    sample keeps its ``worker`` label, and a worker that did not answer (or
+    answered junk) is ``ringlimit_router_worker_up 0``, not an error."""
+    first, second = RouterMetrics(), RouterMetrics()
+    for _ in range(3):
+        first.forwarded("n1", 200, 0.001)
+    second.forwarded("n1", 429, 0.001)
+    merged = merge_workers(
+        {
+            "w0": first.render("w0"),
+            "w1": second.render("w1"),
+            "w2": None,
+            "w3": b"not { an exposition",
+        }
+    ).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(merged)
+        for s in family.samples
+    }
+    forwarded = "ringlimit_router_forwarded_total"
+    assert samples[(forwarded, (("node", "n1"), ("outcome", "2xx"), ("worker", "w0")))] == 3
+    assert samples[(forwarded, (("node", "n1"), ("outcome", "429"), ("worker", "w1")))] == 1
+    up = {
+        dict(k[1])["worker"]: v for k, v in samples.items() if k[0] == "ringlimit_router_worker_up"
+    }
+    assert up == {"w0": 1, "w1": 1, "w2": 0, "w3": 0}
+    # One HELP and TYPE per metric, however many workers have it.
+    assert merged.count(f"# TYPE {forwarded} counter") == 1
+    assert merged.count("# TYPE ringlimit_router_epoch gauge") == 1
+    # Without a name (one router, no workers) there is no worker label.
+    assert 'worker="' not in RouterMetrics().render().decode()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.cli import main
 from router.workers import WorkerRole, bind_public
@@ -70,12 +71,23 @@ def answered_by(url: str, n: int) -> Counter[str]:
     return seen
 
 
+def forwarded_by_worker(exposition: str) -> Counter[str]:
+    """``ringlimit_router_forwarded_total`` summed per ``worker`` label."""
+    totals: Counter[str] = Counter()
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == "ringlimit_router_forwarded_total":
+                totals[sample.labels["worker"]] += int(sample.value)
+    return totals
+
+
 def test_role_round_trip_and_shared_port() -> None:
     role = WorkerRole(1, 2, 7, 8, "http://127.0.0.1:5", "http://127.0.0.1:4")
     assert WorkerRole.decode(role.encode()) == role
-    fellows = ("http://127.0.0.1:4", "http://127.0.0.1:6")
-    again = WorkerRole(1, 3, 7, 8, "http://127.0.0.1:5", None, restarted=True, fellows=fellows)
+    urls = ("http://127.0.0.1:4", "http://127.0.0.1:5", "http://127.0.0.1:6")
+    again = WorkerRole(1, 3, 7, 8, urls[1], urls[0], restarted=True, admin_urls=urls)
     assert WorkerRole.decode(again.encode()) == again
+    assert again.fellows == {"w0": urls[0], "w2": urls[2]}
     lead = WorkerRole(0, 2, 7, 8, "http://127.0.0.1:4", None)
     assert WorkerRole.decode(lead.encode()) == lead and lead.name == "w0"
     first = bind_public("127.0.0.1", 0)
@@ -149,6 +161,14 @@ def test_workers_share_one_port_and_one_membership(procs: Procs) -> None:
     assert set(routers) == {"w0", "w1"}, routers
     assert load.errors == 0
     assert set(statuses) <= {200, 429}, statuses
+    # The public port's /metrics is every worker's, whichever worker takes the scrape.
+    # (The first scrape still shows n2's series, once: a departed node's go after it.)
+    scrapes = [forwarded_by_worker(httpx.get(f"{url}/metrics", timeout=5.0).text)]
+    assert set(scrapes[0]) == {"w0", "w1"}, scrapes
+    for _ in range(5):  # a new connection each: either worker takes it
+        scrapes.append(forwarded_by_worker(httpx.get(f"{url}/metrics", timeout=5.0).text))
+        assert scrapes[-1] == scrapes[1], scrapes
+    assert all(scrapes[1][w] > 0 for w in routers), scrapes
     assert load.excess() == 0, load.over()
     assert all(load.allowed(u) == LIMIT for u in USERS)
     # Both workers converge on the final ring (the follower polls the leader).
