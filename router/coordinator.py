@@ -208,10 +208,16 @@ class EtcdCoordinator:
         self.access = access or EtcdAccess()
         self._client: Any = None
         self._connecting = asyncio.Lock()
+        self._reading = asyncio.Lock()
         self._endpoint = 0
         #: etcd's revision at the last :meth:`load` (from the response header,
         #: even when the key is absent): where a watch from "now" really starts.
         self.read_revision = 0
+        #: How many times etcd was found behind a revision this router had read:
+        #: its data was lost or restored from an older snapshot (revisions never
+        #: go back otherwise). Membership forgets the revisions it conditions
+        #: its commits on when this moves (router/membership.py).
+        self.history_lost = 0
         #: While this router leads: the creation revision of its leader key,
         #: which every :meth:`commit` requires to be unchanged (see there).
         self._leading: int | None = None
@@ -341,13 +347,31 @@ class EtcdCoordinator:
     async def _load_at(self) -> tuple[ViewRecord | None, int]:
         """:meth:`load`, and the store's revision at that read."""
         key = self._key("view")
-        got = await self._call("read", lambda c: c.get_range(key, key + b"\0"))
-        at = int(got.header.revision)
-        self.read_revision = max(self.read_revision, at)
+        # One read at a time: the answers are taken in the order etcd gave them,
+        # so a revision below the last one read is etcd's going back, never two
+        # reads overtaking each other. (Reads are linearizable: any member
+        # answers at the cluster's latest revision.)
+        async with self._reading:
+            got = await self._call("read", lambda c: c.get_range(key, key + b"\0"))
+            at = int(got.header.revision)
+            self._took_revision(at)
         if not got.kvs:
             return None, at
         kv = got.kvs[0]
         return ViewRecord.from_json(kv.value, kv.mod_revision), at
+
+    def _took_revision(self, at: int) -> None:
+        if at < self.read_revision:
+            self.history_lost += 1
+            log.error(
+                "etcd %s is at revision %d, behind the %d this router read before: its data "
+                "was lost or restored from an older snapshot; the leading router records its "
+                "ring again",
+                self.where,
+                at,
+                self.read_revision,
+            )
+        self.read_revision = at
 
     async def commit(self, record: ViewRecord, expected: int) -> ViewRecord | None:
         """Write ``record`` if the view key is still at revision ``expected`` (0: absent).
@@ -449,11 +473,16 @@ class EtcdCoordinator:
             # read's revision: a change made meanwhile is taken now. (Watching
             # "from now" after an error lost a rules change for good: nothing but
             # the next record would have brought it.)
+            lost = self.history_lost
             try:
                 record, at = await self._load_at()
             except CoordinatorError as exc:
                 log.warning("reading etcd after the watch broke: %s; retrying", exc)
                 continue
+            if lost != self.history_lost:
+                # etcd went back (_load_at): watching from the revision seen
+                # before would wait for revisions the new history has not reached.
+                seen = 0
             if record is not None and record.revision > seen:
                 yield record
             seen = max(seen, at)

@@ -211,6 +211,8 @@ class Membership:
         self._revision = 0
         #: The newest revision seen (the watch resumes after it).
         self._seen_revision = 0
+        #: The coordinator's ``history_lost`` when the revisions above were taken.
+        self._history = 0
         self._coordination: list[asyncio.Task[Any]] = []
         #: The last membership changes, for operators (router/events.py).
         self.events = EventLog()
@@ -379,6 +381,22 @@ class Membership:
         await self.coordinator.connect()
         record = await self.coordinator.load()
         if record is None and seeds:
+            # etcd may have lost a ring its nodes still hold (its data gone, and
+            # no router left that carried the ring out): the nodes' newest view,
+            # not a first one below it, whose push they would refuse.
+            # Their rules too: those applied at runtime were etcd's and theirs.
+            found = await self.nodes.discover(seeds, self.health_timeout, with_urls=True)
+            if found is not None and len(found[0]):
+                await self._adopt_nodes_config(found[1])
+                fresh = ViewRecord(found[0], None, (), self.config, True)
+                if await self.coordinator.commit(fresh, expected=0) is not None:
+                    log.error(
+                        "etcd %s held no ring, the nodes epoch %d: recorded it there again",
+                        self.coordinator.where,
+                        found[0].epoch,
+                    )
+                record = await self.coordinator.load()  # ours, or a router's that was quicker
+        if record is None and seeds:
             await asyncio.gather(*(self._wait_ready(m) for m in seeds))
             view = RingView.of(seeds, epoch=1)
             first = ViewRecord(view, RingView.empty(), (), self.config, settled=False)
@@ -423,6 +441,7 @@ class Membership:
         newer view, else a change built from view N-1 could be committed over
         record N (a forked history, N never carried out).
         """
+        self._forget_lost_history()
         self._seen_revision = max(self._seen_revision, record.revision)
         self.log.saw(record.view.epoch)
         if record.view == self.view:
@@ -443,6 +462,48 @@ class Membership:
                 self.health.setdefault(member.id, Health())
             self._adopt(record.view, record.crashed)
             log.info("adopted epoch %d from etcd", record.view.epoch)
+
+    def _forget_lost_history(self) -> None:
+        """etcd went back (its data lost, or restored from an older snapshot:
+        router/coordinator.py ``history_lost``): the revisions taken from the
+        history before mean nothing in the new one. Kept, every change
+        conditioned on them was refused (409) for good."""
+        assert self.coordinator is not None
+        if self.coordinator.history_lost != self._history:
+            self._history = self.coordinator.history_lost
+            self._revision = self._seen_revision = 0
+
+    async def _record_again(self, record: ViewRecord | None, config: ClusterConfig) -> bool:
+        """Record this router's view (settled, with ``config``) over etcd's
+        ``record``: none (etcd lost its data, or a cluster that has no ring yet
+        is given rules), or a settled one older than the view this router
+        carried out (etcd restored from an older snapshot). Views in etcd only
+        go forward otherwise (every view is recorded before it is carried
+        out), so this overwrites nothing newer. True if written; raises
+        CoordinatorError, NotLeading."""
+        assert self.coordinator is not None
+        self._forget_lost_history()
+        fresh = ViewRecord(self.view, None, (), config, True)
+        committed = await self.coordinator.commit(
+            fresh, expected=0 if record is None else record.revision
+        )
+        if committed is None:
+            return False
+        self._revision = committed.revision
+        if len(self.view):
+            log.error(
+                "etcd %s held %s: recorded this router's ring (epoch %d) there again",
+                self.coordinator.where,
+                "no ring" if record is None else f"an older ring (epoch {record.view.epoch})",
+                self.view.epoch,
+            )
+        return True
+
+    def _behind(self, record: ViewRecord | None) -> bool:
+        """etcd holds no record of the ring this router carried out, or an older one."""
+        if record is None:
+            return len(self.view) > 0
+        return record.settled and record.view.epoch < self.view.epoch
 
     def follow(self, leader_url: str, headers: dict[str, str], interval: float) -> None:
         """Follow the router at ``leader_url``: poll its ring every ``interval``
@@ -600,6 +661,9 @@ class Membership:
         assert self.coordinator is not None
         async with self.lock:
             record = await self.coordinator.load()
+            if self._behind(record):
+                await self._record_again(record, self.config)
+                return
             if record is None:
                 return
             if record.settled:
@@ -650,8 +714,12 @@ class Membership:
             except CoordinatorError as exc:
                 self._finish_unsettled()
                 raise MembershipError(503, "coordinator_unavailable", str(exc)) from None
-            if latest is None:
-                break
+            if latest is None or (self._behind(latest) and previous == self.view):
+                # etcd lost the record this change is built on (or went back to an
+                # older one): the change is recorded over what it holds now.
+                self._forget_lost_history()
+                self._revision = 0 if latest is None else latest.revision
+                continue
             self._take(latest)
             if latest.view != previous:
                 if not latest.settled:
@@ -1351,9 +1419,17 @@ class Membership:
         assert self.coordinator is not None
         try:
             record = await self.coordinator.load()
+            # No record (a cluster with no ring yet, or an etcd that lost its
+            # data) or an older one: the rules go with this leader's view.
+            if record is None or self._behind(record):
+                if await self._record_again(record, config):
+                    return
+                raise MembershipError(
+                    409, "ring_changed", "another router changed the ring first; retry"
+                )
             # The view this leader holds is one it carried out: a record of it
             # left unsettled (a failed settle) is marked settled here too.
-            if record is None or record.view != self.view:
+            if record.view != self.view:
                 raise MembershipError(409, "ring_changing", "the ring is changing; retry")
             done = ViewRecord(
                 record.view, record.previous, record.crashed, config, True, record.revision

@@ -157,6 +157,21 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
 
 
 @pytest.fixture
+def own_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """An etcd of the test's own (started), for a test that stops it, restarts
+    it or takes its data away: the session's etcd serves the other tests."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    server = EtcdServer(binary, tmp_path)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
 def etcd_endpoint(etcd_server: EtcdServer) -> str:
     etcd_server.clear()
     return etcd_server.endpoint

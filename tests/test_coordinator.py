@@ -1264,3 +1264,110 @@ async def test_new_rules_wait_while_a_change_of_the_ring_is_under_way(
         stored = await leader.coordinator.load()  # type: ignore[union-attr]
         assert stored is not None and stored.view == newer.view and not stored.settled
         assert stored.config == record.config
+
+
+async def test_rules_given_before_any_node_joins_are_recorded(etcd_endpoint: str) -> None:
+    """A cluster on etcd with no ring yet takes rules (set the rules, then start
+    the nodes): ``PUT /admin/rules`` answered 409 ring_changing "retry" for good,
+    with no record to condition the write on. The rules are recorded with the
+    empty ring, and the first node to join decides by them."""
+    async with InProcessCluster(
+        0, make_config(), clock=FrozenClock(), router_options=options(etcd_endpoint, ROUTER_URL)
+    ) as cluster:
+        membership = cluster.router.membership
+        await wait_until(lambda: membership.leading)
+        rules = {"rules": [{"name": "api", "limit": 7, "period": 60}]}
+        answer = await cluster.client.put(f"{ROUTER_URL}/admin/rules", json=rules)
+        assert answer.status_code == 200, answer.text
+        stored = await membership.coordinator.load()  # type: ignore[union-attr]
+        assert stored is not None and stored.settled and not len(stored.view)
+        assert [(r.rule.name, r.rule.limit) for r in stored.config.rules] == [("api", 7)]
+        cluster._make_node("n1")
+        answer = await cluster.client.post(
+            f"{ROUTER_URL}/admin/nodes", json={"id": "n1", "url": node_url("n1")}
+        )
+        assert answer.status_code == 200, answer.text
+        held = (await cluster.client.get(f"{node_url('n1')}/internal/cluster")).json()
+        assert [(r["name"], r["limit"]) for r in held["config"]["rules"]] == [("api", 7)]
+
+
+async def test_a_cluster_whose_etcd_lost_its_data_records_its_ring_again(
+    own_etcd: EtcdServer,
+) -> None:
+    """etcd restarted on an empty data dir (its volume lost) under two routers
+    at epoch 2: the leader records its ring there again, and the cluster
+    changes as before. Before, every change and rules update was refused for
+    good (409: conditioned on revisions of the lost history), a follower's
+    watch waited for a revision the new history had not reached, and a
+    router started afterwards with a seed wrote a first view (epoch 1) below
+    the nodes' epoch 2."""
+    etcd = own_etcd
+    data = etcd.directory / "data"
+    async with two_routers(etcd.endpoint) as (cluster, second):
+        first = cluster.router.membership
+        other = second.membership
+        cluster._make_node("n4")
+        answer = await cluster.client.post(
+            f"{ROUTER_URL}/admin/nodes", json={"id": "n4", "url": node_url("n4")}
+        )
+        assert answer.status_code == 200, answer.text
+        await wait_until(lambda: first.view.epoch == other.view.epoch == 2)
+        ring = first.view
+
+        etcd.stop()
+        shutil.rmtree(data)
+        etcd.start()
+        reader = EtcdCoordinator(parse_endpoints(etcd.endpoint), cluster="test", ttl=2)
+
+        async def recorded() -> bool:
+            with contextlib.suppress(CoordinatorError):
+                record = await reader.load()
+                return record is not None and record.view == ring and record.settled
+            return False
+
+        try:
+            for _ in range(100):  # bounded: the routers reconnect and one leads again
+                if await recorded() and (first.leading or other.leading):
+                    break
+                await asyncio.sleep(0.1)
+            assert await recorded()
+            # A change through either router is made, and both take it.
+            for _ in range(50):
+                leader = ROUTER_URL if first.leading else SECOND
+                answer = await cluster.client.delete(f"{leader}/admin/nodes/n2")
+                if answer.status_code != 503:
+                    break
+                await asyncio.sleep(0.2)
+            assert answer.status_code == 200, answer.text
+            await wait_until(lambda: first.view.epoch == other.view.epoch == 3)
+            rules = {"rules": [{"name": "api", "limit": 9, "period": 60}]}
+            answer = await cluster.client.put(f"{leader}/admin/rules", json=rules)
+            assert answer.status_code == 200, answer.text
+            await wait_until(
+                lambda: (
+                    [r.rule.limit for r in other.config.rules]
+                    == [r.rule.limit for r in first.config.rules]
+                    == [9]
+                )
+            )
+            ring = first.view
+        finally:
+            await reader.close()
+
+        # Every router gone, etcd emptied again: a router started with one seed
+        # records the nodes' newest view (epoch 3) and their rules, not a first view.
+        await second.close()
+        await cluster.router.close()
+        etcd.stop()
+        shutil.rmtree(data)
+        etcd.start()
+        third = "http://router3.cluster"
+        restarted = cluster.new_router(
+            third, seeds=[Member("n1", node_url("n1"))], **options(etcd.endpoint, third)
+        )
+        await restarted.start()
+        try:
+            assert restarted.membership.view == ring
+            assert [r.rule.limit for r in restarted.membership.config.rules] == [9]
+        finally:
+            await restarted.close()
