@@ -153,8 +153,14 @@ def _coalescing_protocol(front_door: FrontDoor) -> type | None:
     return limited_protocol(HttpToolsProtocol, front_door, wrap=_CoalescedWrites)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server with our own signal handling (see the module docstring)."""
+class SignalServer(uvicorn.Server):
+    """uvicorn's server with our own signal handling: ``on_signal(server)`` on
+    SIGINT and SIGTERM, a stop without more on SIGHUP.
+
+    uvicorn's own handling raises the signal again once ``serve()`` returns:
+    SIGTERM's default action then ends the process before the code after
+    ``serve()`` runs (a node's leave, a router's ``close()``: its leader key
+    resigned, its gRPC calls given their grace)."""
 
     def __init__(self, config: uvicorn.Config, on_signal: Any) -> None:
         super().__init__(config)
@@ -215,7 +221,7 @@ def serve_node(
     routers = [r.rstrip("/") for r in ([join] if isinstance(join, str) else join)]
     state: dict[str, Any] = {"leaving": False}
 
-    def on_signal(server: _Server) -> None:
+    def on_signal(server: SignalServer) -> None:
         if state["leaving"]:
             server.force_exit = True
             return
@@ -225,7 +231,7 @@ def serve_node(
             return
         asyncio.get_running_loop().create_task(_leave_then_exit(server))
 
-    async def _leave_then_exit(server: _Server) -> None:
+    async def _leave_then_exit(server: SignalServer) -> None:
         """Leave through the router, retrying what a router failover or a concurrent
         change answers (bounded: LEAVE_ATTEMPTS within LEAVE_DEADLINE seconds), so a
         graceful leave does not become a crash because a leader was being elected."""
@@ -271,7 +277,7 @@ def serve_node(
             log.warning("graceful leave failed (%s); exiting anyway", problem)
         server.should_exit = True
 
-    async def register(server: _Server) -> None:
+    async def register(server: SignalServer) -> None:
         """Join through the router: bounded in attempts and time, and every way it
         can fail ends in one log line that says what to check."""
         while not server.started:  # noqa: ASYNC110 (uvicorn offers no event)
@@ -339,7 +345,7 @@ def serve_node(
 
     raise_fd_limit()
     config = uvicorn.Config(node, host=host, port=port, **uvicorn_options(front_door))
-    server = _Server(config, on_signal)
+    server = SignalServer(config, on_signal)
 
     async def main() -> None:
         task = asyncio.create_task(register(server)) if routers else None

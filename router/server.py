@@ -14,7 +14,7 @@ import socket
 import uvicorn
 
 from node.frontdoor import FrontDoor, limited_protocol, raise_fd_limit
-from node.server import _run, uvicorn_options
+from node.server import SignalServer, _run, uvicorn_options
 from router.app import Router
 from router.protocol import AnswerWrites, direct_proxy_protocol, lazy_keep_alive
 
@@ -36,7 +36,15 @@ def router_server(
                 wrap=AnswerWrites,
             )
         )
-    return uvicorn.Server(uvicorn.Config(router, host=host, port=port, **options))
+    return SignalServer(uvicorn.Config(router, host=host, port=port, **options), _stop)
+
+
+def _stop(server: uvicorn.Server) -> None:
+    """SIGTERM or SIGINT: stop serving, then close the router (leader key
+    resigned, gRPC calls in flight given their grace); a second one: at once."""
+    if server.should_exit:
+        server.force_exit = True
+    server.should_exit = True
 
 
 def serve_router(

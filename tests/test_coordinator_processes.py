@@ -14,6 +14,7 @@ Run: ``pytest -m etcd tests/test_coordinator_processes.py -v -s``
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 from typing import Any
@@ -154,6 +155,29 @@ def test_killing_the_leading_router_under_traffic_keeps_every_count(
     top_up(load, follower[1])
     exact(load, nodes)
     assert took_over <= TAKE_OVER, f"took over in {took_over:.2f}s (bound {TAKE_OVER:.2f}s)"
+
+
+def test_sigterm_to_the_leading_router_hands_the_lead_over_at_once(
+    procs: Procs, etcd_endpoint: str
+) -> None:
+    """SIGTERM (systemd's stop, Kubernetes' too) to the leading router: it closes
+    as on SIGINT, resigning its leader key, so the other router leads at once,
+    not a ttl later. uvicorn raised SIGTERM again after serving, and its
+    default action ended the process before ``Router.close()``: every leader
+    restart left membership without a leader for the ttl (10 s here)."""
+    ttl = 10.0
+    routers, _ = start(procs, etcd_endpoint, "--coordinator-ttl", str(int(ttl)))
+    leader = leader_of(routers)
+    assert leader is not None
+    follower = next(r for r in routers if r[1] != leader[1])
+    stopped_at = time.monotonic()
+    leader[0].popen.send_signal(signal.SIGTERM)
+    assert wait_for(lambda: leader_of([follower]) is not None, timeout=ttl + 5, interval=0.05)
+    took_over = time.monotonic() - stopped_at
+    assert leader[0].popen.wait(timeout=10.0) == 0, leader[0].output()
+    report("leader SIGTERM", took_over_s=round(took_over, 2), ttl_s=ttl)
+    assert took_over < ttl / 2, f"took over in {took_over:.2f}s (ttl {ttl:.0f}s)"
+    assert "Traceback" not in leader[0].output()
 
 
 def top_up(load: Load, router: str) -> None:
