@@ -10,6 +10,8 @@ without a token (node/security.py's one access check).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +39,12 @@ from router.ui import PAGE as UI_PAGE
 if TYPE_CHECKING:
     from router.app import Router
 
+log = logging.getLogger("ringlimit.router")
+
+#: A call passed to the leading router: how often the lead is looked at while it
+#: waits (etcd), and how many moves of the lead it follows before ``503 no_leader``.
+LEADER_LOOK = 0.25
+LEADER_MOVES = 3
 #: ``PUT /admin/rules``: at most this many bytes, and this many rules (each one
 #: is tried on every request's path and method until the rules cache knows it).
 MAX_RULES_BODY = 1 << 20
@@ -139,22 +147,41 @@ class AdminAPI:
 
     async def _to_leader(self, request: Request, body: bytes = b"") -> Response | None:
         """Membership changes are the leader's (with etcd, or when following a
-        leading router): pass them on. None: this router makes the change."""
+        leading router): pass them on. None: this router makes the change.
+
+        A call passed to a leader that stops answering (paused, cut off) waits
+        as long as a join may take (readiness, then pushes: 40 s by default),
+        while etcd hands the lead to another router within its ttl. So the
+        lead is looked at while the call waits: moved, the call is dropped and
+        made where the lead is now, here included. (The deposed leader cannot
+        carry out what it was sent: its etcd writes are fenced by its lost
+        leader key.)
+        """
         membership = self.router.membership
-        leader = await self._leader()
-        if leader is None or isinstance(leader, Response):
-            return leader
-        if not leader or leader == membership.advertise:
-            return JSONResponse(
-                error_body("no_leader", "no router leads the cluster right now; retry shortly"),
-                status_code=503,
-                headers={"retry-after": "1"},
-            )
+        leader: str | Response | None = None
+        for _ in range(1 + LEADER_MOVES):
+            leader = await self._leader()
+            if leader is None or isinstance(leader, Response):
+                return leader
+            if not leader or leader == membership.advertise:
+                break
+            answer = await self._pass_on(request, body, leader)
+            if answer is not None:
+                return answer
+        return JSONResponse(
+            error_body("no_leader", "no router leads the cluster right now; retry shortly"),
+            status_code=503,
+            headers={"retry-after": "1"},
+        )
+
+    async def _pass_on(self, request: Request, body: bytes, leader: str) -> Response | None:
+        """The leader's answer to the call; None if the lead moved meanwhile."""
+        membership = self.router.membership
         headers = {
             k: v for k, v in request.headers.items() if k in ("authorization", "content-type")
         }
-        try:
-            answer = await membership.client.request(
+        call = asyncio.ensure_future(
+            membership.client.request(
                 request.method,
                 leader.rstrip("/") + request.url.path,
                 content=body,
@@ -163,6 +190,23 @@ class AdminAPI:
                     membership.ready_timeout + membership.push_timeout, connect=1.0
                 ),
             )
+        )
+        try:
+            while not call.done():
+                await asyncio.wait({call}, timeout=LEADER_LOOK)
+                if not call.done() and membership.coordinator is not None:
+                    now = await self._leader()
+                    # None: this router leads now; "": nobody yet (the call may
+                    # still be answered); a Response: etcd did not say.
+                    if now is None or (isinstance(now, str) and now and now != leader):
+                        log.warning(
+                            "the lead moved from %s while it was passed %s %s: made again",
+                            leader,
+                            request.method,
+                            request.url.path,
+                        )
+                        return None
+            answer = call.result()
         except httpx.HTTPError as exc:
             return JSONResponse(
                 error_body(
@@ -171,6 +215,8 @@ class AdminAPI:
                 ),
                 status_code=502,
             )
+        finally:
+            call.cancel()
         if answer.status_code == 200 and self.router.settings.leader_url is not None:
             # Route by the new view at once, rather than on the next poll.
             await membership.follow_once(leader, self.headers())

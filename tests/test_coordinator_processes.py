@@ -180,6 +180,32 @@ def test_sigterm_to_the_leading_router_hands_the_lead_over_at_once(
     assert "Traceback" not in leader[0].output()
 
 
+def test_a_call_passed_to_a_paused_leader_is_made_where_the_lead_moved(
+    procs: Procs, etcd_endpoint: str
+) -> None:
+    """The leading router SIGSTOPped, then a node removed through the other one:
+    the call it passed on waited as long as a join may (40 s), then failed 502
+    leader_unreachable, though that router had led since a ttl after the
+    pause. The lead is looked at while the call waits: the call is made
+    where the lead went (here), within about the ttl."""
+    routers, _ = start(procs, etcd_endpoint)
+    leader = leader_of(routers)
+    assert leader is not None
+    follower = next(r for r in routers if r[1] != leader[1])
+    leader[0].popen.send_signal(signal.SIGSTOP)
+    try:
+        sent = time.monotonic()
+        response = httpx.delete(f"{follower[1]}/admin/nodes/n3", timeout=60.0)
+        took = time.monotonic() - sent
+        report("admin call through a paused leader", took_s=round(took, 2), ttl_s=TTL)
+        assert response.status_code == 200, response.text
+        assert "n3" not in ring_ids(follower[1])
+        assert took < TAKE_OVER + 3.0, f"answered in {took:.2f}s"
+        assert "the lead moved from" in follower[0].output()
+    finally:
+        leader[0].popen.send_signal(signal.SIGCONT)
+
+
 def top_up(load: Load, router: str) -> None:
     """Requests that failed (the dead router) are sent again, one by one, until
     every user has LIMIT + 2 answers: then each must have exactly LIMIT 200s."""
