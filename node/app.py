@@ -215,7 +215,10 @@ class Node:
             backend = self.backend
             self.metrics.add_counters(
                 "ringlimit_backend_fallback",
-                {"decisions": "Decisions made by the local fallback while the backend was down."},
+                {
+                    "decisions": "Decisions made by the local fallback while the backend was "
+                    "down, and of checks it answered with an error."
+                },
                 lambda: {"decisions": getattr(backend, "fallbacks", 0)},
             )
         self.fronted = app if app is not None else echo_app(settings.node_id)

@@ -10,6 +10,9 @@ from typing import NamedTuple
 COST_EXCEEDS_CAPACITY = "cost_exceeds_capacity"
 STORE_FULL = "store_full"
 BACKEND_UNAVAILABLE = "backend_unavailable"
+#: Redis answered this check with an error (a key of another type, say): its
+#: rules' on_error decided it, as for an outage, but for this check alone.
+BACKEND_ERROR = "backend_error"
 
 
 def to_micros(seconds: float) -> float:

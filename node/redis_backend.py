@@ -35,8 +35,11 @@ Failure. Timeouts are tight (``timeout``, default 100 ms, for connecting and
 for each reply), nothing is retried except one ``SCRIPT LOAD`` after
 ``NOSCRIPT`` (a restarted or flushed Redis), and an unreachable, timing-out,
 loading, read-only or out-of-memory Redis, or one that refuses writes (a failed
-snapshot: ``MISCONF``; too few replicas: ``NOREPLICAS``), raises
-:class:`BackendUnavailable`.
+snapshot: ``MISCONF``; too few replicas: ``NOREPLICAS``), or one that refuses
+the node's user (an ACL's ``NOPERM``, a wrong password), raises
+:class:`BackendUnavailable`. Any other error reply (``WRONGTYPE`` on a key
+something else wrote) is that check's alone: :meth:`RedisBackend.check` raises
+it, :meth:`RedisBackend.check_each` returns it in that check's place.
 At most ``max_connections`` calls are in Redis at once; the rest queue (for at
 most ``queue_timeout``), and queued calls fail at once when one in flight
 finds Redis unavailable, so a dead Redis is never tried by a pile of waiters.
@@ -45,6 +48,8 @@ finds Redis unavailable, so a dead Redis is never tried by a pile of waiters.
 :class:`~node.backend.MemoryBackend`: when the primary is unavailable, each
 rule's ``on_error`` decides (``open``: the local in-memory limiter,
 ``closed``: deny), and a background probe switches back once Redis answers.
+A check that got an error reply of its own is decided the same way, alone
+(``reason="backend_error"``), and Redis keeps deciding every other check.
 """
 
 from __future__ import annotations
@@ -61,7 +66,10 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
     ClusterDownError,
+    NoPermissionError,
     NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -82,6 +90,7 @@ from node.backend import Check, MemoryBackend
 from node.clock import Clock
 from node.config import REDIS_TIMEOUT
 from node.decision import (
+    BACKEND_ERROR,
     BACKEND_UNAVAILABLE,
     COST_EXCEEDS_CAPACITY,
     Decision,
@@ -121,7 +130,21 @@ _UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     TryAgainError,
     OSError,
     asyncio.TimeoutError,
+    NoPermissionError,  # an ACL refusing the node's user, for every check alike
+    AuthenticationWrongNumberOfArgsError,
 )
+#: Refusals of the node's user (AuthenticationError: a wrong password, NOAUTH). To
+#: the checks an outage (none can pass), but one a configuration change ends, not
+#: time: the log names the user and what to fix.
+_REFUSALS: tuple[type[BaseException], ...] = (
+    NoPermissionError,
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+)
+#: What the probe peeks at (cost 0, nothing written): a key no user's can be
+#: (``%`` only ever starts ``%25``, ``%7B``, ``%7D`` or the empty key's ``%``).
+_PROBE_KEY = "%probe"
+_PROBE_RULE = Rule("probe", 1, 1.0)
 _PING_ERRORS: tuple[type[BaseException], ...] = (RedisError, *_UNAVAILABLE_ERRORS)
 #: Replies of a Redis that cannot take a write now: a script running too long, a
 #: dataset loading, a replica (READONLY), a failed RDB snapshot with
@@ -260,6 +283,8 @@ class RedisBackend:
             **options,
         )
         self.redis: Redis = Redis.from_pool(pool)
+        #: The ACL user the node logs in as (what a refusal names).
+        self.user = urlsplit(url).username or "default"
         self._available = True
         #: The round trips checks share (None: one round trip per check).
         self.round_trips: RoundTrips[Call] | None = None
@@ -305,7 +330,20 @@ class RedisBackend:
         return unpack_reply(await self._run(call), rules)[1]
 
     async def check_many(self, checks: Sequence[Check]) -> list[Verdict]:
-        """Every check in one pipelined round trip (each still atomic on its own)."""
+        """Every check in one pipelined round trip (each still atomic on its own);
+        raises the first check's error reply, if any, after all were decided."""
+        verdicts: list[Verdict] = []
+        for outcome in await self.check_each(checks):
+            if isinstance(outcome, ResponseError):
+                raise outcome
+            verdicts.append(outcome)
+        return verdicts
+
+    async def check_each(self, checks: Sequence[Check]) -> list[Verdict | ResponseError]:
+        """:meth:`check_many`, with a check's error reply (``WRONGTYPE``) in its place:
+        the other checks of the round trip were decided (and consumed), so a caller
+        can answer each. An unavailable Redis still raises :class:`BackendUnavailable`.
+        """
         if not checks:
             return []
         now = None if self.clock is None else self.clock()
@@ -316,27 +354,24 @@ class RedisBackend:
         if self.round_trips is not None:
             # Queued together, so they share a round trip (with whatever else is queued).
             submit = self.round_trips.submit
-            outcomes = await asyncio.gather(*[submit(c) for c in calls], return_exceptions=True)
-            replies: list[Any] = []
-            for outcome in outcomes:
-                if isinstance(outcome, BaseException):
-                    raise outcome
-                replies.append(outcome)
-            return [
-                unpack_reply(reply, rules)[1]
-                for reply, (_key, rules, _cost) in zip(replies, checks, strict=True)
-            ]
-
-        async def call() -> list[Any]:
-            replies = await self._pipeline_reloading(calls)
+            replies: list[Any] = await asyncio.gather(
+                *[submit(c) for c in calls], return_exceptions=True
+            )
             for reply in replies:
-                if isinstance(reply, Exception):
+                if isinstance(reply, BaseException) and not isinstance(reply, ResponseError):
                     raise reply
-            return replies
+        else:
 
-        replies = await self._run(call)
+            async def call() -> list[Any]:
+                replies = await self._pipeline_reloading(calls)
+                for reply in replies:
+                    if isinstance(reply, Exception) and _is_unavailable(reply):
+                        raise reply
+                return replies
+
+            replies = await self._run(call)
         return [
-            unpack_reply(reply, rules)[1]
+            reply if isinstance(reply, ResponseError) else unpack_reply(reply, rules)[1]
             for reply, (_key, rules, _cost) in zip(replies, checks, strict=True)
         ]
 
@@ -353,7 +388,7 @@ class RedisBackend:
             if not _is_unavailable(exc):
                 raise
             self._available = False
-            logger.warning("redis at %s unavailable at start: %s", self.where, exc)
+            logger.warning("%s (at start)", self._describe(exc))
             return
         self._available = True
         await self._warm()
@@ -396,6 +431,18 @@ class RedisBackend:
         try:
             await self.redis.ping()
             await self.redis.set(f"{self.prefix}:probe", b"1", px=1000)
+            # And a check's own commands and keys, as a peek that writes nothing: an
+            # ACL without EVALSHA, or without the prefix's keys, lets PING and SET
+            # through (before: taken back every probe, down again at the next check).
+            rules = (_PROBE_RULE,)
+            probe = (
+                script_for(rules),
+                [state_key(self.prefix, _PROBE_KEY, _PROBE_RULE)],
+                pack_args(None if self.clock is None else self.clock(), 0, rules),
+            )
+            (reply,) = await self._pipeline_reloading([probe])
+            if isinstance(reply, Exception):
+                raise reply
         except _PING_ERRORS:
             self._available = False
             return False
@@ -499,9 +546,26 @@ class RedisBackend:
             self.round_trips.fail_queued(
                 lambda: BackendUnavailable(f"redis at {where}: failed while this call was queued")
             )
-        failure = BackendUnavailable(f"redis at {self.where}: {type(exc).__name__}: {exc}")
+        failure = BackendUnavailable(self._describe(exc))
         failure.__cause__ = exc
         return failure
+
+    def _describe(self, exc: BaseException) -> str:
+        """What a log line says of an availability failure. A refusal of the node's
+        user names it and what it needs: that is a configuration to fix, not an
+        outage to wait out (the URL is shown without its password, as ever)."""
+        if isinstance(exc, _REFUSALS):
+            fix = (
+                f"check the ACL of user {self.user!r} (ringlimit needs PING, SET, EVALSHA "
+                f"and SCRIPT LOAD, on keys '{self.prefix}:*')"
+                if isinstance(exc, NoPermissionError)
+                else f"check the password in --redis-url and the ACL of user {self.user!r}"
+            )
+            return (
+                f"redis at {self.where} refused user {self.user!r} "
+                f"({type(exc).__name__}: {exc}): {fix}"
+            )
+        return f"redis at {self.where}: {type(exc).__name__}: {exc}"
 
 
 class Primary(Protocol):
@@ -516,6 +580,10 @@ class Primary(Protocol):
 
     async def check_many(self, checks: Sequence[Check]) -> list[Verdict]: ...
 
+    async def check_each(self, checks: Sequence[Check]) -> list[Verdict | ResponseError]: ...
+
+    def key(self, user_key: str, rule: Rule) -> str: ...
+
     async def ping(self) -> bool: ...
 
     async def start(self) -> None: ...
@@ -523,11 +591,11 @@ class Primary(Protocol):
     async def close(self) -> None: ...
 
 
-def _degraded(decision: Decision) -> Decision:
+def _degraded(decision: Decision, reason: str) -> Decision:
     # "can never pass" stays the reason: it is true whichever limiter decides.
     if decision.reason == COST_EXCEEDS_CAPACITY:
         return decision
-    return decision._replace(reason=BACKEND_UNAVAILABLE)
+    return decision._replace(reason=reason)
 
 
 class FallbackBackend:
@@ -545,6 +613,11 @@ class FallbackBackend:
     ``probe_interval`` seconds while it is down and switches back when it
     answers. ``fallbacks`` counts checks decided locally, ``outages`` the
     switches to local.
+
+    A check the primary answers with an error reply of its own (``WRONGTYPE``:
+    something else wrote that key) is decided here the same way, with
+    ``reason="backend_error"``, while every other check stays the primary's (no
+    switch: Redis is fine); a warning names the key, at most one per 10 s.
     """
 
     def __init__(
@@ -578,16 +651,48 @@ class FallbackBackend:
                 return await self.primary.check(key, rules, cost)
             except BackendUnavailable as exc:
                 self._switch_down(exc)
+            except ResponseError as exc:
+                return self._check_failed((key, rules, cost), exc, self.local.clock())
         return self._decide_locally(key, rules, cost, self.local.clock())
 
     async def check_many(self, checks: Sequence[Check]) -> list[Verdict]:
         if self._up:
             try:
-                return await self.primary.check_many(checks)
+                outcomes = await self.primary.check_each(checks)
             except BackendUnavailable as exc:
                 self._switch_down(exc)
+            else:
+                now = self.local.clock()
+                return [
+                    self._check_failed(check, outcome, now)
+                    if isinstance(outcome, ResponseError)
+                    else outcome
+                    for check, outcome in zip(checks, outcomes, strict=True)
+                ]
         now = self.local.clock()
         return [self._decide_locally(key, rules, cost, now) for key, rules, cost in checks]
+
+    def _check_failed(self, check: Check, exc: ResponseError, now: float) -> Verdict:
+        """A check Redis answered with an error: decided by its rules' on_error.
+
+        Not an outage (Redis decides every other check), and not the client's
+        fault, so neither a switch to local nor a 500: the on_error its rules chose
+        for a Redis that cannot decide, for this check alone. The warning names the
+        keys to repair (repr: a decision-API key may hold a line break); a line per
+        request would flood the log.
+        """
+        key, rules, cost = check
+        self.failures.warn(
+            "backend_error",
+            "%s answered the check of %s with an error (%s: %s): decided by its rules' "
+            "on_error (reason backend_error) until that key is repaired (did something "
+            "other than ringlimit write it?)",
+            self.name,
+            ", ".join(repr(self.primary.key(key, rule)) for rule in rules),
+            type(exc).__name__,
+            exc,
+        )
+        return self._decide_locally(key, rules, cost, now, BACKEND_ERROR)
 
     def sweep_local(self, rules: Container[str], budget: int = 50_000) -> int:
         """Evict the local limiter's states that are fresh again, and the tables of
@@ -618,7 +723,14 @@ class FallbackBackend:
 
     # ------------------------------------------------------------------ local decisions
 
-    def _decide_locally(self, key: str, rules: Sequence[Rule], cost: int, now: float) -> Verdict:
+    def _decide_locally(
+        self,
+        key: str,
+        rules: Sequence[Rule],
+        cost: int,
+        now: float,
+        reason: str = BACKEND_UNAVAILABLE,
+    ) -> Verdict:
         if cost < 0:
             raise ValueError("cost must be >= 0")
         if not rules:
@@ -627,7 +739,7 @@ class FallbackBackend:
         store = self.local.store
         if all(rule.on_error == "open" for rule in rules):
             verdict = store.check(key, rules, now, cost)
-            decisions = [_degraded(d) for d in verdict.decisions]
+            decisions = [_degraded(d, reason) for d in verdict.decisions]
             return Verdict(verdict.allowed, most_restrictive(decisions), tuple(decisions))
         # A closed rule denies, so nothing consumes; the open rules say what they
         # would (allowing ones as peeks, as node.limiter.decide_all does).
@@ -639,11 +751,9 @@ class FallbackBackend:
                 decision = decide(state, now, rule, cost)[1]
                 if decision.allowed and cost:
                     decision = decide(state, now, rule, 0)[1]
-                decisions.append(_degraded(decision))
+                decisions.append(_degraded(decision, reason))
             else:
-                decisions.append(
-                    Decision(False, rule.limit, 0, 0.0, None, rule.name, BACKEND_UNAVAILABLE)
-                )
+                decisions.append(Decision(False, rule.limit, 0, 0.0, None, rule.name, reason))
         return Verdict(False, most_restrictive(decisions), tuple(decisions))
 
     # ------------------------------------------------------------------ switching

@@ -30,14 +30,14 @@ import heapq
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from node.decision import BACKEND_UNAVAILABLE, STORE_FULL, Verdict
+from node.decision import BACKEND_ERROR, BACKEND_UNAVAILABLE, STORE_FULL, Verdict
 
 #: An allowed decision is *near the limit* when at most this fraction of the
 #: limit remains after it (``remaining <= 10 % of limit``).
 NEAR_LIMIT_FRACTION = 0.1
 KINDS = ("denied", "near_limit")
 #: Denials (and fail-open allowances) that say nothing about the user.
-NOT_THE_USERS = frozenset({BACKEND_UNAVAILABLE, STORE_FULL})
+NOT_THE_USERS = frozenset({BACKEND_UNAVAILABLE, BACKEND_ERROR, STORE_FULL})
 DEFAULT_CAPACITY = 256
 DEFAULT_WINDOW = 60.0
 

@@ -21,7 +21,7 @@ from redis.exceptions import ClusterCrossSlotError
 from node.algorithms import decide
 from node.backend import MemoryBackend
 from node.clock import Clock, FrozenClock, system_clock
-from node.decision import BACKEND_UNAVAILABLE, COST_EXCEEDS_CAPACITY, Verdict
+from node.decision import BACKEND_ERROR, BACKEND_UNAVAILABLE, COST_EXCEEDS_CAPACITY, Verdict
 from node.lua import CHECK, SCRIPTS
 from node.redis_backend import (
     ALGORITHM_CODES,
@@ -790,3 +790,125 @@ def test_a_probe_that_raises_is_counted_and_logged_without_flooding(
         run(scenario)
     logged = [r for r in caplog.records if "backend_probe failed" in r.getMessage()]
     assert len(logged) == 1, [r.getMessage() for r in logged]
+
+
+@contextlib.contextmanager
+def acl_user(server: RedisServer, *rules: str) -> Iterator[str]:
+    """A Redis ACL user ``limited`` (password ``s3cret-pw``) with ``rules``; its URL."""
+    with server.client() as client:
+        client.execute_command("ACL", "SETUSER", "limited", "reset", "on", ">s3cret-pw", *rules)
+    try:
+        yield f"redis://limited:s3cret-pw@127.0.0.1:{server.port}/0"
+    finally:
+        with server.client() as client:
+            client.execute_command("ACL", "DELUSER", "limited")
+
+
+@pytest.mark.parametrize(
+    ("acl", "fix"),
+    [
+        (("~other:*", "+@all"), "check the ACL of user 'limited'"),
+        (("~*", "+@all", "-evalsha"), "check the ACL of user 'limited'"),
+        (("~*", "+@all", "<s3cret-pw", ">other-pw"), "check the password in --redis-url"),
+    ],
+    ids=["keys-out-of-scope", "no-evalsha", "wrong-password"],
+)
+def test_a_user_redis_refuses_is_an_outage_named_once(
+    redis_server: RedisServer,
+    redis_url: str,
+    caplog: pytest.LogCaptureFixture,
+    pipeline: bool,
+    acl: tuple[str, ...],
+    fix: str,
+) -> None:
+    """An ACL that refuses the node's user (its keys out of scope, EVALSHA not
+    allowed, another password) is the whole backend unusable: each rule's on_error
+    decides, as for an outage, and the log says once what to fix, without the
+    password. Before: every check raised NoPermissionError (a 500 with a traceback
+    per request, open and closed rules alike). The probe must not take it back
+    either: PING and SET may pass where a check cannot (it logged two lines a
+    probe)."""
+    caplog.set_level(logging.INFO, logger="ringlimit")
+    opened = Rule("open", 3, 60.0)
+    closed = Rule("closed", 3, 60.0, on_error="closed")
+
+    async def scenario(url: str) -> None:
+        backend = FallbackBackend(
+            RedisBackend(url, pipeline=pipeline),
+            MemoryBackend(MemoryStore(), system_clock),
+            probe_interval=0.05,
+        )
+        await backend.start()
+        try:
+            got = [await backend.check("u", [opened], 1) for _ in range(4)]
+            assert [v.allowed for v in got] == [True, True, True, False]
+            assert {v.decision.reason for v in got} == {BACKEND_UNAVAILABLE}
+            denied = await backend.check("u", [closed], 1)
+            assert not denied.allowed and denied.decision.reason == BACKEND_UNAVAILABLE
+            assert denied.decision.retry_after is None
+            many = await backend.check_many([("v", [opened], 1), ("v", [closed], 1)])
+            assert [v.allowed for v in many] == [True, False]
+            await asyncio.sleep(0.4)  # several probes: none may switch back
+            assert not backend.available and backend.outages == 1
+        finally:
+            await backend.close()
+
+    with acl_user(redis_server, *acl) as url:
+        run(lambda: scenario(url))
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("ringlimit")]
+    named = [m for m in lines if "refused user 'limited'" in m]
+    assert len(named) == 1 and fix in named[0], lines
+    assert not any("available again" in m for m in lines), lines
+    assert not any("s3cret-pw" in m for m in lines)
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_a_key_of_another_type_fails_that_check_only_by_its_on_error(
+    redis_url: str, caplog: pytest.LogCaptureFixture, pipeline: bool
+) -> None:
+    """A ringlimit key that something else overwrote (WRONGTYPE) makes that user's
+    checks answer per their rules' on_error (open: the local limiter; closed:
+    denied, reason backend_error), one warning line per 10 s, while every other
+    check, in the same batch too, is decided by Redis. Before: the check raised
+    ResponseError (a 500 with a traceback per request), and a batch failed whole."""
+    caplog.set_level(logging.INFO, logger="ringlimit")
+    opened = Rule("open", 3, 60.0)
+    closed = Rule("closed", 3, 60.0, on_error="closed")
+
+    async def scenario() -> None:
+        primary = RedisBackend(redis_url, pipeline=pipeline)
+        backend = FallbackBackend(
+            primary, MemoryBackend(MemoryStore(), system_clock), probe_interval=0.05
+        )
+        await backend.start()
+        try:
+            with sync_client(redis_url) as client:
+                for rule in (opened, closed):
+                    client.lpush(primary.key("mallory", rule), "x")
+            got = [await backend.check("mallory", [opened], 1) for _ in range(4)]
+            assert [v.allowed for v in got] == [True, True, True, False]
+            assert {v.decision.reason for v in got} == {BACKEND_ERROR}
+            denied = await backend.check("mallory", [closed], 1)
+            assert not denied.allowed and denied.decision.reason == BACKEND_ERROR
+            assert denied.decision.retry_after is None
+            fine = await backend.check("alice", [closed], 1)
+            assert fine.allowed and fine.decision.reason is None
+            many = await backend.check_many(
+                [("alice", [closed], 1), ("mallory", [closed], 1), ("bob", [opened], 1)]
+            )
+            assert [v.allowed for v in many] == [True, False, True]
+            assert [v.decision.reason for v in many] == [None, BACKEND_ERROR, None]
+            assert many[0].decision.remaining == 1, "alice's checks are Redis's"
+            assert backend.available and primary.available, "one bad key is no outage"
+            with sync_client(redis_url) as client:
+                assert client.exists(primary.key("bob", opened))
+        finally:
+            await backend.close()
+
+    run(scenario)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("ringlimit")]
+    wrong = [m for m in lines if "WRONGTYPE" in m]
+    assert len(wrong) == 1, lines
+    assert "rl:{mallory}:open:tb" in wrong[0], wrong
+    assert not any("unavailable" in m for m in lines), lines
+    assert not any(r.exc_info for r in caplog.records)

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.processes import ROOT, Procs, free_port, wait_for
+from tests.processes import ROOT, Proc, Procs, free_port, wait_for
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.integration]
@@ -280,3 +280,127 @@ def test_redis_killed_mid_traffic_and_restarted(
         assert client.get("/admin/ring").json()["epoch"] == epoch
         metrics = client.get("/metrics").text
         assert "ringlimit_router_forwarded_total" in metrics
+
+
+def _one_node_cluster(procs: Procs, tmp_path: Path, redis_url: str) -> tuple[Proc, str, str]:
+    """A node deciding in Redis at ``redis_url`` (CONFIG's rules) and a router in
+    front of it: (the node's process, its URL, the router's URL)."""
+    config = tmp_path / "cluster.toml"
+    config.write_text(CONFIG)
+    node, node_url = procs.node(
+        "n1", None, "--config", str(config), "--backend", "redis", "--redis-url", redis_url
+    )
+    _, router = procs.router(
+        None, "--config", str(config), "--health-interval", "0.2", "--node", f"n1={node_url}"
+    )
+    return node, node_url, router
+
+
+@pytest.mark.parametrize(
+    "acl",
+    [("~other:*", "+@all"), ("~*", "+@all", "-evalsha")],
+    ids=["keys-out-of-scope", "no-evalsha"],
+)
+def test_a_user_redis_refuses_answers_per_on_error_and_says_so_once(
+    redis: RedisServer, procs: Procs, tmp_path: Path, acl: tuple[str, ...]
+) -> None:
+    """A node whose Redis user the ACL refuses (its keys out of scope, or no
+    EVALSHA) answers as for a Redis outage: closed rules 503 backend_unavailable
+    (JSON), open rules by the local limiter, the decision API per check; its log
+    names the problem in one line, without the password or a traceback. Before:
+    500 text/plain and a uvicorn traceback per request, 502 node_error through the
+    router's decision API."""
+    with redis.client() as client:
+        client.execute_command("ACL", "SETUSER", "nokeys", "on", ">kpass", *acl)
+    node, _, router = _one_node_cluster(
+        procs, tmp_path, f"redis://nokeys:kpass@127.0.0.1:{redis.port}/0"
+    )
+    with httpx.Client(base_url=router, timeout=5.0) as client:
+        for _ in range(3):
+            shut = client.get("/closed/x", headers={"X-User-Id": "alice"})
+            assert shut.status_code == 503, shut.text
+            assert shut.headers["content-type"].endswith("json")
+            assert shut.json()["reason"] == "backend_unavailable"
+        codes = [
+            client.get("/open/x", headers={"X-User-Id": "alice"}).status_code for _ in range(7)
+        ]
+        assert codes == [200] * 5 + [429] * 2, "the local limiter decides open rules"
+        single = client.post("/v1/check", json={"key": "bob", "rule": "closed"})
+        assert single.status_code == 200, single.text
+        assert single.json()["allowed"] is False
+        assert single.json()["reason"] == "backend_unavailable"
+        batch = client.post(
+            "/v1/check",
+            json={"checks": [{"key": "bob", "rule": "open"}, {"key": "carol", "rule": "closed"}]},
+        )
+        assert batch.status_code == 200, batch.text
+        results = batch.json()["results"]
+        assert [r["allowed"] for r in results] == [True, False]
+        assert {r["reason"] for r in results} == {"backend_unavailable"}
+        time.sleep(1.5)  # three probes: none may take the refusing Redis back
+        assert client.get("/closed/x", headers={"X-User-Id": "dave"}).status_code == 503
+    log = node.output()
+    assert "Traceback" not in log, log
+    assert "kpass" not in log, log
+    named = [line for line in log.splitlines() if "check the ACL of user 'nokeys'" in line]
+    assert len(named) == 1, log
+    assert "available again" not in log, log
+
+
+def test_a_key_of_another_type_fails_that_users_checks_only(
+    redis: RedisServer, procs: Procs, tmp_path: Path
+) -> None:
+    """A ringlimit key someone overwrote with another type (WRONGTYPE) makes that
+    user's checks answer per the rules' on_error, reason backend_error (closed:
+    503 JSON; open: the local limiter), on the proxy path and the decision API, a
+    batch answering per check; other users are decided by Redis, and the node's log
+    has one warning line (per 10 s), no traceback. Before: 500 text/plain with a
+    traceback per request, 502 node_error through the decision API, and a batch
+    holding the key failed whole."""
+    node, node_url, router = _one_node_cluster(procs, tmp_path, redis.url)
+    with redis.client() as r:
+        r.lpush("rl:{mallory}:closed:tb", "x")
+        r.lpush("rl:{mallory}:open:tb", "x")
+    started = time.monotonic()
+    with httpx.Client(base_url=router, timeout=5.0) as client:
+        for _ in range(3):
+            shut = client.get("/closed/x", headers={"X-User-Id": "mallory"})
+            assert shut.status_code == 503, shut.text
+            assert shut.headers["content-type"].endswith("json")
+            assert shut.json()["reason"] == "backend_error"
+        codes = [
+            client.get("/open/x", headers={"X-User-Id": "mallory"}).status_code for _ in range(7)
+        ]
+        assert codes == [200] * 5 + [429] * 2, "the local limiter decides open rules"
+        fine = [
+            client.get("/closed/x", headers={"X-User-Id": "alice"}).status_code for _ in range(6)
+        ]
+        assert fine == [200] * 5 + [429]
+        single = client.post("/v1/check", json={"key": "mallory", "rule": "closed"})
+        assert single.status_code == 200, single.text
+        assert single.json()["allowed"] is False
+        assert single.json()["reason"] == "backend_error"
+        batch = client.post(
+            "/v1/check",
+            json={
+                "checks": [
+                    {"key": "bob", "rule": "closed"},
+                    {"key": "mallory", "rule": "closed"},
+                    {"key": "bob", "rule": "closed"},
+                ]
+            },
+        )
+        assert batch.status_code == 200, batch.text
+        results = batch.json()["results"]
+        assert [r["allowed"] for r in results] == [True, False, True]
+        assert [r.get("reason") for r in results] == [None, "backend_error", None]
+        assert [r["remaining"] for r in (results[0], results[2])] == [4, 3]
+        assert httpx.get(f"{node_url}/healthz").json()["backend_available"] is True
+        assert client.get("/healthz").json()["balance"] == "round-robin"
+    elapsed = time.monotonic() - started
+    with redis.client() as r:
+        assert r.exists("rl:{alice}:closed:tb") and r.exists("rl:{bob}:closed:tb")
+    log = node.output()
+    assert "Traceback" not in log, log
+    wrong = [line for line in log.splitlines() if "WRONGTYPE" in line]
+    assert 1 <= len(wrong) <= 1 + elapsed // 10, log
