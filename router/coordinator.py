@@ -53,10 +53,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from node.config import ClusterConfig
+from node.failures import Failures
 from ring import RingView
 from router.etcd_access import EtcdAccess
 
 log = logging.getLogger("ringlimit.router")
+#: A broken watch is tried again after WATCH_RETRY seconds, doubled per failed
+#: try up to MAX_WATCH_RETRY while etcd stays away.
+WATCH_RETRY = 0.5
+MAX_WATCH_RETRY = 2.0
 
 _CLUSTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -218,6 +223,8 @@ class EtcdCoordinator:
         #: go back otherwise). Membership forgets the revisions it conditions
         #: its commits on when this moves (router/membership.py).
         self.history_lost = 0
+        #: Retries while etcd is away: one line per kind every 10 s, not one per try.
+        self._quiet = Failures(log)
         #: While this router leads: the creation revision of its leader key,
         #: which every :meth:`commit` requires to be unchanged (see there).
         self._leading: int | None = None
@@ -443,6 +450,7 @@ class EtcdCoordinator:
         # empty read, not from "now": a first view another router committed in
         # between would otherwise be missed until the next change.
         seen = since if since > 0 else self.read_revision
+        delay = WATCH_RETRY
         while True:
             watcher = client = None
             try:
@@ -456,9 +464,9 @@ class EtcdCoordinator:
                         except CoordinatorError as exc:
                             log.warning("%s", exc)
             except CoordinatorError as exc:
-                log.warning("watching etcd: %s; retrying", exc)
+                self._quiet.warn("watch", "watching etcd: %s; retrying", exc)
             except Exception as exc:
-                log.warning("watching etcd: %s; retrying", type(exc).__name__)
+                self._quiet.warn("watch", "watching etcd: %s; retrying", type(exc).__name__)
                 if client is not None:
                     await self._drop(client)
             finally:
@@ -467,7 +475,8 @@ class EtcdCoordinator:
                 if watcher is not None:
                     with contextlib.suppress(Exception, asyncio.CancelledError):
                         await asyncio.wait_for(watcher.cancel(), timeout=self.timeout)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, MAX_WATCH_RETRY)
             # Whatever broke the watch (etcd restarted, the revision compacted away),
             # the record as it is now is read before watching again, from that
             # read's revision: a change made meanwhile is taken now. (Watching
@@ -477,8 +486,9 @@ class EtcdCoordinator:
             try:
                 record, at = await self._load_at()
             except CoordinatorError as exc:
-                log.warning("reading etcd after the watch broke: %s; retrying", exc)
+                self._quiet.warn("watch", "reading etcd after the watch broke: %s; retrying", exc)
                 continue
+            delay = WATCH_RETRY  # etcd answers again
             if lost != self.history_lost:
                 # etcd went back (_load_at): watching from the revision seen
                 # before would wait for revisions the new history has not reached.
@@ -570,7 +580,7 @@ class EtcdCoordinator:
                     log.warning("stepping down as leader: %s", exc)
                     await on_lose()
                 else:
-                    log.warning("leader election: %s", exc)
+                    self._quiet.warn("election", "leader election: %s", exc)
                 await asyncio.sleep(0.5)
 
     def _granted(self, ttl: int) -> None:
@@ -692,7 +702,9 @@ class EtcdCoordinator:
             except (CoordinatorError, TimeoutError):
                 pass
             except Exception as exc:
-                log.warning("watching the leader key: %s; retrying", type(exc).__name__)
+                self._quiet.warn(
+                    "election", "watching the leader key: %s; retrying", type(exc).__name__
+                )
                 await asyncio.sleep(min(1.0, self.ttl / 3))
             finally:
                 if watcher is not None:

@@ -1371,3 +1371,22 @@ async def test_a_cluster_whose_etcd_lost_its_data_records_its_ring_again(
             assert [r.rule.limit for r in restarted.membership.config.rules] == [9]
         finally:
             await restarted.close()
+
+
+async def test_an_etcd_outage_is_logged_without_flooding(
+    own_etcd: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd away for 4 s under two routers: each retry of a watch or a campaign
+    logged a line (6 a second per router, about 21,600 an hour); now one line
+    per kind every 10 s, and the broken watch is tried again less often."""
+    caplog.set_level(logging.WARNING, logger="ringlimit.router")
+    async with two_routers(own_etcd.endpoint) as (cluster, second):
+        own_etcd.stop()
+        caplog.clear()
+        await asyncio.sleep(4.0)
+        lines = [r.getMessage() for r in caplog.records]
+        own_etcd.start()
+        first, other = cluster.router.membership, second.membership
+        await wait_until(lambda: first.leading != other.leading, 20.0)
+    retries = [m for m in lines if "retrying" in m or "leader election" in m]
+    assert len(retries) <= 8, "\n".join(lines)
