@@ -177,6 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (``ringlimit rules | head``): as other commands
+        # take it, quietly. stdout goes to devnull so that the interpreter's
+        # final flush of what is left does not fail again on exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -516,15 +523,14 @@ def envoy_header_sets(args: argparse.Namespace) -> tuple[str, ...]:
     """The header sets asked for (flag, else environment); ValueError names unknown ones."""
     from router.envoy import HEADER_SETS
 
-    spec = args.envoy_headers
+    spec, where = args.envoy_headers, "--envoy-headers"
     if spec is None:
-        spec = os.environ.get(ENVOY_HEADERS_ENV, "")
+        spec, where = os.environ.get(ENVOY_HEADERS_ENV, ""), f"${ENVOY_HEADERS_ENV}"
     headers = tuple(h.strip() for h in spec.split(",") if h.strip())
     unknown = [h for h in headers if h not in HEADER_SETS]
     if unknown:
         raise ValueError(
-            f"--envoy-headers: unknown set(s) {', '.join(unknown)} "
-            f"(expected {', '.join(HEADER_SETS)})"
+            f"{where}: unknown set(s) {', '.join(unknown)} (expected {', '.join(HEADER_SETS)})"
         )
     return headers
 
@@ -886,6 +892,11 @@ def _run_router(args: argparse.Namespace) -> int:
         if args.grpc_port:  # 0: any free port, always one
             from router.supervisor import GRPC_ROLE
 
+            if args.grpc_port == args.port:
+                raise CommandError(
+                    f"--grpc-port {args.grpc_port} is the router's --port: "
+                    "gRPC needs a port of its own"
+                )
             _check_port(args.host, args.grpc_port, GRPC_ROLE, choose="--grpc-port")
         _serve_router(settings, args)
         return 0

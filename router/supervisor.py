@@ -350,7 +350,17 @@ GRPC_ROLE = "Envoy's rate limit service"
 def check_ports(
     host: str, ports: Iterable[tuple[int, str]], choose: str = "--port, --node-port"
 ) -> None:
-    """Each port must be free, else one line names it and whose it was to be."""
+    """Each port must be free, and asked for once, else one line names it and
+    whose it was to be."""
+    ports = list(ports)
+    wanted: dict[int, str] = {}
+    for port, role in ports:
+        if port in wanted:
+            raise StartError(
+                f"port {port} is asked for both {wanted[port]} and {role}; "
+                f"choose another port ({choose})"
+            )
+        wanted[port] = role
     for port, role in ports:
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -397,9 +407,11 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
     first_node_port = args.node_port or args.port + 1
     ports = [(args.port, "the router")]
     ports += [(first_node_port + i, f"node n{i + 1}") for i in range(args.nodes)]
-    check_ports(host, ports)
     if args.grpc_port:
-        check_ports(host, [(args.grpc_port, GRPC_ROLE)], choose="--grpc-port")
+        ports.append((args.grpc_port, GRPC_ROLE))
+    check_ports(
+        host, ports, "--port, --node-port, --grpc-port" if args.grpc_port else "--port, --node-port"
+    )
     if config.backend == "redis":
         check_redis(args.redis_url)
     policy = RestartPolicy(mode=args.restart, max_restarts=args.max_restarts)

@@ -220,3 +220,66 @@ def test_rules_shows_and_applies_a_files_rules_to_a_running_cluster(
     again = run([sys.executable, "-m", "router", "rules", str(saved), "--router", router])
     assert again.returncode == 0, again.stderr
     assert [r["limit"] for r in json.loads(again.stdout)["rules"]] == [3]
+
+
+def test_ports_asked_for_twice_are_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A router's --grpc-port equal to its --port, and ``up``'s ports that
+    overlap, are refused before anything starts: they gave uvicorn's raw
+    ``[Errno 98]`` (exit 3), and ``up --port P --node-port P`` blamed the
+    router's port as taken, then had the nodes join n1's app."""
+    from router.cli import main
+
+    envoy = tmp_path / "edge.yaml"
+    envoy.write_text(
+        "domain: edge\ndescriptors:\n  - key: user\n"
+        "    rate_limit: {unit: minute, requests_per_unit: 5}\n"
+    )
+    port = free_block(3)
+    same = ["router", "--port", str(port), "--grpc-port", str(port), "--envoy-config", str(envoy)]
+    assert main(same) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gRPC needs a port of its own" in err, err
+    assert main(["up", "--port", str(port), "--node-port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"port {port} is asked for both the router and node n1" in err, err
+    grpc = ["up", "--port", str(port), "--grpc-port", str(port + 1), "--envoy-config", str(envoy)]
+    assert main(grpc) == 1
+    err = capsys.readouterr().err
+    assert "asked for both node n1 and Envoy's rate limit service" in err, err
+    # A bad $RINGLIMIT_ENVOY_HEADERS is named as such, not as the flag.
+    monkeypatch.setenv("RINGLIMIT_ENVOY_HEADERS", "bogus")
+    argv = ["router", "--port", str(port), "--grpc-port", str(port + 1)]
+    assert main([*argv, "--envoy-config", str(envoy)]) == 2
+    err = capsys.readouterr().err
+    assert "$RINGLIMIT_ENVOY_HEADERS: unknown set(s) bogus" in err, err
+
+
+def test_output_cut_short_by_its_reader_is_no_traceback(procs: Procs, tmp_path: Path) -> None:
+    """``ringlimit rules --router URL | head -3``: the reader leaves early, and
+    the command printed a BrokenPipeError traceback."""
+    config = tmp_path / "rules.toml"
+    config.write_text(
+        "\n".join(
+            f'[[rules]]\nname = "rule-{i}"\nlimit = 5\nperiod = 60\npaths = ["/p/{i}/*"]\n'
+            for i in range(900)
+        )
+    )
+    port = free_block(1)
+    router = procs.start("router", ["router", "--port", str(port), "--config", str(config)])
+    from tests.processes import wait_healthy
+
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, router, require_ok=False)
+    command = [sys.executable, "-m", "router", "rules", "--router", url]
+    with subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as reader:
+        assert reader.stdout is not None and reader.stderr is not None
+        reader.stdout.readline()  # then leaves, as `head -1` does
+        reader.stdout.close()
+        err = reader.stderr.read().decode()
+        code = reader.wait(timeout=30.0)
+    assert "Traceback" not in err and code == 1, (code, err)
