@@ -265,6 +265,8 @@ class RedisBackend:
         self._slots = asyncio.Semaphore(max_connections)
         #: Bumped by every call that finds Redis unavailable.
         self._failures = 0
+        #: The last availability failure, described (what a queued call says).
+        self._last_failure = f"redis at {self.where}: unavailable"
         options: dict[str, Any] = {}
         if MaintNotificationsConfig is not None:
             # Off: with them on ("auto", redis-py 8's default with RESP3) the pool
@@ -486,7 +488,9 @@ class RedisBackend:
             ) from None
         if failures != self._failures:
             self._slots.release()
-            raise BackendUnavailable(f"redis at {self.where}: failed while this call was queued")
+            raise BackendUnavailable(
+                f"{self._last_failure} (while this call was queued, a call in flight failed)"
+            )
 
     async def _send_round(self, calls: list[Call]) -> list[Any]:
         """One coalesced round trip: a reply, or the exception that fails it, per call."""
@@ -541,12 +545,15 @@ class RedisBackend:
         """Record an availability failure: queued checks fail at once, not try too."""
         self._available = False
         self._failures += 1
+        # What a call that waited meanwhile says too: the cause, not only "failed".
+        self._last_failure = described = self._describe(exc)
         if self.round_trips is not None:
-            where = self.where
             self.round_trips.fail_queued(
-                lambda: BackendUnavailable(f"redis at {where}: failed while this call was queued")
+                lambda: BackendUnavailable(
+                    f"{described} (while this call was queued, a call in flight failed)"
+                )
             )
-        failure = BackendUnavailable(self._describe(exc))
+        failure = BackendUnavailable(described)
         failure.__cause__ = exc
         return failure
 

@@ -257,7 +257,9 @@ class Cluster:
         epoch = event.get("epoch")
         if event.get("kind") == "left":
             moved = (
-                "with their counters (handoff)"
+                "with their counters (in Redis)"
+                if self.config.backend == "redis"
+                else "with their counters (handoff)"
                 if self.config.policies.rebalance == "handoff"
                 else "with fresh counters (rebalance policy reset)"
             )
@@ -268,6 +270,10 @@ class Cluster:
         return f"the router removed it as crashed at epoch {epoch}: {self._crash_effect()}"
 
     def _crash_effect(self) -> str:
+        if self.config.backend == "redis":
+            # The counts are Redis's; a node held none (crash policies are the
+            # in-memory nodes').
+            return "its users' counters are in Redis, kept"
         policies = {s.rule.crash_policy or self.config.policies.crash for s in self.config.rules}
         policies = policies or {self.config.policies.crash}
         if len(policies) == 1:
@@ -379,6 +385,12 @@ def check_redis(url: str) -> None:
 
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+    except ValueError as exc:
+        raise StartError(
+            f"--redis-url {_redact(url)} is not a valid Redis URL ({exc}); expected "
+            "redis://[USER:PASSWORD@]HOST[:PORT][/DB], rediss://... or unix://PATH"
+        ) from None
+    try:
         try:
             client.ping()
         finally:

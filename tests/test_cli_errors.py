@@ -240,6 +240,20 @@ def test_up_with_redis_backend_and_no_redis() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [("http://127.0.0.1:6379", "schemes"), ("redis://127.0.0.1:99999/0", "Port out of range")],
+)
+def test_up_with_a_redis_url_that_is_not_one(url: str, problem: str) -> None:
+    """Said as such, not as "cannot reach Redis" (an exploratory tester)."""
+    port = str(free_block(4))
+    one_line_failure(
+        ringlimit("up", "--backend", "redis", "--redis-url", url, "--port", port),
+        f"--redis-url {url} is not a valid Redis URL",
+        problem,
+    )
+
+
 def test_a_router_whose_seed_node_never_answers() -> None:
     seed = f"http://127.0.0.1:{free_port()}"
     result = ringlimit("router", "--port", str(free_port()), "--node", f"n1={seed}")

@@ -350,3 +350,30 @@ def test_up_says_at_once_that_its_only_node_is_kept(tmp_path: Path, up_factory: 
     assert time.monotonic() - killed < 10.0
     assert "it is the ring's only node: the router keeps it" in report, report
     assert report.endswith("not restarted (--restart never)"), report
+
+
+@pytest.mark.parametrize(
+    ("backend", "crashed", "left"),
+    [
+        ("memory", "crash policy replica, its users go on from their replicas", "(handoff)"),
+        ("redis", "its users' counters are in Redis, kept", "(in Redis)"),
+    ],
+)
+def test_what_up_says_a_node_exit_did_follows_the_backend(
+    backend: str, crashed: str, left: str
+) -> None:
+    """``up --backend redis`` said a crashed node's users "go on from their
+    replicas": a Redis node holds no counts (an exploratory tester)."""
+    from dataclasses import replace
+
+    from node.config import ClusterConfig
+    from router.restart import RestartPolicy
+    from router.supervisor import Cluster
+
+    config = replace(ClusterConfig(), backend=backend)
+    cluster = Cluster("http://127.0.0.1:1", config, RestartPolicy())
+    try:
+        assert cluster._action({"kind": "crashed", "epoch": 4}).endswith(crashed)
+        assert left in cluster._action({"kind": "left", "epoch": 5})
+    finally:
+        cluster._client.close()
