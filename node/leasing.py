@@ -31,7 +31,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from node.quota import Held, LeasePolicy, Outstanding, QuotaLease, grant, refund
+from node.quota import Held, LeasePolicy, Outstanding, OwnerAnswer, QuotaLease, grant, refund
 from node.rules import Rule
 from node.store import MemoryStore
 from ring.view import MAX_EPOCH
@@ -149,8 +149,13 @@ class LeaseDesk:
 
 
 def lease_to_dict(lease: QuotaLease) -> dict[str, Any]:
-    """The wire form of a lease (times on the owner's clock; ``refill_at`` null: never)."""
-    return {
+    """The wire form of a lease (times on the owner's clock; ``refill_at`` null: never).
+
+    ``answer`` (optional: a node before it sends none, and a router before it
+    ignores it) is the owner's :class:`~node.quota.OwnerAnswer`, its times
+    seconds after ``granted_at``.
+    """
+    data: dict[str, Any] = {
         "id": lease.lease_id,
         "rule": lease.rule,
         "units": lease.units,
@@ -161,6 +166,35 @@ def lease_to_dict(lease: QuotaLease) -> dict[str, Any]:
         "window": lease.window,
         "refill_cost": lease.refill_cost,
     }
+    answer = lease.answer
+    if answer is not None:
+        data["answer"] = {
+            "remaining": answer.remaining,
+            "reset_after": answer.reset_after,
+            "available_after": answer.available_after,
+            "refill": answer.refill,
+        }
+    return data
+
+
+def _answer_from_dict(data: Any) -> OwnerAnswer | None:
+    """A lease's ``answer`` (None: absent, from a node that does not send it)."""
+    if data is None:
+        return None
+    if type(data) is not dict:
+        raise ValueError("lease answer must be an object")
+    remaining = data.get("remaining")
+    if type(remaining) is not int or remaining < 0:
+        raise ValueError("lease answer remaining must be an integer >= 0")
+    times = []
+    for name in ("reset_after", "available_after", "refill"):
+        value = data.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"lease answer {name} must be a number")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"lease answer {name} must be finite and >= 0")
+        times.append(float(value))
+    return OwnerAnswer(remaining, *times)
 
 
 def lease_from_dict(data: Any, key: Hashable = None) -> QuotaLease:
@@ -200,4 +234,5 @@ def lease_from_dict(data: Any, key: Hashable = None) -> QuotaLease:
         None if window is None else number("window"),
         integer("refill_cost", 1),
         key,
+        _answer_from_dict(data.get("answer")),
     )

@@ -123,6 +123,28 @@ class Held:
 
 
 @dataclass(frozen=True, slots=True)
+class OwnerAnswer:
+    """What the owner would answer for the key right after a grant (a peek: cost 0),
+    so that a router answering from the lease tells what a node would.
+
+    Durations from ``granted_at`` on the owner's clock, not times: the router's
+    clock is another one, and only a duration measured on one clock means
+    anything on another (the router counts these from when the grant reached
+    it). ``remaining``: whole units the owner has beyond every lease it has
+    granted; ``reset_after``, ``available_after``: as in
+    :class:`node.decision.Decision`; ``refill``: units per second the owner
+    regains after ``available_after`` while nothing else is decided (buckets:
+    their rate; the sliding window counter: its previous window sliding out;
+    fixed window: 0, its units come back when its leases have ended).
+    """
+
+    remaining: int
+    reset_after: float
+    available_after: float
+    refill: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class QuotaLease:
     """What a router may decide alone, all times on the owner's clock.
 
@@ -142,6 +164,8 @@ class QuotaLease:
     #: the cost ``refill_at`` is about: a smaller request may pass before it
     refill_cost: int = 1
     key: Hashable = field(default=None, compare=False)
+    #: the owner's own answer right after the grant (None: from a node that does not say)
+    answer: OwnerAnswer | None = field(default=None, compare=False)
 
 
 # --------------------------------------------------------------------------- validity
@@ -243,11 +267,31 @@ def grant(
         if refill_at <= now:
             return (held if len(live) == len(held.outstanding) else Held(state, live)), None
         end = min(now + ttl, refill_at)
+        answer = _answer(rule, state, now)
         return Held(state, live), QuotaLease(
-            lease_id, rule.name, 0, now, end, refill_at, epoch, None, cost, key
+            lease_id, rule.name, 0, now, end, refill_at, epoch, None, cost, key, answer
         )
-    lease = QuotaLease(lease_id, rule.name, units, now, end, refill_at, epoch, window, cost, key)
+    answer = _answer(rule, new, now)
+    lease = QuotaLease(
+        lease_id, rule.name, units, now, end, refill_at, epoch, window, cost, key, answer
+    )
     return Held(new, (*live, Outstanding(lease_id, units, end))), lease
+
+
+def _answer(rule: Rule, state: State, now: float) -> OwnerAnswer:
+    """The owner's peek at ``state`` (its units beyond every lease) right after a grant."""
+    read = REGISTRY[rule.algorithm].decide(state, now, rule, 0)[1]
+    if rule.algorithm in BUCKETS:
+        refill = rule.rate
+    elif rule.algorithm == "sliding_window" and state is not None:
+        # The previous window's count slides out linearly (until the window ends).
+        start, prev, curr = state
+        if now >= start + rule.period:  # a window (or more) has passed since the state
+            prev = curr if now < start + 2 * rule.period else 0
+        refill = prev / rule.period
+    else:
+        refill = 0.0
+    return OwnerAnswer(read.remaining, read.reset_after, read.available_after, refill)
 
 
 def refund(held: Held, rule: Rule, lease: QuotaLease, unused: int, now: float) -> tuple[Held, int]:

@@ -629,7 +629,7 @@ class Router:
         now = leases.clock()
         outcome = leases.decide(rule, user, view.epoch, now)
         owner = self.pick(view, user)
-        leases.note(rule, user, owner, view.epoch, now)
+        leases.note(rule, user, owner, view.epoch, now, outcome == FORWARD)
         if outcome == FORWARD:
             return False
         verdict = leases.verdict(rule, user, outcome == ADMIT, now)

@@ -166,7 +166,7 @@ class DecisionAPI:
         now = leases.clock()
         outcome = leases.decide(rule, check.key, view.epoch, now)
         owner = router.pick(view, check.key)
-        leases.note(rule, check.key, owner, view.epoch, now)
+        leases.note(rule, check.key, owner, view.epoch, now, outcome == FORWARD)
         if outcome == FORWARD:
             return None
         router.metrics.outcome("-", "lease_admitted" if outcome == ADMIT else "lease_denied")

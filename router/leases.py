@@ -28,13 +28,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Callable, Container, Sequence
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from node.clock import boot_clock
-from node.decision import Decision, Verdict
+from node.decision import COST_EXCEEDS_CAPACITY, Decision, Verdict
 from node.leasing import lease_from_dict
-from node.quota import HotKeys, LeasePolicy
+from node.quota import BUCKETS, HotKeys, LeasePolicy, OwnerAnswer
 from node.rules import Rule
 from ring import Member
 from router.forward import Forwarder
@@ -62,6 +65,58 @@ def leased_rule(rules: Sequence[Rule]) -> Rule | None:
         return None
     rule = rules[0]
     return rule if rule.lease == "auto" and not rule.shadow else None
+
+
+#: A Decision from a tuple without the NamedTuple's Python-level __new__ (as node/algorithms.py).
+_decision = partial(tuple.__new__, Decision)
+
+
+def owner_decision(
+    rule: Rule, allowed: bool, answer: OwnerAnswer, elapsed: float, retry_after: float, left: int
+) -> Decision:
+    """What the owner would answer ``elapsed`` seconds after its last grant (which said
+    ``answer``; ``retry_after`` after it, it admits again), with ``left`` units in this
+    router's leases: they count as the key's, as they would had they never left the owner.
+
+    Exact for one router and no other traffic of the key: ``remaining`` is the
+    owner's units beyond its leases, plus what it regained since the grant
+    (``answer.refill`` per second after ``available_after``: buckets, and the
+    sliding window counter within its window), plus ``left``; the times are the
+    owner's minus ``elapsed``, and a bucket is whole ``left`` units sooner
+    (the reference still holds them). What the owner or other routers admitted
+    since the grant is not seen (but for this router's requests sent to the
+    owner while it asked, taken off ``answer.remaining`` before: see
+    :meth:`RouterLeases.note`), and units other routers hold count as spent.
+    """
+    remaining = answer.remaining
+    available = answer.available_after - elapsed
+    reset = answer.reset_after - elapsed
+    refill = answer.refill
+    if available <= 0.0:
+        if refill > 0.0:
+            more = 1 + math.floor(-available * refill)
+            remaining += more
+            available += more / refill
+        else:
+            available = 0.0
+    if left:
+        remaining += left
+        if refill > 0.0 and rule.algorithm in BUCKETS:
+            reset -= left / refill
+    if remaining >= rule.capacity:
+        remaining, available, reset = rule.capacity, 0.0, 0.0
+    elif reset < 0.0:
+        reset = 0.0
+    if allowed:
+        return _decision((True, rule.limit, remaining, reset, None, rule.name, None, available))
+    wait = retry_after - elapsed
+    if wait < 0.0:
+        wait = 0.0
+    elif wait == math.inf:  # the owner never admits the cost (the engine's only "never")
+        return _decision(
+            (False, rule.limit, remaining, reset, None, rule.name, COST_EXCEEDS_CAPACITY, available)
+        )
+    return _decision((False, rule.limit, remaining, reset, wait, rule.name, None, available))
 
 
 class RouterLeases:
@@ -92,7 +147,10 @@ class RouterLeases:
         self.book = LeaseBook()
         self.policy = LeasePolicy("auto", threshold=threshold)
         self._hot: dict[str, HotKeys] = {}
-        self._asking: set[tuple[str, str]] = set()
+        #: keys asked for, each with the requests this router sent to the owner meanwhile
+        #: (from the one that prompted the ask): the owner may decide them after its
+        #: grant, which then did not count them
+        self._asking: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_expiry = 0.0
         self.counts = {"admitted": 0, "denied": 0, "asks": 0, "granted": 0, "units": 0}
@@ -105,16 +163,22 @@ class RouterLeases:
         if now >= self._next_expiry:
             self._next_expiry = now + EXPIRE_EVERY
             book.expire(now)
-        outcome = book.decide((rule.name, key), now, 1)
+        entry = (rule.name, key)
+        outcome = book.decide(entry, now, 1)
         if outcome == ADMIT:
             self.counts["admitted"] += 1
         elif outcome == DENY:
             self.counts["denied"] += 1
+        elif entry in self._asking:
+            self._asking[entry] += 1  # sent to the owner while it may be granting
         return outcome
 
-    def note(self, rule: Rule, key: str, owner: Member, epoch: int, now: float) -> None:
-        """After a decision: ask ``owner`` for a lease when the key is hot here, or for
-        the next block at the low-water mark (in the background)."""
+    def note(
+        self, rule: Rule, key: str, owner: Member, epoch: int, now: float, forwarded: bool
+    ) -> None:
+        """After a decision (``forwarded``: this request goes to ``owner``): ask
+        ``owner`` for a lease when the key is hot here, or for the next block at the
+        low-water mark (in the background)."""
         entry = (rule.name, key)
         hot = self._hot.get(rule.name)
         if hot is None:
@@ -136,7 +200,7 @@ class RouterLeases:
             want = block
         if entry in self._asking or len(self._asking) >= MAX_ASKS:
             return
-        self._asking.add(entry)
+        self._asking[entry] = int(forwarded)
         task = asyncio.get_running_loop().create_task(self._ask(rule, key, owner, epoch, want, now))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -170,17 +234,28 @@ class RouterLeases:
             if type(data) is not dict or data.get("lease") is None:
                 return
             lease = lease_from_dict(data["lease"], entry)
-            if not self.book.add(entry, lease, asked_at) and lease.units:
+            said = lease.answer
+            if said is not None and self._asking.get(entry):
+                # Never more than the owner may have: as if it decided them all after.
+                unseen = min(said.remaining, self._asking[entry])
+                lease = replace(lease, answer=replace(said, remaining=said.remaining - unseen))
+            if not self.book.add(entry, lease, asked_at, self.clock()) and lease.units:
                 self.counts["granted"] += 1
                 self.counts["units"] += lease.units
         except Exception as exc:  # a failed ask only means no lease
             log.debug("quota ask for %s failed: %s", entry, exc)
         finally:
-            self._asking.discard(entry)
+            self._asking.pop(entry, None)
 
     def verdict(self, rule: Rule, key: str, allowed: bool, now: float) -> Verdict:
-        """What a node would answer, as far as the lease tells: for the headers."""
+        """What a node would answer, as far as the lease tells: for the headers and
+        the decision API (docs/hotkeys.md, "What a lease's answers say")."""
         entry = (rule.name, key)
+        found = self.book.owner_answer(entry, now)
+        if found is not None:
+            decision = owner_decision(rule, allowed, *found)
+            return Verdict(allowed, decision, (decision,))
+        # A grant from a node that does not send its answer: the lease's own figures.
         if allowed:
             left = self.book.left(entry, now)
             decision = Decision(True, rule.limit, left, rule.period, None, rule.name)

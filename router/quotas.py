@@ -20,16 +20,21 @@ Owner times become router times conservatively: a lease asked for at
 ``asked_at`` (router clock) was granted after it, so its duration, shrunk
 by the clocks' possible rate difference ``drift``, is counted from
 ``asked_at``: the router stops using a lease no later than the owner's
-``expires_at``. No clock is read here; every method takes ``now``.
+``expires_at``. What the owner said with its last grant for the router's own
+answers (:meth:`LeaseBook.owner_answer`) counts from when the grant came in
+instead: those are the times a client reads, later than the owner's by the
+answer's transit (and off by the clocks' rate difference, which is not applied).
+No clock is read here; every method takes ``now``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from node.lease import DEFAULT_DRIFT
-from node.quota import QuotaLease
+from node.quota import OwnerAnswer, QuotaLease
 
 ADMIT = "admit"
 DENY = "deny"
@@ -55,6 +60,12 @@ class _Entry:
     block: int = 0
     #: leases spent to the last unit: settled with the next ask
     spent: list[HeldLease] = field(default_factory=list)
+    #: the owner's answer with the last grant (None: a node that does not send one)
+    answer: OwnerAnswer | None = None
+    #: when that grant reached the router (router clock): its durations count from here
+    answered_at: float = 0.0
+    #: seconds from that grant until the owner admits ``deny_cost`` (inf: never)
+    retry_after: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -88,9 +99,12 @@ class LeaseBook:
     def _local(self, lease: QuotaLease, at: float, asked_at: float) -> float:
         return asked_at + (at - lease.granted_at) / (1.0 + self.drift)
 
-    def add(self, key: Hashable, lease: QuotaLease, asked_at: float) -> list[Released]:
-        """Take ``lease`` (asked for at ``asked_at``); a lease of another epoch is refused
-        and returned as released, so that its units are accounted for."""
+    def add(
+        self, key: Hashable, lease: QuotaLease, asked_at: float, received_at: float | None = None
+    ) -> list[Released]:
+        """Take ``lease`` (asked for at ``asked_at``, its answer in at ``received_at``:
+        by default ``asked_at``); a lease of another epoch is refused and returned as
+        released, so that its units are accounted for."""
         if lease.epoch != self.epoch:
             return [Released(key, lease, lease.units)]
         entry = self._keys.get(key)
@@ -105,6 +119,11 @@ class LeaseBook:
         refill = self._local(lease, min(lease.refill_at, lease.expires_at), asked_at)
         entry.deny_until = refill if refill > asked_at else float("-inf")
         entry.deny_cost = max(1, lease.refill_cost)
+        # What to tell clients: the owner's own times, counted from when the grant came
+        # in (after it was made: a client is not told to retry before the owner said).
+        entry.answer = lease.answer
+        entry.answered_at = asked_at if received_at is None else received_at
+        entry.retry_after = lease.refill_at - lease.granted_at
         return []
 
     def decide(self, key: Hashable, now: float, cost: int = 1) -> str:
@@ -129,6 +148,22 @@ class LeaseBook:
         if entry is None:
             return 0
         return sum(h.left for h in entry.leases if h.deadline > now)
+
+    def owner_answer(
+        self, key: Hashable, now: float
+    ) -> tuple[OwnerAnswer, float, float, int] | None:
+        """The owner's answer with ``key``'s last grant, the seconds since it came in,
+        the seconds from then until the owner admits again (inf: never) and the units
+        the book holds at ``now``; None: no grant said (a node that does not send it)."""
+        entry = self._keys.get(key)
+        if entry is None or entry.answer is None:
+            return None
+        left = 0
+        for held in entry.leases:
+            if held.deadline > now:
+                left += held.left
+        elapsed = now - entry.answered_at
+        return entry.answer, elapsed if elapsed > 0.0 else 0.0, entry.retry_after, left
 
     def denied_for(self, key: Hashable, now: float) -> float:
         """Seconds until the owner said it may admit ``key`` again (0: not denying)."""

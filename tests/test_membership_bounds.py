@@ -93,7 +93,7 @@ async def test_hot_key_rates_of_rules_no_longer_in_force_are_dropped() -> None:
             assert answer.status_code == 200, answer.text
             rule = router.config.rule_map[f"api-v{version}"]
             for i in range(50):
-                router.leases.note(rule, f"user-{i}", owner, 1, float(version))
+                router.leases.note(rule, f"user-{i}", owner, 1, float(version), True)
             assert set(router.leases._hot) == {f"api-v{version}"}
 
 

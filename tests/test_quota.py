@@ -45,6 +45,7 @@ from node.quota import (
     refund,
 )
 from node.rules import Rule
+from router.leases import RouterLeases, owner_decision
 from router.quotas import ADMIT, DENY, FORWARD, LeaseBook, Released
 
 T0 = 1_000_000.0
@@ -595,3 +596,150 @@ def test_a_lease_answer_with_an_epoch_no_wire_carries_is_refused(epoch: Any) -> 
     assert lease_from_dict(wire).epoch == 0
     with pytest.raises(ValueError, match="lease epoch"):
         lease_from_dict({**wire, "epoch": epoch})
+
+
+# --------------------------------------------------------------------------- what leases answer
+
+
+def _lease_answers(rule: Rule, steps: list[float], hot: int = 0) -> list[tuple[str, Any, Any]]:
+    """One router (its clock 7.25 at the owner's T0: another clock) and the owner
+    serve requests at T0 + sum(steps[:i]); from request ``hot`` on, the router asks
+    for a block of 10 when its book wants one. Each answer beside the reference's
+    (the engine on the admitted requests at their times): ``(who decided, its
+    decision, the reference's)``."""
+    engine = REGISTRY[rule.algorithm].decide
+    book = LeaseBook(drift=0.0)
+    held, ref = Held(), None
+    out = []
+    t = T0
+    ids = itertools.count(1)
+    for i, step in enumerate(steps):
+        t += step
+        r = t - T0 + 7.25
+        outcome = book.decide(KEY, r)
+        if outcome == FORWARD:
+            held, answer = decide(held, rule, t, 1)
+            who = "owner"
+        else:
+            found = book.owner_answer(KEY, r)
+            assert found is not None
+            answer = owner_decision(rule, outcome == ADMIT, *found)
+            who = outcome
+        ref_state, expected = engine(ref, t, rule, 1)
+        if answer.allowed:
+            ref = ref_state
+        out.append((who, answer, expected))
+        want = book.want(KEY, r, 10) if KEY in book else 10
+        if want and i >= hot:
+            held, lease = grant(held, rule, t, want, epoch=0, lease_id=next(ids), ttl=5.0)
+            if lease is not None:
+                book.add(KEY, lease, r, r)
+    return out
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and abs(a - b) < 1e-6)
+
+
+def _same(answer: Any, expected: Any) -> bool:
+    return (
+        answer.allowed == expected.allowed
+        and answer.remaining == expected.remaining
+        and _close(answer.reset_after, expected.reset_after)
+        and _close(answer.retry_after, expected.retry_after)
+        and _close(answer.available_after, expected.available_after)
+    )
+
+
+@pytest.mark.parametrize(
+    ("rule", "steps", "hot"),
+    [
+        # 200/day: the window ends 20 h later; 5 s between the owner's answers and a lease's.
+        (Rule("r", 200, 86400.0, "fixed_window"), [15004.0] + [0.0137] * 259, 0),
+        (Rule("r", 77, 60.0, "token_bucket", burst=40), [0.0] + [0.0173] * 259, 0),
+        (Rule("r", 77, 60.0, "gcra", burst=40), [0.0] + [0.0173] * 259, 0),
+        # the counter's previous window (40 units) slides out while its leases are used
+        (Rule("r", 100, 60.0, "sliding_window"), [1.3] * 40 + [10.0] + [0.0191] * 259, 41),
+    ],
+    ids=["fixed_window", "token_bucket", "gcra", "sliding_window"],
+)
+def test_a_leases_answers_are_the_owners(rule: Rule, steps: list[float], hot: int) -> None:
+    """Before, a router's lease answered its own figures: remaining the units its
+    leases held (49, 19, 29 of a 200/day key), reset_after the rule's period,
+    available_after 0 and a denial's retry_after the denial lease's end (5 s
+    when the window ends in 20 h). Each lease carries the owner's answer after
+    the grant; one router's answers are then the reference's (who decided them
+    aside), the clocks counted from the grant's arrival on the router's clock."""
+    answers = _lease_answers(rule, steps, hot)
+    assert {who for who, _, _ in answers} >= {"owner", ADMIT, DENY}
+    wrong = [(i, who, a, e) for i, (who, a, e) in enumerate(answers) if not _same(a, e)]
+    assert not wrong, wrong[:3]
+
+
+def test_a_grant_from_a_node_that_does_not_send_its_answer_is_answered_as_before() -> None:
+    """A lease's ``answer`` is optional on the wire: an older node's grant works,
+    answered from the lease's own figures (and an older router ignores it)."""
+    rule = Rule("r", 200, 86400.0, "fixed_window")
+    held, lease = grant(Held(), rule, T0, 50, epoch=0, lease_id=1, ttl=5.0)
+    assert lease is not None and lease.answer is not None
+    wire = lease_to_dict(lease)
+    assert wire["answer"] == {
+        "remaining": 150,
+        "reset_after": 86400.0 - T0 % 86400.0,
+        "available_after": 86400.0 - T0 % 86400.0,
+        "refill": 0.0,
+    }
+    assert lease_from_dict(wire, KEY) == lease and lease_from_dict(wire).answer == lease.answer
+    with pytest.raises(ValueError, match="lease answer"):
+        lease_from_dict({**wire, "answer": {**wire["answer"], "reset_after": -1.0}})
+    old = {k: v for k, v in wire.items() if k != "answer"}
+    assert lease_from_dict(old).answer is None
+    leases = RouterLeases(lambda: None, [], clock=lambda: 0.0)
+    leases.book.add((rule.name, KEY), lease_from_dict(old), 0.0, 0.0)
+    assert leases.decide(rule, KEY, 0, 1.0) == ADMIT
+    verdict = leases.verdict(rule, KEY, True, 1.0)
+    assert (verdict.decision.remaining, verdict.decision.reset_after) == (49, rule.period)
+    _, second = grant(held, rule, T0, 50, epoch=0, lease_id=2, ttl=5.0)
+    assert second is not None
+    leases.book.add((rule.name, KEY), lease_from_dict(lease_to_dict(second)), 0.0, 0.0)
+    assert leases.decide(rule, KEY, 0, 1.0) == ADMIT
+    verdict = leases.verdict(rule, KEY, True, 1.0)
+    assert verdict.decision.remaining == 200 - 2  # the owner's 100, and 48 + 50 leased
+    assert verdict.decision.reset_after == pytest.approx(86400.0 - T0 % 86400.0 - 1.0)
+
+
+@pytest.mark.parametrize(
+    ("rule", "before"),
+    [
+        (Rule("r", 60, 60.0, "token_bucket", burst=40), [(T0, 30)]),
+        (Rule("r", 60, 60.0, "gcra", burst=40), [(T0, 30)]),
+        # 48 units in the previous window slide out at 0.8 a second
+        (Rule("r", 100, 60.0, "sliding_window"), [(T0 - 60.0, 48), (T0, 42)]),
+    ],
+    ids=["token_bucket", "gcra", "sliding_window"],
+)
+def test_a_leases_answers_count_what_the_owner_regains(
+    rule: Rule, before: list[tuple[float, int]]
+) -> None:
+    """Units the owner regains after the grant (a bucket's refill, the counter's
+    previous window sliding out) are in the router's ``remaining`` and
+    ``available_after``, as in the reference's, while the lease lasts."""
+    engine = REGISTRY[rule.algorithm].decide
+    held, ref = Held(), None
+    for at, cost in before:
+        held, _ = decide(held, rule, at, cost)
+        ref, _ = engine(ref, at, rule, cost)
+    held, lease = grant(held, rule, T0, 10, epoch=0, lease_id=1, ttl=5.0)
+    assert lease is not None and lease.units == 10 and lease.answer is not None
+    book = LeaseBook(drift=0.0)
+    book.add(KEY, lease, 3.5, 3.5)  # the router's clock: 3.5 at the owner's T0
+    regained = 0
+    for offset in (0.2, 0.9, 1.05, 1.3, 2.6, 2.61, 3.9, 4.4):
+        assert book.decide(KEY, 3.5 + offset) == ADMIT
+        found = book.owner_answer(KEY, 3.5 + offset)
+        assert found is not None
+        regained += found[1] >= lease.answer.available_after
+        answer = owner_decision(rule, True, *found)
+        ref, expected = engine(ref, T0 + offset, rule, 1)
+        assert _same(answer, expected), (offset, answer, expected)
+    assert regained >= 4
