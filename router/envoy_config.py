@@ -235,6 +235,8 @@ class _Reader:
         self.on_error = on_error
         self.domain_name = ""
         self.names: set[str] = set()
+        #: Each rule name given so far (derived or explicit): where, and its line.
+        self.rule_names: dict[str, tuple[str, int]] = {}
         self.replaced: list[tuple[str, yaml.Node]] = []
 
     def fail(self, node: yaml.Node | None, where: str, problem: str) -> ConfigError:
@@ -416,6 +418,19 @@ class _Reader:
                 f"must be an integer >= 0, got {fields['requests_per_unit'][1].value!r}",
             )
         rule_name = _rule_name(name or ".".join((self.domain_name, *path)))
+        # Two descriptors under one name would be one rule: the first one's limit
+        # enforced for both (``a`` > ``b`` and ``a.b`` both derive ``edge.a.b``; an
+        # explicit name may equal another descriptor's derived one).
+        named = fields["name"][1] if name is not None else node
+        if rule_name in self.rule_names:
+            other, line = self.rule_names[rule_name]
+            raise self.fail(
+                named,
+                where,
+                f"rule name {rule_name!r} is also the name of {other} (line {line}); "
+                "give one of them its own rate_limit.name",
+            )
+        self.rule_names[rule_name] = (where.removesuffix(".rate_limit"), named.start_mark.line + 1)
         if count == 0:
             # envoyproxy/ratelimit's "block everything": over the limit on every hit.
             return Limit(
