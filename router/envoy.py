@@ -26,7 +26,9 @@ Several descriptors in one request (see docs/envoy.md, "Several descriptors"):
 * shadow descriptors are consumed on every call, whether or not an enforced
   descriptor denies it, as envoyproxy/ratelimit increments every descriptor's
   counter (src/redis/fixed_cache_impl.go, DoLimit); they never deny;
-* ``requests_per_unit: 0`` (blocked) is over the limit without a node call.
+* ``requests_per_unit: 0`` (blocked) is over the limit without a node call;
+* a descriptor's own ``hits_addend: 0`` is a read, never consumed, and OK at
+  the limit too (as envoyproxy/ratelimit answers it; :func:`_as_read`).
 
 Failures: an unreachable owner applies the rule's ``on_error`` (open: OK,
 closed: OVER_LIMIT), as for HTTP. When no decision can be made at all (no
@@ -235,7 +237,8 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         return data
 
     async def _consume(self, item: _Item) -> None:
-        item.result = await self._ask(item, item.cost)
+        result = await self._ask(item, item.cost)
+        item.result = _as_read(result) if item.cost == 0 else result
 
     async def _decide_enforced(self, items: list[_Item], blocked: bool) -> None:
         """All or nothing over the enforced items, never over-admitting (module docstring)."""
@@ -253,11 +256,14 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             return
         # A key whose owner did not answer the read has its rule's on_error answer
         # already: it is not asked again (a paused owner would cost a second
-        # --forward-timeout, and may have decided the first time).
+        # --forward-timeout, and may have decided the first time). A key of cost 0
+        # (a descriptor's hits_addend 0) is decided by its read: nothing to consume.
         asked: list[int] = []
         for i, peek in enumerate(peeks):
             if peek.get("reason") in UNANSWERED:
                 items[i].result = peek
+            elif items[i].cost == 0:
+                items[i].result = _as_read(peek)
             else:
                 asked.append(i)
         if not asked:
@@ -433,8 +439,26 @@ def _has_room(peek: dict[str, Any], cost: int) -> bool:
     return int(peek.get("remaining", 0)) >= cost
 
 
+def _as_read(peek: dict[str, Any]) -> dict[str, Any]:
+    """A read's answer as the answer to a descriptor of cost 0 (hits_addend 0).
+
+    A node's read says whether one more unit would pass; a cost of 0 asks whether
+    the count is above the limit, as envoyproxy/ratelimit answers it (OVER_LIMIT only
+    when its counter is past the limit, src/limiter/base_limiter.go). A ringlimit
+    counter never is, so a read is allowed, at the limit too; only an owner that did
+    not answer keeps its rule's on_error answer. Nor is a read one a shadow limit
+    would have denied (nodes count no shadow denial for it either)."""
+    if peek.get("reason") in UNANSWERED:
+        return peek
+    read = {**peek, "allowed": True}
+    read.pop("shadow_denied", None)
+    return read
+
+
 def _as_denied(peek: dict[str, Any], cost: int) -> dict[str, Any]:
     """A read's answer, as the answer to the request that did not get to consume."""
+    if cost == 0:
+        return _as_read(peek)
     if _has_room(peek, cost):
         return peek  # this one had room; another descriptor denied the request
     return {**peek, "allowed": False}

@@ -237,6 +237,54 @@ async def test_a_race_on_a_second_key_is_counted_as_partial_consumption() -> Non
         assert "ringlimit_router_envoy_partial_consumptions_total 1.0" in metrics
 
 
+def costed(domain: str, *descriptors: tuple[Sequence[tuple[str, str]], int | None]) -> Any:
+    """A request whose descriptors carry their own hits_addend (None: the request's)."""
+    call = request(domain, *(entries for entries, _ in descriptors))
+    for descriptor, (_, hits) in zip(call.descriptors, descriptors, strict=True):
+        if hits is not None:
+            descriptor.hits_addend.value = hits
+    return call
+
+
+async def test_a_descriptor_hits_addend_of_zero_reads_and_consumes_nothing() -> None:
+    """A descriptor's own hits_addend 0 checks without counting (envoyproxy/ratelimit:
+    OK unless the counter is already above the limit, src/limiter/base_limiter.go). It
+    was consumed with cost 0, which a node answers as "would one more unit pass": at
+    the limit that denied the call after the other key had consumed (no race), and
+    counted it as a partial consumption."""
+    async with envoy_cluster() as (cluster, stub):
+        ip = "198.51.100.9"
+        exhaust = await stub.ShouldRateLimit(request("api", [("account", "acme")], hits=10))
+        assert exhaust.overall_code == OK
+        assert (await stub.ShouldRateLimit(request("api", [("ip", ip)]))).overall_code == OK
+        # The ip has 1 left, the account none: reading the account at its limit is OK.
+        answer = await stub.ShouldRateLimit(
+            costed("api", ([("ip", ip)], None), ([("account", "acme")], 0))
+        )
+        assert answer.overall_code == OK
+        assert [(s.code, s.limit_remaining) for s in answer.statuses] == [(OK, 0), (OK, 0)]
+        assert answer.statuses[1].current_limit.name == "api.account"
+        assert await remaining(cluster, f"api/ip={ip}", "api.ip") == 0
+        assert await remaining(cluster, "api/account=acme", "api.account") == 0
+        alone = await stub.ShouldRateLimit(costed("api", ([("account", "acme")], 0)))
+        assert alone.overall_code == OK and alone.statuses[0].limit_remaining == 0
+        # A call denied by another key: the read is OK, and nothing is consumed.
+        denied = await stub.ShouldRateLimit(
+            costed("api", ([("ip", ip)], None), ([("account", "acme")], 0), ([("user", "zed")], 2))
+        )
+        assert denied.overall_code == OVER
+        assert [s.code for s in denied.statuses] == [OVER, OK, OK]
+        assert await remaining(cluster, "api/user=zed", "api.user") == 20
+        # A shadow descriptor read at its limit is not one the limit would deny.
+        for _ in range(2):
+            await stub.ShouldRateLimit(request("api", [("trial", "t0")]))
+        read = await stub.ShouldRateLimit(costed("api", ([("trial", "t0")], 0)))
+        assert read.overall_code == OK and read.statuses[0].limit_remaining == 0
+        assert not read.response_headers_to_add
+        metrics = (await cluster.client.get("/metrics")).text
+        assert "ringlimit_router_envoy_partial_consumptions_total 0.0" in metrics
+
+
 RACE = """\
 domain: race
 descriptors:
