@@ -58,7 +58,7 @@ from node.rules import Rule
 from node.security import bearer, token_matches
 from node.wire import Check
 from router.decisions import UNANSWERED
-from router.envoy_config import UNIT_ENUM, UNITS, EnvoyConfig, Limit
+from router.envoy_config import MIN_KEY_LENGTH, UNIT_ENUM, UNITS, EnvoyConfig, Limit
 
 if TYPE_CHECKING:
     from router.app import Router
@@ -85,13 +85,25 @@ def descriptor_key(domain: str, entries: Sequence[tuple[str, str]], max_length: 
 
     ``edge/remote_address=10.0.0.1/path=%2Flogin``: every part percent-encoded,
     so no two descriptors share a key. Longer than the cluster's key limit, it
-    becomes the domain and a SHA-256 of the full key (still one key per descriptor).
+    becomes the domain and a SHA-256 of the full key (still one key per descriptor;
+    ``#`` is always encoded in the plain form, so the two never meet), cut to fit:
+    the domain (at most 64 characters) gives way first, then the digest, never
+    below 128 bits (``MIN_KEY_LENGTH``; a shorter limit is refused at start-up).
+    A limit of 130 or more keeps the whole of both, the form keys always had.
     """
     key = "/".join(
         [quote(domain, safe=""), *(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in entries)]
     )
     if len(key) > max_length:
-        key = f"{quote(domain, safe='')[:64]}/#{hashlib.sha256(key.encode()).hexdigest()}"
+        if max_length < MIN_KEY_LENGTH:  # a config adopted at runtime; refused at start
+            raise Unavailable(
+                f"limits.max_key_length {max_length} leaves no room for a long descriptor's "
+                f"hashed key (at least {MIN_KEY_LENGTH})"
+            )
+        room = max_length - 2
+        digits = min(64, room)
+        digest = hashlib.sha256(key.encode()).hexdigest()[:digits]
+        key = f"{quote(domain, safe='')[: min(64, room - digits)]}/#{digest}"
     return key
 
 

@@ -67,6 +67,11 @@ _REFUSED = {
     "share_threshold": "shared wildcard thresholds are not supported",
 }
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:\-]")
+#: A descriptor's key longer than ``limits.max_key_length`` is hashed
+#: (router/envoy.py, ``descriptor_key``): ``/#`` and at least this many hex digits
+#: of its SHA-256 (128 bits) must fit, so a shorter limit is refused at start-up.
+MIN_DIGEST_HEX = 32
+MIN_KEY_LENGTH = len("/#") + MIN_DIGEST_HEX
 
 
 @dataclass(frozen=True)
@@ -155,8 +160,15 @@ def with_envoy_rules(config: ClusterConfig, envoy: EnvoyConfig) -> ClusterConfig
     """``config`` with the envoy rules added (so the router pushes them to every node).
 
     A rule already in ``config`` with the same definition is kept once (``ringlimit
-    up`` hands the router a config file that may hold them); a clash is an error.
+    up`` hands the router a config file that may hold them); a clash is an error, and
+    so is a ``limits.max_key_length`` too short for a hashed descriptor key.
     """
+    if envoy.domains and config.limits.max_key_length < MIN_KEY_LENGTH:
+        raise ConfigError(
+            f"limits.max_key_length is {config.limits.max_key_length}: Envoy descriptors "
+            f"need at least {MIN_KEY_LENGTH} (a long descriptor's key is '/#' and "
+            f"{MIN_DIGEST_HEX} hex digits of its SHA-256)"
+        )
     have = {s.rule.name: s for s in config.rules}
     added = []
     for scoped in envoy.rules:

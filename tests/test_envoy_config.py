@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from node.config import ClusterConfig, ConfigError, ScopedRule
+from node.config import ClusterConfig, ConfigError, Limits, ScopedRule
 from node.rules import Rule
 from router.cli import main
 from router.envoy_config import (
@@ -334,6 +334,22 @@ def test_two_descriptors_with_one_rule_name_are_refused(text: str, line: int, me
     )
     names = {s.rule.name for s in EnvoyConfig({"edge": distinct}).rules}
     assert names == {"edge.a.b_c", "edge.a_b.c"}
+
+
+def test_a_key_limit_too_short_for_a_hashed_descriptor_key_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    envoy = load_envoy_configs([write(tmp_path, "edge.yaml", EDGE)])
+    with_envoy_rules(ClusterConfig(limits=Limits(max_key_length=34)), envoy)
+    with pytest.raises(ConfigError, match=r"limits\.max_key_length is 33: Envoy descriptors need"):
+        with_envoy_rules(ClusterConfig(limits=Limits(max_key_length=33)), envoy)
+    toml = tmp_path / "short.toml"
+    toml.write_text("[limits]\nmax_key_length = 20\n")
+    for command in ("router", "up"):
+        argv = [command, "--config", str(toml), "--grpc-port", "0"]
+        assert main([*argv, "--envoy-config", str(tmp_path / "edge.yaml")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "limits.max_key_length is 20" in err, err
 
 
 def test_descriptors_nested_too_deeply_are_one_error() -> None:

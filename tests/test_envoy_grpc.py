@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import signal
 import subprocess
@@ -25,11 +26,11 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.wrappers_pb2 import UInt64Value
 
 from node.clock import FrozenClock
-from node.config import ClusterConfig, ScopedRule
+from node.config import ClusterConfig, Limits, ScopedRule
 from node.rules import ALGORITHMS, Rule
 from ring import Member
 from router.coordinator import EtcdCoordinator, parse_endpoints
-from router.envoy import UINT32_MAX
+from router.envoy import UINT32_MAX, descriptor_key
 from router.envoy_config import (
     DescriptorNode,
     EnvoyConfig,
@@ -571,6 +572,39 @@ async def test_an_unreachable_owner_applies_on_error(on_error: str, code: int) -
         cluster.take_down(owner)
         answer = await stub.ShouldRateLimit(request("api", [("user", "erin")]))
         assert answer.overall_code == code
+
+
+def test_a_hashed_descriptor_key_fits_every_key_limit_it_can() -> None:
+    """The hashed form was the domain (up to 64) and 64 hex digits whatever the
+    limit: 70 characters for domain 'edge', so under a limit below that every long
+    descriptor was the node's key_too_long and UNAVAILABLE."""
+    entries = [("user", "v" * 300)]
+    for domain in ("edge", "d" * 80):
+        for limit in range(34, 300):  # every limit below the plain key's length
+            key = descriptor_key(domain, entries, limit)
+            assert len(key) <= limit, (domain, limit)
+            prefix, digest = key.split("/#")
+            assert len(digest) >= 32 and domain.startswith(prefix)
+            if limit >= len(domain[:64]) + 66:  # the old form fitted: the same key
+                whole = hashlib.sha256(f"{domain}/user={'v' * 300}".encode()).hexdigest()
+                assert key == f"{domain[:64]}/#{whole}"
+    # One key per descriptor still: another value, another key, at the tightest limit.
+    assert descriptor_key("edge", [("user", "w" * 300)], 34) != descriptor_key("edge", entries, 34)
+
+
+async def test_long_descriptors_are_decided_under_a_short_key_limit() -> None:
+    domain = parse_envoy_config(CONFIG, "api.yaml")
+    envoy = EnvoyConfig({domain.name: domain})
+    config = with_envoy_rules(ClusterConfig(limits=Limits(max_key_length=64)), envoy)
+    async with envoy_cluster(envoy=envoy, config=config) as (cluster, stub):
+        long_ = [("user", "v" * 100)]
+        answers = [await stub.ShouldRateLimit(request("api", long_)) for _ in range(2)]
+        assert [a.statuses[0].limit_remaining for a in answers] == [19, 18]
+        other = await stub.ShouldRateLimit(request("api", [("user", "w" * 100)]))
+        assert other.overall_code == OK and other.statuses[0].limit_remaining == 19
+        key = descriptor_key("api", long_, 64)
+        assert len(key) == 64 and key.startswith("/#")
+        assert await remaining(cluster, key, "api.user") == 18  # the decision API's counter
 
 
 class Paused(httpx.AsyncBaseTransport):
