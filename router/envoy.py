@@ -52,7 +52,7 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from node.decision import Decision
+from node.decision import COST_EXCEEDS_CAPACITY, Decision
 from node.headers import policy_value, quota_window, ratelimit_value, whole_seconds
 from node.rules import Rule
 from node.security import bearer, token_matches
@@ -70,6 +70,9 @@ OVER_LIMIT = rls_pb2.RateLimitResponse.OVER_LIMIT
 UINT32_MAX = 2**32 - 1
 #: Which response headers to add: the IETF draft's fields, envoy's x-ratelimit-*.
 HEADER_SETS = ("draft", "envoy")
+#: Names the enforced limits that denied a call because its cost is above them:
+#: the call can never pass (the decision API's ``reason: cost_exceeds_capacity``).
+NEVER_HEADER = "ringlimit-cost-exceeds-capacity"
 
 
 class Unavailable(Exception):
@@ -264,7 +267,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             _has_room(peek, item.cost) for item, peek in zip(items, peeks, strict=True)
         ):
             for item, peek in zip(items, peeks, strict=True):
-                item.result = _as_denied(peek, item.cost)
+                item.result = _as_denied(peek, item)
             return
         # A key whose owner did not answer the read has its rule's on_error answer
         # already: it is not asked again (a paused owner would cost a second
@@ -361,6 +364,17 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
                 base_pb2.HeaderValue(
                     key="ringlimit-shadow", value=", ".join(f'"{n}"' for n in shadowed)
                 )
+            )
+        # A cost above the limit can never pass, whatever the wait: RateLimit's r and t
+        # cannot say so (the quota may be whole: r=20;t=0), so this names the limits
+        # as the decision API does (reason cost_exceeds_capacity, retry_after null).
+        never: list[str] = []
+        for item, result in decided:
+            if result.get("reason") == COST_EXCEEDS_CAPACITY and item.rule.name not in never:
+                never.append(item.rule.name)
+        if never:
+            add.append(
+                base_pb2.HeaderValue(key=NEVER_HEADER, value=", ".join(f'"{n}"' for n in never))
             )
         if not decided or not self.headers:
             return
@@ -467,12 +481,15 @@ def _as_read(peek: dict[str, Any]) -> dict[str, Any]:
     return read
 
 
-def _as_denied(peek: dict[str, Any], cost: int) -> dict[str, Any]:
+def _as_denied(peek: dict[str, Any], item: _Item) -> dict[str, Any]:
     """A read's answer, as the answer to the request that did not get to consume."""
-    if cost == 0:
+    if item.cost == 0:
         return _as_read(peek)
-    if _has_room(peek, cost):
+    if _has_room(peek, item.cost):
         return peek  # this one had room; another descriptor denied the request
+    if item.cost > item.rule.capacity and peek.get("reason") not in UNANSWERED:
+        # What its owner would have answered the consume (node/algorithms.py).
+        return {**peek, "allowed": False, "retry_after": None, "reason": COST_EXCEEDS_CAPACITY}
     return {**peek, "allowed": False}
 
 

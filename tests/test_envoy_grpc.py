@@ -513,6 +513,35 @@ async def test_each_header_set_and_the_default_none(sets: tuple[str, ...]) -> No
             )
 
 
+@pytest.mark.parametrize("sets", [(), ("draft",)])
+async def test_a_cost_above_the_limit_is_named_as_one_that_can_never_pass(
+    sets: tuple[str, ...],
+) -> None:
+    """hits_addend 21 on a limit of 20 is denied whatever the wait; the draft's
+    fields alone said r=20;t=0 (the quota whole, nothing more to come), which reads
+    as "retry now". Named as the decision API names it (cost_exceeds_capacity)."""
+    async with envoy_cluster(envoy_headers=sets) as (_, stub):
+        never = "ringlimit-cost-exceeds-capacity"
+        alone = await stub.ShouldRateLimit(request("api", [("user", "kim")], hits=21))
+        # With another descriptor: decided from the call's read, nothing consumed.
+        both = await stub.ShouldRateLimit(
+            costed("api", ([("ip", "192.0.2.77")], None), ([("user", "kim")], 21))
+        )
+        for answer in (alone, both):
+            assert answer.overall_code == OVER
+            assert answer.statuses[-1].code == OVER
+            headers = {h.key: h.value for h in answer.response_headers_to_add}
+            assert headers[never] == '"api.user"'
+            if "draft" in sets:  # the HTTP path's own fields for the same decision
+                assert '"api.user";r=20;t=0' in headers["ratelimit"]
+        # A call denied by its count could pass later: not named.
+        for _ in range(2):
+            await stub.ShouldRateLimit(request("api", [("ip", "192.0.2.78")]))
+        later = await stub.ShouldRateLimit(request("api", [("ip", "192.0.2.78")]))
+        assert later.overall_code == OVER
+        assert never not in {h.key for h in later.response_headers_to_add}
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 async def test_draft_headers_agree_with_the_http_path_for_every_algorithm(algorithm: str) -> None:
     """The same rule decided for a user over HTTP and for a descriptor over gRPC, at
