@@ -26,7 +26,9 @@ Several descriptors in one request (see docs/envoy.md, "Several descriptors"):
 * shadow descriptors are consumed on every call, whether or not an enforced
   descriptor denies it, as envoyproxy/ratelimit increments every descriptor's
   counter (src/redis/fixed_cache_impl.go, DoLimit); they never deny;
-* ``requests_per_unit: 0`` (blocked) is over the limit without a node call.
+* ``requests_per_unit: 0`` (blocked) is over the limit without a node call;
+* a descriptor's own ``hits_addend: 0`` is a read, never consumed, and OK at
+  the limit too (as envoyproxy/ratelimit answers it; :func:`_as_read`).
 
 Failures: an unreachable owner applies the rule's ``on_error`` (open: OK,
 closed: OVER_LIMIT), as for HTTP. When no decision can be made at all (no
@@ -50,13 +52,13 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from node.decision import Decision
+from node.decision import COST_EXCEEDS_CAPACITY, Decision
 from node.headers import policy_value, quota_window, ratelimit_value, whole_seconds
 from node.rules import Rule
 from node.security import bearer, token_matches
 from node.wire import Check
 from router.decisions import UNANSWERED
-from router.envoy_config import UNIT_ENUM, UNITS, EnvoyConfig, Limit
+from router.envoy_config import MIN_KEY_LENGTH, UNIT_ENUM, UNITS, EnvoyConfig, Limit
 
 if TYPE_CHECKING:
     from router.app import Router
@@ -68,6 +70,9 @@ OVER_LIMIT = rls_pb2.RateLimitResponse.OVER_LIMIT
 UINT32_MAX = 2**32 - 1
 #: Which response headers to add: the IETF draft's fields, envoy's x-ratelimit-*.
 HEADER_SETS = ("draft", "envoy")
+#: Names the enforced limits that denied a call because its cost is above them:
+#: the call can never pass (the decision API's ``reason: cost_exceeds_capacity``).
+NEVER_HEADER = "ringlimit-cost-exceeds-capacity"
 
 
 class Unavailable(Exception):
@@ -83,13 +88,25 @@ def descriptor_key(domain: str, entries: Sequence[tuple[str, str]], max_length: 
 
     ``edge/remote_address=10.0.0.1/path=%2Flogin``: every part percent-encoded,
     so no two descriptors share a key. Longer than the cluster's key limit, it
-    becomes the domain and a SHA-256 of the full key (still one key per descriptor).
+    becomes the domain and a SHA-256 of the full key (still one key per descriptor;
+    ``#`` is always encoded in the plain form, so the two never meet), cut to fit:
+    the domain (at most 64 characters) gives way first, then the digest, never
+    below 128 bits (``MIN_KEY_LENGTH``; a shorter limit is refused at start-up).
+    A limit of 130 or more keeps the whole of both, the form keys always had.
     """
     key = "/".join(
         [quote(domain, safe=""), *(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in entries)]
     )
     if len(key) > max_length:
-        key = f"{quote(domain, safe='')[:64]}/#{hashlib.sha256(key.encode()).hexdigest()}"
+        if max_length < MIN_KEY_LENGTH:  # a config adopted at runtime; refused at start
+            raise Unavailable(
+                f"limits.max_key_length {max_length} leaves no room for a long descriptor's "
+                f"hashed key (at least {MIN_KEY_LENGTH})"
+            )
+        room = max_length - 2
+        digits = min(64, room)
+        digest = hashlib.sha256(key.encode()).hexdigest()[:digits]
+        key = f"{quote(domain, safe='')[: min(64, room - digits)]}/#{digest}"
     return key
 
 
@@ -235,7 +252,8 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         return data
 
     async def _consume(self, item: _Item) -> None:
-        item.result = await self._ask(item, item.cost)
+        result = await self._ask(item, item.cost)
+        item.result = _as_read(result) if item.cost == 0 else result
 
     async def _decide_enforced(self, items: list[_Item], blocked: bool) -> None:
         """All or nothing over the enforced items, never over-admitting (module docstring)."""
@@ -249,15 +267,18 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             _has_room(peek, item.cost) for item, peek in zip(items, peeks, strict=True)
         ):
             for item, peek in zip(items, peeks, strict=True):
-                item.result = _as_denied(peek, item.cost)
+                item.result = _as_denied(peek, item)
             return
         # A key whose owner did not answer the read has its rule's on_error answer
         # already: it is not asked again (a paused owner would cost a second
-        # --forward-timeout, and may have decided the first time).
+        # --forward-timeout, and may have decided the first time). A key of cost 0
+        # (a descriptor's hits_addend 0) is decided by its read: nothing to consume.
         asked: list[int] = []
         for i, peek in enumerate(peeks):
             if peek.get("reason") in UNANSWERED:
                 items[i].result = peek
+            elif items[i].cost == 0:
+                items[i].result = _as_read(peek)
             else:
                 asked.append(i)
         if not asked:
@@ -343,6 +364,17 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
                 base_pb2.HeaderValue(
                     key="ringlimit-shadow", value=", ".join(f'"{n}"' for n in shadowed)
                 )
+            )
+        # A cost above the limit can never pass, whatever the wait: RateLimit's r and t
+        # cannot say so (the quota may be whole: r=20;t=0), so this names the limits
+        # as the decision API does (reason cost_exceeds_capacity, retry_after null).
+        never: list[str] = []
+        for item, result in decided:
+            if result.get("reason") == COST_EXCEEDS_CAPACITY and item.rule.name not in never:
+                never.append(item.rule.name)
+        if never:
+            add.append(
+                base_pb2.HeaderValue(key=NEVER_HEADER, value=", ".join(f'"{n}"' for n in never))
             )
         if not decided or not self.headers:
             return
@@ -433,10 +465,31 @@ def _has_room(peek: dict[str, Any], cost: int) -> bool:
     return int(peek.get("remaining", 0)) >= cost
 
 
-def _as_denied(peek: dict[str, Any], cost: int) -> dict[str, Any]:
+def _as_read(peek: dict[str, Any]) -> dict[str, Any]:
+    """A read's answer as the answer to a descriptor of cost 0 (hits_addend 0).
+
+    A node's read says whether one more unit would pass; a cost of 0 asks whether
+    the count is above the limit, as envoyproxy/ratelimit answers it (OVER_LIMIT only
+    when its counter is past the limit, src/limiter/base_limiter.go). A ringlimit
+    counter never is, so a read is allowed, at the limit too; only an owner that did
+    not answer keeps its rule's on_error answer. Nor is a read one a shadow limit
+    would have denied (nodes count no shadow denial for it either)."""
+    if peek.get("reason") in UNANSWERED:
+        return peek
+    read = {**peek, "allowed": True}
+    read.pop("shadow_denied", None)
+    return read
+
+
+def _as_denied(peek: dict[str, Any], item: _Item) -> dict[str, Any]:
     """A read's answer, as the answer to the request that did not get to consume."""
-    if _has_room(peek, cost):
+    if item.cost == 0:
+        return _as_read(peek)
+    if _has_room(peek, item.cost):
         return peek  # this one had room; another descriptor denied the request
+    if item.cost > item.rule.capacity and peek.get("reason") not in UNANSWERED:
+        # What its owner would have answered the consume (node/algorithms.py).
+        return {**peek, "allowed": False, "retry_after": None, "reason": COST_EXCEEDS_CAPACITY}
     return {**peek, "allowed": False}
 
 

@@ -67,6 +67,11 @@ _REFUSED = {
     "share_threshold": "shared wildcard thresholds are not supported",
 }
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:\-]")
+#: A descriptor's key longer than ``limits.max_key_length`` is hashed
+#: (router/envoy.py, ``descriptor_key``): ``/#`` and at least this many hex digits
+#: of its SHA-256 (128 bits) must fit, so a shorter limit is refused at start-up.
+MIN_DIGEST_HEX = 32
+MIN_KEY_LENGTH = len("/#") + MIN_DIGEST_HEX
 
 
 @dataclass(frozen=True)
@@ -155,8 +160,15 @@ def with_envoy_rules(config: ClusterConfig, envoy: EnvoyConfig) -> ClusterConfig
     """``config`` with the envoy rules added (so the router pushes them to every node).
 
     A rule already in ``config`` with the same definition is kept once (``ringlimit
-    up`` hands the router a config file that may hold them); a clash is an error.
+    up`` hands the router a config file that may hold them); a clash is an error, and
+    so is a ``limits.max_key_length`` too short for a hashed descriptor key.
     """
+    if envoy.domains and config.limits.max_key_length < MIN_KEY_LENGTH:
+        raise ConfigError(
+            f"limits.max_key_length is {config.limits.max_key_length}: Envoy descriptors "
+            f"need at least {MIN_KEY_LENGTH} (a long descriptor's key is '/#' and "
+            f"{MIN_DIGEST_HEX} hex digits of its SHA-256)"
+        )
     have = {s.rule.name: s for s in config.rules}
     added = []
     for scoped in envoy.rules:
@@ -235,6 +247,8 @@ class _Reader:
         self.on_error = on_error
         self.domain_name = ""
         self.names: set[str] = set()
+        #: Each rule name given so far (derived or explicit): where, and its line.
+        self.rule_names: dict[str, tuple[str, int]] = {}
         self.replaced: list[tuple[str, yaml.Node]] = []
 
     def fail(self, node: yaml.Node | None, where: str, problem: str) -> ConfigError:
@@ -416,6 +430,19 @@ class _Reader:
                 f"must be an integer >= 0, got {fields['requests_per_unit'][1].value!r}",
             )
         rule_name = _rule_name(name or ".".join((self.domain_name, *path)))
+        # Two descriptors under one name would be one rule: the first one's limit
+        # enforced for both (``a`` > ``b`` and ``a.b`` both derive ``edge.a.b``; an
+        # explicit name may equal another descriptor's derived one).
+        named = fields["name"][1] if name is not None else node
+        if rule_name in self.rule_names:
+            other, line = self.rule_names[rule_name]
+            raise self.fail(
+                named,
+                where,
+                f"rule name {rule_name!r} is also the name of {other} (line {line}); "
+                "give one of them its own rate_limit.name",
+            )
+        self.rule_names[rule_name] = (where.removesuffix(".rate_limit"), named.start_mark.line + 1)
         if count == 0:
             # envoyproxy/ratelimit's "block everything": over the limit on every hit.
             return Limit(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import signal
 import subprocess
@@ -25,11 +26,11 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.wrappers_pb2 import UInt64Value
 
 from node.clock import FrozenClock
-from node.config import ClusterConfig, ScopedRule
+from node.config import ClusterConfig, Limits, ScopedRule
 from node.rules import ALGORITHMS, Rule
 from ring import Member
 from router.coordinator import EtcdCoordinator, parse_endpoints
-from router.envoy import UINT32_MAX
+from router.envoy import UINT32_MAX, descriptor_key
 from router.envoy_config import (
     DescriptorNode,
     EnvoyConfig,
@@ -235,6 +236,54 @@ async def test_a_race_on_a_second_key_is_counted_as_partial_consumption() -> Non
         assert await remaining(cluster, f"api/ip={ip}", "api.ip") == 0  # kept, not refunded
         metrics = (await cluster.client.get("/metrics")).text
         assert "ringlimit_router_envoy_partial_consumptions_total 1.0" in metrics
+
+
+def costed(domain: str, *descriptors: tuple[Sequence[tuple[str, str]], int | None]) -> Any:
+    """A request whose descriptors carry their own hits_addend (None: the request's)."""
+    call = request(domain, *(entries for entries, _ in descriptors))
+    for descriptor, (_, hits) in zip(call.descriptors, descriptors, strict=True):
+        if hits is not None:
+            descriptor.hits_addend.value = hits
+    return call
+
+
+async def test_a_descriptor_hits_addend_of_zero_reads_and_consumes_nothing() -> None:
+    """A descriptor's own hits_addend 0 checks without counting (envoyproxy/ratelimit:
+    OK unless the counter is already above the limit, src/limiter/base_limiter.go). It
+    was consumed with cost 0, which a node answers as "would one more unit pass": at
+    the limit that denied the call after the other key had consumed (no race), and
+    counted it as a partial consumption."""
+    async with envoy_cluster() as (cluster, stub):
+        ip = "198.51.100.9"
+        exhaust = await stub.ShouldRateLimit(request("api", [("account", "acme")], hits=10))
+        assert exhaust.overall_code == OK
+        assert (await stub.ShouldRateLimit(request("api", [("ip", ip)]))).overall_code == OK
+        # The ip has 1 left, the account none: reading the account at its limit is OK.
+        answer = await stub.ShouldRateLimit(
+            costed("api", ([("ip", ip)], None), ([("account", "acme")], 0))
+        )
+        assert answer.overall_code == OK
+        assert [(s.code, s.limit_remaining) for s in answer.statuses] == [(OK, 0), (OK, 0)]
+        assert answer.statuses[1].current_limit.name == "api.account"
+        assert await remaining(cluster, f"api/ip={ip}", "api.ip") == 0
+        assert await remaining(cluster, "api/account=acme", "api.account") == 0
+        alone = await stub.ShouldRateLimit(costed("api", ([("account", "acme")], 0)))
+        assert alone.overall_code == OK and alone.statuses[0].limit_remaining == 0
+        # A call denied by another key: the read is OK, and nothing is consumed.
+        denied = await stub.ShouldRateLimit(
+            costed("api", ([("ip", ip)], None), ([("account", "acme")], 0), ([("user", "zed")], 2))
+        )
+        assert denied.overall_code == OVER
+        assert [s.code for s in denied.statuses] == [OVER, OK, OK]
+        assert await remaining(cluster, "api/user=zed", "api.user") == 20
+        # A shadow descriptor read at its limit is not one the limit would deny.
+        for _ in range(2):
+            await stub.ShouldRateLimit(request("api", [("trial", "t0")]))
+        read = await stub.ShouldRateLimit(costed("api", ([("trial", "t0")], 0)))
+        assert read.overall_code == OK and read.statuses[0].limit_remaining == 0
+        assert not read.response_headers_to_add
+        metrics = (await cluster.client.get("/metrics")).text
+        assert "ringlimit_router_envoy_partial_consumptions_total 0.0" in metrics
 
 
 RACE = """\
@@ -464,6 +513,35 @@ async def test_each_header_set_and_the_default_none(sets: tuple[str, ...]) -> No
             )
 
 
+@pytest.mark.parametrize("sets", [(), ("draft",)])
+async def test_a_cost_above_the_limit_is_named_as_one_that_can_never_pass(
+    sets: tuple[str, ...],
+) -> None:
+    """hits_addend 21 on a limit of 20 is denied whatever the wait; the draft's
+    fields alone said r=20;t=0 (the quota whole, nothing more to come), which reads
+    as "retry now". Named as the decision API names it (cost_exceeds_capacity)."""
+    async with envoy_cluster(envoy_headers=sets) as (_, stub):
+        never = "ringlimit-cost-exceeds-capacity"
+        alone = await stub.ShouldRateLimit(request("api", [("user", "kim")], hits=21))
+        # With another descriptor: decided from the call's read, nothing consumed.
+        both = await stub.ShouldRateLimit(
+            costed("api", ([("ip", "192.0.2.77")], None), ([("user", "kim")], 21))
+        )
+        for answer in (alone, both):
+            assert answer.overall_code == OVER
+            assert answer.statuses[-1].code == OVER
+            headers = {h.key: h.value for h in answer.response_headers_to_add}
+            assert headers[never] == '"api.user"'
+            if "draft" in sets:  # the HTTP path's own fields for the same decision
+                assert '"api.user";r=20;t=0' in headers["ratelimit"]
+        # A call denied by its count could pass later: not named.
+        for _ in range(2):
+            await stub.ShouldRateLimit(request("api", [("ip", "192.0.2.78")]))
+        later = await stub.ShouldRateLimit(request("api", [("ip", "192.0.2.78")]))
+        assert later.overall_code == OVER
+        assert never not in {h.key for h in later.response_headers_to_add}
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 async def test_draft_headers_agree_with_the_http_path_for_every_algorithm(algorithm: str) -> None:
     """The same rule decided for a user over HTTP and for a descriptor over gRPC, at
@@ -523,6 +601,39 @@ async def test_an_unreachable_owner_applies_on_error(on_error: str, code: int) -
         cluster.take_down(owner)
         answer = await stub.ShouldRateLimit(request("api", [("user", "erin")]))
         assert answer.overall_code == code
+
+
+def test_a_hashed_descriptor_key_fits_every_key_limit_it_can() -> None:
+    """The hashed form was the domain (up to 64) and 64 hex digits whatever the
+    limit: 70 characters for domain 'edge', so under a limit below that every long
+    descriptor was the node's key_too_long and UNAVAILABLE."""
+    entries = [("user", "v" * 300)]
+    for domain in ("edge", "d" * 80):
+        for limit in range(34, 300):  # every limit below the plain key's length
+            key = descriptor_key(domain, entries, limit)
+            assert len(key) <= limit, (domain, limit)
+            prefix, digest = key.split("/#")
+            assert len(digest) >= 32 and domain.startswith(prefix)
+            if limit >= len(domain[:64]) + 66:  # the old form fitted: the same key
+                whole = hashlib.sha256(f"{domain}/user={'v' * 300}".encode()).hexdigest()
+                assert key == f"{domain[:64]}/#{whole}"
+    # One key per descriptor still: another value, another key, at the tightest limit.
+    assert descriptor_key("edge", [("user", "w" * 300)], 34) != descriptor_key("edge", entries, 34)
+
+
+async def test_long_descriptors_are_decided_under_a_short_key_limit() -> None:
+    domain = parse_envoy_config(CONFIG, "api.yaml")
+    envoy = EnvoyConfig({domain.name: domain})
+    config = with_envoy_rules(ClusterConfig(limits=Limits(max_key_length=64)), envoy)
+    async with envoy_cluster(envoy=envoy, config=config) as (cluster, stub):
+        long_ = [("user", "v" * 100)]
+        answers = [await stub.ShouldRateLimit(request("api", long_)) for _ in range(2)]
+        assert [a.statuses[0].limit_remaining for a in answers] == [19, 18]
+        other = await stub.ShouldRateLimit(request("api", [("user", "w" * 100)]))
+        assert other.overall_code == OK and other.statuses[0].limit_remaining == 19
+        key = descriptor_key("api", long_, 64)
+        assert len(key) == 64 and key.startswith("/#")
+        assert await remaining(cluster, key, "api.user") == 18  # the decision API's counter
 
 
 class Paused(httpx.AsyncBaseTransport):
