@@ -19,9 +19,11 @@ until that owner replicates them itself).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -52,7 +54,8 @@ def run_handoff(procs: Processes, workdir: Path, n: int) -> dict[str, Any]:
         time.sleep(1.5)
         rss_after = rss(pids["A"])
         started = time.perf_counter()
-        answer = client.delete(f"{router}/admin/nodes/A", timeout=120.0)
+        with _LongestWait(urls["B"]) as receiver:
+            answer = client.delete(f"{router}/admin/nodes/A", timeout=120.0)
         seconds = time.perf_counter() - started
         status_b = client.get(f"{urls['B']}/internal/status").json()
         status_a = client.get(f"{urls['A']}/internal/status").json()
@@ -63,6 +66,7 @@ def run_handoff(procs: Processes, workdir: Path, n: int) -> dict[str, Any]:
         f"{received:,} of {held:,} keys arrived"
         + ("" if answer.status_code == 200 else f"; router answered {answer.status_code}")
         + f"; A's own transfer took {transfer:.1f} s"
+        + f"; B's longest /healthz wait {receiver.longest * 1000:.0f} ms"
     )
     procs.stop(["handoff-router", "handoff-A", "handoff-B"])
     log_a = workdir / "handoff-A.log"
@@ -80,7 +84,40 @@ def run_handoff(procs: Processes, workdir: Path, n: int) -> dict[str, Any]:
         "node_rss_bytes_per_key": (rss_after - rss_before) / n if n else None,
         "detail": detail,
         "sender_failures": failures,
+        "receiver_longest_wait_seconds": receiver.longest,
     }
+
+
+class _LongestWait:
+    """Polls ``url``'s ``/healthz`` (every 20 ms, from a thread) while the block
+    runs: the longest wait is how long the node's event loop stalled applying
+    what it received, which a router's lease probe waits too (a probe that
+    waits past its timeout several times in a row removes the node)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.longest = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> _LongestWait:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=30.0)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=30.0) as client:
+            for _ in range(100_000):  # bounded: 20 ms apart, the block lasts < 120 s
+                if self._done.is_set():
+                    return
+                sent = time.perf_counter()
+                with contextlib.suppress(httpx.HTTPError):
+                    client.get(f"{self.url}/healthz")
+                self.longest = max(self.longest, time.perf_counter() - sent)
+                self._done.wait(0.02)
 
 
 def run_join(procs: Processes, workdir: Path, n: int) -> dict[str, Any]:

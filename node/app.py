@@ -243,12 +243,14 @@ class Node:
 
     def _store_full(self, rule: Any, key: str) -> None:
         self.metrics.error("store_full")
-        if self.store.store_full_events in (1, 10, 100) or self.store.store_full_events % 1000 == 0:
-            log.warning(
-                "key cap of %s reached: new keys are not stored (%d so far)",
-                self.settings.max_keys,
-                self.store.store_full_events,
-            )
+        # One line per 10 s (Failures.warn): every 1,000th refusal was a line, 50 a
+        # second on a full node taking 50,000 new keys a second.
+        self.failures.warn(
+            "store_full",
+            "key cap of %s reached: new keys are not stored (%d so far)",
+            self.settings.max_keys,
+            self.store.store_full_events,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

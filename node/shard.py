@@ -60,10 +60,15 @@ __all__ = [
 
 log = logging.getLogger("ringlimit.node")
 
-#: Records per chunk of a handoff: a chunk is ~2.5 MB of msgpack that the
-#: receiver decodes, checks and applies in ~50 ms, so its event loop never
-#: stalls for a whole million-key transfer, and a failure resends one chunk.
-CHUNK = 50_000
+#: Records per chunk of a handoff (and per replica batch): a chunk is ~0.5 MB of
+#: msgpack that the receiver decodes, checks and applies in one go, so its event
+#: loop stalls that long, and a lease probe with it; a failure resends one chunk.
+#: ``python -m benchmarks.handoff`` (1,000,000 keys) reports the receiver's
+#: longest ``/healthz`` wait: 50,000 made it 82-127 ms and took 2.1 s; 10,000
+#: makes it 32-40 ms and takes 1.9 s (5,000: 46-61 ms, 2.0 s). Under a
+#: saturated host every stall grows, and one past the detection time had a
+#: node removed as crashed in the middle of a join.
+CHUNK = 10_000
 #: With an outbox of this many states the heap is frozen out of the cyclic GC's
 #: collections (``gc.freeze()``) until it is delivered.
 FREEZE_AT = 10_000

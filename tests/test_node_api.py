@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -894,3 +895,21 @@ def test_any_quota_ask_gets_json_below_500(
         assert data["epoch"] == 1 and "refunded" in data
         lease = data["lease"]
         assert lease is None or (lease["units"] >= 0 and lease["epoch"] == 1)
+
+
+async def test_a_full_store_says_so_without_flooding_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A node at its key cap taking a stream of new keys logged every 1,000th
+    refusal (50 lines a second at 50,000 new keys a second: an exploratory
+    tester); now one line per 10 s, which says how many so far."""
+    caplog.set_level(logging.WARNING, logger="ringlimit.node")
+    node, _ = make_node(max_keys=10)
+    async with client_for(node) as client:
+        for batch in range(5):  # 5,000 new keys: 4,990 refused
+            checks = [{"key": f"k{batch}-{i}", "rule": "api"} for i in range(1000)]
+            answer = await client.post(f"{NODE}/v1/check", json={"checks": checks})
+            assert answer.status_code == 200, answer.text
+    lines = [r.getMessage() for r in caplog.records if "key cap of 10" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert node.store.store_full_events == 4990
