@@ -151,6 +151,7 @@ class HandoffStats:
     replicas_sent: int = 0
     replicas_promoted: int = 0
     replicas_stale: int = 0
+    replicas_kept: int = 0
     conservative_keys: int = 0
     views_applied: int = 0
     last_transfer_seconds: float = 0.0
@@ -345,6 +346,11 @@ class ShardCore:
         #: Keys of the replication round in progress (:meth:`replica_round`): taken
         #: from the change set when the round starts, sent in slices.
         self.round: set[str] = set()
+        #: Keys whose replicas may have to move: a view changed since they were
+        #: placed (under :attr:`rerouted_from`). Sent only if their owner or
+        #: successors differ now (:meth:`replica_batches`), after the round's keys.
+        self.rerouted: set[str] = set()
+        self.rerouted_from: RingView | None = None
         #: Keys handed to this node while its view settles, not replicated yet
         #: (see :meth:`receive`); they join the change set once it has settled.
         self.settling: set[str] = set()
@@ -622,11 +628,26 @@ class ShardCore:
             else:
                 self.stats.keys_dropped += len(records)
         self._promote_replicas(view, crashed, now, config)
+        tracked = self.store.dirty is not None
         dirty = self._dirty()
         if dirty is not None and len(view) > 1:
-            # Successors may have changed: every state goes to its (new)
-            # successor at the next round, not only the ones that change.
-            dirty.update(self.store.keys())
+            # Successors may have changed. A state whose owner and successors did
+            # not is where it belongs already (a replica stays valid until its
+            # state changes, and a change is in the change set): only the others
+            # go, to their new successors, after the round's changes
+            # (replica_batches compares; sending every state again after each
+            # view had every node apply every other's at once). Replicas placed
+            # under no one view (a view came before the last one's were checked:
+            # a member may have left and come back empty in between), or none
+            # (tracking was off), go as changed.
+            dirty |= self.rerouted
+            if tracked and previous is not None and len(previous) > 1:
+                self.rerouted = set(self.store.keys())
+                self.rerouted_from = previous
+            else:
+                dirty.update(self.store.keys())
+                self.rerouted = set()
+                self.rerouted_from = None
         self._remember_crash(previous, crashed, now, config)
         senders: set[str] = set()
         if previous is not None and self.id in view:
@@ -686,6 +707,7 @@ class ShardCore:
         if self.store.dirty is not None:
             self.store.dirty = set()
         self.round = set()
+        self.rerouted = set()
         self.settling = set()
         self.pending = {}
         self._settled()  # nothing remembered for pulls carries over
@@ -1101,6 +1123,7 @@ class ShardCore:
         if view is None or len(view) < 2:
             self.store.dirty = None
             self.round = set()
+            self.rerouted = set()
             return False
         if self.replication_wanted():
             if self.store.dirty is None:
@@ -1108,6 +1131,7 @@ class ShardCore:
             return True
         self.store.dirty = None
         self.round = set()
+        self.rerouted = set()
         return False
 
     def replica_round(self) -> int:
@@ -1128,7 +1152,9 @@ class ShardCore:
             else:
                 self.round = dirty
             self.store.dirty = set()
-        return len(self.round)
+        if self.rerouted and self.round:
+            self.rerouted -= self.round  # changed: sent as such
+        return len(self.round) + len(self.rerouted)
 
     def replica_batches(self, now: float, limit: int | None = None) -> list[ReplicaBatch]:
         """The states of the round's keys (:meth:`replica_round`; with no round
@@ -1145,8 +1171,6 @@ class ShardCore:
         if not self.round:
             self.replica_round()
         dirty = self.round
-        if not dirty:
-            return []
         if limit is not None and len(dirty) > limit:
             taken = set(islice(dirty, limit))
             dirty -= taken
@@ -1155,6 +1179,11 @@ class ShardCore:
             self.round = set()
         rules = self.config().rule_map
         depth = 1 + max((rule.replicas for rule in rules.values()), default=1)
+        room = len(self.rerouted) if limit is None else limit - len(dirty)
+        if self.rerouted and room > 0:
+            dirty = dirty | self._moved_replicas(view, depth, room)
+        if not dirty:
+            return []
         by_target: dict[str, list[Record]] = {}
         successors = self.successors
         for record in self.store.export_keys(dirty, now):
@@ -1181,6 +1210,28 @@ class ShardCore:
                 )
             )
         return batches
+
+    def _moved_replicas(self, view: RingView, depth: int, limit: int) -> set[str]:
+        """Up to ``limit`` keys taken from :attr:`rerouted`: those whose owner or
+        successors ``view`` changed since :attr:`rerouted_from` (the rest keep
+        their replicas where they are)."""
+        before = self.rerouted_from
+        rerouted = self.rerouted
+        taken = set(islice(rerouted, limit)) if len(rerouted) > limit else rerouted
+        if taken is rerouted:
+            self.rerouted = set()
+        else:
+            rerouted -= taken
+        if before is None:
+            return taken
+        moved = {
+            key
+            for key in taken
+            if [m.id for m in before.successors(key, depth)]
+            != [m.id for m in view.successors(key, depth)]
+        }
+        self.stats.replicas_kept += len(taken) - len(moved)
+        return moved
 
     def replicas_failed(self, records: list[Record]) -> None:
         """Sent again next round (unless the view changes first)."""
