@@ -351,6 +351,9 @@ class ShardCore:
         #: successors differ now (:meth:`replica_batches`), after the round's keys.
         self.rerouted: set[str] = set()
         self.rerouted_from: RingView | None = None
+        #: The replicas per state the rounds have sent so far (a config asking for
+        #: more has every state sent again: :meth:`replication_tick`).
+        self.replicated_depth = 0
         #: Keys handed to this node while its view settles, not replicated yet
         #: (see :meth:`receive`); they join the change set once it has settled.
         self.settling: set[str] = set()
@@ -583,6 +586,10 @@ class ShardCore:
         if self.view is not None and view.epoch <= self.view.epoch:
             return None
         config = self.config()
+        #: Where this node's rounds put its replicas: its own last view (the
+        #: router's ``previous`` may be one this node never applied).
+        placed_under = self.view
+        tracked = self.store.dirty is not None
         previous = previous if previous is not None else self.view
         # A handoff of the view being replaced had not finished (some member's
         # final mark never came): its sources stay, behind the new one.
@@ -628,22 +635,35 @@ class ShardCore:
             else:
                 self.stats.keys_dropped += len(records)
         self._promote_replicas(view, crashed, now, config)
-        tracked = self.store.dirty is not None
         dirty = self._dirty()
+        if dirty is not None:
+            # Handed over while the view settled: never replicated yet (below,
+            # the settling set is let go).
+            dirty |= self.settling
         if dirty is not None and len(view) > 1:
             # Successors may have changed. A state whose owner and successors did
             # not is where it belongs already (a replica stays valid until its
             # state changes, and a change is in the change set): only the others
             # go, to their new successors, after the round's changes
             # (replica_batches compares; sending every state again after each
-            # view had every node apply every other's at once). Replicas placed
-            # under no one view (a view came before the last one's were checked:
-            # a member may have left and come back empty in between), or none
-            # (tracking was off), go as changed.
+            # view had every node apply every other's at once). Everything goes
+            # as changed when the replicas were placed under no one view the
+            # comparison can trust: a view came before the last one's were
+            # checked, this node missed views, or a member crashed and is back
+            # (in each, a member may have left and come back empty), or
+            # tracking was off.
             dirty |= self.rerouted
-            if tracked and previous is not None and len(previous) > 1:
+            trusted = (
+                tracked
+                and placed_under is not None
+                and len(placed_under) > 1
+                and previous is not None
+                and previous.epoch == placed_under.epoch
+                and not any(member in view for member in crashed)
+            )
+            if trusted:
                 self.rerouted = set(self.store.keys())
-                self.rerouted_from = previous
+                self.rerouted_from = placed_under
             else:
                 dirty.update(self.store.keys())
                 self.rerouted = set()
@@ -1126,13 +1146,21 @@ class ShardCore:
             self.rerouted = set()
             return False
         if self.replication_wanted():
-            if self.store.dirty is None:
-                self.store.dirty = set()
+            depth = self._replica_depth()
+            if self.store.dirty is None or depth > self.replicated_depth:
+                # Replication on, or deeper (the config changed, same view): no
+                # state has (all) its replicas yet, so every one goes.
+                self.store.dirty = set(self.store.keys()) | (self.store.dirty or set())
+            self.replicated_depth = depth
             return True
         self.store.dirty = None
         self.round = set()
         self.rerouted = set()
         return False
+
+    def _replica_depth(self) -> int:
+        """The most successors a rule here replicates to."""
+        return max((rule.replicas for rule in self.config().rule_map.values()), default=1)
 
     def replica_round(self) -> int:
         """Start a replication round: every key changed so far joins the round

@@ -16,10 +16,13 @@ from aiohttp import web
 
 from node.app import Node
 from node.peers import MSGPACK, PeerError, Peers
+from node.rules import Rule
 from node.shard import Shard
+from node.shardcore import ShardCore
+from node.store import MemoryStore
 from tests.processes import free_port
 from tests.test_node_api import make_node, node_config
-from tests.test_shard_core import KEYS, NOW, RULE, core, decide, view
+from tests.test_shard_core import KEYS, NOW, RULE, config, core, decide, view
 
 pytestmark = pytest.mark.anyio
 
@@ -228,7 +231,24 @@ MANY = [f"user-{i}" for i in range(400)]
 
 def placed(ring: Any, key: str) -> list[str]:
     """The key's owner and successor: where its state and its replica live."""
-    return [m.id for m in ring.successors(key, 2)]
+    return placed_at(ring, key, 2)
+
+
+def placed_at(ring: Any, key: str, depth: int) -> list[str]:
+    """The key's owner and its ``depth - 1`` successors."""
+    return [m.id for m in ring.successors(key, depth)]
+
+
+LIMIT_OF_MANY = 1_000_000
+
+
+def started(ring: Any, *spare: str) -> dict[str, Any]:
+    """Cores of ``ring``'s members in it, replicating, and ``spare`` ones not yet."""
+    cores = {i: core(i) for i in (*ring.ids, *spare)}
+    for i in ring.ids:
+        cores[i].apply(ring, None, (), NOW, 0.0)
+        assert cores[i].replication_tick()
+    return cores
 
 
 def replicate(origin: Any, cores: dict[str, Any]) -> set[str]:
@@ -246,10 +266,7 @@ def test_after_a_view_change_only_the_states_whose_replicas_moved_go_again() -> 
     stays valid where its owner and successor did not change; only the others
     go. A crash afterwards still finds every state's replica where it is."""
     v1, v2 = view(["n0", "n1", "n2"], 1), view(["n0", "n1", "n2", "n3"], 2)
-    cores = {i: core(i) for i in ("n0", "n1", "n2", "n3")}
-    for i in ("n0", "n1", "n2"):
-        cores[i].apply(v1, None, (), NOW, 0.0)
-        assert cores[i].replication_tick()
+    cores = started(v1, "n3")
     a = cores["n0"]
     mine = [k for k in MANY if v1.owner_id(k) == "n0"]
     for key in mine:
@@ -278,10 +295,7 @@ def test_replicas_placed_under_no_one_view_go_again() -> None:
     before the second change alone, a key whose successor is n1 again would
     have been taken for placed."""
     v1, v2, v3 = view(["n0", "n1", "n2"], 1), view(["n0", "n2"], 2), view(["n0", "n1", "n2"], 3)
-    cores = {i: core(i) for i in ("n0", "n1", "n2")}
-    for i in ("n0", "n1", "n2"):
-        cores[i].apply(v1, None, (), NOW, 0.0)
-        assert cores[i].replication_tick()
+    cores = started(v1)
     a = cores["n0"]
     mine = [k for k in MANY if v1.owner_id(k) == "n0" and v3.owner_id(k) == "n0"]
     for key in mine:
@@ -293,3 +307,110 @@ def test_replicas_placed_under_no_one_view_go_again() -> None:
     assert replicate(a, cores) >= set(mine)
     back = [k for k in mine if placed(v3, k)[1] == "n1"]
     assert back and all(cores["n1"].replicas["n0"].get(RULE, k) is not None for k in back)
+
+
+def test_replicas_are_checked_against_the_view_they_were_placed_under() -> None:
+    """A node that missed a view (the router's ``previous`` is one it never
+    applied) placed its replicas under its own last view: compared with the
+    router's, a key whose successor changed in the view it missed, and not
+    since, would be taken for placed, and its new successor never sent it."""
+    v1 = view(["n0", "n1", "n2"], 1)
+    v2 = view(["n0", "n1", "n2", "n3"], 2)
+    v3 = view(["n0", "n1", "n2", "n3", "n4"], 3)
+    cores = started(v1, "n3", "n4")
+    a = cores["n0"]
+    mine = [k for k in MANY if v1.owner_id(k) == "n0" and v3.owner_id(k) == "n0"]
+    for key in mine:
+        decide(a, key)
+    assert replicate(a, cores) == set(mine)
+    a.apply(v3, v2, (), NOW, 0.0)  # v2 never reached n0
+    missed = {k for k in mine if placed(v1, k) != placed(v3, k) == placed(v2, k)}
+    assert missed
+    assert replicate(a, cores) >= missed
+
+
+def test_a_successor_back_from_a_crash_in_views_a_node_missed_gets_its_replicas() -> None:
+    """The health loop's refresh of a node that missed the views in which its
+    successor crashed and came back empty: the new view places the keys as
+    the node's own last one did, so compared, nothing went to the restarted
+    successor (found by a review)."""
+    ids = ["n0", "n1", "n2", "n3"]
+    v1, v3 = view(ids, 1), view(ids, 3)
+    cores = started(v1)
+    a = cores["n0"]
+    mine = [k for k in MANY if v1.owner_id(k) == "n0"]
+    for key in mine:
+        decide(a, key)
+    replicate(a, cores)
+    cores["n1"] = core("n1")  # restarted: no replicas
+    a.apply(v3, v1, ("n1",), NOW, 0.0)  # v2 (without n1) never reached n0
+    assert a.replication_tick()
+    replicate(a, cores)
+    back = [k for k in mine if placed(v3, k)[1] == "n1"]
+    assert back and all(cores["n1"].replicas["n0"].get(RULE, k) is not None for k in back)
+
+
+def test_states_handed_over_while_a_view_settles_are_replicated_at_the_next_view() -> None:
+    """A handoff's states that land while the receiver's view settles wait to
+    be replicated until it has settled; a view that comes first lets that set
+    go, and they joined no change set: never replicated, a crash of their new
+    owner gave their users fresh quotas (found by a review)."""
+    v1 = view(["n0", "n1", "n2", "n3"], 1)
+    v2 = view(["n0", "n2", "n3"], 2)  # n1 leaves
+    v3 = view(["n0", "n2", "n3", "n4"], 3)  # n4 joins before the handoff settled
+    cores = started(v1, "n4")
+    leaving = cores["n1"]
+    theirs = [k for k in MANY if v1.owner_id(k) == "n1"]
+    for key in theirs:
+        decide(leaving, key)
+    replicate(leaving, cores)
+    for i in ("n0", "n2", "n3", "n1"):
+        cores[i].apply(v2, v1, (), NOW, 0.0)
+    landed: dict[str, list[str]] = {}
+    for transfer in leaving.transfers(NOW):
+        for chunk in transfer.chunks(max(1, len(transfer.records) - 1))[:-1]:  # not the final
+            cores[chunk.to].receive(chunk.sender, chunk.epoch, chunk.records, chunk.final, (), NOW)
+            landed.setdefault(chunk.to, []).extend(r[2] for r in chunk.records)
+    assert any(cores[i].settling for i in landed)
+    for i in ("n0", "n2", "n3", "n4"):
+        cores[i].apply(v3, v2, (), NOW, 0.0)
+    for i in ("n0", "n2", "n3"):
+        replicate(cores[i], cores)
+    checked = [
+        (owner, key)
+        for owner, keys in landed.items()
+        for key in keys
+        if v3.owner_id(key) == owner and placed(v2, key) == placed(v3, key)
+    ]
+    assert checked
+    for owner, key in checked:
+        held = cores[placed(v3, key)[1]].replicas.get(owner)
+        assert held is not None and held.get(RULE, key) is not None, (owner, key)
+
+
+def test_a_config_that_turns_replication_on_or_deeper_sends_every_state() -> None:
+    """A rule switched to crash policy replica with two replicas, pushed under
+    the same view: no state had its replicas, and none went until it changed
+    (a later view change used to send every state, which hid it; found by a
+    review)."""
+    flat = Rule("api", LIMIT_OF_MANY, 3600.0, algorithm="fixed_window")
+    deep = Rule("api", LIMIT_OF_MANY, 3600.0, algorithm="fixed_window", replicas=2)
+    current = {"config": config(crash="conservative", rule=flat)}
+    ids = ["n0", "n1", "n2", "n3"]
+    cores = {i: ShardCore(i, MemoryStore(), lambda: current["config"]) for i in ids}
+    v1 = view(ids, 1)
+    for c in cores.values():
+        c.apply(v1, None, (), NOW, 0.0)
+        assert not c.replication_tick()  # conservative: nothing to replicate
+    a = cores["n0"]
+    mine = [k for k in MANY if v1.owner_id(k) == "n0"]
+    for key in mine:
+        decide(a, key, rule=flat)
+    current["config"] = config(crash="replica", rule=deep)
+    for c in cores.values():
+        assert c.replication_tick()
+    assert replicate(a, cores) == set(mine)
+    for key in mine:
+        first, second = placed_at(v1, key, 3)[1:]
+        for holder in (first, second):
+            assert cores[holder].replicas["n0"].get(deep, key) is not None, (key, holder)
