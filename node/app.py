@@ -104,8 +104,6 @@ HANDOFF_METRICS = {
     "replicas_sent": "State copies sent to successors (crash policy replica).",
     "replicas_promoted": "Replicated states taken over after their owner crashed.",
     "replicas_stale": "Replica batches dropped: older than a round already applied from that node.",
-    "replicas_kept": "States not sent again after a view change: their owner and successors "
-    "did not change, so their replicas are where they belong.",
     "conservative_keys": "States set exhausted after a crash (crash policy conservative).",
     "views_applied": "Ring views this node applied.",
     "last_transfer_seconds": "Duration of this node's most recent outgoing state transfer.",

@@ -529,9 +529,7 @@ class Shard:
                         log.debug("replication to %s failed: %s", batch.to, exc)
                         failed += batch.records
                 del batches
-                # Requests in between, even when a slice sent nothing (keys whose
-                # replicas stayed where they were: ShardCore.rerouted).
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # requests in between, even when a slice sent nothing
         finally:
             self.core.replicas_failed(failed)
         self.core.stats.replicas_sent += sent

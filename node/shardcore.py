@@ -151,7 +151,6 @@ class HandoffStats:
     replicas_sent: int = 0
     replicas_promoted: int = 0
     replicas_stale: int = 0
-    replicas_kept: int = 0
     conservative_keys: int = 0
     views_applied: int = 0
     last_transfer_seconds: float = 0.0
@@ -346,14 +345,9 @@ class ShardCore:
         #: Keys of the replication round in progress (:meth:`replica_round`): taken
         #: from the change set when the round starts, sent in slices.
         self.round: set[str] = set()
-        #: Keys whose replicas may have to move: a view changed since they were
-        #: placed (under :attr:`rerouted_from`). Sent only if their owner or
-        #: successors differ now (:meth:`replica_batches`), after the round's keys.
-        self.rerouted: set[str] = set()
-        self.rerouted_from: RingView | None = None
-        #: The replicas per state the rounds have sent so far (a config asking for
-        #: more has every state sent again: :meth:`replication_tick`).
-        self.replicated_depth = 0
+        #: The successors each rule's states were replicated to so far (a config
+        #: asking for more has every state sent again: :meth:`replication_tick`).
+        self.replicated_depths: dict[str, int] = {}
         #: Keys handed to this node while its view settles, not replicated yet
         #: (see :meth:`receive`); they join the change set once it has settled.
         self.settling: set[str] = set()
@@ -586,10 +580,6 @@ class ShardCore:
         if self.view is not None and view.epoch <= self.view.epoch:
             return None
         config = self.config()
-        #: Where this node's rounds put its replicas: its own last view (the
-        #: router's ``previous`` may be one this node never applied).
-        placed_under = self.view
-        tracked = self.store.dirty is not None
         previous = previous if previous is not None else self.view
         # A handoff of the view being replaced had not finished (some member's
         # final mark never came): its sources stay, behind the new one.
@@ -636,38 +626,10 @@ class ShardCore:
                 self.stats.keys_dropped += len(records)
         self._promote_replicas(view, crashed, now, config)
         dirty = self._dirty()
-        if dirty is not None:
-            # Handed over while the view settled: never replicated yet (below,
-            # the settling set is let go).
-            dirty |= self.settling
         if dirty is not None and len(view) > 1:
-            # Successors may have changed. A state whose owner and successors did
-            # not is where it belongs already (a replica stays valid until its
-            # state changes, and a change is in the change set): only the others
-            # go, to their new successors, after the round's changes
-            # (replica_batches compares; sending every state again after each
-            # view had every node apply every other's at once). Everything goes
-            # as changed when the replicas were placed under no one view the
-            # comparison can trust: a view came before the last one's were
-            # checked, this node missed views, or a member crashed and is back
-            # (in each, a member may have left and come back empty), or
-            # tracking was off.
-            dirty |= self.rerouted
-            trusted = (
-                tracked
-                and placed_under is not None
-                and len(placed_under) > 1
-                and previous is not None
-                and previous.epoch == placed_under.epoch
-                and not any(member in view for member in crashed)
-            )
-            if trusted:
-                self.rerouted = set(self.store.keys())
-                self.rerouted_from = placed_under
-            else:
-                dirty.update(self.store.keys())
-                self.rerouted = set()
-                self.rerouted_from = None
+            # Successors may have changed: every state goes to its (new)
+            # successor at the next round, not only the ones that change.
+            dirty.update(self.store.keys())
         self._remember_crash(previous, crashed, now, config)
         senders: set[str] = set()
         if previous is not None and self.id in view:
@@ -727,7 +689,6 @@ class ShardCore:
         if self.store.dirty is not None:
             self.store.dirty = set()
         self.round = set()
-        self.rerouted = set()
         self.settling = set()
         self.pending = {}
         self._settled()  # nothing remembered for pulls carries over
@@ -1143,24 +1104,25 @@ class ShardCore:
         if view is None or len(view) < 2:
             self.store.dirty = None
             self.round = set()
-            self.rerouted = set()
             return False
         if self.replication_wanted():
-            depth = self._replica_depth()
-            if self.store.dirty is None or depth > self.replicated_depth:
-                # Replication on, or deeper (the config changed, same view): no
-                # state has (all) its replicas yet, so every one goes.
+            depth = self._replica_depths()
+            if self.store.dirty is None or any(
+                n > self.replicated_depths.get(rule, 0) for rule, n in depth.items()
+            ):
+                # Replication on, or a rule replicated further (a config pushed
+                # under the same view): no state has (all) its replicas, and none
+                # would go until it changes or the view does. Every one goes.
                 self.store.dirty = set(self.store.keys()) | (self.store.dirty or set())
-            self.replicated_depth = depth
+            self.replicated_depths = depth
             return True
         self.store.dirty = None
         self.round = set()
-        self.rerouted = set()
         return False
 
-    def _replica_depth(self) -> int:
-        """The most successors a rule here replicates to."""
-        return max((rule.replicas for rule in self.config().rule_map.values()), default=1)
+    def _replica_depths(self) -> dict[str, int]:
+        """How many successors each rule replicates to."""
+        return {name: rule.replicas for name, rule in self.config().rule_map.items()}
 
     def replica_round(self) -> int:
         """Start a replication round: every key changed so far joins the round
@@ -1180,9 +1142,7 @@ class ShardCore:
             else:
                 self.round = dirty
             self.store.dirty = set()
-        if self.rerouted and self.round:
-            self.rerouted -= self.round  # changed: sent as such
-        return len(self.round) + len(self.rerouted)
+        return len(self.round)
 
     def replica_batches(self, now: float, limit: int | None = None) -> list[ReplicaBatch]:
         """The states of the round's keys (:meth:`replica_round`; with no round
@@ -1199,6 +1159,8 @@ class ShardCore:
         if not self.round:
             self.replica_round()
         dirty = self.round
+        if not dirty:
+            return []
         if limit is not None and len(dirty) > limit:
             taken = set(islice(dirty, limit))
             dirty -= taken
@@ -1207,11 +1169,6 @@ class ShardCore:
             self.round = set()
         rules = self.config().rule_map
         depth = 1 + max((rule.replicas for rule in rules.values()), default=1)
-        room = len(self.rerouted) if limit is None else limit - len(dirty)
-        if self.rerouted and room > 0:
-            dirty = dirty | self._moved_replicas(view, depth, room)
-        if not dirty:
-            return []
         by_target: dict[str, list[Record]] = {}
         successors = self.successors
         for record in self.store.export_keys(dirty, now):
@@ -1238,28 +1195,6 @@ class ShardCore:
                 )
             )
         return batches
-
-    def _moved_replicas(self, view: RingView, depth: int, limit: int) -> set[str]:
-        """Up to ``limit`` keys taken from :attr:`rerouted`: those whose owner or
-        successors ``view`` changed since :attr:`rerouted_from` (the rest keep
-        their replicas where they are)."""
-        before = self.rerouted_from
-        rerouted = self.rerouted
-        taken = set(islice(rerouted, limit)) if len(rerouted) > limit else rerouted
-        if taken is rerouted:
-            self.rerouted = set()
-        else:
-            rerouted -= taken
-        if before is None:
-            return taken
-        moved = {
-            key
-            for key in taken
-            if [m.id for m in before.successors(key, depth)]
-            != [m.id for m in view.successors(key, depth)]
-        }
-        self.stats.replicas_kept += len(taken) - len(moved)
-        return moved
 
     def replicas_failed(self, records: list[Record]) -> None:
         """Sent again next round (unless the view changes first)."""
