@@ -613,6 +613,24 @@ class Node:
         if view.epoch < self.shard.epoch:
             # A stale router: neither its view nor its rules replace newer ones.
             return JSONResponse({"epoch": self.shard.epoch, "applied": False, "sent": {}})
+        me = self.settings.node_id
+        if self.shard.epoch == 0 and previous is not None and me in previous and me in view:
+            # This process never held a view, yet it is sent a change of a ring it
+            # was a member of already: a member that restarted and lost its
+            # states. Taken, the router (which tells a restart by epoch 0) would
+            # never know, and its users would start afresh with no crash policy
+            # applied. Refused, the router removes it as crashed and it joins
+            # again. (A push with no previous view, a router's recovery or new
+            # rules, is taken as before: see docs/rebalancing.md.)
+            return JSONResponse(
+                {
+                    "error": "restarted",
+                    "detail": f"node {me} restarted and holds none of its states: "
+                    "remove it as crashed, then let it join again",
+                    "epoch": 0,
+                },
+                status_code=409,
+            )
         self.authority.config = config  # the same epoch may carry new rules
         if lease is not None:
             self.shard.lease.required = lease > 0

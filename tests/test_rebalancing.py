@@ -1333,3 +1333,26 @@ async def test_a_slow_node_removed_as_crashed_stops_deciding() -> None:
             assert second.membership.view == membership.view
         finally:
             await second.close()
+
+
+async def test_a_restarted_node_refuses_a_push_that_would_hide_its_restart() -> None:
+    """A member restarts (empty, fenced) and the first thing to reach it is a
+    push of a change (here another node's join), before any health probe. It
+    took it: at the ring's epoch, the router, which tells a restart by epoch 0,
+    never knew, and its users started afresh with no crash policy applied
+    (found by a review). Refused, it is removed as crashed: its users go on
+    from their replicas."""
+    clock = FrozenClock()
+    async with InProcessCluster(3, make_config(crash="replica"), clock=clock) as cluster:
+        tally = await exhaust_and_replicate(cluster)
+        membership = cluster.router.membership
+        cluster.restart_node("n3")
+        cluster._make_node("n4")
+        response = await cluster.client.post(
+            "/admin/nodes", json={"id": "n4", "url": node_url("n4"), "weight": 1}
+        )
+        assert response.status_code == 200, response.text
+        await send(cluster.client, tally, USERS, 2)
+        assert tally.other == Counter()
+        assert tally.excess() == 0, tally.over()
+        assert "n3" not in membership.view and membership.crashes == 1
