@@ -529,7 +529,6 @@ class Shard:
                         log.debug("replication to %s failed: %s", batch.to, exc)
                         failed += batch.records
                 del batches
-                await asyncio.sleep(0)  # requests in between, even when a slice sent nothing
         finally:
             self.core.replicas_failed(failed)
         self.core.stats.replicas_sent += sent

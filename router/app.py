@@ -776,8 +776,8 @@ class Router:
         worker's (router/metrics.py :func:`merge_workers`) unless asked for its
         own (``?scope=worker``)."""
         self.metrics.forget_departed(self.membership.view.ids)
-        own = self.metrics.render(self.settings.name if self.settings.fellows else None)
         fellows = self.settings.fellows
+        own = self.metrics.render(self.settings.name if fellows else None)
         if fellows and request.query_params.get("scope") != "worker":
             names = list(fellows)
             texts = await asyncio.gather(*(self._worker_metrics(fellows[n]) for n in names))

@@ -367,11 +367,13 @@ class Membership:
         """Take the config of the node at ``node_url`` (it knows the newest view)."""
         try:
             data = await self.nodes.cluster(node_url)
-            config = ClusterConfig.from_dict(data["config"], source="node config", strict=False)
-        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError) as exc:
             log.error("could not take the cluster's rules from %s: %s", node_url, exc)
             return
-        if config != self.config:
+        config = _node_config(data)
+        if config is None:
+            log.error("could not take the cluster's rules from %s: no config it can read", node_url)
+        elif config != self.config:
             log.warning("took the cluster's rules from %s over this router's own", node_url)
             self._take_config(config, node_url)
 
@@ -388,13 +390,7 @@ class Membership:
             found = await self.nodes.discover(seeds, self.health_timeout, with_urls=True)
             if found is not None and len(found[0]):
                 await self._adopt_nodes_config(found[1])
-                fresh = ViewRecord(found[0], None, (), self.config, True)
-                if await self.coordinator.commit(fresh, expected=0) is not None:
-                    log.error(
-                        "etcd %s held no ring, the nodes epoch %d: recorded it there again",
-                        self.coordinator.where,
-                        found[0].epoch,
-                    )
+                await self._record_again(None, self.config, found[0])
                 record = await self.coordinator.load()  # ours, or a router's that was quicker
         if record is None and seeds:
             await asyncio.gather(*(self._wait_ready(m) for m in seeds))
@@ -473,29 +469,32 @@ class Membership:
             self._history = self.coordinator.history_lost
             self._revision = self._seen_revision = 0
 
-    async def _record_again(self, record: ViewRecord | None, config: ClusterConfig) -> bool:
-        """Record this router's view (settled, with ``config``) over etcd's
-        ``record``: none (etcd lost its data, or a cluster that has no ring yet
-        is given rules), or a settled one older than the view this router
-        carried out (etcd restored from an older snapshot). Views in etcd only
-        go forward otherwise (every view is recorded before it is carried
-        out), so this overwrites nothing newer. True if written; raises
-        CoordinatorError, NotLeading."""
+    async def _record_again(
+        self, record: ViewRecord | None, config: ClusterConfig, view: RingView | None = None
+    ) -> bool:
+        """Record ``view`` (this router's by default; settled, with ``config``)
+        over etcd's ``record``: none (etcd lost its data, or a cluster that has
+        no ring yet is given rules), or a settled one older than the view this
+        router carried out (etcd restored from an older snapshot). Views in etcd
+        only go forward otherwise (every view is recorded before it is carried
+        out), so this overwrites nothing newer. At a start, ``view`` is the
+        nodes' newest. True if written; raises CoordinatorError, NotLeading."""
         assert self.coordinator is not None
+        view = self.view if view is None else view
         self._forget_lost_history()
-        fresh = ViewRecord(self.view, None, (), config, True)
+        fresh = ViewRecord(view, None, (), config, True)
         committed = await self.coordinator.commit(
             fresh, expected=0 if record is None else record.revision
         )
         if committed is None:
             return False
         self._revision = committed.revision
-        if len(self.view):
+        if len(view):
             log.error(
-                "etcd %s held %s: recorded this router's ring (epoch %d) there again",
+                "etcd %s held %s: recorded the ring (epoch %d) there again",
                 self.coordinator.where,
                 "no ring" if record is None else f"an older ring (epoch {record.view.epoch})",
-                self.view.epoch,
+                view.epoch,
             )
         return True
 
@@ -1072,11 +1071,9 @@ class Membership:
             log.warning("could not fetch the newer view from %s: %s", node_url, exc)
             return
         if view.epoch > self.view.epoch:
-            config = data.get("config")
-            if config:
-                with contextlib.suppress(ValueError):
-                    taken = ClusterConfig.from_dict(config, source="node config", strict=False)
-                    self._take_config(taken, node_url)
+            taken = _node_config(data)
+            if taken is not None:
+                self._take_config(taken, node_url)
             for member in view:
                 self.health.setdefault(member.id, Health())
             self._adopt(view)
@@ -1489,3 +1486,15 @@ class Membership:
 
     def _load_state(self) -> RingView | None:
         return load_view(self.state_file) if self.state_file is not None else None
+
+
+def _node_config(data: dict[str, Any]) -> ClusterConfig | None:
+    """The config in a node's ``/internal/cluster`` answer; None if it has none
+    this router can read."""
+    raw = data.get("config") if isinstance(data, dict) else None
+    if not raw:
+        return None
+    try:
+        return ClusterConfig.from_dict(raw, source="node config", strict=False)
+    except (TypeError, ValueError):
+        return None

@@ -316,15 +316,7 @@ def test_a_user_redis_refuses_answers_per_on_error_and_says_so_once(
         procs, tmp_path, f"redis://nokeys:kpass@127.0.0.1:{redis.port}/0"
     )
     with httpx.Client(base_url=router, timeout=5.0) as client:
-        for _ in range(3):
-            shut = client.get("/closed/x", headers={"X-User-Id": "alice"})
-            assert shut.status_code == 503, shut.text
-            assert shut.headers["content-type"].endswith("json")
-            assert shut.json()["reason"] == "backend_unavailable"
-        codes = [
-            client.get("/open/x", headers={"X-User-Id": "alice"}).status_code for _ in range(7)
-        ]
-        assert codes == [200] * 5 + [429] * 2, "the local limiter decides open rules"
+        answered_per_on_error(client, "alice", "backend_unavailable")
         single = client.post("/v1/check", json={"key": "bob", "rule": "closed"})
         assert single.status_code == 200, single.text
         assert single.json()["allowed"] is False
@@ -347,6 +339,18 @@ def test_a_user_redis_refuses_answers_per_on_error_and_says_so_once(
     assert "available again" not in log, log
 
 
+def answered_per_on_error(client: httpx.Client, user: str, reason: str) -> None:
+    """``user``'s requests answered by the rules' on_error, with ``reason``: the
+    closed rule 503 JSON, the open rule by the node's local limiter (5 per minute)."""
+    for _ in range(3):
+        shut = client.get("/closed/x", headers={"X-User-Id": user})
+        assert shut.status_code == 503, shut.text
+        assert shut.headers["content-type"].endswith("json")
+        assert shut.json()["reason"] == reason
+    codes = [client.get("/open/x", headers={"X-User-Id": user}).status_code for _ in range(7)]
+    assert codes == [200] * 5 + [429] * 2, "the local limiter decides open rules"
+
+
 def test_a_key_of_another_type_fails_that_users_checks_only(
     redis: RedisServer, procs: Procs, tmp_path: Path
 ) -> None:
@@ -363,15 +367,7 @@ def test_a_key_of_another_type_fails_that_users_checks_only(
         r.lpush("rl:{mallory}:open:tb", "x")
     started = time.monotonic()
     with httpx.Client(base_url=router, timeout=5.0) as client:
-        for _ in range(3):
-            shut = client.get("/closed/x", headers={"X-User-Id": "mallory"})
-            assert shut.status_code == 503, shut.text
-            assert shut.headers["content-type"].endswith("json")
-            assert shut.json()["reason"] == "backend_error"
-        codes = [
-            client.get("/open/x", headers={"X-User-Id": "mallory"}).status_code for _ in range(7)
-        ]
-        assert codes == [200] * 5 + [429] * 2, "the local limiter decides open rules"
+        answered_per_on_error(client, "mallory", "backend_error")
         fine = [
             client.get("/closed/x", headers={"X-User-Id": "alice"}).status_code for _ in range(6)
         ]
