@@ -28,7 +28,7 @@ from node.asgi import (
 from node.authority import Authority
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig, ScopedRule
-from node.decision import BACKEND_ERROR, BACKEND_UNAVAILABLE
+from node.decision import BACKEND_ERROR, BACKEND_UNAVAILABLE, STORE_FULL
 from node.headers import HeaderCache, denial_response
 from node.identity import IdentityResolver, InvalidUserId, header_text, preflight_origin
 from node.peers import INTERNAL_TOKEN_HEADER
@@ -43,8 +43,9 @@ LEASED_HEADER = b"x-ringlimit-leased"
 TOKEN_HEADER = INTERNAL_TOKEN_HEADER.lower().encode()
 #: Fields a router adds that the application behind a node never sees.
 _OWN_FIELDS = frozenset({KEY_HEADER, TOKEN_HEADER, FAILOVER_HEADER, LEASED_HEADER})
-#: Reasons of a denial the backend, not the count, made (503, not 429, when closed).
-_UNDECIDED = frozenset({BACKEND_UNAVAILABLE, BACKEND_ERROR})
+#: Reasons of a denial the backend or the store, not the count, made (503, not
+#: 429, when closed).
+_UNDECIDED = frozenset({BACKEND_UNAVAILABLE, BACKEND_ERROR, STORE_FULL})
 #: What the middleware looks for in a request's fields (see :class:`_Prepared`).
 _KEY, _TOKEN, _FAILOVER, _BYPASS, _TIER, _LEASED = range(6)
 
@@ -260,9 +261,10 @@ class RateLimitMiddleware:
                 await self.app(scope, receive, _adding(send, fields))
             return
         fields = prepared.headers.render(rules, verdict, self.wall_clock())
-        # A rule that fails closed while its backend is down, or answered this check
-        # with an error (backend_error): the service, not the client, is the
-        # problem, so 503 rather than 429. (An open rule decided by the local
+        # A rule that fails closed while its backend is down, answered this check
+        # with an error (backend_error) or found no room for a new key in the store
+        # (store_full): the service, not the client, is the problem, so 503 rather
+        # than 429. (An open rule decided by the local
         # fallback carries the same reason but a real retry time: that client is
         # over its limit, a 429.)
         decision = verdict.decision

@@ -31,7 +31,7 @@ from functools import partial
 from typing import Any
 
 from node.algorithms import REGISTRY, Algorithm, State
-from node.decision import STORE_FULL, Verdict, most_restrictive
+from node.decision import STORE_FULL, Decision, Verdict, most_restrictive
 from node.limiter import decide_all
 from node.rules import MAX_NAME, Rule
 
@@ -276,7 +276,7 @@ class MemoryStore:
         if rule.on_error == "open" or not decision.allowed:
             decision = decision._replace(reason=decision.reason or STORE_FULL)
         else:
-            decision = decision._replace(allowed=False, reason=STORE_FULL, retry_after=None)
+            decision = _refused(rule)
         return Verdict(decision.allowed, decision, (decision,))
 
     def _store_full_many(
@@ -300,7 +300,7 @@ class MemoryStore:
                 self.on_store_full(rule, key)
             if rule.on_error == "closed" and decisions[i].allowed:
                 allowed = False
-                decisions[i] = decisions[i]._replace(allowed=False, retry_after=None)
+                decisions[i] = _refused(rule)
         if allowed and cost:
             for table, before, after in zip(tables, old, new_states, strict=True):
                 if before is not None and after is not before:
@@ -479,6 +479,15 @@ class MemoryStore:
             states[key] = incoming
             taken += 1
         return taken
+
+
+def _refused(rule: Rule) -> Decision:
+    """A closed rule's refusal of a key the store has no room for: the store, not
+    the count, refused, so nothing is said to be left and no time to retry (a
+    fresh quota's figures, ``remaining: 99`` on a denial, told the client it had
+    used a quota it never had). The shape of a closed rule's refusal in a Redis
+    outage (node/redis_backend.py), which the node answers 503 too."""
+    return Decision(False, rule.limit, 0, 0.0, None, rule.name, STORE_FULL)
 
 
 def more_restrictive(table: Table, a: State, b: State, now: float) -> State:

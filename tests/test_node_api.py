@@ -913,3 +913,30 @@ async def test_a_full_store_says_so_without_flooding_the_log(
     lines = [r.getMessage() for r in caplog.records if "key cap of 10" in r.getMessage()]
     assert len(lines) == 1, lines
     assert node.store.store_full_events == 4990
+
+
+async def test_a_full_store_refuses_a_closed_rules_new_key_as_the_services_fault() -> None:
+    """A new key past the cap under a closed rule was answered 429 with
+    ``remaining: 99`` (the fresh quota it was decided on) and no retry time:
+    the client was told it was over a limit it had never used. The store, not
+    the client, refused it: 503, nothing left said, as a closed rule's Redis
+    outage answers (node/redis_backend.py), and the same on the decision API."""
+    config = ClusterConfig(rules=(ScopedRule(Rule("api", 100, 60.0, on_error="closed")),))
+    node, _ = make_node(config, max_keys=1)
+    async with client_for(node) as client:
+        assert (await client.get("/", headers={"X-User-Id": "first"})).status_code == 200
+        refused = await client.get("/", headers={"X-User-Id": "later"})
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["reason"] == "store_full"
+        assert "retry-after" not in refused.headers
+        assert refused.headers["x-ratelimit-remaining"] == "0"
+        answer = await client.post("/v1/check", json={"key": "later", "rule": "api"})
+        result = answer.json()
+        assert (result["allowed"], result["remaining"], result["reason"]) == (
+            False,
+            0,
+            "store_full",
+        )
+        assert result["retry_after"] is None
+        # The user who has a state keeps counting as usual.
+        assert (await client.get("/", headers={"X-User-Id": "first"})).status_code == 200

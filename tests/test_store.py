@@ -153,7 +153,8 @@ class CapModel:
             if len(self.states) >= self.cap:
                 d = decide(rule, None, now, cost)[1]
                 if rule.on_error == "closed" and d.allowed:
-                    return d._replace(allowed=False, reason=STORE_FULL, retry_after=None)
+                    # The store refused, not the count: nothing left, no retry time.
+                    return Decision(False, rule.limit, 0, 0.0, None, rule.name, STORE_FULL)
                 return d._replace(reason=d.reason or STORE_FULL)
         new, d = decide(rule, state, now, cost)
         if new is not state:
@@ -214,6 +215,7 @@ def test_key_cap_example() -> None:
     assert store.get(open_rule, "c") is None and len(store) == 2
     d = store.check("c", [closed_rule], clock(), 1).decision
     assert (d.allowed, d.reason, d.retry_after) == (False, STORE_FULL, None)
+    assert (d.remaining, d.reset_after) == (0, 0.0)  # not a fresh quota's 4 left
     # Existing keys keep their state: "b" has 3 left, then 2.
     d = store.check("b", [open_rule], clock(), 1).decision
     assert (d.allowed, d.remaining, d.reason) == (True, 2, None)
