@@ -58,6 +58,7 @@ from typing import Any
 
 from node.asgi import RESPONSE_FIELDS
 from node.failures import Failures
+from node.headers import LEGACY_NAMES, settle_legacy
 
 __all__ = ["KEEP_ALIVE", "REUSE_IDLE", "FrontDoor", "raise_fd_limit"]
 
@@ -274,7 +275,8 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                 if added:  # uvicorn's own send takes fields as pairs only
                     extra = [field for entry in reversed(added.values()) for field in entry.fields]
                     added.clear()
-                    message = {**message, "headers": [*message.get("headers", ()), *extra]}
+                    app, ours = settle_legacy(message.get("headers", ()), extra)
+                    message = {**message, "headers": [*app, *ours]}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 # The answer's last message: the cycle lets go of this method bound
                 # to itself (the app holds its own). Held, every request's cycle,
@@ -292,6 +294,9 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
         status_code = message["status"]
         content = [STATUS_LINE[status_code]]
         has_connection_close = False
+        #: The app's own X-RateLimit-* fields: (where in content, field). Never
+        #: remembered below, so an answer without them pays nothing for this.
+        legacy: list[tuple[int, Any]] | None = None
         for field in (*cycle.default_headers, *message.get("headers", ())):
             try:
                 line = checked.get(field)
@@ -318,7 +323,11 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                     cycle.keep_alive = False
                     has_connection_close = True
             line = b"".join((name, b": ", value, b"\r\n"))
-            if (
+            if name in LEGACY_NAMES:
+                if legacy is None:
+                    legacy = []
+                legacy.append((len(content), (name, value)))
+            elif (
                 name not in _FRAMING_FIELDS
                 and type(field) is tuple
                 and len(line) <= MAX_CHECKED_LINE
@@ -335,8 +344,11 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                 # The middleware's rate-limit fields (node/asgi.py RESPONSE_FIELDS),
                 # checked when they were rendered (node/headers.py Rendered.lines).
                 # The innermost middleware's first, as wrappers of send would add them.
-                for entry in reversed(added.values()):
-                    content.append(entry.lines)
+                if legacy or len(added) > 1:
+                    _settle_legacy_lines(content, legacy or [], added)
+                else:
+                    for entry in reversed(added.values()):
+                        content.append(entry.lines)
                 added.clear()  # the connection's next request starts with none
         if not has_connection_close and (
             not cycle.keep_alive or (cycle.more_body and _rest_not_drained(cycle.scope["headers"]))
@@ -357,6 +369,28 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
         cycle.transport.write(b"".join(content))
 
     return send
+
+
+def _settle_legacy_lines(
+    content: list[bytes], legacy: list[tuple[int, Any]], added: dict[object, Any]
+) -> None:
+    """Add ``added``'s fields to ``content`` when more than one set of
+    ``X-RateLimit-*`` may meet: the app's own (at the ``legacy`` places) or
+    nested middlewares'. One set is written, as node/headers.py's
+    :func:`~node.headers.settle_legacy` chooses, each middleware settling with
+    what is inside it, innermost first, as wrappers of ``send`` would."""
+    fields: list[Any] = [field for _, field in legacy]
+    for entry in reversed(added.values()):
+        inside, ours = settle_legacy(fields, entry.fields)
+        fields = inside + ours
+    kept = {id(field) for field in fields}
+    for at, field in legacy:
+        if id(field) not in kept:
+            content[at] = b""
+    app = {id(field) for _, field in legacy}
+    content.append(
+        b"".join(b"%s: %s\r\n" % (n.lower(), v) for n, v in (f for f in fields if id(f) not in app))
+    )
 
 
 def _rest_not_drained(headers: list[tuple[bytes, bytes]]) -> bool:

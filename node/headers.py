@@ -36,6 +36,7 @@ ringlimit's plain JSON; both keep the same ringlimit members.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -184,6 +185,41 @@ def legacy_headers(
         (b"x-ratelimit-remaining", str(decision.remaining).encode()),
         (b"x-ratelimit-reset", str(value).encode()),
     ]
+
+
+#: The legacy fields' names: each holds one value, so an answer carries one of each.
+LEGACY_NAMES = frozenset({b"x-ratelimit-limit", b"x-ratelimit-remaining", b"x-ratelimit-reset"})
+
+Field = tuple[bytes, bytes]
+
+
+def settle_legacy(app: Sequence[Field], ours: Sequence[Field]) -> tuple[list[Field], list[Field]]:
+    """``(app, ours)`` with one set of ``X-RateLimit-*`` fields between them.
+
+    An application behind a node (or an upstream) may send legacy fields of its
+    own quota; added to ours, an answer carried two ``X-RateLimit-Remaining``,
+    which a client reads as one unparseable value (RFC 9110 section 5.3 joins
+    them with a comma). They describe the most restrictive quota, so the
+    application's set is kept when its remaining is below ours, and ours
+    otherwise (its remaining unreadable or missing included). ``RateLimit`` and
+    ``RateLimit-Policy`` are lists of named policies: both sides' are kept.
+    """
+    if not any(name.lower() in LEGACY_NAMES for name, _ in app):
+        return list(app), list(ours)
+    if not any(name in LEGACY_NAMES for name, _ in ours):
+        return list(app), list(ours)  # legacy fields off here: the app's are the only ones
+    theirs = _remaining(app)
+    if theirs is not None and theirs < (_remaining(ours) or 0):
+        return list(app), [field for field in ours if field[0] not in LEGACY_NAMES]
+    return [field for field in app if field[0].lower() not in LEGACY_NAMES], list(ours)
+
+
+def _remaining(fields: Iterable[Field]) -> int | None:
+    for name, value in fields:
+        if name.lower() == b"x-ratelimit-remaining":
+            text = value.strip()
+            return int(text) if text.isdigit() and len(text) < 20 else None
+    return None
 
 
 def _with_shadow(

@@ -29,7 +29,7 @@ from node.authority import Authority
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig, ScopedRule
 from node.decision import BACKEND_ERROR, BACKEND_UNAVAILABLE, STORE_FULL
-from node.headers import HeaderCache, denial_response
+from node.headers import HeaderCache, denial_response, settle_legacy
 from node.identity import IdentityResolver, InvalidUserId, header_text, preflight_origin
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.rules import Rule, parse_rule
@@ -314,7 +314,8 @@ def _adding(send: Send, headers: Sequence[tuple[bytes, bytes]]) -> Send:
     def send_with_headers(message: Message) -> Awaitable[None]:
         if message["type"] == "http.response.start":
             # A copy: the message is the app's, which may send the same one again.
-            message = {**message, "headers": [*message.get("headers", ()), *headers]}
+            app, ours = settle_legacy(message.get("headers", ()), headers)
+            message = {**message, "headers": [*app, *ours]}
         return send(message)
 
     return send_with_headers
