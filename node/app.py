@@ -592,6 +592,9 @@ class Node:
             wait = data.get("wait", True)
             if type(wait) is not bool:
                 raise ValueError(f"wait must be true or false, got {wait!r}"[:120])
+            established = data.get("established", False)
+            if type(established) is not bool:
+                raise ValueError(f"established must be true or false, got {established!r}"[:120])
             lease = data.get("lease")
             if lease is not None and not (
                 isinstance(lease, int | float) and not isinstance(lease, bool) and isfinite(lease)
@@ -614,14 +617,20 @@ class Node:
             # A stale router: neither its view nor its rules replace newer ones.
             return JSONResponse({"epoch": self.shard.epoch, "applied": False, "sent": {}})
         me = self.settings.node_id
-        if self.shard.epoch == 0 and previous is not None and me in previous and me in view:
+        if (
+            self.shard.epoch == 0
+            and me in view
+            and (established or (previous is not None and me in previous))
+        ):
             # This process never held a view, yet it is sent a change of a ring it
-            # was a member of already: a member that restarted and lost its
-            # states. Taken, the router (which tells a restart by epoch 0) would
-            # never know, and its users would start afresh with no crash policy
-            # applied. Refused, the router removes it as crashed and it joins
-            # again. (A push with no previous view, a router's recovery or new
-            # rules, is taken as before: see docs/rebalancing.md.)
+            # was a member of already, or a view whose router says every member
+            # holds its states (``established``: new rules, a refresh): a member
+            # that restarted and lost its states. Taken, the router (which tells a
+            # restart by epoch 0) would never know, and its users would start
+            # afresh with no crash policy applied. Refused, the router removes it
+            # as crashed and it joins again. (A push that says neither, a
+            # router's first start, a recovery of a whole cluster restarted or a
+            # take-over, is taken as before: see docs/rebalancing.md.)
             return JSONResponse(
                 {
                     "error": "restarted",

@@ -332,7 +332,13 @@ class Membership:
             for member in best:
                 self.health.setdefault(member.id, Health())
             log.info("recovered ring at epoch %d: %s", best.epoch, ", ".join(best.ids))
-            await self._push_all(self.view, None, ())
+            # A node that holds a view means the cluster kept its states: one that
+            # is empty restarted (it refuses, and the health loop removes it as
+            # crashed). None holding one: the whole cluster restarted, and every
+            # node takes the recovered view empty.
+            await self._push_all(
+                self.view, None, (), established=discovered is not None and len(discovered) > 0
+            )
         elif seeds:
             await asyncio.gather(*(self._wait_ready(m) for m in seeds))
             view = RingView.of(seeds, epoch=1)
@@ -1193,6 +1199,7 @@ class Membership:
             seconds=seconds,
             # Telling a removed member is the point of a notify: never abandoned.
             abandon=push.role != "notify",
+            established=push.established,
         )
 
     async def _push_all(
@@ -1202,9 +1209,16 @@ class Membership:
         crashed: Iterable[str],
         *,
         seconds: float | None = None,
+        established: bool = False,
     ) -> None:
         await self._push(
-            view.members, view, previous, tuple(crashed), tolerate=True, seconds=seconds
+            view.members,
+            view,
+            previous,
+            tuple(crashed),
+            tolerate=True,
+            seconds=seconds,
+            established=established,
         )
 
     async def _push(
@@ -1217,20 +1231,22 @@ class Membership:
         tolerate: bool = False,
         seconds: float | None = None,
         abandon: bool = True,
+        established: bool = False,
     ) -> list[str]:
         """Send a view; returns the ids that did not take it (raises unless ``tolerate``).
 
         ``seconds`` bounds a push that carries no handoff (the default, the
         client's push timeout, leaves room for a node to deliver its states).
         With ``abandon``, the push to a member whose crash removal is decided
-        meanwhile is abandoned (:meth:`_abandon_condemned`).
+        meanwhile is abandoned (:meth:`_abandon_condemned`). ``established``:
+        see router/nodeclient.py ``push_body``.
         """
         members = list(members)
         self.log.saw(view.epoch)
         # Only the router that removes members on its own probes makes nodes
         # require a lease; others leave the setting as it is.
         lease = self.lease_seconds if self.leasing else None
-        payload = push_body(view, previous, crashed, self.config, lease)
+        payload = push_body(view, previous, crashed, self.config, lease, established=established)
         pending = {
             asyncio.create_task(self.nodes.push_one(m, payload, seconds=seconds)): m
             for m in members
@@ -1367,13 +1383,13 @@ class Membership:
         async with self.lock:
             if member in self.view.members:
                 log.warning("node %s holds other rules than this router's: pushed again", member.id)
-                await self._push([member], self.view, None, (), tolerate=True)
+                await self._push([member], self.view, None, (), tolerate=True, established=True)
 
     async def push_config(self, config: ClusterConfig) -> None:
         self._must_lead()
         async with self.lock:
             self.config = config
-            await self._push_all(self.view, None, ())
+            await self._push_all(self.view, None, (), established=True)
 
     async def change_config(self, config: ClusterConfig) -> ClusterConfig:
         """Make ``config`` the cluster's (the admin API's new rules); the config
@@ -1405,7 +1421,7 @@ class Membership:
                 await self._record_config(config)
             before, self.config = self.config, config
             try:
-                await self._push_all(self.view, None, ())
+                await self._push_all(self.view, None, (), established=True)
             except BaseException:
                 if self.coordinator is None:
                     self.config = before

@@ -32,8 +32,17 @@ def push_body(
     crashed: Iterable[str],
     config: ClusterConfig,
     lease: float | None,
+    *,
+    established: bool = False,
 ) -> dict[str, Any]:
-    """The body of a view push; ``lease`` makes the nodes require one (None: unchanged)."""
+    """The body of a view push; ``lease`` makes the nodes require one (None: unchanged).
+
+    ``established``: every member of ``view`` holds its states (new rules, a
+    refresh), so one that never held a view has restarted and refuses it (409
+    ``restarted``), to be removed as crashed. Said only where the router knows
+    it: a first start, a recovery of a cluster whose nodes all restarted and a
+    take-over may find members that are rightly empty.
+    """
     payload: dict[str, Any] = {
         "ring": view.to_dict(),
         "previous": previous.to_dict() if previous is not None else None,
@@ -43,6 +52,8 @@ def push_body(
     }
     if lease is not None:
         payload["lease"] = lease
+    if established:
+        payload["established"] = True
     return payload
 
 

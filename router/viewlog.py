@@ -60,7 +60,9 @@ class Push:
 
     ``tolerate``: members that do not take it are reported, not raised (the
     change goes on); ``ready``: the push carries no handoff, so the driver
-    bounds it by its readiness timeout rather than the push timeout.
+    bounds it by its readiness timeout rather than the push timeout;
+    ``established``: its members hold their states (router/nodeclient.py
+    ``push_body``).
     """
 
     members: tuple[Member, ...]
@@ -70,6 +72,7 @@ class Push:
     role: Role
     tolerate: bool = True
     ready: bool = False
+    established: bool = False
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,7 @@ class ViewLog:
         missed = tuple(
             m for epoch, ids in sorted(self.crashed_at.items()) if epoch > node_epoch for m in ids
         )
-        return Push((member,), self.view, previous, missed, "refresh")
+        return Push((member,), self.view, previous, missed, "refresh", established=True)
 
     def lost_state(self, member: Member, node_epoch: int) -> bool:
         """A member at epoch 0 while the ring is older restarted and lost its state."""

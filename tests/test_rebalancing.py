@@ -1356,3 +1356,31 @@ async def test_a_restarted_node_refuses_a_push_that_would_hide_its_restart() -> 
         assert tally.other == Counter()
         assert tally.excess() == 0, tally.over()
         assert "n3" not in membership.view and membership.crashes == 1
+
+
+async def test_a_restarted_node_refuses_new_rules_that_would_hide_its_restart() -> None:
+    """As above, with new rules as the first thing to reach the restarted
+    member: a push with no previous view, which it took (a documented gap):
+    at the ring's epoch, the health loop saw nothing wrong and its users
+    started afresh. The router now says its members hold their states
+    (``established``), so the empty one refuses; the rules reach the others,
+    and the health loop removes it as crashed: its users go on from their
+    replicas, under the new rules."""
+    clock = FrozenClock()
+    async with InProcessCluster(3, make_config(crash="replica"), clock=clock) as cluster:
+        tally = await exhaust_and_replicate(cluster)
+        membership = cluster.router.membership
+        cluster.restart_node("n3")
+        api = {"name": "api", "limit": LIMIT, "period": PERIOD, "algorithm": "sliding_log"}
+        rules = {"rules": [api, {"name": "other", "rate": "5/minute", "paths": ["/other"]}]}
+        answer = await cluster.client.put(f"{ROUTER_URL}/admin/rules", json=rules)
+        assert answer.status_code == 200, answer.text
+        assert cluster.nodes["n3"].shard.epoch == 0  # it refused the push
+        assert cluster.nodes["n1"].authority.config.rule("other") is not None
+        await membership.check_health()
+        await asyncio.gather(*membership._background)
+        await send(cluster.client, tally, USERS, 2)
+        assert tally.other == Counter()
+        assert tally.excess() == 0, tally.over()
+        assert membership.crashes == 1
+        assert all(node.authority.config.rule("other") for node in cluster.nodes.values())

@@ -181,7 +181,7 @@ async def test_a_push_that_fails_leaves_the_router_with_its_config(
         membership = cluster.router.membership
         before = membership.config
 
-        async def broken(*args: Any) -> None:
+        async def broken(*args: Any, **options: Any) -> None:
             raise RuntimeError("push failed")
 
         monkeypatch.setattr(membership, "_push_all", broken)
