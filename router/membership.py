@@ -624,8 +624,13 @@ class Membership:
         """
         try:
             async with self.lock:
-                await asyncio.gather(*(self._renew(m) for m in self.view))
-                await self._push_all(self.view, None, (), seconds=self._takeover_push)
+                offers = await asyncio.gather(*(self._renew(m) for m in self.view))
+                # As a recovered start (see start): a member that holds a view means
+                # the cluster kept its states, and one that is empty restarted.
+                held = any(isinstance(o, dict) and _positive(o.get("epoch")) for o in offers)
+                await self._push_all(
+                    self.view, None, (), seconds=self._takeover_push, established=held
+                )
             if term != self._term:
                 return
             self.leading = True
@@ -1502,6 +1507,11 @@ class Membership:
 
     def _load_state(self) -> RingView | None:
         return load_view(self.state_file) if self.state_file is not None else None
+
+
+def _positive(epoch: object) -> bool:
+    """An epoch a node reported that says it holds a view (not a bool, not junk)."""
+    return type(epoch) is int and epoch > 0
 
 
 def _node_config(data: dict[str, Any]) -> ClusterConfig | None:

@@ -39,7 +39,7 @@ from router.processes import ChildProcess
 from router.testing import ROUTER_URL, InProcessCluster, node_url
 from tests.etcd_server import EtcdServer
 from tests.processes import wait_until
-from tests.test_rebalancing import LIMIT, USERS, Tally, make_config, send
+from tests.test_rebalancing import LIMIT, USERS, Tally, exhaust_and_replicate, make_config, send
 
 pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
 
@@ -757,6 +757,37 @@ async def test_a_new_leader_rolls_forward_a_change_its_predecessor_left_half_don
                 await second.close()
         finally:
             await etcd.close()
+
+
+async def test_a_take_over_does_not_hide_a_node_that_restarted_meanwhile(
+    etcd_endpoint: str,
+) -> None:
+    """The leader dies and n3 restarts empty before the next leader's take-over
+    push, which carries no previous view. It took it: at the ring's epoch, no
+    probe found it restarted and its users started afresh. The new leader's
+    lease offers say the other members hold views, so its push says every
+    member holds its states; n3 refuses it and is repaired as crashed: its
+    users go on from their replicas."""
+    async with leading_cluster(etcd_endpoint) as cluster:
+        membership = cluster.router.membership
+        tally = await exhaust_and_replicate(cluster)
+        await stop_coordination(membership)
+        membership.leading = False
+        cluster.restart_node("n3")
+        second = cluster.new_router(SECOND, seeds=[], **options(etcd_endpoint, SECOND))
+        await second.start()
+        try:
+            other = second.membership
+            await wait_until(lambda: other.leading, seconds=15.0)
+            assert cluster.nodes["n3"].shard.epoch == 0  # type: ignore[union-attr]
+            await other.check_health()
+            await asyncio.gather(*other._background)
+            await send(cluster.client, tally, USERS, 2, base=SECOND)
+            assert tally.other == Counter()
+            assert tally.excess() == 0, tally.over()
+            assert other.crashes == 1
+        finally:
+            await second.close()
 
 
 class Paused(httpx.AsyncBaseTransport):
