@@ -332,12 +332,15 @@ class Membership:
             for member in best:
                 self.health.setdefault(member.id, Health())
             log.info("recovered ring at epoch %d: %s", best.epoch, ", ".join(best.ids))
-            # A node that holds a view means the cluster kept its states: one that
-            # is empty restarted (it refuses, and the health loop removes it as
-            # crashed). None holding one: the whole cluster restarted, and every
-            # node takes the recovered view empty.
+            # A member that holds a view means the cluster kept its states: one
+            # that is empty restarted (it refuses, and the health loop removes it
+            # as crashed). None holding one: the whole cluster restarted, and
+            # every member takes the recovered view empty. Asked of the members
+            # alone: a node removed from the ring that still runs (and may be
+            # among the seeds) holds a view too, and said nothing of theirs.
+            held = await self.nodes.discover(list(best.members), self.health_timeout)
             await self._push_all(
-                self.view, None, (), established=discovered is not None and len(discovered) > 0
+                self.view, None, (), established=held is not None and len(held) > 0
             )
         elif seeds:
             await asyncio.gather(*(self._wait_ready(m) for m in seeds))
