@@ -288,14 +288,22 @@ class AdminAPI:
             config = new_rules(self.router.config, parse_json(raw, self.router.config))
             if (forwarded := await self._to_leader(request, raw)) is not None:
                 return forwarded
-            await membership.change_config(config)
+            change = await membership.change_config(config)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         except MembershipError as exc:
             return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
         except ValueError as exc:  # clashes with this router's --envoy-config rules
             return JSONResponse(error_body("invalid_rules", str(exc)), status_code=400)
-        return JSONResponse({"epoch": membership.view.epoch, "rules": membership.rules_data()})
+        return JSONResponse(
+            {
+                "epoch": membership.view.epoch,
+                "rules": membership.rules_data(),
+                # Members that did not take them yet: the health loop gives them
+                # the rules (or repairs a restarted one) within a health interval.
+                "pending": list(change.pending),
+            }
+        )
 
     # ------------------------------------------------------------------ operators
 

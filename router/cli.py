@@ -1268,11 +1268,22 @@ def _run_rules(args: argparse.Namespace) -> int:
         # The rules alone: what `ringlimit rules > rules.json` saves, this applies.
         return [json.dumps({"rules": data["rules"]}, indent=2)]
 
+    def applied(data: dict[str, Any]) -> list[str]:
+        if data.get("pending"):
+            # Said apart from the rules (stdout stays what `ringlimit rules` reads back).
+            print(
+                "ringlimit rules: not taken yet by "
+                + ", ".join(map(str, data["pending"]))
+                + " (the router's health loop gives them the rules, or repairs them)",
+                file=sys.stderr,
+            )
+        return lines(data)
+
     if body is None:
         return _admin_call(
             args.router, "GET", "/admin/rules", None, lines, command="ringlimit rules"
         )
-    return _admin_call(args.router, "PUT", "/admin/rules", body, lines, command="ringlimit rules")
+    return _admin_call(args.router, "PUT", "/admin/rules", body, applied, command="ringlimit rules")
 
 
 def _admin_call(

@@ -40,7 +40,7 @@ import logging
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -1218,8 +1218,9 @@ class Membership:
         *,
         seconds: float | None = None,
         established: bool = False,
-    ) -> None:
-        await self._push(
+    ) -> list[str]:
+        """Send ``view`` to every member; returns the ids that did not take it."""
+        return await self._push(
             view.members,
             view,
             previous,
@@ -1399,9 +1400,11 @@ class Membership:
             self.config = config
             await self._push_all(self.view, None, (), established=True)
 
-    async def change_config(self, config: ClusterConfig) -> ClusterConfig:
-        """Make ``config`` the cluster's (the admin API's new rules); the config
-        the cluster now has, this router's own rules added.
+    async def change_config(self, config: ClusterConfig) -> ConfigChange:
+        """Make ``config`` the cluster's (the admin API's new rules): the config
+        the cluster now has, this router's own rules added, and the members that
+        did not take it yet (a member that did not answer, or that restarted
+        and refused: the health loop gives it the rules, or repairs it).
 
         Recorded in etcd first, as a settled record of the same view (a config
         changes no view, so there is nothing to roll forward): the other
@@ -1429,12 +1432,12 @@ class Membership:
                 await self._record_config(config)
             before, self.config = self.config, config
             try:
-                await self._push_all(self.view, None, (), established=True)
+                pending = await self._push_all(self.view, None, (), established=True)
             except BaseException:
                 if self.coordinator is None:
                     self.config = before
                 raise
-        return config
+        return ConfigChange(config, tuple(pending))
 
     async def _record_config(self, config: ClusterConfig) -> None:
         assert self.coordinator is not None
@@ -1510,6 +1513,14 @@ class Membership:
 
     def _load_state(self) -> RingView | None:
         return load_view(self.state_file) if self.state_file is not None else None
+
+
+class ConfigChange(NamedTuple):
+    """What :meth:`Membership.change_config` did."""
+
+    config: ClusterConfig
+    #: Members that did not take it (yet): unreachable, or restarted and refused.
+    pending: tuple[str, ...]
 
 
 def _positive(epoch: object) -> bool:

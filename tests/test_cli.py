@@ -222,6 +222,27 @@ def test_rules_shows_and_applies_a_files_rules_to_a_running_cluster(
     assert [r["limit"] for r in json.loads(again.stdout)["rules"]] == [3]
 
 
+@pytest.mark.integration
+def test_rules_applied_say_which_nodes_have_not_taken_them(procs: Procs, tmp_path: Path) -> None:
+    """A member that did not take new rules (dead, not yet removed) was not
+    mentioned: the call answered 200 and the operator believed every node had
+    them. It is named, apart from the rules the command prints."""
+    nodes = procs.nodes(["n1", "n2"])
+    seeds = [f"{node_id}={url}" for node_id, (_, url) in nodes.items()]
+    _, router = procs.router(
+        None, *(f for seed in seeds for f in ("--node", seed)), "--no-health-checks"
+    )
+    nodes["n2"][0].kill9()
+    new = tmp_path / "rules.toml"
+    new.write_text('[[rules]]\nname = "api"\nrate = "1/minute"\n')
+    applied = run([sys.executable, "-m", "router", "rules", str(new), "--router", router])
+    assert applied.returncode == 0, applied.stderr
+    assert [r["limit"] for r in json.loads(applied.stdout)["rules"]] == [1]
+    assert applied.stderr.count("\n") == 1 and "not taken yet by n2" in applied.stderr, (
+        applied.stderr
+    )
+
+
 def test_ports_asked_for_twice_are_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1425,6 +1425,7 @@ async def test_a_restarted_node_refuses_new_rules_that_would_hide_its_restart() 
         rules = {"rules": [api, {"name": "other", "rate": "5/minute", "paths": ["/other"]}]}
         answer = await cluster.client.put(f"{ROUTER_URL}/admin/rules", json=rules)
         assert answer.status_code == 200, answer.text
+        assert answer.json()["pending"] == ["n3"]  # the answer says who has not got them
         assert cluster.nodes["n3"].shard.epoch == 0  # it refused the push
         assert cluster.nodes["n1"].authority.config.rule("other") is not None
         await membership.check_health()

@@ -56,6 +56,7 @@ async def test_new_limits_apply_at_once_and_keep_what_users_spent() -> None:
         )
         assert answer.status_code == 200, answer.text
         assert answer.json()["rules"] == [{**answer.json()["rules"][0], "limit": 4}]
+        assert answer.json()["pending"] == []
         assert node_limits(cluster) == {"n1": 4, "n2": 4, "n3": 4}
         # ann's bucket kept its 2 tokens (at most the new 4); bob's is a new one of 4.
         assert await spend(cluster, "ann", 3) == [200, 200, 429]
