@@ -63,7 +63,7 @@ from node.security import bearer, refusal, token_matches
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore
 from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
-from node.upstream import echo_app
+from node.upstream import UPSTREAM_METRICS, UpstreamApp, echo_app
 from node.wire import (
     ApiError,
     count_param,
@@ -222,6 +222,11 @@ class Node:
                 lambda: {"decisions": getattr(backend, "fallbacks", 0)},
             )
         self.fronted = app if app is not None else echo_app(settings.node_id)
+        if isinstance(app, UpstreamApp):
+            upstream = app.stats
+            self.metrics.add_counters(
+                "ringlimit_upstream", UPSTREAM_METRICS, lambda: dict(vars(upstream))
+            )
         self.limited = RateLimitMiddleware(
             self.fronted,
             authority=self.authority,

@@ -51,16 +51,17 @@ class Failures:
         )
         return True
 
-    def warn(self, kind: str, message: str, *args: object) -> bool:
-        """Log a warning, at most one of ``kind`` every ``every`` seconds (saying how
-        many were not logged in between): for events a peer or a client can repeat
-        once per request, which are counted elsewhere. Returns whether it was logged."""
+    def warn(self, kind: str, message: str, *args: object, level: int = logging.WARNING) -> bool:
+        """Log a warning (or a line at ``level``), at most one of ``kind`` every
+        ``every`` seconds (saying how many were not logged in between): for
+        events a peer or a client can repeat once per request, which are counted
+        elsewhere. Returns whether it was logged."""
         skipped = self._due(kind)
         if skipped is None:
             return False
         if skipped:
             message += f" ({skipped} more since the last report)"
-        self.logger.warning(message, *args)
+        self.logger.log(level, message, *args)
         return True
 
     def _due(self, kind: str) -> int | None:

@@ -428,11 +428,16 @@ def _declares_body(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 class _QuietLogger:
-    """uvicorn's logger for one server, with its warnings at most one line per
-    message every 10 s (node/failures.py): uvicorn warns on every request its
-    parser refuses (``Invalid HTTP request received.``) and every request over
-    its concurrency limit, so any client could make the server log a line per
-    connection. Its messages are fixed strings, so they are few kinds."""
+    """uvicorn's logger for one server, with its warnings, and its errors that
+    carry no traceback, at most one line per message every 10 s
+    (node/failures.py): uvicorn warns on every request its parser refuses
+    (``Invalid HTTP request received.``) and every request over its
+    concurrency limit, so any client could make the server log a line per
+    connection, and logs an error for every answer an app left unfinished
+    (``ASGI callable returned without completing response.``: each answer an
+    upstream broke off, which the node already reports, throttled). Those
+    messages are fixed strings, so they are few kinds. An error with a
+    traceback (an app that raised) is logged every time."""
 
     def __init__(self, logger: logging.Logger) -> None:
         self._logger = logger
@@ -440,6 +445,12 @@ class _QuietLogger:
 
     def warning(self, message: str, *args: Any) -> None:
         self._limit.warn(message, message, *args)
+
+    def error(self, message: str, *args: Any, **options: Any) -> None:
+        if options:
+            self._logger.error(message, *args, **options)
+        else:
+            self._limit.warn(message, message, *args, level=logging.ERROR)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._logger, name)

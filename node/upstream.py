@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import aiohttp
 import yarl
@@ -18,10 +21,14 @@ from node.identity import header_text
 
 log = logging.getLogger("ringlimit.node")
 
-#: Request fields not passed to the upstream: hop-by-hop ones, and those aiohttp
+#: Request fields not passed to the upstream: hop-by-hop ones, those aiohttp
 #: sets for the request it makes (a declared length is set again: see
-#: :func:`declared_length`).
-NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
+#: :func:`declared_length`), and ``Expect``: the node's server answers a
+#: client's ``100-continue`` itself, once the body is asked for; passed on,
+#: aiohttp waited for the upstream's own ``100 Continue`` before it sent the
+#: body, and an upstream that sends none (Python's http.server) never got it:
+#: a 502 after the whole timeout, for every upload curl makes over 1 MiB.
+NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 #: Bytes the upstream's status line, and any one field of its answer, may take:
 #: as many as the node's front door takes of a request's whole head. aiohttp's
 #: default, 8190, made a longer field (a large cookie, a CSP) an opaque 502.
@@ -116,9 +123,13 @@ def declared_length(fields: RawHeaders) -> int | None:
     return length
 
 
-async def request_body(receive: Receive, length: int | None) -> AsyncIterator[bytes]:
+async def request_body(
+    receive: Receive, length: int | None, read: asyncio.Event | None = None
+) -> AsyncIterator[bytes]:
     """The client's body as it arrives, ``length`` bytes (``None``: as many as
-    come, chunked); :class:`BodyMismatch` when it does not end there."""
+    come, chunked); :class:`BodyMismatch` when it does not end there. ``read``
+    is set once the whole body is read (``receive`` then only says whether
+    the client went away)."""
     sent = 0
     while True:
         message = await receive()
@@ -133,7 +144,36 @@ async def request_body(receive: Receive, length: int | None) -> AsyncIterator[by
         if not message.get("more_body"):
             if length is not None and sent != length:
                 raise BodyMismatch(f"{sent} bytes of a body declared as {length}")
+            if read is not None:
+                read.set()
             return
+
+
+@dataclass
+class UpstreamStats:
+    """What went wrong with the upstream, by kind (``/metrics``: ringlimit_upstream_*)."""
+
+    #: Requests it did not answer: refused, unresolvable, TLS, or the timeout
+    #: before the answer began (502 upstream_unavailable).
+    unavailable: int = 0
+    #: Answers it broke off after they began (the client's connection is closed).
+    broke_off: int = 0
+    #: Answers HTTP cannot relay: a status outside 100-599 (502).
+    invalid: int = 0
+    #: Requests whose client went away before the answer ended: the upstream's
+    #: request was stopped, not left to run to the timeout.
+    abandoned: int = 0
+
+
+#: The help of each ``ringlimit_upstream_*_total`` counter.
+UPSTREAM_METRICS = {
+    "unavailable": "Requests the upstream did not answer (refused, unresolvable, TLS, "
+    "timed out before the answer began): 502 upstream_unavailable.",
+    "broke_off": "Upstream answers that broke off after they began.",
+    "invalid": "Upstream answers with a status outside 100-599: 502.",
+    "abandoned": "Requests whose client went away before the answer ended: the "
+    "upstream request was stopped.",
+}
 
 
 class UpstreamApp:
@@ -156,9 +196,11 @@ class UpstreamApp:
         #: sends an idempotent request again then, never a POST: that one is a 502.
         self.idle_timeout = idle_timeout
         self._session: aiohttp.ClientSession | None = None
-        #: Answers that broke off after they began: a warning each, at most one
-        #: every 10 s (an upstream that keeps dying must not flood the log).
+        #: Answers that broke off after they began, and requests the upstream did
+        #: not answer: a warning each, at most one every 10 s per kind (an
+        #: upstream that keeps dying must not flood the log).
         self._broken = Failures(log)
+        self.stats = UpstreamStats()
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -191,8 +233,49 @@ class UpstreamApp:
         return yarl.URL(target, encoded=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The exchange with the upstream, stopped if the client goes away first.
+
+        uvicorn's ``send`` does nothing once the client is gone, so an exchange
+        left alone ran to the upstream's timeout (30 s): a slow upstream held a
+        connection of the pool for each request a router had long given up on,
+        other users' requests queued behind them, and a download the client
+        dropped was read to its end. Once the request's body is read, its
+        ``receive`` says when the client goes (as Starlette's streaming answers
+        listen for it), and the exchange is cancelled: aiohttp closes that
+        upstream connection, which the upstream sees as the client's going.
+        """
         if scope["type"] != "http":
             return
+        body_read = asyncio.Event()
+        answered = asyncio.Event()
+        exchange = asyncio.ensure_future(self._exchange(scope, receive, send, body_read, answered))
+        gone = asyncio.ensure_future(_client_gone(receive, body_read))
+        try:
+            await asyncio.wait((exchange, gone), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            exchange.cancel()
+            gone.cancel()
+            await asyncio.gather(exchange, gone, return_exceptions=True)
+            raise
+        if not exchange.done() and not answered.is_set():
+            exchange.cancel()
+            self.stats.abandoned += 1
+        else:
+            gone.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await exchange  # (its own errors are raised here, as they were)
+        gone.cancel()
+
+    async def _exchange(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body_read: asyncio.Event,
+        answered: asyncio.Event,
+    ) -> None:
+        """One request's exchange; ``answered`` is set as its answer's last
+        message goes (from then on, a ``http.disconnect`` is the answer's end)."""
         # header_text: valid UTF-8 stays UTF-8, which aiohttp writes back byte for byte.
         fields = scope["headers"]
         headers = [
@@ -217,15 +300,26 @@ class UpstreamApp:
         length = declared_length(fields)
         if length:
             headers.append(("Content-Length", str(length)))
+        elif length == 0:
+            body_read.set()  # (None: chunked, read as it comes)
         started = False
         try:
             async with self._client().request(
                 scope["method"],
                 self.target(scope),
                 headers=headers,
-                data=None if length == 0 else request_body(receive, length),
+                data=None if length == 0 else request_body(receive, length, body_read),
                 allow_redirects=False,
             ) as response:
+                if not 100 <= response.status <= 599:
+                    # aiohttp reads any three digits; HTTP defines 100-599, and the
+                    # node's server can write no other status line (a traceback and
+                    # a connection closed without an answer, for each request).
+                    self.stats.invalid += 1
+                    detail = f"the upstream answered status {response.status}, outside 100-599"
+                    answered.set()
+                    await _unavailable(send, detail)
+                    return
                 out = passed_on(
                     [(k.lower(), v) for k, v in response.raw_headers],
                     NOT_RELAYED_NO_CONTENT if response.status in NO_CONTENT else NOT_RELAYED,
@@ -236,12 +330,23 @@ class UpstreamApp:
                 started = True
                 async for chunk in response.content.iter_chunked(65536):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                answered.set()
                 await send({"type": "http.response.body", "body": b""})
         except (aiohttp.ClientError, TimeoutError) as exc:
             if started:
+                self.stats.broke_off += 1
                 self._broke_off(scope, exc)
             else:
-                await _unavailable(send, exc)
+                self.stats.unavailable += 1
+                self._broken.warn(
+                    "upstream_unavailable",
+                    "the upstream did not answer %s %s (%s): 502",
+                    scope["method"],
+                    scope["path"],
+                    type(exc).__name__,
+                )
+                answered.set()
+                await _unavailable(send, f"{type(exc).__name__} from upstream")
 
     def _broke_off(self, scope: Scope, exc: BaseException) -> None:
         """The answer broke off after it began (the upstream closed mid-body, or
@@ -259,16 +364,25 @@ class UpstreamApp:
         )
 
 
-async def _unavailable(send: Send, exc: BaseException) -> None:
-    """``502 upstream_unavailable``, naming what went wrong (not the upstream's address)."""
-    payload = dumps(
-        {"error": "upstream_unavailable", "detail": f"{type(exc).__name__} from upstream"}
-    )
+async def _client_gone(receive: Receive, body_read: asyncio.Event) -> None:
+    """Returns when the client goes away (or the answer is complete: uvicorn's
+    ``receive`` says ``http.disconnect`` for both), once the body is read."""
+    await body_read.wait()
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unavailable(send: Send, detail: str) -> None:
+    """``502 upstream_unavailable``, saying what went wrong (not the upstream's address)."""
+    payload = dumps({"error": "upstream_unavailable", "detail": detail})
     await send(
         {
             "type": "http.response.start",
             "status": 502,
-            "headers": [(b"content-type", b"application/json")],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
         }
     )
     await send({"type": "http.response.body", "body": payload})

@@ -1080,18 +1080,37 @@ def _check_upstream_seconds(args: argparse.Namespace) -> None:
 
 def _check_upstream(url: str | None) -> None:
     """``--upstream``: an http(s) URL with a host (a path prefix is kept). Anything
-    else was taken, the cluster started, and every allowed request failed."""
+    else was taken, the cluster started, and every allowed request failed.
+    Credentials in it are never repeated in a message."""
     if url is None:
         return
     from urllib.parse import urlsplit
 
     try:
         parts = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"--upstream: not a URL: {exc}") from None
+    shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    try:
         parts.port  # noqa: B018 (raises ValueError for a port out of range)
     except ValueError as exc:
-        raise ValueError(f"--upstream {url!r}: {exc}") from None
+        raise ValueError(f"--upstream {shown!r}: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"--upstream {url!r}: expected http://HOST[:PORT][/PATH] (or https://)")
+        raise ValueError(f"--upstream {shown!r}: expected http://HOST[:PORT][/PATH] (or https://)")
+    if parts.query or parts.fragment or url.rstrip().endswith(("?", "#")):
+        # Each request's path goes after the URL: GET /ok reached the upstream as
+        # /?v=1/ok, the client's path inside the query.
+        raise ValueError(
+            f"--upstream {shown!r}: a query or fragment cannot be kept (each request's "
+            "path and query go after the URL); expected http://HOST[:PORT][/PATH]"
+        )
+    if "@" in parts.netloc:
+        # aiohttp sends them as Authorization, and refused (a 500 for every
+        # request) when the client sent its own.
+        raise ValueError(
+            f"--upstream {shown!r}: credentials in the URL are not supported (they would "
+            "clash with the clients' own Authorization); expected http://HOST[:PORT][/PATH]"
+        )
 
 
 def _run_node(args: argparse.Namespace) -> int:

@@ -827,3 +827,27 @@ def test_a_keep_alive_routers_and_nodes_would_race_is_warned_of(
         _warn_keep_alive(_front_door(args))
         said = capsys.readouterr().err
         assert ("ringlimit: warning: --keep-alive" in said) is warned, (keep_alive, said)
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("http://127.0.0.1:9/?v=1", "a query or fragment"),
+        ("http://127.0.0.1:9/app#top", "a query or fragment"),
+        ("http://127.0.0.1:9/?", "a query or fragment"),
+        ("http://ann:s3cret@127.0.0.1:9/", "credentials in the URL"),
+        ("http://ann@127.0.0.1:9/", "credentials in the URL"),
+        ("http://ann:s3cret@127.0.0.1:99999/", "out of range"),
+        ("ftp://ann:s3cret@127.0.0.1:9/", "expected http://"),
+    ],
+)
+def test_an_upstream_url_that_would_garble_requests_is_refused(url: str, said: str) -> None:
+    """A query in --upstream put every request's path inside it (GET /ok reached
+    the upstream as /?v=1/ok); credentials in it made every request whose
+    client sent its own Authorization a 500 (aiohttp refuses both). Refused
+    at start, the credentials never repeated."""
+    from router.cli import _check_upstream
+
+    with pytest.raises(ValueError) as refused:
+        _check_upstream(url)
+    assert said in str(refused.value) and "s3cret" not in str(refused.value), refused.value

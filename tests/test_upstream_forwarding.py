@@ -49,11 +49,16 @@ ANSWERS = {
     b"/too-wide": b"HTTP/1.1 200 OK\r\n" + TOO_WIDE + b"content-length: 2\r\n\r\nok",
     b"/broken": b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc",
     b"/broken-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n",
+    # A status HTTP does not define (LinkedIn's 999), which aiohttp reads.
+    b"/odd-status": b"HTTP/1.1 999 Request denied\r\ncontent-length: 2\r\n\r\nok",
 }
 #: Paths after whose answer the upstream closes the connection (mid-body).
 CLOSING = {b"/broken", b"/broken-chunked"}
 #: A path the upstream answers only after this many seconds (or when stopped).
 SLOW, SLOW_SECONDS = b"/slow", 10.0
+#: A path the upstream never answers: it waits (at most SLOW_SECONDS) for the
+#: node to close the connection, and notes it (``Scripted.dropped``).
+HOLD = b"/hold"
 
 
 @pytest.fixture
@@ -90,6 +95,8 @@ class Scripted:
         #: Set as a request's head arrives, and as it has been read (whole or not).
         self.head_seen = asyncio.Event()
         self.arrived = asyncio.Event()
+        #: Set when the node closed a connection whose request waited (HOLD).
+        self.dropped = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @staticmethod
@@ -116,9 +123,16 @@ class Scripted:
         except asyncio.IncompleteReadError as exc:
             return bytes(body + exc.partial), False
 
-    async def _answer(self, request: Received, writer: asyncio.StreamWriter) -> bool:
+    async def _answer(
+        self, request: Received, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
         """Answer ``request``; whether the connection goes on."""
         path = request.target.split(b"?")[0]
+        if path == HOLD:
+            with contextlib.suppress(TimeoutError):
+                if await asyncio.wait_for(reader.read(1), SLOW_SECONDS) == b"":
+                    self.dropped.set()
+            return False
         if path == SLOW:
             await asyncio.sleep(SLOW_SECONDS)
         answer = ANSWERS.get(path)
@@ -142,7 +156,7 @@ class Scripted:
                 body, whole = await self._body(reader, head)
                 self.received.append(Received(head, body, whole))
                 self.arrived.set()
-                if not whole or not await self._answer(self.received[-1], writer):
+                if not whole or not await self._answer(self.received[-1], reader, writer):
                     return
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             return  # (cancelled: by stop, which awaits it)
@@ -171,11 +185,18 @@ async def scripted() -> AsyncIterator[tuple[Scripted, str]]:
 @contextlib.asynccontextmanager
 async def node_front(upstream: str, **options: Any) -> AsyncIterator[int]:
     """``UpstreamApp(upstream)`` behind the node's front door: its port."""
+    async with node_front_app(upstream, **options) as (port, _):
+        yield port
+
+
+@contextlib.asynccontextmanager
+async def node_front_app(upstream: str, **options: Any) -> AsyncIterator[tuple[int, UpstreamApp]]:
+    """:func:`node_front`, with the app (its ``stats``)."""
     app = UpstreamApp(upstream, **options)
     protocol = limited_protocol(HttpToolsProtocol, FrontDoor())
     try:
         async with serving(protocol, app, ws="none") as (port, _):
-            yield port
+            yield port, app
     finally:
         await app.close()
 
@@ -443,3 +464,118 @@ def test_up_passes_the_upstream_timeout_to_its_nodes(tmp_path: Any) -> None:
     assert argv[argv.index("--upstream-timeout") + 1] == "7.5"
     node = parser.parse_args(["node", "--id", "n1", "--port", "1"])
     assert node.upstream_timeout == UPSTREAM_TIMEOUT
+
+
+# 6. The client's going, Expect, statuses HTTP does not define.
+
+
+async def test_a_client_that_goes_away_stops_the_upstreams_request() -> None:
+    """uvicorn's send does nothing once the client is gone, and the node never
+    asked whether it was: a request a router had given up on ran to the
+    upstream timeout (30 s), holding one of the pool's connections, and other
+    users' requests queued behind such ones. Now the upstream's connection is
+    closed as the client's is, and the request counted as abandoned."""
+    async with scripted() as (upstream, url), node_front_app(url) as (port, app):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /hold HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(upstream.head_seen.wait(), 5)
+        writer.close()
+        began = time.monotonic()
+        await asyncio.wait_for(upstream.dropped.wait(), 5)
+        assert time.monotonic() - began < 2.0
+        for _ in range(100):  # the node's side of it ends a moment later
+            if app.stats.abandoned:
+                break
+            await asyncio.sleep(0.02)
+        assert app.stats.abandoned == 1 and app.stats.unavailable == 0
+        # And an answer read to its end is not abandoned.
+        answer = await exchange(port, request("POST", b"/echo", b"content-length: 2\r\n", b"hi"))
+        assert answer.endswith(b"\r\n\r\nhi") and app.stats.abandoned == 1
+
+
+async def test_an_upload_that_expects_100_continue_reaches_an_upstream_that_sends_none() -> None:
+    """The node passed ``Expect: 100-continue`` on: aiohttp waited for the
+    upstream's own 100 before sending the body, an upstream that sends none
+    (Python's http.server) waited for the body, and the upload was a 502 after
+    the whole upstream timeout (curl sends it with every body over 1 MiB).
+    The node's server answers the client's 100 itself; the upstream gets the
+    body, without the field."""
+    body = b"x" * 100_000
+    async with scripted() as (upstream, url), node_front(url, timeout=3.0) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(
+                b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                b"Expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % len(body)
+            )
+            began = time.monotonic()
+            go_on = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert go_on.startswith(b"HTTP/1.1 100 "), go_on
+            writer.write(body)
+            answer = await asyncio.wait_for(reader.read(), 5)
+            waited = time.monotonic() - began
+        finally:
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(body), answer[:200]
+    assert waited < 2.0, waited
+    assert upstream.received[-1].field(b"expect") is None
+
+
+async def test_a_status_http_does_not_define_is_a_502_not_a_traceback() -> None:
+    """aiohttp reads any three digits; the node's server writes 100-599 only:
+    a status of 999 was a KeyError traceback and a connection closed without
+    an answer, for every request (behind a router, a 504 node_timeout)."""
+    async with scripted() as (_, url), node_front_app(url) as (port, app):
+        with recorded("uvicorn.error", "ringlimit.node") as records:
+            answer = await exchange(port, request("GET", b"/odd-status"))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 502 "), answer
+    assert json.loads(body) == {
+        "error": "upstream_unavailable",
+        "detail": "the upstream answered status 999, outside 100-599",
+    }
+    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
+    assert app.stats.invalid == 1
+
+
+async def test_an_upstream_that_answers_nothing_is_counted_and_said_once() -> None:
+    """A refused upstream made every request a 502 with no log line and no
+    metric: now one warning per 10 s (saying how many since) and
+    ringlimit_upstream_unavailable_total."""
+    async with node_front_app("http://127.0.0.1:9") as (port, app):
+        with recorded("ringlimit.node") as records:
+            answers = [await exchange(port, request("GET", b"/x")) for _ in range(3)]
+    assert all(a.startswith(b"HTTP/1.1 502 ") for a in answers)
+    assert app.stats.unavailable == 3
+    warned = [r.getMessage() for r in records if r.name == "ringlimit.node"]
+    assert len(warned) == 1 and "did not answer GET /x" in warned[0], warned
+
+
+async def test_answers_the_upstream_breaks_off_log_one_line_not_one_each() -> None:
+    """uvicorn logged ``ASGI callable returned without completing response.``
+    for each answer an upstream broke off, beside the node's own throttled
+    warning: a flood when an upstream keeps dying. Now once per 10 s too."""
+    async with scripted() as (_, url), node_front_app(url) as (port, app):
+        with recorded("uvicorn.error", "ringlimit.node") as records:
+            for _ in range(5):
+                await exchange(port, request("GET", b"/broken"))
+    assert app.stats.broke_off == 5
+    lines = [r.getMessage() for r in records]
+    assert len([m for m in lines if "without completing" in m]) == 1, lines
+    assert len([m for m in lines if "broke off" in m]) == 1, lines
+
+
+async def test_a_nodes_metrics_count_what_went_wrong_with_its_upstream() -> None:
+    from node.app import NodeSettings, create_app
+    from node.config import ClusterConfig
+
+    app = UpstreamApp("http://127.0.0.1:9")
+    node = create_app(NodeSettings(node_id="n1", config=ClusterConfig()), app=app)
+    app.stats.unavailable, app.stats.abandoned = 2, 1
+    transport = httpx.ASGITransport(app=node, client=("127.0.0.1", 4000))  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+        text = (await client.get("/metrics")).text
+    await app.close()
+    assert "ringlimit_upstream_unavailable_total 2.0" in text, text
+    assert "ringlimit_upstream_abandoned_total 1.0" in text
+    assert "ringlimit_upstream_broke_off_total 0.0" in text
