@@ -97,7 +97,12 @@ async def _upstream_post(app: UpstreamApp, url: str) -> int:
     bodies = iter([{"type": "http.request", "body": b"{}", "more_body": False}])
 
     async def receive() -> dict[str, Any]:
-        return next(bodies, {"type": "http.disconnect"})
+        message = next(bodies, None)
+        if message is None:
+            # As an ASGI server: after the body, receive waits until the client
+            # goes (this one stays); an immediate disconnect reads as its going.
+            await asyncio.Event().wait()
+        return message  # type: ignore[return-value]
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
