@@ -179,6 +179,26 @@ class RateLimitMiddleware:
             # reaches the node directly cannot pick another user's key or skip limiting.
             else (routed_key is not None or failover is not None) and _from_loopback(scope)
         )
+        if token is not None and not trusted and self.internal_token is not None:
+            # A router's request with another internal token than this node's (a
+            # token rotated on the router alone): decided as a client's, it was
+            # refused 421 not_owner for every key this node does not own, which
+            # the router passed on to its clients with the node's internals.
+            # Nothing is decided; the router answers as for an unreachable owner.
+            if authority.metrics is not None:
+                authority.metrics.error("internal_token_refused")
+            await send_json(
+                send,
+                503,
+                error_body(
+                    "internal_token_refused",
+                    "this node requires the cluster's internal token "
+                    "(RINGLIMIT_INTERNAL_TOKEN) and the request carried another; nothing "
+                    "was decided",
+                ),
+                TOKEN_REFUSED_HEADERS,
+            )
+            return
         if failover is not None and trusted:
             # The owner of this key is unreachable and its rules say fail open.
             await self.app(scope, receive, _adding(send, [(b"x-ringlimit-degraded", failover)]))
@@ -285,6 +305,8 @@ def not_owner_body(exc: NotOwner) -> dict[str, object]:
 
 #: Tells a router that the node decided nothing: the owner is, for now, unavailable.
 LEASE_EXPIRED_HEADERS = [(b"x-ringlimit-unavailable", b"lease"), (b"retry-after", b"1")]
+#: ... because the router's internal token is not this node's.
+TOKEN_REFUSED_HEADERS = [(b"x-ringlimit-unavailable", b"token")]
 
 
 def lease_expired_body(exc: LeaseExpired) -> dict[str, object]:

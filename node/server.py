@@ -179,6 +179,12 @@ class SignalServer(uvicorn.Server):
                 loop.remove_signal_handler(sig)
 
     def _exit_now(self) -> None:
+        # Said: an operator who sends SIGHUP for a reload (nginx's habit) saw the
+        # process gone without a word.
+        log.warning(
+            "SIGHUP: stopping (ringlimit reloads nothing on SIGHUP: new rules go through "
+            "`ringlimit rules FILE`; a node stops without leaving the ring)"
+        )
         self.should_exit = True
 
 
@@ -318,6 +324,11 @@ def serve_node(
                     problem = (
                         f"router {router} answered {response.status_code}: {response.text[:200]}"
                     )
+                    if response.status_code == 401:
+                        problem += (
+                            " (this node joins through the router's admin API: give it "
+                            "the router's RINGLIMIT_ADMIN_TOKEN)"
+                        )
                     if response.status_code == 504:
                         # The router could not reach this node at its --url.
                         not_ready += 1

@@ -558,7 +558,8 @@ class Router:
                 if answer.status == 421 and await self.stale(answer, member):
                     continue
                 unreachable = None
-                if answer.status == 503 and answer.lease_expired():
+                why = answer.unavailable() if answer.status == 503 else None
+                if why == b"lease":
                     # The owner decided nothing (it has not heard from a router within
                     # its lease): as if it were unreachable. Perhaps it was removed and
                     # this router has not been told: look for a newer view first.
@@ -566,6 +567,12 @@ class Router:
                     if await self.membership.newer_view(member):
                         continue
                     unreachable = "lease expired"
+                elif why == b"token":
+                    # The owner refused this router's internal token: as if it were
+                    # unreachable (its on_error decides), and said in the log.
+                    self.metrics.outcome(member.id, "token_refused")
+                    self.membership.token_refused(member)
+                    unreachable = "refused this router's internal token"
             if unreachable is not None:
                 await self._owner_unreachable(
                     scope,

@@ -22,6 +22,7 @@ import math
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -407,6 +408,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     nodes.add_argument("node_url", nargs="?", help="node URL (add)")
     nodes.add_argument("--router", default="http://127.0.0.1:8000")
     nodes.add_argument("--weight", type=int, default=1)
+    _admin_timeout_argument(nodes)
     nodes.set_defaults(run=_run_nodes)
 
     rules = commands.add_parser(
@@ -422,6 +424,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "(a file of that name: ./list)",
     )
     rules.add_argument("--router", default="http://127.0.0.1:8000")
+    _admin_timeout_argument(rules)
     rules.set_defaults(run=_run_rules)
 
     _lazy_command(commands, command, "simulate", "run a rebalancing simulation")
@@ -1259,7 +1262,9 @@ def _run_nodes(args: argparse.Namespace) -> int:
             )
         return found
 
-    return _admin_call(args.router, method, path, body, lines, command="ringlimit nodes")
+    return _admin_call(
+        args.router, method, path, body, lines, command="ringlimit nodes", timeout=args.timeout
+    )
 
 
 #: Words ``ringlimit rules`` takes for "show the rules" when no such file exists.
@@ -1285,7 +1290,10 @@ def _run_rules(args: argparse.Namespace) -> int:
 
     def lines(data: dict[str, Any]) -> list[str]:
         # The rules alone: what `ringlimit rules > rules.json` saves, this applies.
-        return [json.dumps({"rules": data["rules"]}, indent=2)]
+        rules = data["rules"]
+        if not isinstance(rules, list) or not all(isinstance(rule, dict) for rule in rules):
+            raise ValueError("not a list of rules")  # (a router's answer has one)
+        return [json.dumps({"rules": rules}, indent=2)]
 
     def applied(data: dict[str, Any]) -> list[str]:
         if data.get("pending"):
@@ -1300,9 +1308,41 @@ def _run_rules(args: argparse.Namespace) -> int:
 
     if body is None:
         return _admin_call(
-            args.router, "GET", "/admin/rules", None, lines, command="ringlimit rules"
+            args.router,
+            "GET",
+            "/admin/rules",
+            None,
+            lines,
+            command="ringlimit rules",
+            timeout=args.timeout,
         )
-    return _admin_call(args.router, "PUT", "/admin/rules", body, applied, command="ringlimit rules")
+    return _admin_call(
+        args.router,
+        "PUT",
+        "/admin/rules",
+        body,
+        applied,
+        command="ringlimit rules",
+        timeout=args.timeout,
+    )
+
+
+#: The longest an admin command waits for its whole answer, by default: a join
+#: waits for its node's readiness and its handoff (docs/operations.md).
+ADMIN_TIMEOUT = 60.0
+#: The most of an admin answer a command reads (a ring of thousands of nodes is
+#: well under it).
+MAX_ADMIN_ANSWER = 16 * 1024 * 1024
+
+
+def _admin_timeout_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=ADMIN_TIMEOUT,
+        metavar="SECONDS",
+        help=f"the longest to wait for the router's whole answer (default {ADMIN_TIMEOUT:g})",
+    )
 
 
 def _admin_call(
@@ -1313,21 +1353,45 @@ def _admin_call(
     lines: Callable[[dict[str, Any]], list[str]],
     *,
     command: str,
+    timeout: float = ADMIN_TIMEOUT,
 ) -> int:
     """One call to a router's admin API, the answer printed by ``lines``; a
-    router that cannot be reached, refuses or answers junk is one line."""
+    router that cannot be reached, refuses or answers junk is one line, and so
+    is one that has not answered whole within ``timeout`` (a whole answer:
+    httpx's timeouts are per read, and a router paused or sending a byte a
+    second held the command for minutes). A ``warning`` in the answer goes to
+    stderr, in one line."""
     import httpx
 
+    if not 0 < timeout <= 3600:
+        raise ValueError(f"--timeout {timeout:g}: must be above 0 and at most 3600 seconds")
     admin_token, _ = _tokens()
     headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
     base = router.rstrip("/")
+    deadline = time.monotonic() + timeout
     try:
-        with httpx.Client(timeout=60.0, headers=headers) as client:
-            response = client.request(method, f"{base}{path}", json=body)
+        with (
+            httpx.Client(timeout=timeout, headers=headers) as client,
+            client.stream(method, f"{base}{path}", json=body) as streamed,
+        ):
+            content = bytearray()
+            for chunk in streamed.iter_bytes():
+                content += chunk
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("the whole answer took too long", request=None)  # type: ignore[arg-type]
+                if len(content) > MAX_ADMIN_ANSWER:
+                    raise CommandError(
+                        f"{base} answered more than {MAX_ADMIN_ANSWER} bytes; check --router"
+                    )
+        # (Decoded already: the content type alone, for its charset.)
+        kept = [(k, v) for k, v in streamed.headers.multi_items() if k.lower() == "content-type"]
+        response = httpx.Response(streamed.status_code, headers=kept, content=bytes(content))
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        late = isinstance(exc, httpx.TimeoutException)
         raise CommandError(
-            f"cannot reach the router at {base} ({_http_problem(exc)}); "
-            "check --router and that the router is running"
+            f"cannot reach the router at {base} ({_http_problem(exc)}"
+            + (f" within --timeout {timeout:g} s" if late else "")
+            + "); check --router and that the router is running"
         ) from None
     data = _json_object(response)
     status = response.status_code
@@ -1353,6 +1417,8 @@ def _admin_call(
             f"({_excerpt(response)}); check --router (the router's URL, not a node's)"
         ) from None
     print("\n".join(printed))
+    if isinstance(data.get("warning"), str):
+        print(f"ringlimit: warning: {_one_line(data['warning'])}", file=sys.stderr)
     return 0
 
 

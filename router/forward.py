@@ -121,7 +121,15 @@ class Answer:
 
     def lease_expired(self) -> bool:
         """The node decided nothing: its lease ran out (node/lease.py)."""
-        return any(k == b"x-ringlimit-unavailable" and v == b"lease" for k, v in self.headers)
+        return self.unavailable() == b"lease"
+
+    def unavailable(self) -> bytes | None:
+        """Why a node decided nothing (a 503's ``x-ringlimit-unavailable``): ``lease``
+        (its lease ran out), ``token`` (this router's internal token is not its)."""
+        for k, v in self.headers:
+            if k == b"x-ringlimit-unavailable":
+                return v
+        return None
 
 
 class Forwarder(Protocol):

@@ -174,6 +174,8 @@ class Membership:
         self.health: dict[str, Health] = {}
         self.joining: dict[str, Member] = {}
         self.state_file = Path(state_file) if state_file else None
+        #: Why the last write of the state file failed, until one succeeds.
+        self.state_problem: str | None = None
         self.ready_timeout = ready_timeout
         self.health_interval = health_interval
         self.failure_threshold = failure_threshold
@@ -342,14 +344,29 @@ class Membership:
             await self._push_all(
                 self.view, None, (), established=held is not None and len(held) > 0
             )
-        elif seeds:
-            await asyncio.gather(*(self._wait_ready(m) for m in seeds))
-            view = RingView.of(seeds, epoch=1)
-            await self._push_all(view, RingView.empty(), ())
-            self._adopt(view)
-            for member in seeds:
-                self.health[member.id] = Health()
-        self._save_state()
+        else:
+            if best is not None:
+                # An empty ring keeps its epoch: the next view goes above it (it
+                # started again at 1, below the views its nodes had held).
+                self.log.saw(best.epoch)
+            if seeds:
+                await asyncio.gather(*(self._wait_ready(m) for m in seeds))
+                view = RingView.of(seeds, epoch=self.log.highest + 1)
+                await self._push_all(view, RingView.empty(), ())
+                self._adopt(view)
+                for member in seeds:
+                    self.health[member.id] = Health()
+        self._save_state(strict=True)
+        if self.state_file is not None and not len(self.view):
+            # A router given a state file that starts with no ring serves nothing
+            # (503 no_nodes) until nodes join; said, not silent.
+            log.warning(
+                "no ring to serve: the state file %s %s and no --node seeds were given; "
+                "nodes started with --join register again when restarted, others "
+                "with `ringlimit nodes add`",
+                self.state_file,
+                "held an empty ring" if recovered is not None else "did not exist",
+            )
         if health:
             # Leases lapsed while no router ran: renew them before serving.
             await asyncio.gather(*(self._renew(m) for m in self.view))
@@ -838,7 +855,21 @@ class Membership:
         async with self.lock:
             if await self._already_joined(member):
                 return self.view
-        await self._wait_ready(member)
+        held = await self._wait_ready(member)
+        if held > self.view.epoch and self.coordinator is None:
+            # The node holds a newer ring than this router: a router started with
+            # no ring (its state file lost, no seeds) that an operator gives its
+            # nodes again. Joined as they stood, the router made a ring of its own
+            # at epoch 1 beside theirs and answered 200 (the node refused the
+            # older view). The router takes their ring first; a member of it is
+            # then joined already.
+            log.warning(
+                "node %s holds epoch %d, newer than this router's %d: taking its ring",
+                member.id,
+                held,
+                self.view.epoch,
+            )
+            await self.catch_up(held, member.url)
         for _ in range(MAX_PREEMPTIONS):
             async with self.lock:
                 if await self._already_joined(member):
@@ -1069,6 +1100,17 @@ class Membership:
         self.changed = asyncio.Event()
 
     # ------------------------------------------------------------------ stale views
+
+    def token_refused(self, member: Member) -> None:
+        """A member refused this router's internal token on a proxied request:
+        said in the log (at most once per 10 s), not left to look like a
+        network fault (the health loop's probes fail the same way)."""
+        self.failures.warn(
+            "token_refused",
+            "node %s refused this router's internal token: set RINGLIMIT_INTERNAL_TOKEN "
+            "to the nodes' token (its keys are answered by their on_error until then)",
+            member.id,
+        )
 
     async def catch_up(self, epoch: int, node_url: str) -> None:
         """A node knows a newer epoch than this router: wait for our change or fetch it."""
@@ -1469,8 +1511,9 @@ class Membership:
             )
         self._revision = committed.revision
 
-    async def _wait_ready(self, member: Member) -> None:
-        await self.nodes.wait_ready(member, self.ready_timeout, self.health_timeout)
+    async def _wait_ready(self, member: Member) -> int:
+        """Until ``member`` answers as itself; the epoch it holds."""
+        return await self.nodes.wait_ready(member, self.ready_timeout, self.health_timeout)
 
     async def _renew(self, member: Member, health: Health | None = None) -> dict[str, Any] | None:
         """Probe a member and renew its lease (router/health.py)."""
@@ -1504,12 +1547,40 @@ class Membership:
             data["coordinator"] = {"etcd": self.coordinator.where, "leading": self.leading}
         elif self.leader_url is not None:
             data["leader"] = self.leader_url
+        if self.state_problem is not None:
+            data["warning"] = (
+                f"the state file was not written: {self.state_problem} (the ring above is "
+                "in force on the nodes; a router restarted now recovers an older one)"
+            )
         data["events"] = [e.to_dict() for e in reversed(self.events.last(MAX_EVENTS))]
         return data
 
-    def _save_state(self) -> None:
-        if self.state_file is not None:
+    def _save_state(self, *, strict: bool = False) -> None:
+        """Keep the view in the state file. At start (``strict``) a file that
+        cannot be written stops the router, in one line. Afterwards the view
+        is already in force on the nodes when it is saved: a failure (a full
+        disk, a read-only mount) was raised into the admin call, which
+        answered 500 for a change that had happened (a retry: 404), and was
+        logged nowhere. Now it is an error line per change, and said in
+        :meth:`describe` (every admin answer) until a write succeeds."""
+        if self.state_file is None:
+            return
+        try:
             save_view(self.state_file, self.view)
+        except MembershipError as exc:
+            if strict:
+                raise
+            self.state_problem = exc.detail
+            log.error(
+                "the ring at epoch %d is in force, but the state file was not written (%s): "
+                "a router restarted now recovers an older ring from it",
+                self.view.epoch,
+                exc.detail,
+            )
+            return
+        if self.state_problem is not None:
+            log.warning("state file written again at epoch %d", self.view.epoch)
+            self.state_problem = None
 
     def _load_state(self) -> RingView | None:
         return load_view(self.state_file) if self.state_file is not None else None

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from node.config import ClusterConfig
+from node.failures import Failures
 from node.peers import INTERNAL_TOKEN_HEADER
 from ring import Member, RingView
 from router.viewlog import MembershipError
@@ -61,6 +62,8 @@ class NodeClient:
     def __init__(self, client: httpx.AsyncClient, internal_token: str | None = None) -> None:
         self.client = client
         self.headers = {INTERNAL_TOKEN_HEADER: internal_token} if internal_token else {}
+        #: Warnings a node can cause on every probe: at most one per 10 s per kind.
+        self._quiet = Failures(log)
 
     async def push(
         self,
@@ -122,10 +125,11 @@ class NodeClient:
                 502, "push_failed", f"node {member.id} answered HTTP {response.status_code}"
             )
 
-    async def wait_ready(self, member: Member, ready_timeout: float, within: float) -> None:
+    async def wait_ready(self, member: Member, ready_timeout: float, within: float) -> int:
         """Readiness gate: a joining node must answer, as itself, before it is
         given any key. A URL that reaches another member, a router or anything
-        else that does not call itself ``member.id`` is refused at once."""
+        else that does not call itself ``member.id`` is refused at once.
+        Returns the epoch the node said it holds (0 when it said none)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ready_timeout
         while True:
@@ -136,7 +140,7 @@ class NodeClient:
                 if response.status_code == 200:
                     answered = node_id(response)
                     if answered == member.id:
-                        return
+                        return _epoch_of(response)
                     raise MembershipError(
                         409,
                         "wrong_node",
@@ -172,6 +176,18 @@ class NodeClient:
             data = response.json()
         except (httpx.HTTPError, ValueError) as exc:
             log.debug("probe of %s failed: %s", member.id, exc)
+            return None
+        if response.status_code in (401, 403):
+            # Not the network: every probe fails so, and the health loop's "members
+            # unreachable at once: suspecting this router's own network" said
+            # nothing of the token.
+            self._quiet.warn(
+                "probe_refused",
+                "node %s refused this router's internal token (HTTP %d): set "
+                "RINGLIMIT_INTERNAL_TOKEN to the nodes' token",
+                member.id,
+                response.status_code,
+            )
             return None
         if response.status_code != 200 or not isinstance(data, dict):
             log.debug("probe of %s: HTTP %d", member.id, response.status_code)
@@ -285,3 +301,12 @@ def node_id(response: httpx.Response) -> str | None:
         return None
     value = data.get("node") if isinstance(data, dict) else None
     return value if isinstance(value, str) else None
+
+
+def _epoch_of(response: httpx.Response) -> int:
+    """The ``epoch`` of a node's ``/healthz`` answer; 0 if it says none."""
+    try:
+        epoch = response.json().get("epoch")
+    except (ValueError, AttributeError):
+        return 0
+    return epoch if type(epoch) is int and epoch > 0 else 0

@@ -16,7 +16,7 @@ import pytest
 
 from ring import Member, RingView
 from router import __version__
-from tests.processes import ROOT, Procs, free_block, wait_for
+from tests.processes import ROOT, Procs, free_block, free_port, wait_for
 
 
 def run(argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
@@ -304,3 +304,34 @@ def test_output_cut_short_by_its_reader_is_no_traceback(procs: Procs, tmp_path: 
         err = reader.stderr.read().decode()
         code = reader.wait(timeout=30.0)
     assert "Traceback" not in err and code == 1, (code, err)
+
+
+@pytest.mark.integration
+def test_sighup_stops_a_router_and_a_node_saying_so(procs: Procs) -> None:
+    """SIGHUP (what nginx takes for a reload) ended a router without a word."""
+    proc, node = procs.node("n1")
+    router_proc, _ = procs.router(None, "--node", f"n1={node}")
+    for each in (router_proc, proc):
+        each.stop(how=signal.SIGHUP)
+        assert each.returncode is not None
+        said = each.log_path.read_text()  # type: ignore[union-attr]
+        assert "SIGHUP: stopping (ringlimit reloads nothing on SIGHUP" in said, said[-2000:]
+        assert "Traceback" not in said, said[-2000:]
+
+
+@pytest.mark.integration
+def test_a_node_refused_by_the_routers_admin_token_says_which_token(procs: Procs) -> None:
+    """A --join node without the router's admin token (given only the internal
+    one, say) logged "router answered 401: missing or wrong admin token": it
+    now says the node itself needs RINGLIMIT_ADMIN_TOKEN, in one line."""
+    token = "admin-s3cret-token"
+    procs.env = {**procs.env, "RINGLIMIT_ADMIN_TOKEN": token}
+    _, router = procs.router(None, healthy=False)
+    procs.env = {k: v for k, v in procs.env.items() if k != "RINGLIMIT_ADMIN_TOKEN"}
+    node = procs.start("n1", ["node", "--id", "n1", "--port", str(free_port()), "--join", router])
+    node.popen.wait(30)
+    said = node.log_path.read_text()  # type: ignore[union-attr]
+    assert node.returncode == 1, said[-2000:]
+    lines = [line for line in said.splitlines() if "could not join" in line]
+    assert len(lines) == 1 and "give it the router's RINGLIMIT_ADMIN_TOKEN" in lines[0], said
+    assert token not in said and "Traceback" not in said

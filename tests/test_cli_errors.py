@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -569,6 +570,8 @@ def odd_router() -> Iterator[tuple[str, Callable[[int, bytes], None]]]:
         (400, b'{"error": ["a"], "detail": 1}', ["answered HTTP 400", '{"error": ["a"]']),
         (200, b"[" * 100_000, ["answered HTTP 200, not as a ringlimit router's", "[[[["]),
         (404, b"\xff\xfe not utf-8", ["answered HTTP 404", "not utf-8"]),
+        # `rules` printed it and exited 0.
+        (200, b'{"rules": 7, "epoch": 1}', ["answered HTTP 200, not as a ringlimit router's"]),
     ],
     ids=[
         "500-json",
@@ -579,6 +582,7 @@ def odd_router() -> Iterator[tuple[str, Callable[[int, bytes], None]]]:
         "error-list",
         "deep",
         "bytes",
+        "rules-junk",
     ],
 )
 @pytest.mark.parametrize("command", [["nodes", "list"], ["rules"]], ids=["nodes", "rules"])
@@ -851,3 +855,38 @@ def test_an_upstream_url_that_would_garble_requests_is_refused(url: str, said: s
     with pytest.raises(ValueError) as refused:
         _check_upstream(url)
     assert said in str(refused.value) and "s3cret" not in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("command", [["nodes", "list"], ["rules"]], ids=["nodes", "rules"])
+def test_an_admin_answer_that_never_ends_is_cut_off_at_the_timeout(command: list[str]) -> None:
+    """A router that sent its answer a byte at a time held `ringlimit nodes list`
+    for minutes (httpx's 60 s is per read, and a paused router took 60 s):
+    --timeout bounds the whole answer, in one line."""
+
+    class Drip(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", "100")
+            self.end_headers()
+            for _ in range(40):  # at most 12 s, and over at once when the client goes
+                try:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.3)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with serving(Drip) as url:
+        began = time.monotonic()
+        result = ringlimit(*command, "--router", url, "--timeout", "1.5")
+        took = time.monotonic() - began
+    one_line_failure(result, "timed out within --timeout 1.5 s")
+    assert took < 8.0, took
+
+
+def test_an_admin_timeout_that_is_not_seconds_is_one_line() -> None:
+    one_line_failure(ringlimit("nodes", "list", "--timeout", "0"), "--timeout 0: must be above 0")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -1048,6 +1050,90 @@ async def test_a_removed_node_still_running_does_not_turn_a_cluster_restart_into
         tally = Tally()
         await send(cluster.client, tally, USERS[:10], 2)
         assert tally.other == Counter()
+
+
+async def test_a_state_file_that_cannot_be_written_does_not_fail_a_change_that_happened(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The state file's folder became unwritable (a full disk, a read-only
+    mount) while the router ran: DELETE /admin/nodes answered 500
+    bad_state_file, but the node had left (its states handed over, every node
+    on the new view; a retry: 404), and nothing was logged. The change is
+    answered as what it is, with a warning in the answer and in the log, until
+    the file can be written again."""
+    folder = tmp_path / "state"
+    options = {"state_file": str(folder / "ring.json")}
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        tally = await exhaust(cluster)
+        shutil.rmtree(folder)
+        folder.write_text("not a folder")
+        with caplog.at_level(logging.ERROR, logger="ringlimit.router"):
+            answer = await cluster.client.delete(f"{ROUTER_URL}/admin/nodes/n3")
+        assert answer.status_code == 200, answer.text
+        assert "n3" not in cluster.router.membership.view
+        assert "state file was not written" in answer.json()["warning"]
+        assert any("not written" in r.getMessage() for r in caplog.records)
+        ring = (await cluster.client.get(f"{ROUTER_URL}/admin/ring")).json()
+        assert "warning" in ring and ring["epoch"] == cluster.router.membership.view.epoch
+        await send(cluster.client, tally, USERS, 2)
+        assert tally.excess() == 0, tally.over()
+        folder.unlink()
+        answer = await cluster.client.delete(f"{ROUTER_URL}/admin/nodes/n2")
+        assert answer.status_code == 200 and "warning" not in answer.json()
+        saved = json.loads((folder / "ring.json").read_text())
+        assert saved["epoch"] == cluster.router.membership.view.epoch
+
+
+async def test_a_router_that_lost_its_ring_takes_it_back_from_the_first_node_given_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The router's state file is gone and it restarts with no seeds: it says
+    so (it started silently empty), and the operator adds a node again. The
+    router made a ring of its own at epoch 1 with that node alone and answered
+    200, beside the nodes' ring at epoch 3 (the node refused the older view).
+    It now takes the node's ring, whole, and every counter with it."""
+    state = tmp_path / "ring.json"
+    options = {"state_file": str(state)}
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        await cluster.add_node("n4")
+        await cluster.remove_node("n4")
+        tally = await exhaust(cluster)
+        before = cluster.router.membership.view
+        state.unlink()
+        with caplog.at_level(logging.WARNING, logger="ringlimit.router"):
+            await cluster.restart_router()
+        assert any("did not exist" in r.getMessage() for r in caplog.records)
+        assert len(cluster.router.membership.view) == 0
+        answer = await cluster.client.post(
+            f"{ROUTER_URL}/admin/nodes", json={"id": "n1", "url": node_url("n1"), "weight": 1}
+        )
+        assert answer.status_code == 200, answer.text
+        assert cluster.router.membership.view == before
+        await send(cluster.client, tally, USERS, 2)
+        assert tally.other == Counter()
+        assert tally.excess() == 0, tally.over()
+
+
+async def test_an_empty_ring_in_the_state_file_keeps_its_epoch(tmp_path: Path) -> None:
+    """A state file holding an empty ring at epoch 5 started the router at
+    epoch 0: its next view was epoch 1, below the views its nodes had held."""
+    state = tmp_path / "ring.json"
+    options = {"state_file": str(state)}
+    async with InProcessCluster(
+        1, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        state.write_text(json.dumps({"epoch": 5, "nodes": []}))
+        await cluster.restart_router()
+        cluster.restart_node("n1")
+        answer = await cluster.client.post(
+            f"{ROUTER_URL}/admin/nodes", json={"id": "n1", "url": node_url("n1"), "weight": 1}
+        )
+        assert answer.status_code == 200, answer.text
+        assert cluster.router.membership.view.epoch == 6
 
 
 # --------------------------------------------------------------------------- stale router

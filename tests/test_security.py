@@ -237,3 +237,45 @@ async def test_a_router_without_the_nodes_token_is_told_so() -> None:
             await NodeClient(client).push_one(member, {"ring": None})
         assert "RINGLIMIT_INTERNAL_TOKEN" in str(refused.value)
         assert "s3cret" not in str(refused.value)
+
+
+@pytest.mark.parametrize("on_error", ["open", "closed"])
+async def test_a_router_with_another_internal_token_gets_no_decision_and_says_why(
+    on_error: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The internal token rotated on one router only: the nodes took its
+    requests for a client's, and every key they did not own came back 421
+    not_owner with the node's internals, which the router passed on. Now the
+    node decides nothing (503, x-ringlimit-unavailable: token), the router
+    answers as for an unreachable owner (its rule's on_error) and logs why."""
+    from ring import Member
+    from router.testing import node_url
+
+    config = ClusterConfig.from_dict(
+        {"rules": [{"name": "api", "rate": "5/minute", "on_error": on_error}]}
+    )
+    async with InProcessCluster(3, config, clock=FrozenClock(), internal_token="s3cret") as c:
+        seeds = [Member(n, node_url(n)) for n in c.nodes]
+        other = c.new_router("http://rotated.cluster", seeds=seeds, internal_token="rotated")
+        await other.start()
+        try:
+            with caplog.at_level("WARNING", logger="ringlimit.router"):
+                answers = [
+                    await c.client.get(
+                        "http://rotated.cluster/x", headers={"X-User-Id": f"user-{i}"}
+                    )
+                    for i in range(12)
+                ]
+        finally:
+            await other.close()
+        for answer in answers:
+            assert answer.status_code == 503, answer.text
+            error = answer.json()["error"]
+            expected = "limiter_unavailable" if on_error == "closed" else "internal_token_refused"
+            assert error == expected, answer.text
+        logged = [r.getMessage() for r in caplog.records if "internal token" in r.getMessage()]
+        assert logged and "s3cret" not in " ".join(logged) and "rotated" not in " ".join(logged)
+        # Nothing was counted: the right router's users still have their whole quota.
+        for i in range(12):
+            kept = await c.client.get("/x", headers={"X-User-Id": f"user-{i}"})
+            assert kept.headers["ratelimit"].startswith('"api";r=4'), kept.headers
