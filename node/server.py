@@ -162,9 +162,11 @@ class SignalServer(uvicorn.Server):
     ``serve()`` runs (a node's leave, a router's ``close()``: its leader key
     resigned, its gRPC calls given their grace)."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Any) -> None:
+    def __init__(self, config: uvicorn.Config, on_signal: Any, *, say_hangup: bool = True) -> None:
         super().__init__(config)
         self._on_signal = on_signal
+        #: Log a line on SIGHUP: not under `ringlimit up`, which stops its nodes so.
+        self._say_hangup = say_hangup
 
     @contextlib.contextmanager
     def capture_signals(self):  # type: ignore[no-untyped-def,override]
@@ -181,10 +183,11 @@ class SignalServer(uvicorn.Server):
     def _exit_now(self) -> None:
         # Said: an operator who sends SIGHUP for a reload (nginx's habit) saw the
         # process gone without a word.
-        log.warning(
-            "SIGHUP: stopping (ringlimit reloads nothing on SIGHUP: new rules go through "
-            "`ringlimit rules FILE`; a node stops without leaving the ring)"
-        )
+        if self._say_hangup:
+            log.warning(
+                "SIGHUP: stopping (ringlimit reloads nothing on SIGHUP: new rules go through "
+                "`ringlimit rules FILE`; a node stops without leaving the ring)"
+            )
         self.should_exit = True
 
 
@@ -216,6 +219,7 @@ def serve_node(
     linger: float = 1.0,
     join_timeout: float = JOIN_DEADLINE,
     front_door: FrontDoor | None = None,
+    say_hangup: bool = True,
 ) -> int:
     """Serve until told to stop; the exit status is 1 if a ``--join`` failed.
 
@@ -356,7 +360,7 @@ def serve_node(
 
     raise_fd_limit()
     config = uvicorn.Config(node, host=host, port=port, **uvicorn_options(front_door))
-    server = SignalServer(config, on_signal)
+    server = SignalServer(config, on_signal, say_hangup=say_hangup)
 
     async def main() -> None:
         task = asyncio.create_task(register(server)) if routers else None

@@ -1168,6 +1168,9 @@ def _run_node(args: argparse.Namespace) -> int:
         admin_token=admin_token,
         join_timeout=args.join_timeout,
         front_door=front_door,
+        # `ringlimit up` stops its nodes with SIGHUP (router/supervisor.py): not
+        # worth a line from each at every Ctrl-C.
+        say_hangup=os.environ.get(SUPERVISOR_ENV) is None,
     )
 
 
@@ -1326,6 +1329,9 @@ def _run_rules(args: argparse.Namespace) -> int:
         timeout=args.timeout,
     )
 
+
+#: Set in the environment of the nodes `ringlimit up` starts (router/supervisor.py).
+SUPERVISOR_ENV = "RINGLIMIT_SUPERVISOR"
 
 #: The longest an admin command waits for its whole answer, by default: a join
 #: waits for its node's readiness and its handoff (docs/operations.md).

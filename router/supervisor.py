@@ -40,7 +40,7 @@ from typing import Any, TextIO
 import httpx
 
 from node.config import ClusterConfig
-from router.cli import PROXY_FLAGS
+from router.cli import PROXY_FLAGS, SUPERVISOR_ENV
 from router.processes import (
     ChildProcess,
     NotReady,
@@ -437,6 +437,7 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
         policy,
         env={
             **os.environ,
+            SUPERVISOR_ENV: "ringlimit up",
             "RINGLIMIT_REDIS_URL": args.redis_url,
             "RINGLIMIT_REDIS_PIPELINE": args.redis_pipeline,
             "RINGLIMIT_REDIS_TIMEOUT": str(args.redis_timeout),
