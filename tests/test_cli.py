@@ -184,6 +184,8 @@ def test_up_starts_a_cluster_that_limits_and_sigterm_stops_every_process(procs: 
         for pid in leftovers:  # never leave our own processes behind, even on failure
             os.kill(pid, signal.SIGKILL)
     assert code == 0, proc.output()
+    # Its nodes stop on SIGHUP without a line each (a node alone says one).
+    assert "SIGHUP" not in proc.output(), proc.output()
     assert gone, f"processes left running after SIGTERM: {leftovers}"
     assert time.monotonic() - started < 20
     assert not answers(router)
