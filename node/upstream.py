@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import logging
 from collections.abc import AsyncIterator
@@ -124,16 +123,21 @@ def declared_length(fields: RawHeaders) -> int | None:
 
 
 async def request_body(
-    receive: Receive, length: int | None, read: asyncio.Event | None = None
+    receive: Receive,
+    length: int | None,
+    read: asyncio.Event | None = None,
+    gone: asyncio.Event | None = None,
 ) -> AsyncIterator[bytes]:
     """The client's body as it arrives, ``length`` bytes (``None``: as many as
     come, chunked); :class:`BodyMismatch` when it does not end there. ``read``
     is set once the whole body is read (``receive`` then only says whether
-    the client went away)."""
+    the client went away); ``gone`` when the client went away before its end."""
     sent = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":  # http.disconnect: the client went
+            if gone is not None:
+                gone.set()
             raise BodyMismatch(f"the client went away after {sent} bytes of its body")
         chunk = message.get("body", b"")
         sent += len(chunk)
@@ -248,7 +252,10 @@ class UpstreamApp:
             return
         body_read = asyncio.Event()
         answered = asyncio.Event()
-        exchange = asyncio.ensure_future(self._exchange(scope, receive, send, body_read, answered))
+        left = asyncio.Event()  # the client went away while its body was being read
+        exchange = asyncio.ensure_future(
+            self._exchange(scope, receive, send, body_read, answered, left)
+        )
         gone = asyncio.ensure_future(_client_gone(receive, body_read))
         try:
             await asyncio.wait((exchange, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -257,14 +264,18 @@ class UpstreamApp:
             gone.cancel()
             await asyncio.gather(exchange, gone, return_exceptions=True)
             raise
+        gone.cancel()
         if not exchange.done() and not answered.is_set():
             exchange.cancel()
             self.stats.abandoned += 1
-        else:
-            gone.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await exchange  # (its own errors are raised here, as they were)
-        gone.cancel()
+            # Until it has let go of its upstream connection; without raising its
+            # CancelledError, which is not this task's (a cancellation of this
+            # task meanwhile is raised here, as it must be).
+            await asyncio.wait((exchange,))
+            if not exchange.cancelled() and exchange.exception() is not None:
+                log.debug("an abandoned upstream exchange ended with %r", exchange.exception())
+            return
+        await exchange  # (its own errors are raised here, as they were)
 
     async def _exchange(
         self,
@@ -273,6 +284,7 @@ class UpstreamApp:
         send: Send,
         body_read: asyncio.Event,
         answered: asyncio.Event,
+        left: asyncio.Event,
     ) -> None:
         """One request's exchange; ``answered`` is set as its answer's last
         message goes (from then on, a ``http.disconnect`` is the answer's end)."""
@@ -308,7 +320,7 @@ class UpstreamApp:
                 scope["method"],
                 self.target(scope),
                 headers=headers,
-                data=None if length == 0 else request_body(receive, length, body_read),
+                data=None if length == 0 else request_body(receive, length, body_read, left),
                 allow_redirects=False,
             ) as response:
                 if not 100 <= response.status <= 599:
@@ -320,10 +332,18 @@ class UpstreamApp:
                     answered.set()
                     await _unavailable(send, detail)
                     return
-                out = passed_on(
-                    [(k.lower(), v) for k, v in response.raw_headers],
-                    NOT_RELAYED_NO_CONTENT if response.status in NO_CONTENT else NOT_RELAYED,
-                )
+                out = [
+                    field
+                    for field in passed_on(
+                        [(k.lower(), v) for k, v in response.raw_headers],
+                        NOT_RELAYED_NO_CONTENT if response.status in NO_CONTENT else NOT_RELAYED,
+                    )
+                    # ringlimit's own fields are the node's to say: an upstream that
+                    # is itself a ringlimit cluster answers 503s with
+                    # x-ringlimit-unavailable, which this node's router would take
+                    # for this node's and send the request again elsewhere.
+                    if not field[0].startswith(b"x-ringlimit-")
+                ]
                 await send(
                     {"type": "http.response.start", "status": response.status, "headers": out}
                 )
@@ -333,7 +353,12 @@ class UpstreamApp:
                 answered.set()
                 await send({"type": "http.response.body", "body": b""})
         except (aiohttp.ClientError, TimeoutError) as exc:
-            if started:
+            if left.is_set():
+                # The client went away mid-upload: the upstream's connection was
+                # closed for it (the body is never taken as whole), not a failure
+                # of the upstream's (any client could raise that count at will).
+                self.stats.abandoned += 1
+            elif started:
                 self.stats.broke_off += 1
                 self._broke_off(scope, exc)
             else:

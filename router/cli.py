@@ -22,7 +22,6 @@ import math
 import os
 import socket
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -1084,7 +1083,9 @@ def _check_upstream_seconds(args: argparse.Namespace) -> None:
 def _check_upstream(url: str | None) -> None:
     """``--upstream``: an http(s) URL with a host (a path prefix is kept). Anything
     else was taken, the cluster started, and every allowed request failed.
-    Credentials in it are never repeated in a message."""
+    A URL with an '@', '?' or '#' is named by its scheme and host alone: what
+    else it holds (user info, a query, a fragment) may be a secret, and a '#'
+    or '/' in a password moves it out of what a parser takes for user info."""
     if url is None:
         return
     from urllib.parse import urlsplit
@@ -1092,12 +1093,18 @@ def _check_upstream(url: str | None) -> None:
     try:
         parts = urlsplit(url)
     except ValueError as exc:
-        raise ValueError(f"--upstream: not a URL: {exc}") from None
-    shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+        raise ValueError(f"--upstream: not a URL ({exc})") from None
+    shown = (
+        url
+        if not any(mark in url for mark in "@?#")
+        else f"{parts.scheme}://{parts.hostname or ''}/..."
+    )
     try:
         parts.port  # noqa: B018 (raises ValueError for a port out of range)
-    except ValueError as exc:
-        raise ValueError(f"--upstream {shown!r}: {exc}") from None
+    except ValueError:
+        raise ValueError(
+            f"--upstream {shown!r}: its port is not a number from 1 to 65535"
+        ) from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"--upstream {shown!r}: expected http://HOST[:PORT][/PATH] (or https://)")
     if parts.query or parts.fragment or url.rstrip().endswith(("?", "#")):
@@ -1374,30 +1381,20 @@ def _admin_call(
     admin_token, _ = _tokens()
     headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
     base = router.rstrip("/")
-    deadline = time.monotonic() + timeout
+    late = CommandError(
+        f"cannot reach the router at {base} (no whole answer within --timeout {timeout:g} s); "
+        "check --router and that the router is running"
+    )
     try:
-        with (
-            httpx.Client(timeout=timeout, headers=headers) as client,
-            client.stream(method, f"{base}{path}", json=body) as streamed,
-        ):
-            content = bytearray()
-            for chunk in streamed.iter_bytes():
-                content += chunk
-                if time.monotonic() > deadline:
-                    raise httpx.ReadTimeout("the whole answer took too long", request=None)  # type: ignore[arg-type]
-                if len(content) > MAX_ADMIN_ANSWER:
-                    raise CommandError(
-                        f"{base} answered more than {MAX_ADMIN_ANSWER} bytes; check --router"
-                    )
-        # (Decoded already: the content type alone, for its charset.)
-        kept = [(k, v) for k, v in streamed.headers.multi_items() if k.lower() == "content-type"]
-        response = httpx.Response(streamed.status_code, headers=kept, content=bytes(content))
+        response = _within(
+            timeout, late, lambda: _fetch(base + path, method, body, headers, timeout)
+        )
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        late = isinstance(exc, httpx.TimeoutException)
+        if isinstance(exc, httpx.TimeoutException):
+            raise late from None
         raise CommandError(
-            f"cannot reach the router at {base} ({_http_problem(exc)}"
-            + (f" within --timeout {timeout:g} s" if late else "")
-            + "); check --router and that the router is running"
+            f"cannot reach the router at {base} ({_http_problem(exc)}); "
+            "check --router and that the router is running"
         ) from None
     data = _json_object(response)
     status = response.status_code
@@ -1426,6 +1423,55 @@ def _admin_call(
     if isinstance(data.get("warning"), str):
         print(f"ringlimit: warning: {_one_line(data['warning'])}", file=sys.stderr)
     return 0
+
+
+def _fetch(
+    url: str, method: str, body: Any, headers: dict[str, str], timeout: float
+) -> httpx.Response:
+    """One admin call's whole answer (at most MAX_ADMIN_ANSWER bytes)."""
+    import httpx
+
+    with (
+        httpx.Client(timeout=timeout, headers=headers) as client,
+        client.stream(method, url, json=body) as streamed,
+    ):
+        content = bytearray()
+        for chunk in streamed.iter_bytes():
+            content += chunk
+            if len(content) > MAX_ADMIN_ANSWER:
+                raise CommandError(
+                    f"{url} answered more than {MAX_ADMIN_ANSWER} bytes; check --router"
+                )
+    # (Decoded already: the content type alone, for its charset.)
+    kept = [(k, v) for k, v in streamed.headers.multi_items() if k.lower() == "content-type"]
+    return httpx.Response(streamed.status_code, headers=kept, content=bytes(content))
+
+
+def _within(seconds: float, late: Exception, call: Callable[[], Any]) -> Any:
+    """``call()``'s result, or ``late`` raised once ``seconds`` have passed.
+
+    httpx's timeouts bound each read, not an answer: a router that sends a
+    byte now and then (its status line included) held a command for as long
+    as it liked. The call runs in a daemon thread that a command, exiting,
+    leaves behind."""
+    import threading
+
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="admin-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise late
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _json_object(response: httpx.Response) -> dict[str, Any] | None:

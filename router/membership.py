@@ -857,19 +857,19 @@ class Membership:
                 return self.view
         held = await self._wait_ready(member)
         if held > self.view.epoch and self.coordinator is None:
-            # The node holds a newer ring than this router: a router started with
-            # no ring (its state file lost, no seeds) that an operator gives its
-            # nodes again. Joined as they stood, the router made a ring of its own
-            # at epoch 1 beside theirs and answered 200 (the node refused the
-            # older view). The router takes their ring first; a member of it is
-            # then joined already.
-            log.warning(
-                "node %s holds epoch %d, newer than this router's %d: taking its ring",
-                member.id,
-                held,
-                self.view.epoch,
-            )
-            await self.catch_up(held, member.url)
+            if len(self.view):
+                # Not a view this router made (it makes every view of its ring):
+                # a node of another cluster. Joined, it refused every view and
+                # answered each key with its own ring's epoch, which the router
+                # would take for a newer view of its own.
+                raise MembershipError(
+                    409,
+                    "node_in_another_ring",
+                    f"node {member.id} holds a ring at epoch {held}, newer than this "
+                    f"router's ({self.view.epoch}): it is another cluster's member; give it "
+                    "to that cluster's router, or restart it empty to join this one",
+                )
+            await self._take_ring_of(member)
         for _ in range(MAX_PREEMPTIONS):
             async with self.lock:
                 if await self._already_joined(member):
@@ -1100,6 +1100,34 @@ class Membership:
         self.changed = asyncio.Event()
 
     # ------------------------------------------------------------------ stale views
+
+    async def _take_ring_of(self, member: Member) -> None:
+        """This router has no ring and a node given to it holds one: a router
+        started with none (its state file lost, no seeds) that an operator
+        gives its nodes again. Joined as it stood, the router made a ring of its
+        own at epoch 1 beside theirs and answered 200 (the node refused the
+        older view). It takes the newest view the members of the node's ring
+        hold (the node's own may be old: one removed from the ring that still
+        runs holds the view it was removed from), then joins the node as
+        usual: already a member of that view, or joined to it.
+
+        Only when this router has no ring: a node of another cluster given to a
+        router that has one must not replace its ring (and take its members'
+        counters out of it)."""
+        seen = await self.nodes.discover([member], self.health_timeout)
+        if seen is None or not len(seen):
+            return
+        asked = {m.id: m for m in (*seen.members, member)}
+        found = await self.nodes.discover(list(asked.values()), self.health_timeout, with_urls=True)
+        if found is None or found[0].epoch <= self.view.epoch or not len(found[0]):
+            return
+        log.warning(
+            "node %s holds a ring and this router none: taking the newest its members "
+            "hold, epoch %d",
+            member.id,
+            found[0].epoch,
+        )
+        await self.catch_up(found[0].epoch, found[1])
 
     def token_refused(self, member: Member) -> None:
         """A member refused this router's internal token on a proxied request:

@@ -841,8 +841,12 @@ def test_a_keep_alive_routers_and_nodes_would_race_is_warned_of(
         ("http://127.0.0.1:9/?", "a query or fragment"),
         ("http://ann:s3cret@127.0.0.1:9/", "credentials in the URL"),
         ("http://ann@127.0.0.1:9/", "credentials in the URL"),
-        ("http://ann:s3cret@127.0.0.1:99999/", "out of range"),
+        ("http://ann:s3cret@127.0.0.1:99999/", "port is not a number"),
         ("ftp://ann:s3cret@127.0.0.1:9/", "expected http://"),
+        # A '#' or '/' in the password moves it out of what is parsed as user info.
+        ("http://ann:s3c#ret@127.0.0.1:9/", "port is not a number"),
+        ("http://ann:s3c/ret@127.0.0.1:80/", "port is not a number"),
+        ("http://127.0.0.1:9/?api_key=s3cret", "a query or fragment"),
     ],
 )
 def test_an_upstream_url_that_would_garble_requests_is_refused(url: str, said: str) -> None:
@@ -854,24 +858,30 @@ def test_an_upstream_url_that_would_garble_requests_is_refused(url: str, said: s
 
     with pytest.raises(ValueError) as refused:
         _check_upstream(url)
-    assert said in str(refused.value) and "s3cret" not in str(refused.value), refused.value
+    shown = str(refused.value)
+    assert said in shown and "s3c" not in shown and "ret@" not in shown, shown
 
 
+@pytest.mark.parametrize("where", ["body", "head"])
 @pytest.mark.parametrize("command", [["nodes", "list"], ["rules"]], ids=["nodes", "rules"])
-def test_an_admin_answer_that_never_ends_is_cut_off_at_the_timeout(command: list[str]) -> None:
+def test_an_admin_answer_that_never_ends_is_cut_off_at_the_timeout(
+    command: list[str], where: str
+) -> None:
     """A router that sent its answer a byte at a time held `ringlimit nodes list`
     for minutes (httpx's 60 s is per read, and a paused router took 60 s):
-    --timeout bounds the whole answer, in one line."""
+    --timeout bounds the whole answer, its status line included, in one line."""
 
     class Drip(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", "100")
-            self.end_headers()
-            for _ in range(40):  # at most 12 s, and over at once when the client goes
+            head = (
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+            )
+            if where == "body":
+                self.wfile.write(head)
+                head = b" " * 100
+            for byte in head[:40]:  # at most 12 s; over at once when the client goes
                 try:
-                    self.wfile.write(b" ")
+                    self.wfile.write(bytes([byte]))
                     self.wfile.flush()
                 except OSError:
                     return
@@ -884,7 +894,7 @@ def test_an_admin_answer_that_never_ends_is_cut_off_at_the_timeout(command: list
         began = time.monotonic()
         result = ringlimit(*command, "--router", url, "--timeout", "1.5")
         took = time.monotonic() - began
-    one_line_failure(result, "timed out within --timeout 1.5 s")
+    one_line_failure(result, "no whole answer within --timeout 1.5 s")
     assert took < 8.0, took
 
 

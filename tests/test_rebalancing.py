@@ -1118,6 +1118,64 @@ async def test_a_router_that_lost_its_ring_takes_it_back_from_the_first_node_giv
         assert tally.excess() == 0, tally.over()
 
 
+async def test_a_node_removed_but_running_does_not_give_a_ringless_router_an_old_ring(
+    tmp_path: Path,
+) -> None:
+    """As above, but the first node given again is one removed from the ring
+    that still runs: its view is the one it was removed from (it is not in
+    it). Taken, the router stood at that old epoch and joined the node into
+    it, which then decided keys the ring's members also own: users admitted
+    over their limit (found by a review). The router takes the newest view
+    the members of that ring hold, and joins the node to it as a new member."""
+    state = tmp_path / "ring.json"
+    options = {"state_file": str(state)}
+    config = make_config()
+    async with InProcessCluster(3, config, clock=FrozenClock(), router_options=options) as cluster:
+        await cluster.add_node("n4")
+        await cluster.remove_node("n4")  # n4 runs on, holding the view without itself
+        await cluster.add_node("n5")
+        await cluster.add_node("n6")
+        tally = await exhaust(cluster)
+        before = cluster.router.membership.view
+        state.unlink()
+        await cluster.restart_router()
+        answer = await cluster.client.post(
+            f"{ROUTER_URL}/admin/nodes", json={"id": "n4", "url": node_url("n4"), "weight": 1}
+        )
+        assert answer.status_code == 200, answer.text
+        view = cluster.router.membership.view
+        assert view.epoch > before.epoch and set(view.ids) == {*before.ids, "n4"}
+        assert all(n.shard.epoch == view.epoch for n in cluster.nodes.values())
+        await send(cluster.client, tally, USERS, 2)
+        assert tally.other == Counter()
+        assert tally.excess() == 0, tally.over()
+
+
+async def test_a_node_of_another_ring_is_refused_by_a_router_that_has_one() -> None:
+    """A node that holds another cluster's ring (a newer epoch than this
+    router's) given to a router with a ring of its own: the router took that
+    ring whole and dropped its own members (found by a review of the
+    catch-up). Refused, 409, the router's ring unchanged."""
+    async with InProcessCluster(2, make_config(), clock=FrozenClock()) as cluster:
+        before = cluster.router.membership.view
+        stranger = cluster._make_node("n9")
+        ring = {"epoch": 7, "nodes": [{"id": "n9", "url": node_url("n9"), "weight": 1}]}
+        pushed = await cluster.client.put(
+            f"{node_url('n9')}/internal/cluster",
+            json={
+                "ring": ring,
+                "previous": {"epoch": 0, "nodes": []},
+                "config": make_config().to_dict(),
+            },
+        )
+        assert pushed.status_code == 200 and stranger.shard.epoch == 7  # type: ignore[union-attr]
+        answer = await cluster.client.post(
+            f"{ROUTER_URL}/admin/nodes", json={"id": "n9", "url": node_url("n9"), "weight": 1}
+        )
+        assert answer.status_code == 409 and answer.json()["error"] == "node_in_another_ring"
+        assert cluster.router.membership.view == before
+
+
 async def test_an_empty_ring_in_the_state_file_keeps_its_epoch(tmp_path: Path) -> None:
     """A state file holding an empty ring at epoch 5 started the router at
     epoch 0: its next view was epoch 1, below the views its nodes had held."""

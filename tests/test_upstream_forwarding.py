@@ -51,6 +51,9 @@ ANSWERS = {
     b"/broken-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n",
     # A status HTTP does not define (LinkedIn's 999), which aiohttp reads.
     b"/odd-status": b"HTTP/1.1 999 Request denied\r\ncontent-length: 2\r\n\r\nok",
+    # An upstream that is itself a ringlimit cluster, refusing.
+    b"/ringlimit-fields": b"HTTP/1.1 503 Service Unavailable\r\n"
+    b"x-ringlimit-unavailable: lease\r\nx-ringlimit-node: n7\r\ncontent-length: 2\r\n\r\nno",
 }
 #: Paths after whose answer the upstream closes the connection (mid-body).
 CLOSING = {b"/broken", b"/broken-chunked"}
@@ -313,7 +316,7 @@ async def test_a_body_its_client_abandons_never_reaches_the_upstream_whole(
     """The client sends 3 bytes and goes. Before: the node ended the body there,
     and the upstream took ``abc`` as a whole (chunked) request. Now the node
     closes the upstream connection: nothing arrives whole, nothing waits."""
-    async with scripted() as (upstream, url), node_front(url) as port:
+    async with scripted() as (upstream, url), node_front_app(url) as (port, app):
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             writer.write(request("POST", b"/cut", framing, sent))
@@ -321,8 +324,14 @@ async def test_a_body_its_client_abandons_never_reaches_the_upstream_whole(
         finally:
             writer.close()
         await asyncio.wait_for(upstream.arrived.wait(), 3)
+        for _ in range(100):  # the node's side ends a moment later
+            if app.stats.abandoned:
+                break
+            await asyncio.sleep(0.02)
     assert [r.whole for r in upstream.received] == [False]
     assert upstream.received[0].body in (b"", b"abc")
+    # The client's going, not the upstream's failure (any client could raise that).
+    assert (app.stats.abandoned, app.stats.unavailable) == (1, 0)
 
 
 async def test_a_body_longer_than_declared_is_not_sent_on() -> None:
@@ -579,3 +588,15 @@ async def test_a_nodes_metrics_count_what_went_wrong_with_its_upstream() -> None
     assert "ringlimit_upstream_unavailable_total 2.0" in text, text
     assert "ringlimit_upstream_abandoned_total 1.0" in text
     assert "ringlimit_upstream_broke_off_total 0.0" in text
+
+
+async def test_an_upstreams_own_ringlimit_fields_are_not_relayed() -> None:
+    """An upstream that is itself a ringlimit cluster answers its 503s with
+    x-ringlimit-unavailable: relayed, this node's router took it for this
+    node's refusal and sent the request again to another node, which called
+    the application a second time (found by a review)."""
+    async with scripted() as (_, url), node_front(url) as port:
+        answer = await exchange(port, request("GET", b"/ringlimit-fields"))
+    head = answer.partition(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 503 ") and answer.endswith(b"no")
+    assert b"x-ringlimit-" not in head, head
