@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -198,25 +199,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: Each flag's smallest value (and whether it is a count), checked before anything
+#: starts: a 0 quietly became the default ("or default"), inf and NaN were a
+#: traceback after the clusters had started, and 0 connections or users were
+#: refused by wrk alone (an 18 EB allocation).
+LOWEST = {
+    "duration": 1.0,
+    "repeats": 1,
+    "connections": 1,
+    "users": 1,
+    "nodes": 1,
+    "handoff_keys": 1,
+    "memory_keys": 1,
+    "engine_seconds": 0.1,
+}
+#: ... and largest.
+HIGHEST = {
+    "duration": 3600.0,
+    "repeats": 100,
+    "connections": 10_000,
+    "users": 10_000_000,
+    "nodes": 64,
+    "handoff_keys": 20_000_000,
+    "memory_keys": 20_000_000,
+    "engine_seconds": 3600.0,
+}
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for name, low in LOWEST.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if not (math.isfinite(value) and low <= value <= HIGHEST[name]):
+            raise ValueError(
+                f"{flag} {value:g}: must be from {_number(low)} to {_number(HIGHEST[name])}"
+            )
+
+
+def _number(value: float) -> str:
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
+    _check_numbers(args)
     quick = bool(args.quick)
     settings = Settings(
-        duration=args.duration or (2.0 if quick else 5.0),
+        duration=args.duration if args.duration is not None else (2.0 if quick else 5.0),
         warmup=0.5 if quick else 1.0,
-        repeats=args.repeats or (1 if quick else 3),
+        repeats=args.repeats if args.repeats is not None else (1 if quick else 3),
         connections=args.connections,
         users=args.users,
         nodes=args.nodes,
         tight_duration=1.0 if quick else 2.0,
-        engine_seconds=args.engine_seconds or (2.0 if quick else 20.0),
+        engine_seconds=args.engine_seconds
+        if args.engine_seconds is not None
+        else (2.0 if quick else 20.0),
         engine_keys=2_000 if quick else 10_000,
         engine_hits=3 if quick else 10,
         memory_keys=0
         if args.skip_engine
-        else (args.memory_keys or (100_000 if quick else 1_000_000)),
+        else (
+            args.memory_keys if args.memory_keys is not None else (100_000 if quick else 1_000_000)
+        ),
         handoff_keys=0
         if args.skip_handoff
-        else (args.handoff_keys or (100_000 if quick else 1_000_000)),
+        else (
+            args.handoff_keys
+            if args.handoff_keys is not None
+            else (100_000 if quick else 1_000_000)
+        ),
         tool=args.loadgen,
         crash_policy=args.crash_policy,
         envoy=not getattr(args, "skip_envoy", False),
@@ -284,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
     procs = Processes(workdir)
     progress = Progress(_expected_seconds(settings), enabled=not args.no_progress)
     started = time.time()
-    report = _new_report(settings, quick, tool_name, started)
+    report = _new_report(settings, command_line(args), tool_name, started)
     try:
         _run_rows(procs, settings, workdir, progress, report)
         _run_extras(procs, settings, workdir, progress, report)
@@ -350,10 +403,27 @@ def _envoy_seconds(settings: Settings) -> float:
     return settings.repeats * 2 * (settings.duration + 1) + 12
 
 
-def _new_report(settings: Settings, quick: bool, tool_name: str, started: float) -> dict[str, Any]:
+def command_line(args: argparse.Namespace) -> str:
+    """The ``ringlimit bench`` command that ran, with every option it was given
+    (the report named ``--quick`` alone: a run of two rows, or with steps
+    skipped, read as the whole benchmark)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    words = ["ringlimit bench"]
+    for name, default in defaults.items():
+        value = getattr(args, name, default)
+        if value == default or name in ("json", "markdown", "no_progress"):
+            continue
+        flag = "--" + name.replace("_", "-")  # (every option is named as its flag)
+        words.append(flag if value is True else f"{flag} {value}")
+    return " ".join(words)
+
+
+def _new_report(settings: Settings, command: str, tool_name: str, started: float) -> dict[str, Any]:
     return {
         "meta": {
-            "command": "ringlimit bench" + (" --quick" if quick else ""),
+            "command": command,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
             "python": platform.python_version(),
             "cpus": os.cpu_count(),

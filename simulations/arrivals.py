@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .pool import fork_pool
 from .scenario import Scenario
 
 #: Expected arrivals per generated chunk (bounds the temporary arrays).
@@ -155,7 +156,7 @@ def generate(scenario: Scenario, seed: int | None = None, jobs: int = 1) -> Arri
     if jobs > 1 and len(chunks) > 1 and "fork" in multiprocessing.get_all_start_methods():
         _SHARED = (scenario, sampler, seed)
         try:
-            with multiprocessing.get_context("fork").Pool(min(jobs, len(chunks))) as pool:
+            with fork_pool(min(jobs, len(chunks))) as pool:
                 parts = pool.map(_chunk_in_worker, chunks, chunksize=1)
         finally:
             _SHARED = None

@@ -120,19 +120,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"ringlimit simulate: {why} {module}: {install}", file=sys.stderr)
             return 2
 
+    from .pool import exit_on_sigterm
     from .report import format_report, write_json
     from .runner import say, simulate
 
     verbose = not args.quiet
     try:
-        result = simulate(
-            scenario,
-            seed=args.seed,
-            jobs=args.jobs,
-            progress=verbose,
-            log=lambda m: say(m, verbose),
-            full=args.full,
-        )
+        with exit_on_sigterm():
+            result = simulate(
+                scenario,
+                seed=args.seed,
+                jobs=args.jobs,
+                progress=verbose,
+                log=lambda m: say(m, verbose),
+                full=args.full,
+            )
     except ScenarioError as exc:
         print(f"ringlimit simulate: {exc}", file=sys.stderr)
         return 2

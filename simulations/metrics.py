@@ -30,6 +30,7 @@ import numpy as np
 
 from .arrivals import Arrivals, user_name
 from .modes import ModeResult, policy_table
+from .pool import fork_pool
 from .scenario import Scenario
 from .timeline import Timeline
 
@@ -329,7 +330,7 @@ def _score_all(common: _Common, results: dict[str, ModeResult], jobs: int) -> di
         return {mode: score_mode(common, result) for mode, result in results.items()}
     _SHARED = (common, results)
     try:
-        with multiprocessing.get_context("fork").Pool(min(jobs, len(results))) as pool:
+        with fork_pool(min(jobs, len(results))) as pool:
             scored = pool.map(_score_one, list(results), chunksize=1)
     finally:
         _SHARED = None

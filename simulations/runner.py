@@ -23,6 +23,7 @@ import numpy as np
 from .arrivals import Arrivals, generate
 from .metrics import build_report
 from .modes import ModeResult, complete, decisions_needed, run_mode
+from .pool import fork_pool
 from .scenario import Scenario
 from .timeline import Timeline, build_timeline
 
@@ -123,7 +124,7 @@ def _run_parallel(
     counters = ctx.RawArray("q", len(modes))
     _SHARED = (timeline, arrivals, counters, full)
     try:
-        with ctx.Pool(jobs, maxtasksperchild=1) as pool:
+        with fork_pool(jobs, maxtasksperchild=1) as pool:
             pending = {mode: pool.apply_async(_worker, (mode, i)) for i, mode in enumerate(modes)}
             while not all(p.ready() for p in pending.values()):
                 bar.update(sum(counters))

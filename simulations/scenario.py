@@ -43,6 +43,10 @@ ON_ERROR = ("open", "closed")
 
 MAX_USERS = 50_000_000
 MAX_NODES = 1_000
+#: Arrivals a scenario may ask for (rate x duration): five times large_10m's. A
+#: rate of 1e8 for 100 s asked for 1e10, about 120 GB, and ended in a
+#: MemoryError traceback (or a hang of the pool), not a line.
+MAX_ARRIVALS = 50_000_000
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([a-z]+)\s*$", re.IGNORECASE)
 _UNITS = {
@@ -582,6 +586,13 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
     nodes = _read_nodes(top.sub("cluster"))
     users = _read_users(top.sub("users"))
     arrivals = _read_arrivals(top.sub("arrivals"))
+    if arrivals.rate * duration > MAX_ARRIVALS:
+        raise top.sub("arrivals").error(
+            "rate",
+            f"{arrivals.rate:g}/s for {duration:g} s is {arrivals.rate * duration:,.0f} "
+            f"arrivals; at most {MAX_ARRIVALS:,} (each costs memory in every mode): "
+            "lower the rate or the duration",
+        )
     rules = _read_rules(top)
 
     md = top.sub("modes", required=False)

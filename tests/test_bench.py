@@ -229,6 +229,42 @@ def test_settings_and_rows_option() -> None:
     assert "[[rules]]" in deployments.cluster_toml(quick)
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--duration", "inf"],
+        ["--duration", "nan"],
+        ["--duration", "0"],
+        ["--repeats", "0"],
+        ["--connections", "0"],
+        ["--users", "-1"],
+        ["--nodes", "0"],
+        ["--engine-seconds", "nan"],
+        ["--handoff-keys", "-1"],
+        ["--memory-keys", "0"],
+    ],
+)
+def test_a_number_out_of_range_is_refused_before_anything_starts(argv: list[str]) -> None:
+    """0 quietly became the default ("or default": --duration 0 ran 5 s rounds),
+    inf and NaN were a traceback after the clusters had started, and 0
+    connections or users were refused by wrk alone (found by an exploratory
+    tester)."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(ValueError, match=f"^{argv[0]} .*: must be from "):
+        bench.settings_from(parser.parse_args(argv))
+
+
+def test_the_report_names_the_command_with_every_option_it_had() -> None:
+    """It said `ringlimit bench --quick` of a run of two rows with the Envoy
+    step skipped: read as the whole benchmark."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--rows", "sticky,direct", "--skip-envoy"])
+    assert bench.command_line(args) == "ringlimit bench --quick --rows sticky,direct --skip-envoy"
+    assert bench.command_line(parser.parse_args(["--json", "x.json"])) == "ringlimit bench"
+
+
 def test_load_generator_pieces() -> None:
     line = (
         'noise\nRINGLIMIT_BENCH {"requests":100,"duration_us":2000000,"p50_us":1500,'

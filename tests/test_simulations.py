@@ -733,3 +733,11 @@ def test_cli_set_overrides_a_setting(capsys: pytest.CaptureFixture[str]) -> None
     assert "--set 'budget=false': expected TABLE.KEY=VALUE" in capsys.readouterr().err
     assert main(["blip", "--quiet", "--set", "modes.returning=keep"]) == 2
     assert "modes.returning: must be one of hand_back, discard" in capsys.readouterr().err
+
+
+def test_a_scenario_that_asks_for_more_arrivals_than_memory_holds_is_one_line() -> None:
+    """rate 1e8 for 100 s asked for 1e10 arrivals (about 120 GB): a MemoryError
+    traceback, or a pool that hung, where a line was due."""
+    with pytest.raises(ScenarioError, match=r"10,000,000,000 arrivals; at most 50,000,000"):
+        load_scenario(SCENARIO_DIR / "large_10m.toml", ["arrivals.rate=100000000"])
+    assert load_scenario(SCENARIO_DIR / "large_10m.toml").arrivals.rate == 100_000

@@ -1,0 +1,51 @@
+"""The simulations' worker pools: forked, and stopped by their parent alone.
+
+A pool's workers are the parent's children in its process group: a Ctrl-C
+reached each of them too, and each printed a ``KeyboardInterrupt``
+traceback while the parent stopped them anyway; a SIGTERM to the parent
+alone killed it in its tracks, and left its workers running as orphans, to
+die later on a broken pipe (an exploratory tester). Here a worker ignores
+SIGINT and takes SIGTERM's default (its parent's handler is not its), and
+:func:`exit_on_sigterm` makes the parent's SIGTERM an exit that leaves its
+``with`` blocks, so each pool terminates its workers as it goes.
+
+(Not ``PR_SET_PDEATHSIG``: it fires when the parent *thread* ends, and a
+pool forks the workers that replace finished ones from a thread of its own,
+which ends as the pool closes: a worker killed so while it held the pool's
+queue lock hung the parent's ``terminate()``.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.pool
+import signal
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+
+def fork_pool(processes: int, **options: Any) -> multiprocessing.pool.Pool:
+    """``multiprocessing``'s fork pool of ``processes`` workers, set up as above."""
+    return multiprocessing.get_context("fork").Pool(processes, initializer=_worker_setup, **options)
+
+
+def _worker_setup() -> None:  # pragma: no cover - runs in a worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """Within the block, SIGTERM raises ``SystemExit(143)`` (128 + SIGTERM, the
+    status a shell reports for it)."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
