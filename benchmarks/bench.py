@@ -50,6 +50,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import shutil
 import signal
 import statistics
@@ -232,9 +233,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
         if value is None:
             continue
         flag = "--" + name.replace("_", "-")
-        if not (math.isfinite(value) and low <= value <= HIGHEST[name]):
+        if not (low <= value <= HIGHEST[name] and math.isfinite(value)):
+            shown = f"{value:g}" if isinstance(value, float) else str(value)[:40]
             raise ValueError(
-                f"{flag} {value:g}: must be from {_number(low)} to {_number(HIGHEST[name])}"
+                f"{flag} {shown}: must be from {_number(low)} to {_number(HIGHEST[name])}"
             )
 
 
@@ -416,7 +418,8 @@ def command_line(args: argparse.Namespace) -> str:
         if value == default or name in ("json", "markdown", "no_progress"):
             continue
         flag = "--" + name.replace("_", "-")  # (every option is named as its flag)
-        words.append(flag if value is True else f"{flag} {value}")
+        shown = f"{value:g}" if isinstance(value, float) else str(value)
+        words.append(flag if value is True else f"{flag} {shlex.quote(shown)}")
     return " ".join(words)
 
 

@@ -856,20 +856,21 @@ class Membership:
             if await self._already_joined(member):
                 return self.view
         held = await self._wait_ready(member)
-        if held > self.view.epoch and self.coordinator is None:
-            if len(self.view):
-                # Not a view this router made (it makes every view of its ring):
-                # a node of another cluster. Joined, it refused every view and
-                # answered each key with its own ring's epoch, which the router
-                # would take for a newer view of its own.
-                raise MembershipError(
-                    409,
-                    "node_in_another_ring",
-                    f"node {member.id} holds a ring at epoch {held}, newer than this "
-                    f"router's ({self.view.epoch}): it is another cluster's member; give it "
-                    "to that cluster's router, or restart it empty to join this one",
-                )
+        if held > self.view.epoch and self.coordinator is None and not len(self.view):
             await self._take_ring_of(member)
+        if held > self.view.epoch and self.coordinator is None:
+            # Not a view this router made (it makes every view of its ring): a
+            # node of another cluster (or of a ring this router could not take,
+            # another join having made one first). Joined, it refused every view
+            # and answered each key with its own ring's epoch, which the router
+            # would take for a newer view of its own.
+            raise MembershipError(
+                409,
+                "node_in_another_ring",
+                f"node {member.id} holds a ring at epoch {held}, newer than this "
+                f"router's ({self.view.epoch}): it is another cluster's member; give it "
+                "to that cluster's router, or restart it empty to join this one",
+            )
         for _ in range(MAX_PREEMPTIONS):
             async with self.lock:
                 if await self._already_joined(member):
@@ -1121,13 +1122,19 @@ class Membership:
         found = await self.nodes.discover(list(asked.values()), self.health_timeout, with_urls=True)
         if found is None or found[0].epoch <= self.view.epoch or not len(found[0]):
             return
-        log.warning(
-            "node %s holds a ring and this router none: taking the newest its members "
-            "hold, epoch %d",
-            member.id,
-            found[0].epoch,
-        )
-        await self.catch_up(found[0].epoch, found[1])
+        async with self.lock:
+            # Under the lock, and only if still without a ring: a join of another
+            # node meanwhile made one, which the older ring must not replace (a
+            # review: the new node was dropped from the router's ring, unprobed).
+            if len(self.view):
+                return
+            log.warning(
+                "node %s holds a ring and this router none: taking the newest its members "
+                "hold, epoch %d",
+                member.id,
+                found[0].epoch,
+            )
+            await self._take_view_of(found[1])
 
     def token_refused(self, member: Member) -> None:
         """A member refused this router's internal token on a proxied request:
@@ -1148,6 +1155,10 @@ class Membership:
             await self.wait_for_change()
             if self.view.epoch >= epoch:
                 return
+        await self._take_view_of(node_url)
+
+    async def _take_view_of(self, node_url: str) -> None:
+        """Adopt the view (and config) of the node at ``node_url`` if it is newer."""
         try:
             data = await self.nodes.cluster(node_url)
             view = RingView.from_dict(data["ring"])

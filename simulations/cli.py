@@ -160,4 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Simulate rebalancing policies of a ringlimit cluster on a virtual clock.",
     )
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        return run(parser.parse_args(argv))
+    except KeyboardInterrupt:  # (as `ringlimit simulate` answers a Ctrl-C)
+        return 130

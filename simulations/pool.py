@@ -6,8 +6,7 @@ traceback while the parent stopped them anyway; a SIGTERM to the parent
 alone killed it in its tracks, and left its workers running as orphans, to
 die later on a broken pipe (an exploratory tester). Here a worker ignores
 SIGINT and takes SIGTERM's default (its parent's handler is not its), and
-:func:`exit_on_sigterm` makes the parent's SIGTERM an exit that leaves its
-``with`` blocks, so each pool terminates its workers as it goes.
+:func:`exit_on_sigterm` makes the parent's SIGTERM kill its workers and exit.
 
 (Not ``PR_SET_PDEATHSIG``: it fires when the parent *thread* ends, and a
 pool forks the workers that replace finished ones from a thread of its own,
@@ -20,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.pool
+import os
 import signal
+import sys
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -38,11 +39,20 @@ def _worker_setup() -> None:  # pragma: no cover - runs in a worker
 
 @contextlib.contextmanager
 def exit_on_sigterm() -> Iterator[None]:
-    """Within the block, SIGTERM raises ``SystemExit(143)`` (128 + SIGTERM, the
-    status a shell reports for it)."""
+    """Within the block, SIGTERM kills this process's workers and exits at once
+    with 143 (128 + SIGTERM, the status a shell reports for it).
+
+    At once, not through the pools' ``terminate()``: a SIGTERM sent to the whole
+    process group (``timeout``, systemd, ``kill -- -PGID``) has killed the
+    workers already, an idle one while it held its pool's queue lock, and
+    ``terminate()`` waited for that lock forever (a review found it)."""
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
+        for child in multiprocessing.active_children():
+            child.kill()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(128 + signum)
 
     before = signal.signal(signal.SIGTERM, stop)
     try:

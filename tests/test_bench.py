@@ -242,6 +242,7 @@ def test_settings_and_rows_option() -> None:
         ["--engine-seconds", "nan"],
         ["--handoff-keys", "-1"],
         ["--memory-keys", "0"],
+        ["--users", "1" + "0" * 400],  # (an OverflowError traceback in isfinite)
     ],
 )
 def test_a_number_out_of_range_is_refused_before_anything_starts(argv: list[str]) -> None:
@@ -263,6 +264,8 @@ def test_the_report_names_the_command_with_every_option_it_had() -> None:
     args = parser.parse_args(["--quick", "--rows", "sticky,direct", "--skip-envoy"])
     assert bench.command_line(args) == "ringlimit bench --quick --rows sticky,direct --skip-envoy"
     assert bench.command_line(parser.parse_args(["--json", "x.json"])) == "ringlimit bench"
+    again = parser.parse_args(["--duration", "3", "--rows", "sticky, redis"])
+    assert bench.command_line(again) == "ringlimit bench --duration 3 --rows 'sticky, redis'"
 
 
 def test_load_generator_pieces() -> None:

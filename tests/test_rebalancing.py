@@ -1176,6 +1176,49 @@ async def test_a_node_of_another_ring_is_refused_by_a_router_that_has_one() -> N
         assert cluster.router.membership.view == before
 
 
+async def test_a_join_meanwhile_is_not_dropped_by_the_ring_a_ringless_router_takes(
+    tmp_path: Path,
+) -> None:
+    """While a ringless router asked the members of n1's ring for their newest
+    view, a new node's join made a ring of its own; the older ring taken then
+    replaced it, and the new node was out of the router's ring, unprobed,
+    though its join had answered 200 (a review). Every join answered 200 is
+    in the router's ring; n1 is refused if its ring can no longer be taken."""
+    state = tmp_path / "ring.json"
+    options = {"state_file": str(state)}
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        await cluster.add_node("n4")
+        await cluster.remove_node("n4")
+        state.unlink()
+        await cluster.restart_router()
+        nodes = cluster.router.membership.nodes
+        discover = nodes.discover
+
+        async def slow_discover(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(0.3)
+            return await discover(*args, **kwargs)
+
+        nodes.discover = slow_discover  # type: ignore[method-assign]
+        cluster._make_node("n9")
+        joins = await asyncio.gather(
+            *(
+                cluster.client.post(
+                    f"{ROUTER_URL}/admin/nodes", json={"id": n, "url": node_url(n), "weight": 1}
+                )
+                for n in ("n1", "n9")
+            )
+        )
+        view = cluster.router.membership.view
+        for node_id, answer in zip(("n1", "n9"), joins, strict=True):
+            if answer.status_code == 200:
+                assert node_id in view, (node_id, view)
+            else:
+                assert answer.json()["error"] == "node_in_another_ring", answer.text
+        assert joins[1].status_code == 200
+
+
 async def test_an_empty_ring_in_the_state_file_keeps_its_epoch(tmp_path: Path) -> None:
     """A state file holding an empty ring at epoch 5 started the router at
     epoch 0: its next view was epoch 1, below the views its nodes had held."""
