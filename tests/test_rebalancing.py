@@ -15,11 +15,13 @@ can see the failures the other tests rule out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
 import shutil
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,19 @@ async def send(
                 tally.node[user] = response.headers["x-ringlimit-node"]
 
     await asyncio.gather(*(one_user(u) for u in users))
+
+
+@contextlib.asynccontextmanager
+async def state_filed(
+    tmp_path: Path, nodes: int = 3, config: ClusterConfig | None = None
+) -> AsyncIterator[tuple[InProcessCluster, Path]]:
+    """A cluster whose router keeps its ring in a state file: (it, the file)."""
+    state = tmp_path / "ring.json"
+    options = {"state_file": str(state)}
+    async with InProcessCluster(
+        nodes, config or make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        yield cluster, state
 
 
 async def exhaust_and_replicate(cluster: InProcessCluster) -> Tally:
@@ -1094,11 +1109,7 @@ async def test_a_router_that_lost_its_ring_takes_it_back_from_the_first_node_giv
     router made a ring of its own at epoch 1 with that node alone and answered
     200, beside the nodes' ring at epoch 3 (the node refused the older view).
     It now takes the node's ring, whole, and every counter with it."""
-    state = tmp_path / "ring.json"
-    options = {"state_file": str(state)}
-    async with InProcessCluster(
-        3, make_config(), clock=FrozenClock(), router_options=options
-    ) as cluster:
+    async with state_filed(tmp_path) as (cluster, state):
         await cluster.add_node("n4")
         await cluster.remove_node("n4")
         tally = await exhaust(cluster)
@@ -1127,10 +1138,7 @@ async def test_a_node_removed_but_running_does_not_give_a_ringless_router_an_old
     it, which then decided keys the ring's members also own: users admitted
     over their limit (found by a review). The router takes the newest view
     the members of that ring hold, and joins the node to it as a new member."""
-    state = tmp_path / "ring.json"
-    options = {"state_file": str(state)}
-    config = make_config()
-    async with InProcessCluster(3, config, clock=FrozenClock(), router_options=options) as cluster:
+    async with state_filed(tmp_path) as (cluster, state):
         await cluster.add_node("n4")
         await cluster.remove_node("n4")  # n4 runs on, holding the view without itself
         await cluster.add_node("n5")
@@ -1184,11 +1192,7 @@ async def test_a_join_meanwhile_is_not_dropped_by_the_ring_a_ringless_router_tak
     replaced it, and the new node was out of the router's ring, unprobed,
     though its join had answered 200 (a review). Every join answered 200 is
     in the router's ring; n1 is refused if its ring can no longer be taken."""
-    state = tmp_path / "ring.json"
-    options = {"state_file": str(state)}
-    async with InProcessCluster(
-        3, make_config(), clock=FrozenClock(), router_options=options
-    ) as cluster:
+    async with state_filed(tmp_path) as (cluster, state):
         await cluster.add_node("n4")
         await cluster.remove_node("n4")
         state.unlink()
@@ -1222,11 +1226,7 @@ async def test_a_join_meanwhile_is_not_dropped_by_the_ring_a_ringless_router_tak
 async def test_an_empty_ring_in_the_state_file_keeps_its_epoch(tmp_path: Path) -> None:
     """A state file holding an empty ring at epoch 5 started the router at
     epoch 0: its next view was epoch 1, below the views its nodes had held."""
-    state = tmp_path / "ring.json"
-    options = {"state_file": str(state)}
-    async with InProcessCluster(
-        1, make_config(), clock=FrozenClock(), router_options=options
-    ) as cluster:
+    async with state_filed(tmp_path, nodes=1) as (cluster, state):
         state.write_text(json.dumps({"epoch": 5, "nodes": []}))
         await cluster.restart_router()
         cluster.restart_node("n1")
