@@ -45,6 +45,9 @@ log = logging.getLogger("ringlimit.router")
 #: waits (etcd), and how many moves of the lead it follows before ``503 no_leader``.
 LEADER_LOOK = 0.25
 LEADER_MOVES = 3
+#: ... and how long it waits, at most, while nobody leads (or this router is
+#: taking the lead), before ``503 no_leader``: an election is about a ttl.
+NO_LEADER_WAIT = 10.0
 #: ``PUT /admin/rules``: at most this many bytes, and this many rules (each one
 #: is tried on every request's path and method until the rules cache knows it).
 MAX_RULES_BODY = 1 << 20
@@ -158,16 +161,29 @@ class AdminAPI:
         leader key.)
         """
         membership = self.router.membership
-        leader: str | Response | None = None
-        for _ in range(1 + LEADER_MOVES):
+        loop = asyncio.get_running_loop()
+        # While nobody leads (a leader's key ran out, the next not yet elected) or
+        # this router has won etcd's election and is still taking the lead, the
+        # call waits for the outcome rather than answer 503 at once: CI saw a
+        # call passed to a paused leader answered no_leader just as this router
+        # won (etcd named it; its take-over had not ended).
+        deadline = loop.time() + NO_LEADER_WAIT
+        moves = 0
+        while True:
             leader = await self._leader()
             if leader is None or isinstance(leader, Response):
                 return leader
-            if not leader or leader == membership.advertise:
+            if leader and leader != membership.advertise:
+                if moves > LEADER_MOVES:
+                    break
+                moves += 1
+                answer = await self._pass_on(request, body, leader)
+                if answer is not None:
+                    return answer
+                continue
+            if loop.time() >= deadline:
                 break
-            answer = await self._pass_on(request, body, leader)
-            if answer is not None:
-                return answer
+            await asyncio.sleep(LEADER_LOOK)
         return JSONResponse(
             error_body("no_leader", "no router leads the cluster right now; retry shortly"),
             status_code=503,

@@ -848,6 +848,36 @@ async def test_a_take_over_is_not_held_by_a_paused_member(etcd_endpoint: str, lo
             await second.close()
 
 
+async def test_an_admin_call_during_a_take_over_waits_for_it(etcd_endpoint: str) -> None:
+    """This router has won etcd's election and is still taking the lead (its
+    take-over push waits on a paused n1): etcd names it, it does not lead yet.
+    An admin call then was answered 503 no_leader at once (CI saw it: a call
+    passed to a paused leader, made again here just as this router won). It
+    waits for the take-over and is made here."""
+    async with leading_cluster(etcd_endpoint) as cluster:
+        membership = cluster.router.membership
+        await stop_coordination(membership)
+        membership.leading = False
+        paused = Paused(cluster._mounts[node_url("n1")])
+        cluster._mounts[node_url("n1")] = paused
+        second = cluster.new_router(
+            SECOND, seeds=[], **{**options(etcd_endpoint, SECOND), "health_timeout": 0.5}
+        )
+        await second.start()
+        try:
+            other = second.membership
+            await wait_until(lambda: paused.pushes > 0, seconds=15.0)
+            assert not other.leading  # won in etcd, taking the lead
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.5, paused.released.set)
+            answer = await cluster.client.delete(f"{SECOND}/admin/nodes/n3")
+            assert answer.status_code == 200, answer.text
+            assert other.leading and "n3" not in other.view
+        finally:
+            paused.released.set()
+            await second.close()
+
+
 async def test_a_roll_forward_whose_read_fails_is_tried_again(
     etcd_server: EtcdServer, etcd_endpoint: str
 ) -> None:
