@@ -812,6 +812,30 @@ class Paused(httpx.AsyncBaseTransport):
         return await self.inner.handle_async_request(request)
 
 
+@contextlib.asynccontextmanager
+async def taking_over_on_a_paused_node(endpoint: str) -> AsyncIterator[tuple[Router, Paused]]:
+    """The leader "dies" (stops campaigning, keeps its process) while n1 is
+    paused; a second router wins etcd's election after the ttl (2 s) and its
+    take-over push to n1 has started: (that router, n1's transport), until the
+    block ends (n1 released, the router closed)."""
+    async with leading_cluster(endpoint) as cluster:
+        membership = cluster.router.membership
+        await stop_coordination(membership)
+        membership.leading = False
+        paused = Paused(cluster._mounts[node_url("n1")])
+        cluster._mounts[node_url("n1")] = paused
+        second = cluster.new_router(
+            SECOND, seeds=[], **{**options(endpoint, SECOND), "health_timeout": 0.5}
+        )
+        await second.start()
+        try:
+            await wait_until(lambda: paused.pushes > 0, seconds=15.0)
+            yield second, paused
+        finally:
+            paused.released.set()
+            await second.close()
+
+
 @pytest.mark.parametrize("lost", [False, True])
 async def test_a_take_over_is_not_held_by_a_paused_member(etcd_endpoint: str, lost: bool) -> None:
     """The leader dies while n1 is paused. The new leader's take-over push waited
@@ -820,32 +844,16 @@ async def test_a_take_over_is_not_held_by_a_paused_member(etcd_endpoint: str, lo
     now waits a few probe timeouts per member. And a router that lost the lead
     during its take-over (``lost``) does not claim it afterwards: it set
     ``leading`` unconditionally and two routers led."""
-    async with leading_cluster(etcd_endpoint) as cluster:
-        membership = cluster.router.membership
-        await stop_coordination(membership)
-        membership.leading = False
-        paused = Paused(cluster._mounts[node_url("n1")])
-        cluster._mounts[node_url("n1")] = paused
-        second = cluster.new_router(
-            SECOND, seeds=[], **{**options(etcd_endpoint, SECOND), "health_timeout": 0.5}
-        )
-        await second.start()
-        try:
-            other = second.membership
-            # Won in etcd after the dead leader's ttl (2 s): its take-over push to
-            # n1 starts.
-            await wait_until(lambda: paused.pushes > 0, seconds=15.0)
-            started = time.monotonic()
-            if lost:
-                await other._on_lose()
-                await asyncio.sleep(other._takeover_push + 1.0)
-                assert not other.leading
-                return
-            await wait_until(lambda: other.leading, seconds=10.0)
-            assert time.monotonic() - started < other._takeover_push + 2.0
-        finally:
-            paused.released.set()
-            await second.close()
+    async with taking_over_on_a_paused_node(etcd_endpoint) as (second, _):
+        other = second.membership
+        started = time.monotonic()
+        if lost:
+            await other._on_lose()
+            await asyncio.sleep(other._takeover_push + 1.0)
+            assert not other.leading
+            return
+        await wait_until(lambda: other.leading, seconds=10.0)
+        assert time.monotonic() - started < other._takeover_push + 2.0
 
 
 async def test_an_admin_call_during_a_take_over_waits_for_it(etcd_endpoint: str) -> None:
@@ -854,28 +862,13 @@ async def test_an_admin_call_during_a_take_over_waits_for_it(etcd_endpoint: str)
     An admin call then was answered 503 no_leader at once (CI saw it: a call
     passed to a paused leader, made again here just as this router won). It
     waits for the take-over and is made here."""
-    async with leading_cluster(etcd_endpoint) as cluster:
-        membership = cluster.router.membership
-        await stop_coordination(membership)
-        membership.leading = False
-        paused = Paused(cluster._mounts[node_url("n1")])
-        cluster._mounts[node_url("n1")] = paused
-        second = cluster.new_router(
-            SECOND, seeds=[], **{**options(etcd_endpoint, SECOND), "health_timeout": 0.5}
-        )
-        await second.start()
-        try:
-            other = second.membership
-            await wait_until(lambda: paused.pushes > 0, seconds=15.0)
-            assert not other.leading  # won in etcd, taking the lead
-            loop = asyncio.get_running_loop()
-            loop.call_later(0.5, paused.released.set)
-            answer = await cluster.client.delete(f"{SECOND}/admin/nodes/n3")
-            assert answer.status_code == 200, answer.text
-            assert other.leading and "n3" not in other.view
-        finally:
-            paused.released.set()
-            await second.close()
+    async with taking_over_on_a_paused_node(etcd_endpoint) as (second, paused):
+        other = second.membership
+        assert not other.leading  # won in etcd, taking the lead
+        asyncio.get_running_loop().call_later(0.5, paused.released.set)
+        answer = await other.client.delete(f"{SECOND}/admin/nodes/n3")
+        assert answer.status_code == 200, answer.text
+        assert other.leading and "n3" not in other.view
 
 
 async def test_a_roll_forward_whose_read_fails_is_tried_again(
