@@ -383,14 +383,9 @@ def _settle_legacy_lines(
     for entry in reversed(added.values()):
         inside, ours = settle_legacy(fields, entry.fields)
         fields = inside + ours
-    kept = {id(field) for field in fields}
-    for at, field in legacy:
-        if id(field) not in kept:
-            content[at] = b""
-    app = {id(field) for _, field in legacy}
-    content.append(
-        b"".join(b"%s: %s\r\n" % (n.lower(), v) for n, v in (f for f in fields if id(f) not in app))
-    )
+    for at, _ in legacy:  # the app's that are kept are written again below, with ours
+        content[at] = b""
+    content.append(b"".join(b"%s: %s\r\n" % (n.lower(), v) for n, v in fields))
 
 
 def _rest_not_drained(headers: list[tuple[bytes, bytes]]) -> bool:

@@ -53,7 +53,7 @@ from ring import Member, RingView
 from router.coordinator import CoordinatorError, EtcdCoordinator, NotLeading, ViewRecord
 from router.events import EventLog
 from router.health import Health, HealthMonitor
-from router.nodeclient import NodeClient, push_body
+from router.nodeclient import NodeClient, held_epoch, push_body
 from router.removal import RemovalBudget
 from router.statefile import load_view, save_view
 from router.viewlog import MAX_HISTORY, MAX_REMOVED, Change, MembershipError, Push, ViewLog
@@ -647,7 +647,7 @@ class Membership:
                 offers = await asyncio.gather(*(self._renew(m) for m in self.view))
                 # As a recovered start (see start): a member that holds a view means
                 # the cluster kept its states, and one that is empty restarted.
-                held = any(isinstance(o, dict) and _positive(o.get("epoch")) for o in offers)
+                held = any(isinstance(o, dict) and held_epoch(o.get("epoch")) for o in offers)
                 await self._push_all(
                     self.view, None, (), seconds=self._takeover_push, established=held
                 )
@@ -857,7 +857,7 @@ class Membership:
                 return self.view
         held = await self._wait_ready(member)
         if held > self.view.epoch and self.coordinator is None and not len(self.view):
-            await self._take_ring_of(member)
+            await self._take_ring_of(member)  # (then its view is at least ``held``)
         if held > self.view.epoch and self.coordinator is None:
             # Not a view this router made (it makes every view of its ring): a
             # node of another cluster (or of a ring this router could not take,
@@ -1631,11 +1631,6 @@ class ConfigChange(NamedTuple):
     config: ClusterConfig
     #: Members that did not take it (yet): unreachable, or restarted and refused.
     pending: tuple[str, ...]
-
-
-def _positive(epoch: object) -> bool:
-    """An epoch a node reported that says it holds a view (not a bool, not junk)."""
-    return type(epoch) is int and epoch > 0
 
 
 def _node_config(data: dict[str, Any]) -> ClusterConfig | None:

@@ -306,7 +306,12 @@ def node_id(response: httpx.Response) -> str | None:
 def _epoch_of(response: httpx.Response) -> int:
     """The ``epoch`` of a node's ``/healthz`` answer; 0 if it says none."""
     try:
-        epoch = response.json().get("epoch")
+        return held_epoch(response.json().get("epoch"))
     except (ValueError, AttributeError):
         return 0
+
+
+def held_epoch(epoch: object) -> int:
+    """The epoch a node reported, if it says it holds a view; else 0 (none, a
+    bool, junk)."""
     return epoch if type(epoch) is int and epoch > 0 else 0

@@ -39,7 +39,15 @@ from router.processes import ChildProcess
 from router.testing import ROUTER_URL, InProcessCluster, node_url
 from tests.etcd_server import EtcdServer
 from tests.processes import wait_until
-from tests.test_rebalancing import LIMIT, USERS, Tally, exhaust_and_replicate, make_config, send
+from tests.test_rebalancing import (
+    LIMIT,
+    USERS,
+    Tally,
+    exhaust_and_replicate,
+    make_config,
+    repaired_as_crashed,
+    send,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
 
@@ -780,12 +788,7 @@ async def test_a_take_over_does_not_hide_a_node_that_restarted_meanwhile(
             other = second.membership
             await wait_until(lambda: other.leading, seconds=15.0)
             assert cluster.nodes["n3"].shard.epoch == 0  # type: ignore[union-attr]
-            await other.check_health()
-            await asyncio.gather(*other._background)
-            await send(cluster.client, tally, USERS, 2, base=SECOND)
-            assert tally.other == Counter()
-            assert tally.excess() == 0, tally.over()
-            assert other.crashes == 1
+            await repaired_as_crashed(cluster, other, tally, base=SECOND)
         finally:
             await second.close()
 

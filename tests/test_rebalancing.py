@@ -126,6 +126,19 @@ async def exhaust_and_replicate(cluster: InProcessCluster) -> Tally:
     return tally
 
 
+async def repaired_as_crashed(
+    cluster: InProcessCluster, membership: Any, tally: Tally, *, base: str = ROUTER_URL
+) -> None:
+    """One health round repairs the member that restarted empty (a crash, then a
+    join): its users go on from their replicas, nobody admitted over the limit."""
+    await membership.check_health()
+    await asyncio.gather(*membership._background)
+    await send(cluster.client, tally, USERS, 2, base=base)
+    assert tally.other == Counter()
+    assert tally.excess() == 0, tally.over()
+    assert membership.crashes == 1
+
+
 async def exhaust(cluster: InProcessCluster, users: list[str] = USERS) -> Tally:
     """Every user sends LIMIT + 2 requests: LIMIT admitted, 2 denied."""
     tally = Tally()
@@ -1030,13 +1043,7 @@ async def test_a_router_restarted_with_a_node_finds_the_node_restarted(tmp_path:
         cluster.restart_node("n3")
         await cluster.restart_router()
         assert cluster.nodes["n3"].shard.epoch == 0  # type: ignore[union-attr]
-        membership = cluster.router.membership
-        await membership.check_health()
-        await asyncio.gather(*membership._background)
-        await send(cluster.client, tally, USERS, 2)
-        assert tally.other == Counter()
-        assert tally.excess() == 0, tally.over()
-        assert membership.crashes == 1
+        await repaired_as_crashed(cluster, cluster.router.membership, tally)
 
 
 async def test_a_removed_node_still_running_does_not_turn_a_cluster_restart_into_crashes(
@@ -1615,10 +1622,5 @@ async def test_a_restarted_node_refuses_new_rules_that_would_hide_its_restart() 
         assert answer.json()["pending"] == ["n3"]  # the answer says who has not got them
         assert cluster.nodes["n3"].shard.epoch == 0  # it refused the push
         assert cluster.nodes["n1"].authority.config.rule("other") is not None
-        await membership.check_health()
-        await asyncio.gather(*membership._background)
-        await send(cluster.client, tally, USERS, 2)
-        assert tally.other == Counter()
-        assert tally.excess() == 0, tally.over()
-        assert membership.crashes == 1
+        await repaired_as_crashed(cluster, membership, tally)
         assert all(node.authority.config.rule("other") for node in cluster.nodes.values())
