@@ -583,11 +583,12 @@ def test_gcra_and_token_bucket_are_the_same_algorithm(spec: Spec, ops: list) -> 
 @example(spec=Spec(12, 0.25, 0), ops=[(0, 1)])
 def test_gcra_and_token_bucket_agree_for_any_rule(spec: Spec, ops: list) -> None:
     """For rules whose interval is not exact (12/250ms: T = 1/48 s) at T0 = 1e6, the two
-    should still agree on allowed and remaining at times on the grid, where the exact
-    token counts are whole numbers or far from them. They do not: gcra's tat picks up
-    rounding of ulp(now) (1.2e-10 s at 1e6, 2.4e-7 s at 1.7e9) on every addition, which
-    the 1e-9 s EPS does not absorb once divided by a small interval, so gcra reports one
-    unit fewer (12/250ms: the first request on a fresh key leaves 10, not 11)."""
+    agree on allowed and remaining at times on the grid, where the exact token counts
+    are whole numbers or far from them. gcra's tat picks up rounding of ulp(now) (1.2e-10
+    s at 1e6, 2.4e-7 s at 1.7e9) on every addition, which the 1e-9 s EPS alone did not
+    absorb once divided by a small interval: gcra reported one unit fewer (12/250ms: the
+    first request on a fresh key left 10, not 11). Its UNIT_EPS slack, counted in
+    intervals, is what this example and the property hold it to."""
     tb = run(make_rule("token_bucket", spec), ops)
     gc = run(make_rule("gcra", spec), ops)
     for a, b in zip(tb, gc, strict=True):
