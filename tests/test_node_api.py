@@ -635,7 +635,7 @@ async def test_a_transferred_bucket_fuller_than_the_rule_decides_as_a_full_one(
     assert answer["remaining"] == 4 and answer["reset_after"] == 12.0, answer
 
 
-INTERNAL_XFAIL: list[tuple[str, str, bytes]] = [
+INTERNAL_BODIES_ONCE_FATAL: list[tuple[str, str, bytes]] = [
     ("POST", "/internal/pull", b'{"keys": [], "to": "n1", "epoch": 1e999}'),
     ("POST", "/internal/import", b'{"from": "n1", "epoch": 1e999, "records": [], "final": true}'),
     ("POST", "/internal/replica", b"[" * 100_000 + b"]" * 100_000),
@@ -645,10 +645,10 @@ INTERNAL_XFAIL: list[tuple[str, str, bytes]] = [
 
 @pytest.mark.parametrize(
     ("method", "path", "body"),
-    INTERNAL_XFAIL,
+    INTERNAL_BODIES_ONCE_FATAL,
     ids=["pull-epoch-inf", "import-epoch-inf", "replica-nested", "cluster-nested"],
 )
-async def test_internal_bodies_that_crash_the_node(
+async def test_internal_bodies_that_once_crashed_the_node_are_refused(
     fenced_in_ring: Any, method: str, path: str, body: bytes
 ) -> None:
     _, client = fenced_in_ring
