@@ -772,7 +772,6 @@ class Node:
         now = self.clock()
         totals, decided = self._totals()
         top = self.top
-        rules = [rule] if rule is not None else top.rules()
         return JSONResponse(
             {
                 "node": self.settings.node_id,
@@ -784,10 +783,7 @@ class Node:
                 "denied_rate": round(
                     self.rates["denied"].rate(now, float(totals.get("denied", 0))), 3
                 ),
-                "top": {
-                    name: {kind: [list(e) for e in top.top(name, kind, n)] for kind in KINDS}
-                    for name in rules
-                },
+                "top": top.report([rule] if rule is not None else None, n),
             }
         )
 

@@ -245,6 +245,16 @@ class TopKeys:
             names |= set(previous)
         return sorted(names)
 
+    def report(self, rules: Iterable[str] | None, n: int) -> dict[str, dict[str, list[list]]]:
+        """Per rule (``rules``, else every rule with events) and kind, the ``n``
+        top keys as ``[key, hits, error]``: what ``GET /internal/top`` answers
+        and the router merges (router/top.py)."""
+        names = self.rules() if rules is None else rules
+        return {
+            name: {kind: [list(e) for e in self.top(name, kind, n)] for kind in KINDS}
+            for name in names
+        }
+
     def top(self, rule: str, kind: str, n: int) -> list[Entry]:
         """The ``n`` keys with the most ``kind`` events for ``rule`` in the last
         one to two windows."""

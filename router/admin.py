@@ -363,7 +363,13 @@ class AdminAPI:
                 "keys": self.router.config.privacy.show_keys,
                 "near_limit": f"allowed with at most {NEAR_LIMIT_FRACTION:.0%} of the limit left",
                 "window_seconds": _window(reports),
-                "rules": merge_top(reports, [rule] if rule else None, n, self._hide()),
+                "rules": merge_top(
+                    reports,
+                    [rule] if rule else None,
+                    n,
+                    self._hide(),
+                    self.router.leases.top_report([rule] if rule else None, n),
+                ),
                 "nodes": node_status(reports),
             }
         )
@@ -412,7 +418,9 @@ class AdminAPI:
                     "rate": sum(n["rate"] or 0.0 for n in nodes),
                     "denied_rate": sum(n["denied_rate"] or 0.0 for n in nodes),
                 },
-                "top": merge_top(reports, None, 10, self._hide()),
+                "top": merge_top(
+                    reports, None, 10, self._hide(), self.router.leases.top_report(None, 10)
+                ),
                 "events": [e.to_dict() for e in membership.events.last(20)],
             },
             headers={"cache-control": "no-store"},

@@ -193,6 +193,7 @@ class Router:
         self.metrics.watch_failures(self.membership.failures.snapshot)
         self.metrics.watch_pipelining(lambda: getattr(self.forwarder, "pipelined", {}))
         self.metrics.watch_coalescing(self._coalesced)
+        self.metrics.watch_leases(lambda: self.leases.counts)
         self.forwarder: Forwarder | None = forwarder
         #: Read by router/protocol.py, per request.
         self.direct_proxy = settings.direct_proxy

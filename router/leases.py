@@ -39,6 +39,7 @@ from node.decision import COST_EXCEEDS_CAPACITY, Decision, Verdict
 from node.leasing import lease_from_dict
 from node.quota import BUCKETS, HotKeys, LeasePolicy, OwnerAnswer
 from node.rules import Rule
+from node.topkeys import TopKeys, is_near_limit
 from ring import Member
 from router.forward import Forwarder
 from router.quotas import ADMIT, DENY, FORWARD, LeaseBook
@@ -154,6 +155,10 @@ class RouterLeases:
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_expiry = 0.0
         self.counts = {"admitted": 0, "denied": 0, "asks": 0, "granted": 0, "units": 0}
+        #: The users this router denied, or admitted near the limit, from its leases.
+        #: Their owners never see those decisions (most of a hot user's traffic), so
+        #: ``GET /admin/top`` adds this router's sketch to the nodes' (router/top.py).
+        self.top = TopKeys(now=clock())
 
     def decide(self, rule: Rule, key: str, epoch: int, now: float) -> str:
         """``ADMIT``, ``DENY`` or ``FORWARD`` for one request of cost 1."""
@@ -163,6 +168,7 @@ class RouterLeases:
         if now >= self._next_expiry:
             self._next_expiry = now + EXPIRE_EVERY
             book.expire(now)
+            self.top.rotate(now)
         entry = (rule.name, key)
         outcome = book.decide(entry, now, 1)
         if outcome == ADMIT:
@@ -250,21 +256,27 @@ class RouterLeases:
     def verdict(self, rule: Rule, key: str, allowed: bool, now: float) -> Verdict:
         """What a node would answer, as far as the lease tells: for the headers and
         the decision API (docs/hotkeys.md, "What a lease's answers say")."""
+        decision = self._decision(rule, key, allowed, now)
+        if not allowed or is_near_limit(decision.remaining, decision.limit):
+            self.top.record(rule.name, key, not allowed)  # as the owner would have
+        return Verdict(allowed, decision, (decision,))
+
+    def _decision(self, rule: Rule, key: str, allowed: bool, now: float) -> Decision:
         entry = (rule.name, key)
         found = self.book.owner_answer(entry, now)
         if found is not None:
-            decision = owner_decision(rule, allowed, *found)
-            return Verdict(allowed, decision, (decision,))
+            return owner_decision(rule, allowed, *found)
         # A grant from a node that does not send its answer: the lease's own figures.
         if allowed:
             left = self.book.left(entry, now)
-            decision = Decision(True, rule.limit, left, rule.period, None, rule.name)
-        else:
-            wait = max(self.book.denied_for(entry, now), 0.001)
-            decision = Decision(
-                False, rule.limit, 0, max(wait, rule.period), wait, rule.name, None, wait
-            )
-        return Verdict(allowed, decision, (decision,))
+            return Decision(True, rule.limit, left, rule.period, None, rule.name)
+        wait = max(self.book.denied_for(entry, now), 0.001)
+        return Decision(False, rule.limit, 0, max(wait, rule.period), wait, rule.name, None, wait)
+
+    def top_report(self, rules: Sequence[str] | None, n: int) -> dict[str, Any]:
+        """This router's lease decisions for ``GET /admin/top``, as a node reports its own."""
+        self.top.rotate(self.clock())
+        return {"top": self.top.report(rules, n)}
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -131,6 +131,25 @@ class RouterMetrics:
             )
         )
 
+    def watch_leases(self, counts: Callable[[], Mapping[str, float]]) -> None:
+        """This router's quota leases for hot keys (docs/hotkeys.md): what it asked
+        the owners for and was granted, and what it decided from them."""
+        self.registry.register(
+            DictCollector(
+                "ringlimit_router_leases",
+                "Quota leases for hot keys (lease = auto): requests admitted and denied "
+                "from leases, asks sent to owners, grants taken.",
+                lambda: {k: v for k, v in counts().items() if k != "units"},
+            )
+        )
+        self.registry.register(
+            DictCollector(
+                "ringlimit_router_lease_units",
+                "Units of quota the owners granted this router in leases (kind: granted).",
+                lambda: {"granted": counts().get("units", 0)},
+            )
+        )
+
     def watch_failures(self, counts: Callable[[], Mapping[str, float]]) -> None:
         """Errors background loops survived, by kind (node/failures.py)."""
         self.registry.register(

@@ -93,14 +93,23 @@ def random_salt() -> bytes:
 
 
 def merge_top(
-    reports: Mapping[str, Report], rules: Iterable[str] | None, n: int, hide: KeyHider
+    reports: Mapping[str, Report],
+    rules: Iterable[str] | None,
+    n: int,
+    hide: KeyHider,
+    leased: Report = None,
 ) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Per rule and kind, the ``n`` keys with the most events across the nodes.
+    """Per rule and kind, the ``n`` keys with the most events across the nodes
+    and this router's quota leases (``leased``: ``RouterLeases.top_report``).
 
-    ``rules`` None: every rule some node reported.
+    A lease's decisions are the owner's, made here on its behalf: the owner
+    never counted them, so they add to its count as another node's would
+    (``leased`` in an entry says how many of ``count`` they are).
+    ``rules`` None: every rule some node, or this router's leases, reported.
     """
-    by_rule: dict[str, dict[str, list[tuple[str, list[Entry]]]]] = {}
-    for node_id, report in reports.items():
+    by_rule: dict[str, dict[str, list[tuple[str | None, list[Entry]]]]] = {}
+    sources: list[tuple[str | None, Report]] = [*reports.items(), (None, leased)]
+    for node_id, report in sources:
         top = report.get("top") if report is not None else None
         if not isinstance(top, dict):
             continue
@@ -118,15 +127,20 @@ def merge_top(
         for kind in KINDS:
             lists = by_rule.get(rule, {}).get(kind, [])
             holders: dict[str, list[str]] = {}
+            here: dict[str, int] = {}
             for node_id, entries in lists:
                 for entry in entries:
-                    holders.setdefault(entry.key, []).append(node_id)
+                    if node_id is None:
+                        here[entry.key] = entry.hits
+                    else:
+                        holders.setdefault(entry.key, []).append(node_id)
             merged[rule][kind] = [
                 {
                     "key": hide(e.key),
                     "count": e.hits,
                     "error": e.error,
-                    "nodes": sorted(holders[e.key]),
+                    "nodes": sorted(holders.get(e.key, ())),
+                    "leased": here.get(e.key, 0),
                 }
                 for e in rank(merge_disjoint(entries for _, entries in lists), n)
             ]

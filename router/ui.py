@@ -140,8 +140,10 @@ function renderTop(data) {
       table.append(caption, head);
       entries.forEach((e) => {
         const row = el("tr", null, "top-key");
+        // Decided by this router from the owner's lease: the owner never saw them.
+        const by = e.leased ? [...e.nodes, `router lease (${e.leased})`] : e.nodes;
         row.append(el("td", e.key, "key"), el("td", e.count), el("td", e.error),
-                   el("td", e.nodes.join(", ")));
+                   el("td", by.join(", ")));
         table.appendChild(row);
       });
       box.appendChild(table);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import re
@@ -87,6 +88,46 @@ async def test_top_says_which_node_did_not_answer() -> None:
         shown = {e["key"] for e in answer["rules"]["api"]["denied"]}
         assert "user7" not in shown
         assert shown == {u for u in USERS if cluster.owner(u) != down and USERS[u] > 3}
+
+
+async def test_top_counts_the_denials_a_router_made_from_its_leases() -> None:
+    """A hot user's requests are mostly decided by the router from the owner's
+    quota leases (docs/hotkeys.md), and the owner never sees them: /admin/top
+    listed the few denials the owner made itself and missed the rest, so the
+    user most limited was shown as barely limited. Its count is every 429."""
+    rule = Rule("hot", 100, 60.0, burst=40, lease="auto")
+    config = ClusterConfig(rules=(ScopedRule(rule),))
+    async with InProcessCluster(3, config, clock=FrozenClock()) as cluster:
+        owner = cluster.owner("alice")
+        statuses = []
+        for _ in range(300):
+            statuses.append(
+                (await cluster.client.get("/hello", headers={"X-User-Id": "alice"})).status_code
+            )
+            for _ in range(5):  # let the router's background lease asks run
+                await asyncio.sleep(0)
+        denied = statuses.count(429)
+        assert statuses.count(200) == 40 and denied == 260
+        from_leases = cluster.router.leases.counts["denied"]
+        assert from_leases > 0
+        answer = (await cluster.client.get("/admin/top", params={"rule": "hot"})).json()
+        [entry] = answer["rules"]["hot"]["denied"]
+        assert (entry["key"], entry["count"], entry["error"]) == ("alice", denied, 0)
+        assert entry["leased"] == from_leases
+        assert entry["nodes"] == ([owner] if denied > from_leases else [])
+        # Admitted near the limit from a lease: the owner did not count those either.
+        [near] = answer["rules"]["hot"]["near_limit"]
+        # With at most 10 % of the limit (100) left: remaining 10 down to 0.
+        assert (near["key"], near["count"], near["error"]) == ("alice", 11, 0)
+        assert near["leased"] > 0
+        assert (await cluster.client.get("/admin/ui/data")).json()["top"] == {
+            "hot": answer["rules"]["hot"]
+        }
+        metrics = (await cluster.client.get("/metrics")).text
+        assert f'ringlimit_router_leases_total{{kind="denied"}} {float(from_leases)}' in metrics
+        units = cluster.router.leases.counts["units"]
+        assert units > 0
+        assert f'ringlimit_router_lease_units_total{{kind="granted"}} {float(units)}' in metrics
 
 
 async def test_hashed_keys_never_show_the_id() -> None:
