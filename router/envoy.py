@@ -51,6 +51,7 @@ from urllib.parse import quote
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from google.protobuf.message import DecodeError
 
 from node.decision import COST_EXCEEDS_CAPACITY, Decision
 from node.headers import policy_value, quota_window, ratelimit_value, whole_seconds
@@ -73,6 +74,7 @@ HEADER_SETS = ("draft", "envoy")
 #: Names the enforced limits that denied a call because its cost is above them:
 #: the call can never pass (the decision API's ``reason: cost_exceeds_capacity``).
 NEVER_HEADER = "ringlimit-cost-exceeds-capacity"
+SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 
 
 class Unavailable(Exception):
@@ -81,6 +83,26 @@ class Unavailable(Exception):
 
 class Invalid(Exception):
     """The request asks for something this service refuses (INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A call whose bytes are not a ``RateLimitRequest`` (answered INVALID_ARGUMENT)."""
+
+    reason: str
+
+
+def parse_request(data: bytes) -> rls_pb2.RateLimitRequest | Malformed:
+    """The call's request, or what is wrong with its bytes.
+
+    gRPC's own deserializer raised on them: the caller got UNKNOWN and the
+    router's log a traceback per call, which any client could fill. So the
+    servicer is handed the reason instead, and answers INVALID_ARGUMENT as for
+    any malformed call."""
+    try:
+        return rls_pb2.RateLimitRequest.FromString(data)
+    except DecodeError as exc:
+        return Malformed(str(exc))
 
 
 def descriptor_key(domain: str, entries: Sequence[tuple[str, str]], max_length: int) -> str:
@@ -139,7 +161,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         self.clock = clock
 
     async def ShouldRateLimit(
-        self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext
+        self, request: rls_pb2.RateLimitRequest | Malformed, context: grpc.aio.ServicerContext
     ) -> rls_pb2.RateLimitResponse:
         if self.api_token is not None:
             given = dict(context.invocation_metadata() or ()).get("authorization")
@@ -149,6 +171,12 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
                     grpc.StatusCode.UNAUTHENTICATED,
                     "missing or wrong token (authorization: Bearer)",
                 )
+        if isinstance(request, Malformed):
+            self._count("invalid_argument")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"not a RateLimitRequest: {request.reason}"
+            )
+        assert isinstance(request, rls_pb2.RateLimitRequest)
         try:
             response = await self.decide(request)
         except Invalid as exc:
@@ -512,6 +540,20 @@ class GrpcPortError(OSError):
     """The gRPC port cannot be bound; the message says which and the flag to change."""
 
 
+def _add_servicer(servicer: rls_pb2_grpc.RateLimitServiceServicer, server: grpc.aio.Server) -> None:
+    """The generated ``add_RateLimitServiceServicer_to_server``, with the request's
+    bytes read by :func:`parse_request` (a malformed call is INVALID_ARGUMENT)."""
+    handlers = {
+        "ShouldRateLimit": grpc.unary_unary_rpc_method_handler(
+            servicer.ShouldRateLimit,
+            request_deserializer=parse_request,
+            response_serializer=rls_pb2.RateLimitResponse.SerializeToString,
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
 async def start_grpc(
     servicer: rls_pb2_grpc.RateLimitServiceServicer, host: str, port: int
 ) -> tuple[grpc.aio.Server, int]:
@@ -521,7 +563,7 @@ async def start_grpc(
     0 for the port (older ones), and never why: both are a :class:`GrpcPortError`
     the CLI prints as one line."""
     server = grpc.aio.server()
-    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, server)
+    _add_servicer(servicer, server)
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:

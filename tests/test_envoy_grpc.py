@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import signal
 import subprocess
@@ -592,6 +593,33 @@ async def test_refused_requests_are_invalid_argument() -> None:
         # Per-descriptor hits_addend is the cost.
         heavy = request("api", [("user", "d")], hits_addend=UInt64Value(value=15))
         assert (await stub.ShouldRateLimit(heavy)).statuses[0].limit_remaining == 5
+
+
+async def test_bytes_that_are_no_request_are_invalid_argument_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: gRPC's own deserializer raised, the caller got UNKNOWN and the
+    router's log a traceback per call (any client could fill it)."""
+    entry = b"\x0a\x04user\x12\x02\xc3\x28"  # a value that is not UTF-8
+    descriptor = b"\x0a" + bytes([len(entry)]) + entry
+    cases = [b"\xff\xff\xff", b"\x0a\x02\xff\xfe", b"\x0a\x03api\x12" + bytes([len(descriptor)])]
+    cases.append(cases[-1] + descriptor)
+    async with envoy_cluster() as (cluster, _):
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{cluster.router.grpc_bound}")
+        call = channel.unary_unary("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit")
+        try:
+            for case in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await call(case)
+                assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
+                assert "not a RateLimitRequest" in (raised.value.details() or "")
+        finally:
+            await channel.close()
+        metrics = (await cluster.client.get("/metrics")).text
+        assert f'ringlimit_router_envoy_calls_total{{code="invalid_argument"}} {len(cases)}.0' in (
+            metrics
+        )
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
 @pytest.mark.parametrize(("on_error", "code"), [("open", OK), ("closed", OVER)])
