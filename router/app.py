@@ -222,6 +222,8 @@ class Router:
         #: The port the gRPC service is bound to (when ``grpc_port`` was 0, the one chosen).
         self.grpc_bound: int | None = None
         self.envoy_servicer: Any = None
+        #: ``grpc.health.v1`` on the gRPC port (router/grpc_health.py).
+        self.grpc_health: Any = None
 
     def _coalesced(self) -> dict[str, float]:
         coalescer = self.coalescer
@@ -263,7 +265,8 @@ class Router:
             await self.membership.first_follow(self.settings.leader_url, headers)
             self.membership.follow(self.settings.leader_url, headers, self.settings.follow_interval)
         if self.settings.grpc_port is not None:
-            from router.envoy import RateLimitServicer, start_grpc
+            from router.envoy import SERVICE, RateLimitServicer, start_grpc
+            from router.grpc_health import RouterHealth
 
             self.envoy_servicer = RateLimitServicer(
                 self,
@@ -271,11 +274,17 @@ class Router:
                 headers=self.settings.envoy_headers,
                 api_token=self.settings.api_token,
             )
+            self.grpc_health = RouterHealth(lambda: len(self.membership.view) > 0, [SERVICE])
             self.grpc_server, self.grpc_bound = await start_grpc(
-                self.envoy_servicer, self.settings.grpc_host, self.settings.grpc_port
+                self.envoy_servicer,
+                self.settings.grpc_host,
+                self.settings.grpc_port,
+                self.grpc_health,
             )
 
     async def close(self) -> None:
+        if self.grpc_health is not None:
+            self.grpc_health.stopping = True  # NOT_SERVING through the grace below
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)
             self.grpc_server = None

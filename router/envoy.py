@@ -60,6 +60,7 @@ from node.security import bearer, token_matches
 from node.wire import Check
 from router.decisions import UNANSWERED
 from router.envoy_config import MIN_KEY_LENGTH, UNIT_ENUM, UNITS, EnvoyConfig, Limit
+from router.grpc_health import RouterHealth, add_health
 
 if TYPE_CHECKING:
     from router.app import Router
@@ -555,15 +556,21 @@ def _add_servicer(servicer: rls_pb2_grpc.RateLimitServiceServicer, server: grpc.
 
 
 async def start_grpc(
-    servicer: rls_pb2_grpc.RateLimitServiceServicer, host: str, port: int
+    servicer: rls_pb2_grpc.RateLimitServiceServicer,
+    host: str,
+    port: int,
+    health: RouterHealth | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server in the running loop (the router's); returns it and its port.
+    With ``health``, it answers ``grpc.health.v1.Health`` too (router/grpc_health.py).
 
     gRPC says a port it cannot bind with a RuntimeError (newer versions) or a
     0 for the port (older ones), and never why: both are a :class:`GrpcPortError`
     the CLI prints as one line."""
     server = grpc.aio.server()
     _add_servicer(servicer, server)
+    if health is not None:
+        add_health(health, server)
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:

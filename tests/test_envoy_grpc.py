@@ -821,3 +821,43 @@ def test_ringlimit_up_serves_grpc(procs: Procs, tmp_path: Path) -> None:
         for pid in children:  # never leave our own processes behind, even on failure
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+async def test_grpc_health_follows_the_ring_and_the_routers_stop() -> None:
+    """Envoy's grpc_health_check and Kubernetes' gRPC probes ask grpc.health.v1 on
+    the service's port: it was UNIMPLEMENTED (read as unhealthy). SERVING while
+    the ring has a node, NOT_SERVING without one and once the router stops; an
+    unknown service is NOT_FOUND; no token needed even when the service has one."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    async with envoy_cluster(2, api_token="api-s3cret") as (cluster, _):
+        cluster.router.grpc_health.watch_every = 0.01
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{cluster.router.grpc_bound}")
+        try:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def check(service: str = "") -> int:
+                answer = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                return int(answer.status)
+
+            service = "envoy.service.ratelimit.v3.RateLimitService"
+            assert await check() == serving and await check(service) == serving
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await check("grpc.reflection.v1.ServerReflection")
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=service))
+            assert (await asyncio.wait_for(watch.read(), 5)).status == serving
+            await cluster.remove_node("n1")
+            await cluster.remove_node("n2")  # an empty ring decides nothing
+            assert await check() == not_serving
+            assert (await asyncio.wait_for(watch.read(), 5)).status == not_serving
+            await cluster.add_node("n3")
+            assert await check(service) == serving
+            assert (await asyncio.wait_for(watch.read(), 5)).status == serving
+            watch.cancel()
+            cluster.router.grpc_health.stopping = True  # as Router.close sets it first
+            assert await check() == not_serving
+        finally:
+            await channel.close()
