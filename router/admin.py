@@ -48,6 +48,10 @@ LEADER_MOVES = 3
 #: ... and how long it waits, at most, while nobody leads (or this router is
 #: taking the lead), before ``503 no_leader``: an election is about a ttl.
 NO_LEADER_WAIT = 10.0
+#: A call passed to a leader that takes no connection waits for the lead to move
+#: at most the coordinator's ttl and this many seconds more (etcd revokes expired
+#: leases from a loop every 0.5 s; the next router then wins its election).
+DEAD_LEADER_SLACK = 2.0
 #: ``PUT /admin/rules``: at most this many bytes, and this many rules (each one
 #: is tried on every request's path and method until the rules cache knows it).
 MAX_RULES_BODY = 1 << 20
@@ -223,14 +227,15 @@ class AdminAPI:
                         )
                         return None
             answer = call.result()
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            # Nothing reached the leader: it is gone (killed, its host down), and
+            # etcd names it until its key's lease runs out. Answered 502 at once,
+            # a node's graceful leave ran out of retries before the lead moved.
+            if await self._lead_moves_from(leader):
+                return None
+            return _leader_unreachable(leader, exc)
         except httpx.HTTPError as exc:
-            return JSONResponse(
-                error_body(
-                    "leader_unreachable",
-                    f"the leading router at {leader} did not answer ({type(exc).__name__})",
-                ),
-                status_code=502,
-            )
+            return _leader_unreachable(leader, exc)
         finally:
             call.cancel()
         if answer.status_code == 200 and self.router.settings.leader_url is not None:
@@ -242,6 +247,22 @@ class AdminAPI:
             media_type="application/json",
             headers={"x-ringlimit-leader": leader},
         )
+
+    async def _lead_moves_from(self, leader: str) -> bool:
+        """Whether the lead leaves ``leader``, which took no connection, within the
+        time etcd keeps a dead leader's key (its lease's ttl, and a moment for
+        etcd's revoke loop). Without etcd the leader's URL never changes."""
+        coordinator = self.router.membership.coordinator
+        if coordinator is None:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + coordinator.ttl + DEAD_LEADER_SLACK
+        while loop.time() < deadline:
+            await asyncio.sleep(LEADER_LOOK)
+            now = await self._leader()
+            if not isinstance(now, Response) and now != leader:
+                return True
+        return False
 
     async def admin_join(self, request: Request) -> Response:
         if (refused := self.refused(request)) is not None:
@@ -450,3 +471,14 @@ def parse_join(data: Any) -> Member:
         except ValueError as exc:
             raise ApiError(400, f"invalid_{name}", str(exc)) from None
     return Member.from_dict({"weight": 1, **data})
+
+
+def _leader_unreachable(leader: str, exc: Exception) -> Response:
+    """The answer to a call the leader did not answer (and the lead did not move)."""
+    return JSONResponse(
+        error_body(
+            "leader_unreachable",
+            f"the leading router at {leader} did not answer ({type(exc).__name__})",
+        ),
+        status_code=502,
+    )

@@ -206,6 +206,29 @@ def test_a_call_passed_to_a_paused_leader_is_made_where_the_lead_moved(
         leader[0].popen.send_signal(signal.SIGCONT)
 
 
+def test_a_call_passed_to_a_dead_leader_is_made_where_the_lead_moved(
+    procs: Procs, etcd_endpoint: str
+) -> None:
+    """The leading router killed (kill -9), then a node removed through the other
+    one: the call it passed on found the dead leader's port closed and was
+    answered 502 leader_unreachable at once, for as long as etcd still named
+    the dead router (up to the ttl). A node's graceful leave on SIGTERM, which
+    retries for 7.5 s, so became a crash under a longer ttl. Nothing reached
+    the dead leader: the call waits for the lead to move and is made there."""
+    routers, _ = start(procs, etcd_endpoint)
+    leader = leader_of(routers)
+    assert leader is not None
+    follower = next(r for r in routers if r[1] != leader[1])
+    leader[0].kill9()
+    sent = time.monotonic()
+    response = httpx.delete(f"{follower[1]}/admin/nodes/n3", timeout=30.0)
+    took = time.monotonic() - sent
+    report("admin call through a dead leader", took_s=round(took, 2), ttl_s=TTL)
+    assert response.status_code == 200, response.text
+    assert "n3" not in ring_ids(follower[1])
+    assert took < TAKE_OVER + 3.0, f"answered in {took:.2f}s"
+
+
 def top_up(load: Load, router: str) -> None:
     """Requests that failed (the dead router) are sent again, one by one, until
     every user has LIMIT + 2 answers: then each must have exactly LIMIT 200s."""
