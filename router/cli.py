@@ -859,7 +859,9 @@ def _run_router(args: argparse.Namespace) -> int:
         admin_token=admin_token,
         internal_token=internal_token,
         api_token=_token("RINGLIMIT_API_TOKEN"),
-        state_file=args.state_file,
+        # Ignored with a coordinator (said at start): etcd holds the ring, and a
+        # file written anyway went stale, for a router started later without etcd.
+        state_file=None if args.coordinator else args.state_file,
         health_interval=args.health_interval,
         failure_threshold=args.failure_threshold,
         health_timeout=args.health_timeout,

@@ -229,6 +229,30 @@ def test_a_call_passed_to_a_dead_leader_is_made_where_the_lead_moved(
     assert took < TAKE_OVER + 3.0, f"answered in {took:.2f}s"
 
 
+def test_a_state_file_given_with_a_coordinator_is_not_written(
+    procs: Procs, etcd_endpoint: str
+) -> None:
+    """``--state-file`` with ``--coordinator`` is said to be ignored (etcd holds
+    the ring), and it was read from never, but written at every view: an
+    unwritable path logged an error per change, and the file, stale once this
+    router stopped, was a ring a router started later without etcd recovered."""
+    routers, _ = start(procs, etcd_endpoint)
+    state = procs.tmp / "ring.json"
+    port = free_port()
+    proc = procs.start(
+        "router-with-state-file",
+        [
+            *("router", "--port", str(port), "--coordinator", etcd_endpoint, *FLAGS),
+            *("--state-file", str(state)),
+        ],
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    assert wait_for(lambda: admin_ring(url)["epoch"] == admin_ring(routers[0][1])["epoch"], 10.0)
+    assert "ignored with --coordinator" in proc.output()
+    assert not state.exists(), state.read_text()
+
+
 def top_up(load: Load, router: str) -> None:
     """Requests that failed (the dead router) are sent again, one by one, until
     every user has LIMIT + 2 answers: then each must have exactly LIMIT 200s."""
