@@ -347,7 +347,9 @@ class EtcdCoordinator:
                 return await call(client)
             except CoordinatorError:
                 raise
-            except Exception as exc:
+            except (Exception, asyncio.CancelledError) as exc:
+                if not isinstance(exc, Exception) and not _stray(exc):
+                    raise  # this task is cancelled
                 if attempt == 1:
                     raise CoordinatorError(f"etcd {what} failed: {_why(exc)}") from None
                 # Its channel too: a leaked gRPC channel can hang the loop.
@@ -478,7 +480,9 @@ class EtcdCoordinator:
                             log.warning("%s", exc)
             except CoordinatorError as exc:
                 self._quiet.warn("watch", "watching etcd: %s; retrying", exc)
-            except Exception as exc:
+            except (Exception, asyncio.CancelledError) as exc:
+                if not isinstance(exc, Exception) and not _stray(exc):
+                    raise
                 self._quiet.warn("watch", "watching etcd: %s; retrying", type(exc).__name__)
                 if client is not None:
                     await self._drop(client)
@@ -582,18 +586,19 @@ class EtcdCoordinator:
                 while True:
                     await asyncio.sleep(min(self.ttl / 3, max(0.0, self._until - clock())))
                     await self._keep_alive(lease.id, key, value, clock)
-            except asyncio.CancelledError:
+            except (CoordinatorError, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and not _stray(exc):
+                    if leading:
+                        self._leading = _DEPOSED
+                        await on_lose()
+                    raise
+                why = str(exc) or "etcd's connection was closed under a call"
                 if leading:
                     self._leading = _DEPOSED
-                    await on_lose()
-                raise
-            except CoordinatorError as exc:
-                if leading:
-                    self._leading = _DEPOSED
-                    log.warning("stepping down as leader: %s", exc)
+                    log.warning("stepping down as leader: %s", why)
                     await on_lose()
                 else:
-                    self._quiet.warn("election", "leader election: %s", exc)
+                    self._quiet.warn("election", "leader election: %s", why)
                 await asyncio.sleep(0.5)
 
     def _granted(self, ttl: int) -> None:
@@ -714,7 +719,9 @@ class EtcdCoordinator:
                     return
             except (CoordinatorError, TimeoutError):
                 pass
-            except Exception as exc:
+            except (Exception, asyncio.CancelledError) as exc:
+                if not isinstance(exc, Exception) and not _stray(exc):
+                    raise
                 self._quiet.warn(
                     "election", "watching the leader key: %s; retrying", type(exc).__name__
                 )
@@ -723,6 +730,23 @@ class EtcdCoordinator:
                 if watcher is not None:
                     with contextlib.suppress(Exception, asyncio.CancelledError):
                         await asyncio.wait_for(watcher.cancel(), timeout=self.timeout)
+
+
+def _stray(exc: BaseException) -> bool:
+    """``exc`` is a CancelledError that is not this task's cancellation.
+
+    gRPC's asyncio calls raise CancelledError when their channel is closed under
+    them, and a failed call closes the shared client (:meth:`EtcdCoordinator._drop`):
+    the watch's failure after an etcd restart thus raised one in the leader's
+    keep-alive or a follower's campaign, which took it for a cancellation of
+    the campaign and ended it. No router campaigned again: the cluster had no
+    leader until a router restarted. A real cancellation (a shutdown, a
+    ``wait_for`` deadline) has the task's ``cancelling()`` count set.
+    """
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is not None and not task.cancelling()
 
 
 async def _deleted(watcher: Any) -> bool:

@@ -627,6 +627,55 @@ async def test_a_follower_campaigns_as_soon_as_the_leader_key_is_gone(
     assert max(delays) < 0.3, delays
 
 
+@pytest.mark.parametrize("cut", ["follower", "leader"])
+async def test_a_channel_closed_under_a_campaign_does_not_end_it(
+    etcd_server: EtcdServer, etcd_endpoint: str, cut: str
+) -> None:
+    """A failed etcd call closes the coordinator's shared client (``_drop``: the
+    watch does so when etcd restarts), and gRPC raises CancelledError in every
+    call in flight on it. The campaign took that for its own cancellation and
+    ended: a follower never campaigned again, a leader never led again, and
+    after an etcd restart the cluster could be left with no leader (admin calls
+    503 no_leader) until a router restarted. It is a failed call now.
+
+    etcd is paused so that a call of the campaign is in flight when the client
+    is closed, as a hung etcd holds them after a restart."""
+    loop = asyncio.get_running_loop()
+    a, b = coordinator(etcd_endpoint), coordinator(etcd_endpoint)
+    a_led, b_led = asyncio.Event(), asyncio.Event()
+    tasks = [asyncio.create_task(a.lead("http://a", _setter(a_led), _nothing, loop.time))]
+    process = etcd_server.process
+    assert process is not None
+    try:
+        await asyncio.wait_for(a_led.wait(), timeout=10.0)
+        tasks.append(asyncio.create_task(b.lead("http://b", _setter(b_led), _nothing, loop.time)))
+        await asyncio.sleep(0.5)  # b waits for the leader key to go
+        closed = b if cut == "follower" else a
+        process.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(4):  # bounded: a call of each kind the campaign makes
+                await asyncio.sleep(0.7)
+                await closed._drop(closed._client)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.5)
+        assert not any(task.done() for task in tasks), tasks
+        # Both still campaign: whoever leads now resigns, and the other takes over.
+        a_led.clear()
+        b_led.clear()
+        for _ in range(100):  # bounded: 10 s
+            if await a.leader() is not None:
+                break
+            await asyncio.sleep(0.1)
+        holder = await a.leader()
+        assert holder in ("http://a", "http://b")
+        await (a if holder == "http://a" else b).resign(holder)
+        await asyncio.wait_for((b_led if holder == "http://a" else a_led).wait(), timeout=10.0)
+        assert not any(task.done() for task in tasks), tasks
+    finally:
+        await stop_campaigns(tasks, a, b)
+
+
 async def test_a_commit_built_on_an_old_revision_loses(etcd_endpoint: str) -> None:
     """Two routers building on the same view cannot both change the ring."""
     a, b = coordinator(etcd_endpoint), coordinator(etcd_endpoint)
