@@ -365,14 +365,24 @@ class MemoryStore:
 
         Without it a node whose rules are renamed at runtime kept an empty table
         per name it ever decided. A table with states is kept: the rule may come
-        back (a rename undone), and its states are still right for it.
+        back (a rename undone), and its states are still right for it; but not
+        in a full store (:meth:`_full`), where they would keep every new user of
+        the rules in force out (``store_full``) until they refill, a day for a
+        daily rule.
         """
+        full = self._full()
         gone = [
-            name for name, table in self._tables.items() if not table.states and name not in rules
+            name
+            for name, table in self._tables.items()
+            if (full or not table.states) and name not in rules
         ]
         for name in gone:
             del self._tables[name]
         return len(gone)
+
+    def _full(self) -> bool:
+        """Whether the store holds as many states as its cap (never, without one)."""
+        return self.max_keys is not None and len(self) >= self.max_keys
 
     def _snapshot(self) -> Iterator[tuple[Table, str]]:
         for table in list(self._tables.values()):

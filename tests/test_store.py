@@ -449,3 +449,33 @@ def test_a_full_store_of_active_keys_does_not_scan_every_state_for_each_new_key(
     d = store.check("later", [rule], T0 + 6.0005, 1).decision
     assert d.reason is None and store.get(rule, "old0") is None
     assert store.get(rule, "later") is not None and len(store) == cap
+
+
+def test_a_full_store_makes_room_from_the_states_of_rules_no_longer_in_force() -> None:
+    """Rules replaced at runtime left their states in the store until each was
+    fresh again (a day for a daily rule), and they counted against the cap: a
+    node filled by users of a removed 1/day rule answered every new user of
+    the rule in force ``store_full`` (admitted uncounted under ``open``, 503
+    under ``closed``) for up to a day (a real node: 200,000 of 200,000 keys
+    held after the rule was removed, every new user store_full). Once the
+    store is full, the sweep's forget_rules drops them: they decide nothing."""
+    daily = Rule("daily", 1, 86_400.0)
+    current = Rule("current", 5, 1.0)
+    store = MemoryStore(max_keys=3)
+    for key in ("a", "b", "c"):
+        assert store.check(key, [daily], T0, 1).allowed
+    assert store.check("d", [current], T0, 1).decision.reason == STORE_FULL
+    store.forget_rules({"current"})  # the node's sweep, after the rules changed
+    d = store.check("d", [current], T0 + 1.0, 1).decision
+    assert (d.allowed, d.reason) == (True, None)
+    assert store.get(current, "d") is not None and len(store) <= 3
+
+
+def test_a_store_with_room_keeps_a_retired_rules_states_for_its_return() -> None:
+    """Below the cap (or without one) a rule no longer in force keeps its states
+    until they are fresh: a rename undone finds its users' counts."""
+    daily = Rule("daily", 1, 86_400.0)
+    for store in (MemoryStore(), MemoryStore(max_keys=10)):
+        assert store.check("a", [daily], T0, 1).allowed
+        store.forget_rules({"current"})
+        assert not store.check("a", [daily], T0 + 1.0, 1).allowed
