@@ -126,9 +126,30 @@ class HealthMonitor:
 
     async def _probe_removed(self, member: Member) -> None:
         m = self.membership
-        if await m.nodes.answers(member, m.health_timeout) and not m.lock.locked():
+        answered = await m.nodes.answered_as(member, m.health_timeout)
+        if answered is None:
+            return
+        if answered != member.id:
+            self._forget_removed(member, answered)
+        elif not m.lock.locked():
             log.warning("node %s answers again after its removal: it rejoins", member.id)
             self._in_background(member.id, self._rejoin(member))
+
+    def _forget_removed(self, member: Member, answered: str) -> None:
+        """Its address answers as another node (an IP or a port reused): the
+        crashed member's process is gone for good, and a rejoin would be refused
+        (the readiness gate's ``wrong_node``). Probed on, it was taken for back
+        every round, with a warning and a failed join each time, for as long as
+        the other node ran."""
+        removed = self.membership.removed
+        if removed.get(member.id) == member:
+            del removed[member.id]
+            log.info(
+                "node %s (removed as crashed) is forgotten: %s answers as %s",
+                member.id,
+                member.url,
+                repr(answered) if answered else "something that is not a node",
+            )
 
     async def _rejoin(self, member: Member) -> None:
         with contextlib.suppress(MembershipError):

@@ -194,13 +194,17 @@ class NodeClient:
             return None
         return data
 
-    async def answers(self, member: Member, within: float) -> bool:
-        """Does the member answer ``/healthz`` with 200 (a removed member back)?"""
+    async def answered_as(self, member: Member, within: float) -> str | None:
+        """Who answers ``/healthz`` with 200 at the member's URL (a removed member
+        back, or another node on its address): the id it gives ("" if it names
+        none, as a router does); None if nothing answered so."""
         try:
             response = await self.client.get(member.url.rstrip("/") + "/healthz", timeout=within)
         except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+            return None
+        if response.status_code != 200:
+            return None
+        return node_id(response) or ""
 
     async def epoch(self, member: Member, within: float) -> int | None:
         """The epoch the member's ``/healthz`` reports (None: no usable answer)."""

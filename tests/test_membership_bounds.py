@@ -4,6 +4,8 @@ router that follows, nor in one that led (in-process clusters)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from node.clock import FrozenClock
@@ -122,3 +124,32 @@ async def test_a_node_keeps_no_series_or_table_of_rules_renamed_away() -> None:
         node.store.sweep(float("inf"), budget=None)
         node.store.forget_rules(node.authority.config.rule_map)
         assert set(node.store._tables) <= {"api-v4"}
+
+
+async def test_a_crashed_member_whose_url_serves_another_node_is_forgotten(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A member removed as crashed is probed every health round so that it can
+    rejoin when it answers again. When its address came to serve another node
+    (a pod's IP reused, a port taken by a node under a new id), /healthz still
+    answered 200: every round took it for the crashed member back, logged
+    "answers again" and tried a join that the readiness gate refused
+    (wrong_node), for as long as the other node ran (a real router: 2 lines and
+    2 failed joins a second with two such members). Answered as another node,
+    it is forgotten instead: its process is gone for good."""
+    clock = FrozenClock()
+    async with InProcessCluster(3, make_config(), clock=clock) as cluster:
+        membership = cluster.router.membership
+        await cluster.crash_node("n3")
+        assert "n3" in membership.removed
+        # Another node now answers at n3's address.
+        other = cluster._make_node("pod-7")
+        cluster._mounts[node_url("n3")] = cluster._mounts.pop(node_url("pod-7"))
+        assert other.settings.node_id == "pod-7"
+        with caplog.at_level("WARNING", logger="ringlimit.router"):
+            for _ in range(3):
+                await membership.check_health()
+                await asyncio.sleep(0.01)  # a rejoin runs in the background
+        assert "n3" not in membership.removed
+        assert "answers again" not in caplog.text
+        assert [m.id for m in membership.view] == ["n1", "n2"]
