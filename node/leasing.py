@@ -120,6 +120,11 @@ class LeaseDesk:
             self._prune(now)
             if len(self._out) >= MAX_LEASED_KEYS:
                 want = 0  # memory is bounded: a denial lease at most
+        if want and not store.has_room_for(rule, key, now):
+            # A window leases from a fresh state, which the grant would write past
+            # --max-keys: one more state per new hot key. No lease, so the key's
+            # requests go to this node, which answers them store_full.
+            want = 0
         held, lease = grant(
             self._held(store, rule, key),
             rule,

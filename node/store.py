@@ -253,6 +253,14 @@ class MemoryStore:
             append(_verdict((decision[0], decision, (decision,))))
         return out
 
+    def has_room_for(self, rule: Rule, key: str, now: float) -> bool:
+        """Whether ``key`` may hold a state under ``rule``: it has one already, or
+        the store is below its cap (after a sweep, as for a decision). For writers
+        other than a decision (a quota lease's grant), which the cap binds too."""
+        if self.max_keys is None or self.get(rule, key) is not None:
+            return True
+        return self._has_room(now)
+
     def _has_room(self, now: float) -> bool:
         assert self.max_keys is not None
         if len(self) < self.max_keys:

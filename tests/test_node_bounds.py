@@ -12,6 +12,7 @@ import node.app
 from node.app import NodeSettings, create_app
 from node.clock import FrozenClock
 from node.config import ClusterConfig, ScopedRule
+from node.leasing import LeaseDesk
 from node.peers import PeerError
 from node.rules import Rule
 from node.shard import Shard
@@ -120,3 +121,29 @@ async def test_failed_pulls_do_not_log_a_line_per_key(caplog: pytest.LogCaptureF
     assert peers.calls == len(keys) and shard.stats.pull_failures == len(keys)
     lines = [r for r in caplog.records if "pull of one key" in r.getMessage()]
     assert len(lines) == 1, len(lines)
+
+
+@pytest.mark.parametrize("algorithm", ["fixed_window", "sliding_window", "token_bucket"])
+def test_quota_leases_write_no_new_state_into_a_full_store(algorithm: str) -> None:
+    """A hot key the node had no room for (its requests answered store_full)
+    made the router ask for a quota lease, and the grant wrote the key's state
+    into the full store: a window rule leases from a fresh state, so every new
+    hot key added one past --max-keys (a real node at --max-keys 1000 held 3,125
+    states after 40 s of new hot users, 6,204 after 80 s, each kept until its
+    window ended). A key without a state in a full store gets no lease: its
+    requests go on to the owner, which answers them store_full as before."""
+    rule = Rule("hot", 1000, 60.0, algorithm=algorithm, lease="auto")
+    store = MemoryStore(max_keys=2)
+    now = 1000.0
+    for key in ("a", "b"):
+        assert store.check(key, [rule], now, 1).allowed
+    desk = LeaseDesk()
+    desk.set_epoch(1)
+    for i in range(50):
+        lease = desk.grant(store, rule, f"new-{i}", now, 250, 1)
+        assert lease is None or lease.units == 0
+    assert len(store) == 2
+    # A key that has a state keeps being leased (fixed_window: from "a"'s window).
+    if algorithm == "fixed_window":
+        lease = desk.grant(store, rule, "a", now, 250, 1)
+        assert lease is not None and lease.units == 250
