@@ -60,7 +60,7 @@ def decide(
         return Decision(False, 0.0, "not restarted (--restart never)")
     if graceful and policy.mode == "on-crash":
         return Decision(False, 0.0, "not restarted: it left gracefully (--restart on-crash)")
-    recent = [t for t in restarts if now - t < policy.window]
+    recent = recent_restarts(policy, restarts, now)
     if len(recent) >= policy.max_restarts:
         return Decision(
             False,
@@ -76,6 +76,14 @@ def decide(
         f"restarting it in {delay:g} s (restart {len(recent) + 1} of at most "
         f"{policy.max_restarts} within {policy.window:g} s)",
     )
+
+
+def recent_restarts(policy: RestartPolicy, restarts: Sequence[float], now: float) -> list[float]:
+    """The restarts that still count at ``now`` (within the policy's window): all
+    :func:`decide` reads. A supervisor keeps only these: the times of every
+    restart of a node that exits now and then, for as long as ``up`` runs,
+    grew without bound and were all read at each exit."""
+    return [t for t in restarts if now - t < policy.window]
 
 
 def describe_exit(returncode: int) -> str:

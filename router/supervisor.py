@@ -50,7 +50,7 @@ from router.processes import (
     stop_all,
     wait_ready,
 )
-from router.restart import RestartPolicy, decide
+from router.restart import RestartPolicy, decide, recent_restarts
 
 #: How long ``up`` waits for the router to act on a node's exit before saying it did not.
 ACTION_WAIT = 30.0
@@ -192,6 +192,7 @@ class Cluster:
         event = _last_event(ring, child.name, child.epoch_at_start)
         in_ring = _in_ring(ring, child.name)
         graceful = code == 0 and event is not None and event.get("kind") == "left" and not in_ring
+        child.restarts = recent_restarts(self.policy, child.restarts, now)
         decision = decide(self.policy, child.restarts, graceful=graceful, now=now)
         if decision.restart:
             child.restarts.append(now)

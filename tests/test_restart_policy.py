@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import signal
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from node.config import ClusterConfig
 from router.restart import RestartPolicy, decide, describe_exit
+from router.supervisor import Child, Cluster
 
 policies = st.builds(
     RestartPolicy,
@@ -100,3 +103,31 @@ def test_exits_in_words() -> None:
     assert describe_exit(-signal.SIGTERM) == "killed by SIGTERM"
     assert describe_exit(0) == "exited with code 0"
     assert describe_exit(3) == "exited with code 3"
+
+
+class _Exited:
+    """A child process that has exited (what ``Cluster._exited`` reads of one)."""
+
+    returncode = -9
+
+    def describe(self) -> str:
+        return "killed by SIGKILL"
+
+
+def test_a_node_restarted_for_weeks_keeps_only_its_recent_restart_times() -> None:
+    """``ringlimit up`` appended the time of every restart it decided to the
+    node's list and never took one out, and read the whole list at each exit:
+    a node killed every 30 s (within the budget, so restarted each time) held
+    20,160 times after a week. Only the times within the policy's window count
+    (``decide``), so only they are kept."""
+    policy = RestartPolicy(max_restarts=5, window=60.0)
+    cluster = Cluster("http://127.0.0.1:1", ClusterConfig(), policy, out=io.StringIO())
+    try:
+        child = Child("n1", [])
+        for i in range(1000):
+            child.process = _Exited()  # type: ignore[assignment]
+            cluster._exited(child, None, now=i * 30.0)
+            assert child.restart_at is not None  # restarted every time
+        assert len(child.restarts) <= policy.max_restarts
+    finally:
+        cluster._client.close()
