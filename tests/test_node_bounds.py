@@ -12,6 +12,7 @@ import node.app
 from node.app import NodeSettings, create_app
 from node.clock import FrozenClock
 from node.config import ClusterConfig, ScopedRule
+from node.headers import HeaderCache
 from node.leasing import LeaseDesk
 from node.peers import PeerError
 from node.rules import Rule
@@ -147,3 +148,27 @@ def test_quota_leases_write_no_new_state_into_a_full_store(algorithm: str) -> No
     if algorithm == "fixed_window":
         lease = desk.grant(store, rule, "a", now, 250, 1)
         assert lease is not None and lease.units == 250
+
+
+def test_the_header_cache_keeps_one_plan_per_set_of_rules_whatever_the_paths() -> None:
+    """A node renders each decision's rate-limit fields once per rule set and
+    decided values (HeaderCache), keyed on the tuple of matching rules. The
+    config made a new tuple for each path, so each path had a plan of its own,
+    each filling to 4,096 rendered entries (about 1 KB each): a real node
+    serving 1,000 paths grew from 60 to 157 MB in 90 s at 7,000 requests a
+    second, towards 1,024 plans x 4,096 entries, about 4 GB. Requests matching
+    the same rules now share one tuple, and so one plan."""
+    api = Rule("api", 100_000, 60.0)
+    config = ClusterConfig(
+        rules=(ScopedRule(Rule("global", 100_000, 60.0)), ScopedRule(api, paths=("/api/*",)))
+    )
+    cache = HeaderCache()
+    store = MemoryStore()
+    now = 1_800_000_000.0
+    for i in range(3000):
+        now += 0.01
+        path = f"/api/items/{i % 600}" if i % 2 else f"/p/{i % 600}"
+        rules = config.rules_for("GET", path, None)
+        cache.rendered(rules, store.check(f"user-{i % 97}", rules, now, 1), now)
+    assert len(cache._plans) == 2
+    assert config.rules_for("GET", "/p/1", None) is config.rules_for("GET", "/p/2", None)
