@@ -60,7 +60,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, Protocol, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -101,6 +101,7 @@ from node.failures import Failures
 from node.lua import SCRIPTS, Script, pack_args, script_for, unpack_reply
 from node.roundtrips import RoundTrips
 from node.rules import Rule
+from node.security import redact_url
 
 logger = logging.getLogger("ringlimit.redis")
 
@@ -163,16 +164,6 @@ _UNAVAILABLE_PREFIXES = (
 
 class BackendUnavailable(Exception):
     """The backend cannot decide now (unreachable, timed out, loading, read-only)."""
-
-
-def redact_url(url: str) -> str:
-    """``redis://user:secret@host/0`` -> ``redis://user:***@host/0``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
 def hash_tag(user_key: str) -> str:

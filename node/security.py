@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import ipaddress
 from collections.abc import Mapping
+from urllib.parse import unquote, urlsplit
 
 
 def token_matches(given: str | None, expected: str | None) -> bool:
@@ -96,3 +97,36 @@ def is_loopback(host: str | None) -> bool:
     # A dual-stack socket (--host ::) sees IPv4 clients as ::ffff:a.b.c.d.
     mapped = getattr(address, "ipv4_mapped", None)
     return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def redact_url(url: str) -> str:
+    """A URL as logs and messages show it: every password replaced by ``***``.
+
+    ``redis://user:secret@host/0`` -> ``redis://user:***@host/0``, and a password
+    in the query, which redis-py takes too (``?password=secret``, the usual form
+    for a ``unix://`` socket; ``ssl_password``) -> ``?password=***``. Never raises:
+    a URL ``urlsplit`` cannot read (an unclosed ``[``) is shown without anything
+    before its host or after it, since its error message is what names it.
+    """
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        scheme, sep, rest = url.partition("://")
+        host, query, _ = rest.rpartition("@")[2].partition("?")
+        return f"{scheme}{sep}{'***@' if '@' in rest else ''}{host}{'?***' if query else ''}"
+    # By hand, not urlunsplit: that writes ``unix:///path`` as ``unix:/path``.
+    head, mark, query = url.partition("?")
+    if password is not None:
+        host = parts.netloc.rsplit("@", 1)[1]
+        head = head.replace(parts.netloc, f"{parts.username or ''}:***@{host}", 1)
+    return f"{head}{mark}{_redact_query(query)}"
+
+
+def _redact_query(query: str) -> str:
+    """``a=1&password=x`` -> ``a=1&password=***``, the rest left byte for byte."""
+    fields = []
+    for field in query.split("&"):
+        name, sep, _ = field.partition("=")
+        fields.append(f"{name}=***" if sep and "password" in unquote(name).lower() else field)
+    return "&".join(fields)

@@ -40,6 +40,7 @@ from typing import Any, TextIO
 import httpx
 
 from node.config import ClusterConfig
+from node.security import redact_url
 from router.cli import PROXY_FLAGS, SUPERVISOR_ENV
 from router.processes import (
     ChildProcess,
@@ -388,7 +389,7 @@ def check_redis(url: str) -> None:
         client = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
     except ValueError as exc:
         raise StartError(
-            f"--redis-url {_redact(url)} is not a valid Redis URL ({exc}); expected "
+            f"--redis-url {redact_url(url)} is not a valid Redis URL ({exc}); expected "
             "redis://[USER:PASSWORD@]HOST[:PORT][/DB], rediss://... or unix://PATH"
         ) from None
     try:
@@ -398,17 +399,9 @@ def check_redis(url: str) -> None:
             client.close()
     except (redis.RedisError, OSError, ValueError) as exc:
         raise StartError(
-            f"cannot reach Redis at {_redact(url)} ({type(exc).__name__}: {exc}); "
+            f"cannot reach Redis at {redact_url(url)} ({type(exc).__name__}: {exc}); "
             "start redis-server or point --redis-url (RINGLIMIT_REDIS_URL) at one"
         ) from None
-
-
-def _redact(url: str) -> str:
-    """A Redis URL without its password, for messages."""
-    scheme, sep, rest = url.partition("://")
-    if sep and "@" in rest:
-        return f"{scheme}://***@{rest.rpartition('@')[2]}"
-    return url
 
 
 # ---------------------------------------------------------------------- run

@@ -241,6 +241,22 @@ def test_up_with_redis_backend_and_no_redis() -> None:
     )
 
 
+def test_up_names_no_password_of_a_redis_it_cannot_reach() -> None:
+    """Neither one in the URL's userinfo nor one in its query (redis-py takes both),
+    which the line showed whole."""
+    where = f"127.0.0.1:{free_port()}/0"
+    port = str(free_block(4))
+    for url, shown in [
+        (f"redis://:s3cret@{where}", f"redis://:***@{where}"),
+        (f"redis://{where}?password=s3cret", f"redis://{where}?password=***"),
+    ]:
+        line = one_line_failure(
+            ringlimit("up", "--backend", "redis", "--redis-url", url, "--port", port),
+            f"cannot reach Redis at {shown}",
+        )
+        assert "s3cret" not in line
+
+
 @pytest.mark.parametrize(
     ("url", "problem"),
     [("http://127.0.0.1:6379", "schemes"), ("redis://127.0.0.1:99999/0", "Port out of range")],

@@ -400,3 +400,40 @@ def test_a_key_of_another_type_fails_that_users_checks_only(
     assert "Traceback" not in log, log
     wrong = [line for line in log.splitlines() if "WRONGTYPE" in line]
     assert 1 <= len(wrong) <= 1 + elapsed // 10, log
+
+
+def test_a_password_in_the_redis_urls_query_is_never_shown(
+    redis: RedisServer, procs: Procs, tmp_path: Path
+) -> None:
+    """redis-py takes a password from the URL's query too (``?password=...``, the
+    usual form for ``unix://`` sockets). The node's log showed it whole in every
+    line naming Redis (the refusal of a wrong one, each outage), where a password in
+    the URL's userinfo is shown as ``***``."""
+    with redis.client() as client:
+        client.config_set("requirepass", "right-s3cret")
+    try:
+        wrong, _ = procs.node(
+            "n1",
+            None,
+            *("--rule", "5/minute", "--backend", "redis"),
+            *("--redis-url", f"redis://127.0.0.1:{redis.port}/0?password=wrong-s3cret"),
+        )
+        right, right_url = procs.node(
+            "n2",
+            None,
+            *("--rule", "5/minute", "--backend", "redis"),
+            *("--redis-url", f"redis://127.0.0.1:{redis.port}/0?db=0&password=right-s3cret"),
+        )
+        assert httpx.get(f"{right_url}/healthz").json()["backend_available"] is True
+        redis.stop()  # an outage: the line saying so names Redis too
+        answer = httpx.get(f"{right_url}/x", headers={"X-User-Id": "alice"}, timeout=5.0)
+        assert answer.status_code == 200
+        assert wait_for(lambda: "backend unavailable" in right.output(), 5), right.output()
+    finally:
+        redis.stop()
+    refused = wrong.output()
+    assert "refused user 'default'" in refused and "password=***" in refused, refused
+    assert "wrong-s3cret" not in refused, refused
+    down = right.output()
+    assert "right-s3cret" not in down, down
+    assert f"127.0.0.1:{redis.port}/0?db=0&password=***" in down, down

@@ -98,6 +98,14 @@ def test_redis_passwords_are_redacted_from_logs_and_errors() -> None:
         "redis://default:***@127.0.0.1:6379/0"
     )
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    # In the query too (redis-py takes it there), the rest shown as written.
+    assert redact_url("unix:///run/redis.sock?db=2&password=hunter2") == (
+        "unix:///run/redis.sock?db=2&password=***"
+    )
+    assert (
+        redact_url("rediss://h:6380/0?ssl_password=hunter2") == "rediss://h:6380/0?ssl_password=***"
+    )
+    assert "hunter2" not in redact_url("redis://u:hunter2@[::1/0?password=hunter2")
     backend = RedisBackend("redis://u:hunter2@127.0.0.1:1/0")
     assert "hunter2" not in backend.where
 
