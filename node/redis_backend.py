@@ -36,7 +36,7 @@ for each reply), nothing is retried except one ``SCRIPT LOAD`` after
 ``NOSCRIPT`` (a restarted or flushed Redis), and an unreachable, timing-out,
 loading, read-only or out-of-memory Redis, or one that refuses writes (a failed
 snapshot: ``MISCONF``; too few replicas: ``NOREPLICAS``), or one that refuses
-the node's user (an ACL's ``NOPERM``, a wrong password), raises
+the node's user (an ACL's ``NOPERM``, a wrong password) or its database, raises
 :class:`BackendUnavailable`. Any other error reply (``WRONGTYPE`` on a key
 something else wrote) is that check's alone: :meth:`RedisBackend.check` raises
 it, :meth:`RedisBackend.check_each` returns it in that check's place.
@@ -161,6 +161,12 @@ _UNAVAILABLE_PREFIXES = (
     "NOREPLICAS",
 )
 
+#: Replies to the SELECT of the URL's database, which opens every connection: a
+#: number beyond the server's ``databases``, any but 0 on a Redis Cluster. Like a
+#: refused user, an outage to the checks (no connection opens) that a
+#: configuration change ends; before, it ended the node's start with a traceback.
+_DATABASE_REFUSALS = ("DB index is out of range", "SELECT is not allowed in cluster mode")
+
 
 class BackendUnavailable(Exception):
     """The backend cannot decide now (unreachable, timed out, loading, read-only)."""
@@ -188,7 +194,13 @@ def state_key(prefix: str, user_key: str, rule: Rule) -> str:
 def _is_unavailable(exc: BaseException) -> bool:
     if isinstance(exc, _UNAVAILABLE_ERRORS):
         return True
-    return isinstance(exc, ResponseError) and str(exc).startswith(_UNAVAILABLE_PREFIXES)
+    return isinstance(exc, ResponseError) and (
+        str(exc).startswith(_UNAVAILABLE_PREFIXES) or _refuses_database(exc)
+    )
+
+
+def _refuses_database(exc: BaseException) -> bool:
+    return isinstance(exc, ResponseError) and str(exc).startswith(_DATABASE_REFUSALS)
 
 
 class RedisBackend:
@@ -562,6 +574,13 @@ class RedisBackend:
             return (
                 f"redis at {self.where} refused user {self.user!r} "
                 f"({type(exc).__name__}: {exc}): {fix}"
+            )
+        if _refuses_database(exc):
+            database = self.redis.connection_pool.connection_kwargs.get("db", 0)
+            return (
+                f"redis at {self.where} refused database {database} ({exc}): check the "
+                "database in --redis-url (a number below the server's `databases`; 0 on "
+                "a Redis Cluster)"
             )
         return f"redis at {self.where}: {type(exc).__name__}: {exc}"
 

@@ -437,3 +437,22 @@ def test_a_password_in_the_redis_urls_query_is_never_shown(
     down = right.output()
     assert "right-s3cret" not in down, down
     assert f"127.0.0.1:{redis.port}/0?db=0&password=***" in down, down
+
+
+def test_a_database_redis_refuses_is_an_outage_named_once(
+    redis: RedisServer, procs: Procs, tmp_path: Path
+) -> None:
+    """A URL naming a database the server does not have (``/99`` where it has 16)
+    is refused at every connection's SELECT: the node answers per on_error, as for
+    a wrong password, and says what to fix in one line. Before: the ResponseError
+    of SELECT ended the node's start with a uvicorn traceback (exit 3)."""
+    node, _, router = _one_node_cluster(procs, tmp_path, f"redis://127.0.0.1:{redis.port}/99")
+    with httpx.Client(base_url=router, timeout=5.0) as client:
+        answered_per_on_error(client, "alice", "backend_unavailable")
+        time.sleep(1.0)  # two probes: neither may take the refusing Redis back
+        assert client.get("/closed/x", headers={"X-User-Id": "bob"}).status_code == 503
+    log = node.output()
+    assert "Traceback" not in log, log
+    named = [line for line in log.splitlines() if "check the database in --redis-url" in line]
+    assert len(named) == 1 and "refused database 99" in named[0], log
+    assert "available again" not in log, log
