@@ -166,6 +166,11 @@ _UNAVAILABLE_PREFIXES = (
 #: refused user, an outage to the checks (no connection opens) that a
 #: configuration change ends; before, it ended the node's start with a traceback.
 _DATABASE_REFUSALS = ("DB index is out of range", "SELECT is not allowed in cluster mode")
+#: The reply of a Redis that lacks a command ringlimit runs (renamed or disabled by
+#: its config, or a proxy without scripting). No check can pass, whatever its key:
+#: an outage, not one key's error (before: every check was "that key's"
+#: backend_error, the node said Redis was fine, and round-robin went on).
+_MISSING_COMMAND = "unknown command"
 
 
 class BackendUnavailable(Exception):
@@ -195,7 +200,7 @@ def _is_unavailable(exc: BaseException) -> bool:
     if isinstance(exc, _UNAVAILABLE_ERRORS):
         return True
     return isinstance(exc, ResponseError) and (
-        str(exc).startswith(_UNAVAILABLE_PREFIXES) or _refuses_database(exc)
+        str(exc).startswith((*_UNAVAILABLE_PREFIXES, _MISSING_COMMAND)) or _refuses_database(exc)
     )
 
 
@@ -537,7 +542,13 @@ class RedisBackend:
         async with self.redis.pipeline(transaction=False) as pipe:
             for script in scripts:
                 pipe.execute_command("SCRIPT", "LOAD", script.source)
-            await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
+        # The first error reply as Redis gave it: redis-py's own raise puts the
+        # command (a script's head) before the message, which hid its prefix from
+        # _is_unavailable (MISCONF, unknown command).
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
 
     def _raise_unavailable(self, exc: Exception) -> None:
         """Turn an availability failure into :class:`BackendUnavailable`; else return."""
@@ -574,6 +585,14 @@ class RedisBackend:
             return (
                 f"redis at {self.where} refused user {self.user!r} "
                 f"({type(exc).__name__}: {exc}): {fix}"
+            )
+        if isinstance(exc, ResponseError) and str(exc).startswith(_MISSING_COMMAND):
+            # Without its arguments ("with args beginning with: ..."): a user's key.
+            missing = str(exc).split(", with args", 1)[0]
+            return (
+                f"redis at {self.where} runs no command ringlimit needs ({missing}): "
+                "ringlimit needs PING, SET, EVALSHA and SCRIPT LOAD (renamed or disabled "
+                "by rename-command in its config? a proxy without scripting?)"
             )
         if _refuses_database(exc):
             database = self.redis.connection_pool.connection_kwargs.get("db", 0)

@@ -456,3 +456,37 @@ def test_a_database_redis_refuses_is_an_outage_named_once(
     named = [line for line in log.splitlines() if "check the database in --redis-url" in line]
     assert len(named) == 1 and "refused database 99" in named[0], log
     assert "available again" not in log, log
+
+
+@pytest.mark.parametrize("command", ["EVALSHA", "SCRIPT"])
+def test_a_redis_without_a_command_ringlimit_runs_is_an_outage_named_once(
+    tmp_path: Path, procs: Procs, command: str
+) -> None:
+    """A Redis whose config renames or disables a command ringlimit runs (a
+    managed Redis or a proxy may offer no scripting) can decide no check: the
+    node answers per on_error as in an outage, reports Redis unavailable (so a
+    router routes stickily), and names the command in one line. Before: without
+    SCRIPT the node's start ended with a traceback (exit 3); without EVALSHA every
+    check was "that key's" backend_error, the node reporting Redis available, so
+    round-robin multiplied open rules' limits by the number of nodes, and the log
+    asked to repair each user's key."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    redis = RedisServer(binary, tmp_path / "redis", extra_args=["--rename-command", command, ""])
+    redis.directory.mkdir()
+    redis.start()
+    try:
+        node, node_url, router = _one_node_cluster(procs, tmp_path, redis.url)
+        with httpx.Client(base_url=router, timeout=5.0) as client:
+            answered_per_on_error(client, "alice", "backend_unavailable")
+            assert httpx.get(f"{node_url}/healthz").json()["backend_available"] is False
+            time.sleep(1.0)  # two probes: neither may take this Redis back
+            assert client.get("/closed/x", headers={"X-User-Id": "bob"}).status_code == 503
+    finally:
+        redis.stop()
+    log = node.output()
+    assert "Traceback" not in log, log
+    named = [line for line in log.splitlines() if f"unknown command '{command}'" in line]
+    assert len(named) == 1 and "ringlimit needs PING, SET, EVALSHA and SCRIPT LOAD" in named[0]
+    assert "available again" not in log and "backend_error" not in log, log
