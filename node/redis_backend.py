@@ -386,7 +386,7 @@ class RedisBackend:
         ]
 
     async def start(self) -> None:
-        """Load every script, then open the pool's connections.
+        """Load every script, then open the connections checks will use.
 
         Best effort: a down Redis is logged and shows in ``available``, it does
         not raise. Opening the connections now keeps a first burst of checks
@@ -403,12 +403,25 @@ class RedisBackend:
         self._available = True
         await self._warm()
 
+    @property
+    def _connections_used(self) -> int:
+        """How many connections checks hold at once: one per call slot, or, when
+        pipelined, one per round trip in flight (``pipeline_depth``, 1 by default).
+
+        What :meth:`_warm` opens. Pipelined nodes opened ``max_connections`` (64)
+        too, and kept them idle: under a Redis ``maxclients`` of 100, two nodes
+        took every connection and a third was refused at start for good.
+        """
+        if self.round_trips is not None:
+            return self.round_trips.depth
+        return self.max_connections
+
     async def _warm(self) -> None:
-        """Open up to ``max_connections`` connections, one at a time; stop at a failure."""
+        """Open the connections checks will use, one at a time; stop at a failure."""
         pool = self.redis.connection_pool
         held: list[Any] = []
         try:
-            while len(held) < self.max_connections:
+            while len(held) < self._connections_used:
                 held.append(await pool.get_connection())
         except _PING_ERRORS as exc:
             logger.debug("warming connections to redis at %s: %s", self.where, exc)

@@ -490,3 +490,42 @@ def test_a_redis_without_a_command_ringlimit_runs_is_an_outage_named_once(
     named = [line for line in log.splitlines() if f"unknown command '{command}'" in line]
     assert len(named) == 1 and "ringlimit needs PING, SET, EVALSHA and SCRIPT LOAD" in named[0]
     assert "available again" not in log and "backend_error" not in log, log
+
+
+def test_pipelined_nodes_leave_a_small_maxclients_room_for_each_other(
+    tmp_path: Path, procs: Procs
+) -> None:
+    """A pipelined node uses one connection per round trip in flight (one by
+    default) and one for its probe. It opened 64 at start all the same, and kept
+    them idle: under a Redis ``maxclients`` of 30 (a small managed plan's), the
+    first node took every connection and the second was refused at start for
+    good ("max number of clients reached"): its users' closed rules answered 503
+    while Redis was fine, and the router routed stickily for the whole cluster."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    redis = RedisServer(binary, tmp_path / "redis", extra_args=["--maxclients", "30"])
+    redis.directory.mkdir()
+    redis.start()
+    try:
+        config = tmp_path / "cluster.toml"
+        config.write_text(CONFIG)
+        seeds = []
+        for node_id in ("n1", "n2"):
+            flags = ("--config", str(config), "--backend", "redis", "--redis-url", redis.url)
+            _, url = procs.node(node_id, None, *flags)
+            seeds += ["--node", f"{node_id}={url}"]
+            assert httpx.get(f"{url}/healthz").json()["backend_available"] is True, node_id
+        _, router = procs.router(None, "--config", str(config), "--health-interval", "0.2", *seeds)
+        with httpx.Client(base_url=router, timeout=5.0) as client:
+            for user in ("alice", "bob", "carol", "dave"):
+                codes = [
+                    client.get("/closed/x", headers={"X-User-Id": user}).status_code
+                    for _ in range(6)
+                ]
+                assert codes == [200] * 5 + [429], (user, codes)
+            assert client.get("/healthz").json()["balance"] == "round-robin"
+        with redis.client() as r:
+            assert len(r.client_list()) <= 6  # two per node at most, and this one
+    finally:
+        redis.stop()
