@@ -451,6 +451,14 @@ class RedisBackend:
         check, logging both, for as long as the refusal lasted.
         """
         was_available = self._available
+        if not was_available:
+            # Connections pooled before the outage are dead (a restarted Redis
+            # closed them) or the wrong ones to try: refused by a full Redis
+            # (maxclients), the last released, so the first taken, while the open
+            # ones idled and kept Redis full (before: the probe failed on it for
+            # good). Every probe while down connects afresh.
+            with contextlib.suppress(*_PING_ERRORS):
+                await self.redis.connection_pool.disconnect()
         try:
             await self.redis.ping()
             await self.redis.set(f"{self.prefix}:probe", b"1", px=1000)
@@ -470,11 +478,6 @@ class RedisBackend:
             self._available = False
             return False
         if not was_available:
-            # Connections pooled before the outage are dead (a restarted Redis
-            # closed them) and would fail the first requests after recovery,
-            # sending them back to the local fallback: open fresh ones instead.
-            with contextlib.suppress(*_PING_ERRORS):
-                await self.redis.connection_pool.disconnect()
             await self._warm()
         self._available = True
         return True

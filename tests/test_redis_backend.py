@@ -914,3 +914,42 @@ def test_a_key_of_another_type_fails_that_check_only_by_its_on_error(
     assert "rl:{mallory}:open:tb" in wrong[0], wrong
     assert not any("unavailable" in m for m in lines), lines
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_a_burst_refused_by_maxclients_is_an_outage_the_probe_ends(tmp_path: Path) -> None:
+    """Without pipelining, a burst of more calls than Redis's ``maxclients`` lets
+    the node connect is refused connections: an outage. Once the burst is over the
+    probe must find Redis again. Before, it never did: the pool handed it one of
+    the connections refused in the burst (the last released) rather than an open
+    one, and reconnecting that was refused again, for as long as the node's own
+    idle open connections kept Redis full (its closed rules 503 for good)."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(binary, tmp_path / "redis", extra_args=["--maxclients", "8"])
+    server.start()
+    rule = [Rule("burst", 10**6, 60.0)]
+
+    async def scenario() -> None:
+        backend = RedisBackend(server.url, pipeline=False)
+        await backend.start()
+        try:
+            checks = [backend.check(f"k{i}", rule, 1) for i in range(40)]
+            outcomes = await asyncio.gather(*checks, return_exceptions=True)
+            refused = [o for o in outcomes if isinstance(o, BackendUnavailable)]
+            assert refused and "max number of clients reached" in str(refused[0])
+            # Redis frees a closed connection's slot on its next turn: a few probes.
+            for _ in range(5):
+                if await backend.ping():
+                    break
+                await asyncio.sleep(0.2)
+            assert backend.available
+            assert (await backend.check("after", rule, 1)).allowed
+        finally:
+            await backend.close()
+
+    try:
+        run(scenario)
+    finally:
+        server.stop()
