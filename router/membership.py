@@ -258,6 +258,9 @@ class Membership:
         self._awaiting_repair: dict[str, asyncio.Task[Any]] = {}
         #: The leading router's URL when this one follows it (router/workers.py).
         self.leader_url: str | None = None
+        #: Whether the leading router, at this follower's last poll, had a node
+        #: reporting its shared backend (Redis) down: a follower probes no node.
+        self.leader_backend_degraded = False
 
     @property
     def view(self) -> RingView:
@@ -616,7 +619,10 @@ class Membership:
         works for nodes that keep no view (the Redis backend's).
         """
         try:
-            view, events, rules_digest = await self.nodes.leader_state(leader_url, headers)
+            view, events, rules_digest, degraded = await self.nodes.leader_state(
+                leader_url, headers
+            )
+            self.leader_backend_degraded = degraded
             if rules_digest is not None and rules_digest != self.config.rules_digest:
                 self._take_leaders_rules(
                     await self.nodes.leader_rules(leader_url, headers), leader_url
@@ -1623,7 +1629,13 @@ class Membership:
 
     @property
     def backend_degraded(self) -> bool:
-        return any(not h.backend_available for h in self.health.values())
+        """A node reports its shared backend (Redis) down, so users are routed
+        stickily to the nodes' local limiters: by this router's own probes, or, for
+        a follower (which probes nothing), by the leader's at the last poll. Before,
+        a follower worker kept round-robin for the whole outage."""
+        return self.leader_backend_degraded or any(
+            not h.backend_available for h in self.health.values()
+        )
 
     # ------------------------------------------------------------------ state file
 
@@ -1635,6 +1647,8 @@ class Membership:
             "nodes": nodes,
             "rules_digest": self.config.rules_digest,
         }
+        if self.backend_degraded:
+            data["backend_degraded"] = True  # what a follower polls (follow_once)
         if self.coordinator is not None:
             data["coordinator"] = {"etcd": self.coordinator.where, "leading": self.leading}
         elif self.leader_url is not None:

@@ -257,15 +257,16 @@ class NodeClient:
     async def leader_ring(self, leader_url: str, headers: dict[str, str]) -> RingView:
         """The leading router's ring, without its joining members; raises
         httpx.HTTPError, ValueError, KeyError or TypeError."""
-        view, _, _ = await self.leader_state(leader_url, headers)
+        view, _, _, _ = await self.leader_state(leader_url, headers)
         return view
 
     async def leader_state(
         self, leader_url: str, headers: dict[str, str]
-    ) -> tuple[RingView, list[dict[str, Any]], str | None]:
+    ) -> tuple[RingView, list[dict[str, Any]], str | None, bool]:
         """The leading router's ring (without its joining members), its
-        membership events and the digest of its rules (None from a router that
-        does not say); raises httpx.HTTPError, ValueError, KeyError or TypeError."""
+        membership events, the digest of its rules (None from a router that
+        does not say) and whether a node reports its shared backend down; raises
+        httpx.HTTPError, ValueError, KeyError or TypeError."""
         response = await self.client.get(
             leader_url.rstrip("/") + "/admin/ring", headers=headers, timeout=2.0
         )
@@ -282,6 +283,7 @@ class NodeClient:
             view,
             [e for e in events if isinstance(e, dict)] if isinstance(events, list) else [],
             digest if isinstance(digest, str) else None,
+            data.get("backend_degraded") is True,
         )
 
     async def leader_rules(self, leader_url: str, headers: dict[str, str]) -> list[Any]:

@@ -529,3 +529,38 @@ def test_pipelined_nodes_leave_a_small_maxclients_room_for_each_other(
             assert len(r.client_list()) <= 6  # two per node at most, and this one
     finally:
         redis.stop()
+
+
+def test_every_worker_routes_stickily_while_redis_is_down(
+    redis: RedisServer, procs: Procs, tmp_path: Path
+) -> None:
+    """``router --workers 2`` in front of Redis nodes: while Redis is down each
+    node's fallback limiter counts alone, so every worker must hash users onto the
+    ring, not only the one that probes the nodes. Before: worker 1 (a follower,
+    which probes nothing) kept round-robin for the whole outage, so half of each
+    user's requests went to every node's fresh limiter: one extra quota per node."""
+    from tests.test_workers import workers
+
+    config = tmp_path / "cluster.toml"
+    config.write_text(CONFIG)
+    flags = ("--config", str(config), "--backend", "redis", "--redis-url", redis.url)
+    seeds = []
+    for node_id, (_, url) in procs.nodes(["n1", "n2"], *flags).items():
+        seeds += ["--node", f"{node_id}={url}"]
+    router_proc, router = procs.router(
+        None, "--config", str(config), "--workers", "2", "--health-interval", "0.2", *seeds
+    )
+    assert wait_for(lambda: len(workers(router_proc)) == 2, timeout=10.0), router_proc.output()
+    admins = [admin for _, admin in workers(router_proc).values()]
+
+    def balances() -> list[str]:
+        return [httpx.get(f"{a}/healthz", timeout=5.0).json()["balance"] for a in admins]
+
+    assert wait_for(lambda: balances() == ["round-robin"] * 2, timeout=10.0), balances()
+    redis.stop()
+    with httpx.Client(base_url=router, timeout=5.0) as client:
+        for i in range(10):  # the nodes find Redis down at their next check
+            assert client.get("/open/x", headers={"X-User-Id": f"u{i}"}).status_code == 200
+    assert wait_for(lambda: balances() == ["sticky"] * 2, timeout=5.0), balances()
+    redis.start()
+    assert wait_for(lambda: balances() == ["round-robin"] * 2, timeout=10.0), balances()
