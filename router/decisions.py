@@ -257,11 +257,15 @@ class DecisionAPI:
                     results[index] = {"error": "no_nodes", "detail": "the ring has no nodes"}
                 return _complete(results)
             owner_of = router.owner_map(view).get
+            # A key's checks go to one node, which decides them in order: in
+            # round-robin mode each pick is the next node, and one key's checks sent
+            # to several at once were decided in any order (docs/decision-api.md).
+            picked: dict[str, Member] = {}
             for index in pending:
                 key = checks[index][0]
-                member = owner_of(key)
+                member = owner_of(key) or picked.get(key)
                 if member is None:
-                    member = router.pick(view, key)
+                    member = picked[key] = router.pick(view, key)
                 group = groups.get(member.id)
                 if group is None:
                     group = groups[member.id] = []

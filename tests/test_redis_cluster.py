@@ -564,3 +564,27 @@ def test_every_worker_routes_stickily_while_redis_is_down(
     assert wait_for(lambda: balances() == ["sticky"] * 2, timeout=5.0), balances()
     redis.start()
     assert wait_for(lambda: balances() == ["round-robin"] * 2, timeout=10.0), balances()
+
+
+def test_a_batchs_checks_of_one_key_are_decided_in_order_under_round_robin(
+    redis: RedisServer, procs: Procs, tmp_path: Path
+) -> None:
+    """docs/decision-api.md: a key may appear more than once in a batch, and its
+    checks are decided one after another, in order. Round-robin (Redis mode) sent
+    each check of a batch to the next node in turn, all at once, so one key's
+    checks raced on three nodes: the five allowed of twenty were any five."""
+    config = tmp_path / "cluster.toml"
+    config.write_text(CONFIG)
+    flags = ("--config", str(config), "--backend", "redis", "--redis-url", redis.url)
+    seeds = []
+    for node_id, (_, url) in procs.nodes(["n1", "n2", "n3"], *flags).items():
+        seeds += ["--node", f"{node_id}={url}"]
+    _, router = procs.router(None, "--config", str(config), *seeds)
+    with httpx.Client(base_url=router, timeout=5.0) as client:
+        assert client.get("/healthz").json()["balance"] == "round-robin"
+        for user in ("alice", "bob", "carol"):
+            checks = [{"key": user, "rule": "closed"} for _ in range(20)]
+            answer = client.post("/v1/check", json={"checks": checks})
+            assert answer.status_code == 200, answer.text
+            allowed = [result["allowed"] for result in answer.json()["results"]]
+            assert allowed == [True] * 5 + [False] * 15, (user, allowed)
