@@ -69,6 +69,7 @@ from router.leases import ADMIT, DENY, FORWARD, RouterLeases, leased_rule
 from router.membership import Membership
 from router.metrics import RouterMetrics, merge_workers
 from router.protocol import ADMIN_PREFIX, CONTROL_PATHS, ProxyCycle, has_dot_segment
+from router.rotation import Rotation
 
 log = logging.getLogger("ringlimit.router")
 
@@ -199,6 +200,8 @@ class Router:
         self.direct_proxy = settings.direct_proxy
         self._resolver_for: tuple[object, IdentityResolver] | None = None
         self._turn = itertools.count()
+        #: Round-robin mode's turn, past nodes that could not be reached.
+        self.rotation = Rotation()
         self._owners = OwnerCache(OWNER_CACHE)
         #: What authenticates this router to the nodes (their internal token).
         self.token_header = (
@@ -359,9 +362,17 @@ class Router:
             members = view.members
             if not members:
                 raise EmptyRingError(f"cannot place a key: ring at epoch {view.epoch} is empty")
-            return members[next(self._turn) % len(members)]
+            return self.rotation.next(members)
         # Owners are remembered per view (a dict lookup instead of md5 + bisect).
         return self._owners.owner(view, key)
+
+    def passed_on(self, view: RingView, member: Member) -> bool:
+        """Whether a request ``member`` could not be reached for goes to another
+        node: in round-robin mode any node decides any key, and an unreachable
+        one decided nothing (router/rotation.py). Sticky routing: never."""
+        if self.config.balance != "round-robin" or self.membership.backend_degraded:
+            return False
+        return self.rotation.failed(member, view.members)
 
     def owner_map(self, view: RingView) -> dict[str, Member]:
         """The remembered owners under ``view`` (empty in round-robin mode: pick each)."""
@@ -563,6 +574,8 @@ class Router:
             except Unreachable as exc:
                 if await self.membership.newer_view(member):
                     continue  # our view was stale: the key has another owner now
+                if self.passed_on(view, member):
+                    continue  # round-robin: the next node decides it
                 unreachable: str | None = str(exc)
             else:
                 if answer.status == 421 and await self.stale(answer, member):

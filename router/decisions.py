@@ -362,8 +362,12 @@ class DecisionAPI:
             router.metrics.outcome(member.id, "node_timeout")
             return
         except Unreachable:
-            if await router.membership.newer_view(member):
-                retry.extend(indices)  # our view was stale: route them again
+            if await router.membership.newer_view(member) or router.passed_on(
+                router.membership.view, member
+            ):
+                # Our view was stale (the keys have other owners now), or the
+                # members take turns (round-robin): route them again.
+                retry.extend(indices)
                 return
             for i in indices:
                 results[i] = unreachable_result(checks[i], member.id)

@@ -1,0 +1,68 @@
+"""Round-robin over a shared backend's nodes, past a node that cannot be reached.
+
+In round-robin mode (Redis: every node decides every key against the same
+counters) the node a request goes to is a choice, not the key's owner. A node
+that cannot be connected to (killed, its host down) decided nothing, so the
+request may go to the next one; and until the health loop removes the node
+(``--failure-threshold`` probes), the requests after it skip it rather than each
+meet the refused connection. Before, each request picked for a dead node was
+answered by its rule's ``on_error`` while the other nodes and Redis were well:
+an open rule admitted them uncounted (14 admissions on a limit of 5 in the
+exploratory run), a closed one answered 503.
+
+Sticky routing has no such choice (the owner holds the key's state) and never
+comes here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+from ring import Member
+
+#: Seconds a node that could not be reached is skipped; then a request tries it again.
+SKIP_FOR = 2.0
+
+
+class Rotation:
+    """The next member in turn, skipping those that just failed to connect."""
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, skip_for: float = SKIP_FOR
+    ) -> None:
+        self.clock = clock
+        self.skip_for = skip_for
+        self._turn = itertools.count()
+        #: Member id -> until when it is skipped (a few entries at most: members).
+        self._down: dict[str, float] = {}
+
+    def next(self, members: Sequence[Member]) -> Member:
+        member = members[next(self._turn) % len(members)]
+        if self._down and member.id in self._down:  # nothing more while all is well
+            return self._past_down(members, member)
+        return member
+
+    def failed(self, member: Member, members: Sequence[Member]) -> bool:
+        """``member`` could not be reached: skip it for :attr:`skip_for` seconds.
+        True if another of ``members`` may take the request (one not skipped)."""
+        self._forget_expired()
+        self._down[member.id] = self.clock() + self.skip_for
+        return any(m.id not in self._down for m in members)
+
+    def _past_down(self, members: Sequence[Member], member: Member) -> Member:
+        self._forget_expired()
+        if member.id not in self._down:
+            return member
+        start = members.index(member)
+        for step in range(1, len(members)):
+            other = members[(start + step) % len(members)]
+            if other.id not in self._down:
+                return other
+        return member  # every member skipped: as picked (its failure answers)
+
+    def _forget_expired(self) -> None:
+        now = self.clock()
+        for member_id in [m for m, until in self._down.items() if until <= now]:
+            del self._down[member_id]
