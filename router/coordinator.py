@@ -47,7 +47,7 @@ import math
 import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
@@ -94,11 +94,6 @@ class ViewRecord:
     settled: bool
     #: etcd's mod revision of the record (0 for one not read from etcd).
     revision: int = 0
-    #: How many rules changes the cluster has had (kept across views): of two
-    #: records of one view, the one with more is newer, even once etcd went
-    #: back (restored from an older snapshot), where revisions no longer say.
-    #: None: a record written before the count existed.
-    config_version: int | None = 0
 
     def to_json(self) -> bytes:
         return json.dumps(
@@ -108,7 +103,6 @@ class ViewRecord:
                 "previous": self.previous.to_dict() if self.previous is not None else None,
                 "crashed": list(self.crashed),
                 "config": self.config.to_dict(),
-                "config_version": self.config_version,
                 "settled": self.settled,
             },
             separators=(",", ":"),
@@ -127,19 +121,9 @@ class ViewRecord:
                 ClusterConfig.from_dict(data["config"], source="etcd record", strict=False),
                 bool(data["settled"]),
                 revision,
-                _config_version(data.get("config_version")),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CoordinatorError(f"the ring record in etcd is unreadable: {exc}") from None
-
-
-def _config_version(raw: Any) -> int | None:
-    """A record's ``config_version``: None when absent (an older router wrote it)."""
-    if raw is None:
-        return None
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
-        raise ValueError(f"config_version {raw!r}: expected a count")
-    return raw
 
 
 #: The coordinator's URL schemes: plaintext, and TLS (router/etcd_access.py).
@@ -449,7 +433,10 @@ class EtcdCoordinator:
             if leading is not None and (got is None or got.create_revision != leading):
                 raise NotLeading("this router no longer leads: etcd's leader key changed")
             return None
-        return replace(record, revision=got.mod_revision if got is not None else 0)
+        revision = got.mod_revision if got is not None else 0
+        return ViewRecord(
+            record.view, record.previous, record.crashed, record.config, record.settled, revision
+        )
 
     async def watch(self, since: int = 0) -> AsyncGenerator[ViewRecord, None]:
         """Every record committed after revision ``since`` (the one the caller

@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -72,15 +71,6 @@ log = logging.getLogger("ringlimit.router")
 
 #: Seconds :meth:`Membership.close` waits for each group of its tasks to stop.
 CLOSE_TIMEOUT = 5.0
-
-
-def _what_etcd_held(record: ViewRecord | None, view: RingView) -> str:
-    """How etcd's record, recorded over, was behind ``view`` (for the log)."""
-    if record is None:
-        return "no ring"
-    if record.view.epoch == view.epoch:
-        return f"older rules (the ring's epoch {view.epoch}, {record.config_version} rules changes)"
-    return f"an older ring (epoch {record.view.epoch})"
 
 
 async def _cancel_within(tasks: Iterable[asyncio.Future[Any]], seconds: float, what: str) -> None:
@@ -225,10 +215,6 @@ class Membership:
         self._seen_revision = 0
         #: The coordinator's ``history_lost`` when the revisions above were taken.
         self._history = 0
-        #: The rules changes this router's config has had (etcd's ``config_version``
-        #: of the record it took it from or wrote): an older record of the same
-        #: view is told by it, not by revisions (router/coordinator.py ViewRecord).
-        self._config_version = 0
         self._coordination: list[asyncio.Task[Any]] = []
         #: The last membership changes, for operators (router/events.py).
         self.events = EventLog()
@@ -438,14 +424,7 @@ class Membership:
         if record is None and seeds:
             await asyncio.gather(*(self._wait_ready(m) for m in seeds))
             view = RingView.of(seeds, epoch=1)
-            first = ViewRecord(
-                view,
-                RingView.empty(),
-                (),
-                self.config,
-                settled=False,
-                config_version=self._config_version,
-            )
+            first = ViewRecord(view, RingView.empty(), (), self.config, settled=False)
             committed = await self.coordinator.commit(first, expected=0)
             if committed is None:
                 record = await self.coordinator.load()
@@ -495,35 +474,19 @@ class Membership:
             self._revision = max(self._revision, record.revision)
             # Adopted before, from a node (which does not say who crashed).
             self.events.crashed(record.view.epoch, record.crashed)
-            if newer and record.settled and not self._older_config(record):
-                if record.config != self.config:
-                    # New rules for the same ring (:meth:`change_config`).
-                    log.warning("taking the cluster config from etcd (epoch %d)", record.view.epoch)
-                    self._take_config(record.config, "etcd")
-                self._took_config_version(record)
+            if newer and record.settled and record.config != self.config:
+                # New rules for the same ring (:meth:`change_config`).
+                log.warning("taking the cluster config from etcd (epoch %d)", record.view.epoch)
+                self._take_config(record.config, "etcd")
         elif (record.settled or force) and record.view.epoch > self.view.epoch:
             self._revision = record.revision
             if record.config != self.config:
                 log.warning("taking the cluster config from etcd (epoch %d)", record.view.epoch)
                 self._take_config(record.config, "etcd")
-            self._took_config_version(record)
             for member in record.view:
                 self.health.setdefault(member.id, Health())
             self._adopt(record.view, record.crashed)
             log.info("adopted epoch %d from etcd", record.view.epoch)
-
-    def _older_config(self, record: ViewRecord) -> bool:
-        """``record`` holds rules older than this router's: fewer rules changes.
-
-        Revisions cannot say so once etcd went back (restored from a snapshot
-        taken before a rules change: a record of the same view, with the old
-        rules); taken, those rules were pushed to every node by the next leader.
-        A record of a router that did not count them (None) is not compared."""
-        return record.config_version is not None and record.config_version < self._config_version
-
-    def _took_config_version(self, record: ViewRecord) -> None:
-        if record.config_version is not None:
-            self._config_version = max(self._config_version, record.config_version)
 
     def _forget_lost_history(self) -> None:
         """etcd went back (its data lost, or restored from an older snapshot:
@@ -536,11 +499,7 @@ class Membership:
             self._revision = self._seen_revision = 0
 
     async def _record_again(
-        self,
-        record: ViewRecord | None,
-        config: ClusterConfig,
-        view: RingView | None = None,
-        config_version: int | None = None,
+        self, record: ViewRecord | None, config: ClusterConfig, view: RingView | None = None
     ) -> bool:
         """Record ``view`` (this router's by default; settled, with ``config``)
         over etcd's ``record``: none (etcd lost its data, or a cluster that has
@@ -551,9 +510,8 @@ class Membership:
         nodes' newest. True if written; raises CoordinatorError, NotLeading."""
         assert self.coordinator is not None
         view = self.view if view is None else view
-        version = self._config_version if config_version is None else config_version
         self._forget_lost_history()
-        fresh = ViewRecord(view, None, (), config, True, config_version=version)
+        fresh = ViewRecord(view, None, (), config, True)
         committed = await self.coordinator.commit(
             fresh, expected=0 if record is None else record.revision
         )
@@ -564,7 +522,7 @@ class Membership:
             log.error(
                 "etcd %s held %s: recorded the ring (epoch %d) there again",
                 self.coordinator.where,
-                _what_etcd_held(record, view),
+                "no ring" if record is None else f"an older ring (epoch {record.view.epoch})",
                 view.epoch,
             )
         return True
@@ -573,11 +531,7 @@ class Membership:
         """etcd holds no record of the ring this router carried out, or an older one."""
         if record is None:
             return len(self.view) > 0
-        if not record.settled:
-            return False
-        if record.view.epoch != self.view.epoch:
-            return record.view.epoch < self.view.epoch
-        return self._older_config(record)
+        return record.settled and record.view.epoch < self.view.epoch
 
     def follow(self, leader_url: str, headers: dict[str, str], interval: float) -> None:
         """Follow the router at ``leader_url``: poll its ring every ``interval``
@@ -784,14 +738,7 @@ class Membership:
         if self.coordinator is None:
             return None
         for _ in range(3):
-            record = ViewRecord(
-                view,
-                previous,
-                crashed,
-                self.config,
-                settled=False,
-                config_version=self._config_version,
-            )
+            record = ViewRecord(view, previous, crashed, self.config, settled=False)
             try:
                 committed = await self.coordinator.commit(record, expected=self._revision)
                 if committed is not None:
@@ -835,7 +782,9 @@ class Membership:
         """Mark a committed change as carried out, so every router adopts it."""
         if self.coordinator is None or record is None:
             return record
-        done = replace(record, settled=True)
+        done = ViewRecord(
+            record.view, record.previous, record.crashed, record.config, True, record.revision
+        )
         try:
             settled = await self.coordinator.commit(done, expected=record.revision)
         except CoordinatorError as exc:
@@ -1583,11 +1532,8 @@ class Membership:
             record = await self.coordinator.load()
             # No record (a cluster with no ring yet, or an etcd that lost its
             # data) or an older one: the rules go with this leader's view.
-            held = record.config_version if record is not None else None
-            version = max(self._config_version, held or 0) + 1
             if record is None or self._behind(record):
-                if await self._record_again(record, config, config_version=version):
-                    self._config_version = version
+                if await self._record_again(record, config):
                     return
                 raise MembershipError(
                     409, "ring_changed", "another router changed the ring first; retry"
@@ -1596,7 +1542,9 @@ class Membership:
             # left unsettled (a failed settle) is marked settled here too.
             if record.view != self.view:
                 raise MembershipError(409, "ring_changing", "the ring is changing; retry")
-            done = replace(record, config=config, settled=True, config_version=version)
+            done = ViewRecord(
+                record.view, record.previous, record.crashed, config, True, record.revision
+            )
             committed = await self.coordinator.commit(done, expected=record.revision)
         except NotLeading as exc:
             raise MembershipError(503, "no_leader", f"{exc}; retry shortly") from None
@@ -1607,7 +1555,6 @@ class Membership:
                 409, "ring_changed", "another router changed the ring first; retry"
             )
         self._revision = committed.revision
-        self._config_version = version
 
     async def _wait_ready(self, member: Member) -> int:
         """Until ``member`` answers as itself; the epoch it holds."""

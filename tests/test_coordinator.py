@@ -1479,66 +1479,6 @@ async def test_a_cluster_whose_etcd_lost_its_data_records_its_ring_again(
             await restarted.close()
 
 
-async def test_rules_changed_after_the_snapshot_etcd_is_restored_from_are_kept(
-    own_etcd: EtcdServer,
-) -> None:
-    """etcd restored from a snapshot taken before a rules change (the ring
-    unchanged since): the record it holds is of the same view, with the old
-    rules. Nothing took it for older, so etcd kept the old rules: a router
-    started afterwards took them, and once it led it pushed them to every
-    node (the runtime rules silently undone, routers disagreeing meanwhile).
-    Each rules change now counts in the record (``config_version``): the
-    leader records the cluster's rules again, and no router takes the older
-    ones."""
-    etcd = own_etcd
-    data = etcd.directory / "data"
-    snapshot = etcd.directory / "snapshot"
-    async with two_routers(etcd.endpoint) as (cluster, second):
-        first, other = cluster.router.membership, second.membership
-        etcd.stop()
-        shutil.copytree(data, snapshot)
-        etcd.start()
-        await wait_until(lambda: first.leading or other.leading, seconds=15.0)
-        rules = {"rules": [{"name": "api", "limit": 9, "period": 60}]}
-        for _ in range(50):  # bounded: 503 while the lead is being taken
-            leader = ROUTER_URL if first.leading else SECOND
-            answer = await cluster.client.put(f"{leader}/admin/rules", json=rules)
-            if answer.status_code != 503:
-                break
-            await asyncio.sleep(0.2)
-        assert answer.status_code == 200, answer.text
-
-        def limits() -> tuple[list[int], list[int]]:
-            return [r.rule.limit for r in first.config.rules], [
-                r.rule.limit for r in other.config.rules
-            ]
-
-        await wait_until(lambda: limits() == ([9], [9]))
-        etcd.stop()
-        shutil.rmtree(data)
-        shutil.copytree(snapshot, data)
-        await asyncio.sleep(2.5)  # past the ttl: the lead is taken again
-        etcd.start()
-        reader = EtcdCoordinator(parse_endpoints(etcd.endpoint), cluster="test", ttl=2)
-
-        async def recorded() -> list[int]:
-            with contextlib.suppress(CoordinatorError):
-                record = await reader.load()
-                if record is not None:
-                    return [r.rule.limit for r in record.config.rules]
-            return []
-
-        try:
-            for _ in range(100):  # bounded: the routers reconnect and one leads again
-                if await recorded() == [9] and (first.leading or other.leading):
-                    break
-                await asyncio.sleep(0.1)
-            assert await recorded() == [9]
-            assert limits() == ([9], [9])
-        finally:
-            await reader.close()
-
-
 async def test_an_etcd_outage_is_logged_without_flooding(
     own_etcd: EtcdServer, caplog: pytest.LogCaptureFixture
 ) -> None:
