@@ -202,6 +202,14 @@ class AiohttpForwarder:
             # Sent; aiohttp sends again on a fresh connection only what it judges
             # safe to (an idempotent request on a connection the node closed idle).
             raise AnswerLost(type(exc).__name__) from None
+        except aiohttp.ClientConnectorError as exc:  # no connection was made
+            raise Unreachable(type(exc).__name__) from None
+        except aiohttp.ClientOSError as exc:
+            # On a connection made: a reset after the node read the request is one
+            # (a review found it taken for Unreachable, which a round-robin router
+            # sends to the next node, and an open rule's failover to another: the
+            # request decided twice, run twice by the application).
+            raise AnswerLost(type(exc).__name__) from None
         except aiohttp.ClientConnectionError as exc:
             raise Unreachable(type(exc).__name__) from None
 

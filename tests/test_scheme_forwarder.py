@@ -19,7 +19,7 @@ import asyncio
 import pytest
 
 from router.app import RouterSettings, node_forwarder
-from router.forward import NodeTimeout, Timeouts, Unreachable
+from router.forward import AiohttpForwarder, AnswerLost, NodeTimeout, Timeouts, Unreachable
 
 pytestmark = pytest.mark.anyio
 
@@ -57,3 +57,39 @@ async def test_a_routers_forwarder_speaks_each_members_scheme() -> None:
         await forwarder.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_reset_after_the_member_read_the_request_is_not_unreachable() -> None:
+    """aiohttp (the https:// members' client) says ClientOSError for a connection
+    reset after the member read the request, as for one never made; both were
+    Unreachable, which a round-robin router sends to the next node and an open
+    rule fails over: the request decided twice, run twice by the application
+    (found by a review). A reset after the request is AnswerLost (may have been
+    decided: never sent again); a connection refused is still Unreachable."""
+    import socket
+    import struct
+
+    received: list[bytes] = []
+
+    async def read_then_reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.readuntil(b"\r\n\r\n"))
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # RST, not FIN
+
+    server = await asyncio.start_server(read_then_reset, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        closed = spare.getsockname()[1]  # bound, not listening: refused
+        forwarder = AiohttpForwarder(timeouts=Timeouts(connect=2.0, total=5.0))
+        try:
+            with pytest.raises(AnswerLost):
+                await forwarder.post_json(f"http://127.0.0.1:{port}/v1/check", b"{}", [])
+            assert received and received[0].startswith(b"POST /v1/check")
+            with pytest.raises(Unreachable):
+                await forwarder.post_json(f"http://127.0.0.1:{closed}/v1/check", b"{}", [])
+        finally:
+            await forwarder.close()
+            server.close()
+            await server.wait_closed()
