@@ -456,9 +456,11 @@ class RedisBackend:
             # closed them) or the wrong ones to try: refused by a full Redis
             # (maxclients), the last released, so the first taken, while the open
             # ones idled and kept Redis full (before: the probe failed on it for
-            # good). Every probe while down connects afresh.
+            # good). Every probe while down connects afresh. Idle connections only:
+            # one in use may carry a check whose script Redis is running, which
+            # cut here would be decided again by the fallback (a review).
             with contextlib.suppress(*_PING_ERRORS):
-                await self.redis.connection_pool.disconnect()
+                await self.redis.connection_pool.disconnect(inuse_connections=False)
         try:
             await self.redis.ping()
             await self.redis.set(f"{self.prefix}:probe", b"1", px=1000)
