@@ -287,7 +287,7 @@ class Router:
 
     async def close(self) -> None:
         if self.grpc_health is not None:
-            self.grpc_health.stopping = True  # NOT_SERVING through the grace below
+            self.grpc_health.stop()  # NOT_SERVING through the grace below
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)
             self.grpc_server = None

@@ -16,6 +16,7 @@ nothing but the status); ``RINGLIMIT_API_TOKEN`` still guards
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterable
 
 import grpc
@@ -44,6 +45,13 @@ class RouterHealth(health_pb2_grpc.HealthServicer):
         self.services = frozenset({"", *services})
         self.watch_every = watch_every
         self.stopping = False
+        self._stopped = asyncio.Event()
+
+    def stop(self) -> None:
+        """NOT_SERVING from now on, said at once to every ``Watch`` (not at its next
+        look: the router's grace for calls in flight is about that long)."""
+        self.stopping = True
+        self._stopped.set()
 
     def status(self, service: str) -> int:
         if service not in self.services:
@@ -63,15 +71,18 @@ class RouterHealth(health_pb2_grpc.HealthServicer):
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> None:
         """The status now, then each change (an unknown service is SERVICE_UNKNOWN and
-        stays open, as the protocol says). Ends when the caller cancels or the
-        server stops."""
+        stays open, as the protocol says). Ends when the caller cancels, or once
+        it has said NOT_SERVING for a router that stops."""
         last = None
         while True:
             status = self.status(request.service)
             if status != last:
                 await context.write(health_pb2.HealthCheckResponse(status=status))
                 last = status
-            await asyncio.sleep(self.watch_every)
+            if self.stopping:
+                return  # said NOT_SERVING: the stream ends, as the server does
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), self.watch_every)
 
 
 def add_health(health: RouterHealth, server: grpc.aio.Server) -> None:

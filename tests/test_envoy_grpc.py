@@ -856,8 +856,11 @@ async def test_grpc_health_follows_the_ring_and_the_routers_stop() -> None:
             await cluster.add_node("n3")
             assert await check(service) == serving
             assert (await asyncio.wait_for(watch.read(), 5)).status == serving
+            cluster.router.grpc_health.watch_every = 60.0  # a watcher hears of a stop at once
+            await asyncio.sleep(0.05)  # (its current wait, 0.01 s, ends)
+            cluster.router.grpc_health.stop()  # as Router.close does first
+            assert (await asyncio.wait_for(watch.read(), 5)).status == not_serving
             watch.cancel()
-            cluster.router.grpc_health.stopping = True  # as Router.close sets it first
             assert await check() == not_serving
         finally:
             await channel.close()
