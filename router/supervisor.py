@@ -569,9 +569,15 @@ def _print_banner(
     print(f"ringlimit router: {url}   backend={config.backend} balance={config.balance}")
     print(f"rules: {rules}")
     print(f"ring epoch {ring['epoch']}:")
+    shown: set[str] = set()
     for node in ring["nodes"]:
+        if node["id"] in shown:
+            continue  # a member whose join (sent again by its node) is still in flight
+        shown.add(node["id"])
         pid = pids.get(node["id"])
-        print(f"  {node['id']}  {node['url']}  weight={node['weight']}  pid={pid}")
+        state = node.get("state")
+        said = f"  ({state})" if state not in (None, "active") else ""
+        print(f"  {node['id']}  {node['url']}  weight={node['weight']}  pid={pid}{said}")
     restarted = {
         "always": "reported and restarted",
         "on-crash": "reported, and restarted unless they left gracefully",

@@ -377,3 +377,29 @@ def test_what_up_says_a_node_exit_did_follows_the_backend(
         assert left in cluster._action({"kind": "left", "epoch": 5})
     finally:
         cluster._client.close()
+
+
+def test_the_banner_lists_each_node_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """A node whose join was still in flight while it was already a member was in
+    /admin/ring twice (a member, and joining): the banner listed it twice."""
+    from node.config import ClusterConfig
+    from router.restart import RestartPolicy
+    from router.supervisor import _print_banner
+
+    node = {"id": "n2", "url": "http://127.0.0.1:2", "weight": 1}
+    ring = {
+        "epoch": 1,
+        "nodes": [
+            {"id": "n1", "url": "http://127.0.0.1:1", "weight": 1, "state": "active"},
+            {**node, "state": "active"},
+            {**node, "state": "joining"},
+            {"id": "n3", "url": "http://127.0.0.1:3", "weight": 1, "state": "joining"},
+        ],
+    }
+    _print_banner("http://127.0.0.1:0", ring, ClusterConfig(), {"n2": 7}, RestartPolicy())
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  n")]
+    assert lines == [
+        "  n1  http://127.0.0.1:1  weight=1  pid=None",
+        "  n2  http://127.0.0.1:2  weight=1  pid=7",
+        "  n3  http://127.0.0.1:3  weight=1  pid=None  (joining)",
+    ]
