@@ -315,7 +315,7 @@ class EtcdCoordinator:
             # A stray CancelledError (gRPC's, see _stray) is the close failing; this
             # task's own (a shutdown, a caller's deadline) goes on: swallowed, the
             # caller's next attempt ran past its wait_for deadline.
-            if not isinstance(exc, Exception) and not _stray(exc):
+            if not _failed(exc):
                 raise
 
     async def close(self) -> None:
@@ -338,8 +338,8 @@ class EtcdCoordinator:
             except CoordinatorError:
                 raise
             except (Exception, asyncio.CancelledError) as exc:
-                if not isinstance(exc, Exception) and not _stray(exc):
-                    raise  # this task is cancelled
+                if not _failed(exc):
+                    raise
                 if attempt == 1:
                     raise CoordinatorError(f"etcd {what} failed: {_why(exc)}") from None
                 # Its channel too: a leaked gRPC channel can hang the loop.
@@ -474,7 +474,7 @@ class EtcdCoordinator:
             except CoordinatorError as exc:
                 self._quiet.warn("watch", "watching etcd: %s; retrying", exc)
             except (Exception, asyncio.CancelledError) as exc:
-                if not isinstance(exc, Exception) and not _stray(exc):
+                if not _failed(exc):
                     raise
                 self._quiet.warn("watch", "watching etcd: %s; retrying", type(exc).__name__)
                 if client is not None:
@@ -580,7 +580,7 @@ class EtcdCoordinator:
                     await asyncio.sleep(min(self.ttl / 3, max(0.0, self._until - clock())))
                     await self._keep_alive(lease.id, key, value, clock)
             except (CoordinatorError, asyncio.CancelledError) as exc:
-                if isinstance(exc, asyncio.CancelledError) and not _stray(exc):
+                if not _failed(exc):  # this task is cancelled
                     if leading:
                         self._leading = _DEPOSED
                         await on_lose()
@@ -713,7 +713,7 @@ class EtcdCoordinator:
             except (CoordinatorError, TimeoutError):
                 pass
             except (Exception, asyncio.CancelledError) as exc:
-                if not isinstance(exc, Exception) and not _stray(exc):
+                if not _failed(exc):
                     raise
                 self._quiet.warn(
                     "election", "watching the leader key: %s; retrying", type(exc).__name__
@@ -740,6 +740,12 @@ def _stray(exc: BaseException) -> bool:
         return False
     task = asyncio.current_task()
     return task is not None and not task.cancelling()
+
+
+def _failed(exc: BaseException) -> bool:
+    """``exc`` says an etcd call failed: any exception, or a stray CancelledError
+    (:func:`_stray`). False for this task's own cancellation, which goes on."""
+    return isinstance(exc, Exception) or _stray(exc)
 
 
 async def _deleted(watcher: Any) -> bool:

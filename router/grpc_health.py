@@ -44,14 +44,16 @@ class RouterHealth(health_pb2_grpc.HealthServicer):
         self.can_decide = can_decide
         self.services = frozenset({"", *services})
         self.watch_every = watch_every
-        self.stopping = False
         self._stopped = asyncio.Event()
 
     def stop(self) -> None:
         """NOT_SERVING from now on, said at once to every ``Watch`` (not at its next
         look: the router's grace for calls in flight is about that long)."""
-        self.stopping = True
         self._stopped.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopped.is_set()
 
     def status(self, service: str) -> int:
         if service not in self.services:
