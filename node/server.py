@@ -245,7 +245,9 @@ def serve_node(
         """Leave through the router, retrying what a router failover or a concurrent
         change answers (bounded: LEAVE_ATTEMPTS within LEAVE_DEADLINE seconds), so a
         graceful leave does not become a crash because a leader was being elected."""
-        path = f"/admin/nodes/{node.settings.node_id}"
+        # Forced: a node going away by itself goes even if it is the ring's last
+        # (ViewLog.leave); refused, its leave would only become a crash.
+        path = f"/admin/nodes/{node.settings.node_id}?force=true"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + LEAVE_DEADLINE
         status: int | None = None

@@ -334,6 +334,18 @@ def count_param(params: Mapping[str, str], name: str, default: int, high: int) -
     raise ApiError(400, f"invalid_{name}", f"{name} must be an integer from 1 to {high}")
 
 
+def flag_param(params: Mapping[str, str], name: str) -> bool:
+    """A yes/no in a query string (``?force=true``): ``true``/``1`` or
+    ``false``/``0``, absent is false; ApiError 400 ``invalid_<name>`` otherwise,
+    so that ``?force=yes`` is not quietly a no."""
+    text = params.get(name)
+    if text is None or text in ("false", "0"):
+        return False
+    if text in ("true", "1"):
+        return True
+    raise ApiError(400, f"invalid_{name}", f"{name} must be true or false (or 1 or 0)")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refusing (413) as soon as it passes ``limit`` bytes."""
     declared = request.headers.get("content-length")

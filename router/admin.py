@@ -25,7 +25,7 @@ from node.config import ClusterConfig, ConfigError, Privacy
 from node.peers import CONTROL_LIMITS
 from node.security import bearer, refusal
 from node.topkeys import NEAR_LIMIT_FRACTION
-from node.wire import ApiError, count_param, parse_json, read_body
+from node.wire import ApiError, count_param, flag_param, parse_json, read_body
 from ring import Member
 from ring.analysis import hash_share
 from ring.errors import names_text
@@ -203,7 +203,8 @@ class AdminAPI:
         call = asyncio.ensure_future(
             membership.client.request(
                 request.method,
-                leader.rstrip("/") + request.url.path,
+                # The query too: ``?force=true`` was dropped on its way to the leader.
+                leader.rstrip("/") + request.url.path + _query(request),
                 content=body,
                 headers=headers,
                 timeout=httpx.Timeout(
@@ -300,10 +301,14 @@ class AdminAPI:
     async def admin_leave(self, request: Request) -> Response:
         if (refused := self.refused(request)) is not None:
             return refused
+        try:
+            force = flag_param(request.query_params, "force")
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
         if (forwarded := await self._to_leader(request)) is not None:
             return forwarded
         try:
-            await self.router.membership.leave(request.path_params["node_id"])
+            await self.router.membership.leave(request.path_params["node_id"], force=force)
         except MembershipError as exc:
             return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
         return JSONResponse(self.router.membership.describe())
@@ -471,6 +476,11 @@ def parse_join(data: Any) -> Member:
         except ValueError as exc:
             raise ApiError(400, f"invalid_{name}", str(exc)) from None
     return Member.from_dict({"weight": 1, **data})
+
+
+def _query(request: Request) -> str:
+    query = request.url.query
+    return f"?{query}" if query else ""
 
 
 def _leader_unreachable(leader: str, exc: Exception) -> Response:

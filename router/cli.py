@@ -407,6 +407,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     nodes.add_argument("node_url", nargs="?", help="node URL (add)")
     nodes.add_argument("--router", default="http://127.0.0.1:8000")
     nodes.add_argument("--weight", type=int, default=1)
+    nodes.add_argument(
+        "--force",
+        action="store_true",
+        help="remove: remove the ring's last node too (every request then gets 503 no_nodes)",
+    )
     _admin_timeout_argument(nodes)
     nodes.set_defaults(run=_run_nodes)
 
@@ -1252,7 +1257,9 @@ def _run_nodes(args: argparse.Namespace) -> int:
     if args.action == "add" and (not args.node_id or not args.node_url):
         raise ValueError("usage: ringlimit nodes add ID URL")
     if args.action == "remove" and not args.node_id:
-        raise ValueError("usage: ringlimit nodes remove ID")
+        raise ValueError("usage: ringlimit nodes remove ID [--force]")
+    if args.force and args.action != "remove":
+        raise ValueError("--force goes with ringlimit nodes remove")
     if args.action == "add":
         Member.parse(args.node_id, args.node_url, args.weight)
     elif args.action == "remove":
@@ -1265,6 +1272,8 @@ def _run_nodes(args: argparse.Namespace) -> int:
         body = {"id": args.node_id, "url": args.node_url, "weight": args.weight}
     else:
         method, path = "DELETE", f"/admin/nodes/{args.node_id}"
+        if args.force:
+            path += "?force=true"
 
     def lines(data: dict[str, Any]) -> list[str]:
         found = [f"epoch {data['epoch']}"]

@@ -968,11 +968,12 @@ class Membership:
             raise _Preempted
         task.result()
 
-    async def leave(self, member_id: str) -> RingView:
-        """Graceful leave: the leaving node hands everything off before it is dropped."""
+    async def leave(self, member_id: str, *, force: bool = False) -> RingView:
+        """Graceful leave: the leaving node hands everything off before it is dropped
+        (the last node only when ``force``d: :meth:`ViewLog.leave`)."""
         self._must_lead()
         async with self.lock:
-            change = self.log.leave(member_id)
+            change = self.log.leave(member_id, force=force)
             self.health.setdefault(member_id, Health()).state = "leaving"
             committed = await self._commit(change.view, change.previous, ())
             try:

@@ -160,15 +160,31 @@ class ViewLog:
             ),
         )
 
-    def leave(self, member_id: str) -> Change:
+    def leave(self, member_id: str, *, force: bool = False) -> Change:
         """A graceful leave: the leaving member hands everything off first.
 
         Its push is not tolerated: a member that does not take its leave is
         removed as a crash instead (the driver's call), under a newer epoch.
+
+        The ring's last member leaves only when ``force``d: its states have
+        nowhere to go, and every request after it is answered ``503
+        no_nodes``, which an operator's slip (a wrong id, a script run twice)
+        should not cause. A node leaving by itself (SIGTERM on a ``--join``
+        node) forces: it is going either way, and a refused leave would only
+        become a crash.
         """
         if member_id not in self.view:
             raise MembershipError(404, "unknown_node", f"no node {member_id!r} in the ring")
         previous = self.view
+        if len(previous) == 1 and not force:
+            raise MembershipError(
+                409,
+                "last_node",
+                f"node {member_id!r} is the ring's last node: without it every request is "
+                "answered 503 no_nodes and its states are lost; to remove it anyway, "
+                f"DELETE /admin/nodes/{member_id}?force=true "
+                f"(ringlimit nodes remove {member_id} --force)",
+            )
         leaving = previous.member(member_id)
         new = self.next_view(m for m in previous if m.id != member_id)
         return Change(

@@ -337,3 +337,45 @@ def test_a_node_refused_by_the_routers_admin_token_says_which_token(procs: Procs
     lines = [line for line in said.splitlines() if "could not join" in line]
     assert len(lines) == 1 and "give it the router's RINGLIMIT_ADMIN_TOKEN" in lines[0], said
     assert token not in said and "Traceback" not in said
+
+
+@pytest.mark.integration
+def test_the_last_node_is_removed_only_when_forced(procs: Procs) -> None:
+    """Removing the ring's last node was a 200, after which every request got
+    ``503 no_nodes``: one mistyped id or a script run twice took the service
+    down. It is refused (409 ``last_node``) unless forced; a ``--join`` node
+    leaving by itself (SIGTERM) forces, since it goes either way."""
+    _, router = procs.router(None, healthy=False)
+    nodes = {
+        node_id: procs.node(node_id, None, "--join", router)[0] for node_id in ("n1", "n2", "n3")
+    }
+
+    def ring() -> list[str]:
+        return [n["id"] for n in httpx.get(f"{router}/admin/ring", timeout=10.0).json()["nodes"]]
+
+    assert wait_for(lambda: sorted(ring()) == ["n1", "n2", "n3"], 30.0), ring()
+    removed = run([sys.executable, "-m", "router", "nodes", "remove", "n2", "--router", router])
+    assert removed.returncode == 0, removed.stderr
+    nodes["n2"].stop()
+    # n3 leaves by itself; n1 is then the last.
+    nodes["n3"].stop()
+    assert ring() == ["n1"]
+    refused = run([sys.executable, "-m", "router", "nodes", "remove", "n1", "--router", router])
+    assert refused.returncode == 1
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "last_node" in refused.stderr and "--force" in refused.stderr, refused.stderr
+    unclear = httpx.delete(f"{router}/admin/nodes/n1?force=yes", timeout=10.0)
+    assert unclear.status_code == 400 and unclear.json()["error"] == "invalid_force"
+    assert ring() == ["n1"]
+    forced = run(
+        [sys.executable, "-m", "router", "nodes", "remove", "n1", "--force", "--router", router]
+    )
+    assert forced.returncode == 0, forced.stderr
+    assert ring() == []
+    # A --join node alone in the ring leaves by itself all the same.
+    alone, _ = procs.node("n4", None, "--join", router)
+    assert wait_for(lambda: ring() == ["n4"], 30.0), ring()
+    alone.stop()
+    assert alone.popen.returncode == 0
+    assert f"left the ring: router {router} answered 200" in alone.output(), alone.output()
+    assert ring() == []

@@ -754,6 +754,30 @@ async def test_two_routers_share_one_ring_and_any_takes_admin_calls(etcd_endpoin
             await second.close()
 
 
+async def test_a_forced_removal_passed_to_the_leader_keeps_its_query(etcd_endpoint: str) -> None:
+    """An admin call that a router passes to the leader went without its query
+    string, so ``DELETE /admin/nodes/n1?force=true`` made through a router that
+    does not lead reached the leader unforced and was refused as the last node."""
+    async with leading_cluster(etcd_endpoint) as cluster:
+        first = cluster.router.membership
+        await cluster.remove_node("n2")
+        await cluster.remove_node("n3")
+        second = cluster.new_router(SECOND, seeds=[], **options(etcd_endpoint, SECOND))
+        await second.start()
+        try:
+            await wait_until(lambda: second.membership.view == first.view)
+            assert first.leading and not second.membership.leading
+            refused = await cluster.client.delete(f"{SECOND}/admin/nodes/n1")
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["error"] == "last_node"
+            forced = await cluster.client.delete(f"{SECOND}/admin/nodes/n1?force=true")
+            assert forced.status_code == 200, forced.text
+            assert forced.headers["x-ringlimit-leader"] == ROUTER_URL
+            assert len(first.view) == 0
+        finally:
+            await second.close()
+
+
 async def test_seeds_make_the_first_view_only_if_etcd_has_none(
     etcd_endpoint: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -90,6 +90,15 @@ def test_a_leave_pushes_the_leaver_first_and_does_not_tolerate_its_failure() -> 
     losers_before_gainers(change)
 
 
+def test_the_last_member_leaves_only_when_forced() -> None:
+    log = started("n1")
+    with pytest.raises(MembershipError) as info:
+        log.leave("n1")
+    assert info.value.status == 409 and info.value.error == "last_node"
+    assert "force=true" in info.value.detail
+    assert log.leave("n1", force=True).view.ids == ()
+
+
 def test_leaving_an_unknown_member_is_a_404() -> None:
     with pytest.raises(MembershipError) as info:
         started("n1").leave("n9")
@@ -240,7 +249,7 @@ def step(log: ViewLog, op: str, target: str, failing: set[str], extra: int) -> l
     elif op == "leave":
         if target not in log.view:
             return plans
-        change = log.leave(target)
+        change = log.leave(target, force=True)  # a node leaving by itself
         if target in failing:  # the leaver did not take it: a crash instead
             plans.append(change)
             crash = log.crash(target)
@@ -292,7 +301,7 @@ def test_epochs_strictly_increase_and_are_never_reused(
 def test_every_plan_orders_losers_before_gainers(seed: set[str], target: str) -> None:
     log = started(*sorted(seed))
     if target in log.view:
-        losers_before_gainers(log.leave(target))
+        losers_before_gainers(log.leave(target, force=True))
         crash = started(*sorted(seed)).crash(target)
         assert crash is not None
         losers_before_gainers(crash)
