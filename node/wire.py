@@ -451,13 +451,19 @@ def unreachable_result(
 ) -> dict[str, Any]:
     """The router's own result for a check whose owner did not answer (refused
     the connection, or took longer than the forward timeout): the rules'
-    ``on_error`` decides (any ``closed`` rule denies)."""
+    ``on_error`` decides (any ``closed`` rule denies).
+
+    Nothing is known of the count, so ``remaining`` is 0 whichever way it went:
+    the least a client may count on. It was the whole limit when the rule failed
+    open, which told a client (and Envoy, whose ``limit_remaining`` is this
+    number) that it had its full quota while its owner was away; the proxy path
+    sends no rate-limit fields at all on such an answer."""
     closed = any(r.on_error == "closed" for r in check.rules)
     rule = check.rules[0]
     return {
         "allowed": not closed,
         "limit": rule.limit,
-        "remaining": 0 if closed else rule.limit,
+        "remaining": 0,
         "reset_after": 0.0,
         "retry_after": None,
         "rule": rule.name,

@@ -676,8 +676,9 @@ async def test_owner_unreachable_open_rule_serves_degraded_closed_rule_503() -> 
         soft = await cluster.client.post("/v1/check", json={"key": user, "rule": "soft"})
         assert soft.status_code == 200
         assert soft.json()["allowed"] is True and soft.json()["reason"] == "owner_unreachable"
+        assert soft.json()["remaining"] == 0  # unknown: no quota claimed, as the proxy
         hard = await cluster.client.post("/v1/check", json={"key": user, "rule": "hard"})
-        assert hard.status_code == 503
+        assert hard.status_code == 503 and hard.headers["retry-after"] == "1"
         assert hard.json()["allowed"] is False and hard.json()["reason"] == "owner_unreachable"
         batch = await cluster.client.post(
             "/v1/check",
