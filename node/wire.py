@@ -110,7 +110,7 @@ class _Item(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
     key: str
     rule: str | None = None
-    cost: int = 1
+    cost: int | None = None  # null or absent: 1 (see CHECK_FIELDS)
 
 
 class _Batch(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -166,6 +166,8 @@ def _fast_structs(items: list[_Item], config: ClusterConfig) -> list[Check] | No
     for item in items:
         key = item.key
         cost = item.cost
+        if cost is None:
+            cost = 1
         if not key or len(key) > max_key or not key.isascii() or not 0 <= cost <= max_cost:
             return None
         name = item.rule
@@ -221,7 +223,9 @@ def _fast_items(items: list[Any], config: ClusterConfig) -> list[Check] | None:
         key = item.get("key")
         if type(key) is not str or not key or len(key) > max_key or not key.isascii():
             return None
-        cost = item.get("cost", 1)
+        cost = item.get("cost")
+        if cost is None:
+            cost = 1
         name = item.get("rule")
         if len(item) != 1 + ("cost" in item) + ("rule" in item):
             return None  # an unknown field
@@ -245,11 +249,22 @@ def _fast_items(items: list[Any], config: ClusterConfig) -> list[Check] | None:
     return out
 
 
+#: The fields of a check. A null in any of them is the field left out, as is a
+#: null ``checks`` at the top of a body: clients in many languages write an
+#: absent optional as null (Jackson, System.Text.Json, Go's pointers without
+#: ``omitempty``), and before, ``"rule": null`` was the default rules while
+#: ``"cost": null`` was a 400. An unknown field is refused even when null: a
+#: typo is still a typo.
+CHECK_FIELDS = frozenset({"key", "rule", "cost"})
+
+
 def _parse_checks_strict(data: Any, config: ClusterConfig) -> tuple[list[Check], bool]:
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_request", "body must be a JSON object")
-    if "checks" in data:
-        extra = set(data) - {"checks"}
+    if data.get("checks") is not None:
+        extra = {
+            f for f, v in data.items() if f != "checks" and (v is not None or f not in CHECK_FIELDS)
+        }
         if extra:
             raise ApiError(400, "invalid_request", f"unknown field(s): {names_text(extra)}")
         items = data["checks"]
@@ -264,6 +279,8 @@ def _parse_checks_strict(data: Any, config: ClusterConfig) -> tuple[list[Check],
                 f"'checks' has {len(items)} items; at most {config.limits.max_batch}",
             )
         return [parse_check(item, config, f"checks[{i}]") for i, item in enumerate(items)], True
+    if "checks" in data:  # null: a single check
+        data = {f: v for f, v in data.items() if f != "checks"}
     return [parse_check(data, config, "body")], False
 
 
@@ -271,10 +288,12 @@ def parse_check(item: Any, config: ClusterConfig, where: str) -> Check:
     """One check object, or the :class:`ApiError` that says what is wrong at ``where``."""
     if not isinstance(item, dict):
         raise ApiError(400, "invalid_request", f"{where} must be an object")
-    extra = set(item) - {"key", "rule", "cost"}
+    extra = set(item) - CHECK_FIELDS
     if extra:
         raise ApiError(400, "invalid_request", f"{where}: unknown field(s): {names_text(extra)}")
     key = item.get("key")
+    if key is None:
+        raise ApiError(400, "invalid_key", f"{where}.key is required (null or absent)")
     if not isinstance(key, str) or not key:
         raise ApiError(400, "invalid_key", f"{where}.key must be a non-empty string")
     if len(key) > config.limits.max_key_length:
@@ -290,7 +309,9 @@ def parse_check(item: Any, config: ClusterConfig, where: str) -> Check:
         raise ApiError(
             400, "invalid_key", f"{where}.key is not valid Unicode (lone surrogate)"
         ) from None
-    cost = item.get("cost", 1)
+    cost = item.get("cost")
+    if cost is None:
+        cost = 1
     if isinstance(cost, bool) or not isinstance(cost, int):
         raise ApiError(400, "invalid_cost", f"{where}.cost must be an integer, got {cost!r}")
     if not 0 <= cost <= config.limits.max_cost:
@@ -442,13 +463,19 @@ def unreachable_result(
 ) -> dict[str, Any]:
     """The router's own result for a check whose owner did not answer (refused
     the connection, or took longer than the forward timeout): the rules'
-    ``on_error`` decides (any ``closed`` rule denies)."""
+    ``on_error`` decides (any ``closed`` rule denies).
+
+    Nothing is known of the count, so ``remaining`` is 0 whichever way it went:
+    the least a client may count on. It was the whole limit when the rule failed
+    open, which told a client (and Envoy, whose ``limit_remaining`` is this
+    number) that it had its full quota while its owner was away; the proxy path
+    sends no rate-limit fields at all on such an answer."""
     closed = any(r.on_error == "closed" for r in check.rules)
     rule = check.rules[0]
     return {
         "allowed": not closed,
         "limit": rule.limit,
-        "remaining": 0 if closed else rule.limit,
+        "remaining": 0,
         "reset_after": 0.0,
         "retry_after": None,
         "rule": rule.name,

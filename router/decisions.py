@@ -193,8 +193,12 @@ class DecisionAPI:
             if result["error"] == "ring_changing":
                 # As the proxy path says it: the change settles within a second or so.
                 headers.append((b"retry-after", b"1"))
+        elif result.get("reason") in UNANSWERED and not result["allowed"]:
+            # A closed rule whose owner did not answer: as the proxy path's 503 says it.
+            status = 503
+            headers.append((b"retry-after", b"1"))
         else:
-            status = 503 if result.get("reason") in UNANSWERED and not result["allowed"] else 200
+            status = 200
         return status, dumps(result).encode(), headers
 
     async def route_single(self, check: Check) -> Result:

@@ -75,6 +75,9 @@ HEADER_SETS = ("draft", "envoy")
 #: Names the enforced limits that denied a call because its cost is above them:
 #: the call can never pass (the decision API's ``reason: cost_exceeds_capacity``).
 NEVER_HEADER = "ringlimit-cost-exceeds-capacity"
+#: Names the limits whose owner did not answer (its rule's on_error decided): the
+#: proxy path's ``X-Ringlimit-Degraded``, the decision API's ``reason``.
+DEGRADED_HEADER = "ringlimit-degraded"
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 
 
@@ -330,6 +333,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
     def _response(self, plan: list[_Item | Limit | None]) -> rls_pb2.RateLimitResponse:
         response = rls_pb2.RateLimitResponse(overall_code=OK)
         shadowed: list[str] = []
+        unanswered: list[str] = []
         decided: list[tuple[_Item, dict[str, Any]]] = []
         for entry in plan:
             status = response.statuses.add()
@@ -354,6 +358,13 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             denied = not result["allowed"] or (
                 rule.shadow and rule.name in result.get("shadow_denied", ())
             )
+            # Its owner did not answer: on_error decided, and nothing is known of
+            # the count. limit_remaining 0 (as the decision API's remaining), no
+            # duration_until_reset, and no part in the rate-limit headers (the
+            # proxy path sends none on such an answer): ringlimit-degraded names it.
+            known = result.get("reason") not in UNANSWERED
+            if not known and rule.name not in unanswered:
+                unanswered.append(rule.name)
             if rule.shadow:
                 status.code = OK  # decided and counted, never denied
                 if denied and rule.name not in shadowed:
@@ -362,13 +373,15 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
                 status.code = OVER_LIMIT if denied else OK
                 if denied:
                     response.overall_code = OVER_LIMIT
-                decided.append((entry, result))
+                if known:
+                    decided.append((entry, result))
             status.current_limit.requests_per_unit = rule.limit
             status.current_limit.unit = _unit_enum(rule)
             status.current_limit.name = rule.name
             status.limit_remaining = 0 if denied else max(0, int(result.get("remaining", 0)))
-            _set_duration(status, float(result.get("reset_after") or 0.0))
-        self._headers(response, decided, shadowed)
+            if known:
+                _set_duration(status, float(result.get("reset_after") or 0.0))
+        self._headers(response, decided, shadowed, unanswered)
         return response
 
     def _blocked(self, status: rls_pb2.RateLimitResponse.DescriptorStatus, limit: Limit) -> None:
@@ -386,14 +399,9 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         response: rls_pb2.RateLimitResponse,
         decided: list[tuple[_Item, dict[str, Any]]],
         shadowed: list[str],
+        unanswered: list[str],
     ) -> None:
         add = response.response_headers_to_add
-        if shadowed:
-            add.append(
-                base_pb2.HeaderValue(
-                    key="ringlimit-shadow", value=", ".join(f'"{n}"' for n in shadowed)
-                )
-            )
         # A cost above the limit can never pass, whatever the wait: RateLimit's r and t
         # cannot say so (the quota may be whole: r=20;t=0), so this names the limits
         # as the decision API does (reason cost_exceeds_capacity, retry_after null).
@@ -401,10 +409,14 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         for item, result in decided:
             if result.get("reason") == COST_EXCEEDS_CAPACITY and item.rule.name not in never:
                 never.append(item.rule.name)
-        if never:
-            add.append(
-                base_pb2.HeaderValue(key=NEVER_HEADER, value=", ".join(f'"{n}"' for n in never))
-            )
+        named = (
+            ("ringlimit-shadow", shadowed),
+            (NEVER_HEADER, never),
+            (DEGRADED_HEADER, unanswered),
+        )
+        for key, names in named:
+            if names:
+                add.append(base_pb2.HeaderValue(key=key, value=", ".join(f'"{n}"' for n in names)))
         if not decided or not self.headers:
             return
         if "draft" in self.headers:

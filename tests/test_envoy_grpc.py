@@ -631,6 +631,39 @@ async def test_an_unreachable_owner_applies_on_error(on_error: str, code: int) -
         assert answer.overall_code == code
 
 
+@pytest.mark.parametrize(("on_error", "code"), [("open", OK), ("closed", OVER)])
+async def test_an_unanswered_owner_claims_no_quota_on_any_path(on_error: str, code: int) -> None:
+    """Nothing is known of a count whose owner did not answer. Before, an open
+    rule's status said ``limit_remaining`` 20 (the whole limit) and the decision
+    API ``remaining`` 20, while the proxy path sends no rate-limit fields at all:
+    now 0 on both, no duration_until_reset, no RateLimit fields from it, and the
+    limit named in ``ringlimit-degraded`` (the proxy's X-Ringlimit-Degraded)."""
+    headers = ("draft", "envoy")
+    async with envoy_cluster(on_error=on_error, envoy_headers=headers) as (cluster, stub):
+        owner = cluster.owner("api/user=erin")
+        cluster.take_down(owner)
+        answer = await stub.ShouldRateLimit(request("api", [("user", "erin")]))
+        assert answer.overall_code == code
+        (status,) = answer.statuses
+        assert (status.code, status.limit_remaining) == (code, 0)
+        assert status.current_limit.requests_per_unit == 20
+        assert not status.HasField("duration_until_reset")
+        added = {h.key: h.value for h in answer.response_headers_to_add}
+        rule = status.current_limit.name
+        assert added == {"ringlimit-degraded": f'"{rule}"'}
+        checked = await cluster.client.post(
+            "/v1/check", json={"key": "api/user=erin", "rule": rule}
+        )
+        body = checked.json()
+        assert (body["allowed"], body["remaining"], body["reason"]) == (
+            on_error == "open",
+            0,
+            "owner_unreachable",
+        )
+        if on_error == "closed":  # as the proxy path's 503 says it
+            assert checked.status_code == 503 and checked.headers["retry-after"] == "1"
+
+
 def test_a_hashed_descriptor_key_fits_every_key_limit_it_can() -> None:
     """The hashed form was the domain (up to 64) and 64 hex digits whatever the
     limit: 70 characters for domain 'edge', so under a limit below that every long

@@ -676,8 +676,9 @@ async def test_owner_unreachable_open_rule_serves_degraded_closed_rule_503() -> 
         soft = await cluster.client.post("/v1/check", json={"key": user, "rule": "soft"})
         assert soft.status_code == 200
         assert soft.json()["allowed"] is True and soft.json()["reason"] == "owner_unreachable"
+        assert soft.json()["remaining"] == 0  # unknown: no quota claimed, as the proxy
         hard = await cluster.client.post("/v1/check", json={"key": user, "rule": "hard"})
-        assert hard.status_code == 503
+        assert hard.status_code == 503 and hard.headers["retry-after"] == "1"
         assert hard.json()["allowed"] is False and hard.json()["reason"] == "owner_unreachable"
         batch = await cluster.client.post(
             "/v1/check",
@@ -934,6 +935,37 @@ async def test_bad_decision_api_input_is_a_clear_4xx_on_router_and_node(
         assert good.status_code == 200 and good.json()["remaining"] == 4
         proxied = await get(cluster, "a")
         assert proxied.headers["x-ratelimit-remaining"] == "3"
+
+
+NULL_IS_ABSENT: list[tuple[bytes, bytes]] = [
+    (b'{"key": "a", "rule": null, "cost": null}', b'{"key": "a"}'),
+    (b'{"key": "a", "rule": "api", "cost": null}', b'{"key": "a", "rule": "api"}'),
+    (b'{"key": "a", "cost": 2, "checks": null}', b'{"key": "a", "cost": 2}'),
+    (
+        b'{"checks": [{"key": "a", "rule": null, "cost": null}, {"key": "b", "cost": null}],'
+        b' "key": null, "rule": null, "cost": null}',
+        b'{"checks": [{"key": "a"}, {"key": "b"}]}',
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "plain"), NULL_IS_ABSENT)
+async def test_null_is_the_field_left_out_on_router_and_node(body: bytes, plain: bytes) -> None:
+    """A client that writes an absent optional as null (Jackson, System.Text.Json,
+    Go pointers without omitempty) is answered as one that leaves it out. Before,
+    ``"rule": null`` was the default rules but ``"cost": null`` a 400."""
+    headers = {"content-type": "application/json"}
+    for url in ("/v1/check", "node"):
+        answers = []
+        for sent in (body, plain):
+            async with running(limited_config()) as cluster:
+                target = node_url(cluster.owner("a")) + "/v1/check" if url == "node" else url
+                if url == "node" and b'"checks": [' in sent:
+                    sent = sent.replace(b'"key": "b"', b'"key": "a"')  # one owner
+                response = await cluster.client.post(target, content=sent, headers=headers)
+                assert response.status_code == 200, response.text
+                answers.append(response.json())
+        assert answers[0] == answers[1], (url, body)
 
 
 async def test_bad_proxied_requests_are_clear_4xx_and_leave_quotas_intact() -> None:
