@@ -163,8 +163,9 @@ class InProcessCluster:
         await self.router.membership.join(Member(node_id, node_url(node_id), weight))
         return node
 
-    async def remove_node(self, node_id: str) -> None:
-        await self.router.membership.leave(node_id)
+    async def remove_node(self, node_id: str, *, force: bool = False) -> None:
+        """A graceful leave (the ring's last node only when ``force``d)."""
+        await self.router.membership.leave(node_id, force=force)
 
     async def crash_node(self, node_id: str) -> None:
         """The node vanishes (its transport now fails) and the router drops it."""

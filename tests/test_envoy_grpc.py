@@ -728,7 +728,7 @@ async def test_a_paused_owner_in_a_multi_key_call_is_asked_once(on_error: str, c
 
 async def test_no_decision_at_all_is_unavailable_for_failure_mode_deny() -> None:
     async with envoy_cluster(nodes=1) as (cluster, stub):
-        await cluster.remove_node("n1")
+        await cluster.remove_node("n1", force=True)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await stub.ShouldRateLimit(request("api", [("user", "a")]))
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -883,7 +883,7 @@ async def test_grpc_health_follows_the_ring_and_the_routers_stop() -> None:
             watch = health.Watch(health_pb2.HealthCheckRequest(service=service))
             assert (await asyncio.wait_for(watch.read(), 5)).status == serving
             await cluster.remove_node("n1")
-            await cluster.remove_node("n2")  # an empty ring decides nothing
+            await cluster.remove_node("n2", force=True)  # an empty ring decides nothing
             assert await check() == not_serving
             assert (await asyncio.wait_for(watch.read(), 5)).status == not_serving
             await cluster.add_node("n3")
