@@ -46,7 +46,7 @@ from node.clock import Clock, system_clock
 from node.config import ClusterConfig
 from node.failures import Failures
 from node.lease import LeaseError
-from node.leasing import MAX_SETTLE, LeaseDesk, lease_to_dict
+from node.leasing import MAX_SETTLE, LeaseDesk, definition, lease_to_dict
 from node.memory import release_free_memory
 from node.metrics import DictCollector, NodeMetrics
 from node.middleware import (
@@ -790,7 +790,8 @@ class Node:
     async def quota(self, request: Request) -> Response:
         """A router asks for a quota lease on a hot key it routes here (docs/hotkeys.md).
 
-        Body: ``{"epoch", "rule", "key", "want", "cost", "settle": [{"lease", "unused"}]}``.
+        Body: ``{"epoch", "rule", "definition", "key", "want", "cost",
+        "settle": [{"lease", "unused"}]}``.
         Fenced exactly like a decision: a key this node does not own at its
         newest epoch is refused with 421 and the epoch, an expired membership
         lease with 503, and an ask made under another epoch with 409 (its
@@ -816,6 +817,14 @@ class Node:
                 raise ApiError(400, "unknown_rule", f"no rule named {name!r}"[:160])
             if rule.lease != "auto":
                 raise ApiError(409, "lease_off", f"rule {rule.name!r} has lease = 'off'")
+            # Absent from a router of an earlier version: granted as before.
+            if "definition" in data and data["definition"] != definition(rule):
+                raise ApiError(
+                    409,
+                    "rule_changed",
+                    f"rule {rule.name!r} is defined otherwise here (new rules are on their "
+                    "way): no lease",
+                )
             key = data.get("key")
             if type(key) is not str or not key or len(key) > config.limits.max_key_length:
                 raise ApiError(400, "invalid_key", "key must be a non-empty string within limits")

@@ -202,6 +202,14 @@ def _answer_from_dict(data: Any) -> OwnerAnswer | None:
     return OwnerAnswer(remaining, *times)
 
 
+def definition(rule: Rule) -> list[Any]:
+    """What a lease's units are measured in, as a router's ask carries it: an
+    owner that holds another definition of the rule (new rules reach the router
+    and the nodes one after the other) refuses the ask rather than grant units
+    of a limit the router no longer applies, or no longer of its own."""
+    return [rule.algorithm, rule.limit, rule.period, rule.burst]
+
+
 def lease_from_dict(data: Any, key: Hashable = None) -> QuotaLease:
     """A lease from its wire form; ``ValueError`` for anything malformed."""
     if type(data) is not dict:

@@ -36,7 +36,7 @@ from typing import Any
 
 from node.clock import boot_clock
 from node.decision import COST_EXCEEDS_CAPACITY, Decision, Verdict
-from node.leasing import lease_from_dict
+from node.leasing import definition, lease_from_dict
 from node.quota import BUCKETS, HotKeys, LeasePolicy, OwnerAnswer
 from node.rules import Rule
 from node.topkeys import TopKeys, is_near_limit
@@ -154,6 +154,9 @@ class RouterLeases:
         self._asking: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_expiry = 0.0
+        #: Each leased rule as this router last decided it: a rule redefined at
+        #: runtime (PUT /admin/rules) revokes its leases (:meth:`_redefined`).
+        self._rules: dict[str, Rule] = {}
         self.counts = {"admitted": 0, "denied": 0, "asks": 0, "granted": 0, "units": 0}
         #: The users this router denied, or admitted near the limit, from its leases.
         #: Their owners never see those decisions (most of a hot user's traffic), so
@@ -165,6 +168,8 @@ class RouterLeases:
         book = self.book
         if epoch != book.epoch:
             book.set_epoch(epoch)  # a new view: older leases are revoked (written off)
+        if self._rules.get(rule.name) is not rule:
+            self._redefined(rule)
         if now >= self._next_expiry:
             self._next_expiry = now + EXPIRE_EVERY
             book.expire(now)
@@ -178,6 +183,27 @@ class RouterLeases:
         elif entry in self._asking:
             self._asking[entry] += 1  # sent to the owner while it may be granting
         return outcome
+
+    def _redefined(self, rule: Rule) -> None:
+        """``rule`` is not the object last seen under its name: the first request
+        under it, or new rules. Redefined (another limit, period, burst or
+        algorithm), the leases taken under the old definition are revoked, their
+        units written off as on a ring change (its denials go too): a lowered
+        limit was outrun by up to a block of the old one's units per key and
+        router (35 admitted after a 100/day rule became 10/day)."""
+        known = self._rules.get(rule.name)
+        if known is None and self.rule_names is not None:
+            names = self.rule_names()
+            for name in [n for n in self._rules if n not in names]:
+                del self._rules[name]
+        self._rules[rule.name] = rule
+        if known is None or known == rule:
+            return
+        revoked = [k for k in self.book if type(k) is tuple and k[0] == rule.name]
+        for entry in revoked:
+            self.book.release(entry)
+        if revoked:
+            log.info("rule %r redefined: its leases on %d key(s) revoked", rule.name, len(revoked))
 
     def note(
         self, rule: Rule, key: str, owner: Member, epoch: int, now: float, forwarded: bool
@@ -224,6 +250,10 @@ class RouterLeases:
                 {
                     "epoch": epoch,
                     "rule": rule.name,
+                    # The rule as this router decides it: an owner that holds
+                    # another definition (the new rules are on their way to one
+                    # of the two) grants nothing (node/app.py, rule_changed).
+                    "definition": definition(rule),
                     "key": key,
                     "want": want,
                     "cost": 1,
@@ -239,6 +269,9 @@ class RouterLeases:
             data: Any = json.loads(answer.body)
             if type(data) is not dict or data.get("lease") is None:
                 return
+            current = self._rules.get(rule.name)
+            if current is not rule and current != rule:
+                return  # redefined while asked: its units are written off
             lease = lease_from_dict(data["lease"], entry)
             said = lease.answer
             if said is not None and self._asking.get(entry):

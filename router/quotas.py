@@ -30,7 +30,7 @@ No clock is read here; every method takes ``now``.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
 from node.lease import DEFAULT_DRIFT
@@ -214,6 +214,9 @@ class LeaseBook:
         return min(
             (h.deadline for e in self._keys.values() for h in e.leases), default=float("inf")
         )
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(list(self._keys))
 
     def release(self, key: Hashable) -> list[Released]:
         """Give up every lease of ``key`` now (e.g. to return the units)."""

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from node.app import Node, NodeSettings, create_app
 from node.clock import FrozenClock
 from node.config import ClusterConfig, Limits, ScopedRule
+from node.leasing import definition
 from node.rules import Rule
 from tests.test_router import metric
 
@@ -742,6 +743,23 @@ async def test_a_quota_lease_is_deducted_at_grant_and_settled_once() -> None:
         )
         assert again.json()["refunded"] == 0  # a lease is settled once
         assert node.desk.stats.units_leased == 8 and node.desk.stats.units_refunded == 5
+
+
+async def test_a_quota_ask_for_another_definition_of_its_rule_gets_nothing() -> None:
+    """New rules reach the router and the nodes one after the other: an ask made
+    under a definition the owner does not hold (here the router's 10/day where
+    the owner still has 100/minute) was granted units of the owner's limit."""
+    node, _, client = await _leasing_node()
+    async with contextlib.aclosing(client):
+        rule = node.authority.config.rule("hot")
+        assert rule is not None
+        ask = {"epoch": 1, "rule": "hot", "key": "u", "want": 8}
+        other = [rule.algorithm, 10, 86400.0, rule.burst]
+        refused = await client.post("/internal/quota", json={**ask, "definition": other})
+        assert assert_error(refused, 409)["error"] == "rule_changed"
+        assert node.desk.stats.units_leased == 0
+        same = await client.post("/internal/quota", json={**ask, "definition": definition(rule)})
+        assert same.status_code == 200, same.text
 
 
 async def test_quota_asks_are_fenced_like_decisions() -> None:

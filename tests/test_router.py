@@ -1223,6 +1223,26 @@ async def test_a_new_view_revokes_the_routers_leases() -> None:
         assert sum(a.status_code == 200 for a in answers) == 0
 
 
+async def test_a_lowered_limit_is_not_outrun_by_the_routers_leases() -> None:
+    """A hot key's lease, taken under a rule of 100/day, kept admitting after the
+    rule was lowered to 10/day: 35 admitted after the change (the lease's 25
+    units on top of the 10 the owner had left). Redefining a rule revokes its
+    leases, as a new view does."""
+    rule = Rule("hot", 100, 86400.0, lease="auto")
+    async with running(make_config(rule)) as cluster:
+        before = [(await hit(cluster, "alice")).status_code for _ in range(30)]
+        assert before.count(200) == 30
+        assert cluster.router.leases.book.left(("hot", "alice"), 0.0) > 10
+        lowered = {"name": "hot", "rate": "10/day", "lease": "auto"}
+        answer = await cluster.client.put("/admin/rules", json={"rules": [lowered]})
+        assert answer.status_code == 200, answer.text
+        after = [(await hit(cluster, "alice")).status_code for _ in range(100)]
+        assert after.count(200) <= 10, after.count(200)
+        assert ("hot", "alice") not in cluster.router.leases.book or (
+            cluster.router.leases.book.left(("hot", "alice"), 0.0) <= 10
+        )
+
+
 async def test_the_routers_lease_clock_counts_a_suspended_hosts_sleep() -> None:
     """A lease must end at the router no later than at its owner. On
     ``time.monotonic``, which stops while the host is suspended, a router woken
