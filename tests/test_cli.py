@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -35,6 +36,38 @@ def test_help_and_version() -> None:
         assert flag in up_help.stdout
     nothing = run([sys.executable, "-m", "router"])
     assert nothing.returncode == 2 and "usage" in nothing.stdout
+
+
+COMMANDS = ("up", "router", "node", "nodes", "rules", "simulate", "bench")
+
+
+def command_actions(command: str) -> list[argparse.Action]:
+    """The arguments of one subcommand, as ``ringlimit COMMAND --help`` lists them."""
+    from router.cli import build_parser
+
+    parser = build_parser(command)
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [a for a in commands.choices[command]._actions if a.help != argparse.SUPPRESS]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_has_a_help_text_that_shows_its_default(command: str) -> None:
+    """``--help`` is where an operator looks first: every argument says what it is
+    for, and one whose value is not simply absent when left out says its default.
+    Before, ``router --health-interval``, ``--failure-threshold``, ``--host``,
+    ``--on-error``, ``--redis-url``, ``nodes --router`` and a dozen more were a bare
+    name in the help, defaults unsaid."""
+    unexplained, undefaulted = [], []
+    for action in command_actions(command):
+        name = "/".join(action.option_strings) or action.dest
+        if not (action.help or "").strip():
+            unexplained.append(name)
+        elif action.default not in (None, False, [], argparse.SUPPRESS) and (
+            "default" not in action.help
+        ):
+            undefaulted.append(name)
+    assert not unexplained, f"ringlimit {command}: no help text: {unexplained}"
+    assert not undefaulted, f"ringlimit {command}: default not shown: {undefaulted}"
 
 
 @pytest.mark.skipif(shutil.which("ringlimit") is None, reason="console script not installed")
