@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -370,3 +371,69 @@ def test_a_node_refused_by_the_routers_admin_token_says_which_token(procs: Procs
     lines = [line for line in said.splitlines() if "could not join" in line]
     assert len(lines) == 1 and "give it the router's RINGLIMIT_ADMIN_TOKEN" in lines[0], said
     assert token not in said and "Traceback" not in said
+
+
+#: The documents whose tables list flags, and a default column where they have one.
+FLAG_TABLE_DOCS = ("docs/configuration.md", "docs/redis.md")
+
+
+def table_cells(line: str) -> list[str]:
+    """A markdown table row's cells (``\\|`` is a ``|`` inside a cell)."""
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+
+
+def flag_table_rows(document: str) -> list[tuple[str, str | None]]:
+    """(flag, documented default or None) of every table row naming a flag in its
+    flag column: the column headed 'flag', else the first."""
+    rows: list[tuple[str, str | None]] = []
+    lines = (ROOT / document).read_text().splitlines()
+    for at, line in enumerate(lines[:-1]):
+        if not (line.startswith("|") and lines[at + 1].startswith("|---")):
+            continue
+        header = table_cells(line)
+        flag_column = next((i for i, h in enumerate(header) if "flag" in h), 0)
+        default_column = header.index("default") if "default" in header else None
+        for row in lines[at + 2 :]:
+            if not row.startswith("|"):
+                break
+            cells = table_cells(row)
+            found = re.match(r"`(--[a-z][a-z0-9-]*)", cells[flag_column])
+            if found:
+                default = cells[default_column] if default_column is not None else None
+                rows.append((found.group(1), default))
+    return rows
+
+
+def parser_defaults() -> dict[str, object]:
+    """Every flag of every command and its default (the first command's that has it)."""
+    defaults: dict[str, object] = {}
+    for command in COMMANDS:
+        for action in command_actions(command):
+            for flag in action.option_strings:
+                defaults.setdefault(flag, action.default)
+    return defaults
+
+
+@pytest.mark.parametrize("document", FLAG_TABLE_DOCS)
+def test_the_docs_flag_tables_match_the_parser(document: str) -> None:
+    """Every flag a table of the operator's docs names is one the CLI takes, and a
+    default the table gives as a number (``1 s``, ``0.5``, ``300``) is the parser's,
+    as is an ``off`` switch. (Defaults the parser leaves to the config or computes
+    at start, such as ``--lease``, are not compared.)"""
+    defaults = parser_defaults()
+    rows = flag_table_rows(document)
+    assert rows, f"no flag table in {document}"
+    for flag, documented in rows:
+        assert flag in defaults, f"{document}: {flag} is not a flag of any command"
+        actual = defaults[flag]
+        if documented is None or actual is None:
+            continue
+        number = re.fullmatch(r"`?(\d+(?:\.\d+)?)`?(?: (?:s|µs|ms))?", documented)
+        if number and not isinstance(actual, bool):
+            assert float(str(actual)) == float(number.group(1)), (flag, documented, actual)
+        elif documented == "off" and isinstance(actual, bool):
+            assert actual is False, (flag, actual)
+        elif isinstance(actual, str) and re.fullmatch(r"`[^`]+`", documented):
+            assert documented.strip("`") == actual, (flag, documented, actual)
+        elif documented in ("on", "off") and isinstance(actual, str):
+            assert documented == actual, (flag, documented, actual)
