@@ -153,7 +153,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--duration", type=float, help="seconds per timed run (default 5; --quick: 2)"
     )
-    parser.add_argument("--connections", type=int, default=50, help="concurrent connections")
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=50,
+        help="concurrent connections of the load generator (default 50; with --scale, per "
+        "router worker)",
+    )
     parser.add_argument("--repeats", type=int, help="interleaved rounds (default 3; --quick: 1)")
     parser.add_argument("--json", metavar="OUT", help="also write every number to OUT")
     parser.add_argument(
@@ -174,7 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--loadgen",
         choices=["auto", "wrk", "python"],
         default="auto",
-        help="wrk when installed (auto), or the built-in Python generator",
+        help="wrk when installed (auto, the default), or the built-in Python generator",
     )
     parser.add_argument(
         "--rows", help=f"comma-separated subset of: {', '.join(ROWS)} (default: all)"
@@ -188,9 +194,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the ringlimit clusters' crash policy (default: ringlimit's own, replica, which "
         "streams every changed state to a second node)",
     )
-    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument(
+        "--skip-engine",
+        action="store_true",
+        help="no engine comparison with limits and no memory measurement",
+    )
     parser.add_argument("--skip-envoy", action="store_true", help="no ShouldRateLimit (gRPC) row")
-    parser.add_argument("--skip-handoff", action="store_true")
+    parser.add_argument("--skip-handoff", action="store_true", help="no handoff measurement")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--scale",

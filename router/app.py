@@ -262,6 +262,7 @@ class Router:
             fellows=list(self.settings.fellows.values()) if self.settings.restarted else (),
             fellow_headers=self.admin.headers(),
             adopt_config=self.settings.restarted,
+            follower=self.settings.leader_url is not None,
         )
         if self.settings.leader_url is not None:
             headers = self.admin.headers()

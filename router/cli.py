@@ -72,6 +72,15 @@ EXTRAS = {"simulate": "sim", "bench": "bench"}
 EXTRA_MODULES = {"simulate": frozenset({"matplotlib"}), "bench": frozenset({"limits", "slowapi"})}
 
 
+#: Where ``nodes`` and ``rules`` find the router unless told.
+ROUTER_URL = "http://127.0.0.1:8000"
+ROUTER_HELP = f"the router's URL (default {ROUTER_URL})"
+WEIGHT_HELP = "the node's share of the ring relative to the others', 1 to 1000 (default 1)"
+VERBOSE_HELP = "log at INFO level (default: warnings only)"
+#: ``--redis-url`` without the flag or ``RINGLIMIT_REDIS_URL``.
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
 def _pipeline_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pipeline",
@@ -242,11 +251,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="restart a node at most N times per 60 s (with a doubling backoff); past that it "
         "stays down and the cluster serves without it (default 5)",
     )
-    up.add_argument("-v", "--verbose", action="store_true")
+    up.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     up.set_defaults(run=_run_up)
 
     router = commands.add_parser("router", help="start one router")
-    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default 127.0.0.1; 0.0.0.0 for every interface: "
+        "then set RINGLIMIT_ADMIN_TOKEN and RINGLIMIT_INTERNAL_TOKEN)",
+    )
     router.add_argument(
         "--port", type=_port(0), default=8000, help="default 8000; 0: any free port"
     )
@@ -267,9 +281,27 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "(or etcd elects one, with --coordinator); a worker that exits is restarted "
         "(default 1)",
     )
-    router.add_argument("--health-interval", type=float, default=1.0)
-    router.add_argument("--failure-threshold", type=int, default=3)
-    router.add_argument("--health-timeout", type=float, default=0.5)
+    router.add_argument(
+        "--health-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="pause between rounds of health probes of the nodes (default 1)",
+    )
+    router.add_argument(
+        "--failure-threshold",
+        type=int,
+        default=3,
+        metavar="N",
+        help="failed probes in a row before a node is due for removal (default 3)",
+    )
+    router.add_argument(
+        "--health-timeout",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="one health probe's timeout (default 0.5)",
+    )
     _proxy_arguments(router)
     router.add_argument(
         "--lease",
@@ -365,13 +397,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _envoy_arguments(router)
     _backend_arguments(router, connects=False)
     _front_door_arguments(router)
-    router.add_argument("-v", "--verbose", action="store_true")
+    router.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     router.set_defaults(run=_run_router)
 
     node = commands.add_parser("node", help="start one node")
     node.add_argument("--id", required=True, help="node id (stable across restarts)")
-    node.add_argument("--host", default="127.0.0.1")
-    node.add_argument("--port", type=_port(1), required=True)
+    node.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default 127.0.0.1; 0.0.0.0 for every interface: "
+        "then set RINGLIMIT_INTERNAL_TOKEN)",
+    )
+    node.add_argument("--port", type=_port(1), required=True, help="the port to listen on")
     node.add_argument(
         "--join",
         metavar="ROUTER_URL[,ROUTER_URL...]",
@@ -387,7 +424,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="give up joining (and exit 1) after this long (default 120, at most 86400)",
     )
     node.add_argument("--url", help="the URL the router should use (default http://HOST:PORT)")
-    node.add_argument("--weight", type=int, default=1)
+    node.add_argument("--weight", type=int, default=1, help=WEIGHT_HELP)
     node.add_argument("--max-keys", type=int, help="cap on states held (see docs)")
     node.add_argument(
         "--fenced",
@@ -398,15 +435,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _fronting_arguments(node)
     _backend_arguments(node)
     _front_door_arguments(node)
-    node.add_argument("-v", "--verbose", action="store_true")
+    node.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     node.set_defaults(run=_run_node)
 
     nodes = commands.add_parser("nodes", help="list, add or remove nodes through a router")
-    nodes.add_argument("action", choices=["list", "add", "remove"])
+    nodes.add_argument(
+        "action",
+        choices=["list", "add", "remove"],
+        help="list the ring, add a node (ID URL) or remove one (ID: a graceful leave)",
+    )
     nodes.add_argument("node_id", nargs="?", help="node id (add, remove)")
     nodes.add_argument("node_url", nargs="?", help="node URL (add)")
-    nodes.add_argument("--router", default="http://127.0.0.1:8000")
-    nodes.add_argument("--weight", type=int, default=1)
+    nodes.add_argument("--router", default=ROUTER_URL, help=ROUTER_HELP)
+    nodes.add_argument("--weight", type=int, default=1, help=f"add: {WEIGHT_HELP}")
     nodes.add_argument(
         "--force",
         action="store_true",
@@ -427,7 +468,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "without it (or with 'list' or 'show', as `nodes list`), the rules are shown "
         "(a file of that name: ./list)",
     )
-    rules.add_argument("--router", default="http://127.0.0.1:8000")
+    rules.add_argument("--router", default=ROUTER_URL, help=ROUTER_HELP)
     _admin_timeout_argument(rules)
     rules.set_defaults(run=_run_rules)
 
@@ -485,15 +526,49 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
         "when neither --rule nor --config is given)",
     )
     group.add_argument(
-        "--algorithm", default="token_bucket", help=f"for --rule: {', '.join(ALGORITHMS)}"
+        "--algorithm",
+        default="token_bucket",
+        help=f"for --rule: {', '.join(ALGORITHMS)} (default token_bucket)",
     )
-    group.add_argument("--burst", type=int, help="for --rule: bucket capacity")
-    group.add_argument("--on-error", choices=["open", "closed"], default="open")
-    group.add_argument("--config", help="a TOML config file (see docs/configuration.md)")
-    group.add_argument("--rebalance-policy", choices=REBALANCE_POLICIES)
-    group.add_argument("--crash-policy", choices=CRASH_POLICIES)
-    group.add_argument("--replication-interval", type=float)
-    group.add_argument("--user-header", help="take the user id from this header")
+    group.add_argument(
+        "--burst",
+        type=int,
+        help="for --rule: bucket capacity of token_bucket and gcra (default: the limit)",
+    )
+    group.add_argument(
+        "--on-error",
+        choices=["open", "closed"],
+        default="open",
+        help="for --rule and --envoy-config: when a key's owner cannot be reached, allow "
+        "(open, the default) or answer 503 (closed)",
+    )
+    group.add_argument(
+        "--config",
+        help="a config file, TOML or JSON of the same structure (docs/configuration.md)",
+    )
+    group.add_argument(
+        "--rebalance-policy",
+        choices=REBALANCE_POLICIES,
+        help="what a join or a graceful leave does with counters: handoff (default, or the "
+        "config's policies.rebalance) or reset",
+    )
+    group.add_argument(
+        "--crash-policy",
+        choices=CRASH_POLICIES,
+        help="what a crash does with counters: replica (default, or the config's "
+        "policies.crash), conservative or reset",
+    )
+    group.add_argument(
+        "--replication-interval",
+        type=float,
+        metavar="SECONDS",
+        help="for the replica policy: seconds between copies to successors (default 0.1, or "
+        "the config's policies.replication_interval)",
+    )
+    group.add_argument(
+        "--user-header",
+        help="take the user id from this header (default X-User-Id, or the config's identity)",
+    )
 
 
 def _envoy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -619,7 +694,10 @@ def _backend_arguments(parser: argparse.ArgumentParser, *, connects: bool = True
 
 def _redis_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
-        "--redis-url", default=os.environ.get("RINGLIMIT_REDIS_URL", "redis://127.0.0.1:6379/0")
+        "--redis-url",
+        metavar="URL",
+        default=os.environ.get("RINGLIMIT_REDIS_URL", REDIS_URL),
+        help=f"redis: where Redis is (default $RINGLIMIT_REDIS_URL, else {REDIS_URL})",
     )
     group.add_argument(
         "--redis-pipeline",

@@ -300,6 +300,7 @@ class Membership:
         fellows: Sequence[str] = (),
         fellow_headers: Mapping[str, str] | None = None,
         adopt_config: bool = False,
+        follower: bool = False,
     ) -> None:
         """Recover membership (state file, then the nodes), else build it from seeds.
 
@@ -308,6 +309,8 @@ class Membership:
         joined it. With ``adopt_config`` the rules of the node that knows the
         newest view win over this router's own: the cluster's rules, those
         applied at runtime included, rather than the flags it was started with.
+        A ``follower`` (a worker that learns the ring from its leader next) starts
+        empty by design, and does not warn of it.
         """
         seeds = list(seeds)
         # With etcd, leases are the leader's: on only while this router leads.
@@ -360,15 +363,19 @@ class Membership:
                 for member in seeds:
                     self.health[member.id] = Health()
         self._save_state(strict=True)
-        if self.state_file is not None and not len(self.view):
-            # A router given a state file that starts with no ring serves nothing
-            # (503 no_nodes) until nodes join; said, not silent.
+        if not len(self.view) and not follower:
+            # A router that starts with no ring serves nothing (503 no_nodes) until
+            # nodes join; said, not silent, with a state file or without one.
+            if self.state_file is None:
+                why = "no --state-file"
+            else:
+                state = "held an empty ring" if recovered is not None else "did not exist"
+                why = f"the state file {self.state_file} {state}"
             log.warning(
-                "no ring to serve: the state file %s %s and no --node seeds were given; "
-                "nodes started with --join register again when restarted, others "
-                "with `ringlimit nodes add`",
-                self.state_file,
-                "held an empty ring" if recovered is not None else "did not exist",
+                "no ring to serve: %s and no --node seeds were given; nodes started "
+                "with --join register again when restarted, others with "
+                "`ringlimit nodes add`",
+                why,
             )
         if health:
             # Leases lapsed while no router ran: renew them before serving.

@@ -460,7 +460,12 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
             reason = cluster.failed() or "not ready within 30 s"
             print(f"ringlimit: the cluster did not start: {reason}", file=sys.stderr)
             return 1
-        _print_banner(router_url, ring, config, cluster.pids(), policy)
+        envoy = (
+            f"{host}:{args.grpc_port}  config {', '.join(args.envoy_config)}"
+            if getattr(args, "grpc_port", None)
+            else None
+        )
+        _print_banner(router_url, ring, config, cluster.pids(), policy, envoy)
         while not stopping:
             problem = cluster.supervise()
             if problem:
@@ -563,11 +568,21 @@ def _wait_for_ring(
 
 
 def _print_banner(
-    url: str, ring: dict, config: ClusterConfig, pids: dict[str, int], policy: RestartPolicy
+    url: str,
+    ring: dict,
+    config: ClusterConfig,
+    pids: dict[str, int],
+    policy: RestartPolicy,
+    envoy: str | None = None,
 ) -> None:
+    """``envoy``: where Envoy's rate limit service listens and its files, for
+    ``--grpc-port``: its rules are the router's own (named_only), not ``config``'s,
+    so without this line the banner said nothing of them."""
     rules = ", ".join(f"{s.rule.name} ({s.rule.algorithm})" for s in config.rules)
     print(f"ringlimit router: {url}   backend={config.backend} balance={config.balance}")
     print(f"rules: {rules}")
+    if envoy is not None:
+        print(f"envoy rate limit service (gRPC): {envoy}")
     print(f"ring epoch {ring['epoch']}:")
     shown: set[str] = set()
     for node in ring["nodes"]:

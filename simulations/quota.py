@@ -44,7 +44,7 @@ from router.quotas import ADMIT, DENY, LeaseBook, Released
 
 from .arrivals import Arrivals, generate
 from .modes import Mode, ModeResult, run_mode
-from .scenario import Scenario, load_scenario
+from .scenario import Scenario, ScenarioError, load_scenario
 from .timeline import Epoch, Timeline, build_timeline
 
 #: A key is hot from this many decisions per second at its owner (simulation default).
@@ -428,12 +428,26 @@ def simulate_leases(
     }
 
 
+USAGE = "usage: python -m simulations.quota SCENARIO.toml [--steady]"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The lease figures of one scenario as JSON; what it cannot run is one line on
+    stderr (exit 2), never a traceback."""
     args = sys.argv[1:] if argv is None else argv
-    if not args:
-        print("usage: python -m simulations.quota SCENARIO.toml [--steady]", file=sys.stderr)
+    if args[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    paths = [a for a in args if not a.startswith("-")]
+    unknown = [a for a in args if a.startswith("-") and a != "--steady"]
+    if len(paths) != 1 or unknown:
+        print(f"{USAGE} (got {' '.join(args) or 'nothing'})", file=sys.stderr)
         return 2
-    scenario = load_scenario(args[0])
+    try:
+        scenario = load_scenario(paths[0])
+    except ScenarioError as exc:
+        print(f"python -m simulations.quota: {exc}", file=sys.stderr)
+        return 2
     if "--steady" in args:
         scenario = replace(scenario, events=())
     print(json.dumps(simulate_leases(scenario), indent=2))

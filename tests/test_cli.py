@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +37,38 @@ def test_help_and_version() -> None:
         assert flag in up_help.stdout
     nothing = run([sys.executable, "-m", "router"])
     assert nothing.returncode == 2 and "usage" in nothing.stdout
+
+
+COMMANDS = ("up", "router", "node", "nodes", "rules", "simulate", "bench")
+
+
+def command_actions(command: str) -> list[argparse.Action]:
+    """The arguments of one subcommand, as ``ringlimit COMMAND --help`` lists them."""
+    from router.cli import build_parser
+
+    parser = build_parser(command)
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [a for a in commands.choices[command]._actions if a.help != argparse.SUPPRESS]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_has_a_help_text_that_shows_its_default(command: str) -> None:
+    """``--help`` is where an operator looks first: every argument says what it is
+    for, and one whose value is not simply absent when left out says its default.
+    Before, ``router --health-interval``, ``--failure-threshold``, ``--host``,
+    ``--on-error``, ``--redis-url``, ``nodes --router`` and a dozen more were a bare
+    name in the help, defaults unsaid."""
+    unexplained, undefaulted = [], []
+    for action in command_actions(command):
+        name = "/".join(action.option_strings) or action.dest
+        if not (action.help or "").strip():
+            unexplained.append(name)
+        elif action.default not in (None, False, [], argparse.SUPPRESS) and (
+            "default" not in action.help
+        ):
+            undefaulted.append(name)
+    assert not unexplained, f"ringlimit {command}: no help text: {unexplained}"
+    assert not undefaulted, f"ringlimit {command}: default not shown: {undefaulted}"
 
 
 @pytest.mark.skipif(shutil.which("ringlimit") is None, reason="console script not installed")
@@ -379,3 +413,69 @@ def test_the_last_node_is_removed_only_when_forced(procs: Procs) -> None:
     assert alone.popen.returncode == 0
     assert f"left the ring: router {router} answered 200" in alone.output(), alone.output()
     assert ring() == []
+
+
+#: The documents whose tables list flags, and a default column where they have one.
+FLAG_TABLE_DOCS = ("docs/configuration.md", "docs/redis.md")
+
+
+def table_cells(line: str) -> list[str]:
+    """A markdown table row's cells (``\\|`` is a ``|`` inside a cell)."""
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+
+
+def flag_table_rows(document: str) -> list[tuple[str, str | None]]:
+    """(flag, documented default or None) of every table row naming a flag in its
+    flag column: the column headed 'flag', else the first."""
+    rows: list[tuple[str, str | None]] = []
+    lines = (ROOT / document).read_text().splitlines()
+    for at, line in enumerate(lines[:-1]):
+        if not (line.startswith("|") and lines[at + 1].startswith("|---")):
+            continue
+        header = table_cells(line)
+        flag_column = next((i for i, h in enumerate(header) if "flag" in h), 0)
+        default_column = header.index("default") if "default" in header else None
+        for row in lines[at + 2 :]:
+            if not row.startswith("|"):
+                break
+            cells = table_cells(row)
+            found = re.match(r"`(--[a-z][a-z0-9-]*)", cells[flag_column])
+            if found:
+                default = cells[default_column] if default_column is not None else None
+                rows.append((found.group(1), default))
+    return rows
+
+
+def parser_defaults() -> dict[str, object]:
+    """Every flag of every command and its default (the first command's that has it)."""
+    defaults: dict[str, object] = {}
+    for command in COMMANDS:
+        for action in command_actions(command):
+            for flag in action.option_strings:
+                defaults.setdefault(flag, action.default)
+    return defaults
+
+
+@pytest.mark.parametrize("document", FLAG_TABLE_DOCS)
+def test_the_docs_flag_tables_match_the_parser(document: str) -> None:
+    """Every flag a table of the operator's docs names is one the CLI takes, and a
+    default the table gives as a number (``1 s``, ``0.5``, ``300``) is the parser's,
+    as is an ``off`` switch. (Defaults the parser leaves to the config or computes
+    at start, such as ``--lease``, are not compared.)"""
+    defaults = parser_defaults()
+    rows = flag_table_rows(document)
+    assert rows, f"no flag table in {document}"
+    for flag, documented in rows:
+        assert flag in defaults, f"{document}: {flag} is not a flag of any command"
+        actual = defaults[flag]
+        if documented is None or actual is None:
+            continue
+        number = re.fullmatch(r"`?(\d+(?:\.\d+)?)`?(?: (?:s|µs|ms))?", documented)
+        if number and not isinstance(actual, bool):
+            assert float(str(actual)) == float(number.group(1)), (flag, documented, actual)
+        elif documented == "off" and isinstance(actual, bool):
+            assert actual is False, (flag, actual)
+        elif isinstance(actual, str) and re.fullmatch(r"`[^`]+`", documented):
+            assert documented.strip("`") == actual, (flag, documented, actual)
+        elif documented in ("on", "off") and isinstance(actual, str):
+            assert documented == actual, (flag, documented, actual)

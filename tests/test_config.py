@@ -412,3 +412,25 @@ def test_bad_configs_rules_and_apps_exit_non_zero_at_start_up(tmp_path: Path) ->
         assert code == 2, stderr
         assert stderr.startswith("ringlimit: error: ") and message in stderr, stderr
         assert "Traceback" not in stderr
+
+
+#: The documents whose ```toml blocks are ringlimit config files (docs/simulations.md's
+#: are scenarios).
+CONFIG_DOCS = ("docs/configuration.md", "docs/operations.md")
+
+
+def toml_blocks(document: str) -> list[str]:
+    return re.findall(r"^```toml\n(.*?)^```", (ROOT / document).read_text(), re.M | re.S)
+
+
+@pytest.mark.parametrize("document", CONFIG_DOCS)
+def test_every_config_example_in_the_docs_loads(document: str, tmp_path: Path) -> None:
+    """An operator copies an example into ringlimit.toml and starts a router with it.
+    Before, docs/configuration.md's full example stopped start-up: its
+    ``token_sha256 = ["<sha256 hex of a partner token>"]`` placeholder is no hash."""
+    blocks = toml_blocks(document)
+    assert blocks, f"no ```toml block in {document}"
+    for number, block in enumerate(blocks):
+        path = tmp_path / f"example{number}.toml"
+        path.write_text(block)
+        load_config(path)

@@ -8,6 +8,7 @@ over-admitted, and every user's false denials stay within the bound.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,20 @@ def test_main_prints_the_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert main([str(HOT), "--steady"]) == 0
     assert '"leases_on"' in capsys.readouterr().out
+
+
+def test_main_refuses_what_it_cannot_run_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/hotkeys.md tells an operator to run ``python -m simulations.quota
+    SCENARIO.toml [--steady]``. Before, a missing file, ``--help`` or a mistyped
+    option ended in a traceback (``--help`` was read as a scenario's file name)."""
+    assert main(["--help"]) == 0
+    assert "usage: python -m simulations.quota" in capsys.readouterr().out
+    for argv in ([str(tmp_path / "missing.toml")], [str(HOT), "--stedy"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
 def test_the_leases_mode_runs_beside_the_others_in_ringlimit_simulate() -> None:

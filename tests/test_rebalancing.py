@@ -1108,6 +1108,21 @@ async def test_a_state_file_that_cannot_be_written_does_not_fail_a_change_that_h
         assert saved["epoch"] == cluster.router.membership.view.epoch
 
 
+async def test_a_router_with_no_state_file_and_no_seeds_says_it_has_no_ring(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """docs/rebalancing.md ("Router restart"): with neither a state file nor seeds
+    a router starts with an empty ring, and says so. It said so only when given a
+    state file; without one it started silent and answered every request 503
+    no_nodes (an operator ran `ringlimit router --config ringlimit.toml` and
+    read nothing in its log)."""
+    with caplog.at_level(logging.WARNING, logger="ringlimit.router"):
+        async with InProcessCluster(0, make_config(), clock=FrozenClock()) as cluster:
+            assert len(cluster.router.membership.view) == 0
+    said = [r.getMessage() for r in caplog.records if "no ring to serve" in r.getMessage()]
+    assert len(said) == 1 and "--state-file" in said[0] and "--node" in said[0], said
+
+
 async def test_a_router_that_lost_its_ring_takes_it_back_from_the_first_node_given_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

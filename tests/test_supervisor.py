@@ -403,3 +403,17 @@ def test_the_banner_lists_each_node_once(capsys: pytest.CaptureFixture[str]) -> 
         "  n2  http://127.0.0.1:2  weight=1  pid=7",
         "  n3  http://127.0.0.1:3  weight=1  pid=None  (joining)",
     ]
+
+
+def test_the_banner_says_where_envoys_service_listens(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/envoy.md starts a local cluster with ``ringlimit up --grpc-port 8081
+    --envoy-config edge.yaml``: the banner listed the HTTP port and the --rule
+    rules only, nothing of the gRPC port or the Envoy config it serves."""
+    from node.config import ClusterConfig
+    from router.restart import RestartPolicy
+    from router.supervisor import _print_banner
+
+    ring = {"epoch": 1, "nodes": []}
+    envoy = "127.0.0.1:8081  config edge.yaml"
+    _print_banner("http://127.0.0.1:0", ring, ClusterConfig(), {}, RestartPolicy(), envoy)
+    assert f"envoy rate limit service (gRPC): {envoy}" in capsys.readouterr().out.splitlines()
