@@ -55,6 +55,7 @@ from router.events import EventLog
 from router.health import Health, HealthMonitor
 from router.nodeclient import NodeClient, held_epoch, push_body
 from router.removal import RemovalBudget
+from router.revival import FORGET_AFTER
 from router.statefile import load_view, save_view
 from router.viewlog import MAX_HISTORY, MAX_REMOVED, Change, MembershipError, Push, ViewLog
 
@@ -160,6 +161,7 @@ class Membership:
         lease: float | None = None,
         removal_interval: float | None = None,
         removal_quorum: float = 0.5,
+        forget_removed_after: float = FORGET_AFTER,
         coordinator: EtcdCoordinator | None = None,
         advertise: str | None = None,
         client: httpx.AsyncClient | None = None,
@@ -189,6 +191,9 @@ class Membership:
         self.budget = RemovalBudget(
             detection if removal_interval is None else removal_interval, removal_quorum
         )
+        #: Seconds after which a member removed as crashed is no longer probed
+        #: (router/revival.py: the probes back off before).
+        self.forget_removed_after = forget_removed_after
         #: Counters for /metrics: removals, deferred removals by reason, self-suspicion.
         self.stats: dict[str, int] = {
             "removed_crashed": 0,
