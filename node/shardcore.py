@@ -547,13 +547,23 @@ class ShardCore:
         return any(self.store.get(rule, key) is not None for rule in rules)
 
     def _exhaust(self, key: str, rules: Sequence[Rule], now: float, at: float) -> None:
-        """Conservative crash policy: a key the crashed node held starts with no quota."""
+        """Conservative crash policy: a key the crashed node held starts with no quota.
+
+        Within the store's cap (``--max-keys``), as a new key's first decision
+        is: in a full store (after a sweep) the exhausted state is not written,
+        and the key is decided as any new key there, ``store_full`` (admitted
+        unremembered under ``on_error = "open"``, denied under ``closed``).
+        Before, every key of a crashed member that came in wrote a state past
+        the cap.
+        """
         policy = self.config().policies.crash
         for rule in rules:
             if (rule.crash_policy or policy) != "conservative":
                 continue
             if self.store.get(rule, key) is not None:
                 continue
+            if not self.store.has_room_for(rule, key, now):
+                continue  # decided as any new key of a full store
             state, fresh_at = exhausted(rule, at)
             # An exhausted bucket with burst > limit takes longer than a period to refill.
             if fresh_at <= now:

@@ -636,6 +636,29 @@ def test_replicas_of_a_rule_no_longer_in_force_are_dropped_by_the_sweep() -> Non
     assert len(b.replicas["n0"]) == 0
 
 
+@pytest.mark.parametrize("on_error", ["open", "closed"])
+def test_the_conservative_policy_writes_no_state_past_max_keys(on_error: str) -> None:
+    """A crashed member's keys start exhausted (crash policy conservative): each
+    one that came in wrote a state, past --max-keys (a soak tester's finding:
+    a node capped at 2 held 26). Within the cap now; past it such a key is
+    decided as any new key of a full store, ``store_full``."""
+    rule = Rule("api", LIMIT, 3600.0, algorithm="fixed_window", on_error=on_error)
+    a = ShardCore("n0", MemoryStore(max_keys=2), lambda: config("conservative", rule=rule))
+    v1, v2 = view(["n0", "n1"], 1), view(["n0"], 2)
+    a.apply(v1, None, (), NOW, 0.0)
+    a.apply(v2, v1, ["n1"], NOW, 0.0)
+    moved = owned_by(v1, "n1")
+    assert len(moved) > 2
+    verdicts = []
+    for key in moved:
+        a.conservative(key, (rule,), NOW)
+        verdicts.append(a.store.check(key, (rule,), NOW))
+    assert len(a.store) == 2 and a.stats.conservative_keys == 2
+    assert [v.allowed for v in verdicts[:2]] == [False, False]  # exhausted
+    assert {v.decision.reason for v in verdicts[2:]} == {"store_full"}
+    assert {v.allowed for v in verdicts[2:]} == {on_error == "open"}
+
+
 def test_a_member_removed_as_crashed_but_alive_hands_everything_back() -> None:
     v1, v2 = view(["n0", "n1"], 1), view(["n1"], 2)
     a = core("n0", lease=Lease(required=True, until=1e9))
