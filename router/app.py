@@ -196,6 +196,7 @@ class Router:
             lambda: self.membership.stats, lambda: float(self.membership.suspect_self)
         )
         self.metrics.watch_failures(self.membership.failures.snapshot)
+        self.membership.view_watchers.append(lambda view: self.metrics.view_changed(view.ids))
         self.metrics.watch_pipelining(lambda: getattr(self.forwarder, "pipelined", {}))
         self.metrics.watch_coalescing(self._coalesced)
         self.metrics.watch_leases(lambda: self.leases.counts)

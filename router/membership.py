@@ -171,6 +171,9 @@ class Membership:
         #: ``--envoy-config`` rules): a config written by a router started without
         #: them must not take them away (every ShouldRateLimit would fail).
         self.keep_config: Callable[[ClusterConfig], ClusterConfig] | None = None
+        #: Called with every view the router adopts (its metrics drop the series
+        #: of nodes that left: router/metrics.py ``view_changed``).
+        self.view_watchers: list[Callable[[RingView], None]] = []
         #: The view, the epochs used, history and crashed members (router/viewlog.py).
         self.log = ViewLog()
         self.health: dict[str, Health] = {}
@@ -1099,6 +1102,8 @@ class Membership:
             # A follower shows the leader's events instead (follow_once).
             self.events.change(self.view, view, crashed={*self.removed, *crashed})
         self.log.adopt(view)
+        for watch in self.view_watchers:
+            watch(view)
         # Health is kept for the members of the view and the nodes joining it:
         # the entries of members a view dropped go, whichever way it came. (Only
         # the leader's leave and crash pop their own: a follower kept an entry
