@@ -104,6 +104,7 @@ HANDOFF_METRICS = {
     "replicas_sent": "State copies sent to successors (crash policy replica).",
     "replicas_promoted": "Replicated states taken over after their owner crashed.",
     "replicas_stale": "Replica batches dropped: older than a round already applied from that node.",
+    "replicas_dropped": "Replicas of new keys not kept: the node's replicas are at --max-keys.",
     "conservative_keys": "States set exhausted after a crash (crash policy conservative).",
     "views_applied": "Ring views this node applied.",
     "last_transfer_seconds": "Duration of this node's most recent outgoing state transfer.",
@@ -341,7 +342,7 @@ class Node:
             # arrive as fast as their owners make new keys.
             for replicas in list(self.shard.core.replicas.values()):
                 await sweep_paced(replicas, now)
-                replicas.forget_rules(rules)
+                replicas.forget_rules(rules, keep_states=False)
         release_free_memory()
 
     def _failure_counts(self) -> dict[str, float]:

@@ -151,6 +151,7 @@ class HandoffStats:
     replicas_sent: int = 0
     replicas_promoted: int = 0
     replicas_stale: int = 0
+    replicas_dropped: int = 0
     conservative_keys: int = 0
     views_applied: int = 0
     last_transfer_seconds: float = 0.0
@@ -546,13 +547,23 @@ class ShardCore:
         return any(self.store.get(rule, key) is not None for rule in rules)
 
     def _exhaust(self, key: str, rules: Sequence[Rule], now: float, at: float) -> None:
-        """Conservative crash policy: a key the crashed node held starts with no quota."""
+        """Conservative crash policy: a key the crashed node held starts with no quota.
+
+        Within the store's cap (``--max-keys``), as a new key's first decision
+        is: in a full store (after a sweep) the exhausted state is not written,
+        and the key is decided as any new key there, ``store_full`` (admitted
+        unremembered under ``on_error = "open"``, denied under ``closed``).
+        Before, every key of a crashed member that came in wrote a state past
+        the cap.
+        """
         policy = self.config().policies.crash
         for rule in rules:
             if (rule.crash_policy or policy) != "conservative":
                 continue
             if self.store.get(rule, key) is not None:
                 continue
+            if not self.store.has_room_for(rule, key, now):
+                continue  # decided as any new key of a full store
             state, fresh_at = exhausted(rule, at)
             # An exhausted bucket with burst > limit takes longer than a period to refill.
             if fresh_at <= now:
@@ -621,7 +632,7 @@ class ShardCore:
                     for record in records:
                         self.outbox.setdefault(view.owner_id(record[2]), []).append(record)
                     if records and me_in:
-                        self._keep_handed_off(now, config)
+                        self._keep_handed_off(now)
             else:
                 self.stats.keys_dropped += len(records)
         self._promote_replicas(view, crashed, now, config)
@@ -699,7 +710,7 @@ class ShardCore:
             self.outbox.setdefault(view.owner_id(record[2]), []).append(record)
         return len(records)
 
-    def _keep_handed_off(self, now: float, config: ClusterConfig) -> None:
+    def _keep_handed_off(self, now: float) -> None:
         """Keep what this node hands to new owners as their replicas, as if they
         had replicated it here already.
 
@@ -719,13 +730,10 @@ class ShardCore:
         if not self.replication_wanted():
             return
         for owner, records in self.outbox.items():
-            replicas = self.replicas.get(owner)
-            if replicas is None:
-                replicas = self.replicas[owner] = MemoryStore()
             # Merged, not replaced: the outbox also holds leftovers of an earlier
             # failed handoff, older than what their owner may have replicated here
             # since; the more restrictive state wins (the owner's own rounds replace).
-            replicas.import_(records, now, config.rule_map)
+            self.keep_replicas(owner, records, now)
 
     def _promote_replicas(
         self, view: RingView, crashed: Sequence[str], now: float, config: ClusterConfig
@@ -767,10 +775,7 @@ class ShardCore:
             self.stats.replicas_promoted += self.store.import_(promoted, now, config.rule_map)
             self.mark_dirty(promoted)
             for owner, moved in kept.items():
-                store = self.replicas.get(owner)
-                if store is None:
-                    store = self.replicas[owner] = MemoryStore()
-                store.import_(moved, now, config.rule_map)
+                self.keep_replicas(owner, moved, now)
                 if owner not in crashed:
                     self.outbox.setdefault(owner, []).extend(filter(replicated, moved))
         for origin in list(self.replicas):
@@ -1080,10 +1085,29 @@ class ShardCore:
                 self.stats.replicas_stale += 1
                 return 0
             self.replica_seen[origin] = round
+        return self.keep_replicas(origin, records, now, replace=True)
+
+    def keep_replicas(
+        self, origin: str, records: list[Record], now: float, *, replace: bool = False
+    ) -> int:
+        """Keep ``records`` among ``origin``'s replicas; returns how many were taken.
+
+        The replicas held here, every origin's together, are capped at the
+        store's own cap (``--max-keys``): without it a node held its peers'
+        copies without bound, however its own store was capped. Past it, the
+        copies of keys not held yet are dropped (``replicas_dropped``), those
+        held are kept up to date, and the sweep makes room as states go fresh.
+        A dropped copy costs only on a crash of its owner: that key starts over
+        at its new owner, as under ``reset``.
+        """
         replicas = self.replicas.get(origin)
         if replicas is None:
             replicas = self.replicas[origin] = MemoryStore()
-        return replicas.import_(records, now, self.config().rule_map, replace=True)
+        cap = self.store.max_keys
+        room = None if cap is None else max(0, cap - sum(map(len, self.replicas.values())))
+        taken = replicas.import_(records, now, self.config().rule_map, replace=replace, room=room)
+        self.stats.replicas_dropped += replicas.refused
+        return taken
 
     # ------------------------------------------------------------------ replication
 
@@ -1205,7 +1229,7 @@ class ShardCore:
         rules = self.config().rule_map
         for replicas in self.replicas.values():
             replicas.sweep(now)
-            replicas.forget_rules(rules)
+            replicas.forget_rules(rules, keep_states=False)
 
     def status(self) -> dict[str, Any]:
         return {

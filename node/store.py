@@ -126,6 +126,8 @@ class MemoryStore:
         self._floor = -math.inf
         self.store_full_events = 0
         self.on_store_full: Callable[[Rule, str], None] | None = None
+        #: Records the last :meth:`import_` refused for want of its ``room``.
+        self.refused = 0
         #: Keys whose state changed since the set was last taken (replication reads it);
         #: ``None`` switches tracking off and keeps it off the hot path.
         self.dirty: set[str] | None = None
@@ -367,7 +369,7 @@ class MemoryStore:
                 evicted += 1
         return evicted
 
-    def forget_rules(self, rules: Container[str]) -> int:
+    def forget_rules(self, rules: Container[str], *, keep_states: bool = True) -> int:
         """Drop the tables of rules not in ``rules`` once they hold no state (the
         sweep empties them as their states refill); returns how many went.
 
@@ -376,13 +378,15 @@ class MemoryStore:
         back (a rename undone), and its states are still right for it; but not
         in a full store (:meth:`_full`), where they would keep every new user of
         the rules in force out (``store_full``) until they refill, a day for a
-        daily rule.
+        daily rule. Nor with ``keep_states=False``: a store of replicas, whose
+        states of a rule no longer in force would never be promoted (a crash
+        takes only the rules in force), only held until they refill.
         """
-        full = self._full()
+        drop = not keep_states or self._full()
         gone = [
             name
             for name, table in self._tables.items()
-            if (full or not table.states) and name not in rules
+            if (drop or not table.states) and name not in rules
         ]
         for name in gone:
             del self._tables[name]
@@ -461,6 +465,7 @@ class MemoryStore:
         rules: Mapping[str, Rule],
         *,
         replace: bool = False,
+        room: int | None = None,
     ) -> int:
         """Rebase exported states onto this node's clock and keep them, each as
         this node's rule can hold it (``Algorithm.clamp``: a bucket sent with more
@@ -472,8 +477,13 @@ class MemoryStore:
         with fewer units remaining), so a late or repeated transfer can never
         hand out quota twice. ``replace=True`` keeps the incoming state instead
         (replicas: the newest copy is the right one, even if it refilled).
+
+        ``room``: at most this many keys not held already are taken (a node's
+        replicas are capped: node/shardcore.py); the rest are skipped, and
+        counted in :attr:`refused`. States already held are updated all the same.
         """
         taken = 0
+        self.refused = 0
         self._floor = -math.inf  # states that may be fresh sooner than any held
         # A transfer is long runs of one rule: look its table up once per run.
         last_name = last_algorithm = None
@@ -488,10 +498,15 @@ class MemoryStore:
                     clamp = table.algorithm.clamp
             if table is None:
                 continue
+            current = states.get(key)
+            if current is None and room is not None:
+                if room <= 0:
+                    self.refused += 1
+                    continue
+                room -= 1
             incoming = from_relative(relative, now)
             if clamp is not None:
                 incoming = clamp(incoming, table.rule)
-            current = states.get(key)
             if current is not None and not replace:
                 incoming = more_restrictive(table, current, incoming, now)
             states[key] = incoming

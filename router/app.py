@@ -69,6 +69,7 @@ from router.leases import ADMIT, DENY, FORWARD, RouterLeases, leased_rule
 from router.membership import Membership
 from router.metrics import RouterMetrics, merge_workers
 from router.protocol import ADMIN_PREFIX, CONTROL_PATHS, ProxyCycle, has_dot_segment
+from router.revival import FORGET_AFTER
 from router.rotation import Rotation
 
 log = logging.getLogger("ringlimit.router")
@@ -103,6 +104,8 @@ class RouterSettings:
     lease: float | None = None
     removal_interval: float | None = None
     removal_quorum: float = 0.5
+    #: Seconds after which a member removed as crashed is forgotten (router/revival.py).
+    forget_removed_after: float = FORGET_AFTER
     #: Shared membership in etcd (router/coordinator.py); None: this router alone.
     coordinator: EtcdCoordinator | None = None
     #: This router's admin URL as other routers reach it (the leader's address).
@@ -180,6 +183,7 @@ class Router:
             lease=settings.lease,
             removal_interval=settings.removal_interval,
             removal_quorum=settings.removal_quorum,
+            forget_removed_after=settings.forget_removed_after,
             coordinator=settings.coordinator,
             advertise=settings.advertise,
             client=client,
@@ -192,6 +196,7 @@ class Router:
             lambda: self.membership.stats, lambda: float(self.membership.suspect_self)
         )
         self.metrics.watch_failures(self.membership.failures.snapshot)
+        self.membership.view_watchers.append(lambda view: self.metrics.view_changed(view.ids))
         self.metrics.watch_pipelining(lambda: getattr(self.forwarder, "pipelined", {}))
         self.metrics.watch_coalescing(self._coalesced)
         self.metrics.watch_leases(lambda: self.leases.counts)

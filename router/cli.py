@@ -47,6 +47,7 @@ from ring import Member
 from ring.member import check_id, check_url, check_weight
 from router import __version__
 from router.restart import RESTART_MODES
+from router.revival import FORGET_AFTER
 
 if TYPE_CHECKING:
     import httpx
@@ -327,6 +328,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         metavar="FRACTION",
         help="remove members on health checks only while more than this fraction of the ring "
         "answers, and never below it (default 0.5: a majority)",
+    )
+    router.add_argument(
+        "--forget-removed-after",
+        type=float,
+        default=FORGET_AFTER,
+        metavar="SECONDS",
+        help="stop probing a member removed as crashed this long after its removal; it comes "
+        "back only by registering again (--join) after that (default 3600; probes back off "
+        "from a minute after the removal)",
     )
     _pipeline_argument(router)
     router.add_argument(
@@ -789,6 +799,7 @@ ROUTER_NUMBERS = (
     ("--lease", 0.0, MAX_LEASE, "(]"),
     ("--removal-interval", 0.0, 86400.0, "[]"),
     ("--removal-quorum", 0.0, 1.0, "[)"),
+    ("--forget-removed-after", 0.0, 1e9, "(]"),
     ("--coalesce-window", 0.0, 1e6, "[]"),
     # --coordinator-ttl: whole seconds, checked by its type (_coordinator_ttl).
 )
@@ -960,6 +971,7 @@ def _run_router(args: argparse.Namespace) -> int:
         lease=args.lease,
         removal_interval=args.removal_interval,
         removal_quorum=args.removal_quorum,
+        forget_removed_after=args.forget_removed_after,
         coordinator=_coordinator(args),
         advertise=args.advertise or f"http://{_reachable(args.host)}:{args.port}",
         health_checks=not args.no_health_checks,

@@ -3,14 +3,15 @@
 Every ``health_interval`` seconds the leading router probes each member of
 its view; a probe also renews the member's lease (node/lease.py). A member
 behind the current view is sent it again; a removed member that answers
-again rejoins; a member that failed ``failure_threshold`` probes in a row is
-removed as crashed, within the removal budget (router/removal.py: quorum,
-rate, leases). Repairs and removals run beside the loop, never in it: one
-may wait for the membership lock, and leases must keep being renewed
-meanwhile. A removal does not wait behind a change under way, though: it
-preempts it (Membership.preempt: pushes to the condemned member are
-abandoned, members that applied the view are no longer waited for, and a
-join not committed yet yields the lock).
+again rejoins (probed less often as its removal ages, and forgotten past
+``--forget-removed-after``: router/revival.py); a member that failed
+``failure_threshold`` probes in a row is removed as crashed, within the
+removal budget (router/removal.py: quorum, rate, leases). Repairs and
+removals run beside the loop, never in it: one may wait for the membership
+lock, and leases must keep being renewed meanwhile. A removal does not wait
+behind a change under way, though: it preempts it (Membership.preempt:
+pushes to the condemned member are abandoned, members that applied the view
+are no longer waited for, and a join not committed yet yields the lock).
 
 The monitor is a part of the membership (router/membership.py) and works on
 its state: the view, the per-member :class:`Health`, the lock and the counters.
@@ -28,6 +29,7 @@ from typing import Any
 
 from node.lease import DEFAULT_DRIFT, lease_bound
 from ring import Member, RingView
+from router.revival import RevivalProbes
 from router.viewlog import MembershipError
 
 if typing.TYPE_CHECKING:
@@ -67,6 +69,8 @@ class HealthMonitor:
         self.condemned: set[str] = set()
         #: Removals the loop started that have not finished (router/removal.py).
         self.removing: dict[str, asyncio.Task[Any]] = {}
+        #: When to probe each member removed as crashed, and when to forget it.
+        self.revival = RevivalProbes(membership.health_interval, membership.forget_removed_after)
 
     async def loop(self) -> None:
         m = self.membership
@@ -93,9 +97,7 @@ class HealthMonitor:
         removals = self.remove_failed(view, failed)
         if wait and removals:
             await asyncio.gather(*removals)
-        await asyncio.gather(
-            *(self._probe_removed(r) for r in list(m.removed.values()) if r.id not in m.view)
-        )
+        await self._probe_all_removed()
 
     async def _probe(self, member: Member, view: RingView) -> bool:
         m = self.membership
@@ -124,11 +126,30 @@ class HealthMonitor:
             self._in_background(member.id, m.repush_config(member))
         return True
 
-    async def _probe_removed(self, member: Member) -> None:
+    async def _probe_all_removed(self) -> None:
+        """Probe the removed members due (router/revival.py), forget the old ones."""
+        m = self.membership
+        now = asyncio.get_running_loop().time()
+        removed = [r for r in m.removed.values() if r.id not in m.view]
+        due, forget = self.revival.plan([r.id for r in removed], now)
+        for member_id in forget:
+            del m.removed[member_id]
+            log.info(
+                "node %s (removed as crashed) is forgotten: no answer for %gs; "
+                "it comes back only by registering (--join, ringlimit nodes add)",
+                member_id,
+                m.forget_removed_after,
+            )
+        due_set = set(due)
+        await asyncio.gather(*(self._probe_removed(r, now) for r in removed if r.id in due_set))
+
+    async def _probe_removed(self, member: Member, now: float) -> None:
         m = self.membership
         answered = await m.nodes.answered_as(member, m.health_timeout)
         if answered is None:
+            self.revival.missed(member.id, now)
             return
+        self.revival.answered(member.id, now)
         if answered != member.id:
             self._forget_removed(member, answered)
         elif not m.lock.locked():

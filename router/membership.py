@@ -55,6 +55,7 @@ from router.events import EventLog
 from router.health import Health, HealthMonitor
 from router.nodeclient import NodeClient, held_epoch, push_body
 from router.removal import RemovalBudget
+from router.revival import FORGET_AFTER
 from router.statefile import load_view, save_view
 from router.viewlog import MAX_HISTORY, MAX_REMOVED, Change, MembershipError, Push, ViewLog
 
@@ -160,6 +161,7 @@ class Membership:
         lease: float | None = None,
         removal_interval: float | None = None,
         removal_quorum: float = 0.5,
+        forget_removed_after: float = FORGET_AFTER,
         coordinator: EtcdCoordinator | None = None,
         advertise: str | None = None,
         client: httpx.AsyncClient | None = None,
@@ -169,6 +171,9 @@ class Membership:
         #: ``--envoy-config`` rules): a config written by a router started without
         #: them must not take them away (every ShouldRateLimit would fail).
         self.keep_config: Callable[[ClusterConfig], ClusterConfig] | None = None
+        #: Called with every view the router adopts (its metrics drop the series
+        #: of nodes that left: router/metrics.py ``view_changed``).
+        self.view_watchers: list[Callable[[RingView], None]] = []
         #: The view, the epochs used, history and crashed members (router/viewlog.py).
         self.log = ViewLog()
         self.health: dict[str, Health] = {}
@@ -189,6 +194,9 @@ class Membership:
         self.budget = RemovalBudget(
             detection if removal_interval is None else removal_interval, removal_quorum
         )
+        #: Seconds after which a member removed as crashed is no longer probed
+        #: (router/revival.py: the probes back off before).
+        self.forget_removed_after = forget_removed_after
         #: Counters for /metrics: removals, deferred removals by reason, self-suspicion.
         self.stats: dict[str, int] = {
             "removed_crashed": 0,
@@ -1102,6 +1110,8 @@ class Membership:
             # A follower shows the leader's events instead (follow_once).
             self.events.change(self.view, view, crashed={*self.removed, *crashed})
         self.log.adopt(view)
+        for watch in self.view_watchers:
+            watch(view)
         # Health is kept for the members of the view and the nodes joining it:
         # the entries of members a view dropped go, whichever way it came. (Only
         # the leader's leave and crash pop their own: a follower kept an entry

@@ -14,6 +14,9 @@ from node.metrics import BatchedCounts, BatchedHistogram, DictCollector, Flusher
 
 #: The ``node`` label of events no node had a part in (a request without a user id).
 NO_NODE = "-"
+#: Nodes that left the ring whose series a router keeps for its next scrape, at
+#: most: past it the oldest go unseen (a router nobody scrapes stays bounded).
+MAX_DEPARTED = 64
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0)
 
 
@@ -82,6 +85,10 @@ class RouterMetrics:
         #: The members at the last scrape; None before the first, which drops
         #: nothing (a node that left before it is shown once, like any other).
         self._last_members: set[str] | None = None
+        #: Nodes with series that left the view since the last scrape, oldest
+        #: first (:meth:`view_changed` keeps them for that scrape).
+        self._departed: dict[str, None] = {}
+        self.max_departed = MAX_DEPARTED
 
     def watch(self, epoch: Callable[[], float], nodes: Callable[[], float]) -> None:
         self._epoch.set_function(epoch)
@@ -192,17 +199,50 @@ class RouterMetrics:
         """
         current = set(members)
         last, self._last_members = self._last_members, current
+        self._departed.clear()  # this scrape shows them; the next one drops them
         if last is None:
             return  # the first scrape shows every series there is
-        keep = current | last | {NO_NODE}
+        self._drop_series_but(current | last)
+
+    def view_changed(self, members: Iterable[str]) -> None:
+        """The router adopted a view: keep the series of its members and of at
+        most :attr:`max_departed` nodes that left since the last scrape (for it
+        to show their last counts); drop the rest.
+
+        :meth:`forget_departed` alone dropped series only when ``/metrics`` was
+        scraped: a router nobody scraped kept three or four series per node id
+        it ever served, for as long as it ran.
+        """
+        current = set(members)
+        series = self._series()
+        for node in sorted({values[0] for values, _ in series} - current - {NO_NODE}):
+            self._departed.setdefault(node, None)  # newly gone: newest last
+        for back in current & self._departed.keys():
+            del self._departed[back]
+        while len(self._departed) > self.max_departed:
+            del self._departed[next(iter(self._departed))]
+        self._drop(series, current | self._departed.keys())
+
+    def _drop_series_but(self, nodes: set[str]) -> None:
+        """Remove every per-node series of a node not in ``nodes`` (or NO_NODE)."""
+        self._drop(self._series(), nodes)
+
+    def _series(self) -> list[tuple[tuple[str, ...], Callable[..., None]]]:
+        """Every per-node series: its label values (the node's first) and its remover."""
         self._forwards.flush()  # pending counts would bring a dropped series back
+        found: set[tuple[tuple[str, ...], Callable[..., None]]] = set()
         for counter, names, remove in self._per_node:
-            stale: set[tuple[str, ...]] = set()
             for family in counter.collect():
                 for sample in family.samples:
-                    if sample.labels.get("node", "") not in keep:
-                        stale.add(tuple(sample.labels[name] for name in names))
-            for values in stale:
+                    if "node" in sample.labels:
+                        found.add((tuple(sample.labels[name] for name in names), remove))
+        return list(found)
+
+    @staticmethod
+    def _drop(series: list[tuple[tuple[str, ...], Callable[..., None]]], nodes: set[str]) -> None:
+        keep = nodes | {NO_NODE}
+        for values, remove in series:
+            if values[0] not in keep:
                 remove(*values)
 
     def render(self, worker: str | None = None) -> bytes:

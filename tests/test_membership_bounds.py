@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from node.clock import FrozenClock
@@ -153,3 +154,57 @@ async def test_a_crashed_member_whose_url_serves_another_node_is_forgotten(
         assert "n3" not in membership.removed
         assert "answers again" not in caplog.text
         assert [m.id for m in membership.view] == ["n1", "n2"]
+
+
+class _CountingDown(httpx.AsyncBaseTransport):
+    """A host that refuses every connection, and counts the attempts."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.requests += 1
+        raise httpx.ConnectError("node is down", request=request)
+
+
+async def test_a_member_removed_long_ago_is_no_longer_probed_and_can_register_again() -> None:
+    """A router probed every member it removed as crashed (up to 256) every
+    health round for as long as it ran: a node that died for good cost a
+    probe, and a connect timeout, each round forever (the soak tester's
+    finding). Past --forget-removed-after it is forgotten: no probe reaches
+    its address again. Restarted then without --join, the router no longer
+    looks for it; registering (what --join does) brings it back."""
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options={"forget_removed_after": 0.3}
+    ) as cluster:
+        membership = cluster.router.membership
+        await cluster.crash_node("n3")
+        down = cluster._mounts[node_url("n3")] = _CountingDown()
+        await membership.check_health()
+        assert down.requests >= 1 and "n3" in membership.removed
+        await asyncio.sleep(0.35)
+        await membership.check_health()
+        assert "n3" not in membership.removed
+        probed = down.requests
+        for _ in range(3):
+            await membership.check_health()
+        assert down.requests == probed
+        cluster.restart_node("n3")
+        await membership.check_health()
+        await asyncio.sleep(0.05)  # a rejoin would run in the background
+        assert "n3" not in membership.view
+        await membership.join(Member("n3", node_url("n3")))
+        assert membership.view.ids == ("n1", "n2", "n3")
+
+
+async def test_a_member_restarted_without_join_soon_after_its_removal_rejoins() -> None:
+    """What a node restarted without --join relies on, kept: within the first
+    minute after its removal it is probed every round and rejoins."""
+    async with InProcessCluster(3, make_config(), clock=FrozenClock()) as cluster:
+        membership = cluster.router.membership
+        await cluster.crash_node("n3")
+        await membership.check_health()
+        cluster.restart_node("n3")
+        await membership.check_health()
+        await wait_until(lambda: "n3" in membership.view)
+        assert "n3" not in membership.removed

@@ -243,6 +243,28 @@ async def test_a_node_that_left_before_the_first_scrape_is_shown_once() -> None:
     assert node_labels(second) == {"n1", "n2"}
 
 
+async def test_a_router_never_scraped_keeps_the_series_of_few_departed_nodes() -> None:
+    """Per-node series were dropped only by a scrape: a router nobody scraped
+    kept three or four series per node id it ever served (pods under new ids),
+    for as long as it ran (a soak tester's finding). Every view it adopts now
+    drops them but for the last ``max_departed`` nodes gone (64 by default),
+    kept for the next scrape to show once."""
+    config = ClusterConfig(rules=(ScopedRule(Rule("api", 100, 60.0)),))
+    async with InProcessCluster(2, config, clock=FrozenClock()) as cluster:
+        cluster.router.metrics.max_departed = 2
+        for i in range(5):
+            await cluster.add_node(f"pod-{i}")
+            for user in range(30):
+                await cluster.client.get("/hello", headers={"X-User-Id": f"u{user}"})
+            await cluster.remove_node(f"pod-{i}")
+        unscraped = cluster.router.metrics.render().decode()
+        first = (await cluster.client.get("/metrics")).text
+        second = (await cluster.client.get("/metrics")).text
+    assert node_labels(unscraped) == {"n1", "n2", "pod-3", "pod-4"}
+    assert node_labels(first) == {"n1", "n2", "pod-3", "pod-4"}
+    assert node_labels(second) == {"n1", "n2"}
+
+
 def test_a_rule_gone_before_a_nodes_first_scrape_is_shown_once() -> None:
     metrics = NodeMetrics("n1")
     metrics.count("old", True, 3)

@@ -581,6 +581,84 @@ def test_kept_copies_never_overwrite_a_newer_replica() -> None:
     assert all(decide(a, k) == 6 for k in taken_back)
 
 
+def test_replicas_held_are_capped_at_the_stores_max_keys() -> None:
+    """A node capped at --max-keys held its peers' replicas without any cap (a
+    soak tester's finding). Now every origin's replicas together stay within
+    the cap: copies of new keys past it are dropped and counted, those held are
+    kept up to date, and a crash of the owner promotes what is held; the
+    dropped keys start over at their new owner (as under ``reset``)."""
+    v1, v2 = view(["n0", "n1", "n2"], 1), view(["n1", "n2"], 2)
+    a, c = core("n0"), core("n2")
+    for origin in (a, c):
+        origin.apply(v1, None, (), NOW, 0.0)
+        for key in owned_by(v1, origin.id):
+            decide(origin, key)
+    (from_c,) = [batch for batch in c.replica_batches(NOW) if batch.to == "n1"]
+    (from_a,) = [batch for batch in a.replica_batches(NOW) if batch.to == "n1"]
+    # Room for n2's copies and one of n0's.
+    cap = len(from_c.records) + 1
+    b = ShardCore("n1", MemoryStore(max_keys=cap), lambda: config())
+    b.apply(v1, None, (), NOW, 0.0)
+    assert b.receive_replicas("n2", from_c.records, NOW) == cap - 1
+    assert b.receive_replicas("n0", from_a.records, NOW) == 1
+    assert sum(len(r) for r in b.replicas.values()) == cap
+    assert b.stats.replicas_dropped == len(from_a.records) - 1
+    held = b.replicas["n0"].keys()
+    for key in owned_by(v1, "n0"):
+        decide(a, key)  # a second decision: the copies held follow it
+    for batch in a.replica_batches(NOW):
+        if batch.to == "n1":
+            b.receive_replicas("n0", batch.records, NOW)
+    assert sum(len(r) for r in b.replicas.values()) == cap
+    b.apply(v2, v1, ["n0"], NOW, 0.0)
+    taken_over = [k for k in owned_by(v1, "n0") if v2.owner_id(k) == "n1"]
+    counts = {key: decide(b, key) for key in taken_over}
+    assert counts == {key: 3 if key in held else 1 for key in taken_over}
+    assert set(counts.values()) == {1, 3}  # both held and dropped copies among them
+
+
+def test_replicas_of_a_rule_no_longer_in_force_are_dropped_by_the_sweep() -> None:
+    """The primary store keeps a departed rule's states for its return; a
+    replica of one is never promoted (a crash takes the rules in force only),
+    yet it was held until it refilled (an hour here). The sweep drops them."""
+    rules = [config()]
+    v1 = view(["n0", "n1"], 1)
+    a = core("n0")
+    b = ShardCore("n1", MemoryStore(), lambda: rules[0])
+    for each in (a, b):
+        each.apply(v1, None, (), NOW, 0.0)
+    for key in owned_by(v1, "n0"):
+        decide(a, key)
+    (batch,) = a.replica_batches(NOW)
+    assert b.receive_replicas("n0", batch.records, NOW) > 0
+    rules[0] = config(rule=Rule("renamed", LIMIT, 3600.0, algorithm="fixed_window"))
+    b.sweep_replicas(NOW + 1)
+    assert len(b.replicas["n0"]) == 0
+
+
+@pytest.mark.parametrize("on_error", ["open", "closed"])
+def test_the_conservative_policy_writes_no_state_past_max_keys(on_error: str) -> None:
+    """A crashed member's keys start exhausted (crash policy conservative): each
+    one that came in wrote a state, past --max-keys (a soak tester's finding:
+    a node capped at 2 held 26). Within the cap now; past it such a key is
+    decided as any new key of a full store, ``store_full``."""
+    rule = Rule("api", LIMIT, 3600.0, algorithm="fixed_window", on_error=on_error)
+    a = ShardCore("n0", MemoryStore(max_keys=2), lambda: config("conservative", rule=rule))
+    v1, v2 = view(["n0", "n1"], 1), view(["n0"], 2)
+    a.apply(v1, None, (), NOW, 0.0)
+    a.apply(v2, v1, ["n1"], NOW, 0.0)
+    moved = owned_by(v1, "n1")
+    assert len(moved) > 2
+    verdicts = []
+    for key in moved:
+        a.conservative(key, (rule,), NOW)
+        verdicts.append(a.store.check(key, (rule,), NOW))
+    assert len(a.store) == 2 and a.stats.conservative_keys == 2
+    assert [v.allowed for v in verdicts[:2]] == [False, False]  # exhausted
+    assert {v.decision.reason for v in verdicts[2:]} == {"store_full"}
+    assert {v.allowed for v in verdicts[2:]} == {on_error == "open"}
+
+
 def test_a_member_removed_as_crashed_but_alive_hands_everything_back() -> None:
     v1, v2 = view(["n0", "n1"], 1), view(["n1"], 2)
     a = core("n0", lease=Lease(required=True, until=1e9))
