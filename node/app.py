@@ -59,6 +59,7 @@ from node.middleware import (
 from node.peers import INTERNAL_TOKEN_HEADER, Peers, WireError, bulk, decode_records
 from node.peers import decode as decode_body
 from node.rates import RateMeter
+from node.rules import Rule
 from node.security import bearer, refusal, token_matches
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore
@@ -816,16 +817,7 @@ class Node:
             rule = config.rule(name) if type(name) is str else None
             if rule is None:
                 raise ApiError(400, "unknown_rule", f"no rule named {name!r}"[:160])
-            if rule.lease != "auto":
-                raise ApiError(409, "lease_off", f"rule {rule.name!r} has lease = 'off'")
-            # Absent from a router of an earlier version: granted as before.
-            if "definition" in data and data["definition"] != definition(rule):
-                raise ApiError(
-                    409,
-                    "rule_changed",
-                    f"rule {rule.name!r} is defined otherwise here (new rules are on their "
-                    "way): no lease",
-                )
+            _leasable(rule, data)
             key = data.get("key")
             if type(key) is not str or not key or len(key) > config.limits.max_key_length:
                 raise ApiError(400, "invalid_key", "key must be a non-empty string within limits")
@@ -848,6 +840,12 @@ class Node:
                 settlements.append((lease_id, unused))
             await shard.admit(key, (rule,))
             shard.check_owner(key)  # no await from here on: the grant is atomic
+            # New rules may have come in while the admission waited (a handoff):
+            # the grant is of the rule in force now, as the router defines it.
+            now_rule = self.authority.config.rule(rule.name)
+            if now_rule is None:
+                raise ApiError(409, "rule_changed", f"rule {rule.name!r} is gone: no lease")
+            rule = _leasable(now_rule, data)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         except NotOwner as exc:
@@ -969,3 +967,17 @@ def create_app(
 def _given_token(headers: Headers) -> str | None:
     """The internal token a request carries: ``X-Ringlimit-Token``, else a bearer token."""
     return headers.get(INTERNAL_TOKEN_HEADER) or bearer(headers.get("authorization"))
+
+
+def _leasable(rule: Rule, ask: dict[str, Any]) -> Rule:
+    """``rule``, if a quota ask may have a lease of it: ApiError 409 otherwise."""
+    if rule.lease != "auto":
+        raise ApiError(409, "lease_off", f"rule {rule.name!r} has lease = 'off'")
+    # Absent from a router of an earlier version: granted as before.
+    if "definition" in ask and ask["definition"] != definition(rule):
+        raise ApiError(
+            409,
+            "rule_changed",
+            f"rule {rule.name!r} is defined otherwise here (new rules are on their way): no lease",
+        )
+    return rule

@@ -554,8 +554,15 @@ def forwardable(
 ) -> list[msgspec.Raw | None]:
     """``raw`` for :func:`forward_payload`: the text of each check that names its rule;
     None for a check on the ``default`` rules, which a router sends naming the rule
-    it chose (a node decides by the router's rules, as for every check)."""
-    return [None if c.rules is default else r for c, r in zip(checks, raw, strict=True)]
+    it chose (a node decides by the router's rules, as for every check), and for
+    one with a ``null`` in it (or that may have one: a key that spells it), which
+    is written out again from what the router read, without it: a node of an
+    earlier version refuses a null ``cost``, and in a merged batch its 400 failed
+    every other client's checks."""
+    return [
+        None if c.rules is default or b"null" in bytes(r) else r
+        for c, r in zip(checks, raw, strict=True)
+    ]
 
 
 def batch_body(results: Iterable[Result]) -> bytes:

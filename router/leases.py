@@ -197,7 +197,9 @@ class RouterLeases:
             for name in [n for n in self._rules if n not in names]:
                 del self._rules[name]
         self._rules[rule.name] = rule
-        if known is None or known == rule:
+        # What the units are measured in, as the owner compares it: a change of
+        # on_error or shadow alone leaves the leases as they are.
+        if known is None or definition(known) == definition(rule):
             return
         revoked = [k for k in self.book if type(k) is tuple and k[0] == rule.name]
         for entry in revoked:
@@ -270,7 +272,7 @@ class RouterLeases:
             if type(data) is not dict or data.get("lease") is None:
                 return
             current = self._rules.get(rule.name)
-            if current is not rule and current != rule:
+            if current is not rule and (current is None or definition(current) != definition(rule)):
                 return  # redefined while asked: its units are written off
             lease = lease_from_dict(data["lease"], entry)
             said = lease.answer

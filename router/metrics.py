@@ -199,10 +199,14 @@ class RouterMetrics:
         """
         current = set(members)
         last, self._last_members = self._last_members, current
-        self._departed.clear()  # this scrape shows them; the next one drops them
+        # Nodes gone since the last scrape (view_changed kept them): this scrape
+        # shows them, the next one drops them. Dropped here, a node that came and
+        # went between two scrapes never showed its counts.
+        departed = set(self._departed)
+        self._departed.clear()
         if last is None:
             return  # the first scrape shows every series there is
-        self._drop_series_but(current | last)
+        self._drop_series_but(current | last | departed)
 
     def view_changed(self, members: Iterable[str]) -> None:
         """The router adopted a view: keep the series of its members and of at

@@ -762,6 +762,41 @@ async def test_a_quota_ask_for_another_definition_of_its_rule_gets_nothing() -> 
         assert same.status_code == 200, same.text
 
 
+async def test_a_rules_push_during_a_quota_asks_wait_grants_nothing_of_the_old_rule() -> None:
+    """An ask waits in ``Shard.admit`` while a handoff into the node is under way;
+    new rules pushed meanwhile redefine its rule. The grant used the rule as it
+    stood before the wait, so a router still deciding by it got a lease of the
+    old limit's units against a state the new rule governs."""
+    node, _, client = await _leasing_node()
+    async with contextlib.aclosing(client):
+        rule = node.authority.config.rule("hot")
+        assert rule is not None and node.shard is not None
+        waiting, go = asyncio.Event(), asyncio.Event()
+        admit = node.shard.admit
+
+        async def held_admit(key: str, rules: Any) -> bool:  # as a handoff wait would
+            waiting.set()
+            await go.wait()
+            return await admit(key, rules)
+
+        node.shard.admit = held_admit  # type: ignore[method-assign]
+        ask = {"epoch": 1, "rule": "hot", "key": "u", "want": 8, "definition": definition(rule)}
+        asked = asyncio.ensure_future(client.post("/internal/quota", json=ask))
+        await asyncio.wait_for(waiting.wait(), 5.0)
+        lowered = ClusterConfig(
+            rules=(ScopedRule(Rule("hot", 10, 86400.0, lease="auto")),), limits=Limits()
+        )
+        ring = {"epoch": 1, "nodes": [{"id": "n7", "url": "http://n7.test", "weight": 1}]}
+        pushed = await client.put(
+            "/internal/cluster", json={"config": lowered.to_dict(), "ring": ring}
+        )
+        assert pushed.status_code == 200, pushed.text
+        go.set()
+        answer = await asyncio.wait_for(asked, 5.0)
+        assert assert_error(answer, 409)["error"] == "rule_changed"
+        assert node.desk.stats.units_leased == 0
+
+
 async def test_quota_asks_are_fenced_like_decisions() -> None:
     node, _, client = await _leasing_node(epoch=3, members=("n1", "n2", "n3", "n7"))
     async with contextlib.aclosing(client):

@@ -1243,6 +1243,26 @@ async def test_a_lowered_limit_is_not_outrun_by_the_routers_leases() -> None:
         )
 
 
+async def test_a_rules_change_that_keeps_a_rules_units_keeps_its_leases() -> None:
+    """Only what a lease's units are measured in (algorithm, limit, period,
+    burst) revokes them: turning a rule's on_error to closed wrote off every
+    hot key's block (false denials of up to a block per key and router)."""
+    rule = Rule("hot", 100, 86400.0, lease="auto")
+    async with running(make_config(rule)) as cluster:
+        for _ in range(30):
+            assert (await hit(cluster, "alice")).status_code == 200
+        book = cluster.router.leases.book
+        held = book.left(("hot", "alice"), 0.0)
+        assert held > 0
+        closed = {"name": "hot", "rate": "100/day", "lease": "auto", "on_error": "closed"}
+        answer = await cluster.client.put("/admin/rules", json={"rules": [closed]})
+        assert answer.status_code == 200, answer.text
+        admitted = cluster.router.leases.counts["admitted"]
+        assert (await hit(cluster, "alice")).status_code == 200
+        assert cluster.router.leases.counts["admitted"] == admitted + 1  # from the lease
+        assert book.left(("hot", "alice"), 0.0) == held - 1
+
+
 async def test_the_routers_lease_clock_counts_a_suspended_hosts_sleep() -> None:
     """A lease must end at the router no later than at its owner. On
     ``time.monotonic``, which stops while the host is suspended, a router woken
