@@ -70,7 +70,7 @@ from router.membership import Membership
 from router.metrics import RouterMetrics, merge_workers
 from router.protocol import ADMIN_PREFIX, CONTROL_PATHS, ProxyCycle, has_dot_segment
 from router.revival import FORGET_AFTER
-from router.rotation import Rotation
+from router.rotation import Rotation, Search
 
 log = logging.getLogger("ringlimit.router")
 
@@ -364,7 +364,7 @@ class Router:
         stickily again and each user's fallback limiter lives on one node.
         ``EmptyRingError`` when the view has no members.
         """
-        if self.config.balance == "round-robin" and not self.membership.backend_degraded:
+        if self.round_robin():
             members = view.members
             if not members:
                 raise EmptyRingError(f"cannot place a key: ring at epoch {view.epoch} is empty")
@@ -376,13 +376,17 @@ class Router:
         """Whether a request ``member`` could not be reached for goes to another
         node: in round-robin mode any node decides any key, and an unreachable
         one decided nothing (router/rotation.py). Sticky routing: never."""
-        if self.config.balance != "round-robin" or self.membership.backend_degraded:
+        if not self.round_robin():
             return False
         return self.rotation.failed(member, view.members)
 
+    def round_robin(self) -> bool:
+        """Whether any node decides any key now: a shared backend (Redis) that is up."""
+        return self.config.balance == "round-robin" and not self.membership.backend_degraded
+
     def owner_map(self, view: RingView) -> dict[str, Member]:
         """The remembered owners under ``view`` (empty in round-robin mode: pick each)."""
-        if self.config.balance == "round-robin" and not self.membership.backend_degraded:
+        if self.round_robin():
             return {}
         return self._owners.known(view)
 
@@ -525,8 +529,12 @@ class Router:
         ):
             return
         member: Member | None = None
-        for attempt in range(MAX_ATTEMPTS):
-            if attempt and time.perf_counter() - started > self.settings.timeouts.refusals:
+        #: Sends refused while the ring changes; nodes passed over as unreachable are
+        #: the search's to bound (router/rotation.py), made at the first.
+        refused = 0
+        search: Search | None = None
+        while refused < MAX_ATTEMPTS:
+            if refused and time.perf_counter() - started > self.settings.timeouts.refusals:
                 break
             view = self.membership.view
             try:
@@ -579,12 +587,17 @@ class Router:
                 return
             except Unreachable as exc:
                 if await self.membership.newer_view(member):
+                    refused += 1
                     continue  # our view was stale: the key has another owner now
                 if self.passed_on(view, member):
-                    continue  # round-robin: the next node decides it
+                    if search is None:
+                        search = self.rotation.search()
+                    if search.again(len(view)):
+                        continue  # round-robin: the next node decides it
                 unreachable: str | None = str(exc)
             else:
                 if answer.status == 421 and await self.stale(answer, member):
+                    refused += 1
                     continue
                 unreachable = None
                 why = answer.unavailable() if answer.status == 503 else None
@@ -594,6 +607,7 @@ class Router:
                     # this router has not been told: look for a newer view first.
                     self.metrics.outcome(member.id, "lease_expired")
                     if await self.membership.newer_view(member):
+                        refused += 1
                         continue
                     unreachable = "lease expired"
                 elif why == b"token":
@@ -614,6 +628,7 @@ class Router:
                     _text(raw, host),
                     body,
                     unreachable,
+                    search,
                 )
                 return
             self.metrics.forwarded(member.id, answer.status, time.perf_counter() - started)
@@ -742,7 +757,13 @@ class Router:
         headers: list[tuple[str, str]],
         body: bytes,
         reason: str,
+        search: Search | None = None,
     ) -> None:
+        """The rules' ``on_error`` answers for a node that could not decide: a closed
+        rule 503, an open one the request served through another node, unlimited.
+        In round-robin mode, not through a node found unreachable a moment ago, and
+        not past the end of the request's ``search`` for a reachable node: each was
+        a connect timeout, for nodes the search had just tried."""
         config = self.config
         rules = config.rules_for(method, scope["path"], self._resolver().tier(scope))
         closed = [r for r in rules if r.on_error == "closed"]
@@ -762,9 +783,12 @@ class Router:
             )
             return
         self.metrics.outcome(member.id, "unreachable_open")
+        rotating = self.round_robin()
         for other in view.successors(user, len(view)):
-            if other.id == member.id:
+            if other.id == member.id or (rotating and self.rotation.skipped(other)):
                 continue
+            if search is not None and search.over():
+                break
             try:
                 answer = await self.forwarder.request(  # type: ignore[union-attr]
                     method,
@@ -773,6 +797,8 @@ class Router:
                     body,
                 )
             except Unreachable:
+                if rotating:
+                    self.rotation.failed(other, view.members)
                 continue
             except AnswerTooLarge as exc:
                 await self._not_answered(send, other, exc)

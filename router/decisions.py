@@ -43,6 +43,7 @@ from ring import EmptyRingError, Member
 from router.coalesce import Coalescer, Merger
 from router.forward import MAX_ATTEMPTS, NodeTimeout, Unreachable
 from router.leases import ADMIT, FORWARD, leased_rule
+from router.rotation import Search
 
 #: Reasons of a result the router made up for an owner that did not answer.
 UNANSWERED = frozenset({"owner_unreachable", "owner_timeout"})
@@ -50,8 +51,19 @@ UNANSWERED = frozenset({"owner_unreachable", "owner_timeout"})
 if TYPE_CHECKING:
     from router.app import Router
 
-#: A coalesced check that must be routed again (the node refused it: ring change).
-_RETRY = object()
+
+class _Again:
+    """A coalesced or merged check to route again: its node refused it (the ring is
+    changing; ``answer`` None), or could not be reached in round-robin mode, where
+    another node may decide it (``answer``: its rules' ``on_error`` answer, for
+    when no other node can be reached)."""
+
+    __slots__ = ("answer",)
+
+    def __init__(self, answer: Result | None) -> None:
+        self.answer = answer
+
+
 #: The most single checks coalesced into one batch (fewer when the limits say so).
 COALESCED_BATCH = 256
 
@@ -212,35 +224,33 @@ class DecisionAPI:
             return (await self.route_checks([check]))[0]
         started = time.perf_counter()
         result = await self.coalescer.submit(member.id, (member, check))
-        if result is _RETRY:
-            # Refused once already: the rest of its attempts, and of its time.
-            return (await self.route_checks([check], attempted=1, started=started))[0]
+        if type(result) is _Again:
+            # Sent once already: the rest of its attempts, and of its time.
+            return (await self.route_checks([check], again=result, started=started))[0]
         return result  # type: ignore[no-any-return]
 
     async def _send_coalesced(self, node_id: str, items: list[tuple[Member, Check]]) -> list[Any]:
-        checks = [check for _, check in items]
-        results: list[Result | None] = [None] * len(checks)
-        retry: list[int] = []
-        await self._run_group(items[0][0], list(range(len(checks))), checks, results, retry)
-        out: list[Any] = list(results)
-        for index in retry:
-            out[index] = _RETRY
-        return out
+        return await self._send_merged(items[0][0], [check for _, check in items], None)
 
     async def route_checks(
         self,
         checks: Sequence[Check],
         raw: Sequence[Any] | None = None,
         *,
-        attempted: int = 0,
+        again: _Again | None = None,
         started: float | None = None,
     ) -> list[Result]:
         """One result per check, in order: a node's answer as JSON bytes, or the
         router's own (an error, an unreachable owner) as a dict. ``raw``: each
         check's JSON text as the client sent it (node/wire.py's ``raw_checks``),
-        passed on to the node rather than encoded again. ``attempted`` and
-        ``started`` (``perf_counter``): sends already refused and when the first
-        left, for checks that come back from the coalescer."""
+        passed on to the node rather than encoded again. ``again`` and ``started``
+        (``perf_counter``): a single check the coalescer sent once already, and
+        when it left.
+
+        Checks a node refused (the ring is changing) are sent again at most
+        ``MAX_ATTEMPTS`` times in all; checks whose node could not be reached in
+        round-robin mode go to the next node within the request's search
+        (router/rotation.py), then keep their rules' ``on_error`` answer."""
         router = self.router
         if self.merger is not None:
             self._fit()
@@ -248,11 +258,11 @@ class DecisionAPI:
         pending = list(range(len(checks)))
         if started is None:
             started = time.perf_counter()
-        for attempt in range(attempted, MAX_ATTEMPTS):
-            if not pending:
-                break
-            if attempt and time.perf_counter() - started > router.settings.timeouts.refusals:
-                break
+        tries = _Tries(router, started)
+        if again is not None:
+            results[0] = again.answer
+            pending = tries.again(pending, results)
+        while pending:
             view = router.membership.view
             groups: dict[str, list[int]] = {}
             members: dict[str, Member] = {}
@@ -282,12 +292,7 @@ class DecisionAPI:
                     for m, idx in groups.items()
                 )
             )
-            pending = retry
-        for index in pending:
-            results[index] = {
-                "error": "ring_changing",
-                "detail": "the ring is changing; retry shortly",
-            }
+            pending = tries.again(retry, results)
         return _complete(results)
 
     async def _run_merged(
@@ -310,8 +315,9 @@ class DecisionAPI:
             None if raw is None else [raw[i] for i in indices],
         )
         for i, answer in zip(indices, answers, strict=True):
-            if answer is _RETRY:
+            if type(answer) is _Again:
                 retry.append(i)
+                results[i] = answer.answer
             else:
                 results[i] = answer
 
@@ -323,7 +329,7 @@ class DecisionAPI:
         await self._run_group(member, list(range(len(checks))), checks, results, retry, raw)
         out: list[Any] = list(results)
         for index in retry:
-            out[index] = _RETRY
+            out[index] = _Again(results[index])
         return out
 
     async def _run_group(
@@ -336,7 +342,10 @@ class DecisionAPI:
         raw: Sequence[Any] | None = None,
     ) -> None:
         """Send ``checks[i]`` of ``indices`` to ``member`` as one batch; put its answers
-        in ``results``, or the indices to route again in ``retry``."""
+        in ``results``, or the indices to route again in ``retry``: with no result
+        when the node refused them (the ring is changing), with their rules'
+        ``on_error`` answer when it could not be reached in round-robin mode and
+        another node may take them."""
         router = self.router
         if raw is None:
             payload = checks_payload(checks, indices)
@@ -366,15 +375,14 @@ class DecisionAPI:
             router.metrics.outcome(member.id, "node_timeout")
             return
         except Unreachable:
-            if await router.membership.newer_view(member) or router.passed_on(
-                router.membership.view, member
-            ):
-                # Our view was stale (the keys have other owners now), or the
-                # members take turns (round-robin): route them again.
-                retry.extend(indices)
+            if await router.membership.newer_view(member):
+                retry.extend(indices)  # our view was stale: the keys have other owners now
                 return
             for i in indices:
                 results[i] = unreachable_result(checks[i], member.id)
+            if router.passed_on(router.membership.view, member):
+                retry.extend(indices)  # the members take turns (round-robin): the next one
+                return
             router.metrics.outcome(member.id, "unreachable")
             return
         if answer.status == 421 and await router.stale(answer, member):
@@ -420,6 +428,51 @@ class DecisionAPI:
         for i, result in zip(indices, answered, strict=True):
             results[i] = result
         router.metrics.checks(member.id, len(indices))
+
+
+class _Tries:
+    """What one call of :meth:`DecisionAPI.route_checks` has spent: rounds a node
+    refused (the ring is changing: at most ``MAX_ATTEMPTS`` sends, within
+    ``timeouts.refusals`` of the first), and rounds past nodes that could not be
+    reached in round-robin mode (the search's to bound, router/rotation.py)."""
+
+    __slots__ = ("refused", "router", "search", "started")
+
+    def __init__(self, router: Router, started: float) -> None:
+        self.router = router
+        self.started = started
+        self.refused = 0
+        self.search: Search | None = None
+
+    def again(self, retry: list[int], results: list[Result | None]) -> list[int]:
+        """Of a round's checks to route again (``retry``), those to send now, their
+        results cleared; the others keep their answer: ``ring_changing`` for those
+        refused too often, their rules' ``on_error`` for those passed over (their
+        result already) when the search is over."""
+        if not retry:
+            return retry  # every check answered: the usual case
+        refusals = [i for i in retry if results[i] is None]
+        passes = [i for i in retry if results[i] is not None]
+        pending: list[int] = []
+        if refusals:
+            self.refused += 1
+            elapsed = time.perf_counter() - self.started
+            if self.refused < MAX_ATTEMPTS and elapsed <= self.router.settings.timeouts.refusals:
+                pending = refusals
+            else:
+                for i in refusals:
+                    results[i] = {
+                        "error": "ring_changing",
+                        "detail": "the ring is changing; retry shortly",
+                    }
+        if passes:
+            if self.search is None:
+                self.search = self.router.rotation.search()
+            if self.search.again(len(self.router.membership.view)):
+                pending = sorted(pending + passes)  # a key's checks in their order
+        for i in pending:
+            results[i] = None
+        return pending
 
 
 def merged_batch(limits: Limits) -> int:

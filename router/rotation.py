@@ -10,6 +10,13 @@ answered by its rule's ``on_error`` while the other nodes and Redis were well:
 an open rule admitted them uncounted (14 admissions on a limit of 5 in the
 exploratory run), a closed one answered 503.
 
+Passing over a node that cannot be reached is no ring change: it has its own
+bound (:class:`Search`), not the ``MAX_ATTEMPTS`` sends of a request nodes refuse
+while the ring changes (router/forward.py). It used those: a request whose turn
+met eight dead nodes in a row was answered ``503 ring_changing`` while a ninth
+node and Redis were well, and with every node dead the rules' ``on_error`` never
+answered.
+
 Sticky routing has no such choice (the owner holds the key's state) and never
 comes here.
 """
@@ -37,6 +44,17 @@ class Rotation:
         self._turn = itertools.count()
         #: Member id -> until when it is skipped (a few entries at most: members).
         self._down: dict[str, float] = {}
+
+    def search(self) -> Search:
+        """A request's search for a node it can reach, from its first that could not
+        be: for half :attr:`skip_for` (so no node it passed over comes round again
+        meanwhile)."""
+        return Search(self.clock, self.skip_for / 2)
+
+    def skipped(self, member: Member) -> bool:
+        """Whether ``member`` could not be reached a moment ago (it is being skipped)."""
+        until = self._down.get(member.id)
+        return until is not None and self.clock() < until
 
     def next(self, members: Sequence[Member]) -> Member:
         member = members[next(self._turn) % len(members)]
@@ -66,3 +84,31 @@ class Rotation:
         now = self.clock()
         for member_id in [m for m, until in self._down.items() if until <= now]:
             del self._down[member_id]
+
+
+class Search:
+    """One request's way past nodes that cannot be reached: at most one pass per
+    member, within ``budget`` seconds of the first. Worst case, the budget plus one
+    connect timeout (a try that began just before it ran out)."""
+
+    __slots__ = ("budget", "clock", "ends", "passed")
+
+    def __init__(self, clock: Callable[[], float], budget: float) -> None:
+        self.clock = clock
+        self.budget = budget
+        self.passed = 0
+        self.ends: float | None = None
+
+    def again(self, members: int) -> bool:
+        """A node could not be reached and another of ``members`` is not skipped
+        (:meth:`Rotation.failed` said so): may the request try it? Else its rules'
+        ``on_error`` answers."""
+        now = self.clock()
+        if self.ends is None:
+            self.ends = now + self.budget
+        self.passed += 1
+        return self.passed < members and now < self.ends
+
+    def over(self) -> bool:
+        """Whether the search has run out of time (never, before it began)."""
+        return self.ends is not None and self.clock() >= self.ends

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from router.rotation import SKIP_FOR
 from tests.processes import ROOT, Proc, Procs, free_port, wait_for
 from tests.redis_server import RedisServer
 
@@ -633,3 +634,74 @@ def test_a_killed_node_is_passed_over_while_redis_decides_on_the_others(
             batch = client.post("/v1/check", json={"checks": checks}).json()["results"]
             assert [r["allowed"] for r in batch] == [True, False, False, False], batch
             assert not any("reason" in r for r in single + batch), (single, batch)
+
+
+def test_many_killed_nodes_are_passed_over_without_using_up_the_ring_changes_attempts(
+    redis: RedisServer, procs: Procs, tmp_path: Path
+) -> None:
+    """Round-robin past unreachable nodes is not a ring change. Each node the router
+    could not connect to used one of the MAX_ATTEMPTS (8) sends meant for nodes that
+    refuse while the ring changes: with 8 of 9 nodes killed (kill -9, the router's
+    probes slowed so none is removed), a request whose turn met the 8 dead ones in a
+    row got ``503 ring_changing`` (an open rule as well as a closed one), though the
+    ninth node and Redis were well, once the dead nodes' 2 s skips (router/rotation.py)
+    had run out. And with every node dead a request answered ring_changing, not its
+    rule's on_error. Now the search past unreachable nodes has its own bounds (the
+    members, and a second), and when no node is left the rules' on_error answers."""
+    config = tmp_path / "cluster.toml"
+    config.write_text(CONFIG)
+    flags = ("--config", str(config), "--backend", "redis", "--redis-url", redis.url)
+    ids = [f"n{i}" for i in range(1, 10)]  # sorted: the turn meets n1..n8 before n9
+    nodes = procs.nodes(ids, *flags)
+    seeds = [arg for node_id, (_, url) in nodes.items() for arg in ("--node", f"{node_id}={url}")]
+    _, router = procs.router(
+        None, "--config", str(config), "--health-interval", "30", "--failure-threshold", "5", *seeds
+    )
+    for node_id in ids[:-1]:
+        nodes[node_id][0].kill9()
+    skips_run_out = SKIP_FOR + 0.2
+    with httpx.Client(base_url=router, timeout=10.0) as client:
+        assert client.get("/healthz").json()["nodes"] == len(ids)  # the dead still in the ring
+        for round_, path in enumerate(("/open/x", "/closed/x", "single", "batch")):
+            if round_:
+                time.sleep(skips_run_out)  # no node skipped: each dead one met again
+            user = f"u{round_}"
+            if path == "single":
+                answers = [
+                    client.post("/v1/check", json={"key": user, "rule": "closed"}) for _ in range(6)
+                ]
+                assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+                results = [a.json() for a in answers]
+            elif path == "batch":
+                checks = [{"key": user, "rule": "closed"} for _ in range(6)]
+                answer = client.post("/v1/check", json={"checks": checks})
+                assert answer.status_code == 200, answer.text
+                results = answer.json()["results"]
+            else:
+                answers = [client.get(path, headers={"X-User-Id": user}) for _ in range(6)]
+                statuses = [a.status_code for a in answers]
+                assert statuses == [200] * 5 + [429], (path, [a.text for a in answers])
+                assert {a.headers["x-ringlimit-node"] for a in answers} == {"n9"}
+                continue
+            assert [r["allowed"] for r in results] == [True] * 5 + [False], results
+            assert {r["node"] for r in results} == {"n9"}, results
+        # No node left: the rules' on_error answers (the first request after the
+        # skips ran out meets every dead node; the next, every node skipped).
+        nodes["n9"][0].kill9()
+        time.sleep(skips_run_out)
+        open_ = client.get("/open/x", headers={"X-User-Id": "v"})
+        assert (open_.status_code, open_.json()["error"]) == (502, "no_node_available")
+        closed = client.get("/closed/x", headers={"X-User-Id": "v"})
+        assert (closed.status_code, closed.json()["error"]) == (503, "limiter_unavailable")
+        time.sleep(skips_run_out)
+        checks = [{"key": "v", "rule": rule} for rule in ("open", "closed")]
+        batch = client.post("/v1/check", json={"checks": checks})
+        assert batch.status_code == 200, batch.text
+        results = batch.json()["results"]
+        assert [(r.get("allowed"), r.get("reason")) for r in results] == [
+            (True, "owner_unreachable"),
+            (False, "owner_unreachable"),
+        ], results
+        single = client.post("/v1/check", json={"key": "v", "rule": "closed"})
+        assert single.status_code == 503, single.text
+        assert single.json()["reason"] == "owner_unreachable", single.text

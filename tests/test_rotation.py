@@ -33,3 +33,31 @@ def test_when_every_member_failed_there_is_nowhere_else_to_go() -> None:
     clock.advance(2.0)
     assert rotation.failed(MEMBERS[0], MEMBERS)  # the others' time is up
     assert rotation._down.keys() == {"n1"}  # bounded: the expired are gone
+
+
+def test_a_search_passes_each_member_once_within_half_the_skip() -> None:
+    """A request's search past unreachable nodes is bounded by the members and by
+    time (not by the ring change's MAX_ATTEMPTS): within half the skip, so none of
+    the nodes it passed over comes round again meanwhile."""
+    clock = FrozenClock()
+    rotation = Rotation(clock, skip_for=2.0)
+    search = rotation.search()
+    assert not search.over()  # not begun: no time runs
+    clock.advance(5.0)
+    assert search.again(3) and search.again(3)  # its time starts at the first pass
+    assert not search.again(3)  # as many passes as members: none left to try
+    search = rotation.search()
+    assert search.again(10)
+    clock.advance(0.99)
+    assert search.again(10) and not search.over()
+    clock.advance(0.01)
+    assert search.over() and not search.again(10)  # 1 s on: the rules' on_error answers
+
+
+def test_a_member_that_failed_is_skipped_until_its_time_is_up() -> None:
+    clock = FrozenClock()
+    rotation = Rotation(clock, skip_for=2.0)
+    assert rotation.failed(MEMBERS[0], MEMBERS)
+    assert rotation.skipped(MEMBERS[0]) and not rotation.skipped(MEMBERS[1])
+    clock.advance(2.0)
+    assert not rotation.skipped(MEMBERS[0])
