@@ -11,19 +11,24 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import json
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.processes import ROOT, Proc, Procs, free_port, wait_for
 from tests.redis_server import RedisServer
+from tests.test_upstream_forwarding import wsgi_serving
 
 pytestmark = [pytest.mark.redis, pytest.mark.integration]
 
@@ -633,3 +638,78 @@ def test_a_killed_node_is_passed_over_while_redis_decides_on_the_others(
             batch = client.post("/v1/check", json={"checks": checks}).json()["results"]
             assert [r["allowed"] for r in batch] == [True, False, False, False], batch
             assert not any("reason" in r for r in single + batch), (single, batch)
+
+
+@contextlib.contextmanager
+def headers_echo() -> Iterator[str]:
+    """A real HTTP server (wsgiref) answering 200 with the request's fields as
+    JSON: what an application behind a node's ``--upstream`` is told."""
+
+    def app(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        fields = [
+            [name[5:].replace("_", "-").lower(), value]
+            for name, value in environ.items()
+            if name.startswith("HTTP_")
+        ]
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [json.dumps(fields).encode()]
+
+    with wsgi_serving(app) as url:
+        yield url
+
+
+def test_a_request_the_fallback_decided_is_marked_for_the_client_and_the_application(
+    redis: RedisServer, procs: Procs, tmp_path: Path
+) -> None:
+    """While Redis is down the node's local limiter decides open rules; the proxy
+    path now says so, as the decision API's ``reason: backend_unavailable`` does:
+    ``X-Ringlimit-Degraded: backend-unavailable`` on the answer (200, 429 and the
+    closed rule's 503) and on the request the application behind the node gets
+    (here an ``--upstream``). Before, a 200 the fresh local limiter admitted
+    carried ordinary RateLimit fields only, and neither the client nor the
+    application could tell. A client's own field of that name never reaches the
+    application, with Redis up or down."""
+    config = tmp_path / "cluster.toml"
+    config.write_text(CONFIG)
+    with headers_echo() as upstream:
+        _, node_url = procs.node(
+            "n1",
+            None,
+            *("--config", str(config), "--backend", "redis", "--redis-url", redis.url),
+            *("--upstream", upstream),
+        )
+        _, router = procs.router(
+            None, "--config", str(config), "--health-interval", "0.2", "--node", f"n1={node_url}"
+        )
+        forged = {"X-User-Id": "mallory", "X-Ringlimit-Degraded": "backend-unavailable"}
+
+        def told(answer: httpx.Response) -> list[str]:
+            """The application's request fields of that name."""
+            return [v for k, v in answer.json() if k == "x-ringlimit-degraded"]
+
+        with httpx.Client(base_url=router, timeout=5.0) as client:
+            healthy = client.get("/open/x", headers={"X-User-Id": "alice"})
+            assert healthy.status_code == 200, healthy.text
+            assert "x-ringlimit-degraded" not in healthy.headers
+            assert told(healthy) == []
+            direct = httpx.get(f"{node_url}/open/x", headers=forged, timeout=5.0)
+            assert direct.status_code == 200 and told(direct) == [], direct.text
+
+            redis.stop()
+            answers = [client.get("/open/x", headers={"X-User-Id": "bob"}) for _ in range(6)]
+            assert [a.status_code for a in answers] == [200] * 5 + [429]
+            for answer in answers:
+                assert answer.headers["x-ringlimit-degraded"] == "backend-unavailable"
+            assert all(told(a) == ["backend-unavailable"] for a in answers[:5])
+            assert answers[5].json()["reason"] == "backend_unavailable"
+            shut = client.get("/closed/x", headers={"X-User-Id": "bob"})
+            assert shut.status_code == 503, shut.text
+            assert shut.headers["x-ringlimit-degraded"] == "backend-unavailable"
+            check = client.post("/v1/check", json={"key": "carol", "rule": "open"}).json()
+            assert check["reason"] == "backend_unavailable"
+            direct = httpx.get(
+                f"{node_url}/open/x",
+                headers={**forged, "X-Ringlimit-Degraded": "forged"},
+                timeout=5.0,
+            )
+            assert told(direct) == ["backend-unavailable"], direct.text
