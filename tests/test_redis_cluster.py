@@ -546,35 +546,56 @@ def test_every_worker_routes_stickily_while_redis_is_down(
     user's requests went to every node's fresh limiter: one extra quota per node."""
     from tests.test_workers import workers
 
-    config = tmp_path / "cluster.toml"
-    config.write_text(CONFIG)
-    flags = ("--config", str(config), "--backend", "redis", "--redis-url", redis.url)
-    seeds = []
-    for node_id, (_, url) in procs.nodes(["n1", "n2"], *flags).items():
-        seeds += ["--node", f"{node_id}={url}"]
+    config, seeds = redis_nodes(procs, tmp_path, redis, ["n1", "n2"])
     router_proc, router = procs.router(
         None, "--config", str(config), "--workers", "2", "--health-interval", "0.2", *seeds
     )
     assert wait_for(lambda: len(workers(router_proc)) == 2, timeout=10.0), router_proc.output()
     admins = [admin for _, admin in workers(router_proc).values()]
+    sticky_while_down(redis, admins, [router])
 
-    def balance(admin: str) -> str:
+
+def redis_nodes(
+    procs: Procs, tmp_path: Path, redis: RedisServer, node_ids: list[str]
+) -> tuple[Path, list[str]]:
+    """Nodes deciding in ``redis`` by CONFIG's rules: (the config file, the
+    routers' ``--node`` seeds)."""
+    config = tmp_path / "cluster.toml"
+    config.write_text(CONFIG)
+    flags = ("--config", str(config), "--backend", "redis", "--redis-url", redis.url)
+    seeds = []
+    for node_id, (_, url) in procs.nodes(node_ids, *flags).items():
+        seeds += ["--node", f"{node_id}={url}"]
+    return config, seeds
+
+
+def balances(routers: list[str]) -> list[str]:
+    """Each router's effective balance (its ``/healthz``)."""
+    found = []
+    for url in routers:
         try:
-            return str(httpx.get(f"{admin}/healthz", timeout=5.0).json()["balance"])
-        except httpx.HTTPError as exc:  # a worker not listening yet
-            return type(exc).__name__
+            found.append(str(httpx.get(f"{url}/healthz", timeout=5.0).json()["balance"]))
+        except httpx.HTTPError as exc:  # not listening yet
+            found.append(type(exc).__name__)
+    return found
 
-    def balances() -> list[str]:
-        return [balance(admin) for admin in admins]
 
-    assert wait_for(lambda: balances() == ["round-robin"] * 2, timeout=10.0), balances()
+def sticky_while_down(redis: RedisServer, routers: list[str], entries: list[str]) -> None:
+    """Every one of ``routers`` routes round-robin, stickily within 5 s of
+    Redis's stop (requests through ``entries`` in turn make the nodes find it
+    down), and round-robin again within 10 s of its start."""
+    assert wait_for(lambda: balances(routers) == ["round-robin"] * len(routers), 10.0)
     redis.stop()
-    with httpx.Client(base_url=router, timeout=5.0) as client:
+    with httpx.Client(timeout=5.0) as client:
         for i in range(10):  # the nodes find Redis down at their next check
-            assert client.get("/open/x", headers={"X-User-Id": f"u{i}"}).status_code == 200
-    assert wait_for(lambda: balances() == ["sticky"] * 2, timeout=5.0), balances()
+            entry = entries[i % len(entries)]
+            answer = client.get(f"{entry}/open/x", headers={"X-User-Id": f"u{i}"})
+            assert answer.status_code == 200, answer.text
+    sticky = ["sticky"] * len(routers)
+    assert wait_for(lambda: balances(routers) == sticky, 5.0), balances(routers)
     redis.start()
-    assert wait_for(lambda: balances() == ["round-robin"] * 2, timeout=10.0), balances()
+    again = ["round-robin"] * len(routers)
+    assert wait_for(lambda: balances(routers) == again, 10.0), balances(routers)
 
 
 def test_a_batchs_checks_of_one_key_are_decided_in_order_under_round_robin(
@@ -713,3 +734,29 @@ def test_a_request_the_fallback_decided_is_marked_for_the_client_and_the_applica
                 timeout=5.0,
             )
             assert told(direct) == ["backend-unavailable"], direct.text
+
+
+@pytest.mark.etcd
+def test_every_router_on_etcd_routes_stickily_while_redis_is_down(
+    redis: RedisServer, procs: Procs, tmp_path: Path, etcd_endpoint: str
+) -> None:
+    """Two routers on one etcd in front of Redis nodes: while Redis is down each
+    node's fallback limiter counts alone, so the router that does not lead must
+    hash users onto the ring too. Before: it probed nothing (only the leader
+    does) and kept round-robin for the whole outage, so each user's requests
+    through it reached every node's fresh limiter: up to one extra quota per node."""
+    config, seeds = redis_nodes(procs, tmp_path, redis, ["n1", "n2"])
+    routers = []
+    for _ in range(2):
+        _, url = procs.router(
+            None,
+            *("--config", str(config), "--coordinator", etcd_endpoint, "--cluster", "redis"),
+            *("--health-interval", "0.2", *seeds),
+        )
+        routers.append(url)
+
+    def leading() -> list[bool]:
+        return [httpx.get(f"{url}/admin/ring").json()["coordinator"]["leading"] for url in routers]
+
+    assert wait_for(lambda: sorted(leading()) == [False, True], 15), leading()
+    sticky_while_down(redis, routers, routers)
