@@ -49,6 +49,13 @@ from node.shadow import denied_names, has_shadow
 
 #: Names the shadow rules that would have denied a request they let through.
 SHADOW_HEADER = b"ringlimit-shadow"
+#: Says that the cluster's usual limiter did not decide a request, and why: on
+#: the answer to the client and on the request the application behind a node
+#: gets (docs/redis.md, docs/rebalancing.md). The values are the decision API's
+#: reasons, hyphenated: ``backend-unavailable`` (Redis down, the node's local
+#: fallback decided), ``backend-error`` (Redis answered that check with an error)
+#: and ``owner-unreachable`` (admitted uncounted: the key's owner did not answer).
+DEGRADED_HEADER = b"x-ringlimit-degraded"
 
 #: Section 5.1 and 10.2.1 of the draft.
 QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
 from functools import lru_cache
+from typing import Any
 from urllib.parse import unquote
 
 from node.asgi import (
@@ -28,8 +29,14 @@ from node.asgi import (
 from node.authority import Authority
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig, ScopedRule
-from node.decision import BACKEND_ERROR, BACKEND_UNAVAILABLE, STORE_FULL
-from node.headers import HeaderCache, denial_response, settle_legacy
+from node.decision import BACKEND_ERROR, BACKEND_UNAVAILABLE, STORE_FULL, Verdict
+from node.headers import (
+    DEGRADED_HEADER,
+    HeaderCache,
+    Rendered,
+    denial_response,
+    settle_legacy,
+)
 from node.identity import IdentityResolver, InvalidUserId, header_text, preflight_origin
 from node.peers import INTERNAL_TOKEN_HEADER
 from node.rules import Rule, parse_rule
@@ -41,13 +48,16 @@ FAILOVER_HEADER = b"x-ringlimit-failover"
 #: A router admitted this request from a quota lease (docs/hotkeys.md): serve, do not decide.
 LEASED_HEADER = b"x-ringlimit-leased"
 TOKEN_HEADER = INTERNAL_TOKEN_HEADER.lower().encode()
-#: Fields a router adds that the application behind a node never sees.
-_OWN_FIELDS = frozenset({KEY_HEADER, TOKEN_HEADER, FAILOVER_HEADER, LEASED_HEADER})
+#: Fields a router adds that the application behind a node never sees (and the
+#: node's own mark, which only the node may set: a client's is dropped).
+_OWN_FIELDS = frozenset({KEY_HEADER, TOKEN_HEADER, FAILOVER_HEADER, LEASED_HEADER, DEGRADED_HEADER})
 #: Reasons of a denial the backend or the store, not the count, made (503, not
 #: 429, when closed).
 _UNDECIDED = frozenset({BACKEND_UNAVAILABLE, BACKEND_ERROR, STORE_FULL})
+#: ``X-Ringlimit-Degraded`` of a decision the backend's fallback made, by reason.
+_DEGRADED = {BACKEND_UNAVAILABLE: b"backend-unavailable", BACKEND_ERROR: b"backend-error"}
 #: What the middleware looks for in a request's fields (see :class:`_Prepared`).
-_KEY, _TOKEN, _FAILOVER, _BYPASS, _TIER, _LEASED = range(6)
+_KEY, _TOKEN, _FAILOVER, _BYPASS, _TIER, _LEASED, _FORGED = range(7)
 
 
 class _Prepared:
@@ -71,6 +81,7 @@ class _Prepared:
         watched[config.bypass_header.lower().encode()] = _BYPASS
         watched[FAILOVER_HEADER] = _FAILOVER
         watched[LEASED_HEADER] = _LEASED
+        watched[DEGRADED_HEADER] = _FORGED
         watched[TOKEN_HEADER] = _TOKEN
         watched[KEY_HEADER] = _KEY
         self.watched = watched
@@ -142,6 +153,7 @@ class RateLimitMiddleware:
         if prepared is None or prepared.config is not config:
             prepared = self._for(config)
         routed_key = token = failover = bypass = tier = leased = None
+        forged = False
         watched = prepared.watched
         headers = scope["headers"]
         for name, value in headers:
@@ -158,6 +170,8 @@ class RateLimitMiddleware:
                 bypass = value
             elif kind == _LEASED:
                 leased = value
+            elif kind == _FORGED:
+                forged = True
             elif tier is None:
                 # The first, read as a router reads it (IdentityResolver.tier: UTF-8,
                 # else latin-1): the rules it judged the request by are decided here.
@@ -167,6 +181,7 @@ class RateLimitMiddleware:
             or token is not None
             or failover is not None
             or leased is not None
+            or forged
         ):
             # ringlimit's own fields (the internal token above all) never reach the app.
             scope["headers"] = [field for field in headers if field[0] not in _OWN_FIELDS]
@@ -201,7 +216,10 @@ class RateLimitMiddleware:
             return
         if failover is not None and trusted:
             # The owner of this key is unreachable and its rules say fail open.
-            await self.app(scope, receive, _adding(send, [(b"x-ringlimit-degraded", failover)]))
+            # Marked on the answer and on the request the application gets.
+            degraded = [(DEGRADED_HEADER, failover)]
+            scope["headers"] = [*scope["headers"], *degraded]
+            await self.app(scope, receive, _adding(send, degraded))
             return
         if leased is not None and trusted:
             # Admitted by the router from a lease the key's owner granted: decided already.
@@ -254,8 +272,10 @@ class RateLimitMiddleware:
             # Decided without a coroutine when nothing has to wait (Authority.decide_now);
             # an authority without it (a stand-in) is always awaited.
             verdict = authority.decide_now(user, rules, 1) if type(authority) is Authority else None
+            mark = None  # (decide_now decides in memory: never a fallback's decision)
             if verdict is None:
                 verdict = await authority.decide(user, rules, 1)
+                mark = degraded_mark(verdict)
         except NotOwner as exc:
             await send_json(send, 421, not_owner_body(exc), not_owner_headers(exc))
             return
@@ -263,6 +283,9 @@ class RateLimitMiddleware:
             if authority.metrics is not None:
                 authority.metrics.error("lease_expired")
             await send_json(send, 503, lease_expired_body(exc), LEASE_EXPIRED_HEADERS)
+            return
+        if mark is not None:
+            await self._degraded(scope, receive, send, prepared, user, rules, verdict, mark)
             return
         if verdict.allowed:
             state = scope.get("state")  # a server's scope has one: no setdefault's spare {}
@@ -281,17 +304,71 @@ class RateLimitMiddleware:
                 await self.app(scope, receive, _adding(send, fields))
             return
         fields = prepared.headers.render(rules, verdict, self.wall_clock())
-        # A rule that fails closed while its backend is down, answered this check
-        # with an error (backend_error) or found no room for a new key in the store
-        # (store_full): the service, not the client, is the problem, so 503 rather
-        # than 429. (An open rule decided by the local
-        # fallback carries the same reason but a real retry time: that client is
-        # over its limit, a 429.)
-        decision = verdict.decision
-        closed = decision.reason in _UNDECIDED and decision.retry_after is None
-        status = 503 if closed else 429
-        body, content_type = denial_response(verdict, status, config.denial_format)
+        status, body, content_type = denial(config, verdict)
         await send_json(send, status, body, fields, content_type)
+
+    async def _degraded(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        prepared: _Prepared,
+        user: str,
+        rules: tuple[Rule, ...],
+        verdict: Verdict,
+        mark: bytes,
+    ) -> None:
+        """Answer a request the backend's fallback decided (Redis down, or its
+        error reply to this check): as any other, plus ``X-Ringlimit-Degraded`` on
+        the answer and, when allowed, on the request the application gets (and
+        ``degraded`` in its ``scope["state"]["ringlimit"]``). Without it a 200
+        the node's fresh local limiter admitted looked like one Redis counted; only
+        the decision API said ``reason: backend_unavailable``."""
+        fields = prepared.headers.rendered(rules, verdict, self.wall_clock())
+        marked = Rendered(
+            (*fields.fields, (DEGRADED_HEADER, mark)),
+            fields.lines + b"%s: %s\r\n" % (DEGRADED_HEADER, mark),
+        )
+        if not verdict.allowed:
+            status, body, content_type = denial(prepared.config, verdict)
+            await send_json(send, status, body, marked.fields, content_type)
+            return
+        state = scope.setdefault("state", {})
+        state["ringlimit"] = {"key": user, "verdict": verdict, "degraded": mark.decode()}
+        scope["headers"] = [*scope["headers"], (DEGRADED_HEADER, mark)]
+        extensions = scope.get("extensions")
+        added = extensions.get(RESPONSE_FIELDS) if extensions else None
+        if added is not None:
+            added[self] = marked
+            await self.app(scope, receive, send)
+        else:
+            await self.app(scope, receive, _adding(send, marked.fields))
+
+
+def degraded_mark(verdict: Verdict) -> bytes | None:
+    """``X-Ringlimit-Degraded``'s value when a backend's fallback decided any of
+    ``verdict``'s rules (a rule that can never pass keeps its own reason)."""
+    for decision in verdict.decisions:
+        mark = _DEGRADED.get(decision.reason) if decision.reason is not None else None
+        if mark is not None:
+            return mark
+    return None
+
+
+def denial(config: ClusterConfig, verdict: Verdict) -> tuple[int, dict[str, Any], bytes]:
+    """``(status, body, content type)`` of a denied request.
+
+    A rule that fails closed while its backend is down, answered this check
+    with an error (backend_error) or found no room for a new key in the store
+    (store_full): the service, not the client, is the problem, so 503 rather
+    than 429. (An open rule decided by the local fallback carries the same
+    reason but a real retry time: that client is over its limit, a 429.)
+    """
+    decision = verdict.decision
+    closed = decision.reason in _UNDECIDED and decision.retry_after is None
+    status = 503 if closed else 429
+    body, content_type = denial_response(verdict, status, config.denial_format)
+    return status, body, content_type
 
 
 def not_owner_body(exc: NotOwner) -> dict[str, object]:

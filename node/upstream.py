@@ -15,6 +15,7 @@ from node.asgi import ASGIApp, RawHeaders, Receive, Scope, Send, drain, dumps, s
 from node.config import UPSTREAM_IDLE, UPSTREAM_TIMEOUT
 from node.failures import Failures
 from node.frontdoor import FrontDoor
+from node.headers import DEGRADED_HEADER
 from node.hopbyhop import HOP_BY_HOP, NO_CONTENT, passed_on
 from node.identity import header_text
 
@@ -290,10 +291,12 @@ class UpstreamApp:
         message goes (from then on, a ``http.disconnect`` is the answer's end)."""
         # header_text: valid UTF-8 stays UTF-8, which aiohttp writes back byte for byte.
         fields = scope["headers"]
+        # ringlimit's fields stay in the cluster, except the node's mark of a request
+        # its usual limiter did not decide (the middleware drops a client's).
         headers = [
             (k.decode("latin-1"), header_text(v))
             for k, v in passed_on(fields, NOT_FORWARDED)
-            if not k.startswith(b"x-ringlimit-")
+            if not k.startswith(b"x-ringlimit-") or k == DEGRADED_HEADER
         ]
         # The upstream gets its own Host (as nginx sends it); the client's goes in
         # X-Forwarded-Host, unless a proxy ahead set one, for the absolute URLs and

@@ -1298,7 +1298,7 @@ def _run_up(args: argparse.Namespace) -> int:
     _check_upstream_seconds(args)
     _check_router_numbers(args)  # those of its router that ``up`` takes
     _redis_pipeline(args)
-    _redis_timeout(args)
+    _warn_redis_timeout(_redis_timeout(args), args.forward_timeout, config)
     if args.nodes < 1:
         raise ValueError("--nodes must be at least 1")
     _check_node_ports(args)
@@ -1668,6 +1668,28 @@ def _warn_keep_alive(front_door: FrontDoor) -> None:
     said = front_door.reuse_warning()
     if said is not None:
         print(f"ringlimit: warning: {said}", file=sys.stderr)
+
+
+def _warn_redis_timeout(
+    redis_timeout: float, forward_timeout: float | None, config: ClusterConfig
+) -> None:
+    """``up`` with a Redis timeout not below its router's forward timeout: while
+    Redis hangs the router gives up on the node first, so clients get 504s where
+    the node would have answered by its rules' on_error. Said, not refused: each
+    value is valid, and a Redis that answers in time never shows it (as the
+    keep-alive warning). A router and nodes started apart cannot see both values
+    (docs/redis.md says so)."""
+    from router.forward import Timeouts
+
+    forward = Timeouts.total if forward_timeout is None else forward_timeout
+    if config.backend == "redis" and redis_timeout >= forward:
+        print(
+            f"ringlimit: warning: --redis-timeout {redis_timeout:g} is not below the "
+            f"router's --forward-timeout {forward:g}: while Redis hangs, clients get 504 "
+            "node_timeout before a node gives up on Redis and answers by on_error; keep "
+            "it below",
+            file=sys.stderr,
+        )
 
 
 def _warn_modes(config: ClusterConfig) -> None:

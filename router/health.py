@@ -11,7 +11,10 @@ removals run beside the loop, never in it: one may wait for the membership
 lock, and leases must keep being renewed meanwhile. A removal does not wait
 behind a change under way, though: it preempts it (Membership.preempt:
 pushes to the condemned member are abandoned, members that applied the view
-are no longer waited for, and a join not committed yet yields the lock).
+are no longer waited for, and a join not committed yet yields the lock). A
+router on etcd that does not lead asks the members only whether their shared
+backend (Redis) is up, in round-robin mode, since it routes by that too
+(:meth:`HealthMonitor.check_backends`).
 
 The monitor is a part of the membership (router/membership.py) and works on
 its state: the view, the per-member :class:`Health`, the lock and the counters.
@@ -76,13 +79,16 @@ class HealthMonitor:
         m = self.membership
         while True:
             await asyncio.sleep(m.health_interval)
-            if not m.leading:
-                continue  # with etcd, only the leader probes, removes and grants leases
             try:
-                # Removals run beside the loop: one waits for the lock (a change
-                # under way), and leases must keep being renewed meanwhile.
-                # Through the membership: its check_health is the seam tests replace.
-                await m.check_health(wait=False)
+                if m.leading:
+                    # Removals run beside the loop: one waits for the lock (a change
+                    # under way), and leases must keep being renewed meanwhile.
+                    # Through the membership: its check_health is the seam tests replace.
+                    await m.check_health(wait=False)
+                elif m.config.balance == "round-robin":
+                    # With etcd, only the leader probes, removes and grants leases;
+                    # the others still route, so they ask whether Redis is up.
+                    await self.check_backends()
             except Exception as exc:  # the loop outlives any one failure, never silently
                 m.failures.record("health_loop", exc)
 
@@ -98,6 +104,27 @@ class HealthMonitor:
         if wait and removals:
             await asyncio.gather(*removals)
         await self._probe_all_removed()
+
+    async def check_backends(self) -> None:
+        """A router that does not lead (etcd elected another): ask every member's
+        ``/healthz`` whether its shared backend (Redis) is up, and nothing else
+        (no lease, no failure count, no repair). Its own probes rather than the
+        leader's word through etcd: they need nothing of the leader (one that died
+        or lost etcd while Redis was down told nobody) and no record in etcd for a
+        state that flips with every outage, at one GET per member per interval,
+        round-robin clusters only. Before, such a router kept round-robin for the
+        whole outage, each user's requests through it reaching every node's fresh
+        local limiter. A member that does not answer keeps what it said last."""
+        m = self.membership
+        view = m.view
+        answers = await asyncio.gather(
+            *(m.nodes.healthz(member, m.health_timeout) for member in view)
+        )
+        for member, data in zip(view, answers, strict=True):
+            if data is not None:
+                health = m.health.setdefault(member.id, Health())
+                health.backend_available = bool(data.get("backend_available", True))
+        self._report_degraded()
 
     async def _probe(self, member: Member, view: RingView) -> bool:
         m = self.membership

@@ -1595,9 +1595,11 @@ class Membership:
     @property
     def backend_degraded(self) -> bool:
         """A node reports its shared backend (Redis) down, so users are routed
-        stickily to the nodes' local limiters: by this router's own probes, or, for
-        a follower (which probes nothing), by the leader's at the last poll. Before,
-        a follower worker kept round-robin for the whole outage."""
+        stickily to the nodes' local limiters: by this router's own probes (a
+        router on etcd that does not lead asks for this alone: HealthMonitor.
+        check_backends), or, for a follower worker (which probes nothing), by the
+        leader's at the last poll. Before, a follower worker kept round-robin for
+        the whole outage."""
         return self.leader_backend_degraded or any(
             not h.backend_available for h in self.health.values()
         )

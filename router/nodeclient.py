@@ -208,11 +208,20 @@ class NodeClient:
 
     async def epoch(self, member: Member, within: float) -> int | None:
         """The epoch the member's ``/healthz`` reports (None: no usable answer)."""
+        data = await self.healthz(member, within)
+        try:
+            return None if data is None else int(data.get("epoch", 0))
+        except (ValueError, TypeError):
+            return None
+
+    async def healthz(self, member: Member, within: float) -> dict[str, Any] | None:
+        """The member's ``/healthz`` object (None: no answer, or not a JSON object)."""
         try:
             response = await self.client.get(member.url.rstrip("/") + "/healthz", timeout=within)
-            return int(response.json().get("epoch", 0))
-        except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+            data = response.json()
+        except (httpx.HTTPError, ValueError):
             return None
+        return data if isinstance(data, dict) else None
 
     @typing.overload
     async def discover(self, members: list[Member], within: float) -> RingView | None: ...

@@ -916,3 +916,48 @@ def test_an_admin_answer_that_never_ends_is_cut_off_at_the_timeout(
 
 def test_an_admin_timeout_that_is_not_seconds_is_one_line() -> None:
     one_line_failure(ringlimit("nodes", "list", "--timeout", "0"), "--timeout 0: must be above 0")
+
+
+def test_a_redis_timeout_the_router_would_not_wait_for_is_warned_of(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``up --backend redis --redis-timeout 5 --forward-timeout 1``: with Redis
+    stopped (SIGSTOP) a request was answered 504 node_timeout after 1 s, where the
+    node would have decided by on_error at 5 s; nothing said so at start. Now one
+    line names both values and the consequence (only in Redis mode, only when the
+    Redis timeout is not below the forward timeout, 3 s by default)."""
+    from router.cli import _redis_timeout, _warn_redis_timeout, build_parser, cluster_config
+
+    cases = (
+        (["--redis-timeout", "5", "--forward-timeout", "1"], True),
+        (["--redis-timeout", "3"], True),  # the default forward timeout
+        (["--redis-timeout", "1", "--forward-timeout", "1"], True),
+        (["--redis-timeout", "0.5", "--forward-timeout", "1"], False),
+        (["--redis-timeout", "2.9"], False),
+    )
+    for flags, warned in cases:
+        for backend in ("redis", "memory"):
+            args = build_parser().parse_args(["up", "--backend", backend, *flags])
+            _warn_redis_timeout(_redis_timeout(args), args.forward_timeout, cluster_config(args))
+            said = capsys.readouterr().err
+            expected = warned and backend == "redis"
+            assert ("ringlimit: warning: --redis-timeout" in said) is expected, (flags, said)
+            assert said.count("\n") == int(expected), said
+    args = build_parser().parse_args(
+        ["up", "--backend", "redis", "--redis-timeout", "5", "--forward-timeout", "1"]
+    )
+    _warn_redis_timeout(_redis_timeout(args), args.forward_timeout, cluster_config(args))
+    said = capsys.readouterr().err
+    assert "--redis-timeout 5 " in said and "--forward-timeout 1:" in said and "504" in said
+
+
+def test_up_warns_of_a_redis_timeout_before_anything_starts() -> None:
+    """The warning comes before `up` checks Redis (unreachable here: it then stops)."""
+    result = ringlimit(
+        *("up", "--backend", "redis", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"),
+        *("--redis-timeout", "5", "--forward-timeout", "1", "--nodes", "1"),
+    )
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1 and len(lines) == 2, result.stderr
+    assert lines[0].startswith("ringlimit: warning: --redis-timeout 5 is not below"), lines
+    assert "cannot reach Redis" in lines[1], lines

@@ -953,3 +953,62 @@ def test_a_burst_refused_by_maxclients_is_an_outage_the_probe_ends(tmp_path: Pat
         run(scenario)
     finally:
         server.stop()
+
+
+def test_the_middleware_marks_what_the_fallback_decided_under_any_asgi_server(
+    redis_url: str,
+) -> None:
+    """RateLimitMiddleware under a server without the node's front door (httpx's
+    ASGI transport here) adds ``X-Ringlimit-Degraded`` through its send wrapper:
+    ``backend-error`` for a key Redis answers with an error, ``backend-unavailable``
+    while Redis is down, each on the answer and on the application's request (and
+    in ``scope["state"]["ringlimit"]``). Before, both answers were ordinary 201s."""
+    import httpx
+
+    from node.authority import Authority
+    from node.config import ClusterConfig, ScopedRule
+    from node.middleware import RateLimitMiddleware
+
+    config = ClusterConfig(rules=(ScopedRule(Rule("open", 5, 60.0, on_error="open")),))
+    seen: list[object] = []
+
+    async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen.append(scope["state"]["ringlimit"].get("degraded"))
+        fields = [v for k, v in scope["headers"] if k == b"x-ringlimit-degraded"]
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"|".join(fields)})
+
+    async def asked(backend: FallbackBackend, user: str) -> httpx.Response:
+        app = RateLimitMiddleware(
+            application, authority=Authority(config, backend), trust_router=False
+        )
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app.test") as c:
+            forged = {"X-User-Id": user, "X-Ringlimit-Degraded": "forged"}
+            return await c.get("/", headers=forged)
+
+    async def scenario() -> None:
+        with sync_client(redis_url) as client:
+            client.lpush("rl:{mallory}:open:tb", "x")
+        up = FallbackBackend(RedisBackend(redis_url), MemoryBackend(MemoryStore(), system_clock))
+        down = _redis_down()
+        for backend in (up, down):
+            await backend.start()
+        try:
+            fine = await asked(up, "alice")
+            assert fine.status_code == 201 and "x-ringlimit-degraded" not in fine.headers
+            assert fine.content == b""  # the client's field never reaches the application
+            broken = await asked(up, "mallory")
+            assert broken.headers["x-ringlimit-degraded"] == "backend-error"
+            assert broken.content == b"backend-error"
+            local = await asked(down, "alice")
+            assert local.status_code == 201, local.text
+            assert local.headers["x-ringlimit-degraded"] == "backend-unavailable"
+            assert local.headers["ratelimit"] == '"open";r=4;t=12'
+            assert local.content == b"backend-unavailable"
+        finally:
+            for backend in (up, down):
+                await backend.close()
+        assert seen == [None, "backend-error", "backend-unavailable"]
+
+    run(scenario)

@@ -11,13 +11,17 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import json
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -25,6 +29,7 @@ import pytest
 from router.rotation import SKIP_FOR
 from tests.processes import ROOT, Proc, Procs, free_port, wait_for
 from tests.redis_server import RedisServer
+from tests.test_upstream_forwarding import wsgi_serving
 
 pytestmark = [pytest.mark.redis, pytest.mark.integration]
 
@@ -542,35 +547,56 @@ def test_every_worker_routes_stickily_while_redis_is_down(
     user's requests went to every node's fresh limiter: one extra quota per node."""
     from tests.test_workers import workers
 
-    config = tmp_path / "cluster.toml"
-    config.write_text(CONFIG)
-    flags = ("--config", str(config), "--backend", "redis", "--redis-url", redis.url)
-    seeds = []
-    for node_id, (_, url) in procs.nodes(["n1", "n2"], *flags).items():
-        seeds += ["--node", f"{node_id}={url}"]
+    config, seeds = redis_nodes(procs, tmp_path, redis, ["n1", "n2"])
     router_proc, router = procs.router(
         None, "--config", str(config), "--workers", "2", "--health-interval", "0.2", *seeds
     )
     assert wait_for(lambda: len(workers(router_proc)) == 2, timeout=10.0), router_proc.output()
     admins = [admin for _, admin in workers(router_proc).values()]
+    sticky_while_down(redis, admins, [router])
 
-    def balance(admin: str) -> str:
+
+def redis_nodes(
+    procs: Procs, tmp_path: Path, redis: RedisServer, node_ids: list[str]
+) -> tuple[Path, list[str]]:
+    """Nodes deciding in ``redis`` by CONFIG's rules: (the config file, the
+    routers' ``--node`` seeds)."""
+    config = tmp_path / "cluster.toml"
+    config.write_text(CONFIG)
+    flags = ("--config", str(config), "--backend", "redis", "--redis-url", redis.url)
+    seeds = []
+    for node_id, (_, url) in procs.nodes(node_ids, *flags).items():
+        seeds += ["--node", f"{node_id}={url}"]
+    return config, seeds
+
+
+def balances(routers: list[str]) -> list[str]:
+    """Each router's effective balance (its ``/healthz``)."""
+    found = []
+    for url in routers:
         try:
-            return str(httpx.get(f"{admin}/healthz", timeout=5.0).json()["balance"])
-        except httpx.HTTPError as exc:  # a worker not listening yet
-            return type(exc).__name__
+            found.append(str(httpx.get(f"{url}/healthz", timeout=5.0).json()["balance"]))
+        except httpx.HTTPError as exc:  # not listening yet
+            found.append(type(exc).__name__)
+    return found
 
-    def balances() -> list[str]:
-        return [balance(admin) for admin in admins]
 
-    assert wait_for(lambda: balances() == ["round-robin"] * 2, timeout=10.0), balances()
+def sticky_while_down(redis: RedisServer, routers: list[str], entries: list[str]) -> None:
+    """Every one of ``routers`` routes round-robin, stickily within 5 s of
+    Redis's stop (requests through ``entries`` in turn make the nodes find it
+    down), and round-robin again within 10 s of its start."""
+    assert wait_for(lambda: balances(routers) == ["round-robin"] * len(routers), 10.0)
     redis.stop()
-    with httpx.Client(base_url=router, timeout=5.0) as client:
+    with httpx.Client(timeout=5.0) as client:
         for i in range(10):  # the nodes find Redis down at their next check
-            assert client.get("/open/x", headers={"X-User-Id": f"u{i}"}).status_code == 200
-    assert wait_for(lambda: balances() == ["sticky"] * 2, timeout=5.0), balances()
+            entry = entries[i % len(entries)]
+            answer = client.get(f"{entry}/open/x", headers={"X-User-Id": f"u{i}"})
+            assert answer.status_code == 200, answer.text
+    sticky = ["sticky"] * len(routers)
+    assert wait_for(lambda: balances(routers) == sticky, 5.0), balances(routers)
     redis.start()
-    assert wait_for(lambda: balances() == ["round-robin"] * 2, timeout=10.0), balances()
+    again = ["round-robin"] * len(routers)
+    assert wait_for(lambda: balances(routers) == again, 10.0), balances(routers)
 
 
 def test_a_batchs_checks_of_one_key_are_decided_in_order_under_round_robin(
@@ -705,3 +731,104 @@ def test_many_killed_nodes_are_passed_over_without_using_up_the_ring_changes_att
         single = client.post("/v1/check", json={"key": "v", "rule": "closed"})
         assert single.status_code == 503, single.text
         assert single.json()["reason"] == "owner_unreachable", single.text
+
+
+@contextlib.contextmanager
+def headers_echo() -> Iterator[str]:
+    """A real HTTP server (wsgiref) answering 200 with the request's fields as
+    JSON: what an application behind a node's ``--upstream`` is told."""
+
+    def app(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        fields = [
+            [name[5:].replace("_", "-").lower(), value]
+            for name, value in environ.items()
+            if name.startswith("HTTP_")
+        ]
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [json.dumps(fields).encode()]
+
+    with wsgi_serving(app) as url:
+        yield url
+
+
+def test_a_request_the_fallback_decided_is_marked_for_the_client_and_the_application(
+    redis: RedisServer, procs: Procs, tmp_path: Path
+) -> None:
+    """While Redis is down the node's local limiter decides open rules; the proxy
+    path now says so, as the decision API's ``reason: backend_unavailable`` does:
+    ``X-Ringlimit-Degraded: backend-unavailable`` on the answer (200, 429 and the
+    closed rule's 503) and on the request the application behind the node gets
+    (here an ``--upstream``). Before, a 200 the fresh local limiter admitted
+    carried ordinary RateLimit fields only, and neither the client nor the
+    application could tell. A client's own field of that name never reaches the
+    application, with Redis up or down."""
+    config = tmp_path / "cluster.toml"
+    config.write_text(CONFIG)
+    with headers_echo() as upstream:
+        _, node_url = procs.node(
+            "n1",
+            None,
+            *("--config", str(config), "--backend", "redis", "--redis-url", redis.url),
+            *("--upstream", upstream),
+        )
+        _, router = procs.router(
+            None, "--config", str(config), "--health-interval", "0.2", "--node", f"n1={node_url}"
+        )
+        forged = {"X-User-Id": "mallory", "X-Ringlimit-Degraded": "backend-unavailable"}
+
+        def told(answer: httpx.Response) -> list[str]:
+            """The application's request fields of that name."""
+            return [v for k, v in answer.json() if k == "x-ringlimit-degraded"]
+
+        with httpx.Client(base_url=router, timeout=5.0) as client:
+            healthy = client.get("/open/x", headers={"X-User-Id": "alice"})
+            assert healthy.status_code == 200, healthy.text
+            assert "x-ringlimit-degraded" not in healthy.headers
+            assert told(healthy) == []
+            direct = httpx.get(f"{node_url}/open/x", headers=forged, timeout=5.0)
+            assert direct.status_code == 200 and told(direct) == [], direct.text
+
+            redis.stop()
+            answers = [client.get("/open/x", headers={"X-User-Id": "bob"}) for _ in range(6)]
+            assert [a.status_code for a in answers] == [200] * 5 + [429]
+            for answer in answers:
+                assert answer.headers["x-ringlimit-degraded"] == "backend-unavailable"
+            assert all(told(a) == ["backend-unavailable"] for a in answers[:5])
+            assert answers[5].json()["reason"] == "backend_unavailable"
+            shut = client.get("/closed/x", headers={"X-User-Id": "bob"})
+            assert shut.status_code == 503, shut.text
+            assert shut.headers["x-ringlimit-degraded"] == "backend-unavailable"
+            check = client.post("/v1/check", json={"key": "carol", "rule": "open"}).json()
+            assert check["reason"] == "backend_unavailable"
+            direct = httpx.get(
+                f"{node_url}/open/x",
+                headers={**forged, "X-Ringlimit-Degraded": "forged"},
+                timeout=5.0,
+            )
+            assert told(direct) == ["backend-unavailable"], direct.text
+
+
+@pytest.mark.etcd
+def test_every_router_on_etcd_routes_stickily_while_redis_is_down(
+    redis: RedisServer, procs: Procs, tmp_path: Path, etcd_endpoint: str
+) -> None:
+    """Two routers on one etcd in front of Redis nodes: while Redis is down each
+    node's fallback limiter counts alone, so the router that does not lead must
+    hash users onto the ring too. Before: it probed nothing (only the leader
+    does) and kept round-robin for the whole outage, so each user's requests
+    through it reached every node's fresh limiter: up to one extra quota per node."""
+    config, seeds = redis_nodes(procs, tmp_path, redis, ["n1", "n2"])
+    routers = []
+    for _ in range(2):
+        _, url = procs.router(
+            None,
+            *("--config", str(config), "--coordinator", etcd_endpoint, "--cluster", "redis"),
+            *("--health-interval", "0.2", *seeds),
+        )
+        routers.append(url)
+
+    def leading() -> list[bool]:
+        return [httpx.get(f"{url}/admin/ring").json()["coordinator"]["leading"] for url in routers]
+
+    assert wait_for(lambda: sorted(leading()) == [False, True], 15), leading()
+    sticky_while_down(redis, routers, routers)

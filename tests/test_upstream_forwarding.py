@@ -240,6 +240,14 @@ def wsgiref_echo() -> Iterator[str]:
         start_response("200 OK", [("Content-Type", "application/json")])
         return [payload]
 
+    with wsgi_serving(app) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def wsgi_serving(app: Any) -> Iterator[str]:
+    """wsgiref serving the WSGI ``app`` on 127.0.0.1 from a thread: its URL."""
+
     class Quiet(wsgiref.simple_server.WSGIRequestHandler):
         def log_message(self, *args: Any) -> None:
             pass
