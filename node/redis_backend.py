@@ -60,7 +60,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, Protocol, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -208,6 +208,36 @@ def _refuses_database(exc: BaseException) -> bool:
     return isinstance(exc, ResponseError) and str(exc).startswith(_DATABASE_REFUSALS)
 
 
+#: Query parameters of a Redis URL that redis-py lets win over what the node sets
+#: itself, each with what sets it instead.
+NODE_SETS = {
+    "socket_timeout": "--redis-timeout",
+    "socket_connect_timeout": "--redis-timeout",
+    "timeout": "--redis-timeout",
+    "max_connections": "the node (its call slots and pipeline depth)",
+    "retry_on_timeout": "the node (a timed-out check is never sent again)",
+}
+
+
+def check_url_options(url: str) -> None:
+    """ValueError for a query parameter of ``url`` that would quietly override what
+    the node sets (redis-py's query arguments win over the client's own): a
+    ``?socket_timeout=30`` kept a node waiting on a paused Redis for 30 s while
+    its ``--redis-timeout`` said 0.25, and ``?max_connections=`` broke the pool
+    the node sizes to its call slots. Other parameters (``db``, ``protocol``,
+    ``health_check_interval``...) are Redis's to take."""
+    query = urlsplit(url).query
+    given = sorted(
+        {name for name, _ in parse_qsl(query, keep_blank_values=True) if name in NODE_SETS}
+    )
+    if given:
+        said = "; ".join(f"{name} is set by {NODE_SETS[name]}" for name in given)
+        raise ValueError(
+            f"--redis-url {redact_url(url)}: remove ?{'&'.join(given)} from the URL "
+            f"({said}; in the URL it would override that quietly)"
+        )
+
+
 class RedisBackend:
     """Decisions in a shared Redis, by Lua script (see the module docstring).
 
@@ -261,6 +291,7 @@ class RedisBackend:
             raise ValueError("ttl_slack must be >= 0")
         if not 1 <= pipeline_depth <= max_connections:
             raise ValueError("pipeline_depth must be between 1 and max_connections")
+        check_url_options(url)
         self.url = url
         #: The URL as logs and errors show it: never with its password.
         self.where = redact_url(url)

@@ -385,6 +385,12 @@ def check_redis(url: str) -> None:
     """``up --backend redis`` with no Redis there is a mistake: say so at once."""
     import redis
 
+    from node.redis_backend import check_url_options
+
+    try:
+        check_url_options(url)
+    except ValueError as exc:
+        raise StartError(str(exc)) from None
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
     except ValueError as exc:

@@ -271,6 +271,25 @@ def test_up_with_a_redis_url_that_is_not_one(url: str, problem: str) -> None:
     )
 
 
+@pytest.mark.parametrize("command", ["up", "node"])
+def test_a_redis_url_whose_query_would_override_the_nodes_settings(command: str) -> None:
+    """redis-py lets a URL's query win over what the client sets: a node given
+    ``?socket_timeout=30`` waited 30 s on a paused Redis while --redis-timeout
+    said otherwise, and ``?max_connections=`` resized the pool the node sizes
+    to its call slots, without a word. Refused in one line, password hidden."""
+    url = f"redis://:s3cret@127.0.0.1:{free_port()}/0?socket_timeout=30&max_connections=5"
+    port = str(free_block(4))
+    argv = ["--backend", "redis", "--redis-url", url, "--port", port]
+    if command == "node":
+        argv = ["--id", "n1", *argv]
+    line = one_line_failure(
+        ringlimit(command, *argv),
+        "remove ?max_connections&socket_timeout from the URL",
+        "socket_timeout is set by --redis-timeout",
+    )
+    assert "s3cret" not in line
+
+
 def test_a_router_whose_seed_node_never_answers() -> None:
     seed = f"http://127.0.0.1:{free_port()}"
     result = ringlimit("router", "--port", str(free_port()), "--node", f"n1={seed}")
