@@ -269,9 +269,9 @@ def serve_node(
                         router + path, headers=_auth(admin_token), timeout=timeout
                     )
                     status = response.status_code
+                    problem = f"router {router} answered {status}: {response.text[:200]}"
                     if not _retry_admin_answer(response):
                         break
-                    problem = f"router {router} answered {status}: {response.text[:200]}"
                 except httpx.HTTPError as exc:
                     status, problem = None, f"router {router}: {type(exc).__name__}"
                 if loop.time() + 0.5 * (attempt + 1) > deadline:
@@ -283,8 +283,17 @@ def serve_node(
             if linger > 0:
                 # Fenced by the new view: stale routers are told, not left guessing.
                 await asyncio.sleep(linger)
+        elif status == 404:
+            log.warning("not in the ring (%s): exiting", problem)
         elif status is not None and not _retry_admin_answer_code(status):
-            log.warning("left the ring: router answered %s", status)
+            # Not a leave: e.g. 409 last_node from a router of an earlier version,
+            # or one passing the call to its leader without ?force=true. It said
+            # "left the ring" though the ring kept this node.
+            log.warning(
+                "graceful leave refused (%s): exiting anyway; the ring keeps this node "
+                "until the router removes it",
+                problem,
+            )
         else:
             log.warning("graceful leave failed (%s); exiting anyway", problem)
         server.should_exit = True

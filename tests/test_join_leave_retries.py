@@ -110,6 +110,28 @@ def test_a_final_refusal_is_not_retried(procs: Procs) -> None:
         assert f"giving up: router {router.url} answered 409" in proc.output()
 
 
+#: A leave refused as the ring's last node's: what a new leader answers when a
+#: router of the version before passed the node's leave on without ``?force=true``.
+LAST_NODE = (409, {"error": "last_node", "detail": "node 'n1' is the ring's last node"})
+
+
+def test_a_refused_leave_is_not_logged_as_a_leave(procs: Procs) -> None:
+    """A final refusal of the leave (409 ``last_node``, from a leader reached
+    through an earlier version's router that dropped ``?force=true``) is said
+    to be one, with the router's answer: the node used to log "left the ring:
+    router answered 409" while the ring kept it."""
+    with ScriptedRouter({"POST": [OK], "DELETE": [LAST_NODE]}) as router:
+        proc, _ = procs.node("n1", free_port(), "--join", router.url)
+        assert wait_for(lambda: "joined the ring" in proc.output(), 20.0), proc.output()
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(30) == 0
+        assert router.asked == ["POST", "DELETE"]
+        output = proc.output()
+        assert "left the ring" not in output, output
+        assert f"graceful leave refused (router {router.url} answered 409: " in output, output
+        assert "last_node" in output, output
+
+
 #: What a router answers a join whose URL it cannot reach (router/membership.py:
 #: the readiness wait ran out): a 504 ``not_ready`` JSON body.
 NOT_READY = (
