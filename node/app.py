@@ -105,7 +105,7 @@ HANDOFF_METRICS = {
     "replicas_sent": "State copies sent to successors (crash policy replica).",
     "replicas_promoted": "Replicated states taken over after their owner crashed.",
     "replicas_stale": "Replica batches dropped: older than a round already applied from that node.",
-    "replicas_dropped": "Replicas of new keys not kept: the node's replicas are at --max-keys.",
+    "replicas_dropped": "Copies of keys not held yet not kept (replicas at --max-keys), per copy.",
     "conservative_keys": "States set exhausted after a crash (crash policy conservative).",
     "views_applied": "Ring views this node applied.",
     "last_transfer_seconds": "Duration of this node's most recent outgoing state transfer.",
