@@ -292,11 +292,16 @@ class UpstreamApp:
         # header_text: valid UTF-8 stays UTF-8, which aiohttp writes back byte for byte.
         fields = scope["headers"]
         # ringlimit's fields stay in the cluster, except the node's mark of a request
-        # its usual limiter did not decide (the middleware drops a client's).
+        # its usual limiter did not decide (the middleware drops a client's), taken
+        # apart from the hop-by-hop filter: a client's "Connection:
+        # X-Ringlimit-Degraded" stripped the node's own mark before the application.
         headers = [
             (k.decode("latin-1"), header_text(v))
             for k, v in passed_on(fields, NOT_FORWARDED)
-            if not k.startswith(b"x-ringlimit-") or k == DEGRADED_HEADER
+            if not k.startswith(b"x-ringlimit-")
+        ]
+        headers += [
+            (k.decode("latin-1"), header_text(v)) for k, v in fields if k == DEGRADED_HEADER
         ]
         # The upstream gets its own Host (as nginx sends it); the client's goes in
         # X-Forwarded-Host, unless a proxy ahead set one, for the absolute URLs and

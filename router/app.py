@@ -591,7 +591,7 @@ class Router:
                     continue  # our view was stale: the key has another owner now
                 if self.passed_on(view, member):
                     if search is None:
-                        search = self.rotation.search()
+                        search = self.rotation.search(self.settings.timeouts.refusals)
                     if search.again(len(view)):
                         continue  # round-robin: the next node decides it
                 unreachable: str | None = str(exc)

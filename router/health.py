@@ -121,7 +121,10 @@ class HealthMonitor:
             *(m.nodes.healthz(member, m.health_timeout) for member in view)
         )
         for member, data in zip(view, answers, strict=True):
-            if data is not None:
+            # Only a member still in the view: one that left during the wait had
+            # its entry dropped, and put back its "down" kept the router sticky
+            # until the next view change, Redis back or not.
+            if data is not None and member.id in m.view:
                 health = m.health.setdefault(member.id, Health())
                 health.backend_available = bool(data.get("backend_available", True))
         self._report_degraded()

@@ -88,6 +88,8 @@ class RouterMetrics:
         #: Nodes with series that left the view since the last scrape, oldest
         #: first (:meth:`view_changed` keeps them for that scrape).
         self._departed: dict[str, None] = {}
+        #: Departed nodes the last scrape showed (its last look at them).
+        self._shown: set[str] = set()
         self.max_departed = MAX_DEPARTED
 
     def watch(self, epoch: Callable[[], float], nodes: Callable[[], float]) -> None:
@@ -204,6 +206,9 @@ class RouterMetrics:
         # went between two scrapes never showed its counts.
         departed = set(self._departed)
         self._departed.clear()
+        # Shown now for the last time: view_changed must not keep them again
+        # (it did, and under churn a departed node was on every scrape).
+        self._shown = (departed | (last or set())) - current
         if last is None:
             return  # the first scrape shows every series there is
         self._drop_series_but(current | last | departed)
@@ -218,8 +223,10 @@ class RouterMetrics:
         it ever served, for as long as it ran.
         """
         current = set(members)
+        self._shown -= current  # back in the ring: shown again once it leaves
         series = self._series()
-        for node in sorted({values[0] for values, _ in series} - current - {NO_NODE}):
+        gone = {values[0] for values, _ in series} - current - {NO_NODE} - self._shown
+        for node in sorted(gone):
             self._departed.setdefault(node, None)  # newly gone: newest last
         for back in current & self._departed.keys():
             del self._departed[back]

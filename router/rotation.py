@@ -45,11 +45,14 @@ class Rotation:
         #: Member id -> until when it is skipped (a few entries at most: members).
         self._down: dict[str, float] = {}
 
-    def search(self) -> Search:
+    def search(self, budget: float) -> Search:
         """A request's search for a node it can reach, from its first that could not
-        be: for half :attr:`skip_for` (so no node it passed over comes round again
-        meanwhile)."""
-        return Search(self.clock, self.skip_for / 2)
+        be: each member once, for at most ``budget`` seconds (the router's refusal
+        time). Not less: each node passed over costs a connect timeout and a look
+        for a newer view among the others (0.5 s each by default, on hosts that
+        are down rather than refusing), and one second from the first failure
+        ended the search after two such nodes, with healthy ones left untried."""
+        return Search(self.clock, budget)
 
     def skipped(self, member: Member) -> bool:
         """Whether ``member`` could not be reached a moment ago (it is being skipped)."""

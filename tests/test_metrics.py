@@ -268,19 +268,38 @@ async def test_a_router_never_scraped_keeps_the_series_of_few_departed_nodes() -
     assert first == {"n1", "n2", "pod-3", "pod-4"} and second == {"n1", "n2"}
 
 
+async def came_and_went_after_a_scrape(cluster: InProcessCluster, node_id: str) -> None:
+    """A scrape, then ``node_id`` joins, forwards traffic and leaves."""
+    await cluster.client.get("/metrics")
+    await cluster.add_node(node_id)
+    for user in range(30):
+        await cluster.client.get("/hello", headers={"X-User-Id": f"u{user}"})
+    await cluster.remove_node(node_id)
+
+
 async def test_a_node_that_came_and_went_between_two_scrapes_is_shown_once() -> None:
     """After a first scrape, a node that joined and left before the next one was
     dropped by that scrape itself (it kept only the members of this scrape and
     the last), so its counts never showed: shown once, then dropped."""
     config = ClusterConfig(rules=(ScopedRule(Rule("api", 100, 60.0)),))
     async with InProcessCluster(2, config, clock=FrozenClock()) as cluster:
-        await cluster.client.get("/metrics")
-        await cluster.add_node("pod-0")
-        for user in range(30):
-            await cluster.client.get("/hello", headers={"X-User-Id": f"u{user}"})
-        await cluster.remove_node("pod-0")
+        await came_and_went_after_a_scrape(cluster, "pod-0")
         first, second = await scraped_twice(cluster)
     assert first == {"n1", "n2", "pod-0"} and second == {"n1", "n2"}
+
+
+async def test_a_departed_node_is_shown_once_while_the_ring_keeps_changing() -> None:
+    """Nodes joining between every two scrapes (pods, autoscaling): a node gone
+    was kept by each view change for the next scrape, so it showed on every one."""
+    config = ClusterConfig(rules=(ScopedRule(Rule("api", 100, 60.0)),))
+    async with InProcessCluster(2, config, clock=FrozenClock()) as cluster:
+        await came_and_went_after_a_scrape(cluster, "pod-0")
+        shown = []
+        for i in range(1, 4):
+            shown.append(node_labels((await cluster.client.get("/metrics")).text))
+            await cluster.add_node(f"pod-{i}")
+    assert "pod-0" in shown[0]
+    assert all("pod-0" not in labels for labels in shown[1:]), shown
 
 
 def test_a_rule_gone_before_a_nodes_first_scrape_is_shown_once() -> None:

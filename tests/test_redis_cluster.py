@@ -800,9 +800,14 @@ def test_a_request_the_fallback_decided_is_marked_for_the_client_and_the_applica
             assert shut.headers["x-ringlimit-degraded"] == "backend-unavailable"
             check = client.post("/v1/check", json={"key": "carol", "rule": "open"}).json()
             assert check["reason"] == "backend_unavailable"
+            # Nor can a client strip the node's own mark by naming it in Connection.
             direct = httpx.get(
                 f"{node_url}/open/x",
-                headers={**forged, "X-Ringlimit-Degraded": "forged"},
+                headers={
+                    **forged,
+                    "X-Ringlimit-Degraded": "forged",
+                    "Connection": "X-Ringlimit-Degraded",
+                },
                 timeout=5.0,
             )
             assert told(direct) == ["backend-unavailable"], direct.text

@@ -35,23 +35,23 @@ def test_when_every_member_failed_there_is_nowhere_else_to_go() -> None:
     assert rotation._down.keys() == {"n1"}  # bounded: the expired are gone
 
 
-def test_a_search_passes_each_member_once_within_half_the_skip() -> None:
+def test_a_search_passes_each_member_once_within_its_budget() -> None:
     """A request's search past unreachable nodes is bounded by the members and by
-    time (not by the ring change's MAX_ATTEMPTS): within half the skip, so none of
-    the nodes it passed over comes round again meanwhile."""
+    time (not by the ring change's MAX_ATTEMPTS): the budget it is given (the
+    router's refusal time), counted from its first pass."""
     clock = FrozenClock()
     rotation = Rotation(clock, skip_for=2.0)
-    search = rotation.search()
+    search = rotation.search(5.0)
     assert not search.over()  # not begun: no time runs
-    clock.advance(5.0)
+    clock.advance(10.0)
     assert search.again(3) and search.again(3)  # its time starts at the first pass
     assert not search.again(3)  # as many passes as members: none left to try
-    search = rotation.search()
+    search = rotation.search(5.0)
     assert search.again(10)
-    clock.advance(0.99)
+    clock.advance(4.99)
     assert search.again(10) and not search.over()
     clock.advance(0.01)
-    assert search.over() and not search.again(10)  # 1 s on: the rules' on_error answers
+    assert search.over() and not search.again(10)  # 5 s on: the rules' on_error answers
 
 
 def test_a_member_that_failed_is_skipped_until_its_time_is_up() -> None:

@@ -1414,3 +1414,77 @@ async def test_dots_inside_a_segment_are_proxied(path: str) -> None:
     async with running(config) as cluster:
         response = await get(cluster, "alice", path)
     assert response.status_code == 200, response.text
+
+
+class Blackholed(httpx.AsyncBaseTransport):
+    """A node whose host is down or cut off: a connection attempt is not refused,
+    it times out (after ``wait``, the router's connect timeout)."""
+
+    def __init__(self, wait: float) -> None:
+        self.wait = wait
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(self.wait)
+        raise httpx.ConnectTimeout("no answer to the connection", request=request)
+
+
+@pytest.mark.parametrize("path", ["proxy", "decision_api"])
+async def test_round_robin_passes_over_nodes_whose_connections_time_out(path: str) -> None:
+    """Round-robin with three nodes blackholed (each try a connect timeout, then a
+    look for a newer view among the others, those three included): the request's
+    search past them was bounded by one second from the first failure, which two
+    dead nodes used up, and a closed rule answered 503 while six nodes were well.
+    The search is bounded by the members and the router's refusal time."""
+    rule = Rule("api", 1000, 60.0, on_error="closed")
+    config = make_config(rule, balance="round-robin")
+    async with InProcessCluster(
+        9, config, clock=FrozenClock(), node_options={"sticky": False}
+    ) as cluster:
+        for node_id in ("n1", "n2", "n3"):
+            cluster._mounts[node_url(node_id)] = Blackholed(0.5)
+        if path == "proxy":
+            answer = await get(cluster, "alice")
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["x-ringlimit-node"] not in ("n1", "n2", "n3")
+        else:
+            answer = await cluster.client.post("/v1/check", json={"key": "alice", "rule": "api"})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["allowed"] is True and "reason" not in answer.json()
+
+
+class BackendDownLate(httpx.AsyncBaseTransport):
+    """A node whose ``/healthz`` says its shared backend is down, answered only when
+    released; everything else goes to the node itself."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.asked = asyncio.Event()
+        self.released = asyncio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/healthz":
+            self.asked.set()
+            await self.released.wait()
+            return httpx.Response(200, json={"status": "ok", "backend_available": False})
+        return await self.inner.handle_async_request(request)
+
+
+async def test_a_backend_answer_from_a_node_that_left_meanwhile_is_not_kept() -> None:
+    """A router that does not lead asks the nodes whether Redis is up. A node left
+    while its answer ("down") was on its way: the answer put its health entry
+    back, and the router routed stickily until the next view change, Redis back
+    or not (a review)."""
+    config = make_config(Rule("api", 100, 60.0), balance="round-robin")
+    async with InProcessCluster(
+        3, config, clock=FrozenClock(), node_options={"sticky": False}
+    ) as cluster:
+        membership = cluster.router.membership
+        late = BackendDownLate(cluster._mounts[node_url("n3")])
+        cluster._mounts[node_url("n3")] = late
+        asking = asyncio.ensure_future(membership.monitor.check_backends())
+        await asyncio.wait_for(late.asked.wait(), 5.0)
+        await cluster.remove_node("n3")
+        late.released.set()
+        await asyncio.wait_for(asking, 5.0)
+        assert "n3" not in membership.view
+        assert not membership.backend_degraded
