@@ -205,6 +205,11 @@ LEAVE_ATTEMPTS = 6
 LEAVE_DEADLINE = 20.0
 #: Seconds to connect to a router before the join or the leave tries the next one.
 CONNECT_TIMEOUT = 2.0
+#: A ``--join`` node whose lease no router has renewed for this many seconds past
+#: its end registers again (it was removed, and the ring lost it); looked at
+#: every STRANDED_CHECK seconds.
+STRANDED_AFTER = 10.0
+STRANDED_CHECK = 2.0
 
 
 def serve_node(
@@ -303,6 +308,59 @@ def serve_node(
         can fail ends in one log line that says what to check."""
         while not server.started:  # noqa: ASYNC110 (uvicorn offers no event)
             await asyncio.sleep(0.02)
+        problem = await registered()
+        if problem is None:
+            # Held here: the loop keeps only a weak reference to a task.
+            state["watchdog"] = asyncio.get_running_loop().create_task(rejoin_when_stranded(server))
+            return
+        log.error("could not join the ring; giving up: %s", problem)
+        state["join_failed"] = True
+        server.should_exit = True
+
+    async def rejoin_when_stranded(server: SignalServer) -> None:
+        """Register again when no router has renewed this node's lease for
+        :data:`STRANDED_AFTER` seconds past its end: the ring has lost it.
+
+        A router finds a member it removed as crashed again by probing it, but
+        it keeps those members in memory only, and forgets them after
+        ``--forget-removed-after``. A node paused (or cut off) until it was
+        removed, whose router restarted before it woke, was left out for good:
+        healthy to its own ``/healthz``, deciding nothing (chaos testing).
+        Registering is what its start did; a member the router still holds is
+        answered at once (nothing to do). Bounded: one attempt at a time, each
+        within ``--join-timeout``, then :data:`STRANDED_AFTER` before the next.
+        """
+        shard = node.shard
+        if shard is None:
+            return
+        # Since when no lease has held: the last look at a valid one (a lease
+        # revoked by the router's crash push ends there too, and the router's
+        # probes make that node rejoin well within STRANDED_AFTER), or the
+        # last attempt to register.
+        quiet_since = shard.monotonic()
+        while not server.should_exit:
+            await asyncio.sleep(STRANDED_CHECK)
+            now = shard.monotonic()
+            lease = shard.lease
+            if state["leaving"] or not lease.required or lease.valid(now):
+                quiet_since = now
+                continue
+            quiet = now - max(quiet_since, lease.until)
+            if quiet < STRANDED_AFTER:
+                continue
+            log.warning(
+                "no router has renewed this node's lease for %.0f s: registering again "
+                "(it was removed while paused or cut off, and the ring lost it)",
+                quiet,
+            )
+            problem = await registered()
+            quiet_since = shard.monotonic()
+            if problem is not None:
+                log.warning("registering again failed: %s; trying again later", problem)
+
+    async def registered() -> str | None:
+        """One registration through the routers, retried within ``join_timeout``:
+        None once a router lists this node, else what went wrong."""
         payload = {"id": node.settings.node_id, "url": url, "weight": weight}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + join_timeout
@@ -327,7 +385,7 @@ def serve_node(
                     )
                     if response.status_code == 200 and _lists(response, node.settings.node_id):
                         log.warning("joined the ring through %s", router)
-                        return
+                        return None
                     if response.status_code == 200:
                         # Any 200 was taken as joined: a --join at something else
                         # left the node fenced, refusing every key, for good.
@@ -365,9 +423,7 @@ def serve_node(
                 # (a cap of 30 attempts ended a long --join-timeout after ~50 s).
                 log.info("join attempt %d failed: %s; retrying", attempt, problem)
                 await asyncio.sleep(max(0.0, min(0.1 * attempt, 2.0, deadline - loop.time())))
-        log.error("could not join the ring; giving up: %s", problem)
-        state["join_failed"] = True
-        server.should_exit = True
+        return problem
 
     raise_fd_limit()
     config = uvicorn.Config(node, host=host, port=port, **uvicorn_options(front_door))

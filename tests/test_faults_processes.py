@@ -46,6 +46,7 @@ import httpx
 import pytest
 
 from node.peers import INTERNAL_TOKEN_HEADER
+from node.server import STRANDED_AFTER
 from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
 from tests.real_cluster import (
     Cluster,
@@ -1237,3 +1238,32 @@ def test_a_flapping_node_costs_at_most_the_budget(procs: Procs, tmp_path: Path) 
     assert during.errors == 0 and set(during.statuses()) <= {429, 503}, during.statuses()
     assert after.statuses() == {429: len(names)}
     assert max(waits(during)) <= FORWARD_TIMEOUT + SLACK
+
+
+@pytest.mark.timeout(120)
+def test_a_node_removed_while_paused_rejoins_after_its_router_restarted(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """n2 is paused until it is removed as crashed; the router is killed and
+    restarted from its state file before n2 wakes. The router kept the members
+    it removed (which its probes find back) in memory only, so n2 woke to a
+    ring that had lost it, answered its own /healthz and decided nothing, for
+    good (a chaos run). A --join node whose lease nobody renews registers again."""
+    port = free_port()
+    flags = [*HEALTH, "--state-file", str(tmp_path / "ring.json")]
+    cluster = start_cluster(procs, flags, port=port)
+    n2 = cluster.nodes["n2"]
+    with paused(n2):
+        assert wait_for(lambda: gone(cluster.router, "n2"), 15.0), admin_ring(cluster.router)
+        cluster.router_proc.kill9()
+        router = procs.start("router", ["router", "--port", str(port), *flags])
+        wait_healthy(cluster.router, router, require_ok=False)
+        assert "n2" not in ring_ids(cluster.router, active=False)
+    woke = time.monotonic()
+    assert wait_for(lambda: "n2" in ring_ids(cluster.router), STRANDED_AFTER + 20.0), (
+        admin_ring(cluster.router),
+        n2.output()[-2000:],
+    )
+    report("stranded node back", after_s=round(time.monotonic() - woke, 2))
+    assert "registering again" in n2.output()
+    assert sorted(ring_ids(cluster.router)) == ["n1", "n2", "n3"]
