@@ -205,11 +205,16 @@ LEAVE_ATTEMPTS = 6
 LEAVE_DEADLINE = 20.0
 #: Seconds to connect to a router before the join or the leave tries the next one.
 CONNECT_TIMEOUT = 2.0
-#: A ``--join`` node whose lease no router has renewed for this many seconds past
-#: its end registers again (it was removed, and the ring lost it); looked at
-#: every STRANDED_CHECK seconds.
+#: A ``--join`` node in its own view whose lease no router has renewed for this
+#: many seconds of its running registers again (the ring lost it); looked at
+#: every STRANDED_CHECK seconds. Each such registration is tried for at most
+#: REJOIN_TIMEOUT seconds; the waits after failed ones double up to the max.
 STRANDED_AFTER = 10.0
 STRANDED_CHECK = 2.0
+REJOIN_TIMEOUT = 30.0
+REJOIN_BACKOFF_MAX = 300.0
+#: A leave waits this long, at most, for a registration in flight to end.
+REJOIN_WAIT = 5.0
 
 
 def serve_node(
@@ -250,6 +255,13 @@ def serve_node(
         """Leave through the router, retrying what a router failover or a concurrent
         change answers (bounded: LEAVE_ATTEMPTS within LEAVE_DEADLINE seconds), so a
         graceful leave does not become a crash because a leader was being elected."""
+        # A registration in flight (rejoin_when_stranded) ends first, within a
+        # bound: landing after the leave, it joined a node on its way out, whose
+        # keys then went to the crash policy rather than a handoff.
+        watchdog = state.get("watchdog")
+        if watchdog is not None and not watchdog.done():
+            await asyncio.wait({watchdog}, timeout=REJOIN_WAIT)
+            watchdog.cancel()
         # Forced: a node going away by itself goes even if it is the ring's last
         # (ViewLog.leave); refused, its leave would only become a crash.
         path = f"/admin/nodes/{node.settings.node_id}?force=true"
@@ -318,57 +330,72 @@ def serve_node(
         server.should_exit = True
 
     async def rejoin_when_stranded(server: SignalServer) -> None:
-        """Register again when no router has renewed this node's lease for
-        :data:`STRANDED_AFTER` seconds past its end: the ring has lost it.
+        """Register again when the ring has lost this node without telling it.
 
         A router finds a member it removed as crashed again by probing it, but
-        it keeps those members in memory only, and forgets them after
-        ``--forget-removed-after``. A node paused (or cut off) until it was
+        it keeps those members in memory only (and forgets them after
+        ``--forget-removed-after``). A node paused (or cut off) until it was
         removed, whose router restarted before it woke, was left out for good:
-        healthy to its own ``/healthz``, deciding nothing (chaos testing).
-        Registering is what its start did; a member the router still holds is
-        answered at once (nothing to do). Bounded: one attempt at a time, each
-        within ``--join-timeout``, then :data:`STRANDED_AFTER` before the next.
+        healthy to its own ``/healthz``, deciding nothing (a chaos run).
+
+        So: when this node's own newest view still lists it (it never learned
+        of a removal) or removed it as crashed (ShardCore.may_rejoin; an
+        operator's removal or a leave it took does not come back), and no
+        router has renewed its lease for :data:`STRANDED_AFTER` seconds of this
+        process's running (a pause does not count: a router probing a member it
+        still holds renews it within a health interval of its waking), it
+        registers again, as at its start; a member the router still holds is
+        answered at once. One attempt at a time, each within
+        :data:`REJOIN_TIMEOUT`, the waits between failed ones doubling up to
+        :data:`REJOIN_BACKOFF_MAX`; never once its leave has begun.
         """
         shard = node.shard
         if shard is None:
             return
-        # Since when no lease has held: the last look at a valid one (a lease
-        # revoked by the router's crash push ends there too, and the router's
-        # probes make that node rejoin well within STRANDED_AFTER), or the
-        # last attempt to register.
-        quiet_since = shard.monotonic()
-        while not server.should_exit:
+        lapsed_since: float | None = None
+        wait = STRANDED_AFTER
+        while not (server.should_exit or state["leaving"]):
             await asyncio.sleep(STRANDED_CHECK)
             now = shard.monotonic()
-            lease = shard.lease
-            if state["leaving"] or not lease.required or lease.valid(now):
-                quiet_since = now
+            if (
+                state["leaving"]
+                or not shard.lease.required
+                or shard.lease.valid(now)
+                or not shard.core.may_rejoin()
+            ):
+                lapsed_since = None
                 continue
-            quiet = now - max(quiet_since, lease.until)
-            if quiet < STRANDED_AFTER:
+            if lapsed_since is None:
+                lapsed_since = now
+            if now - lapsed_since < wait:
                 continue
             log.warning(
                 "no router has renewed this node's lease for %.0f s: registering again "
-                "(it was removed while paused or cut off, and the ring lost it)",
-                quiet,
+                "(the ring may have lost it)",
+                now - lapsed_since,
             )
-            problem = await registered()
-            quiet_since = shard.monotonic()
-            if problem is not None:
-                log.warning("registering again failed: %s; trying again later", problem)
+            problem = await registered(REJOIN_TIMEOUT)
+            lapsed_since = None
+            if problem is None:
+                wait = STRANDED_AFTER
+            else:
+                wait = min(2 * wait, REJOIN_BACKOFF_MAX)
+                log.warning("registering again failed: %s; next try in %.0f s", problem, wait)
 
-    async def registered() -> str | None:
-        """One registration through the routers, retried within ``join_timeout``:
-        None once a router lists this node, else what went wrong."""
+    async def registered(within: float = join_timeout) -> str | None:
+        """One registration through the routers, retried within ``within`` s: None
+        once a router lists this node, else what went wrong (also once this
+        node's leave has begun: a join must not land after it)."""
         payload = {"id": node.settings.node_id, "url": url, "weight": weight}
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + join_timeout
+        deadline = loop.time() + within
         not_ready = 0
         problem = "no attempt made"
         attempt = 0
         async with httpx.AsyncClient() as client:
             while True:
+                if state["leaving"]:
+                    return "this node is leaving"
                 router = routers[attempt % len(routers)]
                 attempt += 1
                 # Within the time left: a router that takes the request and never

@@ -319,6 +319,9 @@ class ShardCore:
         #: view came (see :meth:`apply`); and the members they lost as crashed.
         self.sources: list[RingView] = []
         self.sources_crashed: frozenset[str] = frozenset()
+        #: The newest view removed this node as crashed (its process lived on),
+        #: rather than in a leave: see :meth:`may_rejoin`.
+        self.removed_as_crashed = False
         self.stats = HandoffStats()
         #: Crashes still covered by the conservative policy (newest last).
         self.crashes: list[Crash] = []
@@ -603,7 +606,8 @@ class ShardCore:
         self.view = view
         self.successors.clear()
         self.stats.views_applied += 1
-        if self.id in crashed and self.id not in view:
+        self.removed_as_crashed = self.id in crashed and self.id not in view
+        if self.removed_as_crashed:
             return self._hand_back(view, now)
         if len(view):
             me_in = self.id in view
@@ -679,6 +683,15 @@ class ShardCore:
                     now + max(exhausted_for(r) for r in conservative_rules),
                 )
             )
+
+    def may_rejoin(self) -> bool:
+        """Whether this node, when no router renews its lease, should register again
+        (node/server.py): its newest view lists it (it never heard of a removal),
+        or removed it as crashed while its process lived on (a router that
+        forgot it would never probe it back). Not after a leave, an operator's
+        removal included: that one is meant to last."""
+        view = self.view
+        return view is not None and (self.id in view or self.removed_as_crashed)
 
     def _hand_back(self, view: RingView, now: float) -> int:
         """This node was removed as crashed, but its process lived on (a pause, a

@@ -839,3 +839,21 @@ def test_a_pull_of_an_older_view_that_ends_late_does_not_stop_the_pull_of_the_ne
     b.take_pulled([], NOW)
     b.pull_done(old)
     assert b.inherit(key, (RULE,), 1.0) == Pull("n0", "http://n0:8000", key, 3, "n1")
+
+
+def test_a_node_may_rejoin_by_itself_unless_it_left() -> None:
+    """node/server.py registers a --join node again when no router renews its
+    lease: only while its newest view lists it, or removed it as crashed (a
+    router that forgot it would never probe it back); never after a leave,
+    which an operator's removal is (it was registered again 12 s later)."""
+    a = core("n1")
+    assert not a.may_rejoin()  # no view yet: its start registers it
+    v1 = view(["n1", "n2", "n3"], 1)
+    a.apply(v1, None, (), NOW, 0.0)
+    assert a.may_rejoin()
+    v2 = view(["n2", "n3"], 2)
+    a.apply(v2, v1, ("n1",), NOW, 0.0)
+    assert a.may_rejoin()  # removed as crashed
+    a.apply(view(["n1", "n2", "n3"], 3), v2, (), NOW, 0.0)
+    a.apply(view(["n2", "n3"], 4), None, (), NOW, 0.0)
+    assert not a.may_rejoin()  # it left
