@@ -260,7 +260,8 @@ def serve_node(
         # keys then went to the crash policy rather than a handoff.
         watchdog = state.get("watchdog")
         if watchdog is not None and not watchdog.done():
-            await asyncio.wait({watchdog}, timeout=REJOIN_WAIT)
+            if state.get("registering"):  # idle, it is cancelled at once
+                await asyncio.wait({watchdog}, timeout=REJOIN_WAIT)
             watchdog.cancel()
         # Forced: a node going away by itself goes even if it is the ring's last
         # (ViewLog.leave); refused, its leave would only become a crash.
@@ -374,7 +375,11 @@ def serve_node(
                 "(the ring may have lost it)",
                 now - lapsed_since,
             )
-            problem = await registered(REJOIN_TIMEOUT)
+            state["registering"] = True
+            try:
+                problem = await registered(REJOIN_TIMEOUT)
+            finally:
+                state["registering"] = False
             lapsed_since = None
             if problem is None:
                 wait = STRANDED_AFTER
