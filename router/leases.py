@@ -190,7 +190,7 @@ class RouterLeases:
         algorithm), the leases taken under the old definition are revoked, their
         units written off as on a ring change (its denials go too): a lowered
         limit was outrun by up to a block of the old one's units per key and
-        router (35 admitted after a 100/day rule became 10/day)."""
+        router (34 admitted after a 100/day rule became 10/day)."""
         known = self._rules.get(rule.name)
         if known is None and self.rule_names is not None:
             names = self.rule_names()

@@ -1225,8 +1225,8 @@ async def test_a_new_view_revokes_the_routers_leases() -> None:
 
 async def test_a_lowered_limit_is_not_outrun_by_the_routers_leases() -> None:
     """A hot key's lease, taken under a rule of 100/day, kept admitting after the
-    rule was lowered to 10/day: 35 admitted after the change (the lease's 25
-    units on top of the 10 the owner had left). Redefining a rule revokes its
+    rule was lowered to 10/day: 34 admitted after the change on the code before
+    (the lease's units on top of the 10 the owner had left). Redefining a rule revokes its
     leases, as a new view does."""
     rule = Rule("hot", 100, 86400.0, lease="auto")
     async with running(make_config(rule)) as cluster:
