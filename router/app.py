@@ -206,7 +206,7 @@ class Router:
         self._resolver_for: tuple[object, IdentityResolver] | None = None
         self._turn = itertools.count()
         #: Round-robin mode's turn, past nodes that could not be reached.
-        self.rotation = Rotation()
+        self.rotation = Rotation(search_for=settings.timeouts.refusals)
         self._owners = OwnerCache(OWNER_CACHE)
         #: What authenticates this router to the nodes (their internal token).
         self.token_header = (
@@ -591,7 +591,7 @@ class Router:
                     continue  # our view was stale: the key has another owner now
                 if self.passed_on(view, member):
                     if search is None:
-                        search = self.rotation.search(self.settings.timeouts.refusals)
+                        search = self.rotation.search()
                     if search.again(len(view)):
                         continue  # round-robin: the next node decides it
                 unreachable: str | None = str(exc)

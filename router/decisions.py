@@ -467,7 +467,7 @@ class _Tries:
                     }
         if passes:
             if self.search is None:
-                self.search = self.router.rotation.search(self.router.settings.timeouts.refusals)
+                self.search = self.router.rotation.search()
             if self.search.again(len(self.router.membership.view)):
                 pending = sorted(pending + passes)  # a key's checks in their order
         for i in pending:

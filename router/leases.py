@@ -192,20 +192,25 @@ class RouterLeases:
         limit was outrun by up to a block of the old one's units per key and
         router (34 admitted after a 100/day rule became 10/day)."""
         known = self._rules.get(rule.name)
-        if known is None and self.rule_names is not None:
-            names = self.rule_names()
-            for name in [n for n in self._rules if n not in names]:
-                del self._rules[name]
+        if known is None:
+            self._forget_gone_rules(self._rules)
         self._rules[rule.name] = rule
         # What the units are measured in, as the owner compares it: a change of
         # on_error or shadow alone leaves the leases as they are.
         if known is None or definition(known) == definition(rule):
             return
-        revoked = [k for k in self.book if type(k) is tuple and k[0] == rule.name]
+        revoked = [entry for entry in self.book if entry[0] == rule.name]  # type: ignore[index]
         for entry in revoked:
             self.book.release(entry)
         if revoked:
             log.info("rule %r redefined: its leases on %d key(s) revoked", rule.name, len(revoked))
+
+    def _forget_gone_rules(self, table: dict[str, Any]) -> None:
+        """Drop ``table``'s entries of rules no longer in force (when known)."""
+        if self.rule_names is not None:
+            names = self.rule_names()
+            for name in [n for n in table if n not in names]:
+                del table[name]
 
     def note(
         self, rule: Rule, key: str, owner: Member, epoch: int, now: float, forwarded: bool
@@ -218,10 +223,7 @@ class RouterLeases:
         if hot is None:
             # A rule seen for the first time: the rates of rules no longer in force
             # (renamed or removed at runtime) go, up to 4,096 keys each.
-            if self.rule_names is not None:
-                names = self.rule_names()
-                for name in [n for n in self._hot if n not in names]:
-                    del self._hot[name]
+            self._forget_gone_rules(self._hot)
             hot = self._hot[rule.name] = HotKeys(self.threshold)
         block = self.policy.block(rule)
         if entry in self.book:

@@ -31,28 +31,35 @@ from ring import Member
 
 #: Seconds a node that could not be reached is skipped; then a request tries it again.
 SKIP_FOR = 2.0
+#: Seconds a request's search past such nodes may last (the router passes its
+#: refusal time, ``Timeouts.refusals``).
+SEARCH_FOR = 5.0
 
 
 class Rotation:
     """The next member in turn, skipping those that just failed to connect."""
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, skip_for: float = SKIP_FOR
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        skip_for: float = SKIP_FOR,
+        search_for: float = SEARCH_FOR,
     ) -> None:
         self.clock = clock
         self.skip_for = skip_for
+        self.search_for = search_for
         self._turn = itertools.count()
         #: Member id -> until when it is skipped (a few entries at most: members).
         self._down: dict[str, float] = {}
 
-    def search(self, budget: float) -> Search:
+    def search(self) -> Search:
         """A request's search for a node it can reach, from its first that could not
-        be: each member once, for at most ``budget`` seconds (the router's refusal
-        time). Not less: each node passed over costs a connect timeout and a look
+        be: each member once, for at most :attr:`search_for` seconds (the router's
+        refusal time). Not less: each node passed over costs a connect timeout and a look
         for a newer view among the others (0.5 s each by default, on hosts that
         are down rather than refusing), and one second from the first failure
         ended the search after two such nodes, with healthy ones left untried."""
-        return Search(self.clock, budget)
+        return Search(self.clock, self.search_for)
 
     def skipped(self, member: Member) -> bool:
         """Whether ``member`` could not be reached a moment ago (it is being skipped)."""

@@ -40,13 +40,13 @@ def test_a_search_passes_each_member_once_within_its_budget() -> None:
     time (not by the ring change's MAX_ATTEMPTS): the budget it is given (the
     router's refusal time), counted from its first pass."""
     clock = FrozenClock()
-    rotation = Rotation(clock, skip_for=2.0)
-    search = rotation.search(5.0)
+    rotation = Rotation(clock, skip_for=2.0, search_for=5.0)
+    search = rotation.search()
     assert not search.over()  # not begun: no time runs
     clock.advance(10.0)
     assert search.again(3) and search.again(3)  # its time starts at the first pass
     assert not search.again(3)  # as many passes as members: none left to try
-    search = rotation.search(5.0)
+    search = rotation.search()
     assert search.again(10)
     clock.advance(4.99)
     assert search.again(10) and not search.over()
