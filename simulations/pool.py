@@ -24,12 +24,18 @@ import signal
 import sys
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any
 
 
-def fork_pool(processes: int, **options: Any) -> multiprocessing.pool.Pool:
-    """``multiprocessing``'s fork pool of ``processes`` workers, set up as above."""
-    return multiprocessing.get_context("fork").Pool(processes, initializer=_worker_setup, **options)
+def fork_pool(processes: int) -> multiprocessing.pool.Pool:
+    """``multiprocessing``'s fork pool of ``processes`` workers, set up as above:
+    every pool of the simulations, so that a Ctrl-C in any phase is quiet.
+
+    Its workers are forked at once, by this thread, and never retired
+    (no ``maxtasksperchild``): a pool forks the replacement of a retired worker
+    from a thread of its own, while this one runs on, and a child forked so can
+    inherit a lock another thread held and deadlock (CPython warns of such
+    forks from 3.12)."""
+    return multiprocessing.get_context("fork").Pool(processes, initializer=_worker_setup)
 
 
 def _worker_setup() -> None:  # pragma: no cover - runs in a worker

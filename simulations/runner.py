@@ -124,7 +124,10 @@ def _run_parallel(
     counters = ctx.RawArray("q", len(modes))
     _SHARED = (timeline, arrivals, counters, full)
     try:
-        with fork_pool(jobs, maxtasksperchild=1) as pool:
+        # A worker runs modes until none is left (see fork_pool): retired after
+        # one mode each, they were replaced by forks of this whole process from
+        # the pool's thread, only to be ended with the pool.
+        with fork_pool(jobs) as pool:
             pending = {mode: pool.apply_async(_worker, (mode, i)) for i, mode in enumerate(modes)}
             while not all(p.ready() for p in pending.values()):
                 bar.update(sum(counters))

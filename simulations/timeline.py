@@ -17,6 +17,7 @@ from ring import Member, RingView
 
 from .arrivals import user_name
 from .detection import Detection
+from .pool import fork_pool
 from .scenario import Change, Scenario, ScenarioError, expand_with_detection
 
 
@@ -116,7 +117,7 @@ def _all_owners(
         return [_owners(view, names, index) for view in views]
     _SHARED = (views, names, index)
     try:
-        with multiprocessing.get_context("fork").Pool(min(jobs, len(views))) as pool:
+        with fork_pool(min(jobs, len(views))) as pool:
             return pool.map(_owners_of, range(len(views)), chunksize=1)
     finally:
         _SHARED = None

@@ -23,6 +23,7 @@ from router.processes import (
     NotReady,
     http_probe,
     ringlimit_argv,
+    stop_all,
     wait_ready,
 )
 
@@ -126,6 +127,7 @@ class Proc(ChildProcess):
         # No preexec_fn here: see tests.redis_server.dying_with_parent. A process
         # that needs a different setting starts through a launcher (prlimit ...).
         super().__init__(name, [*launcher, *ringlimit_argv(*argv)], env=env, cwd=ROOT, log=log)
+        self.command = argv[0] if argv else ""
 
     def kill9(self) -> None:
         self.kill()
@@ -191,9 +193,16 @@ class Procs:
         wait_healthy(url, proc, require_ok=healthy)
         return proc, url
 
-    def stop_all(self) -> None:
-        for proc in reversed(self.started):
-            proc.stop()
+    def stop_all(self, timeout: float = 15.0) -> None:
+        """Nodes first, together, then the rest (routers, ``up``) together.
+
+        A --join node's SIGTERM is a graceful leave through its router, which it
+        retries for 10 s while no router answers: stopped after a router (in
+        reverse start order, when a test restarted its router), each node spent
+        those 10 s, one after the other (33 s of one test's teardown)."""
+        nodes = [proc for proc in self.started if proc.command == "node"]
+        stop_all(nodes, timeout)
+        stop_all([proc for proc in self.started if proc.command != "node"], timeout)
 
 
 def wait_healthy(url: str, proc: Proc, timeout: float = 20.0, require_ok: bool = True) -> None:
