@@ -150,7 +150,9 @@ class DecisionAPI:
             return
         if batch:
             try:
-                raw: list[Any] | None = forwardable(checks, raw_checks(body), config.default_rules)
+                raw: list[Any] | None = forwardable(
+                    checks, raw_checks(body), config.default_rules, b"null" in body
+                )
             except (msgspec.MsgspecError, ValueError, RecursionError):
                 raw = None  # valid for json, not msgspec: encode the checks again
             results = await self.route_checks(checks, raw)
