@@ -472,6 +472,10 @@ class _Tries:
                 self.search = self.router.rotation.search()
             if self.search.again(len(self.router.membership.view)):
                 pending = sorted(pending + passes)  # a key's checks in their order
+            else:  # their on_error answers: counted as an owner that was not reached
+                passed = [results[i] for i in passes]
+                for node in {r["node"] for r in passed if isinstance(r, dict)}:
+                    self.router.metrics.outcome(node, "unreachable")
         for i in pending:
             results[i] = None
         return pending

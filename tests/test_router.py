@@ -1452,6 +1452,26 @@ async def test_round_robin_passes_over_nodes_whose_connections_time_out(path: st
             assert answer.json()["allowed"] is True and "reason" not in answer.json()
 
 
+async def test_a_decision_whose_search_for_a_node_ran_out_is_counted_as_unreachable() -> None:
+    """A check whose search past unreachable nodes ended (its time or its passes
+    used up, with nodes left untried) is answered by its rules' on_error, and was
+    in no metric: ``unreachable`` counted only an owner with no other member to
+    turn to."""
+    rule = Rule("api", 1000, 60.0, on_error="closed")
+    config = make_config(rule, balance="round-robin")
+    async with InProcessCluster(
+        9, config, clock=FrozenClock(), node_options={"sticky": False}
+    ) as cluster:
+        for i in range(1, 9):
+            cluster._mounts[node_url(f"n{i}")] = Blackholed(0.01)
+        cluster.router.rotation.search_for = 0.0  # the first pass ends the search
+        answer = await cluster.client.post("/v1/check", json={"key": "alice", "rule": "api"})
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["reason"] == "owner_unreachable", answer.text
+        text = (await cluster.client.get("/metrics")).text
+        assert metric(text, "ringlimit_router_events_total", event="unreachable") == 1, text
+
+
 class BackendDownLate(httpx.AsyncBaseTransport):
     """A node whose ``/healthz`` says its shared backend is down, answered only when
     released; everything else goes to the node itself."""
