@@ -34,7 +34,6 @@ from node.wire import (
     dumps,
     forward_payload,
     forwardable,
-    raw_checks,
     result_dict,
     split_results,
     unreachable_result,
@@ -150,9 +149,7 @@ class DecisionAPI:
             return
         if batch:
             try:
-                raw: list[Any] | None = forwardable(
-                    checks, raw_checks(body), config.default_rules, b"null" in body
-                )
+                raw: list[Any] | None = forwardable(checks, body, config.default_rules)
             except (msgspec.MsgspecError, ValueError, RecursionError):
                 raw = None  # valid for json, not msgspec: encode the checks again
             results = await self.route_checks(checks, raw)

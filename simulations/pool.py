@@ -9,7 +9,7 @@ SIGINT and takes SIGTERM's default (its parent's handler is not its), and
 :func:`exit_on_sigterm` makes the parent's SIGTERM kill its workers and exit.
 
 (Not ``PR_SET_PDEATHSIG``: it fires when the parent *thread* ends, and a
-pool forks the workers that replace finished ones from a thread of its own,
+pool forks the worker that replaces one that died from a thread of its own,
 which ends as the pool closes: a worker killed so while it held the pool's
 queue lock hung the parent's ``terminate()``.)
 """

@@ -127,7 +127,8 @@ class Proc(ChildProcess):
         # No preexec_fn here: see tests.redis_server.dying_with_parent. A process
         # that needs a different setting starts through a launcher (prlimit ...).
         super().__init__(name, [*launcher, *ringlimit_argv(*argv)], env=env, cwd=ROOT, log=log)
-        self.command = argv[0] if argv else ""
+        #: Whether it registers itself (``node --join``): its SIGTERM is a leave.
+        self.joins = "--join" in argv
 
     def kill9(self) -> None:
         self.kill()
@@ -194,15 +195,19 @@ class Procs:
         return proc, url
 
     def stop_all(self, timeout: float = 15.0) -> None:
-        """Nodes first, together, then the rest (routers, ``up``) together.
+        """The ``--join`` nodes first, together, then the rest (nodes started with
+        seeds, routers, ``up``) together.
 
         A --join node's SIGTERM is a graceful leave through its router, which it
-        retries for 10 s while no router answers: stopped after a router (in
-        reverse start order, when a test restarted its router), each node spent
-        those 10 s, one after the other (33 s of one test's teardown)."""
-        nodes = [proc for proc in self.started if proc.command == "node"]
-        stop_all(nodes, timeout)
-        stop_all([proc for proc in self.started if proc.command != "node"], timeout)
+        retries for 10 s while no router answers, handing its keys to the other
+        nodes: stopped after a router (in reverse start order, when a test
+        restarted its router), each such node spent those 10 s, one after the
+        other (33 s of one test's teardown); stopped with the nodes it hands its
+        keys to, its handoff could fail and its leave last seconds longer."""
+        try:
+            stop_all([proc for proc in self.started if proc.joins], timeout)
+        finally:
+            stop_all([proc for proc in self.started if not proc.joins], timeout)
 
 
 def wait_healthy(url: str, proc: Proc, timeout: float = 20.0, require_ok: bool = True) -> None:
