@@ -609,6 +609,7 @@ class Router:
                     if await self.membership.newer_view(member):
                         refused += 1
                         continue
+                    self.membership.lease_lapsed(member)
                     unreachable = "lease expired"
                 elif why == b"token":
                     # The owner refused this router's internal token: as if it were

@@ -391,6 +391,7 @@ class DecisionAPI:
             if await router.membership.newer_view(member):
                 retry.extend(indices)
                 return
+            router.membership.lease_lapsed(member)
             for i in indices:
                 results[i] = unreachable_result(checks[i], member.id)
             router.metrics.outcome(member.id, "lease_expired")

@@ -1171,6 +1171,24 @@ class Membership:
             member.id,
         )
 
+    def lease_lapsed(self, member: Member) -> None:
+        """A member answered that its lease lapsed, and this router grants none (it
+        runs without health checks, or follows on etcd): said in the log (at most
+        once per 10 s). Only the router that runs health checks renews leases; a
+        node one made require a lease keeps requiring it (docs/rebalancing.md), so
+        a ring whose router was restarted with --no-health-checks answered every
+        key by its on_error, an open rule's uncounted, with nothing in any log."""
+        if self.leasing:
+            return  # renewed by its next probe round
+        self.failures.warn(
+            "lease_lapsed",
+            "node %s decides nothing: its lease lapsed and this router grants none "
+            "(it runs without health checks). The router that runs them is down or "
+            "cannot reach it, or none runs them any more: run one, or restart the "
+            "node (its keys are answered by their on_error until then)",
+            member.id,
+        )
+
     async def catch_up(self, epoch: int, node_url: str) -> None:
         """A node knows a newer epoch than this router: wait for our change or fetch it."""
         if self.view.epoch >= epoch:

@@ -1275,3 +1275,32 @@ def test_a_node_removed_while_paused_rejoins_after_its_router_restarted(
     assert removed.status_code == 200, removed.text
     assert not wait_for(lambda: "n3" in ring_ids(cluster.router, active=False), STRANDED_AFTER + 6)
     assert "registering again" not in cluster.nodes["n3"].output()
+
+
+def test_a_router_without_health_checks_says_why_its_nodes_decide_nothing(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Only the router that runs health checks renews leases, and a node it made
+    require one keeps requiring it (docs/rebalancing.md: a second router runs
+    with --no-health-checks and must not lift them). The ring's only router
+    restarted with --no-health-checks: each node's lease lapsed and every key
+    was answered by its on_error (here open: passed on uncounted), with nothing
+    in any log. Now the router says which node and why."""
+    port = free_port()
+    state = ["--state-file", str(tmp_path / "ring.json")]
+    cluster = start_cluster(procs, [*HEALTH, *state], port=port)
+    cluster.router_proc.kill9()
+    router = procs.start("router", ["router", "--port", str(port), *state, "--no-health-checks"])
+    wait_healthy(cluster.router, router)
+    said = "its lease lapsed and this router grants none"
+    with httpx.Client(base_url=cluster.router, timeout=5.0) as client:
+
+        def asked() -> bool:
+            for user in ("alice", "bob", "carol", "dave"):
+                client.get("/x", headers={"X-User-Id": user})
+            return said in router.output()
+
+        assert wait_for(asked, DETECTION + 2 * SLACK + 5.0, interval=0.1), router.output()
+        answer = client.get("/x", headers={"X-User-Id": "alice"})
+    assert answer.status_code == 200  # open: passed on, uncounted (and marked)
+    assert "x-ratelimit-remaining" not in answer.headers
