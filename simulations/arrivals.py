@@ -153,14 +153,17 @@ def generate(scenario: Scenario, seed: int | None = None, jobs: int = 1) -> Arri
     seed = scenario.seed if seed is None else seed
     sampler = _UserSampler(scenario)
     chunks = _chunks(scenario, seed)
+    parts: list[tuple[np.ndarray, np.ndarray]] | None = None
     if jobs > 1 and len(chunks) > 1 and "fork" in multiprocessing.get_all_start_methods():
         _SHARED = (scenario, sampler, seed)
         try:
-            with fork_pool(min(jobs, len(chunks))) as pool:
-                parts = pool.map(_chunk_in_worker, chunks, chunksize=1)
+            pool = fork_pool(min(jobs, len(chunks)))
+            if pool is not None:
+                with pool:
+                    parts = pool.map(_chunk_in_worker, chunks, chunksize=1)
         finally:
             _SHARED = None
-    else:
+    if parts is None:
         parts = [_chunk(scenario, sampler, seed, chunk) for chunk in chunks]
     parts = [(t, u) for t, u in parts if t.size]
     if not parts:

@@ -330,11 +330,14 @@ def _score_all(common: _Common, results: dict[str, ModeResult], jobs: int) -> di
         return {mode: score_mode(common, result) for mode, result in results.items()}
     _SHARED = (common, results)
     try:
-        with fork_pool(min(jobs, len(results))) as pool:
-            scored = pool.map(_score_one, list(results), chunksize=1)
+        pool = fork_pool(min(jobs, len(results)))
+        if pool is not None:
+            with pool:
+                scored = pool.map(_score_one, list(results), chunksize=1)
+            return dict(zip(results, scored, strict=True))
     finally:
         _SHARED = None
-    return dict(zip(results, scored, strict=True))
+    return {mode: score_mode(common, result) for mode, result in results.items()}
 
 
 def _event_windows(common: _Common, results: dict[str, ModeResult]) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ queue lock hung the parent's ``terminate()``.)
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import multiprocessing.pool
 import os
@@ -25,22 +26,42 @@ import sys
 from collections.abc import Iterator
 from types import FrameType
 
+log = logging.getLogger("ringlimit.simulations")
 
-def fork_pool(processes: int) -> multiprocessing.pool.Pool:
+
+def fork_pool(processes: int) -> multiprocessing.pool.Pool | None:
     """``multiprocessing``'s fork pool of ``processes`` workers, set up as above:
-    every pool of the simulations, so that a Ctrl-C in any phase is quiet.
+    every pool of the simulations, so that a Ctrl-C in any phase is quiet. None
+    when they cannot be forked (the system's limit on processes or memory),
+    said in one line: the caller does the work itself.
 
     Its workers are forked at once, by this thread, and never retired
     (no ``maxtasksperchild``): a pool forks the replacement of a retired worker
     from a thread of its own, while this one runs on, and a child forked so can
     inherit a lock another thread held and deadlock (CPython warns of such
-    forks from 3.12)."""
-    return multiprocessing.get_context("fork").Pool(processes, initializer=_worker_setup)
+    forks from 3.12).
+
+    SIGTERM stays blocked while they are forked (they inherit the mask) until
+    each has taken SIGTERM's default. When a fork failed, ``Pool()`` sent
+    SIGTERM to the workers it had made and waited for them; the newest one,
+    just forked, ran the handler it inherited from :func:`exit_on_sigterm`,
+    whose pending flag CPython clears in a forked child: the signal was lost,
+    and the command waited for that worker forever, silent, with one child (a
+    CI run's failure, found by a tester)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return multiprocessing.get_context("fork").Pool(processes, initializer=_worker_setup)
+    except OSError as exc:
+        log.warning("cannot fork %d worker processes (%s): running on one", processes, exc)
+        return None
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _worker_setup() -> None:  # pragma: no cover - runs in a worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one held meanwhile: now
 
 
 @contextlib.contextmanager

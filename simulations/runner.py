@@ -118,7 +118,8 @@ def _worker(mode: str, slot: int) -> ModeResult:
 
 def _run_parallel(
     modes: list[str], timeline: Timeline, arrivals: Arrivals, jobs: int, bar: Progress, full: bool
-) -> dict[str, ModeResult]:
+) -> dict[str, ModeResult] | None:
+    """The modes on ``jobs`` workers; None if they could not be forked."""
     global _SHARED
     ctx = multiprocessing.get_context("fork")
     counters = ctx.RawArray("q", len(modes))
@@ -127,7 +128,10 @@ def _run_parallel(
         # A worker runs modes until none is left (see fork_pool): retired after
         # one mode each, they were replaced by forks of this whole process from
         # the pool's thread, only to be ended with the pool.
-        with fork_pool(jobs) as pool:
+        pool = fork_pool(jobs)
+        if pool is None:
+            return None
+        with pool:
             pending = {mode: pool.apply_async(_worker, (mode, i)) for i, mode in enumerate(modes)}
             while not all(p.ready() for p in pending.values()):
                 bar.update(sum(counters))
@@ -205,10 +209,12 @@ def simulate(
     if jobs > 1 and "fork" not in multiprocessing.get_all_start_methods():
         jobs = 1
     bar = Progress(decisions, enabled=progress)
-    if jobs > 1:
-        results = _run_parallel(modes, timeline, arrivals, jobs, bar, full)
-    else:
+    parallel = _run_parallel(modes, timeline, arrivals, jobs, bar, full) if jobs > 1 else None
+    if parallel is None:
+        jobs = 1
         results = _run_serial(modes, timeline, arrivals, bar, full)
+    else:
+        results = parallel
     t3 = time.perf_counter()
     reference = results["global"]
     results = {m: complete(results[m], reference, timeline) for m in scenario.modes}

@@ -117,10 +117,13 @@ def _all_owners(
         return [_owners(view, names, index) for view in views]
     _SHARED = (views, names, index)
     try:
-        with fork_pool(min(jobs, len(views))) as pool:
-            return pool.map(_owners_of, range(len(views)), chunksize=1)
+        pool = fork_pool(min(jobs, len(views)))
+        if pool is not None:
+            with pool:
+                return pool.map(_owners_of, range(len(views)), chunksize=1)
     finally:
         _SHARED = None
+    return [_owners(view, names, index) for view in views]
 
 
 def build_timeline(scenario: Scenario, jobs: int = 1) -> Timeline:
