@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -126,6 +127,13 @@ RELEASE_POLL = 0.1
 
 #: How many times a join may yield to crash removals before it gives up (503).
 MAX_PREEMPTIONS = 8
+
+#: Seconds members answer that their lease lapsed, to a router that renews none,
+#: before it says so in the log (a --join node registers again after as long:
+#: node/server.py STRANDED_AFTER); a pause of the renewing router is shorter.
+LAPSED_WARN_AFTER = 10.0
+#: A member not seen lapsed for this long has had its lease renewed meanwhile.
+LAPSED_GAP = 5.0
 
 
 class _Preempted(Exception):
@@ -252,6 +260,8 @@ class Membership:
         self._awaiting_repair: dict[str, asyncio.Task[Any]] = {}
         #: The leading router's URL when this one follows it (router/workers.py).
         self.leader_url: str | None = None
+        #: Members seen answering that their lease lapsed: id -> (since, last seen).
+        self._lapsed: dict[str, tuple[float, float]] = {}
         #: Whether the leading router, at this follower's last poll, had a node
         #: reporting its shared backend (Redis) down: a follower probes no node.
         self.leader_backend_degraded = False
@@ -1172,21 +1182,53 @@ class Membership:
         )
 
     def lease_lapsed(self, member: Member) -> None:
-        """A member answered that its lease lapsed, and this router grants none (it
-        runs without health checks, or follows on etcd): said in the log (at most
-        once per 10 s). Only the router that runs health checks renews leases; a
-        node one made require a lease keeps requiring it (docs/rebalancing.md), so
-        a ring whose router was restarted with --no-health-checks answered every
-        key by its on_error, an open rule's uncounted, with nothing in any log."""
+        """A member answered that its lease lapsed, and this router grants none:
+        once members have answered so for :data:`LAPSED_WARN_AFTER` seconds on
+        end, say which and why in the log (at most once per 10 s).
+
+        Only the router that runs health checks renews leases, and a node it made
+        require one keeps requiring it (docs/rebalancing.md): a ring whose only
+        router was restarted with --no-health-checks answered every key by its
+        on_error, an open rule's uncounted, with nothing in any log. Not at the
+        first lapse: one lasts while the renewing router is paused or an etcd
+        election runs, and ends by itself."""
         if self.leasing:
-            return  # renewed by its next probe round
+            return  # renewed at its next probe round
+        now = time.monotonic()
+        first, last = self._lapsed.get(member.id, (now, now))
+        if now - last > LAPSED_GAP:
+            first = now  # not seen lapsed for a while: a new lapse
+        self._lapsed[member.id] = (first, now)
+        for node_id in [n for n, (_, seen) in self._lapsed.items() if now - seen > LAPSED_GAP]:
+            del self._lapsed[node_id]
+        lasting = sorted(
+            n for n, (since, _) in self._lapsed.items() if now - since >= LAPSED_WARN_AFTER
+        )
+        if not lasting:
+            return
+        if self.coordinator is not None:
+            why = (
+                "this router follows on etcd and the elected leader renews leases: no "
+                "router leads, or the leader cannot reach them"
+            )
+        elif self.leader_url is not None:
+            why = "the leading worker renews leases: it is restarting, or cannot reach them"
+        else:
+            why = (
+                "this router runs without health checks and renews none: the router "
+                "that runs them is down or cannot reach them, or none runs them any "
+                "more (run one; as a last resort, restart the nodes)"
+            )
+        names = ", ".join(lasting[:5])
+        if len(lasting) > 5:
+            names += f" and {len(lasting) - 5} more"
         self.failures.warn(
             "lease_lapsed",
-            "node %s decides nothing: its lease lapsed and this router grants none "
-            "(it runs without health checks). The router that runs them is down or "
-            "cannot reach it, or none runs them any more: run one, or restart the "
-            "node (its keys are answered by their on_error until then)",
-            member.id,
+            "node(s) %s decide nothing: their leases lapsed at least %.0f s ago, and %s. "
+            "Their keys are answered by their on_error",
+            names,
+            LAPSED_WARN_AFTER,
+            why,
         )
 
     async def catch_up(self, epoch: int, node_url: str) -> None:

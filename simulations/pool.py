@@ -32,8 +32,8 @@ log = logging.getLogger("ringlimit.simulations")
 def fork_pool(processes: int) -> multiprocessing.pool.Pool | None:
     """``multiprocessing``'s fork pool of ``processes`` workers, set up as above:
     every pool of the simulations, so that a Ctrl-C in any phase is quiet. None
-    when they cannot be forked (the system's limit on processes or memory),
-    said in one line: the caller does the work itself.
+    when they cannot be started (the system's limit on processes, threads or
+    memory), said in one line: the caller does that phase's work itself.
 
     Its workers are forked at once, by this thread, and never retired
     (no ``maxtasksperchild``): a pool forks the replacement of a retired worker
@@ -41,27 +41,37 @@ def fork_pool(processes: int) -> multiprocessing.pool.Pool | None:
     inherit a lock another thread held and deadlock (CPython warns of such
     forks from 3.12).
 
-    SIGTERM stays blocked while they are forked (they inherit the mask) until
-    each has taken SIGTERM's default. When a fork failed, ``Pool()`` sent
-    SIGTERM to the workers it had made and waited for them; the newest one,
-    just forked, ran the handler it inherited from :func:`exit_on_sigterm`,
-    whose pending flag CPython clears in a forked child: the signal was lost,
-    and the command waited for that worker forever, silent, with one child (a
-    CI run's failure, found by a tester)."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    SIGTERM and SIGINT stay blocked while they are forked (they inherit the
+    mask) until each has taken its own handling of them. When a fork failed,
+    ``Pool()`` sent SIGTERM to the workers it had made and waited for them; the
+    newest one, just forked, ran the handler it inherited from
+    :func:`exit_on_sigterm`, whose pending flag CPython clears in a forked
+    child: the signal was lost, and the command waited for that worker
+    forever, silent, with one child (a CI run's failure, found by a tester).
+    The pool's own threads start within ``Pool()`` and keep the mask, so a
+    worker one of them forks to replace a dead one starts so too."""
+    held = {signal.SIGTERM, signal.SIGINT}
+    known = set(multiprocessing.active_children())
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
         return multiprocessing.get_context("fork").Pool(processes, initializer=_worker_setup)
-    except OSError as exc:
-        log.warning("cannot fork %d worker processes (%s): running on one", processes, exc)
+    except (OSError, RuntimeError) as exc:  # a fork, a pipe, or a thread (RuntimeError)
+        for child in multiprocessing.active_children():
+            if child not in known:  # forked before a thread of the pool could not start
+                child.kill()
+                child.join()
+        log.warning(
+            "cannot start %d worker processes (%s): running in this process", processes, exc
+        )
         return None
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _worker_setup() -> None:  # pragma: no cover - runs in a worker
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C held meanwhile: dropped
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one held meanwhile: now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
 @contextlib.contextmanager

@@ -189,7 +189,7 @@ def test_a_simulation_whose_workers_cannot_all_be_forked_runs_on_one(tmp_path: P
     said = err.read_text()
     assert code == 0, why or said
     assert "Traceback" not in said, said
-    assert re.search(r"cannot fork \d+ worker processes .*: running on one", said), said
+    assert re.search(r"cannot start \d+ worker processes .*: running in this process", said), said
 
 
 #: A pool made under the command's SIGTERM handler whose second fork fails: its
