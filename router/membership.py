@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -1194,7 +1193,7 @@ class Membership:
         election runs, and ends by itself."""
         if self.leasing:
             return  # renewed at its next probe round
-        now = time.monotonic()
+        now = asyncio.get_running_loop().time()
         first, last = self._lapsed.get(member.id, (now, now))
         if now - last > LAPSED_GAP:
             first = now  # not seen lapsed for a while: a new lapse
