@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"ringlimit simulate: {why} {module}: {install}", file=sys.stderr)
             return 2
 
-    from .pool import exit_on_sigterm
+    from .pool import WorkerDied, exit_on_sigterm
     from .report import format_report, write_json
     from .runner import say, simulate
 
@@ -138,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"ringlimit simulate: {exc}", file=sys.stderr)
         return 2
+    except WorkerDied as exc:
+        print(f"ringlimit simulate: {exc}", file=sys.stderr)
+        return 1
     print(format_report(result.report))
     try:
         if args.json:

@@ -23,8 +23,9 @@ import multiprocessing.pool
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import FrameType
+from typing import Any
 
 log = logging.getLogger("ringlimit.simulations")
 
@@ -56,16 +57,40 @@ def fork_pool(processes: int) -> multiprocessing.pool.Pool | None:
     try:
         return multiprocessing.get_context("fork").Pool(processes, initializer=_worker_setup)
     except (OSError, RuntimeError) as exc:  # a fork, a pipe, or a thread (RuntimeError)
-        for child in multiprocessing.active_children():
-            if child not in known:  # forked before a thread of the pool could not start
-                child.kill()
-                child.join()
+        for child in started_since(known):  # forked before a thread could not start
+            child.kill()
+            child.join()
         log.warning(
             "cannot start %d worker processes (%s): running in this process", processes, exc
         )
         return None
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+class WorkerDied(RuntimeError):
+    """A pool's worker ended while the pool had work: the task it ran is lost, and
+    ``multiprocessing``'s pool waits for it forever (a worker killed by the
+    kernel's out-of-memory killer hung the command, silent)."""
+
+
+def started_since(known: set[multiprocessing.process.BaseProcess]) -> list[Any]:
+    """This process's live children that are not in ``known``: a pool's workers,
+    given the children there were before it was made."""
+    return [child for child in multiprocessing.active_children() if child not in known]
+
+
+def check_alive(workers: Iterable[multiprocessing.process.BaseProcess]) -> None:
+    """:class:`WorkerDied` for the first of ``workers`` that has ended."""
+    for worker in workers:
+        code = worker.exitcode
+        if code is None:
+            continue
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited ({code})"
+        raise WorkerDied(
+            f"a worker process (pid {worker.pid}) {how} while the simulation ran "
+            "(out of memory? try fewer --jobs)"
+        )
 
 
 def _worker_setup() -> None:  # pragma: no cover - runs in a worker

@@ -23,7 +23,7 @@ import numpy as np
 from .arrivals import Arrivals, generate
 from .metrics import build_report
 from .modes import ModeResult, complete, decisions_needed, run_mode
-from .pool import fork_pool
+from .pool import check_alive, fork_pool, started_since
 from .scenario import Scenario
 from .timeline import Timeline, build_timeline
 
@@ -128,12 +128,15 @@ def _run_parallel(
         # A worker runs modes until none is left (see fork_pool): retired after
         # one mode each, they were replaced by forks of this whole process from
         # the pool's thread, only to be ended with the pool.
+        known = set(multiprocessing.active_children())
         pool = fork_pool(jobs)
         if pool is None:
             return None
+        workers = started_since(known)
         with pool:
             pending = {mode: pool.apply_async(_worker, (mode, i)) for i, mode in enumerate(modes)}
             while not all(p.ready() for p in pending.values()):
+                check_alive(workers)  # (a mode's worker lost: the pool would wait forever)
                 bar.update(sum(counters))
                 time.sleep(0.1)
             results = {mode: p.get() for mode, p in pending.items()}

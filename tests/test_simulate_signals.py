@@ -78,6 +78,34 @@ def stuck(proc: subprocess.Popen[bytes], err: Path, phase: str, started: float) 
     return "\n".join(lines)
 
 
+def start_simulation(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """``ringlimit simulate large_50 FLAGS`` in a session of its own, its stderr
+    in a file (returned)."""
+    err = tmp_path / "err.txt"
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(
+            ringlimit_argv("simulate", "large_50", *flags),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    return proc, err
+
+
+def in_phase(proc: subprocess.Popen[bytes], err: Path, phase: str, started: float) -> list[int]:
+    """Once the command runs ``phase`` on two workers (90 s at most): its workers."""
+    workers: list[int] = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+        workers = children(proc.pid)
+        if len(workers) >= 2 and PHASES[phase] in err.read_text():
+            break
+    assert len(workers) >= 2, stuck(proc, err, phase, started)
+    return workers
+
+
 #: What the test waits for in the command's stderr before it interrupts it: the
 #: modes' run (its progress bar counts decisions), or the ring's owner lookups
 #: (the arrivals are made); each phase runs on a pool of its own.
@@ -98,28 +126,13 @@ PHASES = {"modes": "decisions", "ring": "arrivals:"}
 def test_an_interrupted_simulation_leaves_no_worker_and_no_traceback(
     how: str, phase: str, tmp_path: Path
 ) -> None:
-    err = tmp_path / "err.txt"
-    with err.open("w") as stderr:
-        proc = subprocess.Popen(
-            # More workers than modes left once some end: an idle worker holds
-            # its pool's queue lock, which is where a SIGTERM to the group hung.
-            ringlimit_argv("simulate", "large_50", "--jobs", "6"),
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
+    # More workers than modes left once some end: an idle worker holds its
+    # pool's queue lock, which is where a SIGTERM to the group hung.
+    proc, err = start_simulation(tmp_path, "--jobs", "6")
     workers: list[int] = []
     started = time.monotonic()
     try:
-        # Until the phase runs, on two workers.
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-            workers = children(proc.pid)
-            if len(workers) >= 2 and PHASES[phase] in err.read_text():
-                break
-        assert len(workers) >= 2, stuck(proc, err, phase, started)
+        workers = in_phase(proc, err, phase, started)
         time.sleep(4.0 if phase == "modes" else 0.2)
         if how == "sigterm to the command":
             os.kill(proc.pid, signal.SIGTERM)
@@ -138,7 +151,7 @@ def test_an_interrupted_simulation_leaves_no_worker_and_no_traceback(
             assert "ring:" not in said, said[-2000:]
         assert code == (143 if how.startswith("sigterm") else 130), said[-2000:]
     finally:
-        for pid in orphans_of([proc.pid, *workers]):
+        for pid in orphans_of([proc.pid, *workers, *children(proc.pid)]):
             os.kill(pid, signal.SIGKILL)
         proc.wait(10)
 
@@ -235,3 +248,37 @@ def test_a_worker_just_forked_never_loses_the_sigterm_of_its_pools_cleanup() -> 
             os.killpg(proc.pid, signal.SIGKILL)  # the command and its worker
             out, _ = proc.communicate(timeout=10)
         assert proc.returncode == 0 and b"cleaned up" in out, (attempt, out[-2000:])
+
+
+def test_a_simulation_whose_worker_is_killed_ends_in_one_line(tmp_path: Path) -> None:
+    """A worker killed while it ran a mode (the out-of-memory killer picks the
+    biggest process) took its task with it, and multiprocessing's pool waited
+    for that task forever: the command hung, silent. Now it ends (1), saying
+    which worker died and how, and leaves no worker behind."""
+    proc, err = start_simulation(tmp_path, "--jobs", "2")
+    workers: list[int] = []
+    started = time.monotonic()
+    why = ""
+    try:
+        workers = in_phase(proc, err, "modes", started)
+        os.kill(workers[0], signal.SIGKILL)
+        try:
+            code: int | None = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            code, why = None, stuck(proc, err, "modes", started)
+        assert orphans_of(workers[1:]) == [] or wait_gone(workers[1:]), "workers outlived it"
+    finally:
+        for pid in orphans_of([proc.pid, *workers, *children(proc.pid)]):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(10)
+    said = err.read_text()
+    assert code == 1, why or said[-2000:]
+    assert "Traceback" not in said, said[-3000:]
+    assert f"a worker process (pid {workers[0]}) was killed by SIGKILL" in said, said[-2000:]
+
+
+def wait_gone(pids: list[int], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while orphans_of(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not orphans_of(pids)
