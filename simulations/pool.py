@@ -23,6 +23,7 @@ import multiprocessing.pool
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from types import FrameType
 from typing import Any
@@ -69,9 +70,9 @@ def fork_pool(processes: int) -> multiprocessing.pool.Pool | None:
 
 
 class WorkerDied(RuntimeError):
-    """A pool's worker ended while the pool had work: the task it ran is lost, and
-    ``multiprocessing``'s pool waits for it forever (a worker killed by the
-    kernel's out-of-memory killer hung the command, silent)."""
+    """A pool's worker ended while the pool had work: the task it ran, if any, is
+    lost, and ``multiprocessing``'s pool waits for it forever (a worker killed by
+    the kernel's out-of-memory killer hung the command, silent)."""
 
 
 def started_since(known: set[multiprocessing.process.BaseProcess]) -> list[Any]:
@@ -86,11 +87,35 @@ def check_alive(workers: Iterable[multiprocessing.process.BaseProcess]) -> None:
         code = worker.exitcode
         if code is None:
             continue
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited ({code})"
+        if code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:  # a real-time signal has no name
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited ({code})"
         raise WorkerDied(
             f"a worker process (pid {worker.pid}) {how} while the simulation ran "
             "(out of memory? try fewer --jobs)"
         )
+
+
+def end_within(
+    pool: multiprocessing.pool.Pool,
+    known: set[multiprocessing.process.BaseProcess],
+    seconds: float = 5.0,
+) -> None:
+    """``pool.terminate()`` after a worker died, for ``seconds`` at most; then its
+    workers (the children not in ``known``) are killed. A worker that died idle
+    holding the task queue's lock, or in the middle of sending a result holding
+    the result queue's, leaves ``terminate()`` waiting for that lock forever."""
+    stopper = threading.Thread(target=pool.terminate, daemon=True)
+    stopper.start()
+    stopper.join(seconds)
+    if stopper.is_alive():
+        for child in started_since(known):
+            child.kill()
+            child.join()
 
 
 def _worker_setup() -> None:  # pragma: no cover - runs in a worker

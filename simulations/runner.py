@@ -23,7 +23,7 @@ import numpy as np
 from .arrivals import Arrivals, generate
 from .metrics import build_report
 from .modes import ModeResult, complete, decisions_needed, run_mode
-from .pool import check_alive, fork_pool, started_since
+from .pool import WorkerDied, check_alive, end_within, fork_pool, started_since
 from .scenario import Scenario
 from .timeline import Timeline, build_timeline
 
@@ -135,10 +135,14 @@ def _run_parallel(
         workers = started_since(known)
         with pool:
             pending = {mode: pool.apply_async(_worker, (mode, i)) for i, mode in enumerate(modes)}
-            while not all(p.ready() for p in pending.values()):
-                check_alive(workers)  # (a mode's worker lost: the pool would wait forever)
-                bar.update(sum(counters))
-                time.sleep(0.1)
+            try:
+                while not all(p.ready() for p in pending.values()):
+                    check_alive(workers)  # (a mode's worker lost: the pool would wait forever)
+                    bar.update(sum(counters))
+                    time.sleep(0.1)
+            except WorkerDied:
+                end_within(pool, known)
+                raise
             results = {mode: p.get() for mode, p in pending.items()}
     finally:
         _SHARED = None

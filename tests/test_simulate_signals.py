@@ -10,6 +10,7 @@ SIGINT, and the command's SIGTERM kills its workers and exits.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -21,13 +22,15 @@ from pathlib import Path
 import pytest
 
 from router.processes import ringlimit_argv
-from tests.processes import ROOT
+from tests.processes import ROOT, wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def children(pid: int) -> list[int]:
-    """``pid``'s live children (a zombie is not alive)."""
+def _live(field: int, value: int) -> list[int]:
+    """The live processes (a zombie is not) whose ``/proc/PID/stat`` field number
+    ``field``, counted after the command's name (1: parent, 2: process group), is
+    ``value``."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -36,9 +39,19 @@ def children(pid: int) -> list[int]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] != "Z":
+        if int(fields[field]) == value and fields[0] != "Z":
             found.append(int(entry.name))
     return found
+
+
+def children(pid: int) -> list[int]:
+    """``pid``'s live children."""
+    return _live(1, pid)
+
+
+def in_group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    return _live(2, pgid)
 
 
 def orphans_of(pids: list[int]) -> list[int]:
@@ -266,19 +279,16 @@ def test_a_simulation_whose_worker_is_killed_ends_in_one_line(tmp_path: Path) ->
             code: int | None = proc.wait(30)
         except subprocess.TimeoutExpired:
             code, why = None, stuck(proc, err, "modes", started)
-        assert orphans_of(workers[1:]) == [] or wait_gone(workers[1:]), "workers outlived it"
+        said = err.read_text()
+        assert code == 1, why or said[-2000:]
+        # Its session's group: the other worker and the one the pool forked in
+        # the dead one's place (their parent gone, no longer its children).
+        assert wait_for(lambda: not in_group(proc.pid), 10.0), in_group(proc.pid)
     finally:
         for pid in orphans_of([proc.pid, *workers, *children(proc.pid)]):
             os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-    said = err.read_text()
-    assert code == 1, why or said[-2000:]
     assert "Traceback" not in said, said[-3000:]
     assert f"a worker process (pid {workers[0]}) was killed by SIGKILL" in said, said[-2000:]
-
-
-def wait_gone(pids: list[int], seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while orphans_of(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not orphans_of(pids)
