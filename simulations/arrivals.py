@@ -27,12 +27,11 @@ redirected to the ``h`` first users, uniformly among them.
 
 from __future__ import annotations
 
-import multiprocessing
 from dataclasses import dataclass
 
 import numpy as np
 
-from .pool import fork_pool
+from .pool import map_in_workers
 from .scenario import Scenario
 
 #: Expected arrivals per generated chunk (bounds the temporary arrays).
@@ -133,7 +132,7 @@ def _chunk(
     return times, sampler.draw(rng, n)
 
 
-# Set before forking generator workers, so that they inherit it.
+# Set around map_in_workers: forked workers inherit it.
 _SHARED: tuple[Scenario, _UserSampler, int] | None = None
 
 
@@ -153,18 +152,11 @@ def generate(scenario: Scenario, seed: int | None = None, jobs: int = 1) -> Arri
     seed = scenario.seed if seed is None else seed
     sampler = _UserSampler(scenario)
     chunks = _chunks(scenario, seed)
-    parts: list[tuple[np.ndarray, np.ndarray]] | None = None
-    if jobs > 1 and len(chunks) > 1 and "fork" in multiprocessing.get_all_start_methods():
-        _SHARED = (scenario, sampler, seed)
-        try:
-            pool = fork_pool(min(jobs, len(chunks)))
-            if pool is not None:
-                with pool:
-                    parts = pool.map(_chunk_in_worker, chunks, chunksize=1)
-        finally:
-            _SHARED = None
-    if parts is None:
-        parts = [_chunk(scenario, sampler, seed, chunk) for chunk in chunks]
+    _SHARED = (scenario, sampler, seed)
+    try:
+        parts = map_in_workers(_chunk_in_worker, chunks, jobs)
+    finally:
+        _SHARED = None
     parts = [(t, u) for t, u in parts if t.size]
     if not parts:
         return Arrivals(np.empty(0, dtype=np.float64), np.empty(0, dtype=np.int32))

@@ -23,14 +23,13 @@ In short, with ``a_m(u)`` the requests of user ``u`` a mode allowed and
 from __future__ import annotations
 
 import math
-import multiprocessing
 from typing import Any
 
 import numpy as np
 
 from .arrivals import Arrivals, user_name
 from .modes import ModeResult, policy_table
-from .pool import fork_pool
+from .pool import map_in_workers
 from .scenario import Scenario
 from .timeline import Timeline
 
@@ -310,7 +309,7 @@ def _load(common: _Common, result: ModeResult) -> dict[str, Any]:
     return out
 
 
-# Set before forking scoring workers, so that they inherit it.
+# Set around map_in_workers: forked workers inherit it.
 _SHARED: tuple[_Common, dict[str, ModeResult]] | None = None
 
 
@@ -326,18 +325,12 @@ def _score_all(common: _Common, results: dict[str, ModeResult], jobs: int) -> di
     for mode in results:
         if mode != "round_robin":
             common.charges(policies[mode])  # computed once, before forking
-    if jobs <= 1 or len(results) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return {mode: score_mode(common, result) for mode, result in results.items()}
     _SHARED = (common, results)
     try:
-        pool = fork_pool(min(jobs, len(results)))
-        if pool is not None:
-            with pool:
-                scored = pool.map(_score_one, list(results), chunksize=1)
-            return dict(zip(results, scored, strict=True))
+        scored = map_in_workers(_score_one, list(results), jobs)
     finally:
         _SHARED = None
-    return {mode: score_mode(common, result) for mode, result in results.items()}
+    return dict(zip(results, scored, strict=True))
 
 
 def _event_windows(common: _Common, results: dict[str, ModeResult]) -> list[dict[str, Any]]:

@@ -24,11 +24,14 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger("ringlimit.simulations")
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def fork_pool(processes: int) -> multiprocessing.pool.Pool | None:
@@ -67,6 +70,19 @@ def fork_pool(processes: int) -> multiprocessing.pool.Pool | None:
         return None
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def map_in_workers(fn: Callable[[T], R], items: Sequence[T], jobs: int) -> list[R]:
+    """``[fn(item) for item in items]``, spread over up to ``jobs`` forked workers
+    (one item at a time each); in this process when one would do, or when
+    workers cannot be forked (:func:`fork_pool` says so). ``fn`` reads what it
+    needs from state set before the call: the workers inherit it."""
+    if jobs > 1 and len(items) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        pool = fork_pool(min(jobs, len(items)))
+        if pool is not None:
+            with pool:
+                return pool.map(fn, items, chunksize=1)
+    return [fn(item) for item in items]
 
 
 class WorkerDied(RuntimeError):

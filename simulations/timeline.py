@@ -8,7 +8,6 @@ requests with one fancy index instead of one md5 per request.
 
 from __future__ import annotations
 
-import multiprocessing
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +16,7 @@ from ring import Member, RingView
 
 from .arrivals import user_name
 from .detection import Detection
-from .pool import fork_pool
+from .pool import map_in_workers
 from .scenario import Change, Scenario, ScenarioError, expand_with_detection
 
 
@@ -98,7 +97,7 @@ def _owners(view: RingView, names: list[str], index: dict[str, int]) -> np.ndarr
     )
 
 
-# Set before forking owner-lookup workers, so that they inherit it.
+# Set around map_in_workers: forked workers inherit it.
 _SHARED: tuple[list[RingView], list[str], dict[str, int]] | None = None
 
 
@@ -113,17 +112,11 @@ def _all_owners(
 ) -> list[np.ndarray]:
     """Every view's owner array; the views are spread over ``jobs`` forked processes."""
     global _SHARED
-    if jobs <= 1 or len(views) == 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return [_owners(view, names, index) for view in views]
     _SHARED = (views, names, index)
     try:
-        pool = fork_pool(min(jobs, len(views)))
-        if pool is not None:
-            with pool:
-                return pool.map(_owners_of, range(len(views)), chunksize=1)
+        return map_in_workers(_owners_of, range(len(views)), jobs)
     finally:
         _SHARED = None
-    return [_owners(view, names, index) for view in views]
 
 
 def build_timeline(scenario: Scenario, jobs: int = 1) -> Timeline:
