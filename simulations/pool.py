@@ -34,7 +34,48 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def fork_pool(processes: int) -> multiprocessing.pool.Pool | None:
+class Workers:
+    """A fork pool and the worker processes it forked (the children this
+    process did not have before it), so that its results can be waited for
+    without waiting forever: a worker that dies takes its task with it, and
+    ``multiprocessing``'s pool waits for that task for good (a worker killed by
+    the kernel's out-of-memory killer hung the command, silent)."""
+
+    def __init__(
+        self, pool: multiprocessing.pool.Pool, known: set[multiprocessing.process.BaseProcess]
+    ) -> None:
+        self.pool = pool
+        self.known = known
+        self.processes = started_since(known)
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.pool.terminate()
+
+    def gather(
+        self,
+        tasks: Sequence[multiprocessing.pool.AsyncResult[R]],
+        tick: Callable[[], object] | None = None,
+    ) -> list[R]:
+        """The results of ``tasks``, in their order, calling ``tick`` about every
+        0.1 s meanwhile; :class:`WorkerDied` once a worker has ended, after the
+        pool is stopped (:func:`end_within`)."""
+        try:
+            for task in tasks:
+                while not task.ready():
+                    check_alive(self.processes)
+                    if tick is not None:
+                        tick()
+                    task.wait(0.1)
+        except WorkerDied:
+            end_within(self.pool, self.known)
+            raise
+        return [task.get() for task in tasks]
+
+
+def fork_pool(processes: int) -> Workers | None:
     """``multiprocessing``'s fork pool of ``processes`` workers, set up as above:
     every pool of the simulations, so that a Ctrl-C in any phase is quiet. None
     when they cannot be started (the system's limit on processes, threads or
@@ -59,7 +100,7 @@ def fork_pool(processes: int) -> multiprocessing.pool.Pool | None:
     known = set(multiprocessing.active_children())
     before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
-        return multiprocessing.get_context("fork").Pool(processes, initializer=_worker_setup)
+        pool = multiprocessing.get_context("fork").Pool(processes, initializer=_worker_setup)
     except (OSError, RuntimeError) as exc:  # a fork, a pipe, or a thread (RuntimeError)
         for child in started_since(known):  # forked before a thread could not start
             child.kill()
@@ -70,18 +111,20 @@ def fork_pool(processes: int) -> multiprocessing.pool.Pool | None:
         return None
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    return Workers(pool, known)
 
 
 def map_in_workers(fn: Callable[[T], R], items: Sequence[T], jobs: int) -> list[R]:
     """``[fn(item) for item in items]``, spread over up to ``jobs`` forked workers
     (one item at a time each); in this process when one would do, or when
     workers cannot be forked (:func:`fork_pool` says so). ``fn`` reads what it
-    needs from state set before the call: the workers inherit it."""
+    needs from state set before the call: the workers inherit it.
+    :class:`WorkerDied` if a worker dies meanwhile."""
     if jobs > 1 and len(items) > 1 and "fork" in multiprocessing.get_all_start_methods():
-        pool = fork_pool(min(jobs, len(items)))
-        if pool is not None:
-            with pool:
-                return pool.map(fn, items, chunksize=1)
+        workers = fork_pool(min(jobs, len(items)))
+        if workers is not None:
+            with workers:
+                return workers.gather([workers.pool.apply_async(fn, (item,)) for item in items])
     return [fn(item) for item in items]
 
 

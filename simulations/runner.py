@@ -23,7 +23,7 @@ import numpy as np
 from .arrivals import Arrivals, generate
 from .metrics import build_report
 from .modes import ModeResult, complete, decisions_needed, run_mode
-from .pool import WorkerDied, check_alive, end_within, fork_pool, started_since
+from .pool import fork_pool
 from .scenario import Scenario
 from .timeline import Timeline, build_timeline
 
@@ -128,22 +128,13 @@ def _run_parallel(
         # A worker runs modes until none is left (see fork_pool): retired after
         # one mode each, they were replaced by forks of this whole process from
         # the pool's thread, only to be ended with the pool.
-        known = set(multiprocessing.active_children())
-        pool = fork_pool(jobs)
-        if pool is None:
+        workers = fork_pool(jobs)
+        if workers is None:
             return None
-        workers = started_since(known)
-        with pool:
-            pending = {mode: pool.apply_async(_worker, (mode, i)) for i, mode in enumerate(modes)}
-            try:
-                while not all(p.ready() for p in pending.values()):
-                    check_alive(workers)  # (a mode's worker lost: the pool would wait forever)
-                    bar.update(sum(counters))
-                    time.sleep(0.1)
-            except WorkerDied:
-                end_within(pool, known)
-                raise
-            results = {mode: p.get() for mode, p in pending.items()}
+        with workers:
+            pending = [workers.pool.apply_async(_worker, (mode, i)) for i, mode in enumerate(modes)]
+            done = workers.gather(pending, tick=lambda: bar.update(sum(counters)))
+            results = dict(zip(modes, done, strict=True))
     finally:
         _SHARED = None
     bar.finish(sum(counters))

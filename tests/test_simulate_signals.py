@@ -263,22 +263,25 @@ def test_a_worker_just_forked_never_loses_the_sigterm_of_its_pools_cleanup() -> 
         assert proc.returncode == 0 and b"cleaned up" in out, (attempt, out[-2000:])
 
 
-def test_a_simulation_whose_worker_is_killed_ends_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("phase", ["modes", "ring"])
+def test_a_simulation_whose_worker_is_killed_ends_in_one_line(phase: str, tmp_path: Path) -> None:
     """A worker killed while it ran a mode (the out-of-memory killer picks the
     biggest process) took its task with it, and multiprocessing's pool waited
     for that task forever: the command hung, silent. Now it ends (1), saying
-    which worker died and how, and leaves no worker behind."""
+    which worker died and how, and leaves no worker behind. So does a worker
+    killed while it looks owners up on the ring (a ``pool.map`` of a phase of
+    its own, which hung so too)."""
     proc, err = start_simulation(tmp_path, "--jobs", "2")
     workers: list[int] = []
     started = time.monotonic()
     why = ""
     try:
-        workers = in_phase(proc, err, "modes", started)
+        workers = in_phase(proc, err, phase, started)
         os.kill(workers[0], signal.SIGKILL)
         try:
             code: int | None = proc.wait(30)
         except subprocess.TimeoutExpired:
-            code, why = None, stuck(proc, err, "modes", started)
+            code, why = None, stuck(proc, err, phase, started)
         said = err.read_text()
         assert code == 1, why or said[-2000:]
         # Its session's group: the other worker and the one the pool forked in
