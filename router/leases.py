@@ -145,7 +145,7 @@ class RouterLeases:
         self.rule_names = rule_names
         self.threshold = threshold
         self.clock = clock
-        self.book = LeaseBook()
+        self.book: LeaseBook[tuple[str, str]] = LeaseBook()
         self.policy = LeasePolicy("auto", threshold=threshold)
         self._hot: dict[str, HotKeys] = {}
         #: keys asked for, each with the requests this router sent to the owner meanwhile
@@ -199,7 +199,7 @@ class RouterLeases:
         # on_error or shadow alone leaves the leases as they are.
         if known is None or definition(known) == definition(rule):
             return
-        revoked = [entry for entry in self.book if entry[0] == rule.name]  # type: ignore[index]
+        revoked = [entry for entry in self.book if entry[0] == rule.name]
         for entry in revoked:
             self.book.release(entry)
         if revoked:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from node.lease import DEFAULT_DRIFT
 from node.quota import OwnerAnswer, QuotaLease
@@ -39,6 +40,9 @@ from node.quota import OwnerAnswer, QuotaLease
 ADMIT = "admit"
 DENY = "deny"
 FORWARD = "forward"
+
+#: What a book is keyed by: a key, or ``(rule, key)`` with several rules.
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass
@@ -69,15 +73,15 @@ class _Entry:
 
 
 @dataclass(frozen=True)
-class Released:
+class Released(Generic[K]):
     """A lease the book let go of, with the units it never used."""
 
-    key: Hashable
+    key: K
     lease: QuotaLease
     unused: int
 
 
-class LeaseBook:
+class LeaseBook(Generic[K]):
     """One router's leases, per key (callers key by ``(rule, key)`` with several rules)."""
 
     def __init__(
@@ -88,9 +92,9 @@ class LeaseBook:
         self.epoch = epoch
         self.drift = drift
         self.low_water = low_water
-        self._keys: dict[Hashable, _Entry] = {}
+        self._keys: dict[K, _Entry] = {}
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: K) -> bool:
         return key in self._keys
 
     def __len__(self) -> int:
@@ -100,8 +104,8 @@ class LeaseBook:
         return asked_at + (at - lease.granted_at) / (1.0 + self.drift)
 
     def add(
-        self, key: Hashable, lease: QuotaLease, asked_at: float, received_at: float | None = None
-    ) -> list[Released]:
+        self, key: K, lease: QuotaLease, asked_at: float, received_at: float | None = None
+    ) -> list[Released[K]]:
         """Take ``lease`` (asked for at ``asked_at``, its answer in at ``received_at``:
         by default ``asked_at``); a lease of another epoch is refused and returned as
         released, so that its units are accounted for."""
@@ -126,7 +130,7 @@ class LeaseBook:
         entry.retry_after = lease.refill_at - lease.granted_at
         return []
 
-    def decide(self, key: Hashable, now: float, cost: int = 1) -> str:
+    def decide(self, key: K, now: float, cost: int = 1) -> str:
         """``ADMIT`` (a unit of a lease was spent), ``DENY`` or ``FORWARD``."""
         entry = self._keys.get(key)
         if entry is None:
@@ -142,16 +146,14 @@ class LeaseBook:
             return DENY
         return FORWARD
 
-    def left(self, key: Hashable, now: float) -> int:
+    def left(self, key: K, now: float) -> int:
         """Units the book still holds for ``key`` at ``now``."""
         entry = self._keys.get(key)
         if entry is None:
             return 0
         return sum(h.left for h in entry.leases if h.deadline > now)
 
-    def owner_answer(
-        self, key: Hashable, now: float
-    ) -> tuple[OwnerAnswer, float, float, int] | None:
+    def owner_answer(self, key: K, now: float) -> tuple[OwnerAnswer, float, float, int] | None:
         """The owner's answer with ``key``'s last grant, the seconds since it came in,
         the seconds from then until the owner admits again (inf: never) and the units
         the book holds at ``now``; None: no grant said (a node that does not send it)."""
@@ -165,14 +167,14 @@ class LeaseBook:
         elapsed = now - entry.answered_at
         return entry.answer, elapsed if elapsed > 0.0 else 0.0, entry.retry_after, left
 
-    def denied_for(self, key: Hashable, now: float) -> float:
+    def denied_for(self, key: K, now: float) -> float:
         """Seconds until the owner said it may admit ``key`` again (0: not denying)."""
         entry = self._keys.get(key)
         if entry is None or now >= entry.deny_until:
             return 0.0
         return entry.deny_until - now
 
-    def want(self, key: Hashable, now: float, block: int) -> int:
+    def want(self, key: K, now: float, block: int) -> int:
         """Units to ask for now (0: none): the next ``block`` once the units left fall
         to the low-water mark, unless the owner said it has nothing before then."""
         entry = self._keys.get(key)
@@ -182,7 +184,7 @@ class LeaseBook:
             return 0
         return block
 
-    def take_spent(self, key: Hashable) -> list[QuotaLease]:
+    def take_spent(self, key: K) -> list[QuotaLease]:
         """``key``'s leases spent to the last unit, to settle with the owner (0 unused)."""
         entry = self._keys.get(key)
         if entry is None or not entry.spent:
@@ -190,10 +192,10 @@ class LeaseBook:
         spent, entry.spent = entry.spent, []
         return [held.lease for held in spent]
 
-    def expire(self, now: float) -> list[Released]:
+    def expire(self, now: float) -> list[Released[K]]:
         """Let go of every lease whose time is up (the caller returns or writes off
         the unused units) and of keys with nothing left to say."""
-        out: list[Released] = []
+        out: list[Released[K]] = []
         for key in list(self._keys):
             entry = self._keys[key]
             keep = []
@@ -215,17 +217,17 @@ class LeaseBook:
             (h.deadline for e in self._keys.values() for h in e.leases), default=float("inf")
         )
 
-    def __iter__(self) -> Iterator[Hashable]:
+    def __iter__(self) -> Iterator[K]:
         return iter(list(self._keys))
 
-    def release(self, key: Hashable) -> list[Released]:
+    def release(self, key: K) -> list[Released[K]]:
         """Give up every lease of ``key`` now (e.g. to return the units)."""
         entry = self._keys.pop(key, None)
         if entry is None:
             return []
         return [Released(key, h.lease, h.left) for h in entry.leases]
 
-    def set_epoch(self, epoch: int) -> list[Released]:
+    def set_epoch(self, epoch: int) -> list[Released[K]]:
         """A ring change: every lease of an older epoch is revoked (written off)."""
         if epoch == self.epoch:
             return []

@@ -108,7 +108,9 @@ def run_leases(
     used = np.zeros(n_users, dtype=np.int64)
     messages = [0] * n_slots
     fresh_at = REGISTRY[rule.algorithm].fresh_at
-    books = [LeaseBook(drift=0.0, low_water=low_water) for _ in range(routers)]
+    books: list[LeaseBook[int]] = [
+        LeaseBook(drift=0.0, low_water=low_water) for _ in range(routers)
+    ]
     holds: list[dict[int, Held]] = [{} for _ in range(n_slots)]
     hot = [HotKeys(policy.threshold, half_life=half_life) for _ in range(n_slots)]
     deadlines: list[tuple[float, int]] = []  # (deadline, router)
@@ -137,9 +139,8 @@ def run_leases(
                 and (fresh_at(held.state, rule) > end or held.owed(end) > 0)
             )
 
-    def settle(rel: Released, at: float, give_back: bool) -> None:
+    def settle(rel: Released[int], at: float, give_back: bool) -> None:
         key = rel.key
-        assert isinstance(key, int)
         node = owners[key]
         if node < 0:
             run.units_written_off += rel.unused
