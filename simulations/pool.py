@@ -34,25 +34,45 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-class Workers:
-    """A fork pool and the worker processes it forked (the children this
-    process did not have before it), so that its results can be waited for
-    without waiting forever: a worker that dies takes its task with it, and
-    ``multiprocessing``'s pool waits for that task for good (a worker killed by
-    the kernel's out-of-memory killer hung the command, silent)."""
+class _WatchedPool(multiprocessing.pool.Pool):
+    """``multiprocessing``'s fork pool, keeping every worker process it starts:
+    those it starts with and those it forks in a dead one's place. Not this
+    process's live children after it was made: a worker killed before that
+    look was missed, and if it died holding the task queue's lock, the others
+    waited on it for good, and so did the command, silent (a review: 5 runs of
+    9 with a worker killed as it started).
 
-    def __init__(
-        self, pool: multiprocessing.pool.Pool, known: set[multiprocessing.process.BaseProcess]
-    ) -> None:
+    ``Pool.Process`` is how ``multiprocessing`` makes each worker (a static
+    method there, called as ``self.Process(ctx, ...)``, in 3.8 to 3.14)."""
+
+    def __init__(self, processes: int) -> None:
+        self.started: list[multiprocessing.process.BaseProcess] = []
+        super().__init__(
+            processes, initializer=_worker_setup, context=multiprocessing.get_context("fork")
+        )
+
+    # A static method in the base (typeshed says so); an instance's here, to keep the list.
+    def Process(self, ctx: Any, *args: Any, **kwds: Any) -> Any:  # type: ignore[override]
+        process = ctx.Process(*args, **kwds)
+        self.started.append(process)  # (the pool's own thread appends replacements)
+        return process
+
+
+class Workers:
+    """A fork pool and every worker process it started, so that its results can
+    be waited for without waiting forever: a worker that dies takes its task
+    with it, and ``multiprocessing``'s pool waits for that task for good (a
+    worker killed by the kernel's out-of-memory killer hung the command,
+    silent)."""
+
+    def __init__(self, pool: _WatchedPool) -> None:
         self.pool = pool
-        self.known = known
-        self.processes = started_since(known)
 
     def __enter__(self) -> Workers:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.pool.terminate()
+        end_within(self.pool)  # (a worker that died as the last result came in)
 
     def gather(
         self,
@@ -65,12 +85,12 @@ class Workers:
         try:
             for task in tasks:
                 while not task.ready():
-                    check_alive(self.processes)
+                    check_alive(self.pool.started)
                     if tick is not None:
                         tick()
                     task.wait(0.1)
         except WorkerDied:
-            end_within(self.pool, self.known)
+            end_within(self.pool)
             raise
         return [task.get() for task in tasks]
 
@@ -100,7 +120,7 @@ def fork_pool(processes: int) -> Workers | None:
     known = set(multiprocessing.active_children())
     before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
-        pool = multiprocessing.get_context("fork").Pool(processes, initializer=_worker_setup)
+        pool = _WatchedPool(processes)
     except (OSError, RuntimeError) as exc:  # a fork, a pipe, or a thread (RuntimeError)
         for child in started_since(known):  # forked before a thread could not start
             child.kill()
@@ -111,7 +131,7 @@ def fork_pool(processes: int) -> Workers | None:
         return None
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
-    return Workers(pool, known)
+    return Workers(pool)
 
 
 def map_in_workers(fn: Callable[[T], R], items: Sequence[T], jobs: int) -> list[R]:
@@ -159,22 +179,19 @@ def check_alive(workers: Iterable[multiprocessing.process.BaseProcess]) -> None:
         )
 
 
-def end_within(
-    pool: multiprocessing.pool.Pool,
-    known: set[multiprocessing.process.BaseProcess],
-    seconds: float = 5.0,
-) -> None:
-    """``pool.terminate()`` after a worker died, for ``seconds`` at most; then its
-    workers (the children not in ``known``) are killed. A worker that died idle
-    holding the task queue's lock, or in the middle of sending a result holding
-    the result queue's, leaves ``terminate()`` waiting for that lock forever."""
+def end_within(pool: _WatchedPool, seconds: float = 5.0) -> None:
+    """``pool.terminate()``, for ``seconds`` at most; then its workers still alive
+    are killed. A worker that died idle holding the task queue's lock, or in the
+    middle of sending a result holding the result queue's, leaves
+    ``terminate()`` waiting for that lock forever."""
     stopper = threading.Thread(target=pool.terminate, daemon=True)
     stopper.start()
     stopper.join(seconds)
     if stopper.is_alive():
-        for child in started_since(known):
-            child.kill()
-            child.join()
+        for worker in pool.started:
+            if worker.exitcode is None:
+                worker.kill()
+                worker.join()
 
 
 def _worker_setup() -> None:  # pragma: no cover - runs in a worker
