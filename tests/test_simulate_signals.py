@@ -219,6 +219,24 @@ def test_a_simulation_whose_workers_cannot_all_be_forked_runs_on_one(tmp_path: P
     assert re.search(r"cannot start \d+ worker processes .*: running in this process", said), said
 
 
+def run_script(source: str, timeout: float) -> tuple[int, bytes]:
+    """``python -c source`` in the repository, in a session of its own: its exit
+    status and output; killed with its workers (-9) if it runs ``timeout`` s."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", source],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script and its workers
+        out, _ = proc.communicate(timeout=10)
+    return proc.returncode, out
+
+
 #: A pool made under the command's SIGTERM handler whose second fork fails: its
 #: cleanup sends SIGTERM to the worker it has just forked.
 POOL_WHOSE_SECOND_FORK_FAILS = """
@@ -270,19 +288,8 @@ def test_a_worker_killed_as_its_pool_starts_is_reported() -> None:
     so did the command, silent (a review: 5 runs of 9 with a worker killed as
     it started); if not, one worker less went unsaid. Every worker the pool
     starts is watched now."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", POOL_WHOSE_WORKER_DIES_AT_ONCE],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the script and its workers
-        out, _ = proc.communicate(timeout=10)
-    assert proc.returncode == 0, out[-2000:]
+    code, out = run_script(POOL_WHOSE_WORKER_DIES_AT_ONCE, 30)
+    assert code == 0, out[-2000:]
     assert re.search(rb"died: a worker process \(pid \d+\) was killed by SIGKILL", out), out
 
 
@@ -293,19 +300,8 @@ def test_a_worker_just_forked_never_loses_the_sigterm_of_its_pools_cleanup() -> 
     before it in most runs, not all). SIGTERM is blocked while workers start,
     so none is lost."""
     for attempt in range(30):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", POOL_WHOSE_SECOND_FORK_FAILS],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            out, _ = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the command and its worker
-            out, _ = proc.communicate(timeout=10)
-        assert proc.returncode == 0 and b"cleaned up" in out, (attempt, out[-2000:])
+        code, out = run_script(POOL_WHOSE_SECOND_FORK_FAILS, 15)
+        assert code == 0 and b"cleaned up" in out, (attempt, out[-2000:])
 
 
 @pytest.mark.parametrize("phase", ["modes", "ring"])
