@@ -413,6 +413,9 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+#: ``name: value`` of a field given as its (name, value) pair.
+_FIELD = b": "
+
 #: Pools (one per node address) kept before those without a connection are dropped.
 MAX_POOLS = 1024
 #: An idle connection is closed after about this long (seconds: between 3/4 of it
@@ -609,8 +612,9 @@ class FastForwarder:
             pool.host_header if host is None else host,
             b"\r\n",
         ]
-        for name, value in fields:
-            pieces += (name, b": ", value, b"\r\n")
+        if fields:
+            # Each field joined in C (``b": ".join`` of its pair), not a loop of bytecode.
+            pieces += (b"\r\n".join(map(_FIELD.join, fields)), b"\r\n")
         if body:
             pieces += (b"content-length: %d\r\n\r\n" % len(body), body)
         else:

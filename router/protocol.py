@@ -212,11 +212,15 @@ class ProxyCycle:
         if self.disconnected:
             self.response_complete = True
             return
-        content = [STATUS_LINE[status]]
-        for name, value in self.protocol.server_state.default_headers:
-            content += (name, b": ", value, b"\r\n")
-        for name, value in headers:
-            content += (name, b": ", value, b"\r\n")
+        defaults = self.protocol.server_state.default_headers
+        written = _DEFAULTS_WRITTEN
+        if written[0] is not defaults:
+            written[:] = (defaults, b"".join([b"%s: %s\r\n" % field for field in defaults]))
+        content = [STATUS_LINE[status], written[1]]
+        if headers:
+            # Each field joined in C (``b": ".join`` of its pair), not a loop of
+            # bytecode per field: a node's answer has seven or more.
+            content += (b"\r\n".join(map(_FIELD.join, headers)), b"\r\n")
         if not sized:
             content.append(b"content-length: %d\r\n" % len(body))
         if not self.keep_alive:
@@ -233,6 +237,14 @@ class ProxyCycle:
         if not self.keep_alive:
             self.transport.close()
         self.on_response()
+
+
+#: ``name: value`` of a field given as its (name, value) pair.
+_FIELD = b": "
+#: The server's default fields (``date``, ``server``) last written, and as bytes:
+#: uvicorn replaces the list (a new date) once a second, so they are joined once
+#: a second, not on every answer. (The list is held: ``is`` cannot match another.)
+_DEFAULTS_WRITTEN: list[Any] = [None, b""]
 
 
 def _nothing() -> None:
