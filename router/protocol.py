@@ -261,11 +261,13 @@ class AnswerWrites(_CoalescedWrites):
     buffered (order) or when a client's pipelined request waits behind it (its
     answer may leave with this one, see ``postpone``)."""
 
-    __slots__ = ()
+    __slots__ = ("is_closing",)
 
-    def is_closing(self) -> bool:
-        # Asked twice per request: directly, not through ``__getattr__``.
-        return self._transport.is_closing()
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(transport, loop)
+        #: Asked twice per request: the real transport's own method (not through
+        #: ``__getattr__``, nor a method of this class calling it).
+        self.is_closing = transport.is_closing
 
     def write_answer(self, data: bytes, more: bool) -> None:
         """Write a whole answer; ``more``: pipelined requests wait behind it."""
