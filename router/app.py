@@ -204,6 +204,7 @@ class Router:
         #: Read by router/protocol.py, per request.
         self.direct_proxy = settings.direct_proxy
         self._resolver_for: tuple[object, IdentityResolver] | None = None
+        self._config_for: tuple[object, Any, bytes] = (None, None, b"")
         self._turn = itertools.count()
         #: Round-robin mode's turn, past nodes that could not be reached.
         self.rotation = Rotation(search_for=settings.timeouts.refusals)
@@ -314,6 +315,14 @@ class Router:
             cached = self._resolver_for = (identity, IdentityResolver(identity))
         return cached[1]
 
+    def _for_config(self, config: ClusterConfig) -> tuple[IdentityResolver, bytes]:
+        """:meth:`_resolver` and :meth:`_bypass_name` of ``config`` (the router's),
+        remembered per configuration (``proxy`` needs both on every request)."""
+        cached = self._config_for
+        if cached[0] is not config:
+            cached = self._config_for = (config, self._resolver(), self._bypass_name(config))
+        return cached[1], cached[2]
+
     def _bypass_name(self, config: ClusterConfig) -> bytes:
         """The bypass field's name as it arrives (lowercase bytes), per configuration."""
         name = config.bypass_header
@@ -392,8 +401,9 @@ class Router:
 
     async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
-        resolver = self._resolver()
-        config = self.config
+        membership = self.membership
+        config = membership.config  # (``self.config`` without the property's call)
+        resolver, bypass_name = self._for_config(config)
         try:
             user = resolver.user(scope)
         except InvalidUserId as exc:
@@ -430,7 +440,6 @@ class Router:
             return
         # Clients may not send ringlimit's internal fields, except the bypass token
         # (whose default name also starts with x-ringlimit-): the node checks it.
-        bypass_name = self._bypass_name(config)
         forwarded_for = host = None
         raw: list[tuple[bytes, bytes]] = []
         framed = False
@@ -536,9 +545,15 @@ class Router:
         while refused < MAX_ATTEMPTS:
             if refused and time.perf_counter() - started > self.settings.timeouts.refusals:
                 break
-            view = self.membership.view
+            view = membership.view
             try:
-                member = self.pick(view, user)
+                # ``pick``, whose sticky case (every request but round-robin's) is
+                # one lookup, done here without two calls.
+                member = (
+                    self.pick(view, user)
+                    if membership.config.balance == "round-robin"
+                    else self._owners.owner(view, user)
+                )
             except EmptyRingError:
                 await send_json(send, 503, error_body("no_nodes", "the ring has no nodes"))
                 return

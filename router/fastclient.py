@@ -324,9 +324,14 @@ class _Connection(asyncio.Protocol):
         capped: bool = True,
     ) -> asyncio.Future[Answer]:
         """Send a request now (its answer: the future)."""
-        waiter = self._enqueue(loop, head, seconds, capped)
-        if self.writable():
-            self.transport.write(payload)  # type: ignore[union-attr]
+        # _enqueue and writable, inline: a forward's own path (two calls less).
+        waiter: asyncio.Future[Answer] = loop.create_future()
+        self.pending.append(_Exchange(waiter, head, loop.time() + seconds, not capped))
+        if self.timer is None:
+            self.timer = loop.call_at(self.pending[0].deadline, self._check_deadline, loop)
+        transport = self.transport
+        if not self.closed and transport is not None and not transport.is_closing():
+            transport.write(payload)
         else:
             self._unsent()
         return waiter
@@ -412,6 +417,9 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+
+#: ``name: value`` of a field given as its (name, value) pair.
+_FIELD = b": "
 
 #: Pools (one per node address) kept before those without a connection are dropped.
 MAX_POOLS = 1024
@@ -609,8 +617,9 @@ class FastForwarder:
             pool.host_header if host is None else host,
             b"\r\n",
         ]
-        for name, value in fields:
-            pieces += (name, b": ", value, b"\r\n")
+        if fields:
+            # Each field joined in C (``b": ".join`` of its pair), not a loop of bytecode.
+            pieces += (b"\r\n".join(map(_FIELD.join, fields)), b"\r\n")
         if body:
             pieces += (b"content-length: %d\r\n\r\n" % len(body), body)
         else:

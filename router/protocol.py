@@ -212,11 +212,15 @@ class ProxyCycle:
         if self.disconnected:
             self.response_complete = True
             return
-        content = [STATUS_LINE[status]]
-        for name, value in self.protocol.server_state.default_headers:
-            content += (name, b": ", value, b"\r\n")
-        for name, value in headers:
-            content += (name, b": ", value, b"\r\n")
+        defaults = self.protocol.server_state.default_headers
+        written = _DEFAULTS_WRITTEN
+        if written[0] is not defaults:
+            written[:] = (defaults, b"".join([b"%s: %s\r\n" % field for field in defaults]))
+        content = [STATUS_LINE[status], written[1]]
+        if headers:
+            # Each field joined in C (``b": ".join`` of its pair), not a loop of
+            # bytecode per field: a node's answer has seven or more.
+            content += (b"\r\n".join(map(_FIELD.join, headers)), b"\r\n")
         if not sized:
             content.append(b"content-length: %d\r\n" % len(body))
         if not self.keep_alive:
@@ -235,6 +239,14 @@ class ProxyCycle:
         self.on_response()
 
 
+#: ``name: value`` of a field given as its (name, value) pair.
+_FIELD = b": "
+#: The server's default fields (``date``, ``server``) last written, and as bytes:
+#: uvicorn replaces the list (a new date) once a second, so they are joined once
+#: a second, not on every answer. (The list is held: ``is`` cannot match another.)
+_DEFAULTS_WRITTEN: list[Any] = [None, b""]
+
+
 def _nothing() -> None:
     return None
 
@@ -249,11 +261,13 @@ class AnswerWrites(_CoalescedWrites):
     buffered (order) or when a client's pipelined request waits behind it (its
     answer may leave with this one, see ``postpone``)."""
 
-    __slots__ = ()
+    __slots__ = ("is_closing",)
 
-    def is_closing(self) -> bool:
-        # Asked twice per request: directly, not through ``__getattr__``.
-        return self._transport.is_closing()
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(transport, loop)
+        #: Asked twice per request: the real transport's own method (not through
+        #: ``__getattr__``, nor a method of this class calling it).
+        self.is_closing = transport.is_closing
 
     def write_answer(self, data: bytes, more: bool) -> None:
         """Write a whole answer; ``more``: pipelined requests wait behind it."""
