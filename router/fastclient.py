@@ -324,14 +324,9 @@ class _Connection(asyncio.Protocol):
         capped: bool = True,
     ) -> asyncio.Future[Answer]:
         """Send a request now (its answer: the future)."""
-        # _enqueue and writable, inline: a forward's own path (two calls less).
-        waiter: asyncio.Future[Answer] = loop.create_future()
-        self.pending.append(_Exchange(waiter, head, loop.time() + seconds, not capped))
-        if self.timer is None:
-            self.timer = loop.call_at(self.pending[0].deadline, self._check_deadline, loop)
-        transport = self.transport
-        if not self.closed and transport is not None and not transport.is_closing():
-            transport.write(payload)
+        waiter = self._enqueue(loop, head, seconds, capped)
+        if self.writable():
+            self.transport.write(payload)  # type: ignore[union-attr]
         else:
             self._unsent()
         return waiter

@@ -212,10 +212,14 @@ class ProxyCycle:
         if self.disconnected:
             self.response_complete = True
             return
-        defaults = self.protocol.server_state.default_headers
-        written = _DEFAULTS_WRITTEN
+        protocol = self.protocol
+        defaults = protocol.server_state.default_headers
+        written = protocol.defaults_written
         if written[0] is not defaults:
-            written[:] = (defaults, b"".join([b"%s: %s\r\n" % field for field in defaults]))
+            written = protocol.defaults_written = (
+                defaults,
+                b"".join([b"%s: %s\r\n" % field for field in defaults]),
+            )
         content = [STATUS_LINE[status], written[1]]
         if headers:
             # Each field joined in C (``b": ".join`` of its pair), not a loop of
@@ -241,10 +245,6 @@ class ProxyCycle:
 
 #: ``name: value`` of a field given as its (name, value) pair.
 _FIELD = b": "
-#: The server's default fields (``date``, ``server``) last written, and as bytes:
-#: uvicorn replaces the list (a new date) once a second, so they are joined once
-#: a second, not on every answer. (The list is held: ``is`` cannot match another.)
-_DEFAULTS_WRITTEN: list[Any] = [None, b""]
 
 
 def _nothing() -> None:
@@ -359,6 +359,11 @@ def direct_proxy_protocol(base: type) -> type:
         pipeline: Any
         expect_100_continue: bool
         root_path: str
+        #: The server's default fields (``date``, ``server``) last written, and as
+        #: bytes: uvicorn replaces their list (a new date) once a second, so a
+        #: connection joins them once a second, not on every answer. (The list is
+        #: held: ``is`` cannot match another one.)
+        defaults_written: tuple[Any, bytes] = (None, b"")
 
         def on_headers_complete(self) -> None:
             parser = self.parser
