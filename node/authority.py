@@ -97,7 +97,19 @@ class Authority:
         if shard is not None and not shard.admit_now(key, rules):
             return None
         verdict = backend.store.check(key, rules, backend.clock(), cost)
-        self._decided(key, verdict, cost, started)
+        # _decided, inline: no second call on every request's path. No rule here
+        # is a shadow rule, so there is no shadow denial to count.
+        allowed, decision, decisions = verdict
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.decided(decision.rule, allowed, perf_counter() - started)
+        top = self.top
+        if (
+            top is not None
+            and cost
+            and (not allowed or decision.remaining * 10 <= decision.limit or len(decisions) > 1)
+        ):
+            top.note(((key, verdict),))
         return verdict
 
     async def decide(self, key: str, rules: Sequence[Rule], cost: int = 1) -> Verdict:

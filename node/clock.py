@@ -14,8 +14,10 @@ from collections.abc import Callable
 Clock = Callable[[], float]
 
 
-def system_clock() -> float:
-    return time.time()
+#: ``time.time`` itself, not a function that calls it: a node reads it twice on
+#: every request (the decision's time, the legacy reset's Unix time), and a
+#: Python frame around the C call cost more than the call.
+system_clock: Clock = time.time
 
 
 def boot_clock() -> float:

@@ -346,8 +346,8 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                 # The innermost middleware's first, as wrappers of send would add them.
                 if legacy or len(added) > 1:
                     _settle_legacy_lines(content, legacy or [], added)
-                else:
-                    for entry in reversed(added.values()):
+                else:  # one entry
+                    for entry in added.values():
                         content.append(entry.lines)
                 added.clear()  # the connection's next request starts with none
         if not has_connection_close and (

@@ -78,7 +78,9 @@ class NodeMetrics:
 
     def decided(self, rule: str, allowed: bool, seconds: float) -> None:
         """``observe(seconds)`` and ``count(rule, allowed)``: one call on every decision's path."""
-        self.observe(seconds)
+        latency = self._latency  # BatchedHistogram.observe, inline: no second call
+        latency._counts[bisect_left(latency._bounds, seconds)] += 1
+        latency._sum += seconds
         key = (rule, "allowed" if allowed else "denied")
         pending = self._pending
         pending[key] = pending.get(key, 0) + 1

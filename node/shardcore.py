@@ -377,8 +377,21 @@ class ShardCore:
 
         Every decision's path: the owner comes from :attr:`owners`, which
         answers exactly as ``view.owner`` does for whatever ``self.view`` is now.
+        (:meth:`check_owners` for one key, written out: no tuple, loop or second
+        call per request.)
         """
-        self.check_owners((key,))
+        view = self.view
+        if view is None:
+            return
+        owners = self.owners
+        member = owners.known(view).get(key)
+        if member is None:
+            try:
+                member = owners.owner(view, key)
+            except EmptyRingError:
+                raise NotOwner(key, view.epoch, None) from None
+        if member.id != self.id:
+            raise NotOwner(key, view.epoch, member.id)
 
     def check_owners(self, keys: Iterable[str]) -> None:
         """:meth:`check_owner` for each of ``keys``, in order (the first key this
