@@ -203,8 +203,9 @@ class Router:
         self.forwarder: Forwarder | None = forwarder
         #: Read by router/protocol.py, per request.
         self.direct_proxy = settings.direct_proxy
-        self._resolver_for: tuple[object, IdentityResolver] | None = None
-        self._config_for: tuple[object, Any, bytes] = (None, None, b"")
+        #: What ``proxy`` reads of the configuration on every request, made from
+        #: the configuration object it was last made for (replaced on each change).
+        self._config_for: tuple[ClusterConfig, IdentityResolver, bytes] | None = None
         self._turn = itertools.count()
         #: Round-robin mode's turn, past nodes that could not be reached.
         self.rotation = Rotation(search_for=settings.timeouts.refusals)
@@ -216,7 +217,6 @@ class Router:
         self._raw_token_header = [
             (k.encode("latin-1"), v.encode("latin-1")) for k, v in self.token_header
         ]
-        self._bypass_for: tuple[str, bytes] = ("", b"")
         self._extra_headers = (
             [(b"x-ringlimit-router", settings.name.encode())] if settings.name else []
         )
@@ -309,27 +309,23 @@ class Router:
         return self.membership.config
 
     def _resolver(self) -> IdentityResolver:
-        identity = self.config.identity
-        cached = self._resolver_for
-        if cached is None or cached[0] is not identity:
-            cached = self._resolver_for = (identity, IdentityResolver(identity))
-        return cached[1]
+        return self._for_config(self.config)[0]
 
     def _for_config(self, config: ClusterConfig) -> tuple[IdentityResolver, bytes]:
-        """:meth:`_resolver` and :meth:`_bypass_name` of ``config`` (the router's),
-        remembered per configuration (``proxy`` needs both on every request)."""
+        """``config``'s identity resolver, and its bypass field's name as it arrives
+        (lowercase bytes): made once per configuration, not per request."""
         cached = self._config_for
-        if cached[0] is not config:
-            cached = self._config_for = (config, self._resolver(), self._bypass_name(config))
+        if cached is None or cached[0] is not config:
+            cached = self._config_for = (
+                config,
+                IdentityResolver(config.identity),
+                config.bypass_header.lower().encode("latin-1"),
+            )
         return cached[1], cached[2]
 
     def _bypass_name(self, config: ClusterConfig) -> bytes:
-        """The bypass field's name as it arrives (lowercase bytes), per configuration."""
-        name = config.bypass_header
-        cached = self._bypass_for
-        if cached[0] != name:
-            cached = self._bypass_for = (name, name.lower().encode("latin-1"))
-        return cached[1]
+        """The bypass field's name as it arrives (lowercase bytes)."""
+        return self._for_config(config)[1]
 
     # ------------------------------------------------------------------ ASGI entry
 
@@ -391,7 +387,8 @@ class Router:
 
     def round_robin(self) -> bool:
         """Whether any node decides any key now: a shared backend (Redis) that is up."""
-        return self.config.balance == "round-robin" and not self.membership.backend_degraded
+        membership = self.membership  # (not through the config property: every request's)
+        return membership.config.balance == "round-robin" and not membership.backend_degraded
 
     def owner_map(self, view: RingView) -> dict[str, Member]:
         """The remembered owners under ``view`` (empty in round-robin mode: pick each)."""
@@ -547,13 +544,7 @@ class Router:
                 break
             view = membership.view
             try:
-                # ``pick``, whose sticky case (every request but round-robin's) is
-                # one lookup, done here without two calls.
-                member = (
-                    self.pick(view, user)
-                    if membership.config.balance == "round-robin"
-                    else self._owners.owner(view, user)
-                )
+                member = self.pick(view, user)
             except EmptyRingError:
                 await send_json(send, 503, error_body("no_nodes", "the ring has no nodes"))
                 return
