@@ -21,7 +21,7 @@ from node.rules import Rule
 from node.shadow import denied_names, has_shadow, merge, split
 from node.shard import Shard
 from node.store import MemoryStore
-from node.topkeys import TopKeys
+from node.topkeys import NEAR_LIMIT, TopKeys, worth_noting
 
 #: Parts of checks and verdicts by position, for passes that run in C (``map``).
 _KEY = itemgetter(0)
@@ -42,7 +42,7 @@ def _quiet(verdicts: Sequence[Verdict]) -> bool:
         bool(decisions)
         and all(map(_ALLOWED, verdicts))
         and all(map(_ALLOWED, decisions))
-        and min(map(_REMAINING, decisions)) * 10 > max(map(_LIMIT, decisions))
+        and min(map(_REMAINING, decisions)) * NEAR_LIMIT > max(map(_LIMIT, decisions))
     )
 
 
@@ -99,16 +99,11 @@ class Authority:
         verdict = backend.store.check(key, rules, backend.clock(), cost)
         # _decided, inline: no second call on every request's path. No rule here
         # is a shadow rule, so there is no shadow denial to count.
-        allowed, decision, decisions = verdict
         metrics = self.metrics
         if metrics is not None:
-            metrics.decided(decision.rule, allowed, perf_counter() - started)
+            metrics.decided(verdict[1].rule, verdict[0], perf_counter() - started)
         top = self.top
-        if (
-            top is not None
-            and cost
-            and (not allowed or decision.remaining * 10 <= decision.limit or len(decisions) > 1)
-        ):
+        if top is not None and cost and worth_noting(verdict):
             top.note(((key, verdict),))
         return verdict
 
@@ -143,15 +138,7 @@ class Authority:
                     metrics.shadow_denied(name)
         top = self.top
         # A read (cost 0) is not a request either.
-        if (
-            top is not None
-            and cost
-            and (
-                not verdict.allowed
-                or decision.remaining * 10 <= decision.limit
-                or len(verdict.decisions) > 1
-            )
-        ):
+        if top is not None and cost and worth_noting(verdict):
             top.note(((key, verdict),))
 
     async def _with_shadow(
@@ -233,11 +220,11 @@ class Authority:
             return verdicts
         # The few checks that may count anywhere but in the tally: denied, near the
         # limit, or decided by several rules, and not a read (cost 0 is not a
-        # request). The common allowed check costs a comparison and no call.
+        # request). Only batches that are not quiet get here: one call per check.
         picked = [
             (check, v)
             for check, v in zip(checks, verdicts, strict=True)
-            if (not v[0] or v[1][2] * 10 <= v[1][1] or len(v[2]) > 1 or not v[1][0]) and check[2]
+            if (not v[1][0] or worth_noting(v)) and check[2]
         ]
         if metrics is not None:
             metrics.observe(time.perf_counter() - started)
@@ -253,11 +240,5 @@ class Authority:
         if top is not None and picked:
             # Top keys look at what the single path's _decided looks at (not at a
             # shadow rule's lone would-be denial with units to spare).
-            top.note(
-                [
-                    (check[0], v)
-                    for check, v in picked
-                    if not v[0] or v[1][2] * 10 <= v[1][1] or len(v[2]) > 1
-                ]
-            )
+            top.note([(check[0], v) for check, v in picked if worth_noting(v)])
         return verdicts

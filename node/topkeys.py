@@ -173,9 +173,23 @@ def merge_disjoint(lists: Iterable[Iterable[Entry]]) -> list[Entry]:
     return list(merged.values())
 
 
+#: A decision is near its limit with at most ``1 / NEAR_LIMIT`` of it left: the
+#: one definition of "near" (top keys, the batch path's quick pass, leases).
+NEAR_LIMIT = 10
+
+
 def is_near_limit(remaining: int, limit: int) -> bool:
     """``remaining <= 10 %`` of ``limit`` (integers: no float on the hot path)."""
-    return remaining * 10 <= limit
+    return remaining * NEAR_LIMIT <= limit
+
+
+def worth_noting(verdict: Verdict) -> bool:
+    """Whether :meth:`TopKeys.note` may count anything of ``verdict``: it was
+    denied, its first decision is near its limit, or several rules decided it
+    (``note`` looks at each). The common verdict (one rule, allowed, far from
+    its limit) is ruled out here by one test, before any call into ``note``.
+    (Indexes, not field names: a NamedTuple's field costs more to read.)"""
+    return not verdict[0] or verdict[1][2] * NEAR_LIMIT <= verdict[1][1] or len(verdict[2]) > 1
 
 
 class TopKeys:
@@ -205,7 +219,7 @@ class TopKeys:
         for key, verdict in decided:
             for d in verdict.decisions:
                 if d.allowed:
-                    if d.remaining * 10 > d.limit or d.reason in NOT_THE_USERS:
+                    if not is_near_limit(d.remaining, d.limit) or d.reason in NOT_THE_USERS:
                         continue
                     sketches = near_sketches
                 elif d.reason in NOT_THE_USERS:
