@@ -78,6 +78,9 @@ WINDOW = 2
 #: pauses doubling from REDELIVERY_PAUSE seconds (0.5 s, 1 s, 2 s... at most 10 s).
 REDELIVERY_TRIES = 8
 REDELIVERY_PAUSE = 0.5
+#: Seconds a request waiting for handoffs goes at most without looking again
+#: (news wakes it sooner: :meth:`Shard._await_handoffs`).
+HANDOFF_RECHECK = 0.5
 
 
 class Shard:
@@ -122,6 +125,10 @@ class Shard:
         self._frozen = False
         #: The epoch whose failed delivery is being sent again in the background.
         self._redelivering: int | None = None
+        #: Resolved (and dropped) when what a request waiting for handoffs looks at
+        #: may have changed: a transfer or mark came in, a view, a pull ended
+        #: (see :meth:`_await_handoffs`). Made by the first such waiter.
+        self._handoff_news: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ the core's state
 
@@ -279,17 +286,44 @@ class Shard:
             core.pull_done(pull)
             del self._pulling[pull.key]
             future.set_result(None)
+            self._news()  # (a failed pull may end the wait for its owner)
 
     async def _await_handoffs(self, key: str, rules: Sequence[Rule]) -> None:
         """Until no member's final mark is awaited (their transfers carry a crashed
         member's replicas), every deadline has passed, the view changed, or a
-        state for ``key`` has arrived."""
+        state for ``key`` has arrived.
+
+        Woken by the news (:meth:`_news`), not by polling: after a crash every
+        request for the crashed member's keys waits here until the replicas'
+        holders have sent them, thousands at once under load, and each polling
+        at 50 Hz was a node busy waking its waiters while the transfers it
+        waited for came in (and up to 20 ms late for each). A waiter still
+        looks again at least every :data:`HANDOFF_RECHECK` seconds: the
+        deadlines pass on ``timer``, which nothing announces."""
         core = self.core
         epoch = core.epoch
         while core.pending and core.epoch == epoch and not core.holds(key, rules):
-            if all(deadline <= self.timer() for deadline in core.pending.values()):
-                return
-            await asyncio.sleep(0.02)
+            left = max(core.pending.values()) - self.timer()
+            if left <= 0:
+                return  # every deadline has passed
+            news = self._handoff_news
+            if news is None:
+                loop = asyncio.get_running_loop()
+                news = self._handoff_news = loop.create_future()
+                # One timer for every waiter, for the deadlines (nothing announces
+                # them): at the last one, or sooner (``timer`` may not be the loop's).
+                loop.call_later(min(left, HANDOFF_RECHECK), self._news)
+            # Shielded: a waiter cancelled (its client gone) leaves it to the others.
+            await asyncio.shield(news)
+
+    def _news(self) -> None:
+        """Wake the requests waiting for handoffs (:meth:`_await_handoffs`): each
+        looks again at what it waits for."""
+        news = self._handoff_news
+        if news is not None:
+            self._handoff_news = None
+            if not news.done():
+                news.set_result(None)
 
     # ------------------------------------------------------------------ views
 
@@ -318,6 +352,7 @@ class Shard:
                     freeze_for_transfer()
                 else:
                     gc.freeze()  # this outbox too (the hold is already ours)
+        self._news()
         if handed_back:
             log.warning(
                 "removed from the ring while away: handing %d state(s) back to their owners",
@@ -466,6 +501,7 @@ class Shard:
         now = self.clock()
         incoming = [Crash.from_wire(data, now) for data in crashes]
         received = self.core.receive(sender, epoch, records, final, incoming, now)
+        self._news()
         if received.forwards:
             self.spawn(self._forward(received.forwards))
         if received.dropped:

@@ -1,0 +1,110 @@
+"""A request that waits for a crashed member's replicas (node/shard.py
+``Shard._await_handoffs``) is woken by what it waits for, not by polling.
+
+After a crash every request for the crashed member's keys waits until the
+replicas' holders have sent their final transfers: thousands at once under
+load. These tests step the event loop by hand (``asyncio.sleep(0)``), so "woken
+at once" is a count of loop steps, not a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from node.clock import FrozenClock
+from node.peers import Peers
+from node.shard import HANDOFF_RECHECK, Shard
+from node.shardcore import NotOwner
+from node.store import MemoryStore
+from tests.test_shard_core import RULE, config, owned_by, view
+
+pytestmark = pytest.mark.anyio
+
+#: Loop steps a woken waiter is given to finish (its wake-up and its return).
+STEPS = 5
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def waiting() -> AsyncIterator[tuple[Shard, FrozenClock, str, asyncio.Task[bool]]]:
+    """n1 of a ring where n0 crashed during n1's join: a key n0 owned waits
+    for n2's final transfer (n2 holds n0's replicas), in a task."""
+    timer = FrozenClock(0.0)
+    fixed = config()
+    peers = Peers()
+    shard = Shard("n1", MemoryStore(), FrozenClock(), peers, lambda: fixed, timer=timer)
+    v1, v2, v3 = view(["n0", "n2"], 1), view(["n0", "n1", "n2"], 2), view(["n1", "n2"], 3)
+    shard.apply(v2, v1)
+    shard.receive("n2", 2, [], True)
+    shard.apply(v3, v2, ("n0",))
+    key = next(k for k in owned_by(v3, "n1") if v1.owner_id(k) == "n0")
+    task = asyncio.create_task(shard.admit(key, (RULE,)))
+    try:
+        for _ in range(STEPS):
+            await asyncio.sleep(0)
+        assert not task.done(), "the key did not wait for n2's final transfer"
+        yield shard, timer, key, task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await peers.close()
+
+
+async def test_a_final_mark_wakes_the_waiting_request_at_once(
+    waiting: tuple[Shard, FrozenClock, str, asyncio.Task[bool]],
+) -> None:
+    shard, _, _, task = waiting
+    shard.receive("n2", 3, [], True)  # n2's final mark under the crash's view
+    for _ in range(STEPS):
+        await asyncio.sleep(0)
+    assert task.done(), "the request still waits (polling) after the mark came in"
+    assert task.result() is True  # it waited, then was admitted
+
+
+async def test_a_newer_view_wakes_the_waiting_request_at_once(
+    waiting: tuple[Shard, FrozenClock, str, asyncio.Task[bool]],
+) -> None:
+    shard, _, key, task = waiting
+    v3, v4 = view(["n1", "n2"], 3), view(["n2"], 4)
+    assert v4.owner_id(key) == "n2"
+    shard.apply(v4, v3)  # n1 left too: the key is n2's now
+    for _ in range(STEPS):
+        await asyncio.sleep(0)
+    assert task.done(), "the request still waits after the view changed"
+    with pytest.raises(NotOwner):
+        task.result()
+
+
+async def test_a_request_stops_waiting_once_every_deadline_has_passed(
+    waiting: tuple[Shard, FrozenClock, str, asyncio.Task[bool]],
+) -> None:
+    """Nothing announces a deadline: the waiter looks again within HANDOFF_RECHECK."""
+    shard, timer, _, task = waiting
+    timer.advance(shard.handoff_wait + 1.0)
+    assert await asyncio.wait_for(task, HANDOFF_RECHECK * 20) is True
+
+
+async def test_a_waiting_request_cancelled_leaves_the_others_waiting(
+    waiting: tuple[Shard, FrozenClock, str, asyncio.Task[bool]],
+) -> None:
+    """A client gone (its request cancelled) does not wake, or cancel, the rest."""
+    shard, _, key, task = waiting
+    other = asyncio.create_task(shard.admit(key, (RULE,)))
+    for _ in range(STEPS):
+        await asyncio.sleep(0)
+    other.cancel()
+    for _ in range(STEPS):
+        await asyncio.sleep(0)
+    assert other.cancelled()
+    assert not task.done(), "the other request stopped waiting"
+    shard.receive("n2", 3, [], True)
+    for _ in range(STEPS):
+        await asyncio.sleep(0)
+    assert task.result() is True
