@@ -129,6 +129,8 @@ class Shard:
         #: may have changed: a transfer or mark came in, a view, a pull ended
         #: (see :meth:`_await_handoffs`). Made by the first such waiter.
         self._handoff_news: asyncio.Future[None] | None = None
+        #: The timer that resolves it at the deadline if no news comes first.
+        self._handoff_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ the core's state
 
@@ -312,13 +314,21 @@ class Shard:
                 news = self._handoff_news = loop.create_future()
                 # One timer for every waiter, for the deadlines (nothing announces
                 # them): at the last one, or sooner (``timer`` may not be the loop's).
-                loop.call_later(min(left, HANDOFF_RECHECK), self._news)
+                # Cancelled by any news: it belongs to this future only.
+                self._handoff_timer = loop.call_later(min(left, HANDOFF_RECHECK), self._news)
             # Shielded: a waiter cancelled (its client gone) leaves it to the others.
             await asyncio.shield(news)
 
     def _news(self) -> None:
         """Wake the requests waiting for handoffs (:meth:`_await_handoffs`): each
         looks again at what it waits for."""
+        timer = self._handoff_timer
+        if timer is not None:
+            # Left running, it would wake the next round's waiters early, and each
+            # early round start a timer of its own: a chain per news, for the
+            # rest of the wait (100 transfers in: more wake-ups than polling).
+            self._handoff_timer = None
+            timer.cancel()
         news = self._handoff_news
         if news is not None:
             self._handoff_news = None
@@ -481,6 +491,9 @@ class Shard:
 
     async def close(self) -> None:
         """Cancel the background work (deliveries, redeliveries, forwards) at shutdown."""
+        # Requests still waiting for handoffs look again now (and end with the
+        # server), and no future of this loop outlives it in a shard kept for the next.
+        self._news()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

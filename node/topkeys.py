@@ -32,9 +32,13 @@ from typing import NamedTuple
 
 from node.decision import BACKEND_ERROR, BACKEND_UNAVAILABLE, STORE_FULL, Verdict
 
-#: An allowed decision is *near the limit* when at most this fraction of the
-#: limit remains after it (``remaining <= 10 % of limit``).
-NEAR_LIMIT_FRACTION = 0.1
+#: An allowed decision is *near the limit* when at most ``1 / NEAR_LIMIT`` of the
+#: limit remains after it (``remaining * 10 <= limit``): the one definition of
+#: "near" (top keys, the node's batch path, the router's leases), compared in
+#: integers on the hot path (:func:`is_near_limit`, :func:`worth_noting`).
+NEAR_LIMIT = 10
+#: The same, as a fraction (for what the admin API says it means).
+NEAR_LIMIT_FRACTION = 1 / NEAR_LIMIT
 KINDS = ("denied", "near_limit")
 #: Denials (and fail-open allowances) that say nothing about the user.
 NOT_THE_USERS = frozenset({BACKEND_UNAVAILABLE, BACKEND_ERROR, STORE_FULL})
@@ -171,11 +175,6 @@ def merge_disjoint(lists: Iterable[Iterable[Entry]]) -> list[Entry]:
                 entry = Entry(entry.key, seen.hits + entry.hits, seen.error + entry.error)
             merged[entry.key] = entry
     return list(merged.values())
-
-
-#: A decision is near its limit with at most ``1 / NEAR_LIMIT`` of it left: the
-#: one definition of "near" (top keys, the batch path's quick pass, leases).
-NEAR_LIMIT = 10
 
 
 def is_near_limit(remaining: int, limit: int) -> bool:

@@ -108,3 +108,30 @@ async def test_a_waiting_request_cancelled_leaves_the_others_waiting(
     for _ in range(STEPS):
         await asyncio.sleep(0)
     assert task.result() is True
+
+
+async def test_news_that_does_not_end_the_wait_leaves_the_waiter_idle(
+    waiting: tuple[Shard, FrozenClock, str, asyncio.Task[bool]],
+) -> None:
+    """Transfers that do not hold the key wake the waiter once each; then it waits
+    for the next news or the deadline's timer, without a timer per news."""
+    shard, _, _, task = waiting
+    looks = 0
+    holds = shard.core.holds
+
+    def counted(key: str, rules: object) -> bool:
+        nonlocal looks
+        looks += 1
+        return holds(key, rules)  # type: ignore[arg-type]
+
+    shard.core.holds = counted  # type: ignore[method-assign]
+    for _ in range(20):  # chunks of n2's transfer, none with this key: no mark yet
+        shard.receive("n2", 3, [], False)
+        for _ in range(STEPS):
+            await asyncio.sleep(0)
+        await asyncio.sleep(HANDOFF_RECHECK / 20)  # (spread: timers left would not coincide)
+    assert not task.done()
+    assert 20 <= looks <= 20 + STEPS  # one look per news (a waiter that spins: many more)
+    looks = 0
+    await asyncio.sleep(HANDOFF_RECHECK * 3)  # no news: the deadline's one timer
+    assert looks <= 6, f"{looks} looks in {HANDOFF_RECHECK * 3} s without news"
