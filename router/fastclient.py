@@ -416,6 +416,9 @@ class _Connection(asyncio.Protocol):
 #: ``name: value`` of a field given as its (name, value) pair.
 _FIELD = b": "
 
+#: A request :meth:`FastForwarder.begin` sent: its connection and its answer's future.
+Begun = tuple[_Connection, "asyncio.Future[Answer]"]
+
 #: Pools (one per node address) kept before those without a connection are dropped.
 MAX_POOLS = 1024
 #: An idle connection is closed after about this long (seconds: between 3/4 of it
@@ -639,73 +642,116 @@ class FastForwarder:
         payload = self.payload(method.encode(), path.encode(), pool, fields, body, host)
         return await self.send(pool, payload, method == "HEAD", capped)
 
-    async def send(
+    def begin(
         self, pool: _Pool, payload: bytes, head: bool = False, capped: bool = True
+    ) -> Begun | None:
+        """Send a request to ``pool`` now if it goes without waiting (on the
+        connection taking this event-loop step's requests when pipelining, or on
+        an idle one), and do not wait for its answer: the connection and its
+        answer's future, to give :meth:`send` (``begun``), which reads the answer
+        as for any request it sent itself (the retry on a fresh connection
+        included). None, and nothing sent, when a connection is to be made
+        first (:meth:`send` makes it).
+
+        What lets a caller forward the common request without a coroutine of
+        its own (router/app.py ``Router.forward_now``)."""
+        return self._begin(pool, payload, head, capped, 0)
+
+    def _begin(
+        self, pool: _Pool, payload: bytes, head: bool, capped: bool, attempt: int
+    ) -> Begun | None:
+        """:meth:`begin`, for :meth:`send`'s ``attempt`` (the second goes on a fresh
+        connection: the idle ones may have been closed by the node as the first
+        one was)."""
+        loop = asyncio.get_running_loop()
+        seconds = self.timeouts.total
+        pipelined = self.pipeline > 1 and not head
+        if pipelined:
+            # One still filling takes a second attempt only if it was not reused
+            # (the batch sent again joins one).
+            filling = pool.filling
+            if attempt and filling is not None and filling.reused:
+                filling = None
+            if (
+                filling is not None
+                and not filling.closed  # (it may still be connecting: no transport yet)
+                and len(filling.pending) < self.pipeline
+            ):
+                return filling, filling.add(payload, loop, seconds, capped)
+        # An idle connection (the common case).
+        taken = self._idle(pool) if attempt == 0 else None
+        if taken is None:
+            return None
+        if not pipelined:
+            return taken, taken.start(payload, loop, head, seconds, capped)
+        # Requests made in this step join it, and leave in one write (flush).
+        pool.filling = taken
+        waiter = taken.add(payload, loop, seconds, capped)
+        loop.call_soon(taken.flush)
+        return taken, waiter
+
+    @staticmethod
+    def _idle(pool: _Pool) -> _Connection | None:
+        """A writable idle connection of ``pool``, taken (last in, first out: the
+        most recently used is the least likely to have been closed by the node);
+        those found closing are dropped on the way."""
+        idle = pool.idle
+        taken = idle.pop() if idle else None
+        while taken is not None and not taken.writable():
+            taken = idle.pop() if idle else None
+        if taken is not None:
+            taken.reused = True
+        return taken
+
+    async def send(
+        self,
+        pool: _Pool,
+        payload: bytes,
+        head: bool = False,
+        capped: bool = True,
+        begun: Begun | None = None,
     ) -> Answer:
         """Send a whole request (``payload``, as :meth:`request` builds it) to
         ``pool`` and read its answer; ``head``: the request is a HEAD;
-        ``capped``: its answer's body may have ``max_answer`` bytes at most.
+        ``capped``: its answer's body may have ``max_answer`` bytes at most;
+        ``begun``: its first attempt, already sent by :meth:`begin`.
 
         A request that fails on a *reused* connection before any byte came
         back on it is sent once more on a fresh connection: the node closed an
         idle connection, and never saw the request.
         """
         loop = asyncio.get_running_loop()
-        seconds = self.timeouts.total
         pipelined = self.pipeline > 1 and not head
         for attempt in (0, 1):
-            # A second attempt goes on a fresh connection (the idle ones may have
-            # been closed by the node as the first one was): one still filling
-            # takes it only if it was not reused (the batch sent again joins one).
-            filling = pool.filling
-            if attempt and filling is not None and filling.reused:
-                filling = None
-            if (
-                pipelined
-                and filling is not None
-                and not filling.closed  # (it may still be connecting: no transport yet)
-                and len(filling.pending) < self.pipeline
-            ):
-                connection = filling
-                waiter = connection.add(payload, loop, seconds, capped)
+            if begun is None:
+                begun = self._begin(pool, payload, head, capped, attempt)
+            if begun is not None:
+                connection, waiter = begun
+                begun = None
+            elif pipelined:
+                # Requests made while this one connects join it (see flush).
+                connection = _Connection()
+                connection.pool = pool
+                pool.filling = connection
+                waiter = connection.add(payload, loop, self.timeouts.total, capped)
+                try:
+                    await self._connect(pool, loop, connection)
+                except Unreachable:
+                    pass  # the waiter has it too
+                except asyncio.CancelledError:
+                    # Nobody else writes what joined it: sent again elsewhere.
+                    waiter.cancel()
+                    connection.closed = True
+                    if pool.filling is connection:
+                        pool.filling = None
+                    connection._fail(_NeverProcessed("the connecting request left"))
+                    connection.close()
+                    raise
+                else:
+                    connection.flush()
             else:
-                # An idle connection without a coroutine (the common case).
-                idle = pool.idle if attempt == 0 else None
-                taken = idle.pop() if idle else None
-                while taken is not None and not taken.writable():
-                    taken = idle.pop() if idle else None
-                if taken is not None:
-                    connection = taken
-                    connection.reused = True
-                elif pipelined:
-                    # Requests made while this one connects join it (see flush).
-                    connection = _Connection()
-                    connection.pool = pool
-                else:
-                    connection = await self._connect(pool, loop, _Connection())
-                if pipelined:
-                    pool.filling = connection
-                    waiter = connection.add(payload, loop, seconds, capped)
-                    if taken is None:
-                        try:
-                            await self._connect(pool, loop, connection)
-                        except Unreachable:
-                            pass  # the waiter has it too
-                        except asyncio.CancelledError:
-                            # Nobody else writes what joined it: sent again elsewhere.
-                            waiter.cancel()
-                            connection.closed = True
-                            if pool.filling is connection:
-                                pool.filling = None
-                            connection._fail(_NeverProcessed("the connecting request left"))
-                            connection.close()
-                            raise
-                        else:
-                            connection.flush()
-                    else:
-                        loop.call_soon(connection.flush)
-                else:
-                    waiter = connection.start(payload, loop, head, seconds, capped)
+                connection = await self._connect(pool, loop, _Connection())
+                waiter = connection.start(payload, loop, head, self.timeouts.total, capped)
             reused = connection.reused
             try:
                 return await waiter
