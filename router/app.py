@@ -19,10 +19,10 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 import httpx
@@ -52,7 +52,7 @@ from router.coalesce import Coalescer
 from router.coordinator import EtcdCoordinator
 from router.decisions import DecisionAPI
 from router.envoy_config import EnvoyConfig, with_envoy_rules
-from router.fastclient import FastForwarder
+from router.fastclient import FastForwarder, _Pool
 from router.forward import (
     MAX_ANSWER,
     MAX_ATTEMPTS,
@@ -83,6 +83,37 @@ _BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 OWNER_CACHE = 100_000
 
 __all__ = ["Router", "RouterSettings", "create_router", "parse_join"]
+
+
+#: A proxied request as the router sends it on, read from the client's once
+#: (:meth:`Router._prepare`) for every attempt, whichever way it is proxied:
+#: its scope; when the router began it (``perf_counter``: the forward's duration);
+#: the configuration it is decided under (read once: it may change meanwhile) and
+#: its identity resolver; the user; the method; the fields passed on, as bytes
+#: (the node's key and the router's own among them); the client's ``host`` (passed
+#: on as it came) or None; the path and query as the client sent them; whether it
+#: has a body (read by :meth:`Router.proxy`). A tuple: made and unpacked without
+#: a Python call, which an object would cost (the request path makes one per request).
+_Forward = tuple[
+    Scope,
+    float,
+    ClusterConfig,
+    IdentityResolver,
+    str,
+    str,
+    list[tuple[bytes, bytes]],
+    bytes | None,
+    bytes,
+    bool,
+]
+
+
+class _Refusal(NamedTuple):
+    """A request refused before it is sent anywhere (400)."""
+
+    #: What the metrics count it as (also the error's name).
+    outcome: str
+    body: dict[str, Any]
 
 
 @dataclass
@@ -200,7 +231,9 @@ class Router:
         self.metrics.watch_pipelining(lambda: getattr(self.forwarder, "pipelined", {}))
         self.metrics.watch_coalescing(self._coalesced)
         self.metrics.watch_leases(lambda: self.leases.counts)
-        self.forwarder: Forwarder | None = forwarder
+        self._forwarder: Forwarder | None = None
+        self._fast: FastForwarder | None = None
+        self.forwarder = forwarder
         #: Read by router/protocol.py, per request.
         self.direct_proxy = settings.direct_proxy
         #: What ``proxy`` reads of the configuration on every request, made from
@@ -305,6 +338,17 @@ class Router:
         await self.admin.close()
 
     @property
+    def forwarder(self) -> Forwarder | None:
+        """What sends requests to the nodes (:meth:`start` makes one if none was given)."""
+        return self._forwarder
+
+    @forwarder.setter
+    def forwarder(self, forwarder: Forwarder | None) -> None:
+        # What the request path reads of it, worked out once, not per request.
+        self._forwarder = forwarder
+        self._fast = _fast_client(forwarder)
+
+    @property
     def config(self) -> ClusterConfig:
         return self.membership.config
 
@@ -396,45 +440,42 @@ class Router:
             return {}
         return self._owners.known(view)
 
-    async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def _prepare(self, scope: Scope) -> _Forward | _Refusal:
+        """What a proxied request is sent on as, read from the client's request
+        once (identity, the fields passed on, the node's key, the target), or
+        why it is refused (400): :meth:`proxy`'s first step, synchronous, a
+        method of its own so that another way of proxying can share it. Does
+        not read a body (:meth:`proxy` does, for a request that has one) nor
+        count a refusal (whoever answers it does)."""
         started = time.perf_counter()
-        membership = self.membership
-        config = membership.config  # (``self.config`` without the property's call)
+        config = self.membership.config  # (``self.config`` without the property's call)
         resolver, bypass_name = self._for_config(config)
         try:
             user = resolver.user(scope)
         except InvalidUserId as exc:
-            self.metrics.outcome("-", "invalid_user_id")
-            await send_json(send, 400, error_body("invalid_user_id", str(exc)))
-            return
+            return _Refusal("invalid_user_id", error_body("invalid_user_id", str(exc)))
         if scope["method"] == "OPTIONS" and preflight_origin(scope) is not None:
             # A CORS preflight: decided by its client's address, never charged to
             # a user (node/identity.py preflight_origin).
             user = resolver.preflight_key(scope)
         if not user:
-            self.metrics.outcome("-", "missing_user_id")
             identity = config.identity
-            await send_json(
-                send,
-                400,
+            return _Refusal(
+                "missing_user_id",
                 error_body(
                     "missing_user_id",
                     f"no user id: expected {identity.source} {identity.name!r} "
                     "(or set identity.fallback_to_client)",
                 ),
             )
-            return
         if len(user) > config.limits.max_key_length:
-            self.metrics.outcome("-", "key_too_long")
-            await send_json(
-                send,
-                400,
+            return _Refusal(
+                "key_too_long",
                 error_body(
                     "key_too_long",
                     f"user id is {len(user)} characters; at most {config.limits.max_key_length}",
                 ),
             )
-            return
         # Clients may not send ringlimit's internal fields, except the bypass token
         # (whose default name also starts with x-ringlimit-): the node checks it.
         forwarded_for = host = None
@@ -468,37 +509,6 @@ class Router:
                 raw = [header for header in raw if header[0] not in listed]
                 if b"x-forwarded-for" in listed:
                     forwarded_for = None
-        if framed:
-            # The configured client limit applies to proxied bodies too (the router
-            # buffers them).
-            buffered = self.settings.max_buffered_body
-            max_body = min(buffered, config.limits.max_body)
-            declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-            if declared is not None and declared.isdigit() and int(declared) > max_body:
-                body = None  # refused unread (the front door drains what comes)
-            else:
-                body = await read_all(receive, max_body)
-            if body is None:
-                self.metrics.outcome("-", "body_too_large")
-                bound = (
-                    "--max-request-body"
-                    if buffered < config.limits.max_body
-                    else "max_body"
-                    if buffered > config.limits.max_body
-                    else "--max-request-body and max_body"
-                )
-                await send_json(
-                    send,
-                    413,
-                    error_body(
-                        "body_too_large", f"request body is over {max_body} bytes ({bound})"
-                    ),
-                )
-                return
-        else:
-            # Neither Content-Length nor Transfer-Encoding: a request without a body
-            # (RFC 9112 6.3), nothing to read.
-            body = b""
         # Percent-encoded: ASCII on the wire whatever the forwarder's header encoding,
         # so the node decides exactly the key the router placed on the ring.
         raw.append((b"x-ringlimit-key", _quote_key(user)))
@@ -514,26 +524,74 @@ class Router:
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        path_qs = target.decode("latin-1")  # for the text forwarders (the client's bytes)
-        method = scope["method"]
-        forwarder = self.forwarder
+        method: str = scope["method"]
+        return scope, started, config, resolver, user, method, raw, host, target, framed
+
+    def _fast_request(
+        self,
+        fast: FastForwarder,
+        member: Member,
+        method: str,
+        target: bytes,
+        raw: list[tuple[bytes, bytes]],
+        body: bytes,
+        host: bytes | None,
+    ) -> tuple[_Pool, bytes]:
+        """What :meth:`FastForwarder.request` would send ``member`` for a request
+        (:data:`_Forward`'s fields), built from the client's bytes: the node's pool
+        and the whole request."""
+        pool, prefix = fast.base(member.url)
+        payload = fast.payload(
+            method.encode(), prefix.encode() + target if prefix else target, pool, raw, body, host
+        )
+        return pool, payload
+
+    def _deliver(
+        self, send: Send, member: Member, answer: Answer, started: float
+    ) -> Callable[[], Awaitable[None]] | None:
+        """A node's answer to a proxied request, counted and sent to the client
+        (:meth:`proxy`'s last step, synchronous): None when it left now, else
+        what sends it, to await (the client's connection is not taking writes)."""
+        self.metrics.forwarded(member.id, answer.status, time.perf_counter() - started)
+        return _respond(send, answer, member.id, self._extra_headers)
+
+    async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Proxy a request to its node: the general way, any request, any forwarder."""
+        request = self._prepare(scope)
+        if isinstance(request, _Refusal):
+            self.metrics.outcome("-", request.outcome)
+            await send_json(send, 400, request.body)
+            return
+        _, started, config, resolver, user, method, raw, host, target, framed = request
+        body = b""
+        if framed:
+            read = await self._read_body(scope, config, receive, send)
+            if read is None:
+                return  # refused (413)
+            body = read
+        forwarder = self._forwarder
         assert forwarder is not None
         # The fast client, driven directly for http:// members (the router's own
         # forwarder, or one given that is a fast client).
-        fast = (
-            forwarder.fast
-            if type(forwarder) is SchemeForwarder
-            else forwarder
-            if type(forwarder) is FastForwarder
-            else None
-        )
+        fast = self._fast
         # The forwarder's fields as text (latin-1: the client's bytes), for any other
         # forwarder or member and for a failover; the fast client gets the bytes.
         headers: list[tuple[str, str]] | None = None
         if config.leasing and await self._leased(
-            scope, send, config, resolver, user, method, path_qs, raw, body, started, host
+            scope,
+            send,
+            config,
+            resolver,
+            user,
+            method,
+            target.decode("latin-1"),
+            raw,
+            body,
+            started,
+            host,
         ):
             return
+        membership = self.membership
         member: Member | None = None
         #: Sends refused while the ring changes; nodes passed over as unreachable are
         #: the search's to bound (router/rotation.py), made at the first.
@@ -550,23 +608,15 @@ class Router:
                 return
             try:
                 if fast is not None and member.url.startswith("http://"):
-                    # What FastForwarder.request sends, built from the client's bytes.
-                    pool, prefix = fast.base(member.url)
-                    answer = await fast.send(
-                        pool,
-                        fast.payload(
-                            method.encode(),
-                            prefix.encode() + target if prefix else target,
-                            pool,
-                            raw,
-                            body,
-                            host,
-                        ),
-                        method == "HEAD",
+                    pool, payload = self._fast_request(
+                        fast, member, method, target, raw, body, host
                     )
+                    answer = await fast.send(pool, payload, method == "HEAD")
                 else:
                     if headers is None:
                         headers = _text(raw, host)
+                    # (latin-1: the client's bytes, for the text forwarders)
+                    path_qs = target.decode("latin-1")
                     answer = await forwarder.request(method, member.url + path_qs, headers, body)
             except AnswerTooLarge as exc:
                 await self._not_answered(send, member, exc)  # decided, not for on_error
@@ -631,15 +681,16 @@ class Router:
                     member,
                     user,
                     method,
-                    path_qs,
+                    target.decode("latin-1"),
                     _text(raw, host),
                     body,
                     unreachable,
                     search,
                 )
                 return
-            self.metrics.forwarded(member.id, answer.status, time.perf_counter() - started)
-            await _respond(send, answer, member.id, self._extra_headers)
+            later = self._deliver(send, member, answer, started)
+            if later is not None:
+                await later()
             return
         self.metrics.outcome(member.id if member else "-", "ring_changing")
         await send_json(
@@ -648,6 +699,36 @@ class Router:
             error_body("ring_changing", "the ring is changing; retry shortly"),
             [(b"retry-after", b"1")],
         )
+
+    async def _read_body(
+        self, scope: Scope, config: ClusterConfig, receive: Receive, send: Send
+    ) -> bytes | None:
+        """The body of a request that has one; None when it is refused (413,
+        answered here)."""
+        # The configured client limit applies to proxied bodies too (the router
+        # buffers them).
+        buffered = self.settings.max_buffered_body
+        max_body = min(buffered, config.limits.max_body)
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > max_body:
+            body = None  # refused unread (the front door drains what comes)
+        else:
+            body = await read_all(receive, max_body)
+        if body is None:
+            self.metrics.outcome("-", "body_too_large")
+            bound = (
+                "--max-request-body"
+                if buffered < config.limits.max_body
+                else "max_body"
+                if buffered > config.limits.max_body
+                else "--max-request-body and max_body"
+            )
+            await send_json(
+                send,
+                413,
+                error_body("body_too_large", f"request body is over {max_body} bytes ({bound})"),
+            )
+        return body
 
     async def _leased(
         self,
@@ -718,7 +799,9 @@ class Router:
                 continue  # the unit is spent here: serve it through another node
             self.metrics.outcome(member.id, "lease_admitted")
             self.metrics.forwarded(member.id, answer.status, time.perf_counter() - started)
-            await _respond(send, answer, member.id, [*self._extra_headers, *limit_headers])
+            later = _respond(send, answer, member.id, [*self._extra_headers, *limit_headers])
+            if later is not None:
+                await later()
             return True
         await send_json(send, 503, error_body("no_nodes", "no node could serve the request"))
         return True
@@ -812,7 +895,9 @@ class Router:
                 return
             except NodeTimeout:
                 break
-            await _respond(send, answer, other.id, self._extra_headers)
+            later = _respond(send, answer, other.id, self._extra_headers)
+            if later is not None:
+                await later()
             return
         await send_json(send, 502, error_body("no_node_available", f"no node answered ({reason})"))
 
@@ -908,11 +993,23 @@ def _quote_key(user: str) -> bytes:
     return quote(user, safe="").encode()
 
 
+def _fast_client(forwarder: Forwarder | None) -> FastForwarder | None:
+    """The fast client, driven directly for ``http://`` members: the router's own
+    forwarder's, or one given that is a fast client."""
+    if type(forwarder) is SchemeForwarder:
+        return forwarder.fast
+    if type(forwarder) is FastForwarder:
+        return forwarder
+    return None
+
+
 def _respond(
     send: Send, answer: Answer, node_id: str, extra: list[tuple[bytes, bytes]]
-) -> Awaitable[None]:
+) -> Callable[[], Awaitable[None]] | None:
     """Send a node's ``answer`` to the client, marked with the node (and ``extra``):
-    what to await (not itself a coroutine: one layer less per forward)."""
+    at once when it can go now (None; router/protocol.py's cycle, whose client
+    takes writes), else what sends it, to await (not itself a coroutine: none
+    made for an answer that leaves at once, nor a layer more per forward)."""
     headers = answer.headers
     cycle = getattr(send, "__self__", None)
     if type(cycle) is ProxyCycle:
@@ -921,13 +1018,13 @@ def _respond(
         headers.append((b"x-ringlimit-node", node_id.encode()))
         if extra:
             headers += extra
-        return cycle.relay(answer.status, headers, answer.body, answer.sized)
+        return cycle.relay_now(answer.status, headers, answer.body, answer.sized)
     if not answer.sized:
         headers.append((b"content-length", str(len(answer.body)).encode()))
     headers.append((b"x-ringlimit-node", node_id.encode()))
     if extra:
         headers += extra
-    return _send_answer(send, answer.status, headers, answer.body)
+    return partial(_send_answer, send, answer.status, headers, answer.body)
 
 
 async def _send_answer(

@@ -27,7 +27,8 @@ import asyncio
 import json
 import logging
 import urllib.parse
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import httptools
@@ -206,12 +207,22 @@ class ProxyCycle:
         own fields. ``sized``: ``headers`` settle the answer's length (the
         forwarder's ``Answer.sized``, or a ``content-length`` among them); otherwise
         it is given that of ``body``."""
+        while self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()  # (until it takes writes again, or is lost)
+        self.relay_now(status, headers, body, sized)  # (so: now)
+
+    def relay_now(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, sized: bool = False
+    ) -> Callable[[], Awaitable[None]] | None:
+        """:meth:`relay` at once (None) unless the client's connection is not
+        taking writes (flow control): then nothing is done, and what is returned
+        relays it, to await. No coroutine for an answer that leaves now."""
         if self.flow.write_paused and not self.disconnected:
-            await self.flow.drain()
+            return partial(self.relay, status, headers, body, sized)
         self.response_started = True
         if self.disconnected:
             self.response_complete = True
-            return
+            return None
         protocol = self.protocol
         defaults = protocol.server_state.default_headers
         written = protocol.defaults_written
@@ -241,6 +252,7 @@ class ProxyCycle:
         if not self.keep_alive:
             self.transport.close()
         self.on_response()
+        return None
 
 
 #: ``name: value`` of a field given as its (name, value) pair.

@@ -14,6 +14,7 @@ import re
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import pytest
@@ -245,16 +246,24 @@ async def test_an_unreachable_owner_answers_by_its_rule(
 
 
 class _Faulty(Router):
-    """A router whose proxy fails in the ways a bug would make it fail."""
+    """A router whose proxy fails in the ways a bug would make it fail (at its
+    last step, ``_deliver``)."""
 
-    async def proxy(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["path"] == "/silent":
-            return  # no answer at all
-        if scope["path"] == "/half":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b"x", "more_body": True})
-            return  # an answer never finished
-        raise RuntimeError("a bug")
+    def _deliver(self, send: Any, member: Any, answer: Any, started: float) -> Any:
+        path = send.__self__.scope["path"]
+        if path == "/silent":
+            return None  # no answer at all
+        if path == "/half":
+            return partial(self._half, send)
+        if path == "/boom":
+            raise RuntimeError("a bug")
+        return super()._deliver(send, member, answer, started)
+
+    @staticmethod
+    async def _half(send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        # an answer never finished
 
 
 @pytest.mark.parametrize("path", ["/silent", "/half", "/boom"])
