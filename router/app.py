@@ -52,7 +52,7 @@ from router.coalesce import Coalescer
 from router.coordinator import EtcdCoordinator
 from router.decisions import DecisionAPI
 from router.envoy_config import EnvoyConfig, with_envoy_rules
-from router.fastclient import FastForwarder, _Pool
+from router.fastclient import Begun, FastForwarder, _Pool
 from router.forward import (
     MAX_ANSWER,
     MAX_ATTEMPTS,
@@ -81,6 +81,11 @@ _NOT_SENT = HOP_BY_HOP | {b"host", b"expect", b"content-length"}
 _BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 #: Keys whose owner the router remembers (per ring view).
 OWNER_CACHE = 100_000
+
+#: A node's answers that :meth:`Router.proxy` looks at before it relays them (a
+#: refusal while the ring changes, a lapsed lease or a refused token): the
+#: callback path (:meth:`Router.answered_now`) leaves them to it.
+_RECONSIDERED = frozenset({421, 503})
 
 __all__ = ["Router", "RouterSettings", "create_router", "parse_join"]
 
@@ -114,6 +119,28 @@ class _Refusal(NamedTuple):
     #: What the metrics count it as (also the error's name).
     outcome: str
     body: dict[str, Any]
+
+
+class _Flight:
+    """The first attempt of a request :meth:`Router.forward_now` began: its view
+    and node; for an ``http://`` node the request as the fast client sends it
+    (``pool``, ``payload``) and, once sent (``begun``), its connection and the
+    future of its answer (``waiter``: what router/protocol.py's cycle waits on).
+
+    (No ``__init__``: made with its attributes set one by one, it costs no
+    Python call.)"""
+
+    __slots__ = ("begun", "member", "payload", "pool", "request", "started", "view", "waiter")
+
+    request: _Forward
+    #: The request's (:data:`_Forward`).
+    started: float
+    view: RingView
+    member: Member
+    pool: _Pool | None
+    payload: bytes
+    begun: Begun | None
+    waiter: asyncio.Future[Answer]
 
 
 @dataclass
@@ -233,6 +260,9 @@ class Router:
         self.metrics.watch_leases(lambda: self.leases.counts)
         self._forwarder: Forwarder | None = None
         self._fast: FastForwarder | None = None
+        #: Requests may be forwarded without a task (:meth:`forward_now`): by the fast
+        #: client. Read by router/protocol.py, per request.
+        self.forwards_now = False
         self.forwarder = forwarder
         #: Read by router/protocol.py, per request.
         self.direct_proxy = settings.direct_proxy
@@ -347,6 +377,7 @@ class Router:
         # What the request path reads of it, worked out once, not per request.
         self._forwarder = forwarder
         self._fast = _fast_client(forwarder)
+        self.forwards_now = self._fast is not None
 
     @property
     def config(self) -> ClusterConfig:
@@ -443,8 +474,8 @@ class Router:
     def _prepare(self, scope: Scope) -> _Forward | _Refusal:
         """What a proxied request is sent on as, read from the client's request
         once (identity, the fields passed on, the node's key, the target), or
-        why it is refused (400): :meth:`proxy`'s first step, synchronous, a
-        method of its own so that another way of proxying can share it. Does
+        why it is refused (400): the first step of both ways a request is
+        proxied, :meth:`proxy` and :meth:`forward_now`, so one definition. Does
         not read a body (:meth:`proxy` does, for a request that has one) nor
         count a refusal (whoever answers it does)."""
         started = time.perf_counter()
@@ -549,15 +580,94 @@ class Router:
     def _deliver(
         self, send: Send, member: Member, answer: Answer, started: float
     ) -> Callable[[], Awaitable[None]] | None:
-        """A node's answer to a proxied request, counted and sent to the client
-        (:meth:`proxy`'s last step, synchronous): None when it left now, else
+        """A node's answer to a proxied request, counted and sent to the client (the
+        last step of both ways a request is proxied): None when it left now, else
         what sends it, to await (the client's connection is not taking writes)."""
         self.metrics.forwarded(member.id, answer.status, time.perf_counter() - started)
         return _respond(send, answer, member.id, self._extra_headers)
 
-    async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Proxy a request to its node: the general way, any request, any forwarder."""
+    def forward_now(self, cycle: ProxyCycle) -> _Flight | Callable[[], Awaitable[None]] | None:
+        """Forward a request of router/protocol.py's direct path without a task of
+        its own, if it is the common one: no body, no lease, the fast client, its
+        node's ``http://`` pool with a connection that takes it now (an idle one,
+        or with ``--pipeline``, the one filling in this event-loop step:
+        :meth:`FastForwarder.begin`). Then the request is sent here and its answer
+        comes to :meth:`answered_now` (a callback of its future): the flight
+        returned.
+
+        Why: a task per request (created, first scheduled, its coroutines' frames,
+        its wakeup) was a fair part of what a forward costs the router (Python
+        3.11 has no eager tasks); docs/performance.md has the figures.
+
+        Otherwise a task serves it, with exactly :meth:`proxy`'s semantics: from
+        where this left it (returned: the request prepared, perhaps its node
+        picked, whose round-robin turn is not taken twice), or None: from the
+        start (no fast client: nothing done here)."""
+        fast = self._fast
+        if fast is None:
+            return None
+        scope = cycle.scope
         request = self._prepare(scope)
+        if isinstance(request, _Refusal):
+            return partial(self.proxy, scope, cycle.receive, cycle.send, request)
+        _, started, config, _, user, method, raw, host, target, framed = request
+        if framed or config.leasing:
+            return partial(self.proxy, scope, cycle.receive, cycle.send, request)
+        view = self.membership.view
+        try:
+            member = self.pick(view, user)
+        except EmptyRingError:
+            return partial(self.proxy, scope, cycle.receive, cycle.send, request)
+        flight = _Flight()
+        flight.request = request
+        flight.started = started
+        flight.view = view
+        flight.member = member
+        flight.pool = None
+        flight.begun = None
+        if member.url.startswith("http://"):
+            flight.pool, flight.payload = pool, payload = self._fast_request(
+                fast, member, method, target, raw, b"", host
+            )
+            begun = fast.begin(pool, payload, method == "HEAD")
+            if begun is not None:
+                flight.begun = begun
+                flight.waiter = begun[1]
+                return flight
+        return partial(self.proxy, scope, cycle.receive, cycle.send, request, flight)
+
+    def answered_now(
+        self, cycle: ProxyCycle, flight: _Flight
+    ) -> Callable[[], Awaitable[None]] | None:
+        """The node's answer to a request :meth:`forward_now` sent (its future is
+        done): relayed here when it is a plain answer and the client's connection
+        takes it now (None). Anything else continues in a task, from the same
+        point, in :meth:`proxy` (returned): an exception (the retry on a fresh
+        connection, a timeout's 504, an unreachable node's ``on_error``), a node's
+        refusal while the ring changes (421) or a 503 that may be a lapsed lease or
+        a refused token, and an answer the client's connection cannot take yet."""
+        try:
+            answer = flight.waiter.result()
+        except Exception:
+            answer = None
+        if answer is not None and answer.status not in _RECONSIDERED:
+            return self._deliver(cycle.send, flight.member, answer, flight.started)
+        return partial(self.proxy, cycle.scope, cycle.receive, cycle.send, flight.request, flight)
+
+    async def proxy(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        prepared: _Forward | _Refusal | None = None,
+        flight: _Flight | None = None,
+    ) -> None:
+        """Proxy a request to its node: the general way, any request, any forwarder.
+
+        ``prepared``: the request as :meth:`_prepare` made it, and ``flight``: its
+        first attempt's node (and the request sent there, perhaps answered), when
+        :meth:`forward_now` began it and a task goes on from there."""
+        request = self._prepare(scope) if prepared is None else prepared
         if isinstance(request, _Refusal):
             self.metrics.outcome("-", request.outcome)
             await send_json(send, 400, request.body)
@@ -565,6 +675,7 @@ class Router:
         _, started, config, resolver, user, method, raw, host, target, framed = request
         body = b""
         if framed:
+            # (A request with a body is never begun by forward_now.)
             read = await self._read_body(scope, config, receive, send)
             if read is None:
                 return  # refused (413)
@@ -577,18 +688,22 @@ class Router:
         # The forwarder's fields as text (latin-1: the client's bytes), for any other
         # forwarder or member and for a failover; the fast client gets the bytes.
         headers: list[tuple[str, str]] | None = None
-        if config.leasing and await self._leased(
-            scope,
-            send,
-            config,
-            resolver,
-            user,
-            method,
-            target.decode("latin-1"),
-            raw,
-            body,
-            started,
-            host,
+        if (
+            flight is None
+            and config.leasing
+            and await self._leased(
+                scope,
+                send,
+                config,
+                resolver,
+                user,
+                method,
+                target.decode("latin-1"),
+                raw,
+                body,
+                started,
+                host,
+            )
         ):
             return
         membership = self.membership
@@ -600,18 +715,28 @@ class Router:
         while refused < MAX_ATTEMPTS:
             if refused and time.perf_counter() - started > self.settings.timeouts.refusals:
                 break
-            view = membership.view
-            try:
-                member = self.pick(view, user)
-            except EmptyRingError:
-                await send_json(send, 503, error_body("no_nodes", "the ring has no nodes"))
-                return
+            # The first attempt's node and request may have been made (forward_now).
+            first, flight = flight, None
+            if first is not None:
+                view = first.view
+                member = first.member
+            else:
+                view = membership.view
+                try:
+                    member = self.pick(view, user)
+                except EmptyRingError:
+                    await send_json(send, 503, error_body("no_nodes", "the ring has no nodes"))
+                    return
             try:
                 if fast is not None and member.url.startswith("http://"):
-                    pool, payload = self._fast_request(
-                        fast, member, method, target, raw, body, host
-                    )
-                    answer = await fast.send(pool, payload, method == "HEAD")
+                    if first is not None and first.pool is not None:
+                        pool, payload, begun = first.pool, first.payload, first.begun
+                    else:
+                        pool, payload = self._fast_request(
+                            fast, member, method, target, raw, body, host
+                        )
+                        begun = None
+                    answer = await fast.send(pool, payload, method == "HEAD", begun=begun)
                 else:
                     if headers is None:
                         headers = _text(raw, host)
@@ -652,6 +777,7 @@ class Router:
                         continue  # round-robin: the next node decides it
                 unreachable: str | None = str(exc)
             else:
+                # (_RECONSIDERED: the statuses looked at here before relaying.)
                 if answer.status == 421 and await self.stale(answer, member):
                     refused += 1
                     continue

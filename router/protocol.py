@@ -37,7 +37,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from node.server import _CoalescedWrites
 
 if TYPE_CHECKING:
-    from router.app import Router
+    from router.app import Router, _Flight
 
 log = logging.getLogger("ringlimit.router")
 
@@ -101,11 +101,22 @@ class ProxyCycle:
     ``body``, ``message_event``, ``run_asgi``), so client pipelining,
     keep-alive, a lost connection and a graceful shutdown work as with
     uvicorn's own cycle.
+
+    The common request is served without a task (:meth:`begin`): sent to its
+    node at once, answered from a callback of its answer's future. While it is
+    in flight so, the cycle stands in the server's set of tasks for it
+    (``server_state.tasks``, which uvicorn only counts, for
+    ``limit_concurrency``, and cancels when a graceful shutdown runs out of
+    time: :meth:`cancel`), so both see it as they see a request in a task.
+    Anything else (and whatever such a request turns into: a retry, a
+    failover, a wait) goes on in uvicorn's task, :meth:`run_asgi`.
     """
 
     __slots__ = (
+        "app",
         "body",
         "disconnected",
+        "flight",
         "flow",
         "headers",
         "keep_alive",
@@ -115,10 +126,16 @@ class ProxyCycle:
         "protocol",
         "response_complete",
         "response_started",
+        "resume",
         "scope",
         "status",
         "transport",
     )
+
+    #: Set by :meth:`begin` (not before: only a request begun there reads them):
+    #: the app, and the request in flight without a task until it is answered.
+    app: Router
+    flight: _Flight | None
 
     def __init__(self, protocol: Any, scope: dict[str, Any], keep_alive: bool) -> None:
         self.protocol = protocol
@@ -135,23 +152,107 @@ class ProxyCycle:
         self.message_event = _NO_WAIT
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        #: What the task does (:meth:`run_asgi`): set when the request is not (or no
+        #: longer) served without one; None: ``app.proxy`` from the start.
+        self.resume: Callable[[], Awaitable[None]] | None = None
+
+    def begin(self, app: Router) -> bool:
+        """Serve the request without a task if it is the common one
+        (``app.forward_now``): True, and it is in flight (or answered). False:
+        a task is to serve it, from ``resume`` (set here when
+        ``app.forward_now`` began it) or from the start.
+
+        An exception here is the request's, not the server's (as in
+        :meth:`run_asgi`): a 500 (True: nothing left to do)."""
+        self.app = app
+        try:
+            now = app.forward_now(self)
+        except Exception:
+            self._failed()
+            self.on_response = _nothing
+            return True
+        if now is None:
+            return False
+        if callable(now):
+            self.resume = now
+            return False
+        self.flight = now
+        self.protocol.tasks.add(self)  # (see the class: counted, and cancelled, as a task)
+        now.waiter.add_done_callback(self._answered)
+        return True
+
+    def _answered(self, waiter: asyncio.Future[Any]) -> None:
+        """The answer's future of the request :meth:`begin` sent is done: it is
+        relayed (``app.answered_now``), or the request goes on in a task, as
+        uvicorn starts one (so counted, and cancelled at shutdown, as any)."""
+        flight = self.flight
+        if flight is None:
+            return  # cancelled (the server's graceful shutdown ran out of time)
+        self.flight = None
+        protocol = self.protocol
+        try:
+            resume = self.app.answered_now(self, flight)
+        except Exception:
+            self._failed()
+            self.on_response = _nothing
+        else:
+            if resume is None:
+                self._ended()
+                self.on_response = _nothing  # (as at the end of run_asgi)
+            else:
+                self.resume = resume
+                protocol.start_task(self, self.app)
+        protocol.tasks.discard(self)
+
+    def cancel(self, msg: Any = None) -> bool:
+        """The server's graceful shutdown ran out of time with this request in
+        flight without a task (uvicorn cancels what is in ``server_state.tasks``):
+        what a task's cancellation does (:meth:`run_asgi`), a 500 if nothing was
+        sent yet and the connection closed, and the answer's future cancelled
+        (the node's answer, when it comes, is dropped)."""
+        flight = self.flight
+        if flight is None:
+            return False
+        self.flight = None
+        flight.waiter.cancel()
+        self._fail()
+        self.on_response = _nothing
+        # Not at once: uvicorn is going through the set.
+        self.protocol.loop.call_soon(self.protocol.tasks.discard, self)
+        return True
 
     async def run_asgi(self, app: Router) -> None:
-        """The task uvicorn's protocol starts (and starts again for a pipelined request)."""
+        """The task uvicorn's protocol starts (and starts again for a pipelined
+        request): ``resume`` (:meth:`begin` left it there), else ``app.proxy``."""
         try:
-            await app.proxy(self.scope, self.receive, self.send)
+            resume = self.resume
+            if resume is None:
+                await app.proxy(self.scope, self.receive, self.send)
+            else:
+                await resume()
         except asyncio.CancelledError:
             self._fail()  # the server's graceful shutdown ran out of time
             raise
         except Exception:
-            log.exception("proxying %s %s failed", self.scope["method"], self.scope["path"])
-            self._fail()
+            self._failed()
         else:
-            if not self.response_complete and not self.disconnected:
-                log.error("no whole answer to %s %s", self.scope["method"], self.scope["path"])
-                self._fail()
+            self._ended()
         finally:
             self.on_response = _nothing
+            # (``resume`` holds this cycle's own methods: a reference cycle,
+            # otherwise, that only the garbage collector would free.)
+            self.resume = None
+
+    def _failed(self) -> None:
+        """Proxying the request raised (a bug): said in the log, and :meth:`_fail`."""
+        log.exception("proxying %s %s failed", self.scope["method"], self.scope["path"])
+        self._fail()
+
+    def _ended(self) -> None:
+        """Proxying the request ended: a 500 if it was not answered (a bug)."""
+        if not self.response_complete and not self.disconnected:
+            log.error("no whole answer to %s %s", self.scope["method"], self.scope["path"])
+            self._fail()
 
     def _fail(self) -> None:
         """A 500 if nothing was sent yet, and the connection closed (as uvicorn does):
@@ -216,7 +317,8 @@ class ProxyCycle:
     ) -> Callable[[], Awaitable[None]] | None:
         """:meth:`relay` at once (None) unless the client's connection is not
         taking writes (flow control): then nothing is done, and what is returned
-        relays it, to await. No coroutine for an answer that leaves now."""
+        relays it, to await. No coroutine for an answer that leaves now: the
+        callback path (:meth:`begin`) has none to await it in."""
         if self.flow.write_paused and not self.disconnected:
             return partial(self.relay, status, headers, body, sized)
         self.response_started = True
@@ -376,6 +478,16 @@ def direct_proxy_protocol(base: type) -> type:
         #: connection joins them once a second, not on every answer. (The list is
         #: held: ``is`` cannot match another one.)
         defaults_written: tuple[Any, bytes] = (None, b"")
+
+        #: uvicorn's: a task for ``cycle`` (where a ProxyCycle goes on, when it does).
+        start_task = base._start_asgi_task  # type: ignore[attr-defined]
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            # uvicorn's (a request read, or a pipelined one whose turn came), but a
+            # proxied request is served without a task when it can be.
+            if type(cycle) is ProxyCycle and app.forwards_now and cycle.begin(app):
+                return
+            self.start_task(cycle, app)
 
         def on_headers_complete(self) -> None:
             parser = self.parser

@@ -246,8 +246,9 @@ async def test_an_unreachable_owner_answers_by_its_rule(
 
 
 class _Faulty(Router):
-    """A router whose proxy fails in the ways a bug would make it fail (at its
-    last step, ``_deliver``)."""
+    """A router whose proxy fails in the ways a bug would make it fail, at the step
+    both ways of proxying share (``_deliver``: the task's ``proxy`` and the
+    callback path's ``answered_now``)."""
 
     def _deliver(self, send: Any, member: Any, answer: Any, started: float) -> Any:
         path = send.__self__.scope["path"]
@@ -267,14 +268,21 @@ class _Faulty(Router):
 
 
 @pytest.mark.parametrize("path", ["/silent", "/half", "/boom"])
+@pytest.mark.parametrize("warm", [False, True])
 async def test_a_proxy_that_does_not_answer_gets_a_500_and_a_closed_connection(
     procs: Procs,  # noqa: F811
     path: str,
+    warm: bool,
 ) -> None:
     """Never a hung connection (nor the requests pipelined behind it): a JSON 500
-    when nothing was sent, then the connection is closed, as uvicorn's cycle does."""
+    when nothing was sent, then the connection is closed, as uvicorn's cycle does.
+    ``warm``: the router's connection to the node is idle, so the request is sent
+    without a task and answered from a callback (router/protocol.py
+    ``ProxyCycle.begin``); otherwise it connects, in uvicorn's task."""
     _, node = procs.node("n1", None)
     async with served(node, direct=True, kind=_Faulty) as (_, _, port):
+        if warm:
+            assert (await exchange(port, get("/warm", "ivan")))[0].status == 200
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             writer.write(get(path, "ivan") + get("/next", "ivan"))
