@@ -9,6 +9,7 @@ failures as tracebacks.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import uvicorn
@@ -16,7 +17,27 @@ import uvicorn
 from node.frontdoor import FrontDoor, limited_protocol, raise_fd_limit
 from node.server import SignalServer, _run, uvicorn_options
 from router.app import Router
-from router.protocol import AnswerWrites, direct_proxy_protocol, lazy_keep_alive
+from router.protocol import AnswerWrites, ProxyCycle, direct_proxy_protocol, lazy_keep_alive
+
+
+class RouterServer(SignalServer):
+    """The router's uvicorn server: what a forced exit leaves in flight is answered.
+
+    A second SIGTERM (``force_exit``) ends uvicorn's shutdown without cancelling
+    its tasks; ``asyncio.run`` cancels those later, and each answers its client
+    500 (router/protocol.py ``ProxyCycle.run_asgi``). A request in flight
+    without a task (``ProxyCycle.begin``) stands in the server's tasks as its
+    cycle, which nothing would cancel: its client got the connection closed
+    without a byte, where a client that retries on an empty answer from a
+    kept-alive connection may send it again. Cancelled here, it gets the 500."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        left = [t for t in self.server_state.tasks if type(t) is ProxyCycle]
+        for cycle in left:
+            cycle.cancel(msg="the server was made to exit at once")
+        if left:
+            await asyncio.sleep(0)  # (their 500s written before the loop ends)
 
 
 def router_server(
@@ -36,7 +57,7 @@ def router_server(
                 wrap=AnswerWrites,
             )
         )
-    return SignalServer(uvicorn.Config(router, host=host, port=port, **options), _stop)
+    return RouterServer(uvicorn.Config(router, host=host, port=port, **options), _stop)
 
 
 def _stop(server: uvicorn.Server) -> None:

@@ -292,6 +292,26 @@ async def test_a_graceful_shutdown_out_of_time_answers_500_as_for_a_task(
     ]
 
 
+async def test_a_forced_exit_answers_500_as_for_a_task() -> None:
+    """A second SIGTERM (``force_exit``) ends the shutdown without cancelling the
+    server's tasks (asyncio.run cancels tasks later: each answers 500). A request
+    in flight without a task gets the same 500, not a connection closed without
+    a byte (router/server.py RouterServer)."""
+    async with served() as it:
+        await warm(it.port)
+        reader, writer = await ask(it.port, "/hold/a")
+        await wait_until(lambda: it.node.held == 1, 5)
+        assert in_flight(it.server) == (1, 0)
+        it.server.should_exit = True
+        it.server.force_exit = True
+        data = await asyncio.wait_for(reader.read(), 5)  # to the end: closed
+        writer.close()
+        assert data.startswith(b"HTTP/1.1 500 "), data[:80]
+        assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"] == "internal_error"
+        await asyncio.wait_for(asyncio.shield(it.serving), 5)
+        it.node.release.set()
+
+
 async def test_a_client_gone_mid_forward(caplog: pytest.LogCaptureFixture) -> None:
     """The forward goes on (counted in the server's tasks meanwhile, as a task
     would be), its answer is dropped, it is counted, nothing is logged as a
