@@ -42,6 +42,18 @@ HEAD_ANSWERS = {
 }
 
 
+async def read_head(reader: asyncio.StreamReader) -> bytes | None:
+    """A scripted node's read of a request, up to the end of its head at least
+    (None: the connection closed first)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await reader.read(4096)
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
 class Scripted:
     """Answers by path; records every request line it saw, and counts connections."""
 
@@ -56,12 +68,9 @@ class Scripted:
         owed = b""
         try:
             while True:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = await reader.read(4096)
-                    if not chunk:
-                        return
-                    data += chunk
+                data = await read_head(reader)
+                if data is None:
+                    return
                 line = data.split(b"\r\n")[0]
                 self.seen.append(line)
                 writer.write(owed)

@@ -38,6 +38,7 @@ from router.forward import Timeouts
 from router.protocol import ProxyCycle
 from router.server import router_server
 from tests.processes import wait_until
+from tests.test_fastclient import read_head
 from tests.test_router_protocol import get, read_answer
 
 pytestmark = pytest.mark.anyio
@@ -83,12 +84,9 @@ class Node:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = await reader.read(4096)
-                    if not chunk:
-                        return
-                    data += chunk
+                data = await read_head(reader)
+                if data is None:
+                    return
                 path = data.split(b" ", 2)[1]
                 first = path not in self.seen
                 self.seen.append(path)
