@@ -52,7 +52,9 @@ class Up:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "router", *argv],
                 cwd=ROOT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                # TMPDIR: the test's own (``up`` killed with -9 cannot remove its
+                # folder there, and /tmp collected one per run).
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp), **(env or {})},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
