@@ -19,7 +19,9 @@ from node.peers import Peers
 from node.shard import HANDOFF_RECHECK, Shard
 from node.shardcore import NotOwner
 from node.store import MemoryStore
-from tests.test_shard_core import RULE, config, owned_by, view
+from ring import Member, RingView
+from tests.processes import free_port, wait_until
+from tests.test_shard_core import RULE, config, owned_by
 
 pytestmark = pytest.mark.anyio
 
@@ -30,6 +32,15 @@ STEPS = 5
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+#: Where every member of these views is said to be: a port of 127.0.0.1 nothing
+#: listens on (a pull asked there is refused at once).
+NOWHERE = free_port()
+
+
+def view(ids: list[str], epoch: int) -> RingView:
+    return RingView.of([Member(i, f"http://127.0.0.1:{NOWHERE}") for i in ids], epoch=epoch)
 
 
 @pytest.fixture
@@ -135,3 +146,25 @@ async def test_news_that_does_not_end_the_wait_leaves_the_waiter_idle(
     looks = 0
     await asyncio.sleep(HANDOFF_RECHECK * 3)  # no news: the deadline's one timer
     assert looks <= 6, f"{looks} looks in {HANDOFF_RECHECK * 3} s without news"
+
+
+async def test_a_late_pull_that_fails_wakes_the_waiting_request_at_once(
+    waiting: tuple[Shard, FrozenClock, str, asyncio.Task[bool]],
+) -> None:
+    """Past the deadline, a pull from n2 that fails gives n2 up (no final mark is
+    awaited any more): the request waiting for n2's mark is woken by that, not
+    by the deadline's timer up to HANDOFF_RECHECK later."""
+    shard, timer, _, task = waiting
+    v1, v3 = view(["n0", "n2"], 1), view(["n1", "n2"], 3)
+    pulled = next(k for k in owned_by(v3, "n1") if v1.owner_id(k) == "n2")  # n2's in v1
+    timer.advance(shard.handoff_wait + 1.0)  # (the waiter's timer is still 0.5 s away)
+    pull = asyncio.create_task(shard.admit(pulled, (RULE,)))
+    await wait_until(lambda: shard.core.stats.pulls == 1, 5)
+    await asyncio.sleep(0.01)  # (refused: it retries until its own deadline, then fails)
+    timer.advance(shard.handoff_wait + 1.0)
+    assert await asyncio.wait_for(pull, 5) is True
+    assert shard.core.stats.pull_failures == 1
+    for _ in range(STEPS):
+        await asyncio.sleep(0)
+    assert task.done(), "the request still waits after n2 was given up"
+    assert task.result() is True
