@@ -91,8 +91,8 @@ __all__ = ["Router", "RouterSettings", "create_router", "parse_join"]
 
 
 #: A proxied request as the router sends it on, read from the client's once
-#: (:meth:`Router._prepare`) for every attempt, whichever way it is proxied:
-#: its scope; when the router began it (``perf_counter``: the forward's duration);
+#: (:meth:`Router._prepare`) for every attempt, whichever way it is proxied
+#: (both have its scope): when the router began it (``perf_counter``: the forward's duration);
 #: the configuration it is decided under (read once: it may change meanwhile) and
 #: its identity resolver; the user; the method; the fields passed on, as bytes
 #: (the node's key and the router's own among them); the client's ``host`` (passed
@@ -100,7 +100,6 @@ __all__ = ["Router", "RouterSettings", "create_router", "parse_join"]
 #: has a body (read by :meth:`Router.proxy`). A tuple: made and unpacked without
 #: a Python call, which an object would cost (the request path makes one per request).
 _Forward = tuple[
-    Scope,
     float,
     ClusterConfig,
     IdentityResolver,
@@ -130,11 +129,9 @@ class _Flight:
     (No ``__init__``: made with its attributes set one by one, it costs no
     Python call.)"""
 
-    __slots__ = ("begun", "member", "payload", "pool", "request", "started", "view", "waiter")
+    __slots__ = ("begun", "member", "payload", "pool", "request", "view", "waiter")
 
     request: _Forward
-    #: The request's (:data:`_Forward`).
-    started: float
     view: RingView
     member: Member
     pool: _Pool | None
@@ -556,7 +553,7 @@ class Router:
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
         method: str = scope["method"]
-        return scope, started, config, resolver, user, method, raw, host, target, framed
+        return started, config, resolver, user, method, raw, host, target, framed
 
     def _fast_request(
         self,
@@ -610,7 +607,7 @@ class Router:
         request = self._prepare(scope)
         if isinstance(request, _Refusal):
             return partial(self.proxy, scope, cycle.receive, cycle.send, request)
-        _, started, config, _, user, method, raw, host, target, framed = request
+        _, config, _, user, method, raw, host, target, framed = request
         if framed or config.leasing:
             return partial(self.proxy, scope, cycle.receive, cycle.send, request)
         view = self.membership.view
@@ -620,7 +617,6 @@ class Router:
             return partial(self.proxy, scope, cycle.receive, cycle.send, request)
         flight = _Flight()
         flight.request = request
-        flight.started = started
         flight.view = view
         flight.member = member
         flight.pool = None
@@ -651,7 +647,8 @@ class Router:
         except Exception:
             answer = None
         if answer is not None and answer.status not in _RECONSIDERED:
-            return self._deliver(cycle.send, flight.member, answer, flight.started)
+            started = flight.request[0]  # (when the router began it: _Forward's first)
+            return self._deliver(cycle.send, flight.member, answer, started)
         return partial(self.proxy, cycle.scope, cycle.receive, cycle.send, flight.request, flight)
 
     async def proxy(
@@ -672,7 +669,7 @@ class Router:
             self.metrics.outcome("-", request.outcome)
             await send_json(send, 400, request.body)
             return
-        _, started, config, resolver, user, method, raw, host, target, framed = request
+        started, config, resolver, user, method, raw, host, target, framed = request
         body = b""
         if framed:
             # (A request with a body is never begun by forward_now.)
