@@ -74,7 +74,7 @@ class _CoalescedWrites:
     whole response leaves at once. Everything else is the real transport's.
     """
 
-    __slots__ = ("_buffer", "_handle", "_loop", "_postponed", "_reads", "_transport")
+    __slots__ = ("_buffer", "_handle", "_loop", "_postponed", "_reads", "_transport", "is_closing")
 
     #: At most this many answers wait for the ones behind them (a router's whole
     #: batch: ``--pipeline`` is at most 64). A client that keeps its pipeline
@@ -89,6 +89,9 @@ class _CoalescedWrites:
         self._handle: asyncio.Handle | None = None
         self._postponed = 0
         self._reads = -1
+        #: Asked several times per request: the real transport's own method (not
+        #: through ``__getattr__``, nor a method of this class calling it).
+        self.is_closing = transport.is_closing
 
     def write(self, data: bytes) -> None:
         if not self._buffer:

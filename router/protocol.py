@@ -375,13 +375,7 @@ class AnswerWrites(_CoalescedWrites):
     buffered (order) or when a client's pipelined request waits behind it (its
     answer may leave with this one, see ``postpone``)."""
 
-    __slots__ = ("is_closing",)
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(transport, loop)
-        #: Asked twice per request: the real transport's own method (not through
-        #: ``__getattr__``, nor a method of this class calling it).
-        self.is_closing = transport.is_closing
+    __slots__ = ()
 
     def write_answer(self, data: bytes, more: bool) -> None:
         """Write a whole answer; ``more``: pipelined requests wait behind it."""
