@@ -45,6 +45,7 @@ from node.backend import Backend, MemoryBackend
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig
 from node.failures import Failures
+from node.inline import INLINE, in_a_task, in_task, inline_app
 from node.lease import LeaseError
 from node.leasing import MAX_SETTLE, LeaseDesk, definition, lease_to_dict
 from node.memory import release_free_memory
@@ -229,13 +230,21 @@ class Node:
             self.metrics.add_counters(
                 "ringlimit_upstream", UPSTREAM_METRICS, lambda: dict(vars(upstream))
             )
+        # A node deciding in memory is started inline by its front door
+        # (node/inline.py): an application not its own is called from a task.
+        inline = type(self.backend) is MemoryBackend
+        fronted = self.fronted
+        if inline and not getattr(fronted, INLINE, False):
+            fronted = in_task(fronted)
         self.limited = RateLimitMiddleware(
-            self.fronted,
+            fronted,
             authority=self.authority,
             internal_token=settings.internal_token,
             wall_clock=clock,
         )
         self.control = control_app(self._routes(), self._lifespan)
+        if inline:
+            inline_app(self)
         #: Quota leases for hot keys granted from this node's store (docs/hotkeys.md).
         self.desk = LeaseDesk()
         self.metrics.add_counters(
@@ -265,6 +274,7 @@ class Node:
             if path == "/v1/check" and scope["method"] == "POST":
                 await self.check_asgi(scope, receive, send)  # the hot path: no Starlette
             elif path.startswith(CONTROL_PREFIXES) or path in CONTROL_PATHS:
+                await in_a_task()  # Starlette's (streamed answers need a task)
                 await self.control(scope, receive, send)
             elif path[:1] != "/":
                 await odd_target(scope, receive, send)  # OPTIONS *, CONNECT host:port

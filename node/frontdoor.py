@@ -59,6 +59,7 @@ from typing import Any
 from node.asgi import RESPONSE_FIELDS
 from node.failures import Failures
 from node.headers import LEGACY_NAMES, settle_legacy
+from node.inline import INLINE, start_inline
 
 __all__ = ["KEEP_ALIVE", "REUSE_IDLE", "FrontDoor", "raise_fd_limit"]
 
@@ -472,6 +473,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
     base_on_response_complete = methods.on_response_complete
     base_on_headers_complete = methods.on_headers_complete
     base_on_body = methods.on_body
+    base_start_asgi_task = methods._start_asgi_task
 
     class LimitedProtocol(base):  # type: ignore[valid-type,misc]
         _waiting = False
@@ -498,6 +500,13 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         _body_timer: asyncio.TimerHandle | None = None
         #: When a body answered before it arrived whole must have arrived.
         _drained_by = 0.0
+        #: The app may be started inline (node/inline.py): read once per connection.
+        _inline = False
+        #: True while uvicorn's ``on_headers_complete`` runs for an inline app: the
+        #: request it starts is held in ``_held`` until it is whole (started inline
+        #: then) or the read ends without it (started in a task, as uvicorn does).
+        _holding = False
+        _held: tuple[Any, Any] | None = None
         # uvicorn's, set in its __init__ (declared for the type checker).
         app: Any
         limit_concurrency: int | None
@@ -511,6 +520,9 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             #: request gets its own ``extensions`` dict around it: a scope is the
             #: request's, and an app may write to it.)
             self._response_fields: dict[object, Any] = {}
+            self._inline = (
+                bool(getattr(self.app, INLINE, False)) and not self.config.reset_contextvars
+            )
             super().connection_made(wrap(transport, self.loop) if wrap else transport)
             self._wait_for_request()
             if len(self.connections) > cap:
@@ -598,6 +610,13 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 self._chunk_data_received(data)
             else:
                 base_data_received(self, data)
+            held = self._held
+            if held is not None:
+                # Its headers came in this read, not its end (a body to come, an
+                # upgrade): its task starts now, as uvicorn's would after this read.
+                self._held = None
+                if not self.transport.is_closing():
+                    base_start_asgi_task(self, *held)
             if (self._waiting or self._in_head) and self._header_bytes > max_header_bytes:
                 self._close_waiting(_TOO_LARGE)
 
@@ -651,6 +670,24 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 return
             cycle.more_body = False
             cycle.message_event.set()
+            held = self._held
+            if held is not None:
+                # Whole: served now, in a task only if it has to wait (node/inline.py).
+                self._held = None
+                if not self.transport.is_closing():
+                    start_inline(self.loop, held[0].run_asgi(held[1]), self.tasks)
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            # uvicorn's, but a request of an inline app waits for its end in _held
+            # (from on_headers_complete only: a pipelined request whose turn came is
+            # started from the answer before it, inside that app's ``send``). Not
+            # started at all if the connection is closing by then: a request
+            # behind an answer that closed it (parsed only after that answer, now
+            # that the answer can be written during the read).
+            if self._holding:
+                self._held = (cycle, app)
+            else:
+                base_start_asgi_task(self, cycle, app)
 
         def on_url(self, url: bytes) -> None:
             self._parsed_bytes += len(url)
@@ -733,7 +770,14 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             elif upgrade and _declares_body(self.headers):
                 refusal = _upgrade_with_body
             if refusal is None:
-                base_on_headers_complete(self)
+                if self._inline:
+                    self._holding = True
+                    try:
+                        base_on_headers_complete(self)
+                    finally:
+                        self._holding = False
+                else:
+                    base_on_headers_complete(self)
             else:
                 app, self.app, self.limit_concurrency = self.app, refusal, None
                 try:

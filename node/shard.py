@@ -27,6 +27,7 @@ from typing import Any
 from node.clock import Clock, boot_clock
 from node.config import ClusterConfig
 from node.failures import Failures
+from node.inline import in_a_task
 from node.lease import Lease
 from node.memory import freeze_for_transfer, thaw_after_transfer
 from node.peers import PeerError, Peers, bulk
@@ -215,6 +216,8 @@ class Shard:
         """
         if self.admit_now(key, rules):
             return False
+        # Pulls go through httpx, which needs a current task (node/inline.py).
+        await in_a_task()
         core = self.core
         step = core.inherit(key, rules, self.timer())
         while step is not None:

@@ -18,6 +18,7 @@ from node.frontdoor import FrontDoor
 from node.headers import DEGRADED_HEADER
 from node.hopbyhop import HOP_BY_HOP, NO_CONTENT, passed_on
 from node.identity import header_text
+from node.inline import inline_app
 
 log = logging.getLogger("ringlimit.node")
 
@@ -71,7 +72,7 @@ def echo_app(node_id: str) -> ASGIApp:
             },
         )
 
-    return echo
+    return inline_app(echo)  # (it never needs a task: node/inline.py)
 
 
 def load_app(spec: str) -> ASGIApp:
