@@ -73,6 +73,12 @@ MIN_BODY_RATE = 500
 #: closed instead of kept for the next request (Go's net/http reads up to
 #: 256 KiB of an unread body for the same reason).
 MAX_DRAIN = 4 * 1024 * 1024
+#: Requests of one read started inline (node/inline.py) at most; those behind them
+#: wait in uvicorn's pipeline and are served one per loop step, as every
+#: pipelined request was before: a client that pipelines thousands of requests
+#: in one read does not hold the loop (and every other connection) for all of
+#: them at once. A router's batch (``--pipeline``) is at most 64.
+MAX_INLINE_PER_READ = 64
 #: Seconds an idle keep-alive connection is kept after a response (uvicorn's default).
 KEEP_ALIVE = 5.0
 #: Seconds ringlimit's own clients reuse an idle pooled connection to a router or
@@ -507,6 +513,10 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         #: then) or the read ends without it (started in a task, as uvicorn does).
         _holding = False
         _held: tuple[Any, Any] | None = None
+        #: Requests this read may still start inline (MAX_INLINE_PER_READ).
+        _inline_left = 0
+        # uvicorn's (declared for the type checker).
+        timeout_keep_alive_task: asyncio.TimerHandle | None
         # uvicorn's, set in its __init__ (declared for the type checker).
         app: Any
         limit_concurrency: int | None
@@ -604,6 +614,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def data_received(self, data: bytes) -> None:
             self._reads += 1
+            self._inline_left = MAX_INLINE_PER_READ
             if self._waiting or self._in_head:
                 self._header_bytes += len(data)
             if self._chunked:
@@ -653,6 +664,11 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 self._header_bytes = 0
             if self._chunked:
                 self._chunked = False  # (the request before it was chunked)
+            if self._inline and self.timeout_keep_alive_task is not None:
+                # An answer written inline earlier in this read armed uvicorn's
+                # keep-alive timer (cancelled only as a read begins): this request
+                # is not an idle connection's, however long it is served.
+                self._unset_keepalive_if_required()
             base_on_message_begin(self)
 
         def on_message_complete(self) -> None:
@@ -684,7 +700,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             # started at all if the connection is closing by then: a request
             # behind an answer that closed it (parsed only after that answer, now
             # that the answer can be written during the read).
-            if self._holding:
+            if self._holding and self._inline_left:
+                self._inline_left -= 1
                 self._held = (cycle, app)
             else:
                 base_start_asgi_task(self, cycle, app)

@@ -148,3 +148,9 @@ class _TakenOver(Coroutine[Any, Any, None]):
 
     def __await__(self) -> Generator[Any, None, None]:
         raise TypeError("run only as a task's coroutine")
+
+    def __getattr__(self, name: str) -> Any:
+        # The coroutine's own name, frame and state, so that the task's repr,
+        # ``get_stack()`` and asyncio's debug mode show ``run_asgi`` (reached only
+        # for what this class has not: never on a request's path).
+        return getattr(self._coro, name)

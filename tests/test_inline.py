@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+from collections.abc import Coroutine
 from typing import Any
 
 import pytest
 import uvicorn
+import uvloop
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from node.app import NodeSettings, create_app
 from node.clock import FrozenClock
-from node.frontdoor import FrontDoor, limited_protocol
+from node.frontdoor import MAX_INLINE_PER_READ, FrontDoor, limited_protocol
 from node.inline import INLINE, in_a_task, inline_app, start_inline
 from node.peers import Peers
 from node.redis_backend import RedisBackend
@@ -36,6 +38,16 @@ OK = {"type": "http.response.start", "status": 200, "headers": [(b"content-lengt
 #: A request a node serves (the limiter wants a user id).
 USER_GET = b"GET /x HTTP/1.1\r\nHost: a\r\nX-User-Id: u1\r\n\r\n"
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="none")
+
+
+#: The event loops a node may run on: asyncio's and uvloop's (the server's).
+LOOPS = [asyncio.new_event_loop, uvloop.new_event_loop]
+LOOP_IDS = ["asyncio", "uvloop"]
+
+
+def run(scenario: Coroutine[Any, Any, None], loop_factory: Any) -> None:
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(scenario)
 
 
 class Served:
@@ -164,6 +176,78 @@ def test_nothing_behind_an_answer_that_closed_the_connection_is_served() -> None
     asyncio.run(scenario())
 
 
+def test_nothing_whose_body_is_to_come_behind_a_closing_answer_is_served() -> None:
+    """The same, for a request behind it whose body is still to come (started at
+    the end of the read, if at all)."""
+
+    async def scenario() -> None:
+        log: list[str] = []
+
+        async def closing(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            log.append(scope["path"])
+            headers = [(b"content-length", b"2"), (b"connection", b"close")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        served = Served(inline_app(closing))
+        post = b"POST /p HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\n\r\nab"
+        await served.feed(GET + post)
+        await served.settle()
+        assert log == ["/x"]
+        assert not served.state.tasks
+        served.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_read_starts_at_most_its_share_inline_and_the_rest_in_turn() -> None:
+    """Thousands of requests pipelined in one read do not hold the loop for all of
+    them at once: MAX_INLINE_PER_READ are served inline, the others one per loop
+    step, as uvicorn serves a pipeline; every one is answered, in order."""
+
+    async def scenario() -> None:
+        log: list[str] = []
+        served = Served(inline_app(counting(log)))
+        count = MAX_INLINE_PER_READ + 36
+        await served.feed(b"".join(GET.replace(b"/x", b"/%d" % i) for i in range(count)))
+        assert served.answers() == MAX_INLINE_PER_READ
+        await served.settle(3 * count)
+        assert log == [f"/{i}:" for i in range(count)]
+        assert served.answers() == count
+        served.close()
+
+    asyncio.run(scenario())
+
+
+def test_no_keep_alive_timer_runs_while_a_request_behind_an_inline_answer_is_served() -> None:
+    """An answer written inline arms uvicorn's keep-alive timer in the middle of a
+    read; a request behind it in that read is being served, not idle, and the
+    timer must not close its connection however long it takes."""
+
+    async def scenario() -> None:
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["path"] == "/slow":
+                await gate
+            await send(OK)
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        served = Served(inline_app(app))
+        await served.feed(GET + GET.replace(b"/x", b"/slow"))
+        await served.settle()
+        assert served.answers() == 1
+        assert len(served.state.tasks) == 1
+        assert served.protocol.timeout_keep_alive_task is None
+        gate.set_result(None)
+        await served.settle()
+        assert served.answers() == 2
+        assert served.protocol.timeout_keep_alive_task is not None  # idle now
+        served.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_body_in_a_later_read_starts_a_task_at_the_end_of_the_first() -> None:
     async def scenario() -> None:
         log: list[str] = []
@@ -185,7 +269,8 @@ def test_a_body_in_a_later_read_starts_a_task_at_the_end_of_the_first() -> None:
     asyncio.run(scenario())
 
 
-def test_a_request_that_waits_goes_on_in_a_task_from_where_it_stopped() -> None:
+@pytest.mark.parametrize("loop_factory", LOOPS, ids=LOOP_IDS)
+def test_a_request_that_waits_goes_on_in_a_task_from_where_it_stopped(loop_factory: Any) -> None:
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         gate: asyncio.Future[str] = loop.create_future()
@@ -213,7 +298,7 @@ def test_a_request_that_waits_goes_on_in_a_task_from_where_it_stopped() -> None:
         assert REQUEST_ID.get() == "none"  # nothing leaked into the server's context
         served.close()
 
-    asyncio.run(scenario())
+    run(scenario(), loop_factory)
 
 
 def test_in_a_task_moves_the_request_into_its_task_first() -> None:
@@ -241,8 +326,9 @@ def test_in_a_task_moves_the_request_into_its_task_first() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("loop_factory", LOOPS, ids=LOOP_IDS)
 @pytest.mark.parametrize("started", [False, True])
-def test_a_taken_over_request_is_cancelled_as_a_task_is(started: bool) -> None:
+def test_a_taken_over_request_is_cancelled_as_a_task_is(started: bool, loop_factory: Any) -> None:
     """uvicorn's graceful shutdown cancels what is in its tasks when it runs out of
     time: the cancellation reaches the request where it waits, and what it waits
     on is cancelled, whether or not its task has taken its first step."""
@@ -272,7 +358,7 @@ def test_a_taken_over_request_is_cancelled_as_a_task_is(started: bool) -> None:
         assert b" 500 Internal Server Error" in served.transport.out
         served.close()
 
-    asyncio.run(scenario())
+    run(scenario(), loop_factory)
 
 
 def test_an_exception_into_a_waiting_request_reaches_it() -> None:
@@ -314,6 +400,30 @@ def test_start_inline_runs_to_the_end_without_a_task() -> None:
         assert not tasks
 
     asyncio.run(scenario())
+
+
+def test_start_inline_logs_what_the_coroutine_itself_raises(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """run_asgi answers an app's failure itself; should it raise anyway, the read
+    goes on (the parser is not handed the exception) and the log says so."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def broken() -> None:
+            raise ValueError("run_asgi's own")
+
+        ran = loop.create_future()
+        loop.call_soon(lambda: (start_inline(loop, broken(), tasks), ran.set_result(None)))
+        await asyncio.wait_for(ran, 5)
+        assert not tasks
+
+    with caplog.at_level("ERROR", logger="ringlimit.node"):
+        asyncio.run(scenario())
+    assert "serving a request failed" in caplog.text
+    assert "run_asgi's own" in caplog.text
 
 
 def test_a_node_deciding_in_memory_is_started_inline_and_its_app_in_a_task() -> None:
