@@ -232,6 +232,8 @@ class Node:
             )
         # A node deciding in memory is started inline by its front door
         # (node/inline.py): an application not its own is called from a task.
+        # (Decided here: an app put in ``self.limited.app`` later is called as it
+        # is, inline if the request got that far without waiting.)
         inline = type(self.backend) is MemoryBackend
         fronted = self.fronted
         if inline and not getattr(fronted, INLINE, False):
