@@ -79,6 +79,15 @@ class Served:
         asyncio.get_running_loop().call_soon(self.protocol.data_received, data)
         await asyncio.sleep(0)
 
+    async def answered_in_a_task(self, data: bytes) -> bool:
+        """Whether the request in ``data`` was answered once the loop ran (by a
+        task), and not within its read."""
+        before = self.answers()
+        await self.feed(data)
+        within = self.answers() - before
+        await self.settle()
+        return within == 0 and self.answers() == before + 1
+
     def answers(self) -> int:
         return self.transport.out.count(b"HTTP/1.1 ")
 
@@ -116,10 +125,7 @@ def test_an_inline_app_is_answered_within_the_read_and_others_after_it() -> None
         assert served.answers() == 1  # before any callback of the loop
         assert not served.state.tasks
         plain = Served(counting([]))  # not marked: uvicorn's task, as before
-        await plain.feed(GET)
-        assert plain.answers() == 0
-        await plain.settle()
-        assert plain.answers() == 1
+        assert await plain.answered_in_a_task(GET)
         served.close()
         plain.close()
 
@@ -129,10 +135,7 @@ def test_an_inline_app_is_answered_within_the_read_and_others_after_it() -> None
 def test_reset_contextvars_keeps_uvicorns_task() -> None:
     async def scenario() -> None:
         served = Served(inline_app(counting([])), reset_contextvars=True)
-        await served.feed(GET)
-        assert served.answers() == 0
-        await served.settle()
-        assert served.answers() == 1
+        assert await served.answered_in_a_task(GET)
         served.close()
 
     asyncio.run(scenario())
@@ -151,49 +154,38 @@ def test_pipelined_requests_are_answered_in_order_each_once() -> None:
     asyncio.run(scenario())
 
 
-def test_nothing_behind_an_answer_that_closed_the_connection_is_served() -> None:
+def closing(log: list[str]) -> Any:
+    """An app that notes each request's path and answers it closing the connection."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        log.append(scope["path"])
+        headers = [(b"content-length", b"2"), (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    return app
+
+
+@pytest.mark.parametrize(
+    "behind",
+    [GET.replace(b"/x", b"/y"), b"POST /p HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\n\r\nab"],
+    ids=["whole", "body to come"],
+)
+def test_nothing_behind_an_answer_that_closed_the_connection_is_served(behind: bytes) -> None:
     """An answer that closes the connection (the app said so) is written during
     the read now, before the request behind it is parsed: that request must not
-    reach the app (it never did, when it waited in uvicorn's pipeline)."""
+    reach the app (it never did, when it waited in uvicorn's pipeline), whether
+    it is whole (it would start inline) or its body is still to come (it would
+    start in a task at the end of the read)."""
 
     async def scenario() -> None:
         log: list[str] = []
-
-        async def closing(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            log.append(scope["path"])
-            headers = [(b"content-length", b"2"), (b"connection", b"close")]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": b"{}"})
-
-        served = Served(inline_app(closing))
-        await served.feed(GET + GET.replace(b"/x", b"/y"))
+        served = Served(inline_app(closing(log)))
+        await served.feed(GET + behind)
         await served.settle()
         assert log == ["/x"]
         assert served.answers() == 1
         assert served.transport.closed
-        served.close()
-
-    asyncio.run(scenario())
-
-
-def test_nothing_whose_body_is_to_come_behind_a_closing_answer_is_served() -> None:
-    """The same, for a request behind it whose body is still to come (started at
-    the end of the read, if at all)."""
-
-    async def scenario() -> None:
-        log: list[str] = []
-
-        async def closing(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            log.append(scope["path"])
-            headers = [(b"content-length", b"2"), (b"connection", b"close")]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": b"{}"})
-
-        served = Served(inline_app(closing))
-        post = b"POST /p HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\n\r\nab"
-        await served.feed(GET + post)
-        await served.settle()
-        assert log == ["/x"]
         assert not served.state.tasks
         served.close()
 
@@ -453,10 +445,7 @@ def test_a_node_deciding_in_memory_is_started_inline_and_its_app_in_a_task() -> 
         await echo.feed(USER_GET)
         assert echo.answers() == 1
         # Its control API (Starlette) is not.
-        await echo.feed(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
-        assert echo.answers() == 1
-        await echo.settle()
-        assert echo.answers() == 2
+        assert await echo.answered_in_a_task(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
         served.close()
         echo.close()
 
