@@ -515,9 +515,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         _held: tuple[Any, Any] | None = None
         #: Requests this read may still start inline (MAX_INLINE_PER_READ).
         _inline_left = 0
-        # uvicorn's (declared for the type checker).
-        timeout_keep_alive_task: asyncio.TimerHandle | None
         # uvicorn's, set in its __init__ (declared for the type checker).
+        timeout_keep_alive_task: asyncio.TimerHandle | None
         app: Any
         limit_concurrency: int | None
         expect_100_continue: bool

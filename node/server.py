@@ -89,7 +89,7 @@ class _CoalescedWrites:
         self._handle: asyncio.Handle | None = None
         self._postponed = 0
         self._reads = -1
-        #: Asked several times per request: the real transport's own method (not
+        #: Asked twice per request by uvicorn's cycle: the real transport's own method (not
         #: through ``__getattr__``, nor a method of this class calling it).
         self.is_closing = transport.is_closing
 
