@@ -786,14 +786,11 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             elif upgrade and _declares_body(self.headers):
                 refusal = _upgrade_with_body
             if refusal is None:
-                if self._inline:
-                    self._holding = True
-                    try:
-                        base_on_headers_complete(self)
-                    finally:
-                        self._holding = False
-                else:
+                self._holding = self._inline
+                try:
                     base_on_headers_complete(self)
+                finally:
+                    self._holding = False
             else:
                 app, self.app, self.limit_concurrency = self.app, refusal, None
                 try:
