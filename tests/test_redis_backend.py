@@ -932,13 +932,16 @@ def test_a_burst_refused_by_maxclients_is_an_outage_the_probe_ends(tmp_path: Pat
     rule = [Rule("burst", 10**6, 60.0)]
 
     async def scenario() -> None:
-        backend = RedisBackend(server.url, pipeline=False)
+        # A timeout of 1 s, not 100 ms: on a loaded machine 40 sockets connecting at
+        # once timed out before Redis's refusal arrived (a flaky run), and a burst
+        # refused by timeouts is not the case this test is about.
+        backend = RedisBackend(server.url, pipeline=False, timeout=1.0)
         await backend.start()
         try:
             checks = [backend.check(f"k{i}", rule, 1) for i in range(40)]
             outcomes = await asyncio.gather(*checks, return_exceptions=True)
-            refused = [o for o in outcomes if isinstance(o, BackendUnavailable)]
-            assert refused and "max number of clients reached" in str(refused[0])
+            refused = [str(o) for o in outcomes if isinstance(o, BackendUnavailable)]
+            assert any("max number of clients reached" in o for o in refused), refused[:3]
             # Redis frees a closed connection's slot on its next turn: a few probes.
             for _ in range(5):
                 if await backend.ping():
