@@ -152,7 +152,7 @@ def _connect_nodes(
     for member in members:
         pool, _ = forwarder.base(member.url)
         for _ in range(count):
-            connection = _Connection()
+            connection = _Connection(loop)
             connection.pool = pool
             connection.connection_made(_NodeEnd(connection, loop))  # type: ignore[arg-type]
             pool.idle.append(connection)

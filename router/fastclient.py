@@ -87,6 +87,7 @@ class _Connection(asyncio.Protocol):
         "interim",
         "keep_alive",
         "length",
+        "loop",
         "max_answer",
         "out",
         "parser",
@@ -101,7 +102,10 @@ class _Connection(asyncio.Protocol):
         "transport",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        #: The loop it runs on: a request on it reads it here, not from
+        #: ``asyncio.get_running_loop()``, which makes a ``getpid`` system call.
+        self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.pending: deque[_Exchange] = deque()
@@ -663,7 +667,6 @@ class FastForwarder:
         """:meth:`begin`, for :meth:`send`'s ``attempt`` (the second goes on a fresh
         connection: the idle ones may have been closed by the node as the first
         one was)."""
-        loop = asyncio.get_running_loop()
         seconds = self.timeouts.total
         pipelined = self.pipeline > 1 and not head
         if pipelined:
@@ -677,11 +680,12 @@ class FastForwarder:
                 and not filling.closed  # (it may still be connecting: no transport yet)
                 and len(filling.pending) < self.pipeline
             ):
-                return filling, filling.add(payload, loop, seconds, capped)
+                return filling, filling.add(payload, filling.loop, seconds, capped)
         # An idle connection (the common case).
         taken = self._idle(pool) if attempt == 0 else None
         if taken is None:
             return None
+        loop = taken.loop
         if not pipelined:
             return taken, taken.start(payload, loop, head, seconds, capped)
         # Requests made in this step join it, and leave in one write (flush).
@@ -730,7 +734,7 @@ class FastForwarder:
                 begun = None
             elif pipelined:
                 # Requests made while this one connects join it (see flush).
-                connection = _Connection()
+                connection = _Connection(loop)
                 connection.pool = pool
                 pool.filling = connection
                 waiter = connection.add(payload, loop, self.timeouts.total, capped)
@@ -750,7 +754,7 @@ class FastForwarder:
                 else:
                     connection.flush()
             else:
-                connection = await self._connect(pool, loop, _Connection())
+                connection = await self._connect(pool, loop, _Connection(loop))
                 waiter = connection.start(payload, loop, head, self.timeouts.total, capped)
             reused = connection.reused
             try:
