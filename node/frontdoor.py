@@ -515,9 +515,6 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         _held: tuple[Any, Any] | None = None
         #: Requests this read may still start inline (MAX_INLINE_PER_READ).
         _inline_left = 0
-        #: An inline connection's coalescing transport (node/server.py): held during
-        #: each read, so the answers written within it leave as the read ends.
-        _writes: Any = None
         # uvicorn's, set in its __init__ (declared for the type checker).
         timeout_keep_alive_task: asyncio.TimerHandle | None
         app: Any
@@ -536,8 +533,6 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 bool(getattr(self.app, INLINE, False)) and not self.config.reset_contextvars
             )
             super().connection_made(wrap(transport, self.loop) if wrap else transport)
-            if self._inline and hasattr(self.transport, "release"):
-                self._writes = self.transport
             self._wait_for_request()
             if len(self.connections) > cap:
                 self._make_room()
@@ -619,28 +614,21 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         def data_received(self, data: bytes) -> None:
             self._reads += 1
             self._inline_left = MAX_INLINE_PER_READ
-            writes = self._writes
-            if writes is not None:
-                writes.holding = True
-            try:
-                if self._waiting or self._in_head:
-                    self._header_bytes += len(data)
-                if self._chunked:
-                    self._chunk_data_received(data)
-                else:
-                    base_data_received(self, data)
-                held = self._held
-                if held is not None:
-                    # Its headers came in this read, not its end (a body to come, an
-                    # upgrade): its task starts now, as uvicorn's would after this read.
-                    self._held = None
-                    if not self.transport.is_closing():
-                        base_start_asgi_task(self, *held)
-                if (self._waiting or self._in_head) and self._header_bytes > max_header_bytes:
-                    self._close_waiting(_TOO_LARGE)
-            finally:
-                if writes is not None:
-                    writes.release()
+            if self._waiting or self._in_head:
+                self._header_bytes += len(data)
+            if self._chunked:
+                self._chunk_data_received(data)
+            else:
+                base_data_received(self, data)
+            held = self._held
+            if held is not None:
+                # Its headers came in this read, not its end (a body to come, an
+                # upgrade): its task starts now, as uvicorn's would after this read.
+                self._held = None
+                if not self.transport.is_closing():
+                    base_start_asgi_task(self, *held)
+            if (self._waiting or self._in_head) and self._header_bytes > max_header_bytes:
+                self._close_waiting(_TOO_LARGE)
 
         def _chunk_data_received(self, data: bytes) -> None:
             """A read during a chunked body: past ``max_header_bytes`` of reads with

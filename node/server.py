@@ -74,16 +74,7 @@ class _CoalescedWrites:
     whole response leaves at once. Everything else is the real transport's.
     """
 
-    __slots__ = (
-        "_buffer",
-        "_handle",
-        "_loop",
-        "_postponed",
-        "_reads",
-        "_transport",
-        "holding",
-        "is_closing",
-    )
+    __slots__ = ("_buffer", "_handle", "_loop", "_postponed", "_reads", "_transport", "is_closing")
 
     #: At most this many answers wait for the ones behind them (a router's whole
     #: batch: ``--pipeline`` is at most 64). A client that keeps its pipeline
@@ -101,23 +92,11 @@ class _CoalescedWrites:
         #: Asked twice per request by uvicorn's cycle: the real transport's own method (not
         #: through ``__getattr__``, nor a method of this class calling it).
         self.is_closing = transport.is_closing
-        #: Set while the front door handles a read whose requests may be answered
-        #: within it (node/inline.py): what they write waits for :meth:`release`,
-        #: at the read's end, instead of a callback at the end of the loop step.
-        self.holding = False
 
     def write(self, data: bytes) -> None:
-        if not self._buffer and not self.holding:
+        if not self._buffer:
             self._handle = self._loop.call_soon(self._flush)
         self._buffer.append(data)
-
-    def release(self) -> None:
-        """End a hold: what was written during it leaves now, in one write, with
-        no callback made and run for it (one per request otherwise). Behind a
-        write made before the hold, it leaves with that one's flush instead."""
-        self.holding = False
-        if self._buffer and self._handle is None:
-            self._flush()
 
     def postpone(self, reads: int) -> None:
         """Flush after the callbacks already scheduled rather than before them.

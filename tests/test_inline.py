@@ -27,7 +27,6 @@ from node.frontdoor import MAX_INLINE_PER_READ, FrontDoor, limited_protocol
 from node.inline import INLINE, in_a_task, inline_app, start_inline
 from node.peers import Peers
 from node.redis_backend import RedisBackend
-from node.server import _CoalescedWrites
 from node.shard import Shard
 from node.store import MemoryStore
 from tests.processes import wait_until
@@ -51,25 +50,10 @@ def run(scenario: Coroutine[Any, Any, None], loop_factory: Any) -> None:
         runner.run(scenario)
 
 
-class CountedWrites(Recorder):
-    """A recording transport that also keeps each write apart."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        super().write(data)
-        self.writes.append(data)
-
-
 class Served:
-    """One front-door connection to ``app`` on a recording transport (``coalesced``:
-    under a node's coalescing transport, node/server.py)."""
+    """One front-door connection to ``app`` on a recording transport."""
 
-    def __init__(
-        self, app: Any, *, reset_contextvars: bool = False, coalesced: bool = False
-    ) -> None:
+    def __init__(self, app: Any, *, reset_contextvars: bool = False) -> None:
         # (proxy_headers off, as a node runs: uvicorn's middleware would hide the app.)
         config = uvicorn.Config(
             app,
@@ -81,12 +65,11 @@ class Served:
         config.load()
         self.state = ServerState()
         self.state.default_headers = list(DEFAULTS)
-        wrap = _CoalescedWrites if coalesced else None
-        protocol_class = limited_protocol(HttpToolsProtocol, FrontDoor(), wrap=wrap)
+        protocol_class = limited_protocol(HttpToolsProtocol, FrontDoor())
         self.protocol = protocol_class(
             config=config, server_state=self.state, app_state={}, _loop=asyncio.get_running_loop()
         )
-        self.transport = CountedWrites()
+        self.transport = Recorder()
         self.protocol.connection_made(self.transport)
 
     async def feed(self, data: bytes) -> None:
@@ -252,35 +235,6 @@ def test_no_keep_alive_timer_runs_while_a_request_behind_an_inline_answer_is_ser
         await served.settle()
         assert served.answers() == 2
         assert served.protocol.timeout_keep_alive_task is not None  # idle now
-        served.close()
-
-    asyncio.run(scenario())
-
-
-def test_answers_written_within_a_read_leave_in_one_write_as_it_ends() -> None:
-    """On a node's coalescing transport the answers written during a read leave as
-    the read ends, in one write, with no loop callback made to flush them (they
-    used to wait for one at the end of the loop step); the hold ends with the
-    read, so what a task writes afterwards is flushed as before."""
-
-    async def scenario() -> None:
-        served = Served(inline_app(counting([])), coalesced=True)
-        writes = served.protocol.transport
-        await served.feed(GET)
-        assert served.transport.writes == [served.transport.out]  # the whole answer, once
-        assert served.answers() == 1
-        assert writes._handle is None and not writes.holding
-        await served.feed(GET + GET.replace(b"/x", b"/y"))  # two requests, one read
-        assert len(served.transport.writes) == 2
-        assert served.transport.writes[1].count(b"HTTP/1.1 200") == 2
-        # A body to come: answered by its task, after the read's hold ended.
-        head = b"POST /p HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\n\r\n"
-        await served.feed(head + b"ab")
-        assert not writes.holding
-        await served.feed(b"cd")
-        await served.settle()
-        assert served.answers() == 4
-        assert len(served.transport.writes) == 3  # its head and body, in one write
         served.close()
 
     asyncio.run(scenario())
