@@ -664,9 +664,10 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             if self._chunked:
                 self._chunked = False  # (the request before it was chunked)
             if self._inline and self.timeout_keep_alive_task is not None:
-                # An answer written inline earlier in this read armed uvicorn's
-                # keep-alive timer (cancelled only as a read begins): this request
-                # is not an idle connection's, however long it is served.
+                # An answer written inline earlier in this read armed the keep-alive
+                # timer (uvicorn's, cancelled only as a read begins), or marked the
+                # connection idle (node/keepalive.py's): this request is not an idle
+                # connection's, however long it is served.
                 self._unset_keepalive_if_required()
             base_on_message_begin(self)
 

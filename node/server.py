@@ -31,6 +31,7 @@ import uvicorn
 
 from node.app import Node
 from node.frontdoor import FrontDoor, limited_protocol, raise_fd_limit
+from node.keepalive import lazy_keep_alive
 from node.memory import tune_gc
 
 log = logging.getLogger("ringlimit.node")
@@ -148,12 +149,13 @@ class _CoalescedWrites:
 
 def _coalescing_protocol(front_door: FrontDoor) -> type | None:
     """uvicorn's httptools protocol on a :class:`_CoalescedWrites` transport,
-    within the limits of ``front_door``."""
+    within the limits of ``front_door``, with one keep-alive timer per
+    connection (node/keepalive.py), as the router's."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # pragma: no cover (uvicorn moved it: plain httptools then)
         return None
-    return limited_protocol(HttpToolsProtocol, front_door, wrap=_CoalescedWrites)
+    return limited_protocol(lazy_keep_alive(HttpToolsProtocol), front_door, wrap=_CoalescedWrites)
 
 
 class SignalServer(uvicorn.Server):

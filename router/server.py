@@ -15,9 +15,10 @@ import socket
 import uvicorn
 
 from node.frontdoor import FrontDoor, limited_protocol, raise_fd_limit
+from node.keepalive import lazy_keep_alive
 from node.server import SignalServer, _run, uvicorn_options
 from router.app import Router
-from router.protocol import AnswerWrites, ProxyCycle, direct_proxy_protocol, lazy_keep_alive
+from router.protocol import AnswerWrites, ProxyCycle, direct_proxy_protocol
 
 
 class RouterServer(SignalServer):

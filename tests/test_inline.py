@@ -27,6 +27,7 @@ from node.frontdoor import MAX_INLINE_PER_READ, FrontDoor, limited_protocol
 from node.inline import INLINE, in_a_task, inline_app, start_inline
 from node.peers import Peers
 from node.redis_backend import RedisBackend
+from node.server import uvicorn_options
 from node.shard import Shard
 from node.store import MemoryStore
 from tests.processes import wait_until
@@ -51,9 +52,18 @@ def run(scenario: Coroutine[Any, Any, None], loop_factory: Any) -> None:
 
 
 class Served:
-    """One front-door connection to ``app`` on a recording transport."""
+    """One front-door connection to ``app`` on a recording transport; ``node``:
+    with a node's own protocol (node/server.py: its coalesced writes and its
+    keep-alive timer), not the front door alone."""
 
-    def __init__(self, app: Any, *, reset_contextvars: bool = False) -> None:
+    def __init__(
+        self,
+        app: Any,
+        *,
+        reset_contextvars: bool = False,
+        node: bool = False,
+        timeout_keep_alive: int = 5,
+    ) -> None:
         # (proxy_headers off, as a node runs: uvicorn's middleware would hide the app.)
         config = uvicorn.Config(
             app,
@@ -61,11 +71,15 @@ class Served:
             log_level="critical",
             proxy_headers=False,
             reset_contextvars=reset_contextvars,
+            timeout_keep_alive=timeout_keep_alive,
         )
         config.load()
         self.state = ServerState()
         self.state.default_headers = list(DEFAULTS)
-        protocol_class = limited_protocol(HttpToolsProtocol, FrontDoor())
+        if node:
+            protocol_class = uvicorn_options()["http"]
+        else:
+            protocol_class = limited_protocol(HttpToolsProtocol, FrontDoor())
         self.protocol = protocol_class(
             config=config, server_state=self.state, app_state={}, _loop=asyncio.get_running_loop()
         )
@@ -235,6 +249,58 @@ def test_no_keep_alive_timer_runs_while_a_request_behind_an_inline_answer_is_ser
         await served.settle()
         assert served.answers() == 2
         assert served.protocol.timeout_keep_alive_task is not None  # idle now
+        served.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_nodes_connection_keeps_one_keep_alive_timer_across_its_answers() -> None:
+    """uvicorn arms a keep-alive timer as each answer ends and cancels it as the
+    next read begins: a timer made and dropped per request. A node's protocol
+    keeps one per connection (node/keepalive.py), as the router's does."""
+
+    async def scenario() -> None:
+        served = Served(inline_app(counting([])), node=True)
+        await served.feed(GET)
+        await served.settle()
+        timer = served.protocol.timeout_keep_alive_task
+        assert timer is not None
+        for _ in range(3):
+            await served.feed(GET)
+            await served.settle()
+        assert served.answers() == 4
+        assert served.protocol.timeout_keep_alive_task is timer
+        served.close()
+        assert timer.cancelled()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_behind_an_inline_answer_is_not_idle_to_a_nodes_keep_alive_timer() -> None:
+    """A node's keep-alive timer looks at the connection when it fires. An answer
+    written inline marks the connection idle in the middle of a read; the slow
+    request behind it in that read must unmark it, or the timer (0 s here)
+    closes its connection while it is served. Idle after its answer, the
+    connection closes."""
+
+    async def scenario() -> None:
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["path"] == "/slow":
+                await gate
+            await send(OK)
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        served = Served(inline_app(app), node=True, timeout_keep_alive=0)
+        await served.feed(GET + GET.replace(b"/x", b"/slow"))
+        await served.settle()
+        assert served.answers() == 1
+        assert not served.transport.closed
+        gate.set_result(None)
+        await served.settle()
+        assert served.answers() == 2
+        assert served.transport.closed
         served.close()
 
     asyncio.run(scenario())

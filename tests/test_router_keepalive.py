@@ -1,4 +1,4 @@
-"""The router's keep-alive timer (router/protocol.py ``lazy_keep_alive``): one
+"""The router's and the node's keep-alive timer (node/keepalive.py ``lazy_keep_alive``): one
 timer per connection, armed when none is pending, instead of uvicorn's one per
 response; an idle connection must still close after ``timeout_keep_alive``
 seconds, and one whose requests keep coming must not.
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from router.protocol import lazy_keep_alive
+from node.keepalive import lazy_keep_alive
 from tests.uvicorn_serving import serving
 
 pytestmark = pytest.mark.anyio
