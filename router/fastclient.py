@@ -104,7 +104,8 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         #: The loop it runs on: a request on it reads it here, not from
-        #: ``asyncio.get_running_loop()``, which makes a ``getpid`` system call.
+        #: ``asyncio.get_running_loop()``, which makes a ``getpid`` system call
+        #: (CPython 3.11; 3.12 dropped it).
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)

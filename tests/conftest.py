@@ -3,6 +3,8 @@ from __future__ import annotations
 import compileall
 import os
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,13 +34,23 @@ def pytest_configure(config: pytest.Config) -> None:
 
     The suite starts some 700 Python processes (routers, nodes, the CLI). With
     no bytecode written, each of them compiled ringlimit's ~100 modules from
-    source: 0.1-0.2 s of CPU per process (a sixth of the suite's CPU), since
-    the variable stops writes, not reads. The files go where Python puts them
-    (``__pycache__``, ignored by git); a checkout that cannot take them only
-    runs slower, as before.
+    source (0.1-0.2 s of CPU per process), since the variable stops writes,
+    not reads. The files go where Python puts them (``__pycache__``, ignored
+    by git); a checkout that cannot take them only runs slower, as before.
+
+    Left to be compiled from source, as before: a module the compiler warns
+    about (compiled here, its warnings would be seen by nobody; loaded, they
+    reach the run's warnings summary), and a file changed in the last two
+    seconds (bytecode is matched to its source by whole-second mtime and
+    size: a same-size edit within that second would run the old code).
     """
     if not sys.dont_write_bytecode or hasattr(config, "workerinput"):
         return  # bytecode is written as modules load; or a worker: the controller did it
     root = Path(__file__).resolve().parent.parent
-    for package in PACKAGES:
-        compileall.compile_dir(root / package, quiet=2)
+    settled = time.time() - 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for package in PACKAGES:
+            for source in (root / package).rglob("*.py"):
+                if source.stat().st_mtime < settled:
+                    compileall.compile_file(source, quiet=2)

@@ -225,10 +225,15 @@ def test_a_read_starts_at_most_its_share_inline_and_the_rest_in_turn() -> None:
     asyncio.run(scenario())
 
 
-def test_no_keep_alive_timer_runs_while_a_request_behind_an_inline_answer_is_served() -> None:
-    """An answer written inline arms uvicorn's keep-alive timer in the middle of a
-    read; a request behind it in that read is being served, not idle, and the
-    timer must not close its connection however long it takes."""
+@pytest.mark.parametrize("node", [False, True], ids=["uvicorn's timer", "a node's timer"])
+def test_a_request_behind_an_inline_answer_is_not_idle_to_the_keep_alive_timer(
+    node: bool,
+) -> None:
+    """An answer written inline arms uvicorn's keep-alive timer, or marks the
+    connection idle for a node's (node/keepalive.py), in the middle of a read.
+    A slow request behind it in that read is being served, not idle: the timer
+    (0 s here) must not close its connection however long it takes. Idle after
+    its answer, the connection closes."""
 
     async def scenario() -> None:
         gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -239,16 +244,16 @@ def test_no_keep_alive_timer_runs_while_a_request_behind_an_inline_answer_is_ser
             await send(OK)
             await send({"type": "http.response.body", "body": b"{}"})
 
-        served = Served(inline_app(app))
+        served = Served(inline_app(app), node=node, timeout_keep_alive=0)
         await served.feed(GET + GET.replace(b"/x", b"/slow"))
         await served.settle()
         assert served.answers() == 1
         assert len(served.state.tasks) == 1
-        assert served.protocol.timeout_keep_alive_task is None
+        assert not served.transport.closed
         gate.set_result(None)
         await served.settle()
         assert served.answers() == 2
-        assert served.protocol.timeout_keep_alive_task is not None  # idle now
+        assert served.transport.closed
         served.close()
 
     asyncio.run(scenario())
@@ -272,36 +277,6 @@ def test_a_nodes_connection_keeps_one_keep_alive_timer_across_its_answers() -> N
         assert served.protocol.timeout_keep_alive_task is timer
         served.close()
         assert timer.cancelled()
-
-    asyncio.run(scenario())
-
-
-def test_a_request_behind_an_inline_answer_is_not_idle_to_a_nodes_keep_alive_timer() -> None:
-    """A node's keep-alive timer looks at the connection when it fires. An answer
-    written inline marks the connection idle in the middle of a read; the slow
-    request behind it in that read must unmark it, or the timer (0 s here)
-    closes its connection while it is served. Idle after its answer, the
-    connection closes."""
-
-    async def scenario() -> None:
-        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            if scope["path"] == "/slow":
-                await gate
-            await send(OK)
-            await send({"type": "http.response.body", "body": b"{}"})
-
-        served = Served(inline_app(app), node=True, timeout_keep_alive=0)
-        await served.feed(GET + GET.replace(b"/x", b"/slow"))
-        await served.settle()
-        assert served.answers() == 1
-        assert not served.transport.closed
-        gate.set_result(None)
-        await served.settle()
-        assert served.answers() == 2
-        assert served.transport.closed
-        served.close()
 
     asyncio.run(scenario())
 
