@@ -489,6 +489,22 @@ def test_the_request_path_runs_alone() -> None:
     assert all("ns per request (fastest of 2 rounds" in line for line in lines), done.stdout
 
 
+def test_the_loop_calls_run_alone() -> None:
+    """``python -m benchmarks.loopcalls``: the event loop's per-request calls
+    that docs/performance.md quotes, each a positive figure on the node's loop."""
+    done = run_alone("benchmarks.loopcalls", "--calls", "2000")
+    lines = done.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "asyncio.get_running_loop()",
+        "an attribute read",
+        "call_later + cancel",
+        "call_soon, and the callback run",
+    ], done.stdout
+    for line in lines:
+        ns = re.search(r": ([\d,]+) ns per call \((uvloop|asyncio)\)$", line)
+        assert ns is not None and int(ns.group(1).replace(",", "")) > 0, line
+
+
 def test_the_join_direction_runs_alone() -> None:
     """``python -m benchmarks.handoff --join``: B joins A; every moved key arrives,
     and A keeps them as B's replicas."""
