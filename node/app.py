@@ -44,6 +44,7 @@ from node.authority import Authority
 from node.backend import Backend, MemoryBackend
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig
+from node.decision import service_refused
 from node.failures import Failures
 from node.inline import INLINE, in_a_task, in_task, inline_app
 from node.lease import LeaseError
@@ -482,7 +483,12 @@ class Node:
             return 503, list(LEASE_EXPIRED_HEADERS), dumps(lease_expired_body(exc)).encode()
         if batch:
             return 200, [], node_batch_body(verdicts, self.settings.node_id)
-        return 200, [], dumps(result_dict(verdicts[0], self.settings.node_id)).encode()
+        verdict = verdicts[0]
+        body = dumps(result_dict(verdict, self.settings.node_id)).encode()
+        decision = verdict.decision
+        if not verdict.allowed and service_refused(decision.reason, decision.retry_after):
+            return 503, [], body  # the proxy path's status for the same denial
+        return 200, [], body
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse(

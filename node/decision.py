@@ -13,6 +13,18 @@ BACKEND_UNAVAILABLE = "backend_unavailable"
 #: Redis answered this check with an error (a key of another type, say): its
 #: rules' on_error decided it, as for an outage, but for this check alone.
 BACKEND_ERROR = "backend_error"
+#: Reasons of a denial the backend or the store made, not the count.
+UNDECIDED = frozenset({BACKEND_UNAVAILABLE, BACKEND_ERROR, STORE_FULL})
+
+
+def service_refused(reason: str | None, retry_after: float | None) -> bool:
+    """Whether a denial is the service's fault, not the client's: a closed rule
+    whose backend was down, answered with an error, or whose store had no room
+    for a new key. It carries no retry time (an open rule decided by the local
+    fallback carries a real one: that client is over its limit). Every front
+    door says it the same way: 503, not 429 on the proxy path, and not 200 for
+    a single check of the decision API, as for an owner that did not answer."""
+    return reason in UNDECIDED and retry_after is None
 
 
 def to_micros(seconds: float) -> float:

@@ -29,7 +29,7 @@ from node.asgi import (
 from node.authority import Authority
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig, ScopedRule
-from node.decision import BACKEND_ERROR, BACKEND_UNAVAILABLE, STORE_FULL, Verdict
+from node.decision import BACKEND_ERROR, BACKEND_UNAVAILABLE, Verdict, service_refused
 from node.headers import (
     DEGRADED_HEADER,
     HeaderCache,
@@ -51,9 +51,6 @@ TOKEN_HEADER = INTERNAL_TOKEN_HEADER.lower().encode()
 #: Fields a router adds that the application behind a node never sees (and the
 #: node's own mark, which only the node may set: a client's is dropped).
 _OWN_FIELDS = frozenset({KEY_HEADER, TOKEN_HEADER, FAILOVER_HEADER, LEASED_HEADER, DEGRADED_HEADER})
-#: Reasons of a denial the backend or the store, not the count, made (503, not
-#: 429, when closed).
-_UNDECIDED = frozenset({BACKEND_UNAVAILABLE, BACKEND_ERROR, STORE_FULL})
 #: ``X-Ringlimit-Degraded`` of a decision the backend's fallback made, by reason.
 _DEGRADED = {BACKEND_UNAVAILABLE: b"backend-unavailable", BACKEND_ERROR: b"backend-error"}
 #: What the middleware looks for in a request's fields (see :class:`_Prepared`).
@@ -365,8 +362,7 @@ def denial(config: ClusterConfig, verdict: Verdict) -> tuple[int, dict[str, Any]
     reason but a real retry time: that client is over its limit, a 429.)
     """
     decision = verdict.decision
-    closed = decision.reason in _UNDECIDED and decision.retry_after is None
-    status = 503 if closed else 429
+    status = 503 if service_refused(decision.reason, decision.retry_after) else 429
     body, content_type = denial_response(verdict, status, config.denial_format)
     return status, body, content_type
 

@@ -22,6 +22,7 @@ import msgspec
 
 from node.asgi import Receive, Scope, Send, error_body, read_all, send_json_bytes
 from node.config import Limits
+from node.decision import service_refused
 from node.rules import MAX_NAME
 from node.security import bearer, token_matches
 from node.wire import (
@@ -49,6 +50,24 @@ UNANSWERED = frozenset({"owner_unreachable", "owner_timeout"})
 
 if TYPE_CHECKING:
     from router.app import Router
+
+
+def _decoded(result: bytes) -> dict[str, Any]:
+    """A node's result line as a dict; empty if it is not a JSON object (it is
+    passed on as it came, as before)."""
+    try:
+        decoded = msgspec.json.decode(result)
+    except msgspec.DecodeError:
+        return {}
+    return decoded if type(decoded) is dict else {}
+
+
+def _service_refused(result: dict[str, Any]) -> bool:
+    """Whether a single check's result is a denial its owner's backend or store
+    made (node/decision.py :func:`~node.decision.service_refused`)."""
+    return result.get("allowed") is False and service_refused(
+        result.get("reason"), result.get("retry_after")
+    )
 
 
 class _Again:
@@ -194,7 +213,12 @@ class DecisionAPI:
             return 200, batch_body(results), []
         result = await self.route_single(checks[0])
         if type(result) is bytes:
-            return 200, result, []  # a node's decision
+            # A node's decision, passed on as it came. Only one with a reason needs
+            # reading (the common answer has no "reason" field at all): a denial its
+            # backend or store made is the node's 503, not a 200.
+            if b'"reason":' in result and _service_refused(_decoded(result)):
+                return 503, result, []
+            return 200, result, []
         assert isinstance(result, dict)
         headers: list[tuple[bytes, bytes]] = []
         if "error" in result:
@@ -208,6 +232,8 @@ class DecisionAPI:
             # A closed rule whose owner did not answer: as the proxy path's 503 says it.
             status = 503
             headers.append((b"retry-after", b"1"))
+        elif _service_refused(result):
+            status = 503  # as above: the owner's backend or store refused it
         else:
             status = 200
         return status, dumps(result).encode(), headers

@@ -985,6 +985,7 @@ async def test_a_full_store_refuses_a_closed_rules_new_key_as_the_services_fault
         assert "retry-after" not in refused.headers
         assert refused.headers["x-ratelimit-remaining"] == "0"
         answer = await client.post("/v1/check", json={"key": "later", "rule": "api"})
+        assert answer.status_code == 503, answer.text  # as the proxy path says it
         result = answer.json()
         assert (result["allowed"], result["remaining"], result["reason"]) == (
             False,

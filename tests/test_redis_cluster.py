@@ -323,10 +323,18 @@ def test_a_user_redis_refuses_answers_per_on_error_and_says_so_once(
     )
     with httpx.Client(base_url=router, timeout=5.0) as client:
         answered_per_on_error(client, "alice", "backend_unavailable")
+        # A single check says it as the proxy path does: the closed rule's denial is
+        # the service's 503 (it was a 200), the open rule's local limiter decides (a
+        # denial over its local limit, with a retry time, is a decision: 200).
         single = client.post("/v1/check", json={"key": "bob", "rule": "closed"})
-        assert single.status_code == 200, single.text
+        assert single.status_code == 503, single.text
         assert single.json()["allowed"] is False
         assert single.json()["reason"] == "backend_unavailable"
+        assert single.json()["retry_after"] is None
+        over = client.post("/v1/check", json={"key": "alice", "rule": "open"})
+        assert over.status_code == 200, over.text
+        assert over.json()["allowed"] is False and over.json()["retry_after"] > 0
+        assert over.json()["reason"] == "backend_unavailable"
         batch = client.post(
             "/v1/check",
             json={"checks": [{"key": "bob", "rule": "open"}, {"key": "carol", "rule": "closed"}]},
@@ -379,7 +387,7 @@ def test_a_key_of_another_type_fails_that_users_checks_only(
         ]
         assert fine == [200] * 5 + [429]
         single = client.post("/v1/check", json={"key": "mallory", "rule": "closed"})
-        assert single.status_code == 200, single.text
+        assert single.status_code == 503, single.text
         assert single.json()["allowed"] is False
         assert single.json()["reason"] == "backend_error"
         batch = client.post(
