@@ -18,13 +18,22 @@ Headers = Iterable[tuple[bytes, bytes]]
 
 
 class InvalidUserId(ValueError):
-    """A user id that is not valid UTF-8: answered with a 400, never guessed at.
+    """A user id that is not valid UTF-8, or given twice: answered with a 400,
+    never guessed at.
 
     Decoding such bytes some other way (latin-1, say) would map two different
     byte strings onto one text id (``\\xe9`` and ``\\xc3\\xa9`` both become
     ``é``), and the two users would share a quota. Every id is text in the
     decision API (JSON), on the ring and in handoffs, so UTF-8 it must be.
+
+    Given twice (two ``X-User-Id`` fields, ``?user=a&user=b``), the limiter and
+    the application may each take another one: the limiter took the first,
+    Starlette's and Django's ``get`` the last, so ``?user=<new>&user=alice``
+    was counted under a fresh key every time and served as alice.
     """
+
+
+_TWICE = "the user id is given more than once ({}): send it once"
 
 
 def header_text(value: bytes) -> str:
@@ -94,10 +103,12 @@ class IdentityResolver:
         identity = self.identity
         if identity.source == "header":
             found = None
+            wanted = self._header
             for key, value in scope["headers"]:
-                if key == self._header:
+                if key == wanted:
+                    if found is not None:
+                        raise InvalidUserId(_TWICE.format(f"header {identity.name!r}"))
                     found = user_text(value, f"header {identity.name!r}")
-                    break
         elif identity.source == "query":
             found = _query_value(scope.get("query_string", b""), identity.name)
         else:
@@ -153,7 +164,10 @@ def _is_trusted(address: str, networks: tuple[ipaddress._BaseNetwork, ...]) -> b
 
 
 def _query_value(query_string: bytes, name: str) -> str | None:
-    """The first non-empty ``name=value`` of a query string, percent-decoded as UTF-8.
+    """The value of ``name`` in a query string, percent-decoded as UTF-8; None
+    when it is absent or empty, :class:`InvalidUserId` when it is named more
+    than once (with a value or without: ``?user=alice&user=`` is alice to us
+    and nobody to a framework that takes the last).
 
     Decoded to bytes first (raw and percent-encoded bytes alike), so that
     ``%E9`` and ``%C3%A9`` stay different (the first is refused), where
@@ -162,12 +176,14 @@ def _query_value(query_string: bytes, name: str) -> str | None:
     if not query_string:
         return None
     wanted = name.encode()
+    where = f"query parameter {name!r}"
+    found: bytes | None = None
     for part in query_string.split(b"&"):
-        key, sep, value = part.partition(b"=")
-        if not sep or not value:
-            continue
+        key, _, value = part.partition(b"=")
         if unquote_to_bytes(key.replace(b"+", b" ")) == wanted:
-            return user_text(
-                unquote_to_bytes(value.replace(b"+", b" ")), f"query parameter {name!r}"
-            )
-    return None
+            if found is not None:
+                raise InvalidUserId(_TWICE.format(where))
+            found = value
+    if not found:
+        return None
+    return user_text(unquote_to_bytes(found.replace(b"+", b" ")), where)

@@ -12,7 +12,7 @@ from node.clock import FrozenClock
 from node.config import ClusterConfig, Identity, ScopedRule, hash_token
 from node.decision import Decision, Verdict
 from node.headers import rate_limit_headers, retry_after_value, whole_seconds
-from node.identity import IdentityResolver
+from node.identity import IdentityResolver, InvalidUserId
 from node.middleware import RateLimitMiddleware
 from node.rules import Rule
 from tests import sample_app
@@ -211,11 +211,14 @@ async def test_bypass_and_scoped_rules_standalone() -> None:
 
 
 def scope(
-    headers: dict[str, str] | None = None, query: bytes = b"", peer: str | None = "10.0.0.1"
+    headers: dict[str, str] | list[tuple[str, str]] | None = None,
+    query: bytes = b"",
+    peer: str | None = "10.0.0.1",
 ) -> dict[str, Any]:
+    pairs = list(headers.items()) if isinstance(headers, dict) else headers or []
     return {
         "type": "http",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+        "headers": [(k.lower().encode(), v.encode()) for k, v in pairs],
         "query_string": query,
         "client": (peer, 1234) if peer else None,
     }
@@ -235,10 +238,32 @@ def test_identity_from_another_header_or_a_query_parameter() -> None:
     by_header = IdentityResolver(Identity(name="X-Api-Key"))
     assert by_header.user(scope({"X-Api-Key": "k1", "X-User-Id": "u"})) == "k1"
     by_query = IdentityResolver(Identity(source="query", name="uid"))
-    assert by_query.user(scope(query=b"a=1&uid=bob%20b&uid=second")) == "bob b"
+    assert by_query.user(scope(query=b"a=1&uid=bob%20b&b=2")) == "bob b"
     assert by_query.user(scope(query=b"uid=")) is None
     assert by_query.user(scope(query=b"UID=x")) is None
     assert by_query.user(scope({"X-User-Id": "u"})) is None
+
+
+@pytest.mark.parametrize(
+    ("identity", "request_scope"),
+    [
+        (Identity(), scope([("X-User-Id", "new-1"), ("X-User-Id", "alice")])),
+        (Identity(), scope([("X-User-Id", "alice"), ("x-user-id", "")])),
+        (Identity(source="query", name="uid"), scope(query=b"uid=new-1&uid=alice")),
+        (Identity(source="query", name="uid"), scope(query=b"uid=alice&a=1&u%69d=")),
+        (Identity(source="query", name="uid"), scope(query=b"uid&uid=alice")),
+        (Identity(fallback_to_client=True), scope([("X-User-Id", "a"), ("X-User-Id", "b")])),
+    ],
+    ids=["header", "header-empty-second", "query", "query-encoded-empty", "query-bare", "fallback"],
+)
+def test_a_user_id_given_twice_is_refused(
+    identity: Identity, request_scope: dict[str, Any]
+) -> None:
+    """The limiter took the first, many frameworks the last (Starlette's and
+    Django's ``get``): ``?uid=<new>&uid=alice`` was counted under a fresh key each
+    time and served as alice (an exploratory tester). Neither is guessed at."""
+    with pytest.raises(InvalidUserId, match="more than once"):
+        IdentityResolver(identity).user(request_scope)
 
 
 def test_client_address_ignores_forwarded_for_from_untrusted_peers() -> None:

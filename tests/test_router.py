@@ -521,6 +521,29 @@ async def test_user_id_from_a_query_parameter() -> None:
         assert missing.json()["error"] == "missing_user_id" and "user" in missing.json()["detail"]
 
 
+@pytest.mark.parametrize("source", ["header", "query"])
+async def test_a_user_id_given_twice_is_refused_and_counts_nobody(source: str) -> None:
+    """``?user=<new>&user=mona`` (or two ``user`` fields) was counted under the
+    first, a fresh key each time, while an application reading the last (Starlette,
+    Django) served mona: her limit never applied (an exploratory tester)."""
+    config = make_config(Rule("api", 2, 60.0), identity=Identity(source=source, name="user"))
+
+    async def ask(cluster: InProcessCluster, *users: str) -> httpx.Response:
+        if source == "query":
+            return await cluster.client.get("/x?" + "&".join(f"user={u}" for u in users))
+        return await cluster.client.get("/x", headers=[("user", u) for u in users])
+
+    async with running(config) as cluster:
+        for attempt in range(3):
+            twice = await ask(cluster, f"new-{attempt}", "mona")
+            assert twice.status_code == 400, twice.text
+            assert twice.json()["error"] == "invalid_user_id"
+            assert "more than once" in twice.json()["detail"]
+        # Nothing was counted: mona's whole quota, and new-0's.
+        assert [(await ask(cluster, "mona")).status_code for _ in range(3)] == [200, 200, 429]
+        assert [(await ask(cluster, "new-0")).status_code for _ in range(3)] == [200, 200, 429]
+
+
 async def test_user_id_from_another_header() -> None:
     config = make_config(Rule("api", 1, 60.0), identity=Identity(name="X-Api-Key"))
     async with running(config) as cluster:
