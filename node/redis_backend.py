@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, Protocol, TypeVar
@@ -236,6 +237,31 @@ def check_url_options(url: str) -> None:
             f"--redis-url {redact_url(url)}: remove ?{'&'.join(given)} from the URL "
             f"({said}; in the URL it would override that quietly)"
         )
+    parts = urlsplit(url)
+    database = parts.path.replace("/", "")
+    if parts.scheme in ("redis", "rediss") and database and not database.isdigit():
+        # redis-py ignores a path that is not a number and uses database 0.
+        raise ValueError(
+            f"--redis-url {redact_url(url)}: the database (the URL's path) must be "
+            f"a number, got {parts.path!r}"
+        )
+    try:
+        # Builds a connection without connecting: redis-py hands every query
+        # parameter it does not parse itself to the connection class, so one it
+        # does not know (``?foo=1``, ``ssl_*`` on ``redis://``) failed only at the
+        # first connect, as a traceback that stopped the node's start.
+        BlockingConnectionPool.from_url(url).make_connection()
+    except TypeError as exc:
+        found = re.search(r"argument '([^']*)'", str(exc))
+        name = found.group(1) if found else "?"
+        raise ValueError(
+            f"--redis-url {redact_url(url)}: redis-py takes no ?{name} in a "
+            f"{parts.scheme}:// URL (query parameters are redis-py's connection options)"
+        ) from None
+    except RedisConnectionError as exc:  # an option out of range: protocol=9
+        raise ValueError(f"--redis-url {redact_url(url)}: {exc}") from None
+    except ValueError:
+        pass  # not a Redis URL at all: the caller says so, in its own words
 
 
 class RedisBackend:

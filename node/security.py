@@ -38,31 +38,42 @@ def refusal(
 
 
 def for_another_site(headers: Mapping[str, str]) -> bool:
-    """Whether a browser on this host sent the request for a page that is not
-    one of this server's at a loopback address.
+    """Whether the request may come from a browser on this host for a page that
+    is not one of this server's at a loopback address.
 
     A browser is a loopback client to every page it shows: a page of any site may
     send a POST with a text/plain body (no preflight) to ``127.0.0.1``, and one
-    whose name its DNS rebinds to ``127.0.0.1`` may even read the answers. Browsers
-    mark their requests (``Sec-Fetch-Site``, ``Origin``); tools, routers and nodes
-    send neither, and are not affected. A browser's request is served only from
-    a page of this same origin, addressed by a loopback name (``localhost``,
-    ``127.0.0.1``, ``[::1]``).
+    whose name its DNS rebinds to ``127.0.0.1`` may even read the answers. So a
+    request addressed by any name but a loopback one (``localhost``,
+    ``127.0.0.1``, ``[::1]``) is refused, whatever else it carries: a page
+    served over plain HTTP (a rebinding page) is not a secure context, so its
+    browser sends no ``Sec-Fetch-Site``, and a same-origin GET no ``Origin``
+    either (an exploratory tester read ``/admin/ring`` with ``Host: evil.com``
+    alone). Browsers that do mark their requests (``Sec-Fetch-Site``,
+    ``Origin``) are served only for a page of this same origin. Tools, routers
+    and nodes address a loopback peer by a loopback name, or send no ``Host``
+    (HTTP/1.0), and are not affected.
     """
+    authority = headers.get("host")
+    if authority is not None:
+        if authority.startswith("["):
+            name = authority[1:].partition("]")[0]  # [::1]:8000
+        else:
+            name = authority.partition(":")[0]
+        if not _loopback_name(name.lower()):
+            return True
     site = headers.get("sec-fetch-site")
-    origin = headers.get("origin")
-    if site is None and origin is None:
-        return False
     if site is not None and site not in ("same-origin", "none"):
         return True
-    authority = headers.get("host", "")
-    if origin is not None and origin.partition("://")[2] != authority:
-        return True
-    if authority.startswith("["):
-        name = authority[1:].partition("]")[0]  # [::1]:8000
-    else:
-        name = authority.partition(":")[0]
-    return not is_loopback(name)
+    origin = headers.get("origin")
+    return origin is not None and origin.partition("://")[2] != (authority or "")
+
+
+def _loopback_name(name: str) -> bool:
+    """``localhost``, a loopback address, or a name under ``.localhost``, which
+    RFC 6761 (6.3) reserves for loopback: browsers resolve it themselves, so no
+    page can rebind one (the in-process test cluster names its members so)."""
+    return is_loopback(name) or name.endswith(".localhost")
 
 
 def bearer(authorization: str | None) -> str | None:

@@ -31,11 +31,11 @@ from ring import Member
 from router.app import Router, RouterSettings, create_router
 from router.forward import HttpxForwarder
 
-ROUTER_URL = "http://router.cluster"
+ROUTER_URL = "http://router.localhost"
 
 
 def node_url(node_id: str) -> str:
-    return f"http://{node_id}.cluster"
+    return f"http://{node_id}.localhost"
 
 
 class InProcessCluster:

@@ -180,7 +180,7 @@ async def test_admin_token_guards_the_data_not_the_page() -> None:
 async def test_without_a_token_the_page_is_loopback_only() -> None:
     async with InProcessCluster(1, CONFIG, clock=FrozenClock()) as cluster:
         transport = httpx.ASGITransport(app=cluster.router, client=("10.0.0.9", 4000))  # type: ignore[arg-type]
-        async with httpx.AsyncClient(transport=transport, base_url="http://r") as remote:
+        async with httpx.AsyncClient(transport=transport, base_url="http://r.localhost") as remote:
             for path in ("/admin/ui", "/admin/ui/data", "/admin/top"):
                 assert_error(await remote.get(path), 403)
 
@@ -264,6 +264,8 @@ def test_privacy_config_parses_round_trips_and_hides_its_salt() -> None:
 
 async def test_a_restarted_router_says_it_recovered_the_ring() -> None:
     async with InProcessCluster(2, CONFIG, clock=FrozenClock()) as cluster:
-        await cluster.restart_router(seeds=[Member(n, f"http://{n}.cluster") for n in ("n1", "n2")])
+        await cluster.restart_router(
+            seeds=[Member(n, f"http://{n}.localhost") for n in ("n1", "n2")]
+        )
         events = (await cluster.client.get("/admin/ui/data")).json()["events"]
         assert [(e["kind"], e["node"], e["epoch"]) for e in events] == [("recovered", "n1, n2", 1)]

@@ -290,6 +290,33 @@ def test_a_redis_url_whose_query_would_override_the_nodes_settings(command: str)
     assert "s3cret" not in line
 
 
+@pytest.mark.parametrize(
+    ("query", "said"),
+    [
+        ("/0?foo=bar", "redis-py takes no ?foo in a redis:// URL"),
+        ("/0?ssl_cert_reqs=none", "redis-py takes no ?ssl_cert_reqs in a redis:// URL"),
+        ("/0?protocol=9", "protocol must be either 2 or 3"),
+        ("/abc", "the database (the URL's path) must be a number, got '/abc'"),
+    ],
+    ids=["unknown", "tls-option-on-plain", "bad-protocol", "database-not-a-number"],
+)
+@pytest.mark.parametrize("command", ["up", "node"])
+def test_a_redis_url_redis_py_cannot_use_is_refused_at_start(
+    command: str, query: str, said: str
+) -> None:
+    """redis-py hands a query parameter it does not parse to the connection class:
+    ``?foo=bar`` stopped the node's start at its first connect with a 46-line
+    traceback, ``?protocol=9`` started a node that answered every check by
+    ``on_error`` for good, and a database path that is not a number was quietly
+    database 0 (an exploratory tester). Each is one line at start now."""
+    url = f"redis://:s3cret@127.0.0.1:{free_port()}{query}"
+    argv = ["--backend", "redis", "--redis-url", url, "--port", str(free_block(4))]
+    if command == "node":
+        argv = ["--id", "n1", *argv]
+    line = one_line_failure(ringlimit(command, *argv), said)
+    assert "s3cret" not in line and "Traceback" not in line
+
+
 def test_a_router_whose_seed_node_never_answers() -> None:
     seed = f"http://127.0.0.1:{free_port()}"
     result = ringlimit("router", "--port", str(free_port()), "--node", f"n1={seed}")

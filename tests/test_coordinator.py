@@ -51,7 +51,7 @@ from tests.test_rebalancing import (
 
 pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
 
-SECOND = "http://router2.cluster"
+SECOND = "http://router2.localhost"
 
 
 @pytest.fixture
@@ -1492,7 +1492,7 @@ async def test_a_cluster_whose_etcd_lost_its_data_records_its_ring_again(
         etcd.stop()
         shutil.rmtree(data)
         etcd.start()
-        third = "http://router3.cluster"
+        third = "http://router3.localhost"
         restarted = cluster.new_router(
             third, seeds=[Member("n1", node_url("n1"))], **options(etcd.endpoint, third)
         )

@@ -36,7 +36,7 @@ from tests.test_rebalancing import make_config
 
 pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
 
-SECOND = "http://router2.cluster"
+SECOND = "http://router2.localhost"
 PASSWORD = "s3cret pass"  # a space: passed whole, never split
 
 

@@ -438,7 +438,7 @@ async def test_shadow_mode_never_denies_but_counts() -> None:
         assert shadow_headers == [None, None, '"trial"', '"trial"', '"trial"']
         metrics = ""
         for node_id in cluster.nodes:
-            metrics += (await cluster.client.get(f"http://{node_id}.cluster/metrics")).text
+            metrics += (await cluster.client.get(f"http://{node_id}.localhost/metrics")).text
         assert 'ringlimit_shadow_denials_total{rule="trial"} 3.0' in metrics
 
 
@@ -757,7 +757,7 @@ async def test_a_router_that_adopts_etcds_config_keeps_its_envoy_rules(
 
     def coordinated() -> dict[str, Any]:
         coordinator = EtcdCoordinator(parse_endpoints(etcd_endpoint), cluster="envoy", ttl=2.0)
-        return {"coordinator": coordinator, "advertise": "http://router.cluster"}
+        return {"coordinator": coordinator, "advertise": "http://router.localhost"}
 
     async with InProcessCluster(
         2, ClusterConfig(), clock=FrozenClock(), router_options=coordinated()

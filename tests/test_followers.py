@@ -19,7 +19,7 @@ from tests.test_rebalancing import make_config
 
 pytestmark = pytest.mark.anyio
 
-SECOND = "http://router2.cluster"
+SECOND = "http://router2.localhost"
 
 
 @pytest.fixture

@@ -335,7 +335,8 @@ def test_a_body_refused_before_it_is_read_does_not_answer_the_next_request(
     API reads the whole body before it answers.)"""
     router, _ = cluster
     refused = (
-        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        f"{method} {path} HTTP/1.1\r\nHost: localhost\r\n".encode()
+        + b"Content-Type: application/json\r\n"
         + b"Content-Length: 2000000\r\n\r\n"
         + b"x" * 2_000_000
     )

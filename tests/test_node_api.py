@@ -27,7 +27,7 @@ from tests.test_router import metric
 
 pytestmark = pytest.mark.anyio
 
-NODE = "http://node.test"
+NODE = "http://node.localhost"
 
 
 @pytest.fixture

@@ -344,7 +344,7 @@ async def test_admin_api_join_and_leave() -> None:
         )
         assert again.status_code == 200 and again.json()["epoch"] == 2
         clash = await cluster.client.post(
-            "/admin/nodes", json={"id": "n3", "url": "http://x.cluster"}
+            "/admin/nodes", json={"id": "n3", "url": "http://x.localhost"}
         )
         assert clash.status_code == 409
         gone = await cluster.client.delete("/admin/nodes/n1")
@@ -1266,14 +1266,14 @@ async def test_a_router_with_a_stale_view_never_double_counts() -> None:
     clock = FrozenClock()
     async with InProcessCluster(3, make_config(), clock=clock) as cluster:
         seeds = [Member(n, node_url(n)) for n in cluster.nodes]
-        second = cluster.new_router("http://router2.cluster", seeds=seeds)
+        second = cluster.new_router("http://router2.localhost", seeds=seeds)
         await second.start()
         try:
             assert second.membership.view == cluster.router.membership.view
             half = USERS[: len(USERS) // 2]
             tally = Tally()
             await send(cluster.client, tally, half, LIMIT // 2)
-            await send(cluster.client, tally, half, LIMIT // 2, base="http://router2.cluster")
+            await send(cluster.client, tally, half, LIMIT // 2, base="http://router2.localhost")
             v1 = cluster.router.membership.view
             await cluster.add_node("n4")
             await cluster.remove_node("n1")
@@ -1281,7 +1281,7 @@ async def test_a_router_with_a_stale_view_never_double_counts() -> None:
             assert second.membership.view == v1
             await asyncio.gather(
                 send(cluster.client, tally, USERS, LIMIT),
-                send(cluster.client, tally, USERS, LIMIT, base="http://router2.cluster"),
+                send(cluster.client, tally, USERS, LIMIT, base="http://router2.localhost"),
             )
             assert tally.other == Counter()
             assert tally.excess() == 0, tally.over()
@@ -1300,7 +1300,7 @@ async def test_a_stale_router_finding_a_departed_node_gone_catches_up(api: str) 
     clock = FrozenClock()
     async with InProcessCluster(3, make_config(on_error="open"), clock=clock) as cluster:
         seeds = [Member(n, node_url(n)) for n in cluster.nodes]
-        second = cluster.new_router("http://router2.cluster", seeds=seeds)
+        second = cluster.new_router("http://router2.localhost", seeds=seeds)
         await second.start()
         try:
             tally = await exhaust(cluster)
@@ -1310,12 +1310,12 @@ async def test_a_stale_router_finding_a_departed_node_gone_catches_up(api: str) 
             left = moved(v1, cluster.router.membership.view)
             assert left
             if api == "proxy":
-                await send(cluster.client, tally, left, 3, base="http://router2.cluster")
+                await send(cluster.client, tally, left, 3, base="http://router2.localhost")
                 assert tally.other == Counter()
             else:
                 for user in left:
                     response = await cluster.client.post(
-                        "http://router2.cluster/v1/check", json={"key": user, "rule": "api"}
+                        "http://router2.localhost/v1/check", json={"key": user, "rule": "api"}
                     )
                     assert response.status_code == 200, response.text
                     body = response.json()
@@ -1533,7 +1533,7 @@ async def test_partition_with_two_routers_is_bounded_by_one_quota_per_key() -> N
             node.store.dirty = set()
         seeds = [Member(n, node_url(n)) for n in cluster.nodes]
         other_side = cluster.detached_client()
-        second = cluster.new_router("http://router2.cluster", client=other_side, seeds=seeds)
+        second = cluster.new_router("http://router2.localhost", client=other_side, seeds=seeds)
         await second.start()
         try:
             tally = Tally()
@@ -1548,7 +1548,7 @@ async def test_partition_with_two_routers_is_bounded_by_one_quota_per_key() -> N
             assert "n2" not in cluster.router.membership.view
             await asyncio.gather(
                 send(cluster.client, tally, USERS, LIMIT),
-                send(cluster.client, tally, USERS, LIMIT, base="http://router2.cluster"),
+                send(cluster.client, tally, USERS, LIMIT, base="http://router2.localhost"),
             )
             # Each copy of an affected key had LIMIT/2 left, and both ran out:
             # LIMIT/2 extra per affected key (LIMIT if it had been unused).
@@ -1569,7 +1569,7 @@ async def test_a_slow_node_removed_as_crashed_stops_deciding() -> None:
         for node in cluster.nodes.values():
             node.store.dirty = set()
         seeds = [Member(n, node_url(n)) for n in cluster.nodes]
-        second = cluster.new_router("http://router2.cluster", seeds=seeds)
+        second = cluster.new_router("http://router2.localhost", seeds=seeds)
         await second.start()
         try:
             tally = Tally()
@@ -1585,7 +1585,7 @@ async def test_a_slow_node_removed_as_crashed_stops_deciding() -> None:
             assert len(cluster.nodes["n2"].store) == 0
             await asyncio.gather(
                 send(cluster.client, tally, USERS, LIMIT),
-                send(cluster.client, tally, USERS, LIMIT, base="http://router2.cluster"),
+                send(cluster.client, tally, USERS, LIMIT, base="http://router2.localhost"),
             )
             assert tally.other == Counter()
             assert tally.excess() == 0, tally.over()

@@ -126,7 +126,7 @@ async def test_a_partition_with_two_routers_decides_no_key_twice_under_leases() 
             node.store.dirty = set()
         seeds = [Member(n, node_url(n)) for n in cluster.nodes]
         other_side = cluster.detached_client()
-        second = cluster.new_router("http://router2.cluster", client=other_side, seeds=seeds)
+        second = cluster.new_router("http://router2.localhost", client=other_side, seeds=seeds)
         await second.start()
         try:
             monotonic = await leased(cluster)
@@ -148,7 +148,7 @@ async def test_a_partition_with_two_routers_decides_no_key_twice_under_leases() 
             assert "n2" not in membership.view
             await asyncio.gather(
                 send(cluster.client, tally, USERS, LIMIT),
-                send(cluster.client, tally, USERS, LIMIT, base="http://router2.cluster"),
+                send(cluster.client, tally, USERS, LIMIT, base="http://router2.localhost"),
             )
             assert tally.other == Counter()
             assert tally.excess() == 0, tally.over()
@@ -249,7 +249,7 @@ async def test_a_join_that_never_becomes_ready_fails_on_its_own() -> None:
     ("url", "answer", "up_front"),
     [
         (node_url("n2"), "node 'n2'", "url_in_use"),
-        ("http://router.cluster", "not a node", "url_is_router"),
+        ("http://router.localhost", "not a node", "url_is_router"),
     ],
 )
 async def test_a_join_at_a_url_that_answers_as_someone_else_is_refused(

@@ -1060,7 +1060,7 @@ ADMIN_BAD: list[tuple[str, bytes, int]] = [
     ("unknown field", b'{"id": "n9", "url": "http://127.0.0.1:1", "zone": "a"}', 400),
     ("unknown field surrogate", b'{"id": "n9", "url": "http://127.0.0.1:1", "\\ud800": 1}', 400),
     ("oversized body", b'{"id": "' + b"n" * 70_000 + b'"}', 413),
-    ("existing id, other url", b'{"id": "n1", "url": "http://elsewhere.cluster"}', 409),
+    ("existing id, other url", b'{"id": "n1", "url": "http://elsewhere.localhost"}', 409),
     ("weight a million", b'{"id": "n9", "url": "http://127.0.0.1:1", "weight": 1000000}', 400),
     ("weight above the bound", b'{"id": "n9", "url": "http://127.0.0.1:1", "weight": 1001}', 400),
     ("id lone surrogate", b'{"id": "\\ud800", "url": "http://127.0.0.1:1"}', 400),
@@ -1073,8 +1073,8 @@ ADMIN_BAD: list[tuple[str, bytes, int]] = [
     ("url with a query", b'{"id": "n9", "url": "http://127.0.0.1:1?x=1"}', 400),
     ("url with user info", b'{"id": "n9", "url": "http://u:p@127.0.0.1:1"}', 400),
     ("url port out of range", b'{"id": "n9", "url": "http://127.0.0.1:99999"}', 400),
-    ("url of another member", b'{"id": "n9", "url": "http://n1.cluster"}', 409),
-    ("url of the router", b'{"id": "n9", "url": "http://router.cluster/"}', 409),
+    ("url of another member", b'{"id": "n9", "url": "http://n1.localhost"}', 409),
+    ("url of the router", b'{"id": "n9", "url": "http://router.localhost/"}', 409),
 ]
 
 
@@ -1336,7 +1336,7 @@ async def test_a_client_cannot_claim_a_lease_admission() -> None:
         node = cluster.nodes[cluster.owner("mallory")]
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=node, client=("10.0.0.9", 1)),  # type: ignore[arg-type]
-            base_url="http://node.cluster",
+            base_url="http://node.localhost",
         ) as direct:
             headers = {"X-User-Id": "mallory", "X-Ringlimit-Leased": "hot"}
             assert (await direct.get("/", headers=headers)).status_code == 200

@@ -226,7 +226,7 @@ async def test_a_following_router_passes_the_change_on_and_takes_the_leaders_rul
         second = await follower(cluster)
         try:
             answer = await cluster.client.put(
-                "http://router2.cluster/admin/rules",
+                "http://router2.localhost/admin/rules",
                 json={"rules": [{"name": "api", "limit": 3, "period": 60}]},
             )
             assert answer.status_code == 200, answer.text
@@ -248,7 +248,7 @@ async def test_a_follower_refuses_bad_rules_itself() -> None:
         second = await follower(cluster)
         try:
             answer = await cluster.client.put(
-                "http://router2.cluster/admin/rules", json={"rules": [{"name": "api"}]}
+                "http://router2.localhost/admin/rules", json={"rules": [{"name": "api"}]}
             )
             assert answer.status_code == 400 and answer.json()["error"] == "invalid_rules"
             assert node_limits(cluster) == {"n1": 5, "n2": 5}

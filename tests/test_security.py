@@ -180,6 +180,9 @@ CROSS_SITE = {
 #: A page of evil.example whose name its DNS now resolves to 127.0.0.1 (DNS
 #: rebinding): same origin as far as the browser knows, so it may read answers.
 REBOUND = {"Host": "evil.example:8000", "Sec-Fetch-Site": "same-origin"}
+#: The same page served over plain HTTP: not a secure context, so the browser
+#: sends no Sec-Fetch-Site, and a same-origin GET no Origin; only Host tells.
+REBOUND_PLAIN = {"Host": "evil.example:8000"}
 
 
 async def test_without_an_admin_token_another_sites_page_cannot_use_the_admin_api() -> None:
@@ -201,6 +204,16 @@ async def test_without_an_admin_token_another_sites_page_cannot_use_the_admin_ap
         assert rebound.status_code == 403
         data = await cluster.client.get("/admin/ui/data", headers=REBOUND)
         assert data.status_code == 403
+        # Served before (an exploratory tester read /admin/ring with Host alone).
+        for path in ("/admin/ring", "/admin/top", "/admin/ui/data"):
+            plain = await cluster.client.get(path, headers=REBOUND_PLAIN)
+            assert plain.status_code == 403, (path, plain.text)
+        joined = await cluster.client.post("/admin/nodes", content=join, headers=REBOUND_PLAIN)
+        assert joined.status_code == 403, joined.text
+        assert "n3" not in cluster.router.membership.view.ids
+        for name in ("127.0.0.1:8000", "LOCALHOST", "[::1]:8000", "n1.localhost"):
+            loopback = await cluster.client.get("/admin/ring", headers={"Host": name})
+            assert loopback.status_code == 200, (name, loopback.text)
         # The ring page itself, and its data, opened at a loopback address.
         page = {"Host": "127.0.0.1:8000", "Sec-Fetch-Site": "same-origin"}
         assert (await cluster.client.get("/admin/ui/data", headers=page)).status_code == 200
@@ -223,6 +236,8 @@ async def test_without_an_internal_token_another_sites_page_cannot_call_a_node()
         assert forged.status_code == 403, forged.text
         rebound = await cluster.client.get(node_url("n1") + "/internal/status", headers=REBOUND)
         assert rebound.status_code == 403
+        plain = await cluster.client.post(url, content=b"{}", headers=REBOUND_PLAIN)
+        assert plain.status_code == 403, plain.text
         assert (await cluster.client.post(url, content=b"{}")).status_code == 200
 
 
@@ -264,13 +279,13 @@ async def test_a_router_with_another_internal_token_gets_no_decision_and_says_wh
     )
     async with InProcessCluster(3, config, clock=FrozenClock(), internal_token="s3cret") as c:
         seeds = [Member(n, node_url(n)) for n in c.nodes]
-        other = c.new_router("http://rotated.cluster", seeds=seeds, internal_token="rotated")
+        other = c.new_router("http://rotated.localhost", seeds=seeds, internal_token="rotated")
         await other.start()
         try:
             with caplog.at_level("WARNING", logger="ringlimit.router"):
                 answers = [
                     await c.client.get(
-                        "http://rotated.cluster/x", headers={"X-User-Id": f"user-{i}"}
+                        "http://rotated.localhost/x", headers={"X-User-Id": f"user-{i}"}
                     )
                     for i in range(12)
                 ]

@@ -117,7 +117,10 @@ async def test_http_responses_name_would_be_denying_shadow_rules() -> None:
         result = (await cluster.client.post("/v1/check", json={"key": "bob", "cost": 3})).json()
         assert result["allowed"] is True and result["shadow_denied"] == ["trial"]
         metrics = "".join(
-            [(await cluster.client.get(f"http://{n}.cluster/metrics")).text for n in cluster.nodes]
+            [
+                (await cluster.client.get(f"http://{n}.localhost/metrics")).text
+                for n in cluster.nodes
+            ]
         )
         assert 'ringlimit_shadow_denials_total{rule="trial"} 4.0' in metrics
 
