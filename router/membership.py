@@ -124,6 +124,10 @@ REPAIR_POLL = 0.1
 #: that applied its view and are only still delivering (seconds).
 RELEASE_POLL = 0.1
 
+#: At a start, how many times the router follows the members of the newest view
+#: it found to a newer one they hold (each round's epoch is higher than the last).
+MAX_RECOVERY_ROUNDS = 8
+
 #: How many times a join may yield to crash removals before it gives up (503).
 MAX_PREEMPTIONS = 8
 
@@ -343,14 +347,31 @@ class Membership:
         found = await self.nodes.discover(
             list(candidates.values()), self.health_timeout, with_urls=True
         )
-        discovered = found[0] if found is not None else None
-        if adopt_config and found is not None:
-            await self._adopt_nodes_config(found[1])
         best = max(
-            [v for v in (recovered, discovered) if v is not None],
+            [v for v in (recovered, found[0] if found is not None else None) if v is not None],
             key=lambda v: v.epoch,
             default=None,
         )
+        newest_at = found[1] if found is not None else None  # whose rules adopt_config takes
+        held: RingView | None = None
+        for _ in range(MAX_RECOVERY_ROUNDS):
+            if best is None or not len(best):
+                break
+            # Ask the members of the newest view found so far: a seed (or the
+            # state file) may be behind them. A node removed from the ring that
+            # still runs holds the view that removed it and no later one, so a
+            # router restarted with it as its only seed recovered that view, and
+            # its next change reused an epoch the members already held with
+            # other members: two rings under one epoch (an exploratory tester).
+            asked = await self.nodes.discover(
+                list(best.members), self.health_timeout, with_urls=True
+            )
+            held = asked[0] if asked is not None else None
+            if asked is None or asked[0].epoch <= best.epoch:
+                break
+            best, newest_at = asked
+        if adopt_config and newest_at is not None:
+            await self._adopt_nodes_config(newest_at)
         if best is not None and len(best):
             self.log.view = best
             self.events.recovered(best)
@@ -361,9 +382,8 @@ class Membership:
             # that is empty restarted (it refuses, and the health loop removes it
             # as crashed). None holding one: the whole cluster restarted, and
             # every member takes the recovered view empty. Asked of the members
-            # alone: a node removed from the ring that still runs (and may be
-            # among the seeds) holds a view too, and said nothing of theirs.
-            held = await self.nodes.discover(list(best.members), self.health_timeout)
+            # alone (above): a node removed from the ring that still runs (and
+            # may be among the seeds) holds a view too, and said nothing of theirs.
             await self._push_all(
                 self.view, None, (), established=held is not None and len(held) > 0
             )

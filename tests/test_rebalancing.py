@@ -1030,6 +1030,30 @@ async def test_router_restart_keeps_the_ring_and_every_counter(
         assert all(tally.denied[u] == 4 for u in USERS)
 
 
+async def test_a_router_restarted_with_a_removed_node_as_its_seed_finds_the_newest_ring() -> None:
+    """n4 was removed (it still runs, holding the view that removed it), then n5
+    joined. A router restarted with n4 as its only seed recovered n4's view, one
+    epoch behind the members, and its next change reused the members' epoch with
+    other members: two rings under one epoch, users admitted on fresh state (an
+    exploratory tester, with real processes). The members of the view a seed
+    holds are asked too, and the newest view wins."""
+    async with InProcessCluster(4, make_config(), clock=FrozenClock()) as cluster:
+        tally = await exhaust(cluster)
+        await cluster.remove_node("n4")
+        await cluster.add_node("n5")
+        newest = cluster.router.membership.view
+        assert cluster.nodes["n4"].shard.epoch == newest.epoch - 1  # type: ignore[union-attr]
+        await cluster.restart_router(seeds=[Member("n4", node_url("n4"))])
+        assert cluster.router.membership.view == newest
+        await cluster.add_node("n4")  # a new epoch, above every member's
+        view = cluster.router.membership.view
+        assert view.epoch == newest.epoch + 1
+        assert all(n.shard.epoch == view.epoch for n in cluster.nodes.values())  # type: ignore[union-attr]
+        await send(cluster.client, tally, USERS, 2)
+        assert tally.other == Counter()
+        assert tally.excess() == 0, tally.over()
+
+
 async def test_a_router_restarted_with_a_node_finds_the_node_restarted(tmp_path: Path) -> None:
     """The router and n3 restart together; the router recovers the ring from
     its state file and pushes it with no previous view. n3, empty, took it:
