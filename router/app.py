@@ -788,7 +788,9 @@ class Router:
                     if await self.membership.newer_view(member):
                         refused += 1
                         continue
-                    self.membership.lease_lapsed(member)
+                    if await self.membership.renew_lapsed(member):
+                        refused += 1
+                        continue  # renewed (this router was paused): it decides again
                     unreachable = "lease expired"
                 elif why == b"token":
                     # The owner refused this router's internal token: as if it were

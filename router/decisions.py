@@ -417,7 +417,9 @@ class DecisionAPI:
             if await router.membership.newer_view(member):
                 retry.extend(indices)
                 return
-            router.membership.lease_lapsed(member)
+            if await router.membership.renew_lapsed(member):
+                retry.extend(indices)  # renewed (this router was paused): it decides again
+                return
             for i in indices:
                 results[i] = unreachable_result(checks[i], member.id)
             router.metrics.outcome(member.id, "lease_expired")

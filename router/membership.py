@@ -265,6 +265,10 @@ class Membership:
         self.leader_url: str | None = None
         #: Members seen answering that their lease lapsed: id -> (since, last seen).
         self._lapsed: dict[str, tuple[float, float]] = {}
+        #: Renewals of a lapsed lease on demand (:meth:`renew_lapsed`): id -> the
+        #: renewal under way, and when the last one was started.
+        self._renewing: dict[str, asyncio.Task[bool]] = {}
+        self._renewed_at: dict[str, float] = {}
         #: Whether the leading router, at this follower's last poll, had a node
         #: reporting its shared backend (Redis) down: a follower probes no node.
         self.leader_backend_degraded = False
@@ -1199,6 +1203,44 @@ class Membership:
             "to the nodes' token (its keys are answered by their on_error until then)",
             member.id,
         )
+
+    async def renew_lapsed(self, member: Member, *, every: float = 0.1) -> bool:
+        """A member answered that its lease lapsed: renew it now if this router
+        grants leases, and say whether the member decides again (the request,
+        which it did not decide, may be sent again). Otherwise, or when the
+        renewal fails, :meth:`lease_lapsed` says so in time.
+
+        After a pause of this router (or a restart that adopted a ring before its
+        first probe round), leases have lapsed while the router and its members
+        are healthy: the requests queued meanwhile were each answered by their
+        rules' on_error, an open rule's admitted uncounted, until the next probe
+        renewed them (an exploratory tester: exhausted users admitted again after
+        a 2-3 s pause). A renewal here is what that probe does, for a member of
+        the view this router holds and has not condemned (router/health.py
+        ``renew``): the lease's bound on a member being removed is unchanged.
+        Concurrent callers share one renewal, and one is started at most every
+        ``every`` seconds per member.
+        """
+        if not self.leasing or member.id not in self.view or self.view.member(member.id) != member:
+            self.lease_lapsed(member)
+            return False
+        task = self._renewing.get(member.id)
+        if task is None or task.done():
+            now = asyncio.get_running_loop().time()
+            if now - self._renewed_at.get(member.id, float("-inf")) < every:
+                self.lease_lapsed(member)
+                return False
+            self._renewed_at[member.id] = now
+            task = self._renewing[member.id] = self._spawn(self._renew_now(member))
+        if await asyncio.shield(task):
+            return True
+        self.lease_lapsed(member)
+        return False
+
+    async def _renew_now(self, member: Member) -> bool:
+        answer = await self._renew(member)
+        left = answer.get("lease_left") if answer is not None else None
+        return isinstance(left, int | float) and left > 0
 
     def lease_lapsed(self, member: Member) -> None:
         """A member answered that its lease lapsed, and this router grants none:

@@ -66,8 +66,10 @@ async def test_a_node_whose_lease_ran_out_decides_nothing() -> None:
         await send(cluster.client, tally, USERS, 3)
         assert sum(tally.allowed.values()) == 3 * len(USERS) and tally.other == Counter()
         stored = {n: len(node.store) for n, node in cluster.nodes.items()}
-        # The router stops renewing (it paused, or the nodes did): past the lease
-        # the nodes refuse, and the closed rule answers 503 for them, deciding nothing.
+        # The router that renews the leases stops (another router, or this one
+        # with leasing switched off: it grants none on demand either): past the
+        # lease the nodes refuse, and the closed rule answers 503, deciding nothing.
+        cluster.router.membership.leasing = False
         monotonic.advance(lease + 0.01)
         during = Tally()
         await send(cluster.client, during, USERS, 1)
@@ -82,10 +84,51 @@ async def test_a_node_whose_lease_ran_out_decides_nothing() -> None:
         assert response.status_code == 503
         assert response.json()["reason"] == "owner_unreachable"
         # One probe round renews every lease (a lapsed one is granted at once).
+        cluster.router.membership.leasing = True
         await cluster.router.membership.check_health()
         await send(cluster.client, tally, USERS, 1)
         assert sum(tally.allowed.values()) == 4 * len(USERS)
         assert cluster.router.membership.stats["lease_renewals"] >= 6
+
+
+@pytest.mark.parametrize("path", ["proxy", "decision API"])
+async def test_a_renewing_router_back_from_a_pause_renews_a_lapsed_lease_on_demand(
+    path: str,
+) -> None:
+    """The router that renews the leases was paused past them: its members are
+    healthy, but each request queued meanwhile was answered by its rules'
+    on_error until the next probe round, an open rule's admitted uncounted
+    (an exploratory tester, with real processes: exhausted users admitted again
+    after a 2-3 s SIGSTOP of the router). The refusal now makes the router renew
+    that member's lease at once (one renewal for concurrent requests) and send
+    the request again: decided and counted, no over-admission."""
+    options = {"health_interval": 1.0, "health_timeout": 0.5, "failure_threshold": 3}
+    async with InProcessCluster(3, make_config(), clock=FrozenClock(), router_options=options) as (
+        cluster
+    ):
+        monotonic = await leased(cluster)
+        membership = cluster.router.membership
+        await exhaust(cluster)  # every user's whole quota (an open rule)
+        renewals = membership.stats["lease_renewals"]
+        monotonic.advance(membership.lease_seconds + 0.01)  # the pause: every lease lapsed
+        if path == "proxy":
+            after = Tally()
+            await send(cluster.client, after, USERS, 1)
+            assert after.other == Counter() and sum(after.allowed.values()) == 0, after.over()
+            assert sum(after.denied.values()) == len(USERS)
+        else:
+            checks = [{"key": user, "rule": "api"} for user in USERS]
+            answer = await cluster.client.post("/v1/check", json={"checks": checks})
+            results = answer.json()["results"]
+            assert [r["allowed"] for r in results] == [False] * len(USERS), results
+            assert all("reason" not in r for r in results), results
+        refused = sum(
+            node.metrics.errors.labels("lease_expired")._value.get()
+            for node in cluster.nodes.values()
+        )
+        assert 1 <= refused <= len(USERS)
+        # One renewal per member, however many requests its refusals sent back.
+        assert membership.stats["lease_renewals"] - renewals == len(cluster.nodes)
 
 
 async def test_a_leased_node_failing_probes_is_removed_only_after_its_lease() -> None:
