@@ -605,6 +605,17 @@ class ShardCore:
         :meth:`transfers` next.
         """
         if self.view is not None and view.epoch <= self.view.epoch:
+            if (
+                self.removed_as_crashed
+                and view.epoch == self.view.epoch
+                and self.id not in crashed
+                and view == self.view
+            ):
+                # The router says again that this node is out, not as a crash: an
+                # operator removed it while it did not answer (router/membership.py
+                # ``tell_dismissed``). It handed its states back already; it must
+                # not register again, as after a leave (:meth:`may_rejoin`).
+                self.removed_as_crashed = False
             return None
         config = self.config()
         previous = previous if previous is not None else self.view

@@ -164,13 +164,18 @@ class HealthMonitor:
         due, forget = self.revival.plan([r.id for r in removed], now)
         for member_id in forget:
             del m.removed[member_id]
+            m.dismissed.discard(member_id)
             log.info(
                 "node %s (removed as crashed) is forgotten: no answer for %gs; "
                 "it comes back only by registering (--join, ringlimit nodes add)",
                 member_id,
                 m.forget_removed_after,
             )
-        due_set = set(due)
+        # Told it left at the first answer: probed every round, not backed off, so
+        # the message reaches it before it registers again on its own (a --join
+        # node whose lease no router renews does, after node/server.py
+        # STRANDED_AFTER).
+        due_set = set(due) | {r.id for r in removed if r.id in m.dismissed}
         await asyncio.gather(*(self._probe_removed(r, now) for r in removed if r.id in due_set))
 
     async def _probe_removed(self, member: Member, now: float) -> None:
@@ -182,6 +187,8 @@ class HealthMonitor:
         self.revival.answered(member.id, now)
         if answered != member.id:
             self._forget_removed(member, answered)
+        elif member.id in m.dismissed:
+            self._in_background(member.id, m.tell_dismissed(member))
         elif not m.lock.locked():
             log.warning("node %s answers again after its removal: it rejoins", member.id)
             self._in_background(member.id, self._rejoin(member))
@@ -195,6 +202,7 @@ class HealthMonitor:
         removed = self.membership.removed
         if removed.get(member.id) == member:
             del removed[member.id]
+            self.membership.dismissed.discard(member.id)
             log.info(
                 "node %s (removed as crashed) is forgotten: %s answers as %s",
                 member.id,

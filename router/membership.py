@@ -265,6 +265,10 @@ class Membership:
         self.leader_url: str | None = None
         #: Members seen answering that their lease lapsed: id -> (since, last seen).
         self._lapsed: dict[str, tuple[float, float]] = {}
+        #: Members an operator removed while they did not answer (the removal was
+        #: carried out as a crash): told they left once they answer again, never
+        #: made to rejoin (:meth:`tell_dismissed`). A join takes one back.
+        self.dismissed: set[str] = set()
         #: Renewals of a lapsed lease on demand (:meth:`renew_lapsed`): id -> the
         #: renewal under way, and when the last one was started.
         self._renewing: dict[str, asyncio.Task[bool]] = {}
@@ -876,6 +880,7 @@ class Membership:
         never delays the removal of a crashed member or another change.
         """
         self._must_lead()
+        self.dismissed.discard(member.id)  # added again (an operator, a fresh start)
         underway = self._joins.get(member.id)
         if underway is not None:
             if self.joining.get(member.id) != member:
@@ -1033,6 +1038,8 @@ class Membership:
                     [member_id], reason="did not take the leave", budgeted=False
                 )
                 self.health.pop(member_id, None)
+                if member_id not in self.view:
+                    self.dismissed.add(member_id)
                 return self.view
             self.log.remember(change.previous, ())
             self._adopt(change.view)
@@ -1041,6 +1048,29 @@ class Membership:
             await self._crash_unresponsive(failed)
             log.info("node %s left: epoch %d", member_id, change.view.epoch)
             return change.view
+
+    async def tell_dismissed(self, member: Member) -> None:
+        """A member an operator removed while it did not answer (a pause, a
+        partition) answers again: tell it that it left, as a leave it took
+        would have, so it hands its states to their owners (who keep the more
+        restrictive of two) and does not register again (node/shardcore.py
+        ``may_rejoin``); then forget it. Before, the removal was carried out as
+        a crash and the member, probed like any crashed one, was made to rejoin
+        the ring it had been removed from (an exploratory tester). Tried again
+        at the next probe if the push fails."""
+        if member.id not in self.dismissed or member.id in self.view:
+            return
+        failed = await self._send(Push((member,), self.view, None, (), "notify"))
+        if failed or member.id not in self.dismissed:
+            return
+        self.dismissed.discard(member.id)
+        if self.removed.get(member.id) == member:
+            del self.removed[member.id]
+        log.warning(
+            "node %s, removed by an operator while it did not answer, answers again: "
+            "told it left the ring (its states go to their owners); it does not rejoin",
+            member.id,
+        )
 
     async def crash(self, member_id: str, reason: str = "unreachable") -> RingView | None:
         """Drop a node that stopped answering; its keys follow the crash policy."""

@@ -972,6 +972,40 @@ async def test_node_restart_is_noticed_on_the_first_refused_request() -> None:
         assert tally.excess() == 0, tally.over()
 
 
+async def test_an_operators_removal_of_a_node_that_does_not_answer_is_final() -> None:
+    """``ringlimit nodes remove`` of a paused node: it cannot take the leave, so
+    it is removed as crashed; when it answered again, it was probed like any
+    crashed member and made to rejoin, the removal undone (an exploratory
+    tester). Now it is told that it left: it hands what it held to the owners
+    (nobody gets quota twice) and stays out, and does not register again."""
+    async with InProcessCluster(
+        3, make_config(crash="reset"), clock=FrozenClock(), router_options={"health_timeout": 0.5}
+    ) as cluster:
+        tally = await exhaust(cluster)
+        membership = cluster.router.membership
+        cluster.take_down("n3")
+        await cluster.remove_node("n3")
+        assert "n3" not in membership.view and "n3" in membership.removed
+        removed_at = membership.view.epoch
+        old = cluster.nodes["n3"]
+        assert old.shard is not None and len(old.store) > 0
+        cluster.bring_back("n3")
+        for _ in range(3):  # rounds of probes: it answers each
+            await membership.check_health()
+            await membership.settle()
+            await asyncio.gather(*membership._background)
+        assert "n3" not in membership.view and membership.view.epoch == removed_at
+        assert "n3" not in membership.removed and not membership.dismissed
+        assert old.shard.epoch == removed_at and not old.shard.core.may_rejoin()
+        assert len(old.store) == 0  # its states went to their owners
+        await send(cluster.client, tally, USERS, 2)
+        assert tally.other == Counter()
+        assert tally.excess() == 0, tally.over()
+        # An operator may still add it back.
+        await membership.join(Member("n3", node_url("n3")))
+        assert "n3" in membership.view and old.shard.epoch == membership.view.epoch
+
+
 async def test_a_removed_node_that_comes_back_hands_back_what_it_held() -> None:
     """A member removed while its process lived on (a pause, a partition) merges its
     states into the current owners before it rejoins: with ``reset`` (no replica)
