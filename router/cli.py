@@ -1482,16 +1482,24 @@ def _admin_call(
     admin_token, _ = _tokens()
     headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
     base = router.rstrip("/")
+    # Connected but not answered whole in time: the router may be busy with the
+    # change itself (a join waits for the node's readiness), so a change asked
+    # for may still be made. It said "cannot reach the router" and blamed
+    # --router while the router was waiting on the node (an exploratory tester).
     late = CommandError(
-        f"cannot reach the router at {base} (no whole answer within --timeout {timeout:g} s); "
-        "check --router and that the router is running"
+        f"the router at {base} gave no whole answer within --timeout {timeout:g} s"
+        + (
+            "; the change may still be made: see `ringlimit nodes list`"
+            if method != "GET"
+            else "; check that the router is running and not paused"
+        )
     )
     try:
         response = _within(
             timeout, late, lambda: _fetch(base + path, method, body, headers, timeout)
         )
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        if isinstance(exc, httpx.TimeoutException):
+        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
             raise late from None
         raise CommandError(
             f"cannot reach the router at {base} ({_http_problem(exc)}); "
