@@ -222,6 +222,15 @@ REJOIN_BACKOFF_MAX = 300.0
 REJOIN_WAIT = 5.0
 
 
+def _warning_of(response: httpx.Response) -> str | None:
+    """The ``warning`` of an admin answer (a leave carried out as a crash), if any."""
+    try:
+        warning = response.json().get("warning")
+    except (ValueError, AttributeError):
+        return None
+    return warning[:300] if isinstance(warning, str) else None
+
+
 def serve_node(
     node: Node,
     *,
@@ -302,7 +311,11 @@ def serve_node(
                 log.warning("graceful leave: %s; retrying", problem)
                 await asyncio.sleep(0.5 * (attempt + 1))
         if status == 200:
-            log.warning("left the ring: router %s answered 200", router)
+            warning = _warning_of(response)
+            if warning is None:
+                log.warning("left the ring: router %s answered 200", router)
+            else:
+                log.warning("out of the ring: router %s answered 200: %s", router, warning)
             if linger > 0:
                 # Fenced by the new view: stale routers are told, not left guessing.
                 await asyncio.sleep(linger)

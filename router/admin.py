@@ -307,11 +307,25 @@ class AdminAPI:
             return JSONResponse(exc.body(), status_code=exc.status)
         if (forwarded := await self._to_leader(request)) is not None:
             return forwarded
+        membership = self.router.membership
+        node_id = request.path_params["node_id"]
         try:
-            await self.router.membership.leave(request.path_params["node_id"], force=force)
+            await membership.leave(node_id, force=force)
         except MembershipError as exc:
             return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
-        return JSONResponse(self.router.membership.describe())
+        data = membership.describe()
+        if node_id in membership.removed:
+            # Out of the ring, but not by a leave: it did not take the leave push (it
+            # did not answer, or could not hand every state to its new owners). Said,
+            # so neither `nodes remove` nor a leaving node reports a clean leave
+            # while the router's log says it was removed as crashed.
+            said = (
+                f"node {node_id} did not take the leave (it did not answer, or could "
+                "not hand every state to its new owners): removed as crashed, its keys "
+                "follow the crash policy"
+            )
+            data["warning"] = f"{said}; {data['warning']}" if "warning" in data else said
+        return JSONResponse(data)
 
     # ------------------------------------------------------------------ rules
 
