@@ -73,6 +73,7 @@ from node.wire import (
     decode_checks,
     dumps,
     node_batch_body,
+    one_param,
     read_body,
     result_dict,
 )
@@ -780,15 +781,15 @@ class Node:
         if (refused := self._refuse(request)) is not None:
             return refused
         params = request.query_params
-        rule = params.get("rule")
+        try:
+            rule = one_param(params, "rule")
+            n = count_param(params, "n", 20, MAX_TOP)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
         if rule is not None and self.authority.config.rule(rule) is None:
             return JSONResponse(
                 {"error": "unknown_rule", "detail": f"no rule named {rule!r}"}, status_code=400
             )
-        try:
-            n = count_param(params, "n", 20, MAX_TOP)
-        except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
         now = self.clock()
         totals, decided = self._totals()
         top = self.top

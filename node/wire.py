@@ -338,6 +338,16 @@ def parse_check(item: Any, config: ClusterConfig, where: str) -> Check:
     return Check(key, rules, cost)
 
 
+def one_param(params: Mapping[str, str], name: str) -> str | None:
+    """A query parameter's value; ApiError 400 ``invalid_<name>`` when it is given
+    more than once (``?force=true&force=false`` was a graceful leave: Starlette's
+    ``get`` takes the last, and another reader may take the first)."""
+    getlist = getattr(params, "getlist", None)
+    if getlist is not None and len(getlist(name)) > 1:
+        raise ApiError(400, f"invalid_{name}", f"{name} is given more than once")
+    return params.get(name)
+
+
 def count_param(params: Mapping[str, str], name: str, default: int, high: int) -> int:
     """A count in a query string (``?n=20``): ASCII digits only, 1..``high``;
     ApiError 400 ``invalid_<name>`` otherwise.
@@ -345,7 +355,7 @@ def count_param(params: Mapping[str, str], name: str, default: int, high: int) -
     Not ``int()``, which also takes Unicode digits (``%D9%A1``, an Arabic-Indic
     one, was n=1), signs, spaces and underscores (``2_0``).
     """
-    text = params.get(name)
+    text = one_param(params, name)
     if text is None:
         return default
     if text.isascii() and text.isdigit() and len(text) <= len(str(high)):
@@ -359,7 +369,7 @@ def flag_param(params: Mapping[str, str], name: str) -> bool:
     """A yes/no in a query string (``?force=true``): ``true``/``1`` or
     ``false``/``0``, absent is false; ApiError 400 ``invalid_<name>`` otherwise,
     so that ``?force=yes`` is not quietly a no."""
-    text = params.get(name)
+    text = one_param(params, name)
     if text is None or text in ("false", "0"):
         return False
     if text in ("true", "1"):

@@ -25,7 +25,7 @@ from node.config import ClusterConfig, ConfigError, Privacy
 from node.peers import CONTROL_LIMITS
 from node.security import bearer, refusal
 from node.topkeys import NEAR_LIMIT_FRACTION
-from node.wire import ApiError, count_param, flag_param, parse_json, read_body
+from node.wire import ApiError, count_param, flag_param, one_param, parse_json, read_body
 from ring import Member
 from ring.analysis import hash_share
 from ring.errors import names_text
@@ -386,15 +386,15 @@ class AdminAPI:
         if (refused := self.refused(request)) is not None:
             return refused
         params = request.query_params
-        rule = params.get("rule")
+        try:
+            rule = one_param(params, "rule")
+            n = count_param(params, "n", 20, 1000)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
         if rule is not None and self.router.config.rule(rule) is None:
             return JSONResponse(
                 error_body("unknown_rule", f"no rule named {rule!r}"), status_code=400
             )
-        try:
-            n = count_param(params, "n", 20, 1000)
-        except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
         reports = await self._node_reports({"n": str(n), **({"rule": rule} if rule else {})})
         return JSONResponse(
             {

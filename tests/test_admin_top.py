@@ -76,6 +76,11 @@ async def test_top_merges_every_nodes_sketch() -> None:
             answer = await cluster.client.get("/admin/top", params={"n": n})
             assert_error(answer, 400)
             assert answer.json()["error"] == "invalid_n", n
+        # Given twice, one reader took the first and another the last.
+        for query, error in (("n=5&n=6", "invalid_n"), ("rule=api&rule=x", "invalid_rule")):
+            answer = await cluster.client.get(f"/admin/top?{query}")
+            assert_error(answer, 400)
+            assert answer.json()["error"] == error, query
 
 
 async def test_top_says_which_node_did_not_answer() -> None:

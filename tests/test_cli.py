@@ -400,6 +400,9 @@ def test_the_last_node_is_removed_only_when_forced(procs: Procs) -> None:
     assert "last_node" in refused.stderr and "--force" in refused.stderr, refused.stderr
     unclear = httpx.delete(f"{router}/admin/nodes/n1?force=yes", timeout=10.0)
     assert unclear.status_code == 400 and unclear.json()["error"] == "invalid_force"
+    # Given twice, Starlette took the last: ?force=true&force=false was a leave.
+    twice = httpx.delete(f"{router}/admin/nodes/n1?force=true&force=false", timeout=10.0)
+    assert twice.status_code == 400 and twice.json()["error"] == "invalid_force"
     assert ring() == ["n1"]
     forced = run(
         [sys.executable, "-m", "router", "nodes", "remove", "n1", "--force", "--router", router]

@@ -67,6 +67,11 @@ async def test_denied_and_near_limit_decisions_are_counted_per_rule() -> None:
             answer = await client.get("/internal/top", params={"n": n})
             assert_error(answer, 400)
             assert answer.json()["error"] == "invalid_n", n
+        # Given twice, one reader took the first and another the last.
+        for query, error in (("n=5&n=6", "invalid_n"), ("rule=api&rule=x", "invalid_rule")):
+            answer = await client.get(f"/internal/top?{query}")
+            assert_error(answer, 400)
+            assert answer.json()["error"] == error, query
 
 
 async def test_a_quiet_batch_is_counted_whole_and_puts_no_key_in_the_top() -> None:
