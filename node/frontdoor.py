@@ -11,9 +11,12 @@ descriptors, and then every new connection fails. Here:
   started a request).
 * **Header size.** More than ``max_header_bytes`` before the headers end is a
   ``431`` and a closed connection. It holds for a request pipelined behind
-  one being served too (closed with no answer: one is owed to the request
-  ahead), and for a chunked body's framing and trailers, which the parser
-  buffers as it does headers (``431``).
+  one being served too, and for a chunked body's framing and trailers, which
+  the parser buffers as it does headers (``431``).
+* **Answers owed first.** A malformed (``400``) or oversized (``431``)
+  request behind requests read whole (pipelined, or in the same read) is
+  refused only after those are answered, in order; then the connection
+  closes. Nothing more is read meanwhile (what comes is dropped).
 * **No protocol switch.** Neither process speaks WebSocket (``ws: none``): an
   ``Upgrade`` request is plain HTTP, and its connection closes after the
   answer (httptools parses nothing after an upgrade). One that declares a
@@ -515,6 +518,10 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         _held: tuple[Any, Any] | None = None
         #: Requests this read may still start inline (MAX_INLINE_PER_READ).
         _inline_left = 0
+        #: Not None: the connection closes once the requests read are answered,
+        #: after writing this (the error for a request behind them).
+        #: Nothing more is read meanwhile.
+        _last_word: bytes | None = None
         # uvicorn's, set in its __init__ (declared for the type checker).
         timeout_keep_alive_task: asyncio.TimerHandle | None
         app: Any
@@ -587,7 +594,15 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def _close_waiting(self, answer: bytes | None) -> None:
             """Close the connection, writing ``answer`` first if the client would
-            read it as the answer to the request it concerns (see _may_answer)."""
+            read it as the answer to the request it concerns (see _may_answer).
+            When the trouble is a request behind ones still owed their answers
+            (a bad or oversized request pipelined, or in the read that carried
+            them), those are answered first, in order, then ``answer``, then
+            the connection closes (:meth:`_close_after_answers`): closing now
+            lost their answers while the app still served them."""
+            if answer is not None and self._answers_owed():
+                self._close_after_answers(answer)
+                return
             may_answer = answer is not None and self._may_answer()
             self._stop_waiting()
             self._cancel_timer()
@@ -595,6 +610,38 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             if not self.transport.is_closing():
                 if may_answer:
                     self.transport.write(answer)  # type: ignore[arg-type]
+                self.transport.close()
+
+        def _answers_owed(self) -> bool:
+            """Whether requests read whole are still owed their answers: the
+            trouble at hand then concerns a later request (the message the
+            parser is in, or one after those it read)."""
+            if self.pipeline:
+                return True
+            cycle = self.cycle
+            return cycle is not None and not cycle.response_complete and not cycle.more_body
+
+        def _close_after_answers(self, last: bytes) -> None:
+            """Nothing more is read (what comes is dropped, not parsed: the parser
+            may be mid-request, or failed); once every request ahead is answered,
+            ``last`` is written and the connection closed (on_response_complete).
+            Bounded by the requests ahead: each is served as any other (the
+            app's own timeouts), and reading resumes only to drop bytes."""
+            if self._last_word is None:
+                self._last_word = last
+            self._stop_waiting()
+            self._cancel_timer()
+            self._chunked = False
+            # (It stays among the server's connections: a graceful shutdown waits
+            # for it, and it counts under the cap, as a connection being served.)
+
+        def _say_last_word(self) -> None:
+            """Every answer owed is written: the last word (an error), and the
+            connection closes."""
+            last = self._last_word
+            if not self.transport.is_closing():
+                if last:
+                    self.transport.write(last)  # type: ignore[arg-type]
                 self.transport.close()
 
         def _may_answer(self) -> bool:
@@ -612,6 +659,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             return not started and not self._in_head and not self.pipeline
 
         def data_received(self, data: bytes) -> None:
+            if self._last_word is not None:
+                return  # closing once the answers owed are written: dropped unread
             self._reads += 1
             self._inline_left = MAX_INLINE_PER_READ
             if self._waiting or self._in_head:
@@ -730,6 +779,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def send_400_response(self, msg: str) -> None:
             """What the HTTP parser cannot read gets a JSON error, like any bad input."""
+            if self._last_word is not None:
+                return  # (said already, after the answers owed)
             self._close_waiting(_TOO_LARGE if getattr(self, "_oversized", False) else _MALFORMED)
 
         def _await_body(self) -> None:
@@ -828,6 +879,9 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             if self.transport.is_closing():
                 return
             if cycle is None or (cycle.response_complete and not cycle.more_body):
+                if self._last_word is not None and not self.pipeline:
+                    self._say_last_word()  # every request ahead is answered
+                    return
                 self._wait_for_request()
             elif cycle.response_complete:
                 # Answered before its body arrived whole: the rest is read and
