@@ -17,6 +17,9 @@ descriptors, and then every new connection fails. Here:
   request behind requests read whole (pipelined, or in the same read) is
   refused only after those are answered, in order; then the connection
   closes. Nothing more is read meanwhile (what comes is dropped).
+* **Half-close.** A client that ends its side of the connection after its
+  requests (``shutdown(SHUT_WR)``) gets their answers, then the connection
+  closes; an idle one, or one in the middle of a request, closes at once.
 * **No protocol switch.** Neither process speaks WebSocket (``ws: none``): an
   ``Upgrade`` request is plain HTTP, and its connection closes after the
   answer (httptools parses nothing after an upgrade). One that declares a
@@ -519,7 +522,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         #: Requests this read may still start inline (MAX_INLINE_PER_READ).
         _inline_left = 0
         #: Not None: the connection closes once the requests read are answered,
-        #: after writing this (the error for a request behind them).
+        #: after writing this (an error for a request behind them; b"": nothing).
         #: Nothing more is read meanwhile.
         _last_word: bytes | None = None
         # uvicorn's, set in its __init__ (declared for the type checker).
@@ -636,8 +639,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             # for it, and it counts under the cap, as a connection being served.)
 
         def _say_last_word(self) -> None:
-            """Every answer owed is written: the last word (an error), and the
-            connection closes."""
+            """Every answer owed is written: the last word (an error, or nothing after
+            a half-close), and the connection closes."""
             last = self._last_word
             if not self.transport.is_closing():
                 if last:
@@ -895,6 +898,21 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                     if self._body_timer is not None:
                         self._body_timer.cancel()
                     self._body_timer = self.loop.call_later(body_timeout, self._body_late)
+
+        def eof_received(self) -> bool:
+            """The client half-closed (``shutdown(SHUT_WR)``): requests it sent whole
+            are still answered, then the connection closes, as nginx does; an
+            idle one, or one mid-request (that request can never end), closes
+            at once. uvicorn's returns None, on which the transport (asyncio's
+            and uvloop's alike) closes itself: answers still being served were
+            lost while their requests were counted, and so was an answer already
+            given but still in node/server.py's coalesced writes (they leave at
+            the end of the loop step; the real transport closed first)."""
+            if self._answers_owed():
+                self._close_after_answers(b"")
+            else:
+                self.transport.close()  # (ours: what is buffered leaves first)
+            return True  # no more reads either way; closed by us, now or later
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_waiting()

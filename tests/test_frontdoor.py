@@ -529,11 +529,13 @@ def test_endless_chunked_trailers_are_refused(cluster: tuple[str, str], who: str
     assert took < 0.9, took
 
 
-def answers_until_closed(port: int, data: bytes) -> bytes:
-    """Send ``data`` in one write; everything answered until the server closes
-    (3 s at most)."""
+def answers_until_closed(port: int, data: bytes, half_close: bool = False) -> bytes:
+    """Send ``data`` in one write (then ``shutdown(SHUT_WR)`` if ``half_close``);
+    everything answered until the server closes (3 s at most)."""
     with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
         sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
         out = b""
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
@@ -596,6 +598,41 @@ def test_requests_ahead_of_a_bad_one_in_the_same_read_are_answered_first(
     assert error["error"] in ("invalid_http", "headers_too_large"), error
 
 
+@pytest.mark.parametrize("who", ["router", "node"])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        HELLO,
+        HEALTH,
+        decision("half", 1),
+        b"GET /hello HTTP/1.0\r\nX-User-Id: a\r\n\r\n",
+        HELLO * 3,
+    ],
+    ids=["proxied", "healthz", "decision", "HTTP/1.0", "3 pipelined"],
+)
+def test_a_client_that_half_closes_after_its_requests_gets_their_answers(
+    cluster: tuple[str, str], who: str, request_bytes: bytes
+) -> None:
+    """``shutdown(SHUT_WR)`` after the requests: each is answered, then the
+    connection closes (as nginx does). The transport closed itself on the end of
+    the client's stream (uvicorn's ``eof_received``), and answers being served,
+    or written but still in the coalesced writes, were lost (found by an
+    exploratory tester)."""
+    router, node = cluster
+    port = port_of(router if who == "router" else node)
+    out = answers_until_closed(port, request_bytes, half_close=True)
+    assert statuses(out) == [200] * request_bytes.count(b"\r\n\r\n"), out[-600:]
+
+
+def test_a_half_closed_idle_or_partial_connection_closes_at_once(cluster: tuple[str, str]) -> None:
+    """Nothing owed: closed as soon as the client half-closes, not at a timeout."""
+    router, _ = cluster
+    for data in (b"", b"GET /hello HTTP/1.1\r\nHost: x\r\n"):
+        started = time.monotonic()
+        assert answers_until_closed(port_of(router), data, half_close=True) == b""
+        assert time.monotonic() - started < 0.5
+
+
 # In-process: a protocol with the front door serving a small app over a real socket.
 
 
@@ -626,11 +663,12 @@ def recording_app(paths: list[str]) -> object:
 
 
 def talk(
-    front_door: object, writes: list[tuple[float, bytes]], seconds: float
+    front_door: object, writes: list[tuple[float, bytes]], seconds: float, half_close: bool = False
 ) -> tuple[bytes, float | None, list[str]]:
     """Serve :func:`recording_app` behind ``front_door``; make ``writes`` (each
-    after a pause) on one connection, then read until it closes or ``seconds``
-    pass: (what was answered, when it closed or None, the paths the app saw)."""
+    after a pause) on one connection (then half-close it if ``half_close``), then
+    read until it closes or ``seconds`` pass: (what was answered, when it closed
+    or None, the paths the app saw)."""
     import asyncio
 
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -650,6 +688,8 @@ def talk(
                     await asyncio.sleep(pause)
                     writer.write(data)
                     await writer.drain()
+                if half_close:
+                    writer.write_eof()
             except OSError:
                 pass  # closed while writing
             out = b""
@@ -686,6 +726,20 @@ def test_a_huge_head_pipelined_behind_a_slow_request_is_cut_off() -> None:
     assert closed is not None and 1.4 < closed < 2.5, closed  # once /slow answered (1.5 s)
     assert statuses(out) == [200, 431] and paths == ["/slow"], (out, paths)
     assert out.index(b"/slow") < out.index(b"headers_too_large"), out
+
+
+def test_a_half_close_behind_a_slow_request_waits_for_its_answer() -> None:
+    """On asyncio's event loop (the processes above run uvloop's): the request
+    sent before ``shutdown(SHUT_WR)`` is answered, then the connection closes.
+    (One request: a second, pipelined, pauses reading, and the end of the
+    stream would be seen only once the first is answered.)"""
+    from node.frontdoor import FrontDoor
+
+    front_door = FrontDoor(header_timeout=5, body_timeout=5)
+    writes = [(0.0, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")]
+    out, closed, paths = talk(front_door, writes, 4, half_close=True)
+    assert statuses(out) == [200] and paths == ["/slow"], (out, paths)
+    assert closed is not None and 1.4 < closed < 2.5, closed
 
 
 def test_a_request_behind_a_drain_past_its_cap_is_not_served() -> None:
