@@ -18,8 +18,10 @@ descriptors, and then every new connection fails. Here:
   refused only after those are answered, in order; then the connection
   closes. Nothing more is read meanwhile (what comes is dropped).
 * **Half-close.** A client that ends its side of the connection after its
-  requests (``shutdown(SHUT_WR)``) gets their answers, then the connection
-  closes; an idle one, or one in the middle of a request, closes at once.
+  requests (``shutdown(SHUT_WR)``) gets the answers already given; a
+  router's client gets those still being served too, then the connection
+  closes (a node abandons them: see ``eof_received``). An idle connection,
+  or one in the middle of a request, closes at once.
 * **No protocol switch.** Neither process speaks WebSocket (``ws: none``): an
   ``Upgrade`` request is plain HTTP, and its connection closes after the
   answer (httptools parses nothing after an upgrade). One that declares a
@@ -240,7 +242,6 @@ _upgrade_with_body = _refusal(
     "this server does not switch protocols, and cannot read the body of a request "
     "that asks to (Connection: upgrade); send it without the Upgrade field",
 )
-
 
 #: Checked response fields a server remembers (a node's differ by little: its
 #: rate-limit fields, the date of the second, a few content types).
@@ -525,6 +526,9 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         #: after writing this (an error for a request behind them; b"": nothing).
         #: Nothing more is read meanwhile.
         _last_word: bytes | None = None
+        #: A half-closed connection's requests read whole are answered (see
+        #: eof_received): the router's protocol sets it.
+        answers_after_eof = False
         # uvicorn's, set in its __init__ (declared for the type checker).
         timeout_keep_alive_task: asyncio.TimerHandle | None
         app: Any
@@ -900,15 +904,22 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                     self._body_timer = self.loop.call_later(body_timeout, self._body_late)
 
         def eof_received(self) -> bool:
-            """The client half-closed (``shutdown(SHUT_WR)``): requests it sent whole
-            are still answered, then the connection closes, as nginx does; an
-            idle one, or one mid-request (that request can never end), closes
-            at once. uvicorn's returns None, on which the transport (asyncio's
-            and uvloop's alike) closes itself: answers still being served were
-            lost while their requests were counted, and so was an answer already
-            given but still in node/server.py's coalesced writes (they leave at
-            the end of the loop step; the real transport closed first)."""
-            if self._answers_owed():
+            """The client half-closed (``shutdown(SHUT_WR)``), or closed. uvicorn's
+            returns None, on which the transport (asyncio's and uvloop's alike)
+            closes itself: an answer already given but still in node/server.py's
+            coalesced writes (they leave at the end of the loop step) was lost, so
+            the close goes through our transport, which writes them first.
+
+            With :attr:`answers_after_eof` (the router's), requests read whole
+            are still answered, then the connection closes, as nginx does for
+            what it serves itself; an idle connection, or one mid-request (that
+            request can never end), closes at once. A node does not: a FIN is
+            also how a client that gave up closes (a router past its timeout),
+            and a request the node proxies to its ``--upstream`` is abandoned
+            then (node/upstream.py), as nginx abandons a proxied request whose
+            client closed, rather than holding the upstream connection for its
+            whole timeout."""
+            if self.answers_after_eof and self._answers_owed():
                 self._close_after_answers(b"")
             else:
                 self.transport.close()  # (ours: what is buffered leaves first)

@@ -405,6 +405,10 @@ def direct_proxy_protocol(base: type) -> type:
         #: connection joins them once a second, not on every answer. (The list is
         #: held: ``is`` cannot match another one.)
         defaults_written: tuple[Any, bytes] = (None, b"")
+        #: A client that half-closes after its requests gets their answers (the
+        #: router abandons no forward when its client closes, so nothing is held
+        #: longer for it: node/frontdoor.py ``eof_received``).
+        answers_after_eof = True
 
         #: uvicorn's: a task for ``cycle`` (where a ProxyCycle goes on, when it does).
         start_task = base._start_asgi_task  # type: ignore[attr-defined]

@@ -663,12 +663,16 @@ def recording_app(paths: list[str]) -> object:
 
 
 def talk(
-    front_door: object, writes: list[tuple[float, bytes]], seconds: float, half_close: bool = False
+    front_door: object,
+    writes: list[tuple[float, bytes]],
+    seconds: float,
+    half_close: bool = False,
+    answers_after_eof: bool = False,
 ) -> tuple[bytes, float | None, list[str]]:
     """Serve :func:`recording_app` behind ``front_door``; make ``writes`` (each
     after a pause) on one connection (then half-close it if ``half_close``), then
     read until it closes or ``seconds`` pass: (what was answered, when it closed
-    or None, the paths the app saw)."""
+    or None, the paths the app saw). ``answers_after_eof``: as a router's protocol."""
     import asyncio
 
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -680,6 +684,8 @@ def talk(
 
     async def main() -> tuple[bytes, float | None]:
         protocol = limited_protocol(HttpToolsProtocol, front_door)  # type: ignore[arg-type]
+        if answers_after_eof:
+            protocol = type("RouterLike", (protocol,), {"answers_after_eof": True})
         async with serving(protocol, recording_app(paths), ws="none") as (port, _):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             started = time.monotonic()
@@ -728,18 +734,23 @@ def test_a_huge_head_pipelined_behind_a_slow_request_is_cut_off() -> None:
     assert out.index(b"/slow") < out.index(b"headers_too_large"), out
 
 
-def test_a_half_close_behind_a_slow_request_waits_for_its_answer() -> None:
-    """On asyncio's event loop (the processes above run uvloop's): the request
-    sent before ``shutdown(SHUT_WR)`` is answered, then the connection closes.
-    (One request: a second, pipelined, pauses reading, and the end of the
-    stream would be seen only once the first is answered.)"""
+def test_a_half_close_behind_a_slow_request_waits_for_its_answer_on_a_router() -> None:
+    """On asyncio's event loop (the processes above run uvloop's): with the
+    router's ``answers_after_eof``, the request sent before ``shutdown(SHUT_WR)``
+    is answered, then the connection closes. (One request: a second, pipelined,
+    pauses reading, and the end of the stream would be seen only once the
+    first is answered.) Without it (a node's), the connection closes at once:
+    a FIN is also a client giving up, and a node abandons what it proxies then
+    (tests/test_upstream_forwarding.py)."""
     from node.frontdoor import FrontDoor
 
     front_door = FrontDoor(header_timeout=5, body_timeout=5)
     writes = [(0.0, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")]
-    out, closed, paths = talk(front_door, writes, 4, half_close=True)
+    out, closed, paths = talk(front_door, writes, 4, half_close=True, answers_after_eof=True)
     assert statuses(out) == [200] and paths == ["/slow"], (out, paths)
     assert closed is not None and 1.4 < closed < 2.5, closed
+    out, closed, paths = talk(front_door, writes, 4, half_close=True)
+    assert out == b"" and closed is not None and closed < 1, (out, closed)
 
 
 def test_a_request_behind_a_drain_past_its_cap_is_not_served() -> None:
