@@ -22,6 +22,8 @@ descriptors, and then every new connection fails. Here:
   router's client gets those still being served too, then the connection
   closes (a node abandons them: see ``eof_received``). An idle connection,
   or one in the middle of a request, closes at once.
+* **One Host.** An HTTP/1.1 request without a ``Host`` field, or any request
+  with more than one, is a ``400`` (RFC 9112 section 3.2).
 * **No protocol switch.** Neither process speaks WebSocket (``ws: none``): an
   ``Upgrade`` request is plain HTTP, and its connection closes after the
   answer (httptools parses nothing after an upgrade). One that declares a
@@ -241,6 +243,17 @@ _upgrade_with_body = _refusal(
     "upgrade_with_body",
     "this server does not switch protocols, and cannot read the body of a request "
     "that asks to (Connection: upgrade); send it without the Upgrade field",
+)
+
+#: The answer to an HTTP/1.1 request without a ``Host`` field, or to any request
+#: with more than one (RFC 9112 section 3.2): which one the app would see is
+#: not the client's to choose (with two, the last; with none, this server's own
+#: address, as a router forwards it).
+_bad_host = _refusal(
+    400,
+    "invalid_http",
+    "a request must carry exactly one Host header field (RFC 9112 section 3.2; "
+    "an HTTP/1.0 request may carry none)",
 )
 
 #: Checked response fields a server remembers (a node's differ by little: its
@@ -503,6 +516,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         #: Reads so far (node/server.py's ``postpone`` tells a batch from a stream).
         _reads = 0
         _parsed_bytes = 0
+        #: ``Host`` fields of the request being parsed (exactly one is valid).
+        _hosts = 0
         _header_timer: asyncio.TimerHandle | None = None
         #: While a request's body is arriving: when its headers ended, its bytes so
         #: far, and the timer that checks its pace.
@@ -712,6 +727,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def on_message_begin(self) -> None:
             self._parsed_bytes = 0
+            self._hosts = 0
             self._in_head = True
             if not self._waiting:
                 # Behind a request being served or in the same read as one's end:
@@ -774,9 +790,12 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             self._parsed_bytes += len(name) + len(value) + 4
             if self._parsed_bytes > max_header_bytes:
                 self._too_large()
-            # uvicorn's on_header (0.54), inline: no second call per field.
+            # uvicorn's on_header (0.54), inline: no second call per field; and the
+            # Host fields counted here, not in a second walk of the list.
             name = name.lower()
-            if name == b"expect" and value.lower() == b"100-continue":
+            if name == b"host":
+                self._hosts += 1
+            elif name == b"expect" and value.lower() == b"100-continue":
                 self.expect_100_continue = True
             self.headers.append((name, value))
 
@@ -842,6 +861,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 # uvicorn would answer its own plain-text 503 here; every other
                 # refusal of ours is JSON, so this one is too (same status).
                 refusal = _over_capacity
+            elif self._hosts != 1 and (self._hosts or self.parser.get_http_version() != "1.0"):
+                refusal = _bad_host
             elif upgrade and _declares_body(self.headers):
                 refusal = _upgrade_with_body
             if refusal is None:

@@ -400,6 +400,7 @@ def direct_proxy_protocol(base: type) -> type:
         pipeline: Any
         expect_100_continue: bool
         root_path: str
+        _hosts: int  # (node/frontdoor.py's)
         #: The server's default fields (``date``, ``server``) last written, and as
         #: bytes: uvicorn replaces their list (a new date) once a second, so a
         #: connection joins them once a second, not on every answer. (The list is
@@ -428,6 +429,7 @@ def direct_proxy_protocol(base: type) -> type:
                 or self.expect_100_continue
                 or self.root_path
                 or parser.should_upgrade()
+                or self._hosts != 1  # (counted by the front door: its 400, or HTTP/1.0's none)
                 or not getattr(self.app, "direct_proxy", False)
             ):
                 super().on_headers_complete()

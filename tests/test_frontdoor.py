@@ -633,6 +633,35 @@ def test_a_half_closed_idle_or_partial_connection_closes_at_once(cluster: tuple[
         assert time.monotonic() - started < 0.5
 
 
+@pytest.mark.parametrize("who", ["router", "node"])
+@pytest.mark.parametrize(
+    ("request_bytes", "expected"),
+    [
+        (b"GET /hello HTTP/1.1\r\nX-User-Id: a\r\n\r\n", 400),
+        (b"GET /hello HTTP/1.1\r\nHost: a\r\nX-User-Id: a\r\nHost: b\r\n\r\n", 400),
+        (b"GET /healthz HTTP/1.1\r\n\r\n", 400),
+        (b"POST /v1/check HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", 400),
+        (b"GET /hello HTTP/1.0\r\nHost: a\r\nHost: b\r\nX-User-Id: a\r\n\r\n", 400),
+        (b"GET /hello HTTP/1.0\r\nX-User-Id: a\r\n\r\n", 200),
+        (b"GET /hello HTTP/1.1\r\nHOST: a\r\nX-User-Id: a\r\n\r\n", 200),
+    ],
+    ids=["none", "two", "healthz none", "decision none", "1.0 two", "1.0 none", "one"],
+)
+def test_a_request_needs_exactly_one_host_field(
+    cluster: tuple[str, str], who: str, request_bytes: bytes, expected: int
+) -> None:
+    """RFC 9112 section 3.2: an HTTP/1.1 request without Host, or any request with
+    more than one, is a 400 (JSON, as the front door's other 400s). Both were
+    proxied: with two, the app saw the last; with none, the node's own address
+    (found by an exploratory tester). HTTP/1.0 may leave it out."""
+    router, node = cluster
+    out = answers_until_closed(port_of(router if who == "router" else node), request_bytes)
+    assert statuses(out) == [expected], out[-400:]
+    if expected == 400:
+        error = json.loads(out.split(b"\r\n\r\n", 1)[1])
+        assert error["error"] == "invalid_http" and "Host" in error["detail"], error
+
+
 # In-process: a protocol with the front door serving a small app over a real socket.
 
 
