@@ -11,8 +11,9 @@ descriptors, and then every new connection fails. Here:
   started a request).
 * **Header size.** More than ``max_header_bytes`` before the headers end is a
   ``431`` and a closed connection. It holds for a request pipelined behind
-  one being served too, and for a chunked body's framing and trailers, which
-  the parser buffers as it does headers (``431``).
+  one being served too, and for a chunked body's framing (the first chunk's
+  line included) and trailers, which the parser buffers as it does headers
+  (``431``).
 * **Answers owed first.** A malformed (``400``) or oversized (``431``)
   request behind requests read whole (pipelined, or in the same read) is
   refused only after those are answered, in order; then the connection
@@ -508,10 +509,14 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         #: connection waits: a request pipelined behind one being served does not).
         _in_head = False
         _header_bytes = 0
-        #: A chunked body under way, and the bytes read since the last read that
-        #: carried any of its data: framing, and after the last chunk its trailers,
-        #: which the parser buffers as it does headers.
-        _chunked = False
+        #: A request's body may be under way (from the end of its headers to the
+        #: end of the request), and the bytes read since the last read that
+        #: carried any of its data: a chunked body's framing (the first chunk's
+        #: line too: httptools reports a chunk's header only once its line has
+        #: ended, so a line of endless extensions was never capped), and after
+        #: the last chunk its trailers, which the parser buffers as it does
+        #: headers. (A body of a declared length is all data: never counted.)
+        _in_body = False
         _unframed = 0
         #: Reads so far (node/server.py's ``postpone`` tells a batch from a stream).
         _reads = 0
@@ -653,7 +658,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 self._last_word = last
             self._stop_waiting()
             self._cancel_timer()
-            self._chunked = False
+            self._in_body = False
             # (It stays among the server's connections: a graceful shutdown waits
             # for it, and it counts under the cap, as a connection being served.)
 
@@ -687,7 +692,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             self._inline_left = MAX_INLINE_PER_READ
             if self._waiting or self._in_head:
                 self._header_bytes += len(data)
-            if self._chunked:
+            if self._in_body:
                 self._chunk_data_received(data)
             else:
                 base_data_received(self, data)
@@ -702,7 +707,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 self._close_waiting(_TOO_LARGE)
 
         def _chunk_data_received(self, data: bytes) -> None:
-            """A read during a chunked body: past ``max_header_bytes`` of reads with
+            """A read while a body may be under way: past ``max_header_bytes`` of reads with
             none of the body's data (a chunk line's extensions, or trailers that
             never end: httptools joins a trailer's pieces as it does a header's,
             at a cost that grows with the square of its length) it is refused."""
@@ -710,8 +715,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             # read, and one the same size as the last compared equal: a chunked
             # upload the size of the one before it on the connection got a 431.)
             before = self._body_seen
-            super().data_received(data)
-            if not self._chunked or self.transport.is_closing():
+            base_data_received(self, data)
+            if not self._in_body or self.transport.is_closing():
                 return  # the message ended in this read
             if self._body_seen != before:
                 self._unframed = 0
@@ -719,11 +724,6 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             self._unframed += len(data)
             if self._unframed > max_header_bytes:
                 self._close_waiting(_TRAILERS_TOO_LARGE)
-
-        def on_chunk_header(self) -> None:
-            if not self._chunked:
-                self._chunked = True
-                self._unframed = 0
 
         def on_message_begin(self) -> None:
             self._parsed_bytes = 0
@@ -733,8 +733,6 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 # Behind a request being served or in the same read as one's end:
                 # its headers count from here (the rest of that read is not counted).
                 self._header_bytes = 0
-            if self._chunked:
-                self._chunked = False  # (the request before it was chunked)
             if self._inline and self.timeout_keep_alive_task is not None:
                 # An answer written inline earlier in this read armed the keep-alive
                 # timer (uvicorn's, cancelled only as a read begins), or marked the
@@ -745,6 +743,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def on_message_complete(self) -> None:
             # uvicorn's, inlined (no extra frame per request), plus the end of a drain.
+            self._in_body = False
             cycle = self.cycle
             if cycle is None:
                 return  # an upgrade as the connection's first request
@@ -852,6 +851,10 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
 
         def on_headers_complete(self) -> None:
             self._stop_waiting()
+            # A body may follow: reads without any of its data are its framing from
+            # here on, the first chunk's line included (see _in_body).
+            self._in_body = True
+            self._unframed = 0
             # Every request (a bodyless one is complete before the timer looks).
             self._await_body()
             limit = self.limit_concurrency

@@ -662,6 +662,36 @@ def test_a_request_needs_exactly_one_host_field(
         assert error["error"] == "invalid_http" and "Host" in error["detail"], error
 
 
+@pytest.mark.parametrize("who", ["router", "node"])
+def test_endless_extensions_on_the_first_chunk_are_refused(
+    cluster: tuple[str, str], who: str
+) -> None:
+    """A chunked body's framing is capped at the header size from its first chunk
+    on: the first chunk's line (``2;`` then 1 MB of extension) went uncounted,
+    since httptools reports a chunk's header only once its line ends, and the
+    request was served (found by an exploratory tester)."""
+    router, node = cluster
+    head = (
+        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n2;"
+    )
+    with socket.create_connection(
+        ("127.0.0.1", port_of(router if who == "router" else node))
+    ) as sock:
+        sock.sendall(head)
+        time.sleep(0.05)
+        try:
+            for _ in range(128):  # 1 MiB at most, 8 KiB a write
+                sock.sendall(b"e" * 8192)
+                time.sleep(0.001)
+            sock.sendall(b"\r\n{}\r\n0\r\n\r\n")
+        except OSError:
+            pass  # closed once past the cap
+        answer, took = closed_within(sock, 3)
+    assert status(answer) == 431 and b"framing" in answer, answer[:300]
+    assert took < 0.9, took
+
+
 # In-process: a protocol with the front door serving a small app over a real socket.
 
 
