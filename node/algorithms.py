@@ -46,6 +46,8 @@ EPS = 1e-9
 #: short emission interval is far more than EPS.
 UNIT_EPS = 1e-6
 _floor = math.floor
+#: The shortest wait the sliding window answers (see ``_sw_wait``).
+SW_MIN_WAIT = 1e-6
 
 State = Any
 DecideFn = Callable[[State, float, Rule, int], tuple[State, Decision]]
@@ -467,7 +469,13 @@ def _sw_wait(
     else:
         return 0.0
     wait = retry_at - now
-    return wait if wait > 0.0 else 0.0
+    # Called only when ``need`` units do not fit under the estimate now; a
+    # retry_at at or before now is rounding (the estimate's product with the
+    # window's weight, at Unix-time magnitudes: 2 units of a 0.1 s window came
+    # 5e-6 units short). Never 0.0, which says nothing is to wait for (a whole
+    # quota): one microsecond, the decision API's resolution, by which the
+    # estimate has slid further than that rounding (hypothesis found r=0, t=0).
+    return wait if wait > SW_MIN_WAIT else SW_MIN_WAIT
 
 
 def _sw_next(

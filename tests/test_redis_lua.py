@@ -306,6 +306,28 @@ def test_a_first_window_at_a_rounding_boundary_holds_now(
         assert start <= now < start + rule.period
 
 
+def test_a_sliding_windows_wait_lost_to_rounding_is_a_microsecond_in_lua_too(
+    client: redis.Redis,
+) -> None:
+    """2 per 0.1 s, drained, then 0.1 s on: the estimate comes 5e-6 units short of
+    a whole one, whose wait rounded to 0 (r=0 with t=0: tests/test_standards.py).
+    Both the engine and the scripts say one microsecond (SW_MIN_WAIT)."""
+    rule = Rule("w", 2, 0.1, "sliding_window")
+    start = 1_800_000_000.0
+    steps = [(start + 0.25, 2), (start + 0.25 + 0.1, 0)]
+    for script in (STANDALONE["sliding_window"], CHECK):
+        client.flushdb()
+        store = MemoryStore()
+        for now, cost in steps:
+            want = store.check("u", [rule], now, cost)
+            _, got = call(client, script, "u", [rule], now, cost)
+            assert_same_verdict(got, want, f"sliding_window at {now!r}")
+        assert want.decision.remaining == got.decision.remaining == 0
+        # (Beyond assert_same_verdict's tolerance: 0.0 is what was wrong.)
+        assert want.decision.available_after == algorithms.SW_MIN_WAIT
+        assert got.decision.available_after == pytest.approx(algorithms.SW_MIN_WAIT, rel=1e-6)
+
+
 def test_denied_multi_rule_call_changes_nothing(client: redis.Redis) -> None:
     client.flushdb()
     roomy = Rule("roomy", 10, 60.0, "sliding_log")

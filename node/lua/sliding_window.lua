@@ -30,10 +30,11 @@ do
       return 0.0
     end
     local wait = retry_at - now
-    if wait > 0.0 then
+    -- node.algorithms.SW_MIN_WAIT: at or before now is rounding, never 0.0.
+    if wait > 1e-6 then
       return wait
     end
-    return 0.0
+    return 1e-6
   end
 
   -- node.algorithms._sw_next: seconds until remaining + 1 units fit.
