@@ -546,6 +546,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         #: after writing this (an error for a request behind them; b"": nothing).
         #: Nothing more is read meanwhile.
         _last_word: bytes | None = None
+        #: A pipelined request dropped unstarted (see _drop_unfinished).
+        _dropped: Any = None
         #: A half-closed connection's requests read whole are answered (see
         #: eof_received): the router's protocol sets it.
         answers_after_eof = False
@@ -628,6 +630,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             the connection closes (:meth:`_close_after_answers`): closing now
             lost their answers while the app still served them."""
             if answer is not None and self._answers_owed():
+                self._drop_unfinished()
                 self._close_after_answers(answer)
                 return
             may_answer = answer is not None and self._may_answer()
@@ -647,6 +650,20 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 return True
             cycle = self.cycle
             return cycle is not None and not cycle.response_complete and not cycle.more_body
+
+        def _drop_unfinished(self) -> None:
+            """The request the trouble is in, if its headers came whole and it waits
+            in uvicorn's pipeline behind the one being served: it never starts
+            (its body can never end: nothing more is read). Started, it held the
+            connection until the body timeout and the promised answer never came
+            (a review)."""
+            cycle = self.cycle
+            if cycle is None or not getattr(cycle, "more_body", False):
+                return
+            for entry in list(self.pipeline):
+                if entry[0] is cycle:
+                    self.pipeline.remove(entry)
+                    self._dropped = cycle
 
         def _close_after_answers(self, last: bytes) -> None:
             """Nothing more is read (what comes is dropped, not parsed: the parser
@@ -908,6 +925,9 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                     postpone(self._reads)
             cycle = self.cycle
             if self.transport.is_closing():
+                return
+            if cycle is not None and cycle is self._dropped and not self.pipeline:
+                self._say_last_word()  # answered what was owed; the dropped one never runs
                 return
             if cycle is None or (cycle.response_complete and not cycle.more_body):
                 if self._last_word is not None and not self.pipeline:

@@ -7,6 +7,11 @@ from typing import Any
 
 __all__ = ["lazy_keep_alive"]
 
+#: A keep-alive timer this late (seconds) fired after the process was held; it
+#: looks again STALL_RECHECK seconds later, once the loop has read what came.
+STALL = 0.25
+STALL_RECHECK = 0.01
+
 
 def lazy_keep_alive(base: type) -> type:
     """``base`` (uvicorn's httptools protocol) with one keep-alive timer per
@@ -53,7 +58,7 @@ def lazy_keep_alive(base: type) -> type:
                     self.timeout_keep_alive, self._keep_alive_due
                 )
 
-        def _keep_alive_due(self) -> None:
+        def _keep_alive_due(self, looked_again: bool = False) -> None:
             self.timeout_keep_alive_task = None
             since = self._idle_since
             if since is None:
@@ -61,6 +66,18 @@ def lazy_keep_alive(base: type) -> type:
             left = since + self.timeout_keep_alive - self.loop.time()
             if left > 0:
                 self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_due)
+                return
+            if not looked_again and -left > STALL:
+                # Due long ago: the process was held (SIGSTOP, a long collection),
+                # and a request sent meanwhile may be waiting unread: a stopped
+                # epoll_wait returns EINTR, and libuv then runs the due timers
+                # before it polls again, so the connection was closed with the
+                # request in it and the client got a reset (an exploratory tester:
+                # a decision-API call on a warm connection across a 6 s SIGSTOP of
+                # the router). Look again once the loop has polled.
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    STALL_RECHECK, self._keep_alive_due, True
+                )
                 return
             self.timeout_keep_alive_handler()
 

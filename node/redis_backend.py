@@ -251,17 +251,18 @@ def check_url_options(url: str) -> None:
         # does not know (``?foo=1``, ``ssl_*`` on ``redis://``) failed only at the
         # first connect, as a traceback that stopped the node's start.
         BlockingConnectionPool.from_url(url).make_connection()
-    except TypeError as exc:
-        found = re.search(r"argument '([^']*)'", str(exc))
-        name = found.group(1) if found else "?"
-        raise ValueError(
-            f"--redis-url {redact_url(url)}: redis-py takes no ?{name} in a "
-            f"{parts.scheme}:// URL (query parameters are redis-py's connection options)"
-        ) from None
-    except RedisConnectionError as exc:  # an option out of range: protocol=9
-        raise ValueError(f"--redis-url {redact_url(url)}: {exc}") from None
     except ValueError:
         pass  # not a Redis URL at all: the caller says so, in its own words
+    except Exception as exc:  # whatever redis-py makes of an option
+        found = re.search(r"unexpected keyword argument '([^']*)'", str(exc))
+        if found is not None:
+            said = (
+                f"redis-py takes no ?{found.group(1)} in a {parts.scheme}:// URL (query "
+                "parameters are redis-py's connection options)"
+            )
+        else:  # an option out of range (?protocol=9), or of a kind it cannot use
+            said = f"redis-py cannot use its options ({type(exc).__name__}: {exc})"[:300]
+        raise ValueError(f"--redis-url {redact_url(url)}: {said}") from None
 
 
 class RedisBackend:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
+import socket
 from collections.abc import Mapping
 from urllib.parse import unquote, urlsplit
 
@@ -70,10 +72,25 @@ def for_another_site(headers: Mapping[str, str]) -> bool:
 
 
 def _loopback_name(name: str) -> bool:
-    """``localhost``, a loopback address, or a name under ``.localhost``, which
-    RFC 6761 (6.3) reserves for loopback: browsers resolve it themselves, so no
-    page can rebind one (the in-process test cluster names its members so)."""
-    return is_loopback(name) or name.endswith(".localhost")
+    """A name no page can rebind to this host: ``localhost`` and names under
+    ``.localhost`` (RFC 6761 6.3: browsers resolve them themselves; the
+    in-process test cluster names its members so), an address (a rebinding
+    page needs a DNS name; ``0.0.0.0`` is what a node bound to it and given no
+    ``--url`` registers as), or this machine's own name (what such a node
+    registers as otherwise, and Debian maps it to 127.0.1.1)."""
+    if name == "localhost" or name.endswith(".localhost") or name in _own_names():
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _own_names() -> frozenset[str]:
+    # gethostname() only: no DNS lookup (getfqdn) on the event loop.
+    return frozenset({socket.gethostname().lower()} - {""})
 
 
 def bearer(authorization: str | None) -> str | None:

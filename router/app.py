@@ -784,13 +784,13 @@ class Router:
                     # The owner decided nothing (it has not heard from a router within
                     # its lease): as if it were unreachable. Perhaps it was removed and
                     # this router has not been told: look for a newer view first.
-                    self.metrics.outcome(member.id, "lease_expired")
                     if await self.membership.newer_view(member):
                         refused += 1
                         continue
                     if await self.membership.renew_lapsed(member):
                         refused += 1
                         continue  # renewed (this router was paused): it decides again
+                    self.metrics.outcome(member.id, "lease_expired")
                     unreachable = "lease expired"
                 elif why == b"token":
                     # The owner refused this router's internal token: as if it were

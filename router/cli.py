@@ -1541,7 +1541,11 @@ def _fetch(
     import httpx
 
     with (
-        httpx.Client(timeout=timeout, headers=headers) as client,
+        # Connecting gets half the time, so a router that cannot be reached (its
+        # packets dropped) is said as such before the whole answer's deadline.
+        httpx.Client(
+            timeout=httpx.Timeout(timeout, connect=min(timeout / 2, 10.0)), headers=headers
+        ) as client,
         client.stream(method, url, json=body) as streamed,
     ):
         content = bytearray()

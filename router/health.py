@@ -161,6 +161,7 @@ class HealthMonitor:
         m = self.membership
         now = asyncio.get_running_loop().time()
         removed = [r for r in m.removed.values() if r.id not in m.view]
+        m.dismissed.intersection_update(m.removed)  # (one the log buried: MAX_REMOVED)
         due, forget = self.revival.plan([r.id for r in removed], now)
         for member_id in forget:
             del m.removed[member_id]
@@ -250,7 +251,18 @@ class HealthMonitor:
         token = data.get("token")
         health.token = token if isinstance(token, str) else None
         health.offered_at = asyncio.get_running_loop().time()
-        if not m.granting or health.token is None or member.id in self.condemned:
+        if (
+            not m.granting
+            or health.token is None
+            or member.id in self.condemned
+            # Decided for removal (condemned only once its task runs), or removed
+            # while the offer was on its way: no lease past the bound the removal
+            # waited out. Asked at the grant, not at the probe: an on-demand
+            # renewal (Membership.renew_lapsed) may start at any time.
+            or member.id in self.removing
+            or member.id not in m.view
+            or m.view.member(member.id) != member
+        ):
             return data
         health.lease_until = max(
             health.lease_until,

@@ -297,8 +297,9 @@ def test_a_redis_url_whose_query_would_override_the_nodes_settings(command: str)
         ("/0?ssl_cert_reqs=none", "redis-py takes no ?ssl_cert_reqs in a redis:// URL"),
         ("/0?protocol=9", "protocol must be either 2 or 3"),
         ("/abc", "the database (the URL's path) must be a number, got '/abc'"),
+        ("/0?retry=1", "redis-py cannot use its options (AttributeError"),
     ],
-    ids=["unknown", "tls-option-on-plain", "bad-protocol", "database-not-a-number"],
+    ids=["unknown", "tls-option-on-plain", "bad-protocol", "database-not-a-number", "retry"],
 )
 @pytest.mark.parametrize("command", ["up", "node"])
 def test_a_redis_url_redis_py_cannot_use_is_refused_at_start(

@@ -23,6 +23,7 @@ import json
 import logging
 import re
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -310,6 +311,15 @@ async def test_a_forced_exit_answers_500_as_for_a_task() -> None:
         it.node.release.set()
 
 
+def gone(writer: asyncio.StreamWriter) -> None:
+    """The client goes away at once: its connection reset (SO_LINGER 0). A client
+    that closes with a FIN may only have half-closed, and is answered first
+    (node/frontdoor.py ``eof_received``; tests/test_frontdoor.py)."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.close()
+
+
 async def test_a_client_gone_mid_forward(caplog: pytest.LogCaptureFixture) -> None:
     """The forward goes on (counted in the server's tasks meanwhile, as a task
     would be), its answer is dropped, it is counted, nothing is logged as a
@@ -318,7 +328,7 @@ async def test_a_client_gone_mid_forward(caplog: pytest.LogCaptureFixture) -> No
         await warm(it.port)
         reader, writer = await ask(it.port, "/hold/a")
         await wait_until(lambda: it.node.held == 1, 5)
-        writer.close()
+        gone(writer)
         await wait_until(lambda: not it.server.server_state.connections, 5)
         assert in_flight(it.server) == (1, 0)
         it.node.release.set()
@@ -350,7 +360,7 @@ async def test_forwards_in_flight_without_a_task_count_against_limit_concurrency
         for held, path in enumerate(("/hold/a", "/hold/b"), start=3):
             _, writer = await ask(it.port, path)
             await wait_until(lambda held=held: it.node.held == held, 5)  # type: ignore[misc]
-            writer.close()
+            gone(writer)
         await wait_until(lambda: not it.server.server_state.connections, 5)
         assert in_flight(it.server) == (2, 0)
         reader, writer = await ask(it.port, "/c")

@@ -211,7 +211,19 @@ async def test_without_an_admin_token_another_sites_page_cannot_use_the_admin_ap
         joined = await cluster.client.post("/admin/nodes", content=join, headers=REBOUND_PLAIN)
         assert joined.status_code == 403, joined.text
         assert "n3" not in cluster.router.membership.view.ids
-        for name in ("127.0.0.1:8000", "LOCALHOST", "[::1]:8000", "n1.localhost"):
+        # Names no page can rebind: loopback ones, addresses (a node bound to
+        # 0.0.0.0 registers so), this machine's own name (or else, as a review found).
+        import socket
+
+        for name in (
+            "127.0.0.1:8000",
+            "LOCALHOST",
+            "[::1]:8000",
+            "n1.localhost",
+            "0.0.0.0:8001",
+            "10.0.0.7:8000",
+            f"{socket.gethostname()}:8001",
+        ):
             loopback = await cluster.client.get("/admin/ring", headers={"Host": name})
             assert loopback.status_code == 200, (name, loopback.text)
         # The ring page itself, and its data, opened at a loopback address.
