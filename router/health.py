@@ -255,13 +255,12 @@ class HealthMonitor:
             not m.granting
             or health.token is None
             or member.id in self.condemned
-            # Decided for removal (condemned only once its task runs), or removed
-            # while the offer was on its way: no lease past the bound the removal
-            # waited out. Asked at the grant, not at the probe: an on-demand
-            # renewal (Membership.renew_lapsed) may start at any time.
+            # Decided for removal (condemned only once its task runs): no lease
+            # past the bound the removal waits out. Asked at the grant, not at
+            # the probe: an on-demand renewal (Membership.renew_lapsed) may start
+            # at any time. (Not "in the view": a newcomer's lease is granted
+            # before the view that holds it is adopted.)
             or member.id in self.removing
-            or member.id not in m.view
-            or m.view.member(member.id) != member
         ):
             return data
         health.lease_until = max(
