@@ -1018,6 +1018,7 @@ def test_up_warns_of_a_redis_timeout_before_anything_starts() -> None:
     result = ringlimit(
         *("up", "--backend", "redis", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"),
         *("--redis-timeout", "5", "--forward-timeout", "1", "--nodes", "1"),
+        *("--port", str(free_block(4))),  # not 8000, which a person may be using
     )
     lines = result.stderr.splitlines()
     assert result.returncode == 1 and len(lines) == 2, result.stderr
