@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
+from urllib.parse import quote
 
 import httpx
 
@@ -573,6 +574,18 @@ def _wait_for_ring(
             return None
 
 
+def _try_command(config: ClusterConfig, url: str) -> str:
+    """A request the cluster limits, as its identity asks for the user id: the
+    banner said ``-H 'X-User-Id: alice'`` whatever the config, and under a query
+    parameter or another header that request was a 400 (an exploratory tester)."""
+    identity = config.identity
+    if identity.source == "query":
+        return f"curl -i '{url}/hello?{quote(identity.name)}=alice'"
+    if identity.source == "client":
+        return f"curl -i {url}/hello"
+    return f"curl -i -H '{identity.name}: alice' {url}/hello"
+
+
 def _print_banner(
     url: str,
     ring: dict,
@@ -608,5 +621,5 @@ def _print_banner(
         f"nodes that exit are {restarted} (--restart {policy.mode}, at most "
         f"{policy.max_restarts} per {policy.window:g} s); SIGTERM to a node is a graceful leave"
     )
-    print(f"try:  curl -i -H 'X-User-Id: alice' {url}/hello     (Ctrl-C stops everything)")
+    print(f"try:  {_try_command(config, url)}     (Ctrl-C stops everything)")
     sys.stdout.flush()

@@ -482,3 +482,24 @@ def test_the_docs_flag_tables_match_the_parser(document: str) -> None:
             assert documented.strip("`") == actual, (flag, documented, actual)
         elif documented in ("on", "off") and isinstance(actual, str):
             assert documented == actual, (flag, documented, actual)
+
+
+@pytest.mark.parametrize(
+    ("identity", "command"),
+    [
+        ({}, "curl -i -H 'X-User-Id: alice' http://r/hello"),
+        ({"name": "X-Api-Key"}, "curl -i -H 'X-Api-Key: alice' http://r/hello"),
+        ({"source": "query", "name": "user"}, "curl -i 'http://r/hello?user=alice'"),
+        ({"source": "client"}, "curl -i http://r/hello"),
+    ],
+    ids=["default", "header", "query", "client"],
+)
+def test_the_banners_request_carries_the_user_id_where_the_config_says(
+    identity: dict[str, str], command: str
+) -> None:
+    """`up`'s banner suggested `-H 'X-User-Id: alice'` whatever the identity: under
+    a query parameter that request was a 400 missing_user_id (an exploratory tester)."""
+    from node.config import ClusterConfig, Identity
+    from router.supervisor import _try_command
+
+    assert _try_command(ClusterConfig(identity=Identity(**identity)), "http://r") == command

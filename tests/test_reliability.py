@@ -131,6 +131,35 @@ async def test_a_renewing_router_back_from_a_pause_renews_a_lapsed_lease_on_dema
         assert membership.stats["lease_renewals"] - renewals == len(cluster.nodes)
 
 
+async def test_no_lease_is_renewed_on_demand_for_a_member_being_removed() -> None:
+    """A member decided for removal (in ``removing``; condemned only once its task
+    runs) gets no lease from a request's on-demand renewal: the removal waits out
+    the leases granted so far, and a grant after that plan would outlast it (a
+    review). The request is answered by the rule's on_error (open: admitted,
+    uncounted), as before on-demand renewals."""
+    options = {"health_interval": 1.0, "health_timeout": 0.5, "failure_threshold": 3}
+    async with InProcessCluster(3, make_config(), clock=FrozenClock(), router_options=options) as (
+        cluster
+    ):
+        monotonic = await leased(cluster)
+        membership = cluster.router.membership
+        await exhaust(cluster)
+        user = USERS[0]
+        victim = cluster.owner(user)
+        held = asyncio.get_running_loop().create_future()  # its removal's task, not run yet
+        membership.monitor.removing[victim] = held  # type: ignore[assignment]
+        try:
+            renewals = membership.stats["lease_renewals"]
+            monotonic.advance(membership.lease_seconds + 0.01)
+            answer = await cluster.client.get("/api", headers={"X-User-Id": user})
+            assert answer.status_code == 200, answer.text  # on_error (open), not a 429
+            assert answer.headers["x-ringlimit-degraded"] == "owner-unreachable"
+            assert membership.stats["lease_renewals"] == renewals
+        finally:
+            membership.monitor.removing.pop(victim, None)
+            held.cancel()
+
+
 async def test_a_leased_node_failing_probes_is_removed_only_after_its_lease() -> None:
     options = {"health_interval": 1.0, "health_timeout": 0.5, "failure_threshold": 1}
     async with InProcessCluster(
