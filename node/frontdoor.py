@@ -658,7 +658,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             connection until the body timeout and the promised answer never came
             (a review)."""
             cycle = self.cycle
-            if cycle is None or not getattr(cycle, "more_body", False):
+            if cycle is None or not cycle.more_body:
                 return
             for entry in list(self.pipeline):
                 if entry[0] is cycle:
@@ -926,13 +926,15 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             cycle = self.cycle
             if self.transport.is_closing():
                 return
-            if cycle is not None and cycle is self._dropped and not self.pipeline:
-                self._say_last_word()  # answered what was owed; the dropped one never runs
+            done = cycle is None or (cycle.response_complete and not cycle.more_body)
+            if (
+                self._last_word is not None
+                and not self.pipeline
+                and (done or cycle is self._dropped)  # (a dropped one never runs)
+            ):
+                self._say_last_word()  # every request ahead is answered
                 return
-            if cycle is None or (cycle.response_complete and not cycle.more_body):
-                if self._last_word is not None and not self.pipeline:
-                    self._say_last_word()  # every request ahead is answered
-                    return
+            if done:
                 self._wait_for_request()
             elif cycle.response_complete:
                 # Answered before its body arrived whole: the rest is read and

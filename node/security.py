@@ -46,15 +46,15 @@ def for_another_site(headers: Mapping[str, str]) -> bool:
     A browser is a loopback client to every page it shows: a page of any site may
     send a POST with a text/plain body (no preflight) to ``127.0.0.1``, and one
     whose name its DNS rebinds to ``127.0.0.1`` may even read the answers. So a
-    request addressed by any name but a loopback one (``localhost``,
-    ``127.0.0.1``, ``[::1]``) is refused, whatever else it carries: a page
-    served over plain HTTP (a rebinding page) is not a secure context, so its
-    browser sends no ``Sec-Fetch-Site``, and a same-origin GET no ``Origin``
-    either (an exploratory tester read ``/admin/ring`` with ``Host: evil.com``
-    alone). Browsers that do mark their requests (``Sec-Fetch-Site``,
-    ``Origin``) are served only for a page of this same origin. Tools, routers
-    and nodes address a loopback peer by a loopback name, or send no ``Host``
-    (HTTP/1.0), and are not affected.
+    request addressed by a name a page could rebind (:func:`_cannot_be_rebound`)
+    is refused, whatever else it carries: a page served over plain HTTP (a
+    rebinding page) is not a secure context, so its browser sends no
+    ``Sec-Fetch-Site``, and a same-origin GET no ``Origin`` either (an
+    exploratory tester read ``/admin/ring`` with ``Host: evil.com`` alone).
+    Browsers that do mark their requests (``Sec-Fetch-Site``, ``Origin``) are
+    served only for a page of this same origin. Tools, routers and nodes address
+    a loopback peer by an address, ``localhost`` or this machine's name, or send
+    no ``Host`` (HTTP/1.0), and are not affected.
     """
     authority = headers.get("host")
     if authority is not None:
@@ -62,7 +62,7 @@ def for_another_site(headers: Mapping[str, str]) -> bool:
             name = authority[1:].partition("]")[0]  # [::1]:8000
         else:
             name = authority.partition(":")[0]
-        if not _loopback_name(name.lower()):
+        if not _cannot_be_rebound(name.lower()):
             return True
     site = headers.get("sec-fetch-site")
     if site is not None and site not in ("same-origin", "none"):
@@ -71,7 +71,7 @@ def for_another_site(headers: Mapping[str, str]) -> bool:
     return origin is not None and origin.partition("://")[2] != (authority or "")
 
 
-def _loopback_name(name: str) -> bool:
+def _cannot_be_rebound(name: str) -> bool:
     """A name no page can rebind to this host: ``localhost`` and names under
     ``.localhost`` (RFC 6761 6.3: browsers resolve them themselves; the
     in-process test cluster names its members so), an address (a rebinding

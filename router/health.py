@@ -161,11 +161,12 @@ class HealthMonitor:
         m = self.membership
         now = asyncio.get_running_loop().time()
         removed = [r for r in m.removed.values() if r.id not in m.view]
-        m.dismissed.intersection_update(m.removed)  # (one the log buried: MAX_REMOVED)
+        # Dismissed members are removed ones: one forgotten or buried (MAX_REMOVED) is
+        # no longer either.
+        m.dismissed.intersection_update(m.removed)
         due, forget = self.revival.plan([r.id for r in removed], now)
         for member_id in forget:
             del m.removed[member_id]
-            m.dismissed.discard(member_id)
             log.info(
                 "node %s (removed as crashed) is forgotten: no answer for %gs; "
                 "it comes back only by registering (--join, ringlimit nodes add)",
@@ -203,7 +204,6 @@ class HealthMonitor:
         removed = self.membership.removed
         if removed.get(member.id) == member:
             del removed[member.id]
-            self.membership.dismissed.discard(member.id)
             log.info(
                 "node %s (removed as crashed) is forgotten: %s answers as %s",
                 member.id,
