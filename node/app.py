@@ -44,7 +44,7 @@ from node.authority import Authority
 from node.backend import Backend, MemoryBackend
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig
-from node.decision import service_refused
+from node.decision import SERVICE_REFUSED_HEADERS, service_refused
 from node.failures import Failures
 from node.inline import INLINE, in_a_task, in_task, inline_app
 from node.lease import LeaseError
@@ -488,7 +488,8 @@ class Node:
         body = dumps(result_dict(verdict, self.settings.node_id)).encode()
         decision = verdict.decision
         if not verdict.allowed and service_refused(decision.reason, decision.retry_after):
-            return 503, [], body  # the proxy path's status for the same denial
+            # The proxy path's status for the same denial, and its Retry-After.
+            return 503, list(SERVICE_REFUSED_HEADERS), body
         return 200, [], body
 
     async def healthz(self, request: Request) -> Response:

@@ -27,6 +27,12 @@ def service_refused(reason: str | None, retry_after: float | None) -> bool:
     return reason in UNDECIDED and retry_after is None
 
 
+#: What a service-refused 503 adds: try again soon. A backend outage is probed
+#: every half second and a full store sweeps within a second, so, as for any
+#: other 503 of the cluster's (``ring_changing``, ``over_capacity``), one second.
+SERVICE_REFUSED_HEADERS: tuple[tuple[bytes, bytes], ...] = ((b"retry-after", b"1"),)
+
+
 def to_micros(seconds: float) -> float:
     """``seconds`` to the microsecond, as the decision API writes its times.
 

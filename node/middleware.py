@@ -29,7 +29,13 @@ from node.asgi import (
 from node.authority import Authority
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig, ScopedRule
-from node.decision import BACKEND_ERROR, BACKEND_UNAVAILABLE, Verdict, service_refused
+from node.decision import (
+    BACKEND_ERROR,
+    BACKEND_UNAVAILABLE,
+    SERVICE_REFUSED_HEADERS,
+    Verdict,
+    service_refused,
+)
 from node.headers import (
     DEGRADED_HEADER,
     HeaderCache,
@@ -301,8 +307,8 @@ class RateLimitMiddleware:
                 await self.app(scope, receive, _adding(send, fields))
             return
         fields = prepared.headers.render(rules, verdict, self.wall_clock())
-        status, body, content_type = denial(config, verdict)
-        await send_json(send, status, body, fields, content_type)
+        status, body, content_type, extra = denial(config, verdict)
+        await send_json(send, status, body, (*fields, *extra), content_type)
 
     async def _degraded(
         self,
@@ -327,8 +333,8 @@ class RateLimitMiddleware:
             fields.lines + b"%s: %s\r\n" % (DEGRADED_HEADER, mark),
         )
         if not verdict.allowed:
-            status, body, content_type = denial(prepared.config, verdict)
-            await send_json(send, status, body, marked.fields, content_type)
+            status, body, content_type, extra = denial(prepared.config, verdict)
+            await send_json(send, status, body, (*marked.fields, *extra), content_type)
             return
         state = scope.setdefault("state", {})
         state["ringlimit"] = {"key": user, "verdict": verdict, "degraded": mark.decode()}
@@ -352,19 +358,25 @@ def degraded_mark(verdict: Verdict) -> bytes | None:
     return None
 
 
-def denial(config: ClusterConfig, verdict: Verdict) -> tuple[int, dict[str, Any], bytes]:
-    """``(status, body, content type)`` of a denied request.
+def denial(
+    config: ClusterConfig, verdict: Verdict
+) -> tuple[int, dict[str, Any], bytes, tuple[tuple[bytes, bytes], ...]]:
+    """``(status, body, content type, extra headers)`` of a denied request.
 
     A rule that fails closed while its backend is down, answered this check
     with an error (backend_error) or found no room for a new key in the store
     (store_full): the service, not the client, is the problem, so 503 rather
     than 429. (An open rule decided by the local fallback carries the same
-    reason but a real retry time: that client is over its limit, a 429.)
+    reason but a real retry time: that client is over its limit, a 429.) The
+    503 says when to try again, as the cluster's other 503s do; a 429's
+    ``Retry-After`` is among its rate-limit fields.
     """
     decision = verdict.decision
-    status = 503 if service_refused(decision.reason, decision.retry_after) else 429
-    body, content_type = denial_response(verdict, status, config.denial_format)
-    return status, body, content_type
+    if service_refused(decision.reason, decision.retry_after):
+        body, content_type = denial_response(verdict, 503, config.denial_format)
+        return 503, body, content_type, SERVICE_REFUSED_HEADERS
+    body, content_type = denial_response(verdict, 429, config.denial_format)
+    return 429, body, content_type, ()
 
 
 def not_owner_body(exc: NotOwner) -> dict[str, object]:

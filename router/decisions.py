@@ -22,7 +22,7 @@ import msgspec
 
 from node.asgi import Receive, Scope, Send, error_body, read_all, send_json_bytes
 from node.config import Limits
-from node.decision import service_refused
+from node.decision import SERVICE_REFUSED_HEADERS, service_refused
 from node.rules import MAX_NAME
 from node.security import bearer, token_matches
 from node.wire import (
@@ -217,7 +217,7 @@ class DecisionAPI:
             # reading (the common answer has no "reason" field at all): a denial its
             # backend or store made is the node's 503, not a 200.
             if b'"reason":' in result and _service_refused(_decoded(result)):
-                return 503, result, []
+                return 503, result, list(SERVICE_REFUSED_HEADERS)
             return 200, result, []
         assert isinstance(result, dict)
         headers: list[tuple[bytes, bytes]] = []
@@ -232,9 +232,7 @@ class DecisionAPI:
             # A closed rule whose owner did not answer: as the proxy path's 503 says it.
             status = 503
             headers.append((b"retry-after", b"1"))
-        elif _service_refused(result):
-            status = 503  # as above: the owner's backend or store refused it
-        else:
+        else:  # (the router's own results never carry a backend's or a store's reason)
             status = 200
         return status, dumps(result).encode(), headers
 

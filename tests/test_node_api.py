@@ -982,10 +982,13 @@ async def test_a_full_store_refuses_a_closed_rules_new_key_as_the_services_fault
         refused = await client.get("/", headers={"X-User-Id": "later"})
         assert refused.status_code == 503, refused.text
         assert refused.json()["reason"] == "store_full"
-        assert "retry-after" not in refused.headers
+        # Not a retry time from the fresh quota: the 503's "try again soon", as
+        # the cluster's other 503s say it (it had none).
+        assert refused.headers["retry-after"] == "1"
         assert refused.headers["x-ratelimit-remaining"] == "0"
         answer = await client.post("/v1/check", json={"key": "later", "rule": "api"})
         assert answer.status_code == 503, answer.text  # as the proxy path says it
+        assert answer.headers["retry-after"] == "1"
         result = answer.json()
         assert (result["allowed"], result["remaining"], result["reason"]) == (
             False,

@@ -217,6 +217,7 @@ def test_redis_killed_mid_traffic_and_restarted(
         closed = get("/closed/x", "during")
         assert closed.status_code == 503
         assert closed.json()["reason"] == "backend_unavailable"
+        assert closed.headers["retry-after"] == "1"
 
         redis.start()
         assert wait_for(lambda: balance() == "round-robin", 15), "did not return to Redis"
@@ -328,6 +329,7 @@ def test_a_user_redis_refuses_answers_per_on_error_and_says_so_once(
         # denial over its local limit, with a retry time, is a decision: 200).
         single = client.post("/v1/check", json={"key": "bob", "rule": "closed"})
         assert single.status_code == 503, single.text
+        assert single.headers["retry-after"] == "1"
         assert single.json()["allowed"] is False
         assert single.json()["reason"] == "backend_unavailable"
         assert single.json()["retry_after"] is None

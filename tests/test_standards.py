@@ -344,6 +344,7 @@ async def test_a_closed_rule_without_backend_is_a_plain_503_problem() -> None:
         response = await c.get("/", headers={"X-User-Id": "u"})
     assert response.status_code == 503
     assert response.headers["content-type"] == "application/problem+json"
+    assert response.headers["retry-after"] == "1"  # RFC 9110 15.6.4: when to try again
     body = response.json()
     assert body["type"] == "about:blank" and body["status"] == 503
     assert "violated-policies" not in body and body["reason"] == BACKEND_UNAVAILABLE
