@@ -160,6 +160,33 @@ async def test_no_lease_is_renewed_on_demand_for_a_member_being_removed() -> Non
             held.cancel()
 
 
+async def test_on_demand_renewals_of_one_member_are_started_at_most_once_per_interval() -> None:
+    """A member whose lease keeps lapsing (a renewal that did not hold: its clock
+    jumped, or it lost the grant again) gets at most one on-demand renewal per
+    ``every`` seconds: a flood of its refusals is answered by on_error meanwhile,
+    not by a renewal each (a round trip per request to a member in trouble)."""
+    options = {"health_interval": 1.0, "health_timeout": 0.5, "failure_threshold": 3}
+    async with InProcessCluster(3, make_config(), clock=FrozenClock(), router_options=options) as (
+        cluster
+    ):
+        monotonic = await leased(cluster)
+        membership = cluster.router.membership
+        member = membership.view.member("n1")
+        renewals = membership.stats["lease_renewals"]
+        monotonic.advance(membership.lease_seconds + 0.01)  # lapsed
+        assert await membership.renew_lapsed(member, every=3600.0)
+        assert membership.stats["lease_renewals"] == renewals + 1
+        monotonic.advance(membership.lease_seconds + 0.01)  # lapsed again at once
+        assert not await membership.renew_lapsed(member, every=3600.0)  # throttled
+        assert membership.stats["lease_renewals"] == renewals + 1
+        # Another member is not held back by n1's renewal...
+        assert await membership.renew_lapsed(membership.view.member("n2"), every=3600.0)
+        assert membership.stats["lease_renewals"] == renewals + 2
+        # ... and once the interval is over (here: none), n1 is renewed again.
+        assert await membership.renew_lapsed(member, every=0.0)
+        assert membership.stats["lease_renewals"] == renewals + 3
+
+
 async def test_a_leased_node_failing_probes_is_removed_only_after_its_lease() -> None:
     options = {"health_interval": 1.0, "health_timeout": 0.5, "failure_threshold": 1}
     async with InProcessCluster(
