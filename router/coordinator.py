@@ -537,9 +537,20 @@ class EtcdCoordinator:
         """
         key = self._key("leader")
         value = url.encode()
+        deposed = False
         while True:
             leading = False
             try:
+                if deposed:
+                    # Stepped down because etcd did not answer: the leader key it
+                    # made outlives the outage (an etcd restarted gives every
+                    # lease its whole ttl again), and every router, this one
+                    # too, waited that out before an election (the lead came
+                    # back ttl + 1 s after etcd did). It is this router's to
+                    # free, as a clean shutdown resigns: commits are fenced by
+                    # the key's creation, node leases by a new leader's wait.
+                    await self._vacate(value)
+                    deposed = False
                 # Before the grant: etcd's ttl starts when it grants the lease.
                 sent = clock()
                 lease = await self._call("lease", lambda c: c.lease(self.ttl))
@@ -588,6 +599,7 @@ class EtcdCoordinator:
                 why = str(exc) or "etcd's connection was closed under a call"
                 if leading:
                     self._leading = _DEPOSED
+                    deposed = True
                     log.warning("stepping down as leader: %s", why)
                     await on_lose()
                 else:
@@ -672,8 +684,13 @@ class EtcdCoordinator:
     async def resign(self, url: str) -> None:
         """Give leadership up at once (a clean shutdown), if this router holds it
         (the key it created, when it led: not a successor's at the same URL)."""
+        with contextlib.suppress(CoordinatorError):
+            await self._vacate(url.encode())
+
+    async def _vacate(self, value: bytes) -> None:
+        """Delete the leader key if this router made it (:meth:`resign`);
+        CoordinatorError when etcd cannot be reached."""
         key = self._key("leader")
-        value = url.encode()
         created = self._created
 
         async def txn(client: Any) -> None:
@@ -688,8 +705,7 @@ class EtcdCoordinator:
                 failure=[],
             )
 
-        with contextlib.suppress(CoordinatorError):
-            await self._call("resign", txn)
+        await self._call("resign", txn)
 
     async def _wait_for_vacancy(self, key: bytes) -> None:
         """Wait until the leader key is gone: a lease expiry or a resignation.
