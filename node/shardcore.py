@@ -626,6 +626,10 @@ class ShardCore:
         self.sources_crashed = frozenset(crashed) | (
             self.sources_crashed if carried else frozenset()
         )
+        # Out of the view being replaced already: a leaving node sent a second view
+        # (a crash folded into its leave), whose final marks must carry what the
+        # first view's transfers still have on their way (:meth:`_flying_elsewhere`).
+        left_before = self.view is not None and self.id not in self.view
         self.previous = previous
         self.view = view
         self.successors.clear()
@@ -651,7 +655,7 @@ class ShardCore:
                 leftovers = [r for pending in self.outbox.values() for r in pending]
                 self.outbox.clear()
                 self.stash(leftovers, view, now)
-                self.stash(self._flying_elsewhere(view), view, now)
+                self.stash(self._flying_elsewhere(view, every=left_before), view, now)
                 if len(view) == 1 and not me_in:
                     # One member left (the other leaving): it owns every key, no
                     # need to hash a million of them to find that out.
@@ -833,7 +837,7 @@ class ShardCore:
             self.store.dirty = set()
         return self.store.dirty
 
-    def _flying_elsewhere(self, view: RingView) -> list[Record]:
+    def _flying_elsewhere(self, view: RingView, *, every: bool = False) -> list[Record]:
         """Copies of the states on their way to a member that ``view`` no longer
         makes their owner (a transfer of an older view, say a redelivery, still in
         flight when this view came).
@@ -846,11 +850,21 @@ class ShardCore:
         and sent again): up to a quota per key. A copy is exact (nobody decides
         a state in flight), and the flight's own landing is merged as the more
         restrictive of two states, so the state is never counted twice.
+
+        ``every``: copies of every state in flight, for a node that left the
+        view being replaced already (a crash removal folded into its leave
+        sends it a second view: router/viewlog.py ``fold_crashes``). Its final
+        marks of ``view`` tell the new owners that nothing more is coming,
+        and may overtake a large transfer of the leave still on its way; and
+        once it has answered, it may exit before that transfer lands.
         """
         copies: list[Record] = []
         for target, flights in self.in_flight.items():
             for records in flights:
-                copies.extend(r for r in records if view.owner_id(r[2]) != target)
+                if every:
+                    copies.extend(records)
+                else:
+                    copies.extend(r for r in records if view.owner_id(r[2]) != target)
         return copies
 
     def stash(self, records: list[Record], view: RingView, now: float) -> None:

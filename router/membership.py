@@ -143,10 +143,10 @@ class _Preempted(Exception):
     """A change not committed yet gave way to a crash removal (it retries)."""
 
 
-def _log_released(member_id: str, epoch: int) -> Callable[[asyncio.Task[None]], None]:
+def _log_released(member_id: str, epoch: int) -> Callable[[asyncio.Task[Any]], None]:
     """The end of a push no longer waited for: logged, not lost."""
 
-    def done(task: asyncio.Task[None]) -> None:
+    def done(task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.warning("node %s, push of epoch %d (not waited for): %s", member_id, epoch, exc)
 
@@ -1030,7 +1030,9 @@ class Membership:
             self.health.setdefault(member_id, Health()).state = "leaving"
             committed = await self._commit(change.view, change.previous, ())
             try:
-                failed = await self._carry_out(change)
+                change, committed, failed = await self._carry_out_leave(
+                    change, member_id, committed
+                )
             except MembershipError:
                 log.warning("node %s did not take the leave; treating it as a crash", member_id)
                 # An operator's removal: no quorum, but its lease still bounds it.
@@ -1041,13 +1043,80 @@ class Membership:
                 if member_id not in self.view:
                     self.dismissed.add(member_id)
                 return self.view
-            self.log.remember(change.previous, ())
-            self._adopt(change.view)
+            self.log.remember(change.previous, change.crashed)
+            for crashed_id in change.crashed:
+                self.log.bury(change.previous.member(crashed_id))
+            self._adopt(change.view, change.crashed)
             await self._settle(committed)
             self.health.pop(member_id, None)
+            for crashed_id in change.crashed:
+                self.health.pop(crashed_id, None)
+                self.crashes += 1
+                log.warning(
+                    "node %s removed as crashed (failed its health checks, during the "
+                    "leave of %s): epoch %d",
+                    crashed_id,
+                    member_id,
+                    change.view.epoch,
+                )
+            for push in change.afterwards:
+                self._spawn(self._send(push))
             await self._crash_unresponsive(failed)
             log.info("node %s left: epoch %d", member_id, change.view.epoch)
             return change.view
+
+    async def _carry_out_leave(
+        self, change: Change, member_id: str, committed: ViewRecord | None
+    ) -> tuple[Change, ViewRecord | None, list[str]]:
+        """A leave's pushes; a crash removal decided meanwhile is folded into it.
+
+        The leaving member answers its push once it has delivered every state,
+        and a delivery to a paused member waits its three tries of 5 s. A
+        crash removal of such a member, decided meanwhile (its lease has ended:
+        it decides nothing), waited for the lock the leave held: removed ~15 s
+        after its pause instead of the detection time, and the leaving
+        member's keys routed by the new view only when the leave ended (their
+        requests waited the router's refusal time, 5 s, then on the paused
+        member). So while the leaving member's push is under way, a member of
+        the leave's view condemned for removal is dropped from that view
+        (:meth:`ViewLog.fold_crashes`): the leaving member is sent the new view
+        and hands what it was delivering to the crashed member to its new
+        owner, with its final marks; the push it was answering is no longer
+        waited for (it goes on, and its end is logged). Returns the change
+        carried out, its etcd record and the members that did not take it.
+        """
+        losers, gainers = change.pushes
+        task = asyncio.ensure_future(self._send(losers))
+        try:
+            while not task.done():
+                crashed = [
+                    m for m in change.view.ids if m in self.monitor.condemned and m != member_id
+                ]
+                if crashed:
+                    folded = self.log.fold_crashes(change, crashed)
+                    log.warning(
+                        "node(s) %s removed as crashed during the leave of %s: folded "
+                        "into it (epoch %d)",
+                        ", ".join(crashed),
+                        member_id,
+                        folded.view.epoch,
+                    )
+                    committed = await self._commit(folded.view, folded.previous, folded.crashed)
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+                    task.add_done_callback(_log_released(member_id, change.view.epoch))
+                    return folded, committed, await self._carry_out(folded)
+                preempted = asyncio.ensure_future(self._preempt.wait())
+                try:
+                    await asyncio.wait([task, preempted], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    preempted.cancel()
+            failed = task.result()
+            return change, committed, failed + await self._send(gainers)
+        except BaseException:
+            if not task.done() and task not in self._background:
+                task.cancel()
+            raise
 
     async def tell_dismissed(self, member: Member) -> None:
         """A member an operator removed while it did not answer (a pause, a

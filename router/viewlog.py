@@ -197,6 +197,36 @@ class ViewLog:
             ),
         )
 
+    def fold_crashes(self, change: Change, crashed: Iterable[str]) -> Change:
+        """A leave under way whose view also drops ``crashed`` (members whose
+        removal was decided while the leaving member delivered its states).
+
+        The leave's view (pushed to the leaving member only) is replaced by one
+        without the crashed members, from the same previous view: the leaving
+        member first (it sends what it was still delivering to a crashed member
+        to that key's owner under the new view, with its final marks), then
+        the members left (their crash policy applies to the crashed members'
+        keys), then the crashed members are told, best effort. Without it the
+        leave waited for the leaving member's delivery to a paused member (3
+        tries of 5 s), holding the lock the crash removal waited for.
+        """
+        gone = set(crashed)
+        previous = change.previous
+        new = self.next_view(m for m in change.view if m.id not in gone)
+        dropped = tuple(m for m in previous if m.id in gone)
+        leaving = tuple(m for m in previous if m.id not in change.view and m.id not in gone)
+        ids = tuple(m.id for m in dropped)
+        return Change(
+            previous,
+            new,
+            ids,
+            (
+                Push(leaving, new, previous, ids, "losers", tolerate=False),
+                Push(new.members, new, previous, ids, "gainers"),
+            ),
+            afterwards=(Push(dropped, new, previous, ids, "notify"),) if dropped else (),
+        )
+
     def crash(self, member_id: str) -> Change | None:
         """Drop a member that stopped answering (None: not in the view).
 

@@ -16,17 +16,37 @@ a crash as a crash: real processes on 127.0.0.1 (issue 10 item 2, issue 12).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from ring import RingView
 from tests.processes import Procs, wait_for, wait_healthy
-from tests.real_cluster import admin_ring, gone, kill_all, report, ring_ids, start_cluster
-from tests.test_faults_processes import DETECTION, HEALTH, SLACK, config_file, paused
+from tests.real_cluster import (
+    Load,
+    admin_ring,
+    finish,
+    gone,
+    kill_all,
+    report,
+    ring_ids,
+    start_cluster,
+    view_of,
+)
+from tests.test_faults_processes import (
+    DETECTION,
+    HEALTH,
+    REPLICATION,
+    SLACK,
+    config_file,
+    paused,
+)
 from tests.test_workers import workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability, pytest.mark.timeout(90)]
@@ -73,6 +93,84 @@ def test_a_node_paused_during_a_join_is_removed_in_detection_time(
     assert [n["id"] for n in ring["nodes"]] == ["n1", "n3", "n4"]
     kinds = {(e["node"], e["kind"]) for e in ring["events"]}
     assert ("n2", "crashed") in kinds and ("n4", "joined") in kinds
+
+
+def test_a_node_paused_while_another_leaves_is_removed_in_detection_time(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """n3 paused, then n2 leaves (``ringlimit nodes remove``): n2's push waited
+    for its handoff to the paused n3 (3 tries of 5 s), holding the lock n3's
+    removal waited for, and n2's users waited the router's refusal time (5 s),
+    then on the paused n3 (an exploratory tester: removal ~15 s after the
+    pause, requests answered after ~8 s). The removal is folded into the leave
+    now, and what n2 was handing to n3 reaches n3's successor: its exhausted
+    users stay exhausted."""
+    limit = 5
+    config = config_file(tmp_path, limit)
+    cl = start_cluster(procs, ["--config", str(config), *HEALTH])
+    router = cl.router
+    view = view_of(admin_ring(router))
+    users = [f"user-{i}" for i in range(90)]
+    exhaust = Load([router], users=users, per_user=limit, pace=0.01, limit=limit)
+    asyncio.run(exhaust.run())
+    assert exhaust.statuses() == Counter({200: limit * len(users)}), exhaust.statuses()
+    time.sleep(10 * REPLICATION)  # replicated to their successors
+    after = RingView.of([m for m in view if m.id not in ("n2", "n3")], epoch=0)
+    leaving = [u for u in users if view.owner_id(u) == "n2"]
+    to_paused = [u for u in leaving if view.without_member("n2").owner_id(u) == "n3"]
+    assert to_paused and all(after.owner_id(u) == "n1" for u in users)
+    answer: dict[str, Any] = {}
+
+    def leave() -> None:
+        started = time.monotonic()
+        response = httpx.delete(f"{router}/admin/nodes/n2", timeout=60.0)
+        answer.update(status=response.status_code, body=response.json())
+        answer["took"] = time.monotonic() - started
+
+    traffic = Load([router], users=leaving, per_user=30, pace=0.2, limit=0)
+    with paused(cl.nodes["n3"]):
+        stopped = time.monotonic()
+        load = traffic.start()
+        thread = threading.Thread(target=leave, daemon=True)
+        thread.start()
+        assert wait_for(lambda: gone(router, "n3"), timeout=30.0, interval=0.02)
+        removed = time.monotonic() - stopped
+        thread.join(30.0)
+        left = not thread.is_alive()
+        finish(load, traffic)
+        ring = admin_ring(router)
+        # While n3 is still paused: n1 decides every key, from the states n2
+        # handed over (those it was handing to n3 included) and n1's replicas.
+        followups = {
+            u: httpx.get(f"{router}/api", headers={"X-User-Id": u}).status_code
+            for u in users
+            if view.owner_id(u) != "n3"
+        }
+    bound = DETECTION + DETECTION * 1.01 + SLACK
+    waits = [s.took for sent in traffic.log.values() for s in sent] + traffic.failed_waits
+    admitted = {u: n for u in leaving if (n := traffic.allowed(u))}
+    report(
+        "SIGSTOP of a node, then another leaves",
+        removed_after_s=round(removed, 2),
+        bound_s=round(bound, 2),
+        leave=(answer.get("status"), round(answer.get("took", -1), 2)),
+        leaving_users=len(leaving),
+        handed_to_paused=len(to_paused),
+        longest_wait_s=round(max(waits), 2),
+        statuses=dict(traffic.statuses()),
+        followups=dict(Counter(followups.values())),
+        ring=[n["id"] for n in ring["nodes"]],
+    )
+    kill_all(procs)
+    assert removed <= bound, f"removal took {removed:.2f}s (bound {bound:.2f}s)"
+    assert left and answer["status"] == 200, answer
+    assert answer["took"] <= bound + SLACK, answer
+    assert [n["id"] for n in ring["nodes"]] == ["n1"]
+    kinds = {(e["node"], e["kind"]) for e in ring["events"]}
+    assert ("n2", "left") in kinds and ("n3", "crashed") in kinds, kinds
+    assert max(waits) <= bound, f"a client waited {max(waits):.2f}s"
+    assert not admitted, f"exhausted users admitted: {admitted}"
+    assert set(followups.values()) == {429}, followups
 
 
 def test_every_worker_reports_a_crash_as_a_crash(procs: Procs, tmp_path: Path) -> None:

@@ -418,6 +418,42 @@ def test_a_state_in_flight_to_a_member_that_lost_it_comes_back_to_its_new_owner(
     assert decide(a, key) == 7
 
 
+def test_a_crash_folded_into_a_leave_sends_every_state_in_flight_with_the_mark() -> None:
+    """n1 leaves (epoch 4) while n2 is paused: its transfers to n0 and to n2 are
+    on their way when n2's removal is folded into the leave (epoch 5, from the
+    same previous view: router/viewlog.py ``fold_crashes``). n1's transfer of
+    epoch 5 to n0 carries copies of both flights (the one to n2, whose keys are
+    n0's now, and the one to n0, which may not have landed), with its final
+    mark: n0, waiting for n1 under epoch 5, decides every key from n1's states
+    (before, the flight to n2 stayed with n1, and n0 decided its keys fresh)."""
+    v3 = view(["n0", "n1", "n2"], 3)
+    v4, v5 = view(["n0", "n2"], 4), view(["n0"], 5)
+    a, b = core("n0"), core("n1")
+    a.apply(v3, None, (), NOW, 0.0)
+    b.apply(v3, None, (), NOW, 0.0)
+    mine = owned_by(v3, "n1")
+    for key in mine:
+        for _ in range(5):
+            decide(b, key)
+    b.apply(v4, v3, (), NOW, 0.0)
+    flights = b.transfers(NOW)  # to n0 and to the paused n2, never landing
+    assert {t.to for t in flights} == {"n0", "n2"} and all(t.records for t in flights)
+    a.apply(v5, v3, ("n2",), NOW, 0.0)
+    assert a.pending.keys() == {"n1"}
+    b.apply(v5, v3, ("n2",), NOW, 0.0)
+    (transfer,) = b.transfers(NOW)
+    assert transfer.to == "n0" and transfer.final and transfer.epoch == 5
+    assert sorted(r[2] for r in transfer.records) == sorted(mine)
+    a.receive("n1", 5, transfer.records, True, (), NOW)
+    assert a.pending == {}
+    for key in mine:
+        assert decide(a, key) == 6
+    # The flight to n0 lands after all: merged, never counted twice.
+    (to_a,) = [t for t in flights if t.to == "n0"]
+    a.receive("n1", 4, to_a.records, True, (), NOW)
+    assert all(decide(a, key) == 7 for key in owned_by(v4, "n0") if key in mine)
+
+
 def test_a_crashed_members_key_waits_for_the_replicas_of_its_holders() -> None:
     """n0 dies during n1's join and is removed as crashed (epoch 3): a key of
     n0's that n1 owns now comes from n0's replica holder's final transfer."""

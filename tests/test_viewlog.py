@@ -90,6 +90,26 @@ def test_a_leave_pushes_the_leaver_first_and_does_not_tolerate_its_failure() -> 
     losers_before_gainers(change)
 
 
+def test_a_crash_folded_into_a_leave_is_one_change_from_the_same_view() -> None:
+    """n3's removal is decided while n2 leaves: one change from the view before
+    the leave, without either; the leaver first (it holds what it was handing
+    to n3), then the rest; n3 crashed (its policy applies) and told after."""
+    log = started("n1", "n2", "n3")
+    leave = log.leave("n2")
+    folded = log.fold_crashes(leave, ["n3"])
+    assert folded.previous == leave.previous and folded.view.ids == ("n1",)
+    assert folded.view.epoch == 3 and folded.crashed == ("n3",)
+    first, then = folded.pushes
+    assert [m.id for m in first.members] == ["n2"] and not first.tolerate
+    assert first.previous == leave.previous and first.crashed == ("n3",)
+    assert [m.id for m in then.members] == ["n1"] and then.crashed == ("n3",)
+    (notify,) = folded.afterwards
+    assert [m.id for m in notify.members] == ["n3"] and notify.role == "notify"
+    carry(log, folded)
+    assert log.view == folded.view and "n3" in log.removed and "n2" not in log.removed
+    assert log.next_view(log.view).epoch == 4  # epoch 2 (the leave's) is never reused
+
+
 def test_the_last_member_leaves_only_when_forced() -> None:
     log = started("n1")
     with pytest.raises(MembershipError) as info:
