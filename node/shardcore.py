@@ -334,6 +334,9 @@ class ShardCore:
         #: States being delivered right now, by receiving member (see serve_pull):
         #: each transfer's record list, known by identity until it lands.
         self.in_flight: dict[str, list[list[Record]]] = {}
+        #: Flights of which a newer view's transfers carry a copy of every state
+        #: (:meth:`_flying_elsewhere` ``every``), known by identity until they land.
+        self.copied: list[list[Record]] = []
         #: Their keys, collected only when a pull asks: most handoffs see none, and
         #: a set of every key in flight, built and emptied, slowed every handoff.
         self._flying_keys: dict[str, set[str]] = {}
@@ -626,10 +629,18 @@ class ShardCore:
         self.sources_crashed = frozenset(crashed) | (
             self.sources_crashed if carried else frozenset()
         )
-        # Out of the view being replaced already: a leaving node sent a second view
-        # (a crash folded into its leave), whose final marks must carry what the
-        # first view's transfers still have on their way (:meth:`_flying_elsewhere`).
-        left_before = self.view is not None and self.id not in self.view
+        # A crash folded into this node's leave (router/viewlog.py ``fold_crashes``):
+        # it left by the view being replaced, and the new one is built from the
+        # view before that. Its final marks must carry what the leave's transfers
+        # still have on their way (:meth:`_flying_elsewhere`), and the crash
+        # covers what they already brought to the crashed members.
+        replaced = self.view
+        folded = (
+            replaced is not None
+            and self.id not in replaced
+            and previous is not None
+            and previous.epoch < replaced.epoch
+        )
         self.previous = previous
         self.view = view
         self.successors.clear()
@@ -655,7 +666,7 @@ class ShardCore:
                 leftovers = [r for pending in self.outbox.values() for r in pending]
                 self.outbox.clear()
                 self.stash(leftovers, view, now)
-                self.stash(self._flying_elsewhere(view, every=left_before), view, now)
+                self.stash(self._flying_elsewhere(view, every=folded), view, now)
                 if len(view) == 1 and not me_in:
                     # One member left (the other leaving): it owns every key, no
                     # need to hash a million of them to find that out.
@@ -674,6 +685,12 @@ class ShardCore:
             # successor at the next round, not only the ones that change.
             dirty.update(self.store.keys())
         self._remember_crash(previous, crashed, now, config)
+        if folded:
+            # States this node's leave delivered to a member now crashed are known
+            # to be theirs under the view it left by, not under ``previous``: a
+            # conservative rule's new owner starts those keys exhausted too, as it
+            # would had the crash been removed after the leave.
+            self._remember_crash(replaced, crashed, now, config)
         senders: set[str] = set()
         if previous is not None and self.id in view:
             senders = {m for m in previous.ids if m != self.id and m not in crashed}
@@ -856,13 +873,15 @@ class ShardCore:
         sends it a second view: router/viewlog.py ``fold_crashes``). Its final
         marks of ``view`` tell the new owners that nothing more is coming,
         and may overtake a large transfer of the leave still on its way; and
-        once it has answered, it may exit before that transfer lands.
+        once it has answered, it may exit before that transfer lands. Such a
+        flight's failure puts nothing back in the outbox (:attr:`copied`).
         """
         copies: list[Record] = []
         for target, flights in self.in_flight.items():
             for records in flights:
                 if every:
                     copies.extend(records)
+                    self.copied.append(records)
                 else:
                     copies.extend(r for r in records if view.owner_id(r[2]) != target)
         return copies
@@ -958,9 +977,11 @@ class ShardCore:
         are kept for pulls, as :meth:`undelivered` keeps them. ``transfer`` is the
         one :meth:`transfers` gave out (it is known by identity)."""
         self.stats.keys_sent += len(done)
+        copied = any(records is transfer.records for records in self.copied)
         self._landed(transfer)
         if self.view is not None:
-            self.stash(rest, self.view, now)
+            if not copied:  # (a copy of each is on its way already: not twice)
+                self.stash(rest, self.view, now)
             if transfer.final and transfer.epoch == self.view.epoch:
                 self.owed_marks.add(transfer.to)
 
@@ -971,6 +992,8 @@ class ShardCore:
     def _landed(self, transfer: Transfer) -> None:
         if not transfer.final:
             return
+        if self.copied:
+            self.copied = [r for r in self.copied if r is not transfer.records]
         flights = self.in_flight.get(transfer.to)
         if flights is None:
             return

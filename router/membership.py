@@ -1087,13 +1087,28 @@ class Membership:
         """
         losers, gainers = change.pushes
         task = asyncio.ensure_future(self._send(losers))
+        folding = True
         try:
             while not task.done():
-                crashed = [
-                    m for m in change.view.ids if m in self.monitor.condemned and m != member_id
-                ]
-                if crashed:
-                    folded = self.log.fold_crashes(change, crashed)
+                # Condemned: decided for removal by the health monitor, once its
+                # lease had ended (it decides nothing).
+                crashed = [m for m in change.view.ids if m in self.monitor.condemned]
+                folded = self.log.fold_crashes(change, crashed) if folding and crashed else None
+                if folded is not None:
+                    try:
+                        committed = await self._commit(folded.view, folded.previous, folded.crashed)
+                    except MembershipError as exc:
+                        # Not recorded (etcd away, the lead lost, another router's
+                        # change): the leave goes on as it was, the removal after
+                        # it. Not a failure of the leaving member's.
+                        log.warning(
+                            "could not fold the removal of %s into the leave of %s: %s",
+                            ", ".join(crashed),
+                            member_id,
+                            exc.detail,
+                        )
+                        folding = False
+                        continue
                     log.warning(
                         "node(s) %s removed as crashed during the leave of %s: folded "
                         "into it (epoch %d)",
@@ -1101,7 +1116,6 @@ class Membership:
                         member_id,
                         folded.view.epoch,
                     )
-                    committed = await self._commit(folded.view, folded.previous, folded.crashed)
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
                     task.add_done_callback(_log_released(member_id, change.view.epoch))

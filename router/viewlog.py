@@ -197,7 +197,7 @@ class ViewLog:
             ),
         )
 
-    def fold_crashes(self, change: Change, crashed: Iterable[str]) -> Change:
+    def fold_crashes(self, change: Change, crashed: Iterable[str]) -> Change | None:
         """A leave under way whose view also drops ``crashed`` (members whose
         removal was decided while the leaving member delivered its states).
 
@@ -209,8 +209,13 @@ class ViewLog:
         keys), then the crashed members are told, best effort. Without it the
         leave waited for the leaving member's delivery to a paused member (3
         tries of 5 s), holding the lock the crash removal waited for.
+
+        None when nothing would be left: a leave leaves a ring (:meth:`leave`
+        refuses the last node), and the removal waits for it as before.
         """
         gone = set(crashed)
+        if not any(m.id not in gone for m in change.view):
+            return None
         previous = change.previous
         new = self.next_view(m for m in change.view if m.id not in gone)
         dropped = tuple(m for m in previous if m.id in gone)

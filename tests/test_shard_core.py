@@ -454,6 +454,80 @@ def test_a_crash_folded_into_a_leave_sends_every_state_in_flight_with_the_mark()
     assert all(decide(a, key) == 7 for key in owned_by(v4, "n0") if key in mine)
 
 
+def test_a_crash_folded_into_a_leave_covers_what_the_leave_already_brought_it() -> None:
+    """n1's leave (epoch 4) brought some of its keys to n2, and n2 took them; its
+    transfer to n0 was still on its way when n2, paused, was folded into the
+    leave (epoch 5, from epoch 3: router/viewlog.py ``fold_crashes``). The keys
+    that landed at n2 are no longer in flight to copy, and under epoch 3 they
+    were n1's, not n2's: a conservative rule's new owner decided them fresh
+    (an independent review: 10 of 10 exhausted users admitted again). The crash
+    is also remembered under the view n1 left by, and sent with its final mark:
+    they start exhausted, as when the crash was removed after the leave."""
+    rule = Rule("api", 5, 3600.0, algorithm="fixed_window")
+    cfg = config(crash="conservative", rule=rule)
+    v3, v4, v5 = view(["n0", "n1", "n2"], 3), view(["n0", "n2"], 4), view(["n0"], 5)
+    a, b, c = core("n0", cfg), core("n1", cfg), core("n2", cfg)
+    for member in (a, b, c):
+        member.apply(v3, None, (), NOW, 0.0)
+    for key in owned_by(v3, "n1"):
+        for _ in range(5):
+            decide(b, key, rule=rule)
+    b.apply(v4, v3, (), NOW, 0.0)  # n1 leaves
+    flights = b.transfers(NOW)
+    (to_c,) = [t for t in flights if t.to == "n2"]
+    c.receive("n1", 4, to_c.records, True, (), NOW)  # landed at n2, which then pauses
+    b.delivered(to_c)
+    landed = [r[2] for r in to_c.records]
+    assert landed
+    a.apply(v5, v3, ("n2",), NOW, 0.0)
+    b.apply(v5, v3, ("n2",), NOW, 0.0)  # the fold
+    for transfer in b.transfers(NOW):
+        a.receive("n1", transfer.epoch, transfer.records, transfer.final, transfer.crashes, NOW)
+    assert a.pending == {}
+    for key in landed:
+        assert a.inherit(key, (rule,), 10.0) is None
+        a.conservative(key, (rule,), NOW)
+        assert not a.store.check(key, (rule,), NOW).allowed, key
+
+
+def test_only_a_view_that_skips_the_leave_is_taken_for_a_fold() -> None:
+    """A node that left (epoch 4) and is sent a later view built on the one it
+    left by (a crash after its leave, not folded into it) copies only what moved
+    and remembers that crash once, under the view it is given as previous."""
+    rule = Rule("api", 5, 3600.0, algorithm="fixed_window")
+    cfg = config(crash="conservative", rule=rule)
+    v3, v4, v5 = view(["n0", "n1", "n2"], 3), view(["n0", "n2"], 4), view(["n0"], 5)
+    b = core("n1", cfg)
+    b.apply(v3, None, (), NOW, 0.0)
+    b.apply(v4, v3, (), NOW, 0.0)
+    b.apply(v5, v4, ("n2",), NOW, 0.0)
+    assert [(c.view.epoch, c.crashed) for c in b.crashes] == [(4, frozenset({"n2"}))]
+
+
+def test_a_folded_leaves_old_flight_failing_owes_nothing_more() -> None:
+    """The leave's flight to the paused n2 fails for good while the folded view's
+    delivery runs: its states were copied into that delivery already, and put
+    back in the outbox as well they made the leaving node's push answer 503
+    handoff_incomplete (an independent review: 0 states undelivered became 10),
+    which the router takes for a crash of a node whose states all landed."""
+    v3, v4, v5 = view(["n0", "n1", "n2"], 3), view(["n0", "n2"], 4), view(["n0"], 5)
+    b = core("n1")
+    b.apply(v3, None, (), NOW, 0.0)
+    for key in owned_by(v3, "n1"):
+        decide(b, key)
+    b.apply(v4, v3, (), NOW, 0.0)
+    old = b.transfers(NOW)
+    b.apply(v5, v3, ("n2",), NOW, 0.0)
+    new = b.transfers(NOW)
+    b.undelivered(next(t for t in old if t.to == "n2"), NOW)  # its third try timed out
+    for transfer in new:
+        b.delivered(transfer)
+    assert b.undelivered_states() == 0
+    assert b.copied == [t.records for t in old if t.to == "n0"]  # landing is forgotten
+    b.delivered(next(t for t in old if t.to == "n0"))
+    assert b.copied == [] and b.in_flight == {}
+
+
 def test_a_crashed_members_key_waits_for_the_replicas_of_its_holders() -> None:
     """n0 dies during n1's join and is removed as crashed (epoch 3): a key of
     n0's that n1 owns now comes from n0's replica holder's final transfer."""

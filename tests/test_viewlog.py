@@ -97,6 +97,7 @@ def test_a_crash_folded_into_a_leave_is_one_change_from_the_same_view() -> None:
     log = started("n1", "n2", "n3")
     leave = log.leave("n2")
     folded = log.fold_crashes(leave, ["n3"])
+    assert folded is not None
     assert folded.previous == leave.previous and folded.view.ids == ("n1",)
     assert folded.view.epoch == 3 and folded.crashed == ("n3",)
     first, then = folded.pushes
@@ -108,6 +109,17 @@ def test_a_crash_folded_into_a_leave_is_one_change_from_the_same_view() -> None:
     carry(log, folded)
     assert log.view == folded.view and "n3" in log.removed and "n2" not in log.removed
     assert log.next_view(log.view).epoch == 4  # epoch 2 (the leave's) is never reused
+
+
+def test_a_crash_is_not_folded_into_a_leave_when_no_member_would_be_left() -> None:
+    """Two members, one leaving and the other condemned (a removal quorum of 0):
+    folded, the ring would be empty, the leaver's states dropped and its leave
+    answered 200, past the refusal of the last node's leave (an independent
+    review). The removal waits for the leave instead, as before folding."""
+    log = started("n1", "n2")
+    leave = log.leave("n1")
+    assert log.fold_crashes(leave, ["n2"]) is None
+    assert log.next_view(log.view).epoch == 3  # no epoch spent on it
 
 
 def test_the_last_member_leaves_only_when_forced() -> None:
