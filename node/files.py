@@ -29,18 +29,30 @@ class NoSuchFile(FileProblem):
     """The file is not there (a reader for which that is fine catches this one)."""
 
 
+#: The most a config, scenario or state file may hold. Each is a few KiB; the
+#: cap is for a path that is not such a file: ``/dev/zero`` grew a command to
+#: 9.5 GB in 8 s before it was refused (an exploratory tester).
+MAX_FILE_BYTES = 16 * 1024 * 1024
+
+
 def read_text(path: Path, what: str = "file") -> str:
     """The UTF-8 text of ``path``; ``what`` names it in "no such ..." and "is a
     directory, not a ...". TOML and JSON files are UTF-8 by definition, so other
-    bytes are refused here, with where the first one is."""
+    bytes are refused here, with where the first one is. At most
+    :data:`MAX_FILE_BYTES` are read (a pipe or a device too: never more)."""
     try:
-        data = path.read_bytes()
+        with path.open("rb") as handle:
+            data = handle.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise NoSuchFile(path, f"no such {what}") from None
     except IsADirectoryError:
         raise FileProblem(path, f"cannot read: a directory, not a {what}") from None
     except OSError as exc:
         raise FileProblem(path, f"cannot read: {exc.strerror or exc}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise FileProblem(
+            path, f"more than {MAX_FILE_BYTES // (1024 * 1024)} MiB: too large for a {what}"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

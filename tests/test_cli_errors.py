@@ -686,6 +686,8 @@ BAD_FILES: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "under-a-file": (lambda p: p.parent.write_text(""), "Not a directory"),
     "unreadable": (lambda p: _unreadable(p), "Permission denied"),
+    # Read whole before: /dev/zero grew a command to 9.5 GB in 8 s.
+    "endless": (lambda p: p.symlink_to("/dev/zero"), "more than 16 MiB: too large for a"),
 }
 
 #: Each command given such a file: (argv before the path, the file's name, what the line says).
