@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -158,6 +159,10 @@ def _coalescing_protocol(front_door: FrontDoor) -> type | None:
     return limited_protocol(lazy_keep_alive(HttpToolsProtocol), front_door, wrap=_CoalescedWrites)
 
 
+#: Seconds a forced exit gives the application to close (:meth:`SignalServer.shutdown`).
+FORCED_CLOSE = 2.0
+
+
 class SignalServer(uvicorn.Server):
     """uvicorn's server with our own signal handling: ``on_signal(server)`` on
     SIGINT and SIGTERM, a stop without more on SIGHUP.
@@ -184,6 +189,18 @@ class SignalServer(uvicorn.Server):
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown; under a forced exit (a second SIGINT or SIGTERM)
+        the application still closes what it opened, within
+        :data:`FORCED_CLOSE` seconds. uvicorn skips the lifespan's shutdown
+        then, and the loop's end cancelled it: a node logged a CancelledError
+        traceback on every double Ctrl-C (an exploratory tester), its tasks
+        and clients never closed."""
+        await super().shutdown(sockets)
+        if self.force_exit:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.lifespan.shutdown(), FORCED_CLOSE)
 
     def _exit_now(self) -> None:
         # Said: an operator who sends SIGHUP for a reload (nginx's habit) saw the

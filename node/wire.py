@@ -30,6 +30,7 @@ from math import floor as _floor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
+from starlette.requests import ClientDisconnect
 
 from node.config import ClusterConfig
 from node.decision import Verdict
@@ -384,11 +385,17 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise ApiError(413, "body_too_large", f"body is {declared} bytes; at most {limit}")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Nobody is left to read the answer; an error of the endpoint's own keeps
+        # it from uvicorn's "Exception in ASGI application" traceback (a router
+        # killed with a lease request on its way: an exploratory tester).
+        raise ApiError(400, "incomplete_body", "the client left before its body ended") from None
     return b"".join(chunks)
 
 

@@ -193,3 +193,20 @@ def test_a_leave_does_not_spend_its_time_on_a_router_that_never_answers(procs: P
     assert router.asked == ["DELETE", "DELETE"], (router.asked, output)
     assert f"left the ring: router {router.url} answered 200" in output, output
     assert took < 19.0, took
+
+
+def test_a_second_signal_during_the_leave_exits_without_a_traceback(procs: Procs) -> None:
+    """A second SIGTERM (or Ctrl-C) while the node leaves forces the exit: uvicorn
+    then skips the application's shutdown, and the end of the loop cancelled it:
+    a CancelledError traceback in the log on every double Ctrl-C, its tasks and
+    clients never closed (an exploratory tester). The leave still ends first."""
+    with ScriptedRouter({"POST": [OK], "DELETE": [OK]}) as router:
+        proc, _ = procs.node("n1", free_port(), "--join", router.url)
+        assert wait_for(lambda: "joined the ring" in proc.output(), 20.0), proc.output()
+        proc.popen.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(30) == 0
+        output = proc.output()
+        assert "left the ring" in output, output
+        assert "Traceback" not in output and "CancelledError" not in output, output

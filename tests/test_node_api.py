@@ -998,3 +998,49 @@ async def test_a_full_store_refuses_a_closed_rules_new_key_as_the_services_fault
         assert result["retry_after"] is None
         # The user who has a state keeps counting as usual.
         assert (await client.get("/", headers={"X-User-Id": "first"})).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/internal/cluster",
+        "/internal/import",
+        "/internal/pull",
+        "/internal/replica",
+        "/internal/lease",
+        "/internal/quota",
+    ],
+)
+async def test_a_client_gone_before_its_body_was_read_is_no_traceback(path: str) -> None:
+    """uvicorn answers a read after the connection closed with ``http.disconnect``,
+    even of a body that had arrived: Starlette raised ClientDisconnect out of the
+    endpoint, and uvicorn logged "Exception in ASGI application" with a
+    traceback (a router killed with a lease request on its way: an exploratory
+    tester). The endpoint's own 400 now, sent to nobody, and nothing raised."""
+    node, _ = make_node()
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "PUT" if path == "/internal/cluster" else "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 4000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+    await node(scope, receive, send)  # type: ignore[arg-type]
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400, sent
+    assert b"incomplete_body" in b"".join(m.get("body", b"") for m in sent[1:])
