@@ -172,11 +172,20 @@ class SignalServer(uvicorn.Server):
     ``serve()`` runs (a node's leave, a router's ``close()``: its leader key
     resigned, its gRPC calls given their grace)."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Any, *, say_hangup: bool = True) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_signal: Any,
+        *,
+        say_hangup: bool = True,
+        role: str = "node",
+    ) -> None:
         super().__init__(config)
         self._on_signal = on_signal
         #: Log a line on SIGHUP: not under `ringlimit up`, which stops its nodes so.
         self._say_hangup = say_hangup
+        #: "node" or "router": whose log says it, and what it means.
+        self._role = role
 
     @contextlib.contextmanager
     def capture_signals(self):  # type: ignore[no-untyped-def,override]
@@ -206,9 +215,10 @@ class SignalServer(uvicorn.Server):
         # Said: an operator who sends SIGHUP for a reload (nginx's habit) saw the
         # process gone without a word.
         if self._say_hangup:
-            log.warning(
+            logging.getLogger(f"ringlimit.{self._role}").warning(
                 "SIGHUP: stopping (ringlimit reloads nothing on SIGHUP: new rules go through "
-                "`ringlimit rules FILE`; a node stops without leaving the ring)"
+                "`ringlimit rules FILE`%s)",
+                "; a node stops without leaving the ring" if self._role == "node" else "",
             )
         self.should_exit = True
 

@@ -42,6 +42,14 @@ T = TypeVar("T")
 PR_SET_PDEATHSIG = 1
 
 
+#: What SIGHUP to a process that starts others (``up``, ``router --workers``)
+#: says as it stops them all: they went without a word, exit status 129.
+HANGUP_LINE = (
+    "ringlimit: SIGHUP: stopping (ringlimit reloads nothing on SIGHUP: new rules go "
+    "through `ringlimit rules FILE`)"
+)
+
+
 class NotReady(RuntimeError):
     """A child did not become ready: it exited, or the wait timed out."""
 

@@ -58,7 +58,9 @@ def router_server(
                 wrap=AnswerWrites,
             )
         )
-    return RouterServer(uvicorn.Config(router, host=host, port=port, **options), _stop)
+    return RouterServer(
+        uvicorn.Config(router, host=host, port=port, **options), _stop, role="router"
+    )
 
 
 def _stop(server: uvicorn.Server) -> None:

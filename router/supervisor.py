@@ -44,6 +44,7 @@ from node.config import ClusterConfig
 from node.security import redact_url
 from router.cli import PROXY_FLAGS, SUPERVISOR_ENV
 from router.processes import (
+    HANGUP_LINE,
     ChildProcess,
     NotReady,
     die_with_parent,
@@ -446,13 +447,15 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
         admin_token=os.environ.get("RINGLIMIT_ADMIN_TOKEN") or None,
     )
     stopping = False
+    hangup = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
+        nonlocal stopping, hangup
+        hangup = hangup or signum == signal.SIGHUP
         stopping = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     try:
         seeds = []
         for i in range(args.nodes):
@@ -479,6 +482,8 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
                 print(f"ringlimit: {problem}; stopping the cluster", file=sys.stderr)
                 return 1
             time.sleep(0.2)
+        if hangup:  # (said here, not in the handler: a print there could reenter one)
+            print(HANGUP_LINE, file=sys.stderr, flush=True)
         return 0
     finally:
         cluster.stop()

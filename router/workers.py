@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 
-from router.processes import die_with_parent
+from router.processes import HANGUP_LINE, die_with_parent
 
 #: Environment of a worker: its index, inherited socket fds and the leader's URL.
 WORKER_ENV = "RINGLIMIT_WORKER"
@@ -234,10 +234,15 @@ class Supervisor:
     def run(self) -> int:
         """Supervise until SIGTERM/SIGINT (0) or a crash loop (1)."""
 
+        hangup = False
+
         def on_signal(signum: int, frame: FrameType | None) -> None:
+            nonlocal hangup
+            hangup = hangup or signum == signal.SIGHUP
             self.stopping = True
 
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        previous = {s: signal.signal(s, on_signal) for s in handled}
         try:
             for worker in self.workers:
                 self.start(worker)
@@ -251,6 +256,8 @@ class Supervisor:
                     if not self._restart(worker, code):
                         return 1
                 time.sleep(0.1)
+            if hangup:  # (said here, not in the handler: a print there could reenter one)
+                print(HANGUP_LINE, file=sys.stderr, flush=True)
             return 0
         finally:
             self.stop()

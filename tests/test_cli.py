@@ -18,7 +18,8 @@ import pytest
 
 from ring import Member, RingView
 from router import __version__
-from tests.processes import ROOT, Procs, free_block, free_port, wait_for
+from router.processes import HANGUP_LINE
+from tests.processes import ROOT, Procs, free_block, free_port, wait_for, wait_healthy
 
 
 def run(argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
@@ -347,12 +348,36 @@ def test_sighup_stops_a_router_and_a_node_saying_so(procs: Procs) -> None:
     """SIGHUP (what nginx takes for a reload) ended a router without a word."""
     proc, node = procs.node("n1")
     router_proc, _ = procs.router(None, "--node", f"n1={node}")
-    for each in (router_proc, proc):
+    for each, role in ((router_proc, "router"), (proc, "node")):
         each.stop(how=signal.SIGHUP)
         assert each.returncode is not None
         said = each.log_path.read_text()  # type: ignore[union-attr]
-        assert "SIGHUP: stopping (ringlimit reloads nothing on SIGHUP" in said, said[-2000:]
+        line = f"ringlimit.{role} WARNING SIGHUP: stopping (ringlimit reloads nothing on SIGHUP"
+        assert line in said, said[-2000:]
+        # (The router's line said "a node stops without leaving the ring", as a node.)
+        assert ("a node stops without leaving" in said) == (role == "node"), said[-2000:]
         assert "Traceback" not in said, said[-2000:]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("command", ["router --workers", "up"])
+def test_sighup_stops_what_starts_other_processes_saying_so(procs: Procs, command: str) -> None:
+    """``router --workers`` and ``up`` died silently on SIGHUP, exit status 129
+    (their workers and nodes were cleaned up): now one line, and exit 0 as
+    for SIGTERM, every process they started stopped."""
+    port = free_block(2)
+    if command == "up":
+        proc = procs.start("up", ["up", "--nodes", "1", "--port", str(port)])
+        assert wait_for(lambda: "try:" in proc.output() or not proc.alive(), 40), proc.output()
+    else:
+        proc = procs.start("router", ["router", "--port", str(port), "--workers", "2"])
+        wait_healthy(f"http://127.0.0.1:{port}", proc, require_ok=False)
+    children = children_of(proc.popen.pid)
+    assert len(children) == 2, children  # a router and a node; or two workers
+    proc.stop(how=signal.SIGHUP)
+    assert proc.returncode == 0, proc.output()[-2000:]
+    assert HANGUP_LINE in proc.output(), proc.output()[-2000:]
+    assert wait_for(lambda: not any(alive(pid) for pid in children), 10), children
 
 
 @pytest.mark.integration
