@@ -479,3 +479,19 @@ def test_a_store_with_room_keeps_a_retired_rules_states_for_its_return() -> None
         assert store.check("a", [daily], T0, 1).allowed
         store.forget_rules({"current"})
         assert not store.check("a", [daily], T0 + 1.0, 1).allowed
+
+
+def test_a_retired_rules_states_handed_over_join_those_kept_for_its_return() -> None:
+    """A handoff's states of a rule no longer in force were dropped by the new
+    owner (its rules did not name it), though it kept that rule's own states
+    for its return: a rule removed, a node leaving, the rule put back, and 36
+    of 60 users had a fresh quota (an exploratory tester). They join the
+    states kept; a store that keeps none of the rule's still cannot read them."""
+    daily = Rule("daily", 1, 86_400.0)
+    sender, receiver, other = MemoryStore(), MemoryStore(), MemoryStore()
+    assert sender.check("a", [daily], T0, 1).allowed
+    assert receiver.check("b", [daily], T0, 1).allowed  # it keeps the rule's states too
+    records = sender.export(T0, remove=True)
+    assert receiver.import_(records, T0, {}) == 1  # {}: the rules in force name it not
+    assert not receiver.check("a", [daily], T0 + 1.0, 1).allowed  # the rule's return
+    assert other.import_(records, T0, {}) == 0
