@@ -456,12 +456,22 @@ class ClusterConfig:
 
 def load_config(path: str | Path) -> ClusterConfig:
     """Read a TOML (or JSON) config file; errors name the file, the key and the problem."""
+    return config_of(load_config_data(path), path)
+
+
+def load_config_data(path: str | Path) -> Any:
+    """A config file's document, before it is read as a config (ConfigError if
+    it cannot be parsed): what it sets, for a caller that uses part of it."""
     path = Path(path)
     try:
         text = read_text(path)
-        data = parse_json(text, path) if path.suffix == ".json" else parse_toml(text, path)
+        return parse_json(text, path) if path.suffix == ".json" else parse_toml(text, path)
     except FileProblem as exc:
         raise ConfigError(str(exc)) from None
+
+
+def config_of(data: Any, path: str | Path) -> ClusterConfig:
+    """:func:`load_config` of a document already read from ``path``."""
     return _Parser(str(path)).config(data)
 
 

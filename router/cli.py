@@ -38,7 +38,9 @@ from node.config import (
     ConfigError,
     Policies,
     ScopedRule,
+    config_of,
     load_config,
+    load_config_data,
 )
 from node.frontdoor import KEEP_ALIVE, MIN_BODY_RATE, RESERVED_FDS, REUSE_IDLE, FrontDoor
 from node.lease import MAX_LEASE
@@ -1394,10 +1396,21 @@ def _run_rules(args: argparse.Namespace) -> int:
             )
         args.file = None  # `rules list`, as `nodes list` says it
     if args.file is not None:
-        config = load_config(args.file)  # ConfigError: one line, naming the file
+        data = load_config_data(args.file)  # ConfigError: one line, naming the file
+        config = config_of(data, args.file)
         body = {"rules": [scoped.to_dict() for scoped in config.rules]}
         if not body["rules"]:
             raise ValueError(f"{args.file}: no [[rules]] to apply")
+        others = sorted(k for k in data if k != "rules") if isinstance(data, dict) else []
+        if others:
+            # Checked, and left as they are: an operator who changed [limits] in
+            # the file saw exit 0 and no hint that nothing of it was applied.
+            print(
+                f"ringlimit rules: {args.file}: "
+                + ", ".join(f"[{name}]" for name in others)
+                + " not applied: only [[rules]] change at runtime (the rest is read at start)",
+                file=sys.stderr,
+            )
 
     def lines(data: dict[str, Any]) -> list[str]:
         # The rules alone: what `ringlimit rules > rules.json` saves, this applies.

@@ -247,7 +247,21 @@ def test_rules_shows_and_applies_a_files_rules_to_a_running_cluster(
         new.write_text('[[rules]]\nname = "api"\nrate = "1/minute"\n')
         applied = run([sys.executable, "-m", "router", "rules", str(new), "--router", router])
         assert applied.returncode == 0, applied.stderr
+        assert applied.stderr == ""
         assert [r["limit"] for r in json.loads(applied.stdout)["rules"]] == [1]
+        # A file's other sections are checked, not applied, and it says so (it
+        # applied the rules with exit 0 and no word of them: an exploratory tester).
+        full = tmp_path / "cluster.toml"
+        full.write_text(
+            '[limits]\nmax_body = 2048\n[policies]\ncrash = "reset"\n'
+            '[[rules]]\nname = "api"\nrate = "1/minute"\n'
+        )
+        noted = run([sys.executable, "-m", "router", "rules", str(full), "--router", router])
+        assert noted.returncode == 0, noted.stderr
+        assert noted.stderr == (
+            f"ringlimit rules: {full}: [limits], [policies] not applied: only [[rules]] "
+            "change at runtime (the rest is read at start)\n"
+        )
         # u's bucket kept 2 tokens of 3, at most the new 1: one more, then none.
         codes = [client.get("/x", headers={"X-User-Id": "u"}).status_code for _ in range(2)]
         assert codes == [200, 429]
