@@ -216,6 +216,7 @@ def _start_clusters(
             "router",
             *("--port", str(http_port), "--config", str(empty), "--no-health-checks"),
             *("--grpc-port", str(grpc_port), "--envoy-config", str(envoy_file)),
+            *("--grpc-drain", "0"),  # stopped at once after a run
             *seeds,
             *(["--backend", "redis"] if name == "redis" else []),
         )

@@ -51,6 +51,10 @@ descriptors, and then every new connection fails. Here:
   ``limit_concurrency``) rather than a reset. The default cap leaves half of
   the descriptor limit (``ulimit -n``, raised to its hard limit at start) for
   the connections a process opens itself (router to nodes, node to upstream).
+  A router that serves gRPC too (``--grpc-port``) splits its client half: a
+  quarter for gRPC connections (:func:`grpc_connection_cap`, enforced by
+  gRPC itself), the rest for HTTP, so neither port can take the descriptors
+  the other, or the connections to nodes, need.
 
 docs/configuration.md says what to raise in production.
 """
@@ -72,7 +76,15 @@ from node.failures import Failures
 from node.headers import LEGACY_NAMES, settle_legacy
 from node.inline import INLINE, start_inline
 
-__all__ = ["KEEP_ALIVE", "REUSE_IDLE", "FrontDoor", "raise_fd_limit"]
+__all__ = [
+    "GRPC_DRAIN",
+    "KEEP_ALIVE",
+    "REUSE_IDLE",
+    "FrontDoor",
+    "client_share",
+    "grpc_connection_cap",
+    "raise_fd_limit",
+]
 
 #: Descriptors kept for everything that is not a client connection (listening
 #: sockets, logs, the event loop's own, connections to peers at rest).
@@ -92,6 +104,12 @@ MAX_DRAIN = 4 * 1024 * 1024
 MAX_INLINE_PER_READ = 64
 #: Seconds an idle keep-alive connection is kept after a response (uvicorn's default).
 KEEP_ALIVE = 5.0
+#: Seconds a router serving gRPC keeps serving after its first SIGTERM/SIGINT,
+#: its health saying NOT_SERVING (``--grpc-drain``, router/server.py): the
+#: bootstrap in docs/envoy.md checks every 5 s and takes a router out after 2
+#: failures (timeout 1 s), 11 s at worst; 15 s covers that with room, and the
+#: stop after it fits in Kubernetes' default 30 s grace period.
+GRPC_DRAIN = 15.0
 #: Seconds ringlimit's own clients reuse an idle pooled connection to a router or
 #: node (router -> node, node -> node, router and node control calls): less than
 #: :data:`KEEP_ALIVE`. A client that reuses a connection as its server closes it
@@ -116,6 +134,9 @@ class FrontDoor:
     max_connections: int | None = None
     #: Seconds a request's body has after its headers (plus 1 s per MIN_BODY_RATE bytes).
     body_timeout: float = 10.0
+    #: The process serves gRPC too (a router's ``--grpc-port``): the default HTTP cap
+    #: leaves the gRPC share of the client half to it (:func:`grpc_connection_cap`).
+    grpc: bool = False
 
     def __post_init__(self) -> None:
         for name in ("keep_alive", "header_timeout", "body_timeout"):
@@ -143,13 +164,14 @@ class FrontDoor:
         )
 
     def connection_cap(self) -> int:
-        """The cap in force: the configured one, or half the free descriptors."""
+        """The cap in force: the configured one, or half the free descriptors (less
+        the gRPC share, with ``grpc``)."""
         if self.max_connections is not None:
             return self.max_connections
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == resource.RLIM_INFINITY:
-            soft = 1 << 20
-        return max(16, (soft - RESERVED_FDS) // 2)
+        share = client_share()
+        if self.grpc:
+            return max(16, share - grpc_connection_cap(None))
+        return share
 
     def uvicorn_options(self, http: Any) -> dict[str, Any]:
         """``uvicorn.Config`` keyword arguments; ``http`` is the protocol in use."""
@@ -170,6 +192,26 @@ class FrontDoor:
             # connection being served counts itself).
             options["limit_concurrency"] = cap + 1
         return options
+
+
+def client_share() -> int:
+    """Descriptors for client connections: half of those the process does not
+    keep for itself (``RESERVED_FDS``), at least 16; the other half is for the
+    connections it opens (router to nodes, node to upstream)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, (soft - RESERVED_FDS) // 2)
+
+
+def grpc_connection_cap(configured: int | None) -> int:
+    """Open gRPC connections at most (a router's ``--grpc-max-connections``): the
+    configured number, or a quarter of :func:`client_share`, at least 16. An
+    Envoy opens a connection or two per worker thread to each router, so this
+    is many Envoys' worth; the HTTP port's default cap is the rest of the share."""
+    if configured is not None:
+        return configured
+    return max(16, client_share() // 4)
 
 
 def raise_fd_limit() -> int:

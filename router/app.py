@@ -42,6 +42,7 @@ from node.asgi import (
     send_json,
 )
 from node.config import ClusterConfig, Identity
+from node.frontdoor import GRPC_DRAIN
 from node.headers import denial_response, rate_limit_headers
 from node.hopbyhop import HOP_BY_HOP, PLAIN_CONNECTION, connection_options
 from node.identity import IdentityResolver, InvalidUserId, preflight_origin
@@ -187,6 +188,15 @@ class RouterSettings:
     envoy: EnvoyConfig | None = None
     grpc_port: int | None = None
     grpc_host: str = "127.0.0.1"
+    #: Open gRPC connections at most (None: node/frontdoor.py grpc_connection_cap's
+    #: default share of the descriptors), and seconds a new one has to begin
+    #: speaking HTTP/2 (the HTTP port's header timeout).
+    grpc_max_connections: int | None = None
+    grpc_handshake_timeout: float = 10.0
+    #: Seconds between the first SIGTERM/SIGINT and the stop, with ``grpc_port``:
+    #: health says NOT_SERVING while calls (and HTTP) are still served, so Envoy's
+    #: health checks move calls to another router first (router/server.py).
+    grpc_drain: float = GRPC_DRAIN
     #: Response headers ShouldRateLimit adds: "draft" (RateLimit fields), "envoy" (x-ratelimit-*).
     envoy_headers: tuple[str, ...] = ()
     #: How long ``/admin/top`` and the ring page wait for each node's answer.
@@ -293,6 +303,8 @@ class Router:
         self.envoy_servicer: Any = None
         #: ``grpc.health.v1`` on the gRPC port (router/grpc_health.py).
         self.grpc_health: Any = None
+        #: Said to be stopping (:meth:`begin_stop`): health checks answer so.
+        self.stopping = False
 
     def _coalesced(self) -> dict[str, float]:
         coalescer = self.coalescer
@@ -350,11 +362,19 @@ class Router:
                 self.settings.grpc_host,
                 self.settings.grpc_port,
                 self.grpc_health,
+                max_connections=self.settings.grpc_max_connections,
+                handshake_timeout=self.settings.grpc_handshake_timeout,
             )
 
-    async def close(self) -> None:
+    def begin_stop(self) -> None:
+        """Say the router is stopping while it still serves: gRPC health
+        ``NOT_SERVING``, ``/healthz`` 503 ``stopping`` (router/server.py's drain)."""
+        self.stopping = True
         if self.grpc_health is not None:
-            self.grpc_health.stop()  # NOT_SERVING through the grace below
+            self.grpc_health.stop()
+
+    async def close(self) -> None:
+        self.begin_stop()  # NOT_SERVING through the grace below, if not since the drain
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)
             self.grpc_server = None
@@ -1039,15 +1059,17 @@ class Router:
         view = self.membership.view
         degraded = self.membership.backend_degraded
         balance = self.config.balance
+        # "stopping": draining (router/server.py), still serving but going away.
+        status = "stopping" if self.stopping else "ok" if len(view) else "no_nodes"
         return JSONResponse(
             {
-                "status": "ok" if len(view) else "no_nodes",
+                "status": status,
                 "epoch": view.epoch,
                 "nodes": len(view),
                 "backend_degraded": degraded,
                 "balance": "sticky" if degraded else balance,
             },
-            status_code=200 if len(view) else 503,
+            status_code=200 if status == "ok" else 503,
         )
 
     async def metrics_endpoint(self, request: Request) -> Response:

@@ -42,7 +42,14 @@ from node.config import (
     load_config,
     load_config_data,
 )
-from node.frontdoor import KEEP_ALIVE, MIN_BODY_RATE, RESERVED_FDS, REUSE_IDLE, FrontDoor
+from node.frontdoor import (
+    GRPC_DRAIN,
+    KEEP_ALIVE,
+    MIN_BODY_RATE,
+    RESERVED_FDS,
+    REUSE_IDLE,
+    FrontDoor,
+)
 from node.lease import MAX_LEASE
 from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
 from ring import Member
@@ -606,6 +613,22 @@ def _envoy_arguments(parser: argparse.ArgumentParser) -> None:
         f"RateLimit), 'envoy' (x-ratelimit-*), both comma-separated, or '' (default: "
         f"${ENVOY_HEADERS_ENV}, else none)",
     )
+    group.add_argument(
+        "--grpc-max-connections",
+        type=int,
+        metavar="N",
+        help="open gRPC connections at most (default: a quarter of the client connections' "
+        "half of ulimit -n, at least 16; the HTTP port's default cap is the rest)",
+    )
+    group.add_argument(
+        "--grpc-drain",
+        type=float,
+        metavar="SECONDS",
+        help="after the first SIGTERM or Ctrl-C, gRPC health says NOT_SERVING and both ports "
+        f"go on serving this long before the router stops (default {GRPC_DRAIN:g}: Envoy's "
+        "health checks in docs/envoy.md find it within that; `up`: 0); a second signal "
+        "stops at once",
+    )
 
 
 #: ``--envoy-headers`` of a ``ringlimit router`` started without the flag (``up``
@@ -803,6 +826,8 @@ ROUTER_NUMBERS = (
     ("--removal-quorum", 0.0, 1.0, "[)"),
     ("--forget-removed-after", 0.0, 1e9, "(]"),
     ("--coalesce-window", 0.0, 1e6, "[]"),
+    ("--grpc-max-connections", 1, 1 << 24, "[]"),
+    ("--grpc-drain", 0.0, 3600.0, "[]"),
     # --coordinator-ttl: whole seconds, checked by its type (_coordinator_ttl).
 )
 
@@ -858,6 +883,7 @@ def _front_door(args: argparse.Namespace) -> FrontDoor:
             header_timeout=args.header_timeout,
             max_connections=args.max_connections,
             body_timeout=args.body_timeout,
+            grpc=getattr(args, "grpc_port", None) is not None,
         )
     except ValueError as exc:
         field, _, rest = str(exc).partition(" ")
@@ -982,6 +1008,9 @@ def _run_router(args: argparse.Namespace) -> int:
         envoy=envoy,
         grpc_port=args.grpc_port,
         grpc_host=args.host,
+        grpc_max_connections=args.grpc_max_connections,
+        grpc_handshake_timeout=args.header_timeout,
+        grpc_drain=GRPC_DRAIN if args.grpc_drain is None else args.grpc_drain,
         envoy_headers=headers,
         own_urls=_own_urls(args.host, args.port),
     )

@@ -54,6 +54,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.message import DecodeError
 
 from node.decision import COST_EXCEEDS_CAPACITY, Decision
+from node.frontdoor import grpc_connection_cap
 from node.headers import policy_value, quota_window, ratelimit_value, whole_seconds
 from node.rules import Rule
 from node.security import bearer, token_matches
@@ -567,19 +568,67 @@ def _add_servicer(servicer: rls_pb2_grpc.RateLimitServiceServicer, server: grpc.
     server.add_registered_method_handlers(SERVICE, handlers)
 
 
+#: Seconds an HTTP/2 connection with no call in flight is kept (then a graceful
+#: GOAWAY: Envoy opens a new one for its next call). Idle connections that had
+#: sent their preface held a slot under the connection cap for ever.
+MAX_CONNECTION_IDLE = 60.0
+#: Seconds between the server's pings on a connection with calls in flight (a
+#: ``Watch`` stream), and for an answer to one: a peer gone without closing
+#: (a lost host) held its connection for gRPC's default of two hours.
+KEEPALIVE_TIME = 60.0
+KEEPALIVE_TIMEOUT = 20.0
+
+
+def server_options(max_connections: int, handshake_timeout: float) -> list[tuple[str, int]]:
+    """The gRPC server's channel arguments: its connection budget and timeouts.
+
+    Without them a TCP connection that never spoke (no token needed to open
+    one) was kept for gRPC's two-minute handshake deadline, and any number of
+    them were accepted: about 20,000 idle sockets took every descriptor of a
+    router under ``ulimit -n 20000``, and its HTTP port, decision API and
+    connections to nodes with them (docs/envoy.md, "Connections").
+
+    * ``grpc.max_allowed_incoming_connections``: connections over the cap are
+      accepted and closed at once (connections already open, Envoy's, go on);
+    * ``grpc.server_handshake_timeout_ms``: a connection must send the HTTP/2
+      preface and its SETTINGS within ``handshake_timeout`` seconds (the HTTP
+      port's ``--header-timeout``), or is closed, freeing its slot;
+    * ``grpc.max_connection_idle_ms``: :data:`MAX_CONNECTION_IDLE`;
+    * keepalive pings (:data:`KEEPALIVE_TIME`), not limited to two without data
+      (``grpc.http2.max_pings_without_data``: a ``Watch`` may send nothing for
+      hours). A client's own pings are still held to gRPC's default policy (at
+      most one every 5 minutes without a call; twice too often is a GOAWAY).
+    """
+    return [
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.server_handshake_timeout_ms", max(1, round(handshake_timeout * 1000))),
+        ("grpc.max_connection_idle_ms", round(MAX_CONNECTION_IDLE * 1000)),
+        ("grpc.keepalive_time_ms", round(KEEPALIVE_TIME * 1000)),
+        ("grpc.keepalive_timeout_ms", round(KEEPALIVE_TIMEOUT * 1000)),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
 async def start_grpc(
     servicer: rls_pb2_grpc.RateLimitServiceServicer,
     host: str,
     port: int,
     health: RouterHealth | None = None,
+    *,
+    max_connections: int | None = None,
+    handshake_timeout: float = 10.0,
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server in the running loop (the router's); returns it and its port.
     With ``health``, it answers ``grpc.health.v1.Health`` too (router/grpc_health.py).
+    At most ``max_connections`` connections (None: the default share of the
+    descriptors, node/frontdoor.py :func:`grpc_connection_cap`), each with
+    ``handshake_timeout`` seconds to begin speaking HTTP/2 (:func:`server_options`).
 
     gRPC says a port it cannot bind with a RuntimeError (newer versions) or a
     0 for the port (older ones), and never why: both are a :class:`GrpcPortError`
     the CLI prints as one line."""
-    server = grpc.aio.server()
+    cap = grpc_connection_cap(max_connections)
+    server = grpc.aio.server(options=server_options(cap, handshake_timeout))
     _add_servicer(servicer, server)
     if health is not None:
         add_health(health, server)
@@ -594,5 +643,5 @@ async def start_grpc(
             "(--grpc-port)"
         )
     await server.start()
-    log.info("envoy rate limit service on %s:%d", host, bound)
+    log.info("envoy rate limit service on %s:%d (at most %d connections)", host, bound, cap)
     return server, bound

@@ -10,6 +10,7 @@ failures as tracebacks.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 
 import uvicorn
@@ -19,6 +20,8 @@ from node.keepalive import lazy_keep_alive
 from node.server import SignalServer, _run, uvicorn_options
 from router.app import Router
 from router.protocol import AnswerWrites, ProxyCycle, direct_proxy_protocol
+
+log = logging.getLogger("ringlimit.router")
 
 
 class RouterServer(SignalServer):
@@ -31,6 +34,47 @@ class RouterServer(SignalServer):
     cycle, which nothing would cancel: its client got the connection closed
     without a byte, where a client that retries on an empty answer from a
     kept-alive connection may send it again. Cancelled here, it gets the 500."""
+
+    def __init__(self, config: uvicorn.Config, router: Router | None = None) -> None:
+        super().__init__(config, _stop, role="router")
+        self.router = router
+        #: The end of the drain (:meth:`drain`), while one is under way.
+        self._drain: asyncio.TimerHandle | None = None
+
+    def drain(self) -> bool:
+        """On the first SIGTERM/SIGINT of a router serving gRPC: say it is stopping
+        (gRPC health ``NOT_SERVING``, ``/healthz`` 503) and go on serving both
+        ports for ``--grpc-drain`` seconds, so Envoy's health checks move its
+        calls to another router before this one refuses them; then stop. Before,
+        health said NOT_SERVING and the server stopped at the same moment: with
+        20 callers, 14,479 calls in the second after SIGTERM were UNAVAILABLE.
+
+        A signal during the drain cuts it short (the stop begins at once; one
+        more exits at once). Returns whether the signal was taken so."""
+        if self._drain is not None:
+            self._drain.cancel()
+            self._drain = None
+            log.warning("drain cut short: stopping")
+            self.should_exit = True
+            return True
+        router = self.router
+        if self.should_exit or router is None or router.grpc_server is None:
+            return False
+        seconds = router.settings.grpc_drain
+        if seconds <= 0:
+            return False
+        router.begin_stop()
+        log.warning(
+            "stopping in %g s: health says NOT_SERVING meanwhile, calls are still served "
+            "(--grpc-drain; SIGTERM or Ctrl-C again to stop now)",
+            seconds,
+        )
+        self._drain = asyncio.get_running_loop().call_later(seconds, self._drained)
+        return True
+
+    def _drained(self) -> None:
+        self._drain = None
+        self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await super().shutdown(sockets)
@@ -58,14 +102,15 @@ def router_server(
                 wrap=AnswerWrites,
             )
         )
-    return RouterServer(
-        uvicorn.Config(router, host=host, port=port, **options), _stop, role="router"
-    )
+    return RouterServer(uvicorn.Config(router, host=host, port=port, **options), router)
 
 
 def _stop(server: uvicorn.Server) -> None:
-    """SIGTERM or SIGINT: stop serving, then close the router (leader key
-    resigned, gRPC calls in flight given their grace); a second one: at once."""
+    """SIGTERM or SIGINT: the drain of a router serving gRPC (:meth:`RouterServer.drain`),
+    else stop serving, then close the router (leader key resigned, gRPC calls in
+    flight given their grace); a second one: at once."""
+    if isinstance(server, RouterServer) and server.drain():
+        return
     if server.should_exit:
         server.force_exit = True
     server.should_exit = True

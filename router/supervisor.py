@@ -542,6 +542,13 @@ def _router_argv(
         argv += ["--envoy-config", str(Path(envoy_file).resolve())]
     if getattr(args, "envoy_headers", None):
         argv += ["--envoy-headers", args.envoy_headers]
+    if getattr(args, "grpc_port", None) is not None:
+        # No drain by default: `up` runs one router, so Envoy has nowhere to move
+        # its calls, and Ctrl-C should stop the cluster at once.
+        drain = getattr(args, "grpc_drain", None)
+        argv += ["--grpc-drain", repr(0.0 if drain is None else drain)]
+        if getattr(args, "grpc_max_connections", None) is not None:
+            argv += ["--grpc-max-connections", str(args.grpc_max_connections)]
     for flag in PROXY_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
