@@ -213,7 +213,8 @@ class RouterSettings:
     fellows: Mapping[str, str] = field(default_factory=dict)
     #: A leading worker its supervisor started again: it takes the rules the nodes
     #: hold over its flags (else it would push its flags' rules over those applied
-    #: at runtime, ``PUT /admin/rules``, the cluster's) and recovers from its fellows.
+    #: at runtime, ``PUT /admin/rules``, the cluster's) and recovers from its fellows;
+    #: a state file it cannot read or write is warned of, not fatal (it is at a first start).
     restarted: bool = False
     #: This router's name in ``X-Ringlimit-Router`` on proxied answers (workers: w0, w1...).
     name: str | None = None
@@ -341,6 +342,9 @@ class Router:
             fellow_headers=self.admin.headers(),
             adopt_config=self.settings.restarted,
             follower=self.settings.leader_url is not None,
+            # A worker started again after it served keeps going on a state file
+            # it cannot use (warned of): its ring is the nodes' and its fellows'.
+            state_required=not self.settings.restarted,
         )
         if self.settings.leader_url is not None:
             headers = self.admin.headers()

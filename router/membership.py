@@ -330,6 +330,7 @@ class Membership:
         fellow_headers: Mapping[str, str] | None = None,
         adopt_config: bool = False,
         follower: bool = False,
+        state_required: bool = True,
     ) -> None:
         """Recover membership (state file, then the nodes), else build it from seeds.
 
@@ -340,6 +341,13 @@ class Membership:
         applied at runtime included, rather than the flags it was started with.
         A ``follower`` (a worker that learns the ring from its leader next) starts
         empty by design, and does not warn of it.
+
+        A state file that cannot be read or written stops the start (one line,
+        MembershipError): a typo in ``--state-file`` fails loudly before any
+        traffic. Without ``state_required`` (a worker its supervisor started
+        again after it had served) it is warned of instead, and the ring taken
+        from the nodes and ``fellows``: a crash of the leading worker during a
+        full disk stopped every worker, for a file the workers did not need.
         """
         seeds = list(seeds)
         # With etcd, leases are the leader's: on only while this router leads.
@@ -347,7 +355,19 @@ class Membership:
         if self.coordinator is not None:
             await self._start_coordinated(seeds, health)
             return
-        recovered = self._load_state()
+        recovered: RingView | None = None
+        unreadable = False
+        try:
+            recovered = self._load_state()
+        except MembershipError as exc:
+            if state_required:
+                raise
+            unreadable = True
+            log.warning(
+                "the state file could not be used (%s); taking the ring from the "
+                "other workers and the nodes",
+                exc.detail,
+            )
         candidates: dict[str, Member] = {}  # by id; the first one named wins
         fellows_members = await self._fellows_members(fellows, dict(fellow_headers or {}))
         for member in [*(recovered or ()), *seeds, *fellows_members]:
@@ -407,14 +427,19 @@ class Membership:
                 self._adopt(view)
                 for member in seeds:
                     self.health[member.id] = Health()
-        self._save_state(strict=True)
+        self._save_state(strict=state_required)
         if not len(self.view) and not follower:
             # A router that starts with no ring serves nothing (503 no_nodes) until
             # nodes join; said, not silent, with a state file or without one.
             if self.state_file is None:
                 why = "no --state-file"
             else:
-                state = "held an empty ring" if recovered is not None else "did not exist"
+                if unreadable:
+                    state = "could not be read"
+                elif recovered is not None:
+                    state = "held an empty ring"
+                else:
+                    state = "did not exist"
                 why = f"the state file {self.state_file} {state}"
             log.warning(
                 "no ring to serve: %s and no --node seeds were given; nodes started "

@@ -29,7 +29,10 @@ Exactly one worker leads membership:
 
 The parent restarts a worker that exits (one line each time) unless the
 workers keep dying at start (``CRASH_LOOP`` exits within ``CRASH_WINDOW``
-seconds of their start): then it stops them all and exits 1. SIGTERM or
+seconds of their start): then it stops them all and exits 1. A leading worker
+started again after it had served does not die on a state file it cannot read
+or write (a full disk, a read-only mount): it warns, and takes the ring from
+the other workers and the nodes; at a first start such a file is fatal. SIGTERM or
 SIGINT to the parent stops every worker (SIGTERM each, then SIGKILL after a
 grace period) and exits 0.
 """
@@ -70,7 +73,9 @@ class WorkerRole:
     admin_url: str
     #: Without a coordinator: worker 0's admin URL for the others (None for worker 0).
     leader_url: str | None
-    #: Started again after it exited (the parent restarts a worker that dies).
+    #: Started again after it had served (the parent restarts a worker that dies).
+    #: A worker that died at its first start (a bad ``--state-file``, say) is
+    #: started again as at first: strict, so that it keeps failing in one line.
     restarted: bool = False
     #: Every worker's admin URL, by index (this one's included): a leader started
     #: again learns from the others' rings which nodes to recover its own from
@@ -155,6 +160,13 @@ def bind_admin(host: str) -> socket.socket:
     return sock
 
 
+def served(admin: socket.socket) -> bool:
+    """Whether a worker started on ``admin`` got as far as serving: a worker
+    listens on its sockets once its start succeeded (router/server.py), and the
+    parent's copy of the admin socket stays listening after the worker dies."""
+    return bool(admin.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -203,7 +215,7 @@ class Supervisor:
             worker.admin.fileno(),
             self.admin_url(worker.index),
             leader,
-            restarted=worker.process is not None,
+            restarted=worker.process is not None and served(worker.admin),
             admin_urls=tuple(self.admin_url(other.index) for other in self.workers),
         )
 
