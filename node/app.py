@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from math import isfinite
@@ -162,6 +163,10 @@ class Node:
     ) -> None:
         self.settings = settings
         self.clock = clock
+        #: This process, among every process started as this node (``/healthz``
+        #: says it; the node's join and leave carry it): a second process started
+        #: with this node's id and its --url must not pass for it at the router.
+        self.instance = secrets.token_hex(8)
         self.store = store if store is not None else MemoryStore(max_keys=settings.max_keys)
         self.backend = backend if backend is not None else MemoryBackend(self.store, clock)
         self.peers = peers if peers is not None else Peers(token=settings.internal_token)
@@ -497,6 +502,7 @@ class Node:
             {
                 "status": "ok",
                 "node": self.settings.node_id,
+                "instance": self.instance,
                 "epoch": self.epoch,
                 "backend": self.backend.name,
                 "backend_available": self.backend.available,

@@ -41,6 +41,10 @@ from node.rules import MAX_NAME
 from node.store import check_record_states, check_records
 
 INTERNAL_TOKEN_HEADER = "X-Ringlimit-Token"  # noqa: S105 (a header name)
+#: Sent by a node with its join and its leave: its process's ``instance`` (what
+#: its ``/healthz`` says), so that the router can tell whether the process at the
+#: URL it registers is the one asking (router/membership.py ``check_instance``).
+INSTANCE_HEADER = "X-Ringlimit-Instance"
 
 #: The internal wire format's version; a msgpack body of any other is refused (400).
 WIRE_VERSION = 1

@@ -34,6 +34,7 @@ from node.app import Node
 from node.frontdoor import FrontDoor, limited_protocol, raise_fd_limit
 from node.keepalive import lazy_keep_alive
 from node.memory import tune_gc
+from node.peers import INSTANCE_HEADER
 
 log = logging.getLogger("ringlimit.node")
 
@@ -307,6 +308,9 @@ def serve_node(
         # Forced: a node going away by itself goes even if it is the ring's last
         # (ViewLog.leave); refused, its leave would only become a crash.
         path = f"/admin/nodes/{node.settings.node_id}?force=true"
+        # Which process leaves: the router keeps a member whose URL answers as
+        # another one (a second process started with this node's --id and --url).
+        headers = {**_auth(admin_token), INSTANCE_HEADER: node.instance}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + LEAVE_DEADLINE
         status: int | None = None
@@ -324,9 +328,7 @@ def serve_node(
                 share = left / 2 if len(routers) > 1 else left
                 timeout = httpx.Timeout(share, connect=min(share, CONNECT_TIMEOUT))
                 try:
-                    response = await client.delete(
-                        router + path, headers=_auth(admin_token), timeout=timeout
-                    )
+                    response = await client.delete(router + path, headers=headers, timeout=timeout)
                     status = response.status_code
                     problem = f"router {router} answered {status}: {response.text[:200]}"
                     if not _retry_admin_answer(response):
@@ -457,7 +459,9 @@ def serve_node(
                     response = await client.post(
                         f"{router}/admin/nodes",
                         json=payload,
-                        headers=_auth(admin_token),
+                        # Which process registers: one whose --url reaches another
+                        # process of this node (running, a member) is refused.
+                        headers={**_auth(admin_token), INSTANCE_HEADER: node.instance},
                         timeout=timeout,
                     )
                     if response.status_code == 200 and _lists(response, node.settings.node_id):

@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from node.asgi import error_body
 from node.config import ClusterConfig, ConfigError, Privacy
-from node.peers import CONTROL_LIMITS
+from node.peers import CONTROL_LIMITS, INSTANCE_HEADER
 from node.security import bearer, refusal
 from node.topkeys import NEAR_LIMIT_FRACTION
 from node.wire import ApiError, count_param, flag_param, one_param, parse_json, read_body
@@ -52,6 +52,9 @@ NO_LEADER_WAIT = 10.0
 #: at most the coordinator's ttl and this many seconds more (etcd revokes expired
 #: leases from a loop every 0.5 s; the next router then wins its election).
 DEAD_LEADER_SLACK = 2.0
+#: The headers of a call passed to the leading router (lower case, as Starlette
+#: gives them): a node's join and leave say which process sends them.
+PASSED_ON_HEADERS = ("authorization", "content-type", INSTANCE_HEADER.lower())
 #: ``PUT /admin/rules``: at most this many bytes, and this many rules (each one
 #: is tried on every request's path and method until the rules cache knows it).
 MAX_RULES_BODY = 1 << 20
@@ -197,9 +200,7 @@ class AdminAPI:
     async def _pass_on(self, request: Request, body: bytes, leader: str) -> Response | None:
         """The leader's answer to the call; None if the lead moved meanwhile."""
         membership = self.router.membership
-        headers = {
-            k: v for k, v in request.headers.items() if k in ("authorization", "content-type")
-        }
+        headers = {k: v for k, v in request.headers.items() if k in PASSED_ON_HEADERS}
         call = asyncio.ensure_future(
             membership.client.request(
                 request.method,
@@ -277,7 +278,7 @@ class AdminAPI:
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         try:
-            await self.router.membership.join(member)
+            await self.router.membership.join(member, instance=request.headers.get(INSTANCE_HEADER))
         except MembershipError as exc:
             return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
         return JSONResponse(self.router.membership.describe())
@@ -310,7 +311,9 @@ class AdminAPI:
         membership = self.router.membership
         node_id = request.path_params["node_id"]
         try:
-            await membership.leave(node_id, force=force)
+            await membership.leave(
+                node_id, force=force, instance=request.headers.get(INSTANCE_HEADER)
+            )
         except MembershipError as exc:
             return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
         data = membership.describe()

@@ -897,14 +897,18 @@ class Membership:
 
     # ------------------------------------------------------------------ changes
 
-    async def join(self, member: Member) -> RingView:
+    async def join(self, member: Member, *, instance: str | None = None) -> RingView:
         """Add a member: readiness first (outside the lock), then the push protocol.
 
         The readiness wait is bounded by ``ready_timeout`` and holds no lock, so a
         join that cannot become ready (a mistyped URL, a node still starting)
         never delays the removal of a crashed member or another change.
+
+        ``instance``: the process a node's own registration comes from (its
+        ``X-Ringlimit-Instance``); refused if another process answers at its URL.
         """
         self._must_lead()
+        await self.check_instance(member, instance, "join")
         self.dismissed.discard(member.id)  # added again (an operator, a fresh start)
         underway = self._joins.get(member.id)
         if underway is not None:
@@ -967,6 +971,32 @@ class Membership:
             # asyncio.Lock is fair), and this join queues behind it.
         raise MembershipError(
             503, "ring_changing", f"join of {member.id} yielded to removals too often; retry"
+        )
+
+    async def check_instance(self, member: Member, instance: str | None, what: str) -> None:
+        """Refuse a node's join or leave (409 ``another_process``) when the node at
+        ``member.url`` answers as another process than ``instance``, the sender's.
+
+        A second process started with a member's ``--id`` and a ``--url`` that
+        reaches the running member had its join answered "joined" (a no-op: the
+        member was healthy), and its graceful leave at shutdown removed the real
+        member, which kept running outside the ring and said nothing. Only a
+        positive answer of another process refuses: none (a node paused, slow,
+        or of a version that says no instance) leaves the call as it was."""
+        if instance is None:
+            return
+        answered = await self.nodes.instance(member, self.health_timeout)
+        if answered is None or answered == instance:
+            return
+        if what == "join":
+            outcome = f"node {member.id!r} runs there already: check this process's --url"
+        else:
+            outcome = "the ring keeps the node that answers there"
+        raise MembershipError(
+            409,
+            "another_process",
+            f"{member.url} answers as another process of node {member.id!r} than the "
+            f"one asking to {what}; {outcome}",
         )
 
     async def _already_joined(self, member: Member) -> bool:
@@ -1046,10 +1076,17 @@ class Membership:
             raise _Preempted
         task.result()
 
-    async def leave(self, member_id: str, *, force: bool = False) -> RingView:
+    async def leave(
+        self, member_id: str, *, force: bool = False, instance: str | None = None
+    ) -> RingView:
         """Graceful leave: the leaving node hands everything off before it is dropped
-        (the last node only when ``force``d: :meth:`ViewLog.leave`)."""
+        (the last node only when ``force``d: :meth:`ViewLog.leave`).
+
+        ``instance``: the process a node's own leave comes from; the member is
+        kept if another process answers at its URL (see :meth:`check_instance`)."""
         self._must_lead()
+        if instance is not None and member_id in self.view:
+            await self.check_instance(self.view.member(member_id), instance, "leave")
         async with self.lock:
             change = self.log.leave(member_id, force=force)
             self.health.setdefault(member_id, Health()).state = "leaving"

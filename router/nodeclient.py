@@ -206,6 +206,16 @@ class NodeClient:
             return None
         return node_id(response) or ""
 
+    async def instance(self, member: Member, within: float) -> str | None:
+        """The ``instance`` (process) the node at the member's URL says it is, if it
+        answers as ``member.id``; None otherwise (no answer, another node, a node
+        of a version that says none)."""
+        data = await self.healthz(member, within)
+        if data is None or data.get("node") != member.id:
+            return None
+        instance = data.get("instance")
+        return instance if isinstance(instance, str) else None
+
     async def epoch(self, member: Member, within: float) -> int | None:
         """The epoch the member's ``/healthz`` reports (None: no usable answer)."""
         data = await self.healthz(member, within)

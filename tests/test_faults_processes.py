@@ -1306,3 +1306,50 @@ def test_a_router_without_health_checks_says_why_its_nodes_decide_nothing(
         # router is shorter, and ends by itself.
         assert not wait_for(asked, LAPSED_WARN_AFTER - 2 * SLACK, interval=0.1), router.output()
         assert wait_for(asked, DETECTION + 4 * SLACK + 5.0, interval=0.1), router.output()
+
+
+# ------------------------------------------------------------ a second process of a member
+
+
+def test_a_second_process_at_a_members_url_neither_joins_nor_removes_it(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """A second ``node --id n1 --url <n1's URL> --join R`` while n1 runs: its
+    join was answered "joined" (a no-op: the URL's readiness check reached the
+    running n1), and its SIGTERM's graceful leave removed n1, which kept running
+    outside the ring, said nothing and never registered again. Now the join is
+    refused (the URL answers as another process: ``/healthz``'s ``instance``)
+    and that process exits in one line; a leave that says it comes from another
+    process than the one at the member's URL keeps the member. n1's own leave
+    still goes through."""
+    limit = 5
+    cl = cluster(procs, config_file(tmp_path, limit), join=("n1", "n2"))
+    router = cl.router
+    port = free_port()
+    argv = ["node", "--id", "n1", "--port", str(port), "--url", cl.urls["n1"], "--join", router]
+    second = procs.start("second-n1", argv)
+    assert wait_for(lambda: not second.alive(), timeout=20.0), second.output()
+    assert second.popen.returncode == 1, second.output()
+    said = [line for line in second.output().splitlines() if "could not join the ring" in line]
+    assert len(said) == 1 and "another process of node 'n1'" in said[0], second.output()
+    # A leave from another process than the one at n1's URL (as a second process
+    # of an earlier version, joined, sends on SIGTERM) keeps n1.
+    refused = httpx.delete(
+        f"{router}/admin/nodes/n1?force=true",
+        headers={"X-Ringlimit-Instance": "not-n1s-process"},
+        timeout=30.0,
+    )
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"] == "another_process"
+    assert ring_ids(router) == ["n1", "n2"]
+    # Both nodes decide, counts exact.
+    names = users(20)
+    load = spend(router, names, limit + 2, limit)
+    assert {load.allowed(u) for u in names} == {limit}, {u: load.allowed(u) for u in names}
+    assert {node for u in names for node in load.nodes(u)} == {"n1", "n2"}
+    # n1's own leave (SIGTERM) is its process's: it leaves.
+    cl.nodes["n1"].popen.send_signal(signal.SIGTERM)
+    assert wait_for(lambda: gone(router, "n1"), timeout=15.0), cl.nodes["n1"].output()
+    assert wait_for(lambda: not cl.nodes["n1"].alive(), timeout=15.0)
+    assert "left the ring" in cl.nodes["n1"].output()
+    kill_all(procs)

@@ -355,6 +355,7 @@ async def test_healthz(node_client: Any) -> None:
     assert body == {
         "status": "ok",
         "node": "n7",
+        "instance": body["instance"],
         "epoch": 0,
         "backend": "memory",
         "backend_available": True,
@@ -363,6 +364,8 @@ async def test_healthz(node_client: Any) -> None:
     }
     # The config it holds, as a short hash (the leader compares it with its own).
     assert len(body["config"]) == 16 and int(body["config"], 16) >= 0
+    # This process among the node's (a join and a leave carry it): random, per process.
+    assert len(body["instance"]) == 16 and int(body["instance"], 16) >= 0
     await client.post("/v1/check", json={"checks": [{"key": "a"}, {"key": "b"}, {"key": "a"}]})
     assert (await client.get("/healthz")).json()["keys"] == 2
 
