@@ -405,16 +405,16 @@ class Membership:
             self.events.recovered(best)
             for member in best:
                 self.health.setdefault(member.id, Health())
-            log.info("recovered ring at epoch %d: %s", best.epoch, ", ".join(best.ids))
             # A member that holds a view means the cluster kept its states: one
             # that is empty restarted (it refuses, and the health loop removes it
             # as crashed). None holding one: the whole cluster restarted, and
             # every member takes the recovered view empty. Asked of the members
             # alone (above): a node removed from the ring that still runs (and
             # may be among the seeds) holds a view too, and said nothing of theirs.
-            await self._push_all(
+            failed = await self._push_all(
                 self.view, None, (), established=held is not None and len(held) > 0
             )
+            self._say_recovered(best, recovered, newest_at, answered=len(best) - len(failed))
         else:
             if best is not None:
                 # An empty ring keeps its epoch: the next view goes above it (it
@@ -451,6 +451,26 @@ class Membership:
             # Leases lapsed while no router ran: renew them before serving.
             await asyncio.gather(*(self._renew(m) for m in self.view))
             self._health_task = asyncio.create_task(self._health_loop())
+
+    def _say_recovered(
+        self, best: RingView, saved: RingView | None, node_url: str | None, *, answered: int
+    ) -> None:
+        """One line at the default level: where the ring came from (a newer
+        epoch than the state file's said), and, for a ring from the state file
+        none of whose members answered, that the file may name nodes long gone
+        (the health loop then suspects this router's own network)."""
+        from_file = best is saved
+        where = f"the state file {self.state_file}" if from_file else f"the node at {node_url}"
+        line = f"recovered the ring at epoch {best.epoch} ({len(best)} members) from {where}"
+        if not from_file and saved is not None:
+            line += f" (the state file {self.state_file} had epoch {saved.epoch})"
+        if from_file and not answered:
+            line += (
+                "; none of its members answered: the state file may name nodes that are "
+                "gone (nodes started with --join register again when restarted, others "
+                "with `ringlimit nodes add`)"
+            )
+        log.warning("%s", line)
 
     async def _fellows_members(
         self, fellows: Sequence[str], headers: dict[str, str]

@@ -1184,6 +1184,48 @@ async def test_a_router_with_no_state_file_and_no_seeds_says_it_has_no_ring(
     assert len(said) == 1 and "--state-file" in said[0] and "--node" in said[0], said
 
 
+async def test_a_restarted_router_says_where_its_ring_came_from(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At the default level a router that recovered its ring said nothing (an
+    INFO line), even when the nodes held a newer epoch than its state file; and
+    a state file whose members were all gone led only to "suspecting this
+    router's own network or host". Now one warning says where the ring came
+    from, its epoch and size, and that the state file may name nodes gone."""
+
+    def said() -> list[str]:
+        lines = [r.getMessage() for r in caplog.records if "recovered the ring" in r.getMessage()]
+        caplog.clear()
+        return lines
+
+    async with state_filed(tmp_path) as (cluster, state):
+        epoch = cluster.router.membership.view.epoch
+        with caplog.at_level(logging.WARNING, logger="ringlimit.router"):
+            await cluster.restart_router()
+            assert said() == [
+                f"recovered the ring at epoch {epoch} (3 members) from the state file {state}"
+            ]
+            older = state.read_text()
+            await cluster.add_node("n4")
+            state.write_text(older)  # the file is behind the nodes
+            await cluster.restart_router()
+            (line,) = said()
+            # (the newest view's node: whichever of them answered first)
+            assert line.startswith(
+                f"recovered the ring at epoch {epoch + 1} (4 members) from the node at http"
+            ), line
+            assert line.endswith(f" (the state file {state} had epoch {epoch})"), line
+        for node_id in ("n1", "n2", "n3", "n4"):
+            cluster.take_down(node_id)
+        with caplog.at_level(logging.WARNING, logger="ringlimit.router"):
+            await cluster.restart_router()
+        (line,) = said()
+        assert line.startswith(
+            f"recovered the ring at epoch {epoch + 1} (4 members) from the state file {state}; "
+            "none of its members answered: the state file may name nodes that are gone"
+        ), line
+
+
 async def test_a_router_that_lost_its_ring_takes_it_back_from_the_first_node_given_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
