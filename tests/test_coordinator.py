@@ -518,14 +518,8 @@ async def test_a_leader_stalled_past_its_deadline_grants_no_lease(
         assert not stall.late, f"leases granted past the deadline (s after it): {stall.late}"
 
 
-async def test_a_leader_that_won_during_a_pause_of_etcd_keeps_the_lead(
-    etcd_server: EtcdServer, etcd_endpoint: str
-) -> None:
-    """A campaign whose lease grant was asked for before etcd paused wins once etcd
-    resumes, with that grant already old. Its step-down deadline counted from it,
-    so the new leader stepped down at its first keep-alive (it fails so without
-    the fix); a refresh as soon as it wins moves the deadline on."""
-    etcd = coordinator(etcd_endpoint, ttl=2.0)
+def campaign(etcd: EtcdCoordinator) -> tuple[asyncio.Task[None], list[float], list[float]]:
+    """``etcd.lead`` as a task, and when (loop time) it won and lost the lead."""
     loop = asyncio.get_running_loop()
     led: list[float] = []
     lost: list[float] = []
@@ -536,11 +530,22 @@ async def test_a_leader_that_won_during_a_pause_of_etcd_keeps_the_lead(
     async def on_lose() -> None:
         lost.append(loop.time())
 
+    return asyncio.create_task(etcd.lead("http://patient", on_lead, on_lose, loop.time)), led, lost
+
+
+async def test_a_leader_that_won_during_a_pause_of_etcd_keeps_the_lead(
+    etcd_server: EtcdServer, etcd_endpoint: str
+) -> None:
+    """A campaign whose lease grant was asked for before etcd paused wins once etcd
+    resumes, with that grant already old. Its step-down deadline counted from it,
+    so the new leader stepped down at its first keep-alive (it fails so without
+    the fix); a refresh as soon as it wins moves the deadline on."""
+    etcd = coordinator(etcd_endpoint, ttl=2.0)
     process = etcd_server.process
     assert process is not None
     await etcd.load()  # connected before the pause
     process.send_signal(signal.SIGSTOP)
-    leading = asyncio.create_task(etcd.lead("http://patient", on_lead, on_lose, loop.time))
+    leading, led, lost = campaign(etcd)
     try:
         await asyncio.sleep(1.1)  # the grant waits on the paused etcd: 0.55 ttl
         process.send_signal(signal.SIGCONT)
@@ -566,16 +571,7 @@ async def test_a_leader_deposed_by_an_etcd_restart_leads_again_without_waiting_o
     shutdown resigns it: the lead comes back within seconds of etcd."""
     etcd = coordinator(own_etcd.endpoint, ttl=5.0)
     loop = asyncio.get_running_loop()
-    led: list[float] = []
-    lost: list[float] = []
-
-    async def on_lead() -> None:
-        led.append(loop.time())
-
-    async def on_lose() -> None:
-        lost.append(loop.time())
-
-    leading = asyncio.create_task(etcd.lead("http://patient", on_lead, on_lose, loop.time))
+    leading, led, lost = campaign(etcd)
     try:
         await wait_until(lambda: bool(led), 10.0)
         own_etcd.stop()  # SIGTERM: its data (the leader key, the lease) stays on disk
