@@ -43,6 +43,7 @@ from node.asgi import (
 )
 from node.authority import Authority
 from node.backend import Backend, MemoryBackend
+from node.bodies import read_body
 from node.clock import Clock, system_clock
 from node.config import ClusterConfig
 from node.decision import SERVICE_REFUSED_HEADERS, service_refused
@@ -75,7 +76,6 @@ from node.wire import (
     dumps,
     node_batch_body,
     one_param,
-    read_body,
     result_dict,
 )
 from ring import RingView

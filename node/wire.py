@@ -27,19 +27,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from json.encoder import encode_basestring as _jstr
 from math import floor as _floor
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
-from starlette.requests import ClientDisconnect
 
 from node.config import ClusterConfig
 from node.decision import Verdict
 from node.rules import Rule
 from node.shadow import denied_names
 from ring.errors import encodable, names_text
-
-if TYPE_CHECKING:
-    from starlette.requests import Request
 
 
 class ApiError(Exception):
@@ -376,27 +372,6 @@ def flag_param(params: Mapping[str, str], name: str) -> bool:
     if text in ("true", "1"):
         return True
     raise ApiError(400, f"invalid_{name}", f"{name} must be true or false (or 1 or 0)")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) as soon as it passes ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, "body_too_large", f"body is {declared} bytes; at most {limit}")
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, "body_too_large", f"body is over {limit} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        # Nobody is left to read the answer; an error of the endpoint's own keeps
-        # it from uvicorn's "Exception in ASGI application" traceback (a router
-        # killed with a lease request on its way: an exploratory tester).
-        raise ApiError(400, "incomplete_body", "the client left before its body ended") from None
-    return b"".join(chunks)
 
 
 # ---------------------------------------------------------------------- results

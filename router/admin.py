@@ -21,11 +21,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from node.asgi import error_body
+from node.bodies import read_body
 from node.config import ClusterConfig, ConfigError, Privacy
 from node.peers import CONTROL_LIMITS, INSTANCE_HEADER
 from node.security import bearer, refusal
 from node.topkeys import NEAR_LIMIT_FRACTION
-from node.wire import ApiError, count_param, flag_param, one_param, parse_json, read_body
+from node.wire import ApiError, count_param, flag_param, one_param, parse_json
 from ring import Member
 from ring.analysis import hash_share
 from ring.errors import names_text
