@@ -884,6 +884,7 @@ def _front_door(args: argparse.Namespace) -> FrontDoor:
             max_connections=args.max_connections,
             body_timeout=args.body_timeout,
             grpc=getattr(args, "grpc_port", None) is not None,
+            grpc_max_connections=getattr(args, "grpc_max_connections", None),
         )
     except ValueError as exc:
         field, _, rest = str(exc).partition(" ")
@@ -1416,6 +1417,7 @@ SHOW_WORDS = ("list", "show")
 def _run_rules(args: argparse.Namespace) -> int:
     """Show the cluster's rules, or make a file's [[rules]] the cluster's."""
     body = None
+    unapplied: list[str] = []  # what a file sets besides its rules
     if args.file in SHOW_WORDS:
         if os.path.lexists(args.file):
             # A read must never turn into a write of the cluster's rules.
@@ -1430,16 +1432,14 @@ def _run_rules(args: argparse.Namespace) -> int:
         body = {"rules": [scoped.to_dict() for scoped in config.rules]}
         if not body["rules"]:
             raise ValueError(f"{args.file}: no [[rules]] to apply")
-        others = sorted(k for k in data if k != "rules") if isinstance(data, dict) else []
-        if others:
+        if isinstance(data, dict):
             # Checked, and left as they are: an operator who changed [limits] in
             # the file saw exit 0 and no hint that nothing of it was applied.
-            print(
-                f"ringlimit rules: {args.file}: "
-                + ", ".join(f"[{name}]" for name in others)
-                + " not applied: only [[rules]] change at runtime (the rest is read at start)",
-                file=sys.stderr,
-            )
+            unapplied = [
+                f"[{name}]" if isinstance(value, dict) else name
+                for name, value in sorted(data.items())
+                if name != "rules"
+            ]
 
     def lines(data: dict[str, Any]) -> list[str]:
         # The rules alone: what `ringlimit rules > rules.json` saves, this applies.
@@ -1449,6 +1449,12 @@ def _run_rules(args: argparse.Namespace) -> int:
         return [json.dumps({"rules": rules}, indent=2)]
 
     def applied(data: dict[str, Any]) -> list[str]:
+        if unapplied:
+            print(
+                f"ringlimit rules: {args.file}: {', '.join(unapplied)} not applied: only "
+                "[[rules]] change at runtime (the rest is read at start)",
+                file=sys.stderr,
+            )
         if data.get("pending"):
             # Said apart from the rules (stdout stays what `ringlimit rules` reads back).
             print(

@@ -694,13 +694,14 @@ class EtcdCoordinator:
         created = self._created
 
         async def txn(client: Any) -> None:
-            mine = (
-                client.transactions.create(key) == created
-                if created is not None
-                else client.transactions.value(key) == value
-            )
+            # Its URL, and the revision it was made at when known: after etcd lost
+            # its data, revisions start again, and a successor's key could carry
+            # the revision this router's had (a review).
+            mine = [client.transactions.value(key) == value]
+            if created is not None:
+                mine.append(client.transactions.create(key) == created)
             await client.transaction(
-                compare=[mine],
+                compare=mine,
                 success=[client.transactions.delete(key)],
                 failure=[],
             )

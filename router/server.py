@@ -60,6 +60,8 @@ class RouterServer(SignalServer):
         router = self.router
         if self.should_exit or router is None or router.grpc_server is None:
             return False
+        if not len(router.membership.view):
+            return False  # health says NOT_SERVING already (no nodes): nothing to move
         seconds = router.settings.grpc_drain
         if seconds <= 0:
             return False
@@ -71,6 +73,14 @@ class RouterServer(SignalServer):
         )
         self._drain = asyncio.get_running_loop().call_later(seconds, self._drained)
         return True
+
+    def _exit_now(self) -> None:
+        """SIGHUP: a stop without more, a drain under way included (its timer
+        left armed, the next SIGTERM was taken for a cut short, not forced)."""
+        if self._drain is not None:
+            self._drain.cancel()
+            self._drain = None
+        super()._exit_now()
 
     def _drained(self) -> None:
         self._drain = None

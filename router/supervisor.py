@@ -142,12 +142,14 @@ class Cluster:
     def _children(self) -> list[Child]:
         return [*([self.router] if self.router else []), *self.nodes]
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0, *, drain: float = 0.0) -> None:
         """The router first, so no request reaches a node that is going away; then
         the nodes, with SIGHUP: they exit without a leave, there being nobody left
-        to hand their counters to (SIGTERM would try, and fail, to leave)."""
+        to hand their counters to (SIGTERM would try, and fail, to leave). The
+        router's ``drain`` (``--grpc-drain``) comes on top of its time: it was
+        killed in the middle of a drain longer than ``timeout`` (a review)."""
         if self.router is not None and self.router.process is not None:
-            stop_all([self.router.process], timeout)
+            stop_all([self.router.process], timeout + drain)
         stop_all([c.process for c in self.nodes if c.process is not None], timeout, signal.SIGHUP)
         self._client.close()
 
@@ -486,7 +488,7 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
             print(HANGUP_LINE, file=sys.stderr, flush=True)
         return 0
     finally:
-        cluster.stop()
+        cluster.stop(drain=getattr(args, "grpc_drain", None) or 0.0)
         for path in workdir.iterdir():
             path.unlink()
         workdir.rmdir()

@@ -969,3 +969,17 @@ def test_a_request_sent_on_a_warm_connection_across_a_pause_is_answered(
     assert all(isinstance(a, int) for a in answers), answers
     if role == "router":
         assert answers == [200] * 3, answers
+
+
+def test_the_http_cap_leaves_the_grpc_cap_in_force_out_of_the_client_share() -> None:
+    """With gRPC, the HTTP port's default cap is the client share less the gRPC
+    cap in force: a configured ``--grpc-max-connections`` too (it was left out,
+    the default quarter taken instead: the two ports could take 3.8x the share,
+    a review), so neither port eats the half kept for connections to nodes."""
+    from node.frontdoor import FrontDoor, client_share, grpc_connection_cap
+
+    share = client_share()
+    assert FrontDoor().connection_cap() == share
+    assert FrontDoor(grpc=True).connection_cap() == max(16, share - grpc_connection_cap(None))
+    configured = FrontDoor(grpc=True, grpc_max_connections=share // 2)
+    assert configured.connection_cap() == max(16, share - share // 2)
