@@ -678,7 +678,8 @@ class ShardCore:
                         self._keep_handed_off(now)
             else:
                 self.stats.keys_dropped += len(records)
-        self._promote_replicas(view, crashed, now, config)
+        rejoined = replaced is not None and self.id not in replaced and self.id in view
+        self._promote_replicas(view, crashed, now, config, folded=folded, rejoined=rejoined)
         dirty = self._dirty()
         if dirty is not None and len(view) > 1:
             # Successors may have changed: every state goes to its (new)
@@ -794,7 +795,14 @@ class ShardCore:
             self.keep_replicas(owner, records, now)
 
     def _promote_replicas(
-        self, view: RingView, crashed: Sequence[str], now: float, config: ClusterConfig
+        self,
+        view: RingView,
+        crashed: Sequence[str],
+        now: float,
+        config: ClusterConfig,
+        *,
+        folded: bool = False,
+        rejoined: bool = False,
     ) -> None:
         """Crashed members' keys that this node now owns start from its replicas.
 
@@ -807,15 +815,35 @@ class ShardCore:
         with ``replicas = 2`` this node may be the second copy of a key whose
         new owner crashed at the same time, and the removal of that owner
         (next) must find the copy here.
+
+        A node leaving keeps its replicas until its process ends, or it rejoins:
+        a crash folded into its leave (``folded``: router/viewlog.py
+        ``fold_crashes``) sends it a second view, and its copies of the crashed
+        member's keys may be the only ones (let go at the leave, those users
+        started afresh: an exploratory tester, 8 of 26 users of a paused
+        member). They go to the keys' new owners with its final marks.
         """
-        if self.id not in view or not len(view):
-            self.replicas.clear()
-            return
 
         def replicated(record: Record) -> bool:
             """Whether ``record``'s rule is known here and replicated on a crash."""
             rule = config.rule(record[0])
             return rule is not None and (rule.crash_policy or config.policies.crash) == "replica"
+
+        if self.id not in view or not len(view):
+            if folded and len(view):
+                for origin in crashed:
+                    replicas = self.replicas.pop(origin, None)
+                    for record in replicas.export(now) if replicas is not None else ():
+                        if replicated(record):
+                            self.outbox.setdefault(view.owner_id(record[2]), []).append(record)
+            if not len(view) or folded:
+                self.replicas.clear()
+                self.replica_seen.clear()
+            return
+        if rejoined:
+            # Back from a leave: the copies kept through it are of its time.
+            self.replicas.clear()
+            self.replica_seen.clear()
 
         for origin in crashed:
             replicas = self.replicas.pop(origin, None)

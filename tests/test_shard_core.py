@@ -528,6 +528,58 @@ def test_a_folded_leaves_old_flight_failing_owes_nothing_more() -> None:
     assert b.copied == [] and b.in_flight == {}
 
 
+def test_a_crash_folded_into_a_leave_gets_the_leavers_replicas_of_its_keys() -> None:
+    """n2 leaves (epoch 4) while n3, whose keys n2 holds replicas of, pauses; n3's
+    removal is folded into the leave (epoch 5, from epoch 3). n2 let its
+    replicas go at the leave, and the users whose only copy it held started
+    afresh on their new owner (an exploratory tester, default crash policy:
+    8 of 26 users of the paused node admitted a second quota). It keeps them
+    through its leave, and sends them to the new owners with its final marks."""
+    v3 = view(["n0", "n1", "n2", "n3"], 3)
+    v4, v5 = view(["n0", "n1", "n3"], 4), view(["n0", "n1"], 5)
+    cores = {i: core(i) for i in ("n0", "n1", "n2", "n3")}
+    for c in cores.values():
+        c.apply(v3, None, (), NOW, 0.0)
+    keys = [k for k in owned_by(v3, "n3") if v3.successors(k, 2)[1].id == "n2"]
+    assert keys
+    for key in keys:
+        decide(cores["n3"], key)
+    for batch in cores["n3"].replica_batches(NOW):
+        cores[batch.to].receive_replicas("n3", batch.records, NOW)
+    leaver = cores["n2"]
+    leaver.apply(v4, v3, (), NOW, 0.0)  # the leave
+    leaver.transfers(NOW)  # (its own states on their way)
+    leaver.apply(v5, v3, ("n3",), NOW, 0.0)  # the fold
+    for i in ("n0", "n1"):
+        cores[i].apply(v5, v3, ("n3",), NOW, 0.0)
+    for transfer in leaver.transfers(NOW):
+        cores[transfer.to].receive(
+            "n2", transfer.epoch, transfer.records, transfer.final, transfer.crashes, NOW
+        )
+    for key in keys:
+        owner = cores[v5.owner_id(key)]
+        assert owner.inherit(key, (RULE,), 10.0) is None
+        assert decide(owner, key) == 2, key  # the replica's 1, not a fresh quota
+
+
+def test_replicas_kept_through_a_leave_are_dropped_when_the_node_rejoins() -> None:
+    """Kept for a fold while the node is out, they are of that time once it is
+    back: the origins replicate to it afresh (every state is dirty on a view
+    change), and a stale copy promoted later would be a wrong state."""
+    v1, v2, v3 = view(["n0", "n1"], 1), view(["n0"], 2), view(["n0", "n1"], 3)
+    a, b = core("n0"), core("n1")
+    for c in (a, b):
+        c.apply(v1, None, (), NOW, 0.0)
+    for key in owned_by(v1, "n0"):
+        decide(a, key)
+    (batch,) = a.replica_batches(NOW)
+    b.receive_replicas("n0", batch.records, NOW)
+    b.apply(v2, v1, (), NOW, 0.0)  # n1 leaves
+    assert "n0" in b.replicas  # kept through the leave
+    b.apply(v3, v2, (), NOW, 0.0)  # n1 back
+    assert b.replicas == {} and b.replica_seen == {}
+
+
 def test_a_crashed_members_key_waits_for_the_replicas_of_its_holders() -> None:
     """n0 dies during n1's join and is removed as crashed (epoch 3): a key of
     n0's that n1 owns now comes from n0's replica holder's final transfer."""
