@@ -836,7 +836,7 @@ class ShardCore:
                     for record in replicas.export(now) if replicas is not None else ():
                         if replicated(record):
                             self.outbox.setdefault(view.owner_id(record[2]), []).append(record)
-            if not len(view) or folded:
+            if not len(view):
                 self.replicas.clear()
                 self.replica_seen.clear()
             return

@@ -1164,8 +1164,10 @@ class Membership:
         (:meth:`ViewLog.fold_crashes`): the leaving member is sent the new view
         and hands what it was delivering to the crashed member to its new
         owner, with its final marks; the push it was answering is no longer
-        waited for (it goes on, and its end is logged). Returns the change
-        carried out, its etcd record and the members that did not take it.
+        waited for (it goes on, and its end is logged); and again for a member
+        condemned while the leaving member delivers under the folded view.
+        Returns the change carried out, its etcd record and the members that
+        did not take it.
         """
         losers, gainers = change.pushes
         task = asyncio.ensure_future(self._send(losers))
@@ -1201,7 +1203,13 @@ class Membership:
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
                     task.add_done_callback(_log_released(member_id, change.view.epoch))
-                    return folded, committed, await self._carry_out(folded)
+                    # And again if another member is condemned while the leaver
+                    # delivers under this view (two paused members: the second
+                    # waited 15 s, and the leaver was taken for crashed: a tester).
+                    change = folded
+                    losers, gainers = change.pushes
+                    task = asyncio.ensure_future(self._send(losers))
+                    continue
                 preempted = asyncio.ensure_future(self._preempt.wait())
                 try:
                     await asyncio.wait([task, preempted], return_when=asyncio.FIRST_COMPLETED)

@@ -213,7 +213,7 @@ class ViewLog:
         None when nothing would be left: a leave leaves a ring (:meth:`leave`
         refuses the last node), and the removal waits for it as before.
         """
-        gone = set(crashed)
+        gone = set(crashed) | set(change.crashed)  # a fold folded again: both
         if not any(m.id not in gone for m in change.view):
             return None
         previous = change.previous

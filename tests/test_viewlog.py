@@ -111,6 +111,27 @@ def test_a_crash_folded_into_a_leave_is_one_change_from_the_same_view() -> None:
     assert log.next_view(log.view).epoch == 4  # epoch 2 (the leave's) is never reused
 
 
+def test_a_second_crash_folds_into_the_folded_leave_with_the_first() -> None:
+    """n4 is condemned while n2 delivers under the view that folded n3 in: one
+    more change from the view before the leave, without n2, n3 and n4, both
+    crashed (their policy applies) and told after. Folded once only, n4 waited
+    out the leaver's delivery to it (15 s), and the leaver was taken for crashed
+    (an exploratory tester)."""
+    log = started("n1", "n2", "n3", "n4", "n5")
+    leave = log.leave("n2")
+    first = log.fold_crashes(leave, ["n3"])
+    assert first is not None
+    second = log.fold_crashes(first, ["n4"])
+    assert second is not None
+    assert second.previous == leave.previous and second.view.ids == ("n1", "n5")
+    assert second.crashed == ("n3", "n4") and second.view.epoch == 4
+    losers, gainers = second.pushes
+    assert [m.id for m in losers.members] == ["n2"] and losers.crashed == ("n3", "n4")
+    assert [m.id for m in gainers.members] == ["n1", "n5"]
+    (notify,) = second.afterwards
+    assert [m.id for m in notify.members] == ["n3", "n4"]
+
+
 def test_a_crash_is_not_folded_into_a_leave_when_no_member_would_be_left() -> None:
     """Two members, one leaving and the other condemned (a removal quorum of 0):
     folded, the ring would be empty, the leaver's states dropped and its leave
