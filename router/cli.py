@@ -832,6 +832,18 @@ ROUTER_NUMBERS = (
 )
 
 
+def _check_grpc_only(args: argparse.Namespace) -> None:
+    """ValueError if a flag of the gRPC port is given without ``--grpc-port``:
+    it was ignored without a word (a review)."""
+    given = [
+        flag
+        for flag in ("--grpc-drain", "--grpc-max-connections")
+        if getattr(args, flag[2:].replace("-", "_"), None) is not None
+    ]
+    if given and getattr(args, "grpc_port", None) is None:
+        raise ValueError(f"{' and '.join(given)} need(s) --grpc-port and --envoy-config")
+
+
 def _number(value: float) -> str:
     """A bound as said in an error: an int whole (1048576, not 1.04858e+06)."""
     return str(value) if isinstance(value, int) else f"{value:g}"
@@ -963,6 +975,7 @@ def _run_router(args: argparse.Namespace) -> int:
         return 2
     try:
         headers = envoy_header_sets(args)
+        _check_grpc_only(args)
     except ValueError as exc:
         print(f"ringlimit: {exc}", file=sys.stderr)
         return 2
@@ -1354,6 +1367,7 @@ def _run_up(args: argparse.Namespace) -> int:
     headers = envoy_header_sets(args)
     if args.envoy_headers and args.grpc_port is None:
         raise ValueError("--envoy-headers needs --grpc-port and --envoy-config")
+    _check_grpc_only(args)
     # (No round-robin warning here: the router `up` starts prints it.)
     args.envoy_headers = ",".join(headers)
     try:

@@ -415,6 +415,12 @@ def test_up_takes_envoy_headers_and_hands_them_to_its_router(
     )
     assert main(["up", "--envoy-headers", "draft"]) == 2
     assert "--envoy-headers needs --grpc-port" in capsys.readouterr().err
+    # The gRPC port's own flags without it: one line each, not ignored.
+    for command in ("up", "router"):
+        assert main([command, "--grpc-drain", "5"]) == 2
+        assert "--grpc-drain need(s) --grpc-port" in capsys.readouterr().err
+        assert main([command, "--grpc-max-connections", "50"]) == 2
+        assert "--grpc-max-connections need(s) --grpc-port" in capsys.readouterr().err
     monkeypatch.delenv(cli.ENVOY_HEADERS_ENV, raising=False)
     seen: list[list[str]] = []
 
