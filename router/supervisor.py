@@ -549,9 +549,8 @@ def _router_argv(
         # its calls, and Ctrl-C should stop the cluster at once.
         drain = getattr(args, "grpc_drain", None)
         argv += ["--grpc-drain", repr(0.0 if drain is None else drain)]
-        if getattr(args, "grpc_max_connections", None) is not None:
-            argv += ["--grpc-max-connections", str(args.grpc_max_connections)]
-    for flag in PROXY_FLAGS:
+    # Passed on as given (the gRPC cap is refused without --grpc-port: cli.py).
+    for flag in (*PROXY_FLAGS, "--grpc-max-connections"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             argv += [flag, repr(value)]
