@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO, Any, TypeVar
 
 import httpx
 
@@ -48,6 +48,33 @@ HANGUP_LINE = (
     "ringlimit: SIGHUP: stopping (ringlimit reloads nothing on SIGHUP: new rules go "
     "through `ringlimit rules FILE`)"
 )
+
+
+class StopSignals:
+    """SIGTERM, SIGINT and SIGHUP as requests to stop, for a process that starts
+    others (``up``, ``router --workers``): the handler only notes it
+    (:attr:`stopping`); :meth:`say` writes a SIGHUP's line outside it (a print
+    in a handler could reenter one under way); :meth:`restore` puts the
+    previous handlers back."""
+
+    HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.hangup = False
+        self._previous = {s: signal.signal(s, self._note) for s in self.HANDLED}
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.hangup = self.hangup or signum == signal.SIGHUP
+        self.stopping = True
+
+    def say(self) -> None:
+        if self.hangup:
+            print(HANGUP_LINE, file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 class NotReady(RuntimeError):

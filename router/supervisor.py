@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any, TextIO
 from urllib.parse import quote
 
@@ -44,9 +43,9 @@ from node.config import ClusterConfig
 from node.security import redact_url
 from router.cli import PROXY_FLAGS, SUPERVISOR_ENV
 from router.processes import (
-    HANGUP_LINE,
     ChildProcess,
     NotReady,
+    StopSignals,
     die_with_parent,
     http_probe,
     ringlimit_argv,
@@ -448,16 +447,7 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
         },
         admin_token=os.environ.get("RINGLIMIT_ADMIN_TOKEN") or None,
     )
-    stopping = False
-    hangup = False
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping, hangup
-        hangup = hangup or signum == signal.SIGHUP
-        stopping = True
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, on_signal)
+    signals = StopSignals()
     try:
         seeds = []
         for i in range(args.nodes):
@@ -465,9 +455,9 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
             cluster.start_node(node_id, _node_argv(args, config, node_id, host, port, config_file))
             seeds.append(f"{node_id}=http://{host}:{port}")
         cluster.start_router(_router_argv(args, config, host, config_file, seeds))
-        ring = _wait_for_ring(router_url, cluster, lambda: stopping)
+        ring = _wait_for_ring(router_url, cluster, lambda: signals.stopping)
         if ring is None:
-            if stopping:
+            if signals.stopping:
                 return 0  # asked to stop while starting (Ctrl-C, SIGTERM): not a failure
             reason = cluster.failed() or "not ready within 30 s"
             print(f"ringlimit: the cluster did not start: {reason}", file=sys.stderr)
@@ -478,17 +468,17 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
             else None
         )
         _print_banner(router_url, ring, config, cluster.pids(), policy, envoy)
-        while not stopping:
+        while not signals.stopping:
             problem = cluster.supervise()
             if problem:
                 print(f"ringlimit: {problem}; stopping the cluster", file=sys.stderr)
                 return 1
             time.sleep(0.2)
-        if hangup:  # (said here, not in the handler: a print there could reenter one)
-            print(HANGUP_LINE, file=sys.stderr, flush=True)
         return 0
     finally:
+        signals.say()
         cluster.stop(drain=getattr(args, "grpc_drain", None) or 0.0)
+        signals.restore()
         for path in workdir.iterdir():
             path.unlink()
         workdir.rmdir()

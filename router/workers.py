@@ -48,9 +48,8 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import FrameType
 
-from router.processes import HANGUP_LINE, die_with_parent
+from router.processes import StopSignals, die_with_parent
 
 #: Environment of a worker: its index, inherited socket fds and the leader's URL.
 WORKER_ENV = "RINGLIMIT_WORKER"
@@ -200,7 +199,6 @@ class Supervisor:
         self.port = port
         self.advertise_host = advertise_host
         self.coordinated = coordinated
-        self.stopping = False
         self.workers = [_Worker(i, bind_admin(admin_host)) for i in range(count)]
 
     def admin_url(self, index: int) -> str:
@@ -244,23 +242,14 @@ class Supervisor:
         )
 
     def run(self) -> int:
-        """Supervise until SIGTERM/SIGINT (0) or a crash loop (1)."""
-
-        hangup = False
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            nonlocal hangup
-            hangup = hangup or signum == signal.SIGHUP
-            self.stopping = True
-
-        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-        previous = {s: signal.signal(s, on_signal) for s in handled}
+        """Supervise until SIGTERM/SIGINT/SIGHUP (0) or a crash loop (1)."""
+        signals = StopSignals()
         try:
             for worker in self.workers:
                 self.start(worker)
-            while not self.stopping:
+            while not signals.stopping:
                 for worker in self.workers:
-                    if self.stopping or worker.process is None:
+                    if signals.stopping or worker.process is None:
                         continue
                     code = worker.process.poll()
                     if code is None:
@@ -268,13 +257,11 @@ class Supervisor:
                     if not self._restart(worker, code):
                         return 1
                 time.sleep(0.1)
-            if hangup:  # (said here, not in the handler: a print there could reenter one)
-                print(HANGUP_LINE, file=sys.stderr, flush=True)
             return 0
         finally:
+            signals.say()
             self.stop()
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            signals.restore()
             for worker in self.workers:
                 worker.admin.close()
 
