@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from node.backend import Backend
     from router.app import RouterSettings
     from router.coordinator import EtcdCoordinator
+    from router.viewlog import MembershipError
 
 DEFAULT_RULE = "10/minute"
 
@@ -1087,6 +1088,16 @@ def _run_workers(args: argparse.Namespace) -> int:
         coordinator = _coordinator(args)
         if coordinator is not None and not _etcd_reachable(coordinator):
             return 1  # one line here, rather than N workers failing in a loop
+    elif args.state_file:
+        from pathlib import Path
+
+        from router.statefile import check_state_file
+        from router.viewlog import MembershipError
+
+        try:
+            check_state_file(Path(args.state_file))
+        except MembershipError as exc:
+            raise _cannot_start(exc) from None
     try:
         supervisor = Supervisor(
             args.argv,
@@ -1130,12 +1141,7 @@ def _serve_router(
             front_door=_front_door(args),
         )
     except MembershipError as exc:
-        hint = (
-            "check --state-file"
-            if exc.error == "bad_state_file"
-            else "check the --node seeds (ID=URL) and that those nodes are running"
-        )
-        raise CommandError(f"the router could not start: {exc.detail}; {hint}") from None
+        raise _cannot_start(exc) from None
     except GrpcPortError as exc:
         raise CommandError(f"the router could not start: {exc}") from None
     except CoordinatorError as exc:
@@ -1143,6 +1149,15 @@ def _serve_router(
             f"the router could not start: {exc}; check --coordinator (RINGLIMIT_COORDINATOR) "
             "and that etcd is running"
         ) from None
+
+
+def _cannot_start(exc: MembershipError) -> CommandError:
+    hint = (
+        "check --state-file"
+        if exc.error == "bad_state_file"
+        else "check the --node seeds (ID=URL) and that those nodes are running"
+    )
+    return CommandError(f"the router could not start: {exc.detail}; {hint}")
 
 
 def _coordinator(args: argparse.Namespace) -> EtcdCoordinator | None:

@@ -53,5 +53,22 @@ def load_view(path: Path) -> RingView | None:
         raise _bad(path, f"cannot read ring state: {exc}") from None
 
 
+def check_state_file(path: Path) -> None:
+    """MembershipError unless ``path`` can be read back and written over.
+
+    ``router --workers`` asks before it starts any: its first worker would
+    otherwise find out, fail, and be restarted in a loop that ends in nine
+    lines where a single router says one.
+    """
+    load_view(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ring-")
+    except OSError as exc:
+        raise _bad(path, f"cannot write ring state: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
 def _bad(path: Path, problem: str) -> MembershipError:
     return MembershipError(500, "bad_state_file", f"{path}: {problem}")

@@ -27,9 +27,13 @@ Exactly one worker leads membership:
   from the nodes' refusals (a newer epoch: catch up) and from a poll of
   worker 0's ring every ``FOLLOW_INTERVAL`` seconds.
 
-The parent restarts a worker that exits (one line each time) unless the
-workers keep dying at start (``CRASH_LOOP`` exits within ``CRASH_WINDOW``
-seconds of their start): then it stops them all and exits 1. A leading worker
+The parent restarts a worker that exits (one line each time) unless it never
+served (it could not start: a seed that does not answer, a bad flag; a single
+router would have exited too) or the workers keep dying at start
+(``CRASH_LOOP`` exits within ``CRASH_WINDOW`` seconds of their start): then
+it stops them all and exits 1. ``router --workers`` checks a state file
+before it starts any worker, so a bad one is one line, as for a single
+router. A leading worker
 started again after it had served does not die on a state file it cannot read
 or write (a full disk, a read-only mount): it warns, and takes the ring from
 the other workers and the nodes; at a first start such a file is fatal. SIGTERM or
@@ -268,6 +272,16 @@ class Supervisor:
     def _restart(self, worker: _Worker, code: int) -> bool:
         """One line for the exit; restart it unless it is crash-looping (False)."""
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if not served(worker.admin):
+            # It never got as far as serving: restarting it would say the same
+            # again (every 10 s, forever, for a seed that does not answer).
+            print(
+                f"ringlimit router: worker {worker.index} {how} before it served; "
+                "stopping every worker",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
         quick = time.monotonic() - worker.started < CRASH_WINDOW
         worker.quick_exits = worker.quick_exits + 1 if quick else 0
         if worker.quick_exits >= CRASH_LOOP:

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.cli import main
-from router.workers import WorkerRole, bind_public
+from router.workers import Supervisor, WorkerRole, bind_public
 from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
 from tests.real_cluster import (
     LIMIT,
@@ -349,22 +349,62 @@ def test_workers_on_etcd(procs: Procs, etcd_endpoint: str) -> None:
     kill_all(procs)
 
 
-def test_a_crash_loop_stops_the_workers(procs: Procs, tmp_path: Path) -> None:
-    """Workers that cannot start (an unreadable state file) are not restarted forever."""
+@pytest.mark.parametrize("spoil", ["not json", "under a file"])
+def test_a_state_file_the_router_cannot_use_is_one_line_before_any_worker(
+    spoil: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As for a single router: worker 0 used to find out, and the supervisor
+    restarted it three times (nine lines) before it gave up."""
     state = tmp_path / "ring.json"
-    state.write_text("not json")
-    proc = procs.start(
-        "router",
-        ["router", "--port", str(free_port()), "--workers", "2", "--state-file", str(state)],
+    if spoil == "not json":
+        state.write_text("not json")
+    else:
+        (tmp_path / "file").write_text("")
+        state = tmp_path / "file" / "ring.json"
+    code = main(
+        ["router", "--workers", "2", "--port", str(free_port()), "--state-file", str(state)]
     )
-    deadline = time.monotonic() + 60.0
-    while proc.alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not proc.alive()
-    assert proc.popen.returncode == 1
-    assert "worker 0 exited with code 1, 3 times within" in proc.output(), proc.output()
-    # Each failed start says why in one line, not a traceback.
-    assert "check --state-file" in proc.output() and "Traceback" not in proc.output()
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.strip().count("\n") == 0, err
+    assert f"the router could not start: {state}: cannot" in err and "check --state-file" in err
+
+
+def _supervisor(argv: list[str]) -> Supervisor:
+    return Supervisor(
+        argv,
+        2,
+        host="127.0.0.1",
+        port=free_port(),
+        admin_host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        coordinated=False,
+    )
+
+
+def test_a_worker_that_never_served_stops_the_workers(capfd: pytest.CaptureFixture[str]) -> None:
+    """A worker that exits before it ever served could not start (a seed that
+    does not answer, a bad flag): it was restarted every time, forever when
+    each start took longer than the crash window (10 s for a seed)."""
+    supervisor = _supervisor(["--no-such-flag"])
+    started = time.monotonic()
+    assert supervisor.run() == 1
+    assert time.monotonic() - started < 30.0
+    err = capfd.readouterr().err
+    assert re.search(r"worker \d exited with code 2 before it served; stopping every worker", err)
+    assert "restarting it" not in err, err
+    assert all(w.process is not None and w.process.poll() is not None for w in supervisor.workers)
+
+
+def test_a_crash_loop_stops_the_workers(capfd: pytest.CaptureFixture[str]) -> None:
+    """Workers that served once and then keep dying at start are not restarted forever."""
+    supervisor = _supervisor(["--no-such-flag"])
+    for worker in supervisor.workers:
+        worker.admin.listen()  # as a worker that served once leaves it
+    assert supervisor.run() == 1
+    err = capfd.readouterr().err
+    assert re.search(r"worker \d exited with code 2, 3 times within", err), err
+    assert "restarting it" in err and "before it served" not in err, err
 
 
 def test_workers_die_with_a_supervisor_killed_with_sigkill(procs: Procs) -> None:
