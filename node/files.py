@@ -9,11 +9,12 @@ tracebacks, or as a codec's message that did not say which file it was.
 
 from __future__ import annotations
 
-import json
 import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
+
+from node.strictjson import loads_unique
 
 
 class FileProblem(ValueError):
@@ -74,8 +75,8 @@ def parse_toml(text: str, path: Path) -> dict[str, Any]:
 def parse_json(text: str, path: Path) -> Any:
     """``text`` (read from ``path``) as JSON; FileProblem if it is not."""
     try:
-        return json.loads(text)
-    except ValueError as exc:
+        return loads_unique(text)
+    except ValueError as exc:  # GivenTwice too: a field given twice in one object
         raise FileProblem(path, f"not valid JSON: {exc}") from None
     except RecursionError:
         raise FileProblem(path, "not valid JSON: nested too deeply") from None

@@ -39,6 +39,7 @@ import msgspec
 from node.frontdoor import REUSE_IDLE
 from node.rules import MAX_NAME
 from node.store import check_record_states, check_records
+from node.strictjson import GivenTwice, loads_unique
 
 INTERNAL_TOKEN_HEADER = "X-Ringlimit-Token"  # noqa: S105 (a header name)
 #: Sent by a node with its join and its leave: its process's ``instance`` (what
@@ -116,7 +117,9 @@ def decode(body: bytes, content_type: str | None) -> Any:
             )
         return data
     try:
-        data = json.loads(body)
+        data = loads_unique(body)
+    except GivenTwice as exc:
+        raise WireError("invalid_request", str(exc)) from None
     except (ValueError, RecursionError) as exc:
         raise WireError("invalid_json", f"body is not valid JSON: {exc}") from None
     if isinstance(data, dict) and "v" in data and data["v"] != WIRE_VERSION:

@@ -33,6 +33,7 @@ from node.memory import freeze_for_transfer, thaw_after_transfer
 from node.peers import PeerError, Peers, bulk
 from node.rules import Rule
 from node.shardcore import (
+    MAX_CRASHES,
     SUCCESSOR_CACHE,
     Crash,
     HandoffStats,
@@ -523,6 +524,10 @@ class Shard:
         crashes: Sequence[dict[str, Any]] = (),
     ) -> int:
         now = self.clock()
+        if len(crashes) > MAX_CRASHES:
+            raise ValueError(
+                f"a transfer carries at most {MAX_CRASHES} crashes; this one has {len(crashes)}"
+            )
         incoming = [Crash.from_wire(data, now) for data in crashes]
         received = self.core.receive(sender, epoch, records, final, incoming, now)
         self._news()

@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
+from operator import attrgetter
 from typing import Any
 
 from node.algorithms import MAX_SPAN, exhausted, exhausted_for
@@ -62,6 +63,12 @@ MAX_SOURCES = 4
 #: over). 8,192 entries stay under 1 byte per key of node memory at a million
 #: keys (ring/owners.py); 65,536 cost several.
 OWNER_CACHE = 8_192
+#: Crashes a transfer carries at most (the newest; a receiver refuses more). Each
+#: carries a view, which costs its receiver up to ~0.2 s to build (ring/view.py
+#: ``MAX_MEMBERS``): a peer's body with 60 of them stalled a node for 20 s,
+#: long enough to be removed as crashed. More than this many crashes within
+#: the conservative window is a cluster in pieces; the oldest are left out.
+MAX_CRASHES = 16
 
 # ---------------------------------------------------------------------- refusals
 
@@ -131,7 +138,9 @@ class Crash:
 
     @classmethod
     def from_wire(cls, data: dict[str, Any], now: float) -> Crash:
-        """Parse a peer's crash; ``ValueError``/``KeyError``/``TypeError`` if malformed."""
+        """Parse a peer's crash; ``ValueError``/``KeyError``/``TypeError`` if malformed.
+
+        (Callers parse at most :data:`MAX_CRASHES` per transfer.)"""
         age, left, crashed = data["age"], data["left"], data["crashed"]
         for value in (age, left):
             if type(value) not in (int, float) or not -MAX_SPAN <= value <= MAX_SPAN:
@@ -948,6 +957,8 @@ class ShardCore:
         if view is None:
             return []
         crashes = tuple(c for c in self.crashes if c.until > now)
+        if len(crashes) > MAX_CRASHES:
+            crashes = tuple(sorted(crashes, key=attrgetter("at"))[-MAX_CRASHES:])
         previous = self.previous
         # Final marks once per view: a second, empty mark could overtake the
         # first transfer (with the states) and end the receiver's wait for them.

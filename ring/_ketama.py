@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 from uhashring import HashRing
@@ -63,29 +64,46 @@ def build_continuum(members: Sequence[Member]) -> tuple[list[int], list[Member]]
     """
     if not members:
         return [], []
+    points, ids = _placement(tuple((m.id, m.weight) for m in members))
     by_id = {m.id: m for m in members}
+    return points, [by_id[i] for i in ids]
+
+
+@lru_cache(maxsize=16)
+def _placement(members: tuple[tuple[str, int], ...]) -> tuple[list[int], tuple[str, ...]]:
+    """The continuum of ``(id, weight)`` pairs: points and their owners' ids.
+
+    Kept for the last few memberships: uhashring inserts each point in
+    order, a cost that grows with the square of the points (~0.2 s for 256
+    members), and the same membership comes back many times (every node
+    parses each view a router pushes, the view before it, the views a
+    crash was decided under, in every transfer). A member's url is not part
+    of placement, so views that differ only in urls share one entry. The
+    points list is shared: nothing may change it.
+    """
     ring = HashRing(
-        {m.id: {"weight": m.weight} for m in members},
+        {member_id: {"weight": weight} for member_id, weight in members},
         hash_fn="ketama",
         vnodes=VNODES,
         replicas=REPLICAS,
     )
     _reject_pointless_members(members, ring.distribution)
-
     points: list[int] = []
-    owners: list[Member] = []
+    owners: list[str] = []
     # get_points() repeats a point that two members both hashed to, each time
     # naming the surviving owner; keeping one copy gives the same bisect result.
     for point, node_id in ring.get_points():
         if points and points[-1] == point:
             continue
         points.append(point)
-        owners.append(by_id[node_id])
+        owners.append(node_id)
     owners.append(owners[0])
-    return points, owners
+    return points, tuple(owners)
 
 
-def _reject_pointless_members(members: Sequence[Member], distribution: Mapping[str, int]) -> None:
+def _reject_pointless_members(
+    members: Sequence[tuple[str, int]], distribution: Mapping[str, int]
+) -> None:
     """Refuse a membership in which some member would own no keys at all.
 
     Ketama gives each member ``floor(40 * N * weight / total_weight)`` digests,
@@ -93,11 +111,11 @@ def _reject_pointless_members(members: Sequence[Member], distribution: Mapping[s
     would be listed in the view yet never receive traffic or replicas, which
     is a configuration error worth failing loudly on.
     """
-    total = sum(m.weight for m in members)
-    for m in members:
-        if not distribution.get(m.id):
+    total = sum(weight for _, weight in members)
+    for member_id, weight in members:
+        if not distribution.get(member_id):
             raise ValueError(
-                f"member {m.id!r} (weight {m.weight}) would get no points on the ketama "
+                f"member {member_id!r} (weight {weight}) would get no points on the ketama "
                 f"continuum: each member gets floor({VNODES} * {len(members)} members * weight"
                 f" / total weight {total}) digests; raise its weight or lower the others"
             )

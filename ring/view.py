@@ -44,7 +44,7 @@ from ._ketama import build_continuum, md5, read_point
 from .errors import EmptyRingError, check_fields
 from .member import Member
 
-__all__ = ["MAX_EPOCH", "RingView", "check_epoch"]
+__all__ = ["MAX_EPOCH", "MAX_MEMBERS", "RingView", "check_epoch"]
 
 #: The largest epoch: what the wire formats carry (msgpack's signed 64-bit
 #: integers among them). A view past it was applied, then every transfer
@@ -61,6 +61,20 @@ def check_epoch(epoch: object) -> int:
     if not 0 <= epoch <= MAX_EPOCH:
         raise ValueError(f"epoch must be >= 0 and < 2**63, got {epoch}"[:120])
     return epoch
+
+
+#: The most members a ring holds. uhashring builds the continuum by sorted
+#: insertion, so its cost grows with the square of the points (160 per
+#: member): 256 members take ~0.2 s here, 2,500 took 22 s, and a node parsing
+#: a view that large from a peer's body stalled long enough to be removed as
+#: crashed. Far above any cluster of Python nodes one router tier serves.
+MAX_MEMBERS = 256
+
+
+def check_size(count: int) -> None:
+    """ValueError if a ring of ``count`` members is over :data:`MAX_MEMBERS`."""
+    if count > MAX_MEMBERS:
+        raise ValueError(f"a ring holds at most {MAX_MEMBERS} members; this one has {count}")
 
 
 _FIELDS = frozenset({"epoch", "nodes"})
@@ -87,6 +101,7 @@ class RingView:
     def __post_init__(self) -> None:
         check_epoch(self.epoch)
         members = tuple(self.members)
+        check_size(len(members))
         for m in members:
             if not isinstance(m, Member):
                 raise TypeError(f"members must be Member instances, got {type(m).__name__}")
@@ -235,6 +250,7 @@ class RingView:
         nodes = data["nodes"]
         if not isinstance(nodes, list | tuple):
             raise ValueError(f"ring field 'nodes' must be a list, got {type(nodes).__name__}")
+        check_size(len(nodes))  # before a member is parsed
         members = []
         for index, node in enumerate(nodes):
             try:

@@ -1043,6 +1043,7 @@ def _run_router(args: argparse.Namespace) -> int:
                     "gRPC needs a port of its own"
                 )
             _check_port(args.host, args.grpc_port, GRPC_ROLE, choose="--grpc-port")
+        _check_state_file(args)
         _serve_router(settings, args)
         return 0
     from dataclasses import replace
@@ -1088,16 +1089,7 @@ def _run_workers(args: argparse.Namespace) -> int:
         coordinator = _coordinator(args)
         if coordinator is not None and not _etcd_reachable(coordinator):
             return 1  # one line here, rather than N workers failing in a loop
-    elif args.state_file:
-        from pathlib import Path
-
-        from router.statefile import check_state_file
-        from router.viewlog import MembershipError
-
-        try:
-            check_state_file(Path(args.state_file))
-        except MembershipError as exc:
-            raise _cannot_start(exc) from None
+    _check_state_file(args)
     try:
         supervisor = Supervisor(
             args.argv,
@@ -1149,6 +1141,26 @@ def _serve_router(
             f"the router could not start: {exc}; check --coordinator (RINGLIMIT_COORDINATOR) "
             "and that etcd is running"
         ) from None
+
+
+def _check_state_file(args: argparse.Namespace) -> None:
+    """One line, before anything starts or is sent, if ``--state-file`` cannot be
+    read back and written over. Found at the first save instead, a router had
+    already taken the ring from its seeds and pushed its rules to their nodes,
+    a live cluster's: the users of a changed algorithm were given a fresh quota
+    twice (an exploratory tester: 10 admissions under a limit of 5); and
+    ``--workers`` restarted its first worker until it gave up (nine lines)."""
+    if args.coordinator or not args.state_file:
+        return  # with etcd the file is not used (said at start)
+    from pathlib import Path
+
+    from router.statefile import check_state_file
+    from router.viewlog import MembershipError
+
+    try:
+        check_state_file(Path(args.state_file))
+    except MembershipError as exc:
+        raise _cannot_start(exc) from None
 
 
 def _cannot_start(exc: MembershipError) -> CommandError:

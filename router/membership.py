@@ -963,6 +963,7 @@ class Membership:
         async with self.lock:
             if await self._already_joined(member):
                 return self.view
+            self._check_room(member)
         held = await self._wait_ready(member)
         if held > self.view.epoch and self.coordinator is None and not len(self.view):
             await self._take_ring_of(member)  # (then its view is at least ``held``)
@@ -1045,7 +1046,19 @@ class Membership:
         await self._crash_locked(member.id, reason="it registered again after a restart")
         return False
 
+    def _check_room(self, member: Member) -> None:
+        """409 ``invalid_membership`` when the ring with ``member`` cannot be made:
+        over ``MAX_MEMBERS``, or a weight that gets no point on the continuum.
+        Asked before the newcomer hears anything; it was a 500 after its welcome."""
+        try:
+            RingView.of([*(m for m in self.view if m.id != member.id), member])
+        except ValueError as exc:
+            raise MembershipError(
+                409, "invalid_membership", f"cannot add {member.id}: {exc}"
+            ) from None
+
     async def _join_locked(self, member: Member) -> RingView:
+        self._check_room(member)  # the ring may have changed while it waited
         # First the newcomer gets the cluster's config, with the current view
         # (in which it owns nothing): see ViewLog.welcome. Nothing is committed
         # yet, so a crash removal decided meanwhile goes first (_Preempted).

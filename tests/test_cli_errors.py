@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from router.cli import ROUTER_NUMBERS
@@ -331,6 +332,39 @@ def test_a_router_with_an_unreadable_state_file(tmp_path: Path) -> None:
     state.write_text("{ not json")
     result = ringlimit("router", "--port", str(free_port()), "--state-file", str(state))
     one_line_failure(result, "the router could not start", str(state), "check --state-file")
+
+
+def test_a_router_that_cannot_keep_its_state_file_sends_nothing(
+    procs: Procs,  # noqa: F811
+) -> None:
+    """The state file is checked before the router takes the ring from its seeds:
+    found at the first save, the router had already pushed its rules to the
+    seed's nodes, a live cluster's (an exploratory tester: the algorithm changed
+    twice under the users, 10 admissions under a limit of 5)."""
+    proc, node = procs.node("n1", None, "--rule", "api=5/minute")
+    live, _ = procs.router(None, "--node", f"n1={node}", "--rule", "api=5/minute")
+    live.stop()  # the ring is the nodes' now; nothing would push the rules back
+    before = httpx.get(f"{node}/internal/cluster", timeout=5.0).json()
+    # Read, it is no file (a ring of none); written, its folder cannot be made.
+    state = Path("/proc/ringlimit-no-such-folder/ring.json")
+    result = ringlimit(
+        "router",
+        "--port",
+        str(free_port()),
+        "--node",
+        f"n1={node}",
+        "--state-file",
+        str(state),
+        "--rule",
+        "other=7/minute",
+        "--algorithm",
+        "fixed_window",
+    )
+    one_line_failure(result, "the router could not start", str(state), "check --state-file")
+    config = httpx.get(f"{node}/internal/cluster", timeout=5.0).json()
+    assert [rule["name"] for rule in config["config"]["rules"]] == ["api"], config
+    assert config["ring"] == before["ring"], config
+    proc.stop()
 
 
 def test_bench_with_a_node_that_cannot_start_is_one_line() -> None:

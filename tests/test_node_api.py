@@ -23,6 +23,8 @@ from node.clock import FrozenClock
 from node.config import ClusterConfig, Limits, ScopedRule
 from node.leasing import definition
 from node.rules import Rule
+from node.shardcore import MAX_CRASHES
+from ring.view import MAX_MEMBERS
 from tests.test_router import metric
 
 pytestmark = pytest.mark.anyio
@@ -566,6 +568,43 @@ INTERNAL_BAD += [
     ),
 ]
 
+
+def _members(count: int) -> str:
+    # Closed ports on 127.0.0.1: a node that took such a view (the caps undone)
+    # would hand off to each member, and must send nothing off this machine.
+    return ", ".join(f'{{"id": "m{i}", "url": "http://127.0.0.1:{i + 1}"}}' for i in range(count))
+
+
+def _crash(epoch: int) -> str:
+    view = f'{{"epoch": {epoch}, "nodes": [{_members(2)}]}}'
+    return f'{{"view": {view}, "crashed": ["m0"], "age": 0, "left": 1}}'
+
+
+# Sizes past the explicit caps (ring/view.py MAX_MEMBERS, node/shardcore.py
+# MAX_CRASHES): a view of 2,500 members took a node 22 s to build (uhashring's
+# continuum grows with the square of the points), 60 crashes of 300 members 20
+# s, and the node was removed as crashed meanwhile (an exploratory tester).
+INTERNAL_BAD += [
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 2, "nodes": [%s]}}' % _members(MAX_MEMBERS + 1).encode(),
+    ),
+    (
+        "PUT",
+        "/internal/cluster",
+        b'{"config": {}, "ring": {"epoch": 2, "nodes": []}, "previous": '
+        b'{"epoch": 1, "nodes": [%s]}}' % _members(2_500).encode(),
+    ),
+    (
+        "POST",
+        "/internal/import",
+        _import(
+            EXHAUSTED_A,
+            extra=', "crashes": [' + ", ".join(_crash(i) for i in range(MAX_CRASHES + 1)) + "]",
+        ),
+    ),
+]
 
 # A falsy previous view was taken for none (its check skipped).
 INTERNAL_BAD += [

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+import ring.view
 from node.algorithms import REGISTRY
 from node.clock import FrozenClock, boot_clock
 from node.config import ClusterConfig, Identity, Limits, Policies, ScopedRule, hash_token
@@ -956,6 +957,13 @@ BAD_CHECKS: list[tuple[str, bytes, int, str]] = [
     ("batch item not an object", b'{"checks": [{"key": "a"}, 7]}', 400, "invalid_request"),
     ("bad item in a batch", b'{"checks": [{"key": "a"}, {"key": "a", "cost": -2}]}', 400, ""),
     ("oversized body", b'{"key": "a", "pad": "' + b" " * 600 + b'"}', 413, "body_too_large"),
+    # A field given twice: which one a proxy in front reads is anyone's guess.
+    ("key given twice", b'{"key": "b", "key": "a"}', 400, "invalid_request"),
+    ("escaped key given twice", b'{"key": "b", "k\\u0065y": "a"}', 400, "invalid_request"),
+    ("batch key given twice", b'{"checks":[{"key":"b","key":"a"}]}', 400, "invalid_request"),
+    ("batch rule twice", b'{"checks":[{"key":"a","rule":"x","rule":"api"}]}', 400, ""),
+    ("batch cost twice", b'{"checks":[{"key":"a","cost":1,"cost":1}]}', 400, "invalid_request"),
+    ("checks given twice", b'{"checks":[{"key":"b"}],"checks":[{"key":"a"}]}', 400, ""),
 ]
 
 
@@ -1089,6 +1097,30 @@ async def test_bad_admin_join_is_a_clear_4xx_and_the_ring_is_unchanged(
         assert_error(response, status)
         ring = (await cluster.client.get("/admin/ring")).json()
         assert ring["epoch"] == 1 and [n["id"] for n in ring["nodes"]] == ["n1", "n2", "n3"]
+        assert (await get(cluster, "rita")).status_code == 200
+
+
+@pytest.mark.parametrize("problem", ["over the member cap", "a weight leaving others no point"])
+async def test_a_join_the_ring_cannot_take_is_409_and_the_ring_is_unchanged(
+    problem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ring past ``MAX_MEMBERS``, or a weight next to which another member gets
+    no point on the continuum, cannot be made: the join was a 500, after the
+    newcomer had been sent the cluster's config."""
+    weight = 1
+    if problem == "over the member cap":
+        monkeypatch.setattr(ring.view, "MAX_MEMBERS", 3)
+    else:
+        weight = 1000  # floor(40 * 4 * 1 / 1003) = 0 points for each of n1..n3
+    async with running(make_config(Rule("api", 5, 60.0))) as cluster:
+        cluster._make_node("n4")
+        body = {"id": "n4", "url": node_url("n4"), "weight": weight}
+        response = await cluster.client.post("/admin/nodes", json=body)
+        assert_error(response, 409, "invalid_membership")
+        assert "cannot add n4" in response.json()["detail"]
+        ring_now = (await cluster.client.get("/admin/ring")).json()
+        assert ring_now["epoch"] == 1 and [n["id"] for n in ring_now["nodes"]] == ["n1", "n2", "n3"]
+        assert cluster.nodes["n4"].shard is None or cluster.nodes["n4"].shard.epoch == 0
         assert (await get(cluster, "rita")).status_code == 200
 
 

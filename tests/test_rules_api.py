@@ -99,6 +99,7 @@ async def test_a_new_algorithm_starts_its_rule_afresh_and_new_rules_add() -> Non
     ("body", "status", "error", "says"),
     [
         (b"{", 400, "invalid_json", "not valid JSON"),
+        (b'{"rules": [], "rules": []}', 400, "invalid_request", "'rules' is given twice"),
         (b"[]", 400, "invalid_rules", '{"rules": [...]}'),
         (b'{"rules": [], "x": 1}', 400, "invalid_rules", '{"rules": [...]}'),
         (b'{"rules": []}', 400, "invalid_rules", f"1 to {MAX_RULES}"),

@@ -1,0 +1,44 @@
+"""JSON as the API reads it: a field given twice in one object is refused.
+
+JSON leaves duplicate names to the reader (RFC 8259 4: "the behavior of
+software that receives such an object is unpredictable"). Python keeps the
+last; a proxy or a client library in front may keep the first, and the two
+would then disagree on, say, which user a check is for. So every JSON body
+ringlimit is sent (by a client, an operator or a peer) and every JSON file
+it reads is read here, and a field given twice is an error like any other
+ambiguous input, as TOML makes it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ring.errors import encodable
+
+
+class GivenTwice(ValueError):
+    """A JSON object that names one field twice."""
+
+
+def _unique_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                name = encodable(name)[:100]
+                raise GivenTwice(f"the field {name!r} is given twice in one object")
+            seen.add(name)
+    return data
+
+
+_UNIQUE_DECODER = json.JSONDecoder(object_pairs_hook=_unique_fields)
+
+
+def loads_unique(data: bytes | str) -> Any:
+    """``json.loads`` (bytes in any of JSON's encodings), but a field given
+    twice in one object is :class:`GivenTwice`."""
+    if not isinstance(data, str):
+        data = data.decode(json.detect_encoding(data), "surrogatepass")
+    return _UNIQUE_DECODER.decode(data)
