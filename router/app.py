@@ -784,7 +784,9 @@ class Router:
                         f"node {member.id} {exc.what}",
                         **({"rule": closed.name} if closed is not None else {}),
                     ),
-                    [(b"x-ringlimit-node", member.id.encode())],
+                    [(b"x-ringlimit-node", member.id.encode())]
+                    if closed is None
+                    else [(b"retry-after", b"1"), (b"x-ringlimit-node", member.id.encode())],
                 )
                 return
             except Unreachable as exc:

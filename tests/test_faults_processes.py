@@ -382,6 +382,7 @@ def test_sigstop_of_a_node_admits_nobody_twice(procs: Procs, tmp_path: Path) -> 
     response, took = proxy_closed
     assert response.status_code == 503, response.text
     assert response.json()["error"] == "limiter_unavailable" and response.json()["rule"] == "api"
+    assert response.headers["retry-after"] == "1"
     assert took <= FORWARD_TIMEOUT + WAIT_SLACK, took
     assert removed <= DETECTION + DETECTION + SLACK  # detection, then the lease bound
     assert [n["id"] for n in ring["nodes"]] == ["n1", "n2", "n3"]

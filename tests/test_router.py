@@ -852,6 +852,19 @@ async def test_a_request_whose_answer_is_lost_is_not_sent_to_another_node() -> N
         assert "closed the connection" in response.json()["detail"]
 
 
+async def test_a_closed_rule_whose_answer_is_lost_is_503_with_retry_after() -> None:
+    """Sent, unanswered, under a rule that fails closed: 503 limiter_unavailable
+    with ``Retry-After: 1``, as the cluster's other 503s (it had none: an
+    exploratory tester)."""
+    async with running(on_error_config()) as cluster:
+        user = user_owned_by(cluster, "n2")
+        cluster._mounts[node_url("n2")] = AnswerLostAt(cluster._mounts[node_url("n2")], "/hard")
+        response = await cluster.client.post("/hard", headers={"X-User-Id": user})
+        assert response.status_code == 503, response.text
+        assert response.json()["error"] == "limiter_unavailable"
+        assert response.headers["retry-after"] == "1"
+
+
 async def test_a_check_whose_answer_is_lost_as_its_owner_leaves_is_not_decided_twice() -> None:
     """The owner decided a check, then left the ring (its states, that decision's
     too, handed to the new owner) and its connection closed before the answer
