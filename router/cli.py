@@ -402,10 +402,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     router.add_argument(
         "--coordinator-ttl",
         type=_coordinator_ttl,
-        default=5,
+        default=2,
         metavar="SECONDS",
         help="the leader's etcd lease, whole seconds from 2 to 3600: another router takes over "
-        "this long after it is lost (default 5)",
+        "about this long after it is lost (default 2; the nodes' default lease grows to "
+        "outlast a take-over: ttl + 1.5 s + a probe round)",
     )
     router.add_argument(
         "--no-health-checks",
@@ -865,18 +866,42 @@ def _check_router_numbers(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be {low_text} and {high_text}, got {value!r}")
     if getattr(args, "no_health_checks", True):
         return
-    # The lease the nodes will be granted: given, or the detection time.
+    # The lease the nodes will be granted: given, or the detection time (with
+    # etcd, at least what a take-over of the lead needs: router/coordinator.py).
+    from router.coordinator import node_lease
+
     renewal = args.health_interval + args.health_timeout
-    lease = args.lease if args.lease is not None else args.failure_threshold * renewal
+    ttl = args.coordinator_ttl if getattr(args, "coordinator", None) else None
+    detection = args.failure_threshold * renewal
+    lease = args.lease if args.lease is not None else node_lease(detection, renewal, ttl)
     if lease > MAX_LEASE:
         raise ValueError(
-            f"the default lease, --failure-threshold x (--health-interval + --health-timeout) "
+            f"the default lease, --failure-threshold x (--health-interval + --health-timeout)"
+            f"{' (or what a take-over needs)' if ttl is not None else ''} "
             f"= {lease:g} s, is over the {MAX_LEASE:g} s a node accepts: set --lease"
         )
     if lease < renewal:
         raise ValueError(
             f"--lease ({lease:g} s) must outlast a probe round, --health-interval + "
             f"--health-timeout ({renewal:g} s): nodes would stop deciding between probes"
+        )
+
+
+def _warn_short_lease(args: argparse.Namespace) -> None:
+    """A ``--lease`` that a take-over of the lead outlasts: said once at start."""
+    from router.coordinator import takeover_lease
+
+    if not args.coordinator or args.lease is None or args.no_health_checks:
+        return
+    renewal = args.health_interval + args.health_timeout
+    needed = takeover_lease(args.coordinator_ttl, renewal)
+    if args.lease < needed:
+        print(
+            f"ringlimit: warning: --lease {args.lease:g} s is shorter than a take-over of the "
+            f"lead needs (--coordinator-ttl {args.coordinator_ttl} + 1.5 s + a probe round = "
+            f"{needed:g} s): each time the leading router is lost, every node's lease lapses "
+            "and every rule's on_error answers until another leads",
+            file=sys.stderr,
         )
 
 
@@ -988,6 +1013,7 @@ def _run_router(args: argparse.Namespace) -> int:
     role = worker_role()
     if role is None:
         _warn_keep_alive(front_door)  # once, not again by each worker
+        _warn_short_lease(args)
     if role is None and args.workers != 1:
         return _run_workers(args)
     settings = RouterSettings(

@@ -50,7 +50,13 @@ from node.failures import Failures
 from node.lease import DEFAULT_DRIFT
 from node.peers import CONTROL_LIMITS
 from ring import Member, RingView
-from router.coordinator import CoordinatorError, EtcdCoordinator, NotLeading, ViewRecord
+from router.coordinator import (
+    CoordinatorError,
+    EtcdCoordinator,
+    NotLeading,
+    ViewRecord,
+    node_lease,
+)
 from router.events import EventLog
 from router.health import Health, HealthMonitor
 from router.nodeclient import NodeClient, held_epoch, push_body
@@ -200,7 +206,15 @@ class Membership:
         detection = failure_threshold * (health_interval + health_timeout)
         #: Seconds of lease granted per renewal (None: leases are off until start()
         #: turns on health checks: only a router that removes members needs them).
-        self.lease_seconds = lease if lease is not None else detection
+        self.lease_seconds = (
+            lease
+            if lease is not None
+            else node_lease(
+                detection,
+                health_interval + health_timeout,
+                coordinator.ttl if coordinator is not None else None,
+            )
+        )
         self.leasing = False
         self.budget = RemovalBudget(
             detection if removal_interval is None else removal_interval, removal_quorum

@@ -23,9 +23,10 @@ import httpx
 import pytest
 
 from node.clock import FrozenClock, boot_clock
+from node.config import ClusterConfig
 from ring import Member, RingView
 from router.app import Router
-from router.cli import build_parser
+from router.cli import build_parser, main
 from router.coordinator import (
     CoordinatorError,
     EtcdCoordinator,
@@ -184,6 +185,54 @@ def test_a_coordinator_ttl_that_is_not_whole_seconds_is_refused_in_one_line(
     assert "argument --coordinator-ttl: must be a whole number of seconds from 2 to 3600" in last
     with pytest.raises(ValueError, match="coordinator ttl: must be a whole number"):
         EtcdCoordinator([("127.0.0.1", 1)], ttl=float(given))
+
+
+@pytest.mark.parametrize(
+    ("ttl", "lease", "interval", "probe_timeout", "threshold"),
+    [
+        (None, 4.5, 1.0, 0.5, 3),  # no etcd: the detection time
+        (2, 5.0, 1.0, 0.5, 3),  # the defaults: 2 + 1.5 + a 1.5 s round
+        (5, 8.0, 1.0, 0.5, 3),  # the former default ttl: 4.5 s lapsed at each loss
+        (2, 6.0, 0.5, 0.5, 6),  # the detection time is longer: it
+    ],
+)
+async def test_the_nodes_default_lease_outlasts_a_take_over_of_the_lead(
+    ttl: int | None, lease: float, interval: float, probe_timeout: float, threshold: int
+) -> None:
+    """A node decides only while its lease runs, and only the leading router
+    renews it: a lease shorter than a take-over (the ttl, etcd's 0.5 s
+    expiry loop, the campaign and the grants) lapsed on every loss of the
+    leading router, and every rule's on_error answered, cluster-wide (an
+    exploratory tester: at the former default ttl of 5 s, 0.4-1.1 s each
+    time, 56-259 admissions past open rules' limits)."""
+    coordinator = None if ttl is None else EtcdCoordinator([("127.0.0.1", 1)], ttl=ttl)
+    membership = Membership(
+        ClusterConfig(),
+        health_interval=interval,
+        health_timeout=probe_timeout,
+        failure_threshold=threshold,
+        coordinator=coordinator,
+    )
+    assert membership.lease_seconds == pytest.approx(lease)
+    # What --lease sets is what is granted, said at start when too short.
+    given = Membership(ClusterConfig(), lease=3.0, coordinator=coordinator)
+    assert given.lease_seconds == 3.0
+    for made in (membership, given):
+        await made.close()
+
+
+def test_a_lease_shorter_than_a_take_over_is_said_at_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["router", "--coordinator", "etcd://127.0.0.1:1", "--coordinator-ttl", "5"]
+    assert main([*argv, "--lease", "4.5"]) == 1  # (etcd is not there)
+    said = capsys.readouterr().err
+    assert "--lease 4.5 s is shorter than a take-over of the lead needs" in said
+    assert "(--coordinator-ttl 5 + 1.5 s + a probe round = 8 s)" in said
+    assert main([*argv, "--lease", "8"]) == 1
+    assert "shorter than a take-over" not in capsys.readouterr().err
+    assert main(argv) == 1  # the default lease: long enough
+    assert "shorter than a take-over" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("given", "ttl"), [("2", 2), ("5.0", 5), ("30", 30)])
