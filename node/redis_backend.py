@@ -36,7 +36,8 @@ for each reply), nothing is retried except one ``SCRIPT LOAD`` after
 ``NOSCRIPT`` (a restarted or flushed Redis), and an unreachable, timing-out,
 loading, read-only or out-of-memory Redis, or one that refuses writes (a failed
 snapshot: ``MISCONF``; too few replicas: ``NOREPLICAS``), or one that refuses
-the node's user (an ACL's ``NOPERM``, a wrong password) or its database, raises
+the node's user (an ACL's ``NOPERM``, a wrong password) or its database, or a
+server that does not speak the Redis protocol at all (``InvalidResponse``), raises
 :class:`BackendUnavailable`. Any other error reply (``WRONGTYPE`` on a key
 something else wrote) is that check's alone: :meth:`RedisBackend.check` raises
 it, :meth:`RedisBackend.check_each` returns it in that check's place.
@@ -70,6 +71,7 @@ from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
     ClusterDownError,
+    InvalidResponse,
     NoPermissionError,
     NoScriptError,
     OutOfMemoryError,
@@ -134,6 +136,11 @@ _UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     asyncio.TimeoutError,
     NoPermissionError,  # an ACL refusing the node's user, for every check alike
     AuthenticationWrongNumberOfArgsError,
+    # What answers is not Redis (an HTTP server, a TLS port without TLS): every
+    # connection's first reply is garbled, so no check can pass. Before, each
+    # check raised it (a 500 with a traceback per request, on_error ignored, the
+    # node said Redis was fine) and a node starting with such a URL exited.
+    InvalidResponse,
 )
 #: Refusals of the node's user (AuthenticationError: a wrong password, NOAUTH). To
 #: the checks an outage (none can pass), but one a configuration change ends, not
@@ -669,6 +676,11 @@ class RedisBackend:
                 f"redis at {self.where} runs no command ringlimit needs ({missing}): "
                 "ringlimit needs PING, SET, EVALSHA and SCRIPT LOAD (renamed or disabled "
                 "by rename-command in its config? a proxy without scripting?)"
+            )
+        if isinstance(exc, InvalidResponse):
+            return (
+                f"redis at {self.where} does not speak the Redis protocol ({exc}): is "
+                "--redis-url the address of a Redis server (not, say, an HTTP one)?"
             )
         if _refuses_database(exc):
             database = self.redis.connection_pool.connection_kwargs.get("db", 0)

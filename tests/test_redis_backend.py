@@ -959,6 +959,121 @@ def test_a_burst_refused_by_maxclients_is_an_outage_the_probe_ends(tmp_path: Pat
         server.stop()
 
 
+@contextlib.contextmanager
+def not_redis(port: int) -> Iterator[None]:
+    """A server on ``port`` that answers every connection as an HTTP server answers
+    a stranger (``HTTP/1.1 400``) and closes it: not a Redis, faked or otherwise."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen(64)
+    server.settimeout(0.05)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn = server.accept()[0]
+            except OSError:
+                continue
+            with contextlib.suppress(OSError), conn:
+                conn.settimeout(1.0)
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+def test_a_server_that_is_not_redis_is_an_outage_until_redis_answers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, pipeline: bool
+) -> None:
+    """A --redis-url whose server speaks something else (an HTTP server's
+    ``HTTP/1.1 400``: redis-py's InvalidResponse) is Redis unavailable, at start
+    and while running: each rule's on_error decides, one log line names the
+    cause, and the probe switches back once Redis answers there. Before, a node
+    starting with such a URL exited ("Application startup failed"), and one
+    whose Redis was replaced by such a server answered every request 500 with a
+    traceback, on_error ignored, while its /healthz said Redis was available."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    caplog.set_level(logging.INFO, logger="ringlimit")
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(binary, tmp_path / "redis")
+    opened = Rule("open", 3, 60.0)
+    closed = Rule("closed", 3, 60.0, on_error="closed")
+
+    async def decided_locally(backend: FallbackBackend, user: str) -> None:
+        got = [await backend.check(user, [opened], 1) for _ in range(4)]
+        assert [v.allowed for v in got] == [True, True, True, False]
+        assert {v.decision.reason for v in got} == {BACKEND_UNAVAILABLE}
+        denied = await backend.check(user, [closed], 1)
+        assert not denied.allowed and denied.decision.reason == BACKEND_UNAVAILABLE
+        many = await backend.check_many([(user + "+", [opened], 1), (user + "+", [closed], 1)])
+        assert [v.allowed for v in many] == [True, False]
+        assert not backend.available
+
+    async def scenario() -> None:
+        backend = FallbackBackend(
+            RedisBackend(server.url, pipeline=pipeline),
+            MemoryBackend(MemoryStore(), system_clock),
+            probe_interval=0.05,
+        )
+        bare = RedisBackend(server.url, pipeline=pipeline)
+        with not_redis(server.port):
+            await backend.start()  # before: raised InvalidResponse
+            assert not backend.available and backend.outages == 1
+            await decided_locally(backend, "u")
+            for _ in range(3):
+                with pytest.raises(BackendUnavailable, match="does not speak the Redis"):
+                    await bare.check("u", [opened], 1)
+            assert not bare.available and await bare.ping() is False
+            await asyncio.sleep(0.3)  # several probes: none may switch back
+            assert not backend.available
+        try:
+            server.start()
+            deadline = time.monotonic() + 5.0
+            while not backend.available:
+                assert time.monotonic() < deadline, "did not switch back to Redis"
+                await asyncio.sleep(0.02)
+            assert (await backend.check("u", [closed], 1)).decision.reason is None
+            assert await bare.ping() is True
+            assert (await bare.check("u", [opened], 1)).decision.reason is None
+
+            # While running: Redis gives way to a server that is not Redis.
+            server.stop()
+            with not_redis(server.port):
+                for _ in range(3):
+                    with pytest.raises(BackendUnavailable):
+                        await bare.check("v", [opened], 1)
+                await decided_locally(backend, "v")
+                assert backend.outages == 2
+        finally:
+            await backend.close()
+            await bare.close()
+
+    try:
+        run(scenario)
+    finally:
+        server.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("ringlimit")]
+    named = [m for m in lines if "does not speak the Redis protocol" in m]
+    assert named and "is --redis-url the address of a Redis server" in named[0], lines
+    assert len([m for m in lines if "backend unavailable" in m]) == 2, lines
+    assert len([m for m in lines if "available again" in m]) == 1, lines
+    assert not any(r.exc_info for r in caplog.records)
+
+
 def test_the_middleware_marks_what_the_fallback_decided_under_any_asgi_server(
     redis_url: str,
 ) -> None:
