@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
 
-from node.decision import Decision, Verdict
+from node.decision import Decision, Verdict, service_refused
 from node.rules import Rule
 from node.shadow import denied_names, has_shadow
 
@@ -255,7 +255,15 @@ def _with_shadow(
 
 
 def denial_body(verdict: Verdict) -> dict[str, object]:
-    """ringlimit's own JSON for a denial: the acting rule, and every violated one."""
+    """ringlimit's own JSON for a denial: the acting rule, and every violated one.
+
+    ``error`` is ``rate_limited`` when the count denied (a 429), and
+    ``limiter_unavailable`` when the service did (a 503: a closed rule its
+    backend or store could not decide), as the router's 503 for a closed rule
+    whose owner cannot be reached says it: before, an outage's 503 said
+    ``rate_limited``, and a client branching on ``error`` took it for an
+    exhausted quota.
+    """
     decision = verdict.decision
     if decision.retry_after is None:
         detail = (
@@ -269,7 +277,11 @@ def denial_body(verdict: Verdict) -> dict[str, object]:
             f"retry in {decision.retry_after:.3f}s"
         )
     body: dict[str, object] = {
-        "error": "rate_limited",
+        "error": (
+            "limiter_unavailable"
+            if service_refused(decision.reason, decision.retry_after)
+            else "rate_limited"
+        ),
         "rule": decision.rule,
         "limit": decision.limit,
         "retry_after": None if decision.retry_after is None else round(decision.retry_after, 3),

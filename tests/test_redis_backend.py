@@ -1131,3 +1131,70 @@ def test_the_middleware_marks_what_the_fallback_decided_under_any_asgi_server(
         assert seen == [None, "backend-error", "backend-unavailable"]
 
     run(scenario)
+
+
+@pytest.mark.parametrize("denial_format", ["problem", "json"])
+def test_a_closed_rule_redis_cannot_decide_is_limiter_unavailable_not_rate_limited(
+    redis_url: str, denial_format: str
+) -> None:
+    """A closed rule's 503 while Redis is down (or answers that check with an
+    error) says ``error: limiter_unavailable``, as the router's 503 for a closed
+    rule whose owner cannot be reached: the service refused, no quota ran out.
+    Before, its body said ``rate_limited``, as a 429's does, and a client branching
+    on ``error`` took an outage for an exhausted quota. A 429 of the open rule's
+    local limiter stays ``rate_limited``; both 503s keep ``Retry-After: 1`` and
+    ``X-Ringlimit-Degraded``."""
+    import httpx
+
+    from node.authority import Authority
+    from node.config import ClusterConfig, ScopedRule
+    from node.middleware import RateLimitMiddleware
+    from tests import sample_app
+
+    opened = Rule("open", 1, 60.0, on_error="open")
+    closed = Rule("closed", 5, 60.0, on_error="closed")
+    config = ClusterConfig(
+        rules=(
+            ScopedRule(opened, paths=("/open/*",)),
+            ScopedRule(closed, paths=("/closed/*",)),
+        ),
+        denial_format=denial_format,
+    )
+
+    async def asked(backend: FallbackBackend, path: str, user: str) -> httpx.Response:
+        app = RateLimitMiddleware(
+            sample_app.app, authority=Authority(config, backend), trust_router=False
+        )
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app.test") as c:
+            return await c.get(path, headers={"X-User-Id": user})
+
+    async def scenario() -> None:
+        with sync_client(redis_url) as client:
+            client.lpush(state_key("rl", "mallory", closed), "x")
+        up = FallbackBackend(RedisBackend(redis_url), MemoryBackend(MemoryStore(), system_clock))
+        down = _redis_down()
+        for backend in (up, down):
+            await backend.start()
+        try:
+            for backend, user, mark in (
+                (down, "alice", "backend-unavailable"),
+                (up, "mallory", "backend-error"),
+            ):
+                refused = await asked(backend, "/closed/x", user)
+                assert refused.status_code == 503, refused.text
+                assert refused.headers["retry-after"] == "1"
+                assert refused.headers["x-ringlimit-degraded"] == mark
+                body = refused.json()
+                assert body["error"] == "limiter_unavailable", body
+                assert body["reason"] == mark.replace("-", "_")
+                assert body["rule"] == "closed" and body["retry_after"] is None
+            assert (await asked(down, "/open/x", "bob")).status_code != 429
+            limited = await asked(down, "/open/x", "bob")
+            assert limited.status_code == 429, limited.text
+            assert limited.json()["error"] == "rate_limited"
+        finally:
+            for backend in (up, down):
+                await backend.close()
+
+    run(scenario)

@@ -218,6 +218,7 @@ def test_redis_killed_mid_traffic_and_restarted(
         assert closed.status_code == 503
         assert closed.json()["reason"] == "backend_unavailable"
         assert closed.headers["retry-after"] == "1"
+        assert closed.json()["error"] == "limiter_unavailable"
 
         redis.start()
         assert wait_for(lambda: balance() == "round-robin", 15), "did not return to Redis"
@@ -363,6 +364,7 @@ def answered_per_on_error(client: httpx.Client, user: str, reason: str) -> None:
         assert shut.status_code == 503, shut.text
         assert shut.headers["content-type"].endswith("json")
         assert shut.json()["reason"] == reason
+        assert shut.json()["error"] == "limiter_unavailable"
     codes = [client.get("/open/x", headers={"X-User-Id": user}).status_code for _ in range(7)]
     assert codes == [200] * 5 + [429] * 2, "the local limiter decides open rules"
 

@@ -348,6 +348,7 @@ async def test_a_closed_rule_without_backend_is_a_plain_503_problem() -> None:
     body = response.json()
     assert body["type"] == "about:blank" and body["status"] == 503
     assert "violated-policies" not in body and body["reason"] == BACKEND_UNAVAILABLE
+    assert body["error"] == "limiter_unavailable"  # not a 429's rate_limited
 
 
 @pytestmark_anyio
