@@ -29,6 +29,7 @@ import pytest
 from router.rotation import SKIP_FOR
 from tests.processes import ROOT, Proc, Procs, free_port, wait_for
 from tests.redis_server import RedisServer
+from tests.test_redis_backend import not_redis
 from tests.test_upstream_forwarding import wsgi_serving
 
 pytestmark = [pytest.mark.redis, pytest.mark.integration]
@@ -508,6 +509,28 @@ def test_a_redis_without_a_command_ringlimit_runs_is_an_outage_named_once(
     named = [line for line in log.splitlines() if f"unknown command '{command}'" in line]
     assert len(named) == 1 and "ringlimit needs PING, SET, EVALSHA and SCRIPT LOAD" in named[0]
     assert "available again" not in log and "backend_error" not in log, log
+
+
+def test_a_server_that_is_not_redis_is_an_outage_named_once(tmp_path: Path, procs: Procs) -> None:
+    """A --redis-url whose server speaks something else (an HTTP server answering
+    ``HTTP/1.1 400``) can decide no check: the node starts, answers per on_error
+    (closed rules 503 limiter_unavailable), reports Redis unavailable (so the
+    router routes stickily) and says so in one line. Before: the node's start
+    ended with an InvalidResponse traceback ("Application startup failed")."""
+    port = free_port()
+    with not_redis(port):
+        node, node_url, router = _one_node_cluster(procs, tmp_path, f"redis://127.0.0.1:{port}/0")
+        with httpx.Client(base_url=router, timeout=5.0) as client:
+            answered_per_on_error(client, "alice", "backend_unavailable")
+            assert httpx.get(f"{node_url}/healthz").json()["backend_available"] is False
+            assert wait_for(lambda: client.get("/healthz").json()["balance"] == "sticky", 10)
+            time.sleep(1.0)  # two probes: neither may take it for Redis
+            assert client.get("/closed/x", headers={"X-User-Id": "bob"}).status_code == 503
+    log = node.output()
+    assert "Traceback" not in log, log
+    named = [line for line in log.splitlines() if "does not speak the Redis protocol" in line]
+    assert len(named) == 1, log
+    assert "available again" not in log, log
 
 
 def test_pipelined_nodes_leave_a_small_maxclients_room_for_each_other(
