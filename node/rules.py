@@ -72,7 +72,7 @@ _UNITS = {
 }
 _UNIT_WORDS = {1.0: "second", 60.0: "minute", 3600.0: "hour", 86400.0: "day"}
 _RULE_RE = re.compile(r"^\s*(\d+)\s*(?:/|\bper\b)\s*(.+?)\s*$", re.IGNORECASE)
-_PERIOD_RE = re.compile(r"^(\d+(?:\.\d+)?)?\s*([a-z]+)$", re.IGNORECASE)
+_DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)?\s*([a-z]+)$", re.IGNORECASE)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 
 
@@ -88,16 +88,35 @@ def normalize_algorithm(name: str) -> str:
     return key
 
 
-def parse_period(text: str) -> float:
-    """``"minute"`` -> 60.0, ``"10s"`` -> 10.0, ``"5 minutes"`` -> 300.0."""
-    match = _PERIOD_RE.match(text.strip())
-    if not match:
-        raise RuleError(f"cannot read period {text!r}: expected e.g. 'second', '10s', '5 minutes'")
+def parse_duration(
+    text: str,
+    *,
+    what: str = "duration",
+    examples: str = "'100ms', '10s', '5m', '1h', '1d'",
+    bare_unit: bool = False,
+) -> float:
+    """``"10s"`` -> 10.0, ``"5 minutes"`` -> 300.0, ``"1d"`` -> 86400.0 (no range check).
+
+    The one reader of a number and a time unit: a rule's period (with
+    ``bare_unit``: ``"minute"`` -> 60.0) and a simulation scenario's durations
+    (``simulations/scenario.py``) both go through it, so a unit means the same
+    everywhere. ``what`` and ``examples`` word the error for the caller.
+    """
+    match = _DURATION_RE.match(text.strip())
+    if not match or (match.group(1) is None and not bare_unit):
+        raise RuleError(f"cannot read {what} {text!r}: expected e.g. {examples}")
     count, unit = match.groups()
     seconds = _UNITS.get(unit.lower())
     if seconds is None:
         raise RuleError(f"unknown time unit {unit!r} in {text!r}: use ms, s, m, h or d")
-    period = (float(count) if count else 1.0) * seconds
+    return (float(count) if count else 1.0) * seconds
+
+
+def parse_period(text: str) -> float:
+    """``"minute"`` -> 60.0, ``"10s"`` -> 10.0, ``"5 minutes"`` -> 300.0."""
+    period = parse_duration(
+        text, what="period", examples="'second', '10s', '5 minutes'", bare_unit=True
+    )
     if not MIN_PERIOD <= period <= MAX_PERIOD:
         raise RuleError(f"period {text!r} must be at least 1 ms and at most 366 days")
     return period

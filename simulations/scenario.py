@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from node.files import FileProblem, parse_toml, read_text
 from node.lease import MAX_LEASE
 from node.rules import Rule, RuleError, parse_rule
+from node.rules import parse_duration as parse_unit_duration
 
 #: Every mode the simulator knows, in report order. ``global`` is the reference.
 MODES = ("global", "handoff", "reset", "conservative", "replica", "round_robin", "leases")
@@ -48,21 +49,6 @@ MAX_NODES = 1_000
 #: MemoryError traceback (or a hang of the pool), not a line.
 MAX_ARRIVALS = 50_000_000
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([a-z]+)\s*$", re.IGNORECASE)
-_UNITS = {
-    "ms": 0.001,
-    "s": 1.0,
-    "sec": 1.0,
-    "second": 1.0,
-    "seconds": 1.0,
-    "m": 60.0,
-    "min": 60.0,
-    "minute": 60.0,
-    "minutes": 60.0,
-    "h": 3600.0,
-    "hour": 3600.0,
-    "hours": 3600.0,
-}
 if TYPE_CHECKING:
     from .detection import Detection
 
@@ -495,7 +481,9 @@ def _kind(value: object) -> str:
 
 
 def parse_duration(value: object) -> float:
-    """``"100ms"`` -> 0.1, ``"2s"`` -> 2.0, ``"5 min"`` -> 300.0; a bare number is seconds."""
+    """``"100ms"`` -> 0.1, ``"2s"`` -> 2.0, ``"5 min"`` -> 300.0, ``"1d"`` -> 86400.0;
+    a bare number is seconds. The units are the cluster config's
+    (:func:`node.rules.parse_duration`)."""
     if isinstance(value, bool):
         raise ValueError(
             f"a duration must be a number of seconds or a string like '2s', got {value!r}"
@@ -503,18 +491,11 @@ def parse_duration(value: object) -> float:
     if isinstance(value, int | float):
         seconds = float(value)
     elif isinstance(value, str):
-        match = _DURATION_RE.match(value)
-        if not match:
-            raise ValueError(
-                f"cannot read duration {value!r}: expected a number of seconds or e.g. "
-                "'100ms', '2s', '5min', '1h'"
-            )
-        unit = _UNITS.get(match.group(2).lower())
-        if unit is None:
-            raise ValueError(
-                f"unknown time unit {match.group(2)!r} in {value!r}: use ms, s, min or h"
-            )
-        seconds = float(match.group(1)) * unit
+        # node.rules' reader: the units (ms, s, m, h, d and their words) the
+        # cluster config's periods take, with the same meanings
+        seconds = parse_unit_duration(
+            value, examples="a number of seconds, '100ms', '2s', '5min', '1h', '1d'"
+        )
     else:
         raise ValueError(
             f"a duration must be a number of seconds or a string like '2s', got {_kind(value)}"

@@ -452,6 +452,19 @@ def test_validation_names_file_key_and_problem(change: Any, key: str, problem: s
     assert problem in message
 
 
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("1d", 86400.0), ("2 days", 172800.0), ("1m", 60.0), ("90 mins", 5400.0), ("1hr", 3600.0)],
+)
+def test_scenario_durations_take_the_cluster_configs_units(text: str, seconds: float) -> None:
+    """A scenario's "1d" was refused ("use ms, s, min or h") where the cluster
+    config's periods take it ("use ms, s, m, h or d"): one reader, one meaning."""
+    from node.rules import parse_period
+
+    doc = make(scenario={"name": "t", "duration": text}, arrivals={"rate": 0.01})
+    assert parse_scenario(doc).duration == seconds == parse_period(text)
+
+
 def test_removing_the_last_member_is_refused() -> None:
     doc = make(
         cluster={"nodes": ["a", "b"]},
