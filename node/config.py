@@ -59,6 +59,10 @@ UPSTREAM_IDLE = 4.0
 #: not begun, else the answer is cut off.
 UPSTREAM_TIMEOUT = 30.0
 MIN_REDIS_TIMEOUT = 0.001
+#: ``policies.replication_interval``'s range, in seconds (the simulator's
+#: ``modes.replication_interval`` takes the same).
+MIN_REPLICATION_INTERVAL = 0.001
+MAX_REPLICATION_INTERVAL = 60.0
 MAX_REDIS_TIMEOUT = 60.0
 BALANCES = ("sticky", "round-robin")
 SHOW_KEYS = ("plain", "hashed")
@@ -224,8 +228,11 @@ class Policies:
             raise ConfigError(
                 f"policies.crash must be one of {', '.join(CRASH_POLICIES)}, got {self.crash!r}"
             )
-        if not 0.001 <= self.replication_interval <= 60:
-            raise ConfigError("policies.replication_interval must be between 0.001 and 60 s")
+        if not MIN_REPLICATION_INTERVAL <= self.replication_interval <= MAX_REPLICATION_INTERVAL:
+            raise ConfigError(
+                f"policies.replication_interval must be between {MIN_REPLICATION_INTERVAL:g} "
+                f"and {MAX_REPLICATION_INTERVAL:g} s"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {

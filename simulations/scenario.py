@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from node.config import MAX_REPLICATION_INTERVAL, MIN_REPLICATION_INTERVAL
 from node.files import FileProblem, parse_toml, read_text
 from node.lease import MAX_LEASE
 from node.rules import Rule, RuleError, parse_rule
@@ -48,6 +49,13 @@ MAX_NODES = 1_000
 #: rate of 1e8 for 100 s asked for 1e10, about 120 GB, and ended in a
 #: MemoryError traceback (or a hang of the pool), not a line.
 MAX_ARRIVALS = 50_000_000
+#: Replication rounds (the ``replica`` mode, every ``modes.replication_interval``)
+#: and probe rounds (the detection replay, every ``detection.health_interval``,
+#: run with pauses or partitions) a run may make, each counted once per node it
+#: visits (1-4 µs each, the replay's rounds twice: at load and for the run):
+#: about a minute of either. An interval of 1 µs over 20 h asked for 7.2e10
+#: rounds and never ended.
+MAX_NODE_ROUNDS = 20_000_000
 
 if TYPE_CHECKING:
     from .detection import Detection
@@ -301,6 +309,12 @@ class Scenario:
             problem = leases_problem(self.rules, self.has_pauses, self.network is not None)
             if problem:
                 raise ScenarioError(f"mode leases: {problem}")
+        if "replica" in modes:
+            problem = replication_rounds_problem(
+                self.replication_interval, self.duration, self.nodes, self.events
+            )
+            if problem:
+                raise ScenarioError(f"mode replica: modes.replication_interval: {problem}")
         return replace(self, modes=_order_modes(modes))
 
     def to_dict(self) -> dict[str, Any]:
@@ -351,6 +365,33 @@ def leases_problem(rules: tuple[Rule, ...], pauses: bool, network: bool = False)
     if network:
         return "the lease simulation does not model the [network] table"
     return None
+
+
+def _rounds_problem(
+    interval: float, duration: float, nodes: int, rounds: str, key: str
+) -> str | None:
+    """Why ``duration / interval`` rounds of up to ``nodes`` nodes are too many (None: not)."""
+    count = duration / interval
+    if count * nodes <= MAX_NODE_ROUNDS:
+        return None
+    return (
+        f"{interval:g} s over scenario.duration {duration:g} s is {count:,.0f} {rounds} "
+        f"of up to {nodes:,} nodes; at most {MAX_NODE_ROUNDS:,} rounds x nodes (each costs "
+        f"time): raise {key} or shorten scenario.duration"
+    )
+
+
+def replication_rounds_problem(
+    interval: float,
+    duration: float,
+    nodes: tuple[NodeSpec, ...],
+    events: tuple[EventSpec, ...] | list[EventSpec],
+) -> str | None:
+    """Why the ``replica`` mode's rounds are too many (None: they are not)."""
+    members = len(nodes) + sum(e.type == "join" for e in events)
+    return _rounds_problem(
+        interval, duration, members, "replication rounds", "modes.replication_interval"
+    )
 
 
 def _order_modes(modes: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -590,11 +631,18 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
                 f"run[{i}]", f"unknown mode {mode!r}: expected one of {', '.join(MODES)}"
             )
     replication_interval = md.duration("replication_interval", "100ms")
+    if not MIN_REPLICATION_INTERVAL <= replication_interval <= MAX_REPLICATION_INTERVAL:
+        raise md.error(
+            "replication_interval",
+            f"must be between {MIN_REPLICATION_INTERVAL:g} and {MAX_REPLICATION_INTERVAL:g} s "
+            f"(the cluster config's policies.replication_interval), got {replication_interval:g} s",
+        )
     handoff_crash = md.string("handoff_crash_policy", "reset", choices=HANDOFF_CRASH_POLICIES)
     returning = md.string("returning", "hand_back", choices=RETURNING_POLICIES)
 
     detection = _read_detection(top.sub("detection", required=False))
     network = _read_network(top.sub("network"), duration) if top.has("network") else None
+    _check_probe_rounds(top, detection, network, duration, len(nodes))
     events = _read_events(top, duration, nodes, detection, network)
 
     rp = top.sub("report", required=False)
@@ -612,6 +660,11 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
             raise rp.error(
                 key, f"too fine: {duration / value:.0f} buckets over the run (max 100000)"
             )
+
+    if "replica" in run:
+        problem = replication_rounds_problem(replication_interval, duration, nodes, events)
+        if problem:
+            raise md.error("replication_interval", problem)
 
     paused = any(e.type == "pause" for e in events)
     if "leases" in run:
@@ -849,6 +902,35 @@ def _read_network(nw: _Reader, duration: float) -> NetworkSpec:
                 )
         partitions.append(PartitionSpec(k, at, until, tuple(groups)))
     return NetworkSpec(delay, jitter, loss, tuple(partitions))
+
+
+def _check_probe_rounds(
+    top: _Reader,
+    detection: DetectionSpec,
+    network: NetworkSpec | None,
+    duration: float,
+    nodes: int,
+) -> None:
+    """Refuse more probe rounds than :data:`MAX_NODE_ROUNDS` before the replay runs them.
+
+    The replay (:func:`simulations.detection.detect`, run while the events are
+    read) makes at most ``duration / health_interval`` rounds, and only with
+    pauses or partitions. Each event may add one member.
+    """
+    raw = top.data.get("events", [])
+    raw = raw if isinstance(raw, list) else []
+    pauses = any(isinstance(e, Mapping) and e.get("type") == "pause" for e in raw)
+    if not pauses and (network is None or not network.partitions):
+        return
+    problem = _rounds_problem(
+        detection.health_interval,
+        duration,
+        nodes + len(raw),
+        "probe rounds",
+        "detection.health_interval",
+    )
+    if problem:
+        raise top.sub("detection", required=False).error("health_interval", problem)
 
 
 def _read_events(

@@ -440,6 +440,11 @@ def test_arrivals_follow_the_scenario() -> None:
             "not supported",
         ),
         (lambda d: d.update(extra=1), "extra", "unknown key"),
+        (
+            lambda d: d.update(modes={"replication_interval": 0.000001}),
+            "modes.replication_interval",
+            "must be between 0.001 and 60 s",
+        ),
     ],
 )
 def test_validation_names_file_key_and_problem(change: Any, key: str, problem: str) -> None:
@@ -463,6 +468,45 @@ def test_scenario_durations_take_the_cluster_configs_units(text: str, seconds: f
 
     doc = make(scenario={"name": "t", "duration": text}, arrivals={"rate": 0.01})
     assert parse_scenario(doc).duration == seconds == parse_period(text)
+
+
+def test_replication_rounds_are_capped_before_the_run() -> None:
+    """A 1 ms replication interval over 20 h (72 million rounds) ran for hours:
+    refused up front, naming the interval and scenario.duration, as too many
+    arrivals are."""
+    quiet = {"name": "t", "duration": "20h"}
+    doc = make(scenario=quiet, arrivals={"rate": 0.01}, modes={"replication_interval": "1ms"})
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario(doc, source="x.toml")
+    message = str(err.value)
+    assert message.startswith("x.toml: modes.replication_interval: 0.001 s over scenario.duration")
+    assert "72,000,000 replication rounds of up to 4 nodes; at most 20,000,000" in message
+    # Without the replica mode nothing replicates: the same file runs...
+    doc["modes"]["run"] = ["handoff"]
+    scenario = parse_scenario(doc)
+    # ... until --modes asks for it.
+    with pytest.raises(ScenarioError, match=r"mode replica: modes.replication_interval: "):
+        scenario.with_modes(("replica",))
+
+
+@pytest.mark.timeout(60)
+def test_probe_rounds_are_capped_before_the_replay() -> None:
+    """1 ms probes over a 5,001 s run with a pause: the replay took about a
+    minute at load time (a 2 h run, no output for minutes); refused up front."""
+    probes = make(
+        scenario={"name": "t", "duration": 5001},
+        cluster={"nodes": 3},
+        arrivals={"rate": 0.01},
+        detection={"health_interval": "1ms", "health_timeout": "1ms"},
+        events=[{"at": 10, "type": "pause", "node": "n2", "duration": "1h"}],
+    )
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario(probes, source="x.toml")
+    message = str(err.value)
+    assert message.startswith("x.toml: detection.health_interval: 0.001 s over scenario.duration")
+    assert "5,001,000 probe rounds of up to 4 nodes" in message
+    # No pause, no partition: no probe rounds are replayed, nothing to cap.
+    parse_scenario({**probes, "events": []})
 
 
 def test_removing_the_last_member_is_refused() -> None:
