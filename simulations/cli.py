@@ -91,10 +91,15 @@ def run(args: argparse.Namespace) -> int:
                 raise ScenarioError(
                     f"--modes: unknown mode(s) {', '.join(unknown)}; expected {', '.join(MODES)}"
                 )
-            scenario = scenario.with_modes(wanted)
+            try:
+                scenario = scenario.with_modes(wanted)
+            except ScenarioError as exc:
+                raise ScenarioError(f"--modes: {exc}") from None
     except ScenarioError as exc:
         print(f"ringlimit simulate: {exc}", file=sys.stderr)
         return 2
+    for note in scenario.notes:
+        print(f"ringlimit simulate: {note}", file=sys.stderr)
     if args.seed is not None and args.seed < 0:
         print("ringlimit simulate: --seed must be >= 0", file=sys.stderr)
         return 2

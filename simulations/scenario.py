@@ -280,6 +280,9 @@ class Scenario:
     detection: DetectionSpec = field(default_factory=DetectionSpec)
     #: the ``[network]`` table (None: none given, an instant and lossless network)
     network: NetworkSpec | None = None
+    #: what the reader decided on its own that the user should hear about (a
+    #: ``lease = "auto"`` whose leases mode is left out): one line each on stderr
+    notes: tuple[str, ...] = ()
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -315,7 +318,8 @@ class Scenario:
             )
             if problem:
                 raise ScenarioError(f"mode replica: modes.replication_interval: {problem}")
-        return replace(self, modes=_order_modes(modes))
+        # modes named by hand: what the scenario's own run left out is moot
+        return replace(self, modes=_order_modes(modes), notes=())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -667,16 +671,19 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
             raise md.error("replication_interval", problem)
 
     paused = any(e.type == "pause" for e in events)
+    notes: list[str] = []
     if "leases" in run:
         problem = leases_problem(rules, paused, network is not None)
         if problem:
             raise md.error("run", f"mode leases: {problem}")
-    elif (
-        not explicit
-        and rules[0].lease == "auto"
-        and leases_problem(rules, paused, network is not None) is None
-    ):
-        run = [*run, "leases"]
+    elif not explicit and rules[0].lease == "auto":
+        problem = leases_problem(rules, paused, network is not None)
+        if problem is None:
+            run = [*run, "leases"]
+        else:  # the other modes still run: said, not an error (modes.run naming it is)
+            notes.append(
+                f"{source}: rules[0].lease = 'auto': the leases mode is left out: {problem}"
+            )
 
     return Scenario(
         name=name,
@@ -697,6 +704,7 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
         returning=returning,
         detection=detection,
         network=network,
+        notes=tuple(notes),
         raw=data,
     )
 

@@ -115,6 +115,41 @@ def test_the_leases_mode_refuses_a_network_table() -> None:
         parse_scenario(make(network={"delay": "1s"})).with_modes(("leases",))
 
 
+def test_lease_auto_with_a_network_table_says_the_leases_mode_is_left_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``lease = "auto"`` adds the leases mode to the default run; with a
+    [network] table it was dropped without a word (exit 0, no leases row),
+    and ``--modes leases`` said why without naming --modes."""
+    from simulations.cli import main
+
+    doc = make(network={"delay": "1ms"}, rules=[{"limit": "20/5s", "lease": "auto"}])
+    scenario = parse_scenario(doc, source="x.toml")
+    assert "leases" not in scenario.modes
+    assert scenario.notes == (
+        "x.toml: rules[0].lease = 'auto': the leases mode is left out: "
+        "the lease simulation does not model the [network] table",
+    )
+    assert scenario.with_modes(("handoff",)).notes == ()  # --modes decides what runs
+    path = tmp_path / "x.toml"
+    path.write_text(
+        "[scenario]\nname = 't'\nduration = 5\n[cluster]\nnodes = 3\n[users]\ncount = 20\n"
+        "[arrivals]\nrate = 50\n[[rules]]\nlimit = '20/5s'\nlease = 'auto'\n"
+        "[network]\ndelay = '1ms'\n"
+    )
+    assert main([str(path), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"ringlimit simulate: {path}: rules[0].lease = 'auto': the leases mode is left out: "
+        "the lease simulation does not model the [network] table\n"
+    )
+    assert "\nleases " not in captured.out
+    assert main([str(path), "--quiet", "--modes", "leases"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ringlimit simulate: --modes: mode leases: "), err
+    assert len(err.splitlines()) == 1
+
+
 def test_a_scenario_without_the_table_reports_no_network() -> None:
     report = simulate(parse_scenario(make())).report
     assert "network" not in report["scenario"]
