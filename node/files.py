@@ -9,6 +9,8 @@ tracebacks, or as a codec's message that did not say which file it was.
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
 import tomllib
 from pathlib import Path
@@ -113,3 +115,13 @@ def check_output_dir(path: Path, flag: str) -> None:
         raise ValueError(f"{flag} {path}: not a directory") from None
     except OSError as exc:
         raise ValueError(f"{flag} {path}: cannot write: {exc.strerror or exc}") from None
+
+
+def reader_gone() -> int:
+    """The exit status of a command whose stdout's reader went away (``... | head``):
+    1, quietly, where a ``BrokenPipeError`` traceback was printed. stdout goes to
+    devnull so that the interpreter's final flush of what is left does not fail
+    again on exit. ``ringlimit`` and ``python -m simulations`` both end so."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1

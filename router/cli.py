@@ -42,6 +42,7 @@ from node.config import (
     load_config,
     load_config_data,
 )
+from node.files import reader_gone
 from node.frontdoor import (
     GRPC_DRAIN,
     KEEP_ALIVE,
@@ -188,7 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # is first imported, which reads it; GRPC_VERBOSITY in the environment wins.
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # here, not at exit, where a reader gone is a traceback again
+        return code
     except (ConfigError, RuleError, ValueError) as exc:
         print(f"ringlimit: error: {exc}", file=sys.stderr)
         return 2
@@ -199,11 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # The reader went away (``ringlimit rules | head``): as other commands
-        # take it, quietly. stdout goes to devnull so that the interpreter's
-        # final flush of what is left does not fail again on exit.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        # take it, quietly.
+        return reader_gone()
 
 
 class _Parser(argparse.ArgumentParser):

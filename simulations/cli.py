@@ -11,7 +11,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from node.files import check_output_dir, check_output_file
+from node.files import check_output_dir, check_output_file, reader_gone
 
 from .scenario import MODES, ScenarioError, load_scenario
 
@@ -169,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_arguments(parser)
     try:
-        return run(parser.parse_args(argv))
+        code = run(parser.parse_args(argv))
+        sys.stdout.flush()  # here, not at exit, where a reader gone is a traceback again
+        return code
     except KeyboardInterrupt:  # (as `ringlimit simulate` answers a Ctrl-C)
         return 130
+    except BrokenPipeError:  # (`python -m simulations --list | head -2`: as ringlimit does)
+        return reader_gone()

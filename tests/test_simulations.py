@@ -11,6 +11,8 @@ import copy
 import json
 import math
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -820,3 +822,28 @@ def test_a_scenario_that_asks_for_more_arrivals_than_memory_holds_is_one_line() 
     with pytest.raises(ScenarioError, match=r"10,000,000,000 arrivals; at most 50,000,000"):
         load_scenario(SCENARIO_DIR / "large_10m.toml", ["arrivals.rate=100000000"])
     assert load_scenario(SCENARIO_DIR / "large_10m.toml").arrivals.rate == 100_000
+
+
+@pytest.mark.parametrize("buffered", [False, True])
+@pytest.mark.parametrize("command", [["-m", "simulations"], ["-m", "router", "simulate"]])
+def test_list_to_a_reader_gone_is_no_traceback(command: list[str], buffered: bool) -> None:
+    """``python -m simulations --list | head -2`` printed a BrokenPipeError
+    traceback; it now ends as ``ringlimit`` does (exit 1, quietly), whether
+    stdout is buffered (the error then comes at the flush) or not."""
+    env = dict(os.environ)
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    root = Path(__file__).resolve().parent.parent
+    with subprocess.Popen(
+        [sys.executable, *command, "--list"],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # gone before the first line (the start takes longer)
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=60)
+    assert err == "" and code == 1, (code, err)
