@@ -64,7 +64,7 @@ from node.peers import INTERNAL_TOKEN_HEADER, Peers, WireError, bulk, decode_rec
 from node.peers import decode as decode_body
 from node.rates import RateMeter
 from node.rules import Rule
-from node.security import bearer, refusal, token_matches
+from node.security import bearer, refusal, sent_by_another_site, token_matches
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore
 from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
@@ -430,6 +430,12 @@ class Node:
             # With an internal token, a node's decision API is the routers' (they send
             # it): anyone else reaching the node could spend any user's quota.
             error = ApiError(401, "unauthorized", "missing or wrong internal token")
+        elif self.settings.internal_token is None and sent_by_another_site(Headers(scope=scope)):
+            # Without one, a page of any site a browser on the routers' network shows
+            # could POST checks here (text/plain needs no preflight) and spend any
+            # user's quota (an exploratory tester: answered, not refused). Routers
+            # and tools send no Origin or Sec-Fetch-Site.
+            error = ApiError(403, "forbidden", "a page of another site may not call this node")
         elif declared is not None and declared.isdigit() and int(declared) > limit:
             error = ApiError(
                 413, "body_too_large", f"body is {declared.decode()} bytes; at most {limit}"

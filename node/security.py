@@ -64,11 +64,18 @@ def for_another_site(headers: Mapping[str, str]) -> bool:
             name = authority.partition(":")[0]
         if not _cannot_be_rebound(name.lower()):
             return True
+    return sent_by_another_site(headers)
+
+
+def sent_by_another_site(headers: Mapping[str, str]) -> bool:
+    """Whether a browser says the request comes from a page of another origin
+    (``Sec-Fetch-Site``, ``Origin``: a browser sends one of them with every
+    cross-site POST). Tools, routers and nodes send neither."""
     site = headers.get("sec-fetch-site")
     if site is not None and site not in ("same-origin", "none"):
         return True
     origin = headers.get("origin")
-    return origin is not None and origin.partition("://")[2] != (authority or "")
+    return origin is not None and origin.partition("://")[2] != (headers.get("host") or "")
 
 
 def _cannot_be_rebound(name: str) -> bool:

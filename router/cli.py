@@ -1014,6 +1014,7 @@ def _run_router(args: argparse.Namespace) -> int:
     if role is None:
         _warn_keep_alive(front_door)  # once, not again by each worker
         _warn_short_lease(args)
+        _warn_no_rules(config, args)
     if role is None and args.workers != 1:
         return _run_workers(args)
     settings = RouterSettings(
@@ -1337,6 +1338,8 @@ def _run_node(args: argparse.Namespace) -> int:
     front_door = _front_door(args)
     _warn_keep_alive(front_door)
     config = cluster_config(args)
+    if not routers:  # (a --join node takes the cluster's rules)
+        _warn_no_rules(config, args)
     admin_token, internal_token = _tokens()
     app: ASGIApp | None = None
     if args.upstream:
@@ -1789,6 +1792,19 @@ def _own_urls(host: str, port: int) -> tuple[str, ...]:
         if h
         for scheme in ("http", "https")
     )
+
+
+def _warn_no_rules(config: ClusterConfig, args: argparse.Namespace) -> None:
+    """A ``--config`` with no ``[[rules]]`` (and no ``--rule``) limits nothing: said
+    at start, where it was silent (an empty file started an unlimited cluster;
+    ``ringlimit rules FILE`` refuses such a file)."""
+    if not config.rules and not getattr(args, "coordinator", None):  # (etcd's rules, then)
+        print(
+            f"ringlimit: warning: no rules: {args.config} has no [[rules]] and no --rule "
+            "was given, so every request is admitted (add rules, or `ringlimit rules FILE` "
+            "later)",
+            file=sys.stderr,
+        )
 
 
 def _warn_keep_alive(front_door: FrontDoor) -> None:

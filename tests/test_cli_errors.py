@@ -19,7 +19,14 @@ import httpx
 import pytest
 
 from router.cli import ROUTER_NUMBERS
-from tests.processes import ROOT, Procs, free_block, free_port, procs  # noqa: F401 (fixture)
+from tests.processes import (  # noqa: F401 (fixture)
+    ROOT,
+    Procs,
+    free_block,
+    free_port,
+    procs,
+    wait_for,
+)
 from tests.test_envoy_config import MONGO
 
 pytestmark = pytest.mark.integration
@@ -1060,3 +1067,23 @@ def test_up_warns_of_a_redis_timeout_before_anything_starts() -> None:
     assert result.returncode == 1 and len(lines) == 2, result.stderr
     assert lines[0].startswith("ringlimit: warning: --redis-timeout 5 is not below"), lines
     assert "cannot reach Redis" in lines[1], lines
+
+
+def test_a_config_with_no_rules_is_said_at_start(
+    procs: Procs,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """An empty ``--config`` started a router (or a node of its own) that limited
+    nothing, without a word (an exploratory tester); ``ringlimit rules FILE``
+    refuses such a file."""
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    warning = f"warning: no rules: {empty} has no [[rules]]"
+    router, _ = procs.router(None, "--config", str(empty), healthy=False)
+    node, _ = procs.node("n1", None, "--config", str(empty))
+    ruled, _ = procs.node("n2", None, "--config", str(empty), "--rule", "5/minute")
+    assert wait_for(lambda: warning in router.output(), timeout=20.0), router.output()
+    for proc in (router, node, ruled):
+        proc.stop()
+    assert warning in node.output()
+    assert "no rules" not in ruled.output()

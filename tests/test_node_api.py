@@ -1086,3 +1086,29 @@ async def test_a_client_gone_before_its_body_was_read_is_no_traceback(path: str)
     await node(scope, receive, send)  # type: ignore[arg-type]
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400, sent
     assert b"incomplete_body" in b"".join(m.get("body", b"") for m in sent[1:])
+
+
+@pytest.mark.parametrize(
+    "marks",
+    [
+        {"origin": "http://evil.example"},
+        {"sec-fetch-site": "cross-site"},
+        {"origin": "null", "sec-fetch-site": "cross-site"},
+    ],
+)
+async def test_a_page_of_another_site_cannot_spend_quota_on_a_node_without_a_token(
+    marks: dict[str, str],
+) -> None:
+    """Without an internal token a node's decision API is open to what reaches
+    it (routers, tools); a browser on that network showing a page of any site
+    could POST checks to it (text/plain needs no preflight). It was answered
+    (an exploratory tester: 421 not_owner, the body parsed and decided had
+    the node owned the key); now 403, nothing decided."""
+    node, _ = make_node()
+    async with client_for(node) as client:
+        headers = {"content-type": "text/plain", **marks}
+        refused = await client.post("/v1/check", content=b'{"key": "a"}', headers=headers)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"] == "forbidden"
+        plain = await client.post("/v1/check", json={"key": "a"})
+        assert plain.status_code == 200 and plain.json()["remaining"] == 4
