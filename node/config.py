@@ -183,6 +183,10 @@ class Identity:
             raise ConfigError(f"identity.name must be a non-empty string, got {self.name!r}")
         if self.tier_header is not None and not isinstance(self.tier_header, str):
             raise ConfigError(f"identity.tier_header must be a string, got {self.tier_header!r}")
+        if self.source == "header":
+            check_header_name(self.name, "identity.name")
+        if self.tier_header:
+            check_header_name(self.tier_header, "identity.tier_header")
         if not isinstance(self.fallback_to_client, bool):
             raise ConfigError(
                 "identity.fallback_to_client must be true or false, "
@@ -208,6 +212,22 @@ class Identity:
             "trusted_proxies": list(self.trusted_proxies),
             "tier_header": self.tier_header,
         }
+
+
+#: A field name as HTTP writes it (RFC 9110 5.1: a token).
+_FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def check_header_name(name: str, where: str) -> None:
+    """ConfigError unless ``name`` can be a request's field name: one that cannot
+    ("X Bad", "X:Bad") was taken, and no request could ever carry it (a bypass
+    that never matched, a user id never found: every request then refused or
+    counted as its client address, without a word at start)."""
+    if not _FIELD_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{where} {shown(name)!r} is not a header name (letters, digits and "
+            "!#$%&'*+-.^_`|~ only)"
+        )
 
 
 @dataclass(frozen=True)
@@ -333,6 +353,7 @@ class ClusterConfig:
         for digest in self.bypass_sha256:
             if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
                 raise ConfigError("bypass.token_sha256 entries must be 64 lowercase hex digits")
+        check_header_name(self.bypass_header, "bypass.header")
         bypass = self.bypass_header.lower()
         if bypass.startswith("x-ringlimit-") and bypass != "x-ringlimit-bypass":
             raise ConfigError(

@@ -61,8 +61,15 @@ CONTROL_LIMITS = httpx.Limits(
     max_connections=100, max_keepalive_connections=20, keepalive_expiry=REUSE_IDLE
 )
 
+
+def _no_extensions(code: int, data: memoryview) -> Any:
+    """msgpack's extension types are not part of the wire format: refused as the
+    body's error (one was taken, and its Python repr quoted in a 400's detail)."""
+    raise msgspec.DecodeError(f"msgpack extension type {code} is not part of the wire format")
+
+
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder().decode
+_decode = msgspec.msgpack.Decoder(ext_hook=_no_extensions).decode
 
 
 class WireError(ValueError):
@@ -122,7 +129,13 @@ def decode(body: bytes, content_type: str | None) -> Any:
         raise WireError("invalid_request", str(exc)) from None
     except (ValueError, RecursionError) as exc:
         raise WireError("invalid_json", f"body is not valid JSON: {exc}") from None
-    if isinstance(data, dict) and "v" in data and data["v"] != WIRE_VERSION:
+    if (
+        isinstance(data, dict)
+        and "v" in data
+        and (
+            data["v"] != WIRE_VERSION or type(data["v"]) is not int  # (true == 1 in Python)
+        )
+    ):
         raise WireError(
             "unsupported_version",
             f"wire version {data['v']!r} is not supported: this node speaks {WIRE_VERSION}"[:160],
@@ -131,7 +144,9 @@ def decode(body: bytes, content_type: str | None) -> Any:
 
 
 def _is_msgpack(content_type: str | None) -> bool:
-    return content_type is not None and content_type.split(";", 1)[0].strip() == MSGPACK
+    # Media types are case-insensitive (RFC 9110 8.3.1): Application/MsgPack was read
+    # as JSON and refused as invalid_json.
+    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == MSGPACK
 
 
 def decode_records(body: bytes, content_type: str | None, max_key_length: int) -> dict[str, Any]:
@@ -198,7 +213,7 @@ def _records_decoder(max_key_length: int) -> tuple[msgspec.msgpack.Decoder[Any],
         gc=False,
     )
     names = tuple(field.encode_name for field in msgspec.structs.fields(body))
-    return msgspec.msgpack.Decoder(body), names
+    return msgspec.msgpack.Decoder(body, ext_hook=_no_extensions), names
 
 
 class PeerError(Exception):

@@ -953,7 +953,10 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     if args.user_header:
         from dataclasses import replace
 
-        changes["identity"] = replace(config.identity, source="header", name=args.user_header)
+        try:
+            changes["identity"] = replace(config.identity, source="header", name=args.user_header)
+        except ConfigError as exc:
+            raise ConfigError(str(exc).replace("identity.name", "--user-header", 1)) from None
     backend = getattr(args, "backend", None)
     if backend:
         changes["backend"] = backend
@@ -1450,6 +1453,11 @@ def _run_nodes(args: argparse.Namespace) -> int:
         raise ValueError("usage: ringlimit nodes add ID URL")
     if args.action == "remove" and not args.node_id:
         raise ValueError("usage: ringlimit nodes remove ID [--force]")
+    # Words past what the action takes were dropped without a word.
+    if args.action == "list" and args.node_id is not None:
+        raise ValueError("usage: ringlimit nodes list (it takes no ID or URL)")
+    if args.action == "remove" and args.node_url is not None:
+        raise ValueError("usage: ringlimit nodes remove ID [--force] (it takes no URL)")
     if args.force and args.action != "remove":
         raise ValueError("--force goes with ringlimit nodes remove")
     if args.action == "add":

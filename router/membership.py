@@ -1132,6 +1132,15 @@ class Membership:
         ``instance``: the process a node's own leave comes from; the member is
         kept if another process answers at its URL (see :meth:`check_instance`)."""
         self._must_lead()
+        if member_id not in self.view and member_id in self.joining:
+            # Listed (`nodes list` says "joining"), so "no such node" read as a bug.
+            raise MembershipError(
+                409,
+                "still_joining",
+                f"node {member_id} is still joining, not in the ring yet: the router waits "
+                f"up to {self.ready_timeout:g} s for it to answer /healthz, and drops the "
+                "join if it does not; remove it once it has joined",
+            )
         if instance is not None and member_id in self.view:
             await self.check_instance(self.view.member(member_id), instance, "leave")
         async with self.lock:

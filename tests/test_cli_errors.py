@@ -1087,3 +1087,19 @@ def test_a_config_with_no_rules_is_said_at_start(
         proc.stop()
     assert warning in node.output()
     assert "no rules" not in ruled.output()
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["list", "extra"], "usage: ringlimit nodes list (it takes no ID or URL)"),
+        (["remove", "n1", "http://127.0.0.1:9"], "(it takes no URL)"),
+        (["remove"], "usage: ringlimit nodes remove ID"),
+        (["add", "n4"], "usage: ringlimit nodes add ID URL"),
+        (["list", "--force"], "--force goes with ringlimit nodes remove"),
+    ],
+)
+def test_nodes_words_an_action_does_not_take_are_refused(argv: list[str], said: str) -> None:
+    """``nodes list extra`` listed the ring and dropped ``extra`` without a word
+    (an exploratory tester); nothing is sent for a command that is not whole."""
+    one_line_failure(ringlimit("nodes", *argv, "--router", f"http://127.0.0.1:{free_port()}"), said)

@@ -236,6 +236,10 @@ BAD: list[tuple[str, str, list[str]]] = [
     ("identity source", '[identity]\nsource = "cookie"\n', ["identity.source", "cookie"]),
     ("identity unknown key", '[identity]\nsauce = "header"\n', ["identity", "sauce"]),
     ("identity name type", "[identity]\nname = 5\n", ["identity.name"]),
+    # Names no request could carry: a user id never found, a bypass never matched.
+    ("identity name no header", '[identity]\nname = "X User"\n', ["identity.name", "X User"]),
+    ("tier header no header", '[identity]\ntier_header = "X:T"\n', ["identity.tier_header"]),
+    ("bypass header no header", '[bypass]\nheader = "X Bad"\n', ["bypass.header", "X Bad"]),
     (
         "fallback not bool",
         '[identity]\nfallback_to_client = "false"\n',

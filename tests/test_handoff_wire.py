@@ -62,12 +62,24 @@ def test_encode_carries_the_version_and_decode_reads_both_formats() -> None:
     assert decode(body, MSGPACK)["v"] == WIRE_VERSION
     assert decode(body, MSGPACK)["records"] == [["api", "token_bucket", "a", [1.0, -2.0]]]
     assert decode(json.dumps(transfer()).encode(), "application/json")["from"] == "n1"
+    # Media types are case-insensitive: this was read as JSON (400 invalid_json).
+    assert decode(body, "Application/MsgPack; charset=x")["v"] == WIRE_VERSION
     for version in (None, 0, 2, "1", True, 1.0):
         with pytest.raises(WireError) as refused:
             decode(msgspec.msgpack.encode({**transfer(), "v": version}), MSGPACK)
         assert refused.value.error == "unsupported_version"
+        if version is not None:  # the same in JSON: true == 1 took "v": true for 1
+            with pytest.raises(WireError) as refused:
+                decode(json.dumps({**transfer(), "v": version}).encode(), "application/json")
+            assert refused.value.error == "unsupported_version"
     with pytest.raises(WireError):
         decode(b"\xc1", MSGPACK)
+    # An extension type is no part of the format: refused as the body's error, not
+    # quoted later as "<msgspec.msgpack.Ext object at 0x...>".
+    extended = msgspec.msgpack.encode({**transfer(), "x": msgspec.msgpack.Ext(5, b"ab")})
+    with pytest.raises(WireError) as refused:
+        decode(extended, MSGPACK)
+    assert refused.value.error == "invalid_msgpack" and "extension type 5" in str(refused.value)
 
 
 async def test_a_msgpack_transfer_lands(in_ring: Any) -> None:

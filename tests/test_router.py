@@ -26,6 +26,7 @@ from node.rules import Rule
 from router.forward import NodeTimeout
 from router.testing import InProcessCluster, node_url
 from tests import sample_app
+from tests.processes import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -1140,6 +1141,29 @@ async def test_a_join_the_ring_cannot_take_is_409_and_the_ring_is_unchanged(
 async def test_admin_leave_of_an_unknown_node_is_404() -> None:
     async with running(make_config(Rule("api", 5, 60.0))) as cluster:
         assert_error(await cluster.client.delete("/admin/nodes/nope"), 404, "unknown_node")
+        # A client's id is quoted cut short, not echoed whole (it was: 5,000 characters).
+        answer = await cluster.client.delete("/admin/nodes/" + "a" * 5000)
+        assert_error(answer, 404, "unknown_node")
+        assert len(answer.json()["detail"]) < 100, answer.text
+
+
+async def test_removing_a_node_still_joining_says_so() -> None:
+    """``nodes list`` shows a node whose join waits for it to answer as
+    "joining"; removing it said "no node in the ring" (an exploratory tester)."""
+    config = make_config(Rule("api", 5, 60.0))
+    async with InProcessCluster(
+        3, config, clock=FrozenClock(), router_options={"ready_timeout": 1.5}
+    ) as cluster:
+        cluster._make_node("n9")
+        cluster.take_down("n9")  # it never answers /healthz
+        body = {"id": "n9", "url": node_url("n9")}
+        join = asyncio.ensure_future(cluster.client.post("/admin/nodes", json=body))
+        await wait_until(lambda: "n9" in cluster.router.membership.joining, seconds=5.0)
+        answer = await cluster.client.delete("/admin/nodes/n9")
+        assert_error(answer, 409, "still_joining")
+        assert "waits up to 1.5 s" in answer.json()["detail"]
+        assert (await join).status_code == 504
+        assert_error(await cluster.client.delete("/admin/nodes/n9"), 404, "unknown_node")
 
 
 @pytest.mark.parametrize(
