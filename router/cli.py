@@ -941,7 +941,15 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     ]
     changes: dict[str, object] = {}
     if rules:
-        changes["rules"] = (*config.rules, *rules)
+        every = (*config.rules, *rules)
+        changes["rules"] = every
+        names = [scoped.rule.name for scoped in every]
+        for spec, scoped in zip(specs, rules, strict=True):
+            if names.count(scoped.rule.name) > 1:  # said where it is, not only what
+                raise ConfigError(
+                    f"--rule {spec}: rule name {scoped.rule.name!r} is used twice"
+                    + (f" (also in {args.config}: name it, 'NAME=RATE')" if args.config else "")
+                )
     policies = config.policies
     interval = args.replication_interval
     if args.rebalance_policy or args.crash_policy or interval is not None:

@@ -1103,3 +1103,16 @@ def test_nodes_words_an_action_does_not_take_are_refused(argv: list[str], said: 
     """``nodes list extra`` listed the ring and dropped ``extra`` without a word
     (an exploratory tester); nothing is sent for a command that is not whole."""
     one_line_failure(ringlimit("nodes", *argv, "--router", f"http://127.0.0.1:{free_port()}"), said)
+
+
+def test_a_rule_name_given_twice_says_which_flag(tmp_path: Path) -> None:
+    """``rule name '5-per-minute' is used twice`` named neither the flag nor the
+    file (an exploratory tester)."""
+    config = tmp_path / "rules.toml"
+    config.write_text('[[rules]]\nname = "5-per-minute"\nrate = "5/minute"\n')
+    port = str(free_port())
+    one_line_failure(
+        ringlimit("router", "--port", port, "--config", str(config), "--rule", "5/minute"),
+        "--rule 5/minute: rule name '5-per-minute' is used twice",
+        f"also in {config}",
+    )
