@@ -440,7 +440,10 @@ class Node:
             error = ApiError(
                 413, "body_too_large", f"body is {declared.decode()} bytes; at most {limit}"
             )
-        while True:
+        # Refused before its body (a token, a declared length): answered at once. The
+        # server reads what is left of the body and drops it (a client sending 2 MB
+        # with a wrong token waited for all of it, or the body timeout, for its 401).
+        while error is None:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client is gone: decide nothing

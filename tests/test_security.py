@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ from node.asgi import Receive, Scope, Send, drain, send_json
 from node.clock import FrozenClock
 from node.config import ClusterConfig
 from router.testing import InProcessCluster
+from tests.processes import Procs, free_port, procs, wait_healthy  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.anyio
 
@@ -314,3 +317,37 @@ async def test_a_router_with_another_internal_token_gets_no_decision_and_says_wh
         for i in range(12):
             kept = await c.client.get("/x", headers={"X-User-Id": f"user-{i}"})
             assert kept.headers["ratelimit"].startswith('"api";r=4'), kept.headers
+
+
+@pytest.mark.parametrize(
+    ("token", "length", "status"),
+    [("wrong", 2_000_000, 401), ("s3cret", 2_000_000, 413)],
+)
+def test_a_node_refuses_a_decision_call_before_its_body(
+    procs: Procs,  # noqa: F811 (the fixture)
+    token: str,
+    length: int,
+    status: int,
+) -> None:
+    """A call refused on its headers alone (a wrong internal token, a declared
+    length over ``limits.max_body``) is answered at once: the node read the
+    whole body first, and a client sending 2 MB slowly waited for all of it, or
+    the body timeout (10 s), for its 401 (an exploratory tester)."""
+    port = free_port()
+    node = procs.start(
+        "n1",
+        ["node", "--id", "n1", "--port", str(port), "--rule", "5/minute"],
+        env={"RINGLIMIT_INTERNAL_TOKEN": "s3cret"},
+    )
+    wait_healthy(f"http://127.0.0.1:{port}", node)
+    with socket.create_connection(("127.0.0.1", port), timeout=5.0) as sock:
+        sock.sendall(
+            b"POST /v1/check HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Authorization: Bearer " + token.encode() + b"\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n{" % length
+        )
+        started = time.monotonic()
+        head = sock.recv(65536)
+        assert head.startswith(b"HTTP/1.1 %d " % status), head
+        assert time.monotonic() - started < 3.0
+    node.stop()
