@@ -303,6 +303,34 @@ _bad_host = _refusal(
     "an HTTP/1.0 request may carry none)",
 )
 
+#: A transfer coding other than chunked (RFC 9112 6.1: "SHOULD respond with 501"):
+#: the parser takes ``gzip, chunked`` apart as chunked and the app got the body
+#: still gzipped, as if it were not.
+_unknown_coding = _refusal(
+    501,
+    "unsupported_transfer_coding",
+    "this server reads only the chunked transfer coding (send Content-Encoding for a "
+    "compressed body)",
+)
+#: Transfer-Encoding in an HTTP/1.0 request: its framing is faulty (RFC 9112 6.1:
+#: "MUST treat the message as if the framing is faulty"), and an HTTP/1.0 proxy
+#: in front would have framed it otherwise.
+_coding_in_http10 = _refusal(
+    400,
+    "invalid_http",
+    "an HTTP/1.0 request cannot carry Transfer-Encoding (RFC 9112 section 6.1)",
+)
+
+
+def _coding_refusal(codings: bytes, version: str) -> Any:
+    """The refusal of a request's Transfer-Encoding, or None when it is plain chunked."""
+    if version == "1.0":
+        return _coding_in_http10
+    if [c.strip().lower() for c in codings.split(b",")] != [b"chunked"]:
+        return _unknown_coding
+    return None
+
+
 #: Checked response fields a server remembers (a node's differ by little: its
 #: rate-limit fields, the date of the second, a few content types).
 MAX_CHECKED_FIELDS = 4096
@@ -569,6 +597,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         _parsed_bytes = 0
         #: ``Host`` fields of the request being parsed (exactly one is valid).
         _hosts = 0
+        #: The request's Transfer-Encoding fields, joined (b"": none).
+        _codings = b""
         _header_timer: asyncio.TimerHandle | None = None
         #: While a request's body is arriving: when its headers ended, its bytes so
         #: far, and the timer that checks its pace.
@@ -791,6 +821,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         def on_message_begin(self) -> None:
             self._parsed_bytes = 0
             self._hosts = 0
+            self._codings = b""
             self._in_head = True
             if not self._waiting:
                 # Behind a request being served or in the same read as one's end:
@@ -857,6 +888,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
             name = name.lower()
             if name == b"host":
                 self._hosts += 1
+            elif name == b"transfer-encoding":
+                self._codings = self._codings + b"," + value if self._codings else value
             elif name == b"expect" and value.lower() == b"100-continue":
                 self.expect_100_continue = True
             self.headers.append((name, value))
@@ -931,6 +964,8 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 refusal = _bad_host
             elif upgrade and _declares_body(self.headers):
                 refusal = _upgrade_with_body
+            elif self._codings:
+                refusal = _coding_refusal(self._codings, self.parser.get_http_version())
             if refusal is None:
                 self._holding = self._inline
                 try:
