@@ -22,6 +22,7 @@ import math
 import os
 import socket
 import sys
+import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -1616,6 +1617,12 @@ def _admin_call(
     admin_token, _ = _tokens()
     headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
     base = router.rstrip("/")
+    try:  # (httpx connects to port 99999 and says "connection refused")
+        urllib.parse.urlsplit(base).port  # noqa: B018 (it checks)
+    except ValueError as exc:
+        raise CommandError(
+            f"cannot reach the router at {base} (not a usable URL: {exc}); check --router"
+        ) from None
     # Connected but not answered whole in time: the router may be busy with the
     # change itself (a join waits for the node's readiness), so a change asked
     # for may still be made. It said "cannot reach the router" and blamed

@@ -141,6 +141,11 @@ def test_nodes_with_a_url_httpx_cannot_parse() -> None:
         "cannot reach the router at",
         "not a usable URL",
     )
+    # A port out of range: httpx tried it, and the CLI said "connection refused".
+    one_line_failure(
+        ringlimit("nodes", "list", "--router", "http://127.0.0.1:99999"),
+        "not a usable URL: Port out of range",
+    )
 
 
 def test_an_environment_default_outside_its_choices_is_one_line() -> None:
