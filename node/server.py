@@ -291,6 +291,13 @@ def serve_node(
         if not routers:
             server.should_exit = True
             return
+        if node.epoch == 0 and not state.get("joined"):
+            # No router took its join nor gave it a view: it is in no ring, and a leave retried
+            # for 20 s against routers it never reached ("graceful leave: ...
+            # ConnectError; retrying": an exploratory tester).
+            log.warning("not in any ring (no router took this node's join): no leave to make")
+            server.should_exit = True
+            return
         asyncio.get_running_loop().create_task(_leave_then_exit(server))
 
     async def _leave_then_exit(server: SignalServer) -> None:
@@ -466,6 +473,7 @@ def serve_node(
                     )
                     if response.status_code == 200 and _lists(response, node.settings.node_id):
                         log.warning("joined the ring through %s", router)
+                        state["joined"] = True
                         return None
                     if response.status_code == 200:
                         # Any 200 was taken as joined: a --join at something else

@@ -1121,3 +1121,26 @@ def test_a_rule_name_given_twice_says_which_flag(tmp_path: Path) -> None:
         "--rule 5/minute: rule name '5-per-minute' is used twice",
         f"also in {config}",
     )
+
+
+def test_a_node_stopped_before_it_joined_makes_no_leave(procs: Procs) -> None:  # noqa: F811
+    """SIGTERM to a ``--join`` node whose router never answered: it is in no
+    ring, and it spent 20 s retrying a leave ("graceful leave: ... ConnectError;
+    retrying": an exploratory tester). It exits at once now, saying why."""
+    router = f"http://127.0.0.1:{free_port()}"
+    port = free_port()
+    node = procs.start("n1", ["node", "--id", "n1", "--port", str(port), "--join", router])
+    assert wait_for(lambda: _accepts(port), 20.0)  # serving, its join still retried
+    started = time.monotonic()
+    node.stop()
+    assert time.monotonic() - started < 5.0
+    output = node.output()
+    assert "no leave to make" in output and "graceful leave" not in output, output
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
