@@ -64,7 +64,14 @@ from node.peers import INTERNAL_TOKEN_HEADER, Peers, WireError, bulk, decode_rec
 from node.peers import decode as decode_body
 from node.rates import RateMeter
 from node.rules import Rule
-from node.security import bearer, refusal, sent_by_another_site, token_matches
+from node.security import (
+    bearer,
+    for_another_site,
+    is_loopback,
+    refusal,
+    sent_by_another_site,
+    token_matches,
+)
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore
 from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
@@ -397,11 +404,9 @@ class Node:
     async def check(self, request: Request) -> Response:
         """``POST /v1/check`` through Starlette (kept for the route table; requests
         are answered by :meth:`check_asgi`, which gives the same answers)."""
-        if self.settings.internal_token is not None and not self._router_token(request.scope):
-            return JSONResponse(
-                {"error": "unauthorized", "detail": "missing or wrong internal token"},
-                status_code=401,
-            )
+        refused = self._refused_check(request.scope)
+        if refused is not None:
+            return JSONResponse(refused.body(), status_code=refused.status)
         config = self.authority.config
         try:
             body = await read_body(request, config.limits.max_body)
@@ -426,16 +431,15 @@ class Node:
         size = 0
         error: ApiError | None = None
         headers: list[tuple[bytes, bytes]]
-        if self.settings.internal_token is not None and not self._router_token(scope):
-            # With an internal token, a node's decision API is the routers' (they send
-            # it): anyone else reaching the node could spend any user's quota.
-            error = ApiError(401, "unauthorized", "missing or wrong internal token")
-        elif self.settings.internal_token is None and sent_by_another_site(Headers(scope=scope)):
-            # Without one, a page of any site a browser on the routers' network shows
-            # could POST checks here (text/plain needs no preflight) and spend any
-            # user's quota (an exploratory tester: answered, not refused). Routers
-            # and tools send no Origin or Sec-Fetch-Site.
-            error = ApiError(403, "forbidden", "a page of another site may not call this node")
+        # A node's decision API is the routers' (they send it): anyone else reaching
+        # the node could spend any user's quota. With an internal token, the token;
+        # without one, as the internal endpoints: loopback only, and not for a web
+        # page (a page of any site could POST checks here, text/plain needing no
+        # preflight, or rebind its name to 127.0.0.1 and read the answers: an
+        # exploratory tester's were answered).
+        refused = self._refused_check(scope)
+        if refused is not None:
+            error = refused
         elif declared is not None and declared.isdigit() and int(declared) > limit:
             error = ApiError(
                 413, "body_too_large", f"body is {declared.decode()} bytes; at most {limit}"
@@ -467,11 +471,29 @@ class Node:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
 
-    def _router_token(self, scope: Scope) -> bool:
-        """Whether the request carries the internal token (as :meth:`_refuse` reads
-        it), compared in constant time."""
-        given = _given_token(Headers(scope=scope))
-        return given is not None and token_matches(given, self.settings.internal_token)
+    def _refused_check(self, scope: Scope) -> ApiError | None:
+        """Who may call the decision API: the token's holders when one is set."""
+        headers = Headers(scope=scope)
+        token = self.settings.internal_token
+        if token is not None:
+            given = _given_token(headers)
+            if given is None or not token_matches(given, token):
+                return ApiError(401, "unauthorized", "missing or wrong internal token")
+            return None
+        # Open without a token (to routers and tools, on this host or another), but
+        # not to a web page: one a browser marks as another site's, nor, from this
+        # host, one addressed by a name a page could rebind to 127.0.0.1.
+        client = scope.get("client")
+        local = is_loopback(client[0] if client else None)
+        if for_another_site(headers) if local else sent_by_another_site(headers):
+            return ApiError(
+                403,
+                "forbidden",
+                "not for web pages: a page of another site, or one addressed by a name a "
+                "page could rebind to this host (use 127.0.0.1 or localhost, or set "
+                "RINGLIMIT_INTERNAL_TOKEN)",
+            )
+        return None
 
     async def _answer_checks(self, body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """The status, extra headers and JSON body answering a decision-API body."""

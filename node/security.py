@@ -68,9 +68,10 @@ def for_another_site(headers: Mapping[str, str]) -> bool:
 
 
 def sent_by_another_site(headers: Mapping[str, str]) -> bool:
-    """Whether a browser says the request comes from a page of another origin
-    (``Sec-Fetch-Site``, ``Origin``: a browser sends one of them with every
-    cross-site POST). Tools, routers and nodes send neither."""
+    """Whether a browser marks the request as made for a page of another origin
+    (``Sec-Fetch-Site``, or an ``Origin`` that is not the request's ``Host``: a
+    browser sends one of them with every cross-site POST). Tools, routers and
+    nodes send neither."""
     site = headers.get("sec-fetch-site")
     if site is not None and site not in ("same-origin", "none"):
         return True

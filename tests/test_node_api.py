@@ -1094,16 +1094,18 @@ async def test_a_client_gone_before_its_body_was_read_is_no_traceback(path: str)
         {"origin": "http://evil.example"},
         {"sec-fetch-site": "cross-site"},
         {"origin": "null", "sec-fetch-site": "cross-site"},
+        {"host": "evil.example:4000", "origin": "http://evil.example:4000"},  # rebound
+        {"host": "evil.example"},
     ],
 )
 async def test_a_page_of_another_site_cannot_spend_quota_on_a_node_without_a_token(
     marks: dict[str, str],
 ) -> None:
-    """Without an internal token a node's decision API is open to what reaches
-    it (routers, tools); a browser on that network showing a page of any site
-    could POST checks to it (text/plain needs no preflight). It was answered
-    (an exploratory tester: 421 not_owner, the body parsed and decided had
-    the node owned the key); now 403, nothing decided."""
+    """Without an internal token a node's decision API is open, but not to a web
+    page: a page of any site could POST checks to it (text/plain needs no
+    preflight), or rebind its name to 127.0.0.1 and read the answers. It was
+    answered (exploratory testers: 421 not_owner, the body parsed; then a
+    rebinding page's Host alone); now 403, nothing decided."""
     node, _ = make_node()
     async with client_for(node) as client:
         headers = {"content-type": "text/plain", **marks}
@@ -1112,3 +1114,12 @@ async def test_a_page_of_another_site_cannot_spend_quota_on_a_node_without_a_tok
         assert refused.json()["error"] == "forbidden"
         plain = await client.post("/v1/check", json={"key": "a"})
         assert plain.status_code == 200 and plain.json()["remaining"] == 4
+    async with client_for(node, ("10.1.2.3", 4000)) as remote:  # another host
+        # Open to tools (routers, apps) elsewhere, as documented; a browser's
+        # marks are refused from there too (a rebinding page's Host is not: a
+        # name is this host's concern only; keep node ports internal, or set a
+        # token).
+        assert (await remote.post("/v1/check", json={"key": "b"})).status_code == 200
+        if "sec-fetch-site" in marks or ("origin" in marks and "host" not in marks):
+            refused = await remote.post("/v1/check", content=b'{"key": "b"}', headers=headers)
+            assert refused.status_code == 403, refused.text
