@@ -12,7 +12,7 @@ lists and does the same md5 + bisect itself.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -87,7 +87,6 @@ def _placement(members: tuple[tuple[str, int], ...]) -> tuple[list[int], tuple[s
         vnodes=VNODES,
         replicas=REPLICAS,
     )
-    _reject_pointless_members(members, ring.distribution)
     points: list[int] = []
     owners: list[str] = []
     # get_points() repeats a point that two members both hashed to, each time
@@ -101,21 +100,25 @@ def _placement(members: tuple[tuple[str, int], ...]) -> tuple[list[int], tuple[s
     return points, tuple(owners)
 
 
-def _reject_pointless_members(
-    members: Sequence[tuple[str, int]], distribution: Mapping[str, int]
-) -> None:
-    """Refuse a membership in which some member would own no keys at all.
+def unplaced_problem(members: Sequence[tuple[str, int]], owners: Sequence[str]) -> str | None:
+    """Why some of ``members`` own no point of the continuum (None if all do).
 
     Ketama gives each member ``floor(40 * N * weight / total_weight)`` digests,
-    so a small weight next to large ones can round down to zero. Such a member
-    would be listed in the view yet never receive traffic or replicas, which
-    is a configuration error worth failing loudly on.
+    so a small weight next to large ones can round down to zero: such a
+    member is listed in the view yet never receives traffic or replicas. A
+    join or a start that would make one is a configuration error, refused
+    (router/membership.py); a leave or a crash removal that makes one is
+    carried out (a dead member cannot be kept for the sake of another's
+    weight) and said.
     """
+    placed = set(owners)
+    idle = [(i, w) for i, w in members if i not in placed]
+    if not idle:
+        return None
     total = sum(weight for _, weight in members)
-    for member_id, weight in members:
-        if not distribution.get(member_id):
-            raise ValueError(
-                f"member {member_id!r} (weight {weight}) would get no points on the ketama "
-                f"continuum: each member gets floor({VNODES} * {len(members)} members * weight"
-                f" / total weight {total}) digests; raise its weight or lower the others"
-            )
+    names = ", ".join(f"{i!r} (weight {w})" for i, w in idle[:5])
+    return (
+        f"member(s) {names} would get no points on the ketama continuum: each member "
+        f"gets floor({VNODES} * {len(members)} members * weight / total weight {total}) "
+        "digests; raise their weight or lower the others"
+    )

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from ._ketama import build_continuum, md5, read_point
+from ._ketama import build_continuum, md5, read_point, unplaced_problem
 from .errors import EmptyRingError, check_fields
 from .member import Member
 
@@ -116,6 +116,13 @@ class RingView:
         object.__setattr__(self, "_points", points)
         object.__setattr__(self, "_owners", owners)
         object.__setattr__(self, "_by_id", by_id)
+
+    def unplaced(self) -> str | None:
+        """Why some member owns no point of the continuum, or None when all do
+        (a weight too small next to the others': ring/_ketama.py)."""
+        return unplaced_problem(
+            [(m.id, m.weight) for m in self.members], [m.id for m in self._owners]
+        )
 
     # -- construction -------------------------------------------------------
 

@@ -1065,11 +1065,11 @@ class Membership:
         over ``MAX_MEMBERS``, or a weight that gets no point on the continuum.
         Asked before the newcomer hears anything; it was a 500 after its welcome."""
         try:
-            RingView.of([*(m for m in self.view if m.id != member.id), member])
+            problem = RingView.of([*(m for m in self.view if m.id != member.id), member]).unplaced()
         except ValueError as exc:
-            raise MembershipError(
-                409, "invalid_membership", f"cannot add {member.id}: {exc}"
-            ) from None
+            problem = str(exc)
+        if problem is not None:
+            raise MembershipError(409, "invalid_membership", f"cannot add {member.id}: {problem}")
 
     async def _join_locked(self, member: Member) -> RingView:
         self._check_room(member)  # the ring may have changed while it waited
@@ -1378,12 +1378,20 @@ class Membership:
             self.failures.record("background_task", exc)
 
     def _adopt(self, view: RingView, crashed: Iterable[str] = ()) -> None:
+        members_changed = view.members != self.view.members
         if self.leader_url is None:
             # A follower shows the leader's events instead (follow_once).
             self.events.change(self.view, view, crashed={*self.removed, *crashed})
         self.log.adopt(view)
         for watch in self.view_watchers:
             watch(view)
+        if self.leading and members_changed:
+            problem = view.unplaced()
+            if problem is not None:
+                # A leave or a crash removal is carried out all the same (a dead
+                # member cannot be kept for another's weight; refused, a crashed
+                # node stayed in the ring for good, its removal failing every 10 s).
+                log.warning("epoch %d: %s; it owns no keys until then", view.epoch, problem)
         # Health is kept for the members of the view and the nodes joining it:
         # the entries of members a view dropped go, whichever way it came. (Only
         # the leader's leave and crash pop their own: a follower kept an entry

@@ -1138,6 +1138,27 @@ async def test_a_join_the_ring_cannot_take_is_409_and_the_ring_is_unchanged(
         assert (await get(cluster, "rita")).status_code == 200
 
 
+@pytest.mark.parametrize("how", ["leave", "crash"])
+async def test_a_removal_that_leaves_a_member_without_a_point_is_carried_out(how: str) -> None:
+    """n1..n3 weigh 1 beside n4's 100; without n2 and n3, n1 gets floor(40 * 2 *
+    1 / 101) = 0 points. A join that made such a ring is refused (409), but a
+    leave or a crash removal must go on: the leave was a 500, and a crashed
+    node stayed in the ring for good, its removal failing every 10 s (the
+    review of the day's changes)."""
+    async with running(make_config(Rule("api", 5, 60.0))) as cluster:
+        await cluster.add_node("n4", weight=100)
+        await cluster.remove_node("n3")
+        if how == "leave":
+            answer = await cluster.client.delete("/admin/nodes/n2")
+            assert answer.status_code == 200, answer.text
+        else:
+            await cluster.crash_node("n2")
+        ring_now = (await cluster.client.get("/admin/ring")).json()
+        assert [n["id"] for n in ring_now["nodes"]] == ["n1", "n4"], ring_now
+        assert cluster.router.membership.view.unplaced() is not None
+        assert (await get(cluster, "rita")).headers["x-ringlimit-node"] == "n4"
+
+
 async def test_admin_leave_of_an_unknown_node_is_404() -> None:
     async with running(make_config(Rule("api", 5, 60.0))) as cluster:
         assert_error(await cluster.client.delete("/admin/nodes/nope"), 404, "unknown_node")
