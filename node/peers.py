@@ -120,7 +120,8 @@ def decode(body: bytes, content_type: str | None) -> Any:
         if version != WIRE_VERSION or type(version) is not int:
             raise WireError(
                 "unsupported_version",
-                f"wire version {version!r} is not supported: this node speaks {WIRE_VERSION}"[:160],
+                f"wire version {_quoted(version)} is not supported: this node speaks "
+                f"{WIRE_VERSION}"[:160],
             )
         return data
     try:
@@ -138,9 +139,20 @@ def decode(body: bytes, content_type: str | None) -> Any:
     ):
         raise WireError(
             "unsupported_version",
-            f"wire version {data['v']!r} is not supported: this node speaks {WIRE_VERSION}"[:160],
+            f"wire version {_quoted(data['v'])} is not supported: this node speaks {WIRE_VERSION}"[
+                :160
+            ],
         )
     return data
+
+
+def _quoted(value: Any) -> str:
+    """A peer's value as an error may quote it: JSON's own kinds as they are, any
+    other (msgpack's timestamp, which msgspec reads as a datetime) by its type:
+    a Python repr in a 400's detail says nothing to the sender."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return repr(value)
+    return f"of type {type(value).__name__}"
 
 
 def _is_msgpack(content_type: str | None) -> bool:

@@ -4,8 +4,10 @@ streamed in chunks, and handed-off states not replicated while the view settles
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import AsyncIterator
+from datetime import UTC
 from typing import Any
 
 import httpx
@@ -80,6 +82,13 @@ def test_encode_carries_the_version_and_decode_reads_both_formats() -> None:
     with pytest.raises(WireError) as refused:
         decode(extended, MSGPACK)
     assert refused.value.error == "invalid_msgpack" and "extension type 5" in str(refused.value)
+    # msgpack's timestamp (extension -1) msgspec reads itself, as a datetime: its
+    # repr was quoted ("wire version datetime.datetime(2020, ...)").
+    stamped = msgspec.msgpack.encode({**transfer(), "v": datetime.datetime(2020, 1, 1, tzinfo=UTC)})
+    with pytest.raises(WireError) as refused:
+        decode(stamped, MSGPACK)
+    assert "datetime.datetime" not in str(refused.value), refused.value
+    assert "wire version of type datetime is not supported" in str(refused.value)
 
 
 async def test_a_msgpack_transfer_lands(in_ring: Any) -> None:
