@@ -181,6 +181,18 @@ _DATABASE_REFUSALS = ("DB index is out of range", "SELECT is not allowed in clus
 _MISSING_COMMAND = "unknown command"
 
 
+def _script_reply(reply: Any, keys: Sequence[str]) -> Any:
+    """``reply`` if it is shaped as a script's reply for ``keys`` (two values, then
+    six per rule), else :class:`InvalidResponse`: a server that speaks RESP but is
+    not Redis (one that answers ``:1`` to everything) is an outage, not a check's
+    error; its replies were a ``TypeError`` and a 500 per request (the review of
+    the day's changes)."""
+    if type(reply) is not list or len(reply) != 2 + 6 * len(keys):
+        kind = f"a list of {len(reply)}" if type(reply) is list else type(reply).__name__
+        raise InvalidResponse(f"EVALSHA answered {kind}, not a ringlimit script's reply")
+    return reply
+
+
 class BackendUnavailable(Exception):
     """The backend cannot decide now (unreachable, timed out, loading, read-only)."""
 
@@ -397,10 +409,11 @@ class RedisBackend:
 
         async def call() -> Any:
             try:
-                return await execute("EVALSHA", script.sha, len(keys), *keys, *args)
+                reply = await execute("EVALSHA", script.sha, len(keys), *keys, *args)
             except NoScriptError:
                 await execute("SCRIPT", "LOAD", script.source)
-                return await execute("EVALSHA", script.sha, len(keys), *keys, *args)
+                reply = await execute("EVALSHA", script.sha, len(keys), *keys, *args)
+            return _script_reply(reply, keys)
 
         return unpack_reply(await self._run(call), rules)[1]
 
@@ -613,6 +626,9 @@ class RedisBackend:
             again = await self._pipeline([calls[i] for i in missing])
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
+        for reply, (_script, keys, _args) in zip(replies, calls, strict=True):
+            if not isinstance(reply, Exception):
+                _script_reply(reply, keys)
         return replies
 
     async def _pipeline(self, calls: Sequence[Call]) -> list[Any]:

@@ -960,9 +960,11 @@ def test_a_burst_refused_by_maxclients_is_an_outage_the_probe_ends(tmp_path: Pat
 
 
 @contextlib.contextmanager
-def not_redis(port: int) -> Iterator[None]:
+def not_redis(port: int, resp: bytes | None = None) -> Iterator[None]:
     """A server on ``port`` that answers every connection as an HTTP server answers
-    a stranger (``HTTP/1.1 400``) and closes it: not a Redis, faked or otherwise."""
+    a stranger (``HTTP/1.1 400``) and closes it: not a Redis, faked or otherwise.
+    With ``resp``, a server that speaks RESP but is not Redis either: it answers
+    ``resp`` to every command, as some proxies and toys do."""
     import socket
     import threading
 
@@ -981,8 +983,16 @@ def not_redis(port: int) -> Iterator[None]:
                 continue
             with contextlib.suppress(OSError), conn:
                 conn.settimeout(1.0)
-                conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                if resp is None:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                    continue
+                for _ in range(200):  # one answer per command (each begins a line with *)
+                    data = conn.recv(65536)
+                    if not data:
+                        break
+                    commands = data.count(b"\r\n*") + data.startswith(b"*")
+                    conn.sendall(resp * commands)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -992,6 +1002,44 @@ def not_redis(port: int) -> Iterator[None]:
         stop.set()
         thread.join(5)
         server.close()
+
+
+@pytest.mark.parametrize("answer", [b":1\r\n", b"$-1\r\n"], ids=["integer", "nil"])
+def test_a_server_that_speaks_resp_but_is_not_redis_is_an_outage(
+    answer: bytes, pipeline: bool
+) -> None:
+    """A server that answers every command ``:1`` (or nil) speaks the protocol but
+    runs no script: its replies were a TypeError in reading them, a 500 per
+    request with on_error ignored and /healthz saying Redis was fine (the review
+    of the day's changes). It is an outage now: each rule's on_error decides."""
+    port = free_port()
+    opened = Rule("open", 3, 60.0)
+    closed = Rule("closed", 3, 60.0, on_error="closed")
+
+    async def scenario() -> None:
+        url = f"redis://127.0.0.1:{port}/0"
+        bare = RedisBackend(url, pipeline=pipeline)
+        backend = FallbackBackend(
+            RedisBackend(url, pipeline=pipeline), MemoryBackend(MemoryStore(), system_clock)
+        )
+        try:
+            with pytest.raises(BackendUnavailable, match="not a ringlimit script's reply"):
+                await bare.check("u", [opened], 1)
+            assert not bare.available
+            got = [await backend.check("u", [opened], 1) for _ in range(4)]
+            assert [v.allowed for v in got] == [True, True, True, False]
+            assert {v.decision.reason for v in got} == {BACKEND_UNAVAILABLE}
+            denied = await backend.check("u", [closed], 1)
+            assert not denied.allowed and denied.decision.reason == BACKEND_UNAVAILABLE
+            many = await backend.check_many([("w", [opened], 1), ("w", [closed], 1)])
+            assert [v.allowed for v in many] == [True, False]
+            assert not backend.available
+        finally:
+            await backend.close()
+            await bare.close()
+
+    with not_redis(port, answer):
+        run(scenario)
 
 
 def test_a_server_that_is_not_redis_is_an_outage_until_redis_answers(
