@@ -1431,7 +1431,10 @@ def _run_up(args: argparse.Namespace) -> int:
         from router.envoy_config import load_envoy_configs, with_envoy_rules
 
         # Read here too, so a bad file is one line before any process starts.
-        with_envoy_rules(config, load_envoy_configs(args.envoy_config, on_error=args.on_error))
+        envoy_rules = with_envoy_rules(
+            config, load_envoy_configs(args.envoy_config, on_error=args.on_error)
+        )
+    _warn_no_rules(envoy_rules if args.envoy_config else config, args)
     headers = envoy_header_sets(args)
     if args.envoy_headers and args.grpc_port is None:
         raise ValueError("--envoy-headers needs --grpc-port and --envoy-config")
@@ -1821,6 +1824,8 @@ def _warn_no_rules(config: ClusterConfig, args: argparse.Namespace) -> None:
     """A ``--config`` with no ``[[rules]]`` (and no ``--rule``) limits nothing: said
     at start, where it was silent (an empty file started an unlimited cluster;
     ``ringlimit rules FILE`` refuses such a file)."""
+    if os.environ.get(SUPERVISOR_ENV):
+        return  # `up` said it, naming the user's file (its router reads a copy)
     if not config.rules and not getattr(args, "coordinator", None):  # (etcd's rules, then)
         print(
             f"ringlimit: warning: no rules: {args.config} has no [[rules]] and no --rule "

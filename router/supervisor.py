@@ -602,7 +602,7 @@ def _print_banner(
     so without this line the banner said nothing of them."""
     rules = ", ".join(f"{s.rule.name} ({s.rule.algorithm})" for s in config.rules)
     print(f"ringlimit router: {url}   backend={config.backend} balance={config.balance}")
-    print(f"rules: {rules}")
+    print(f"rules: {rules or 'none (every request is admitted)'}")
     if envoy is not None:
         print(f"envoy rate limit service (gRPC): {envoy}")
     print(f"ring epoch {ring['epoch']}:")

@@ -1092,6 +1092,13 @@ def test_a_config_with_no_rules_is_said_at_start(
         proc.stop()
     assert warning in node.output()
     assert "no rules" not in ruled.output()
+    # `up` says it once, naming the user's file (its router reads a copy of it).
+    argv = ["up", "--port", str(free_block(2)), "--nodes", "1", "--config", str(empty)]
+    up = procs.start("up", argv)
+    assert wait_for(lambda: "ring epoch 1" in up.output(), timeout=30.0), up.output()
+    up.stop()
+    assert up.output().count("warning: no rules") == 1 and warning in up.output(), up.output()
+    assert "rules: none (every request is admitted)" in up.output()
 
 
 @pytest.mark.parametrize(
