@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
                 scenario = scenario.with_modes(wanted)
             except ScenarioError as exc:
                 raise ScenarioError(f"--modes: {exc}") from None
+        else:
+            scenario.check_rounds()
     except ScenarioError as exc:
         print(f"ringlimit simulate: {exc}", file=sys.stderr)
         return 2

@@ -307,6 +307,18 @@ class Scenario:
     def with_seed(self, seed: int) -> Scenario:
         return replace(self, seed=int(seed))
 
+    def check_rounds(self) -> None:
+        """ScenarioError if the modes to run make more replication rounds than the
+        cap. Asked after ``--modes`` has chosen them: a run without ``replica``
+        was refused for the replica mode's rounds (the review of the day's
+        changes), ``--modes handoff`` as well as the default run."""
+        if "replica" in self.modes:
+            problem = replication_rounds_problem(
+                self.replication_interval, self.duration, self.nodes, self.events
+            )
+            if problem:
+                raise ScenarioError(f"mode replica: modes.replication_interval: {problem}")
+
     def with_modes(self, modes: tuple[str, ...]) -> Scenario:
         if "leases" in modes:
             problem = leases_problem(self.rules, self.has_pauses, self.network is not None)
@@ -380,8 +392,8 @@ def _rounds_problem(
         return None
     return (
         f"{interval:g} s over scenario.duration {duration:g} s is {count:,.0f} {rounds} "
-        f"of up to {nodes:,} nodes; at most {MAX_NODE_ROUNDS:,} rounds x nodes (each costs "
-        f"time): raise {key} or shorten scenario.duration"
+        f"of up to {nodes:,} nodes, {count * nodes:,.0f} rounds x nodes; at most "
+        f"{MAX_NODE_ROUNDS:,} (each costs time): raise {key} or shorten scenario.duration"
     )
 
 
@@ -665,7 +677,8 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
                 key, f"too fine: {duration / value:.0f} buckets over the run (max 100000)"
             )
 
-    if "replica" in run:
+    if "replica" in run and explicit:
+        # (The default run is checked once --modes has had its say: Scenario.check_rounds.)
         problem = replication_rounds_problem(replication_interval, duration, nodes, events)
         if problem:
             raise md.error("replication_interval", problem)

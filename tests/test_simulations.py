@@ -478,15 +478,25 @@ def test_replication_rounds_are_capped_before_the_run() -> None:
     arrivals are."""
     quiet = {"name": "t", "duration": "20h"}
     doc = make(scenario=quiet, arrivals={"rate": 0.01}, modes={"replication_interval": "1ms"})
+    # The default run (replica among its modes) is refused once the modes are
+    # settled (ringlimit simulate asks check_rounds, or with_modes for --modes)...
     with pytest.raises(ScenarioError) as err:
-        parse_scenario(doc, source="x.toml")
+        parse_scenario(doc, source="x.toml").check_rounds()
     message = str(err.value)
-    assert message.startswith("x.toml: modes.replication_interval: 0.001 s over scenario.duration")
-    assert "72,000,000 replication rounds of up to 4 nodes; at most 20,000,000" in message
-    # Without the replica mode nothing replicates: the same file runs...
+    assert message.startswith("mode replica: modes.replication_interval: 0.001 s over scenario")
+    assert "72,000,000 replication rounds of up to 4 nodes, 288,000,000 rounds x nodes" in message
+    assert "; at most 20,000,000 (each costs time)" in message
+    # ... a run that names replica at parse time ...
+    doc["modes"]["run"] = ["handoff", "replica"]
+    with pytest.raises(ScenarioError, match=r"^x\.toml: modes\.replication_interval: 0\.001"):
+        parse_scenario(doc, source="x.toml")
+    # ... and without the replica mode nothing replicates: the same file runs,
+    # with modes.run as with --modes (which was refused for replica's rounds).
     doc["modes"]["run"] = ["handoff"]
     scenario = parse_scenario(doc)
-    # ... until --modes asks for it.
+    scenario.check_rounds()
+    del doc["modes"]["run"]
+    parse_scenario(doc).with_modes(("handoff",)).check_rounds()
     with pytest.raises(ScenarioError, match=r"mode replica: modes.replication_interval: "):
         scenario.with_modes(("replica",))
 
