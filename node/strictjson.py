@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ring.errors import encodable
-
 
 class GivenTwice(ValueError):
     """A JSON object that names one field twice."""
@@ -27,8 +25,10 @@ def _unique_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for name, _ in pairs:
             if name in seen:
-                name = encodable(name)[:100]
-                raise GivenTwice(f"the field {name!r} is given twice in one object")
+                # Quoted once (a lone surrogate as its escape, not escaped twice).
+                said = repr(name) if name.isprintable() else ascii(name)
+                said = said if len(said) <= 100 else said[:100] + "..."
+                raise GivenTwice(f"the field {said} is given twice in one object")
             seen.add(name)
     return data
 

@@ -129,6 +129,7 @@ def test_decode_checks_answers_as_the_json_path() -> None:
         rb'{"checks":[{"key":"a","k\u0065y":"b"}]}',
         b'{"key":"a","key":"b"}',
         b'{"key":"a","cost":1,"cost":1}',
+        rb'{"key":"a","k\ud800":1,"k\ud800":2}',
     ],
 )
 def test_a_field_given_twice_is_refused_on_both_paths(body: bytes) -> None:
@@ -141,6 +142,8 @@ def test_a_field_given_twice_is_refused_on_both_paths(body: bytes) -> None:
             status, error, detail = _outcome(body, config, fast=fast)
             assert (status, error) == (400, "invalid_request"), detail
             assert "is given twice in one object" in detail
+            if b"ud800" in body:  # quoted once: its escape, not escaped again
+                assert "the field 'k\\ud800' is given" in detail, detail
 
 
 def test_a_forwarded_batch_carries_no_null_a_node_of_an_earlier_version_refuses() -> None:
