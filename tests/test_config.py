@@ -236,6 +236,12 @@ BAD: list[tuple[str, str, list[str]]] = [
     ("identity source", '[identity]\nsource = "cookie"\n', ["identity.source", "cookie"]),
     ("identity unknown key", '[identity]\nsauce = "header"\n', ["identity", "sauce"]),
     ("identity name type", "[identity]\nname = 5\n", ["identity.name"]),
+    # int() of 5,000 digits raised its own error (sys.set_int_max_str_digits).
+    (
+        "rate of 5,000 digits",
+        '[[rules]]\nname = "a"\nrate = "' + "9" * 5000 + '/minute"\n',
+        ["rules[0].rate", "the count must be 1..1000000000"],
+    ),
     # Names no request could carry: a user id never found, a bypass never matched.
     ("identity name no header", '[identity]\nname = "X User"\n', ["identity.name", "X User"]),
     ("tier header no header", '[identity]\ntier_header = "X:T"\n', ["identity.tier_header"]),
