@@ -66,10 +66,9 @@ from node.rates import RateMeter
 from node.rules import Rule
 from node.security import (
     bearer,
-    for_another_site,
     is_loopback,
+    page_of_another_site,
     refusal,
-    sent_by_another_site,
     token_matches,
 )
 from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
@@ -473,19 +472,29 @@ class Node:
 
     def _refused_check(self, scope: Scope) -> ApiError | None:
         """Who may call the decision API: the token's holders when one is set."""
-        headers = Headers(scope=scope)
         token = self.settings.internal_token
         if token is not None:
-            given = _given_token(headers)
+            given = _given_token(Headers(scope=scope))
             if given is None or not token_matches(given, token):
                 return ApiError(401, "unauthorized", "missing or wrong internal token")
             return None
         # Open without a token (to routers and tools, on this host or another), but
         # not to a web page: one a browser marks as another site's, nor, from this
-        # host, one addressed by a name a page could rebind to 127.0.0.1.
+        # host, one addressed by a name a page could rebind to 127.0.0.1. (One scan
+        # of the fields and cached parses: a router sends every batch here.)
+        authority = origin = site = None
+        for name, value in scope["headers"]:
+            if name == b"host":
+                if authority is None:
+                    authority = value.decode("latin-1")
+            elif name == b"origin":
+                if origin is None:
+                    origin = value.decode("latin-1")
+            elif name == b"sec-fetch-site" and site is None:
+                site = value.decode("latin-1")
         client = scope.get("client")
         local = is_loopback(client[0] if client else None)
-        if for_another_site(headers) if local else sent_by_another_site(headers):
+        if page_of_another_site(authority, origin, site, by_name=local):
             return ApiError(
                 403,
                 "forbidden",

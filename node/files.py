@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from node.strictjson import loads_unique
+from node.strictjson import GivenTwice, loads_unique
 
 
 class FileProblem(ValueError):
@@ -78,7 +78,9 @@ def parse_json(text: str, path: Path) -> Any:
     """``text`` (read from ``path``) as JSON; FileProblem if it is not."""
     try:
         return loads_unique(text)
-    except ValueError as exc:  # GivenTwice too: a field given twice in one object
+    except GivenTwice as exc:  # valid JSON, but which value was meant?
+        raise FileProblem(path, f"ambiguous JSON: {exc}") from None
+    except ValueError as exc:
         raise FileProblem(path, f"not valid JSON: {exc}") from None
     except RecursionError:
         raise FileProblem(path, "not valid JSON: nested too deeply") from None

@@ -326,7 +326,8 @@ def _coding_refusal(codings: bytes, version: str) -> Any:
     """The refusal of a request's Transfer-Encoding, or None when it is plain chunked."""
     if version == "1.0":
         return _coding_in_http10
-    if [c.strip().lower() for c in codings.split(b",")] != [b"chunked"]:
+    # (empty list elements are ignored: RFC 9110 5.6.1)
+    if [c for c in (c.strip().lower() for c in codings.split(b",")) if c] != [b"chunked"]:
         return _unknown_coding
     return None
 

@@ -355,7 +355,8 @@ def serve_node(
             if linger > 0:
                 # Fenced by the new view: stale routers are told, not left guessing.
                 await asyncio.sleep(linger)
-        elif status == 404:
+        elif status == 404 or (status == 409 and _error_code(response) == "still_joining"):
+            # (still joining: its join is dropped once this node stops answering)
             log.warning("not in the ring (%s): exiting", problem)
         elif status is not None and not _retry_admin_answer_code(status):
             # Not a leave: e.g. 409 last_node from a router of an earlier version,
@@ -547,12 +548,16 @@ def _retry_admin_answer(response: httpx.Response) -> bool:
     change went first (409 ``ring_changed``). Other 4xx answers are final."""
     if _retry_admin_answer_code(response.status_code):
         return True
-    if response.status_code == 409:
-        try:
-            return bool(response.json().get("error") == "ring_changed")
-        except (ValueError, AttributeError):
-            return False
-    return False
+    return response.status_code == 409 and _error_code(response) == "ring_changed"
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    """The ``error`` of a router's JSON answer (None if it has none)."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error if isinstance(error, str) else None
 
 
 def _auth(token: str | None) -> dict[str, str]:

@@ -118,7 +118,7 @@ def unplaced_problem(members: Sequence[tuple[str, int]], owners: Sequence[str]) 
     total = sum(weight for _, weight in members)
     names = ", ".join(f"{i!r} (weight {w})" for i, w in idle[:5])
     return (
-        f"member(s) {names} would get no points on the ketama continuum: each member "
+        f"member(s) {names} get no point on the ketama continuum, so no keys: each member "
         f"gets floor({VNODES} * {len(members)} members * weight / total weight {total}) "
         "digests; raise their weight or lower the others"
     )

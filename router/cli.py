@@ -322,7 +322,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="lease granted to nodes per health probe; a node decides only while its lease "
         "runs, and is removed only after it ended (default: the detection time, "
-        "failure-threshold x (health-interval + health-timeout))",
+        "failure-threshold x (health-interval + health-timeout); with --coordinator, at "
+        "least what a take-over needs: the ttl + 1.5 s + a probe round)",
     )
     router.add_argument(
         "--removal-interval",

@@ -138,8 +138,8 @@ MIN_TTL = 2
 MAX_TTL = 3600
 
 
-#: The default ttl: a router takes over at most about this long after the leader
-#: is lost, so the nodes' leases (4.5 s by default) outlast a take-over.
+#: The default ttl: a router takes over about this long after the leader is lost
+#: (a second and a half more at most), which the nodes' default lease outlasts.
 DEFAULT_TTL = 2
 #: What a take-over takes past the ttl: etcd revokes expired leases from a loop
 #: that runs every 0.5 s, then the follower campaigns, grants the leases and
@@ -263,6 +263,9 @@ class EtcdCoordinator:
         #: after it steps down: :meth:`resign` deletes that key, not a successor's).
         self._created: int | None = None
         self._warned_ttl = False
+        #: The longest leader lease etcd granted (it raises a ttl below its minimum):
+        #: what a take-over may take, which the nodes' default lease outlasts.
+        self.granted_ttl = self.ttl
         #: While this router leads: when it must have stopped acting as leader,
         #: 0.8 * ttl after the last refresh of its lease that succeeded (on the
         #: clock :meth:`lead` was given): see :meth:`holds_lead`.
@@ -645,6 +648,7 @@ class EtcdCoordinator:
         shorter, so still safe), but another router takes over only once etcd
         expires the longer lease: a failover slower than the operator set.
         """
+        self.granted_ttl = max(self.granted_ttl, ttl)
         if ttl > self.ttl and not self._warned_ttl:
             self._warned_ttl = True
             log.warning(

@@ -47,7 +47,7 @@ import httpx
 from node.clock import boot_clock
 from node.config import ClusterConfig, unencodable
 from node.failures import Failures
-from node.lease import DEFAULT_DRIFT
+from node.lease import DEFAULT_DRIFT, MAX_LEASE
 from node.peers import CONTROL_LIMITS
 from ring import Member, RingView
 from router.coordinator import (
@@ -204,17 +204,9 @@ class Membership:
         self.health_timeout = health_timeout
         #: Detection time: a member answering nothing is due for removal after it.
         detection = failure_threshold * (health_interval + health_timeout)
-        #: Seconds of lease granted per renewal (None: leases are off until start()
-        #: turns on health checks: only a router that removes members needs them).
-        self.lease_seconds = (
-            lease
-            if lease is not None
-            else node_lease(
-                detection,
-                health_interval + health_timeout,
-                coordinator.ttl if coordinator is not None else None,
-            )
-        )
+        self._detection = detection
+        #: ``--lease`` (None: :attr:`lease_seconds` works it out).
+        self._lease = lease
         self.leasing = False
         self.budget = RemovalBudget(
             detection if removal_interval is None else removal_interval, removal_quorum
@@ -1391,7 +1383,7 @@ class Membership:
                 # A leave or a crash removal is carried out all the same (a dead
                 # member cannot be kept for another's weight; refused, a crashed
                 # node stayed in the ring for good, its removal failing every 10 s).
-                log.warning("epoch %d: %s; it owns no keys until then", view.epoch, problem)
+                log.warning("epoch %d is carried out, though %s", view.epoch, problem)
         # Health is kept for the members of the view and the nodes joining it:
         # the entries of members a view dropped go, whichever way it came. (Only
         # the leader's leave and crash pop their own: a follower kept an entry
@@ -1403,6 +1395,22 @@ class Membership:
         self._save_state()
         self.changed.set()
         self.changed = asyncio.Event()
+
+    @property
+    def lease_seconds(self) -> float:
+        """Seconds of lease granted per renewal (leases are off until start() turns
+        on health checks: only a router that removes members needs them). Without
+        ``--lease``, at least what a take-over of the lead needs, from the ttl
+        etcd granted: an etcd with a longer election timeout raises a 2 s ttl to
+        its minimum, and a lease sized from the ttl asked for lapsed at each
+        take-over again (the review of the day's changes)."""
+        if self._lease is not None:
+            return self._lease
+        ttl = self.coordinator.granted_ttl if self.coordinator is not None else None
+        return min(
+            MAX_LEASE,
+            node_lease(self._detection, self.health_interval + self.health_timeout, ttl),
+        )
 
     # ------------------------------------------------------------------ stale views
 

@@ -324,14 +324,10 @@ class Scenario:
             problem = leases_problem(self.rules, self.has_pauses, self.network is not None)
             if problem:
                 raise ScenarioError(f"mode leases: {problem}")
-        if "replica" in modes:
-            problem = replication_rounds_problem(
-                self.replication_interval, self.duration, self.nodes, self.events
-            )
-            if problem:
-                raise ScenarioError(f"mode replica: modes.replication_interval: {problem}")
         # modes named by hand: what the scenario's own run left out is moot
-        return replace(self, modes=_order_modes(modes), notes=())
+        chosen = replace(self, modes=_order_modes(modes), notes=())
+        chosen.check_rounds()
+        return chosen
 
     def to_dict(self) -> dict[str, Any]:
         return {

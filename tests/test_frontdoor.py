@@ -150,7 +150,7 @@ def test_a_body_sent_a_byte_at_a_time_is_cut_off_a_working_one_is_not(
     router, node = cluster
     port = port_of(router if who == "router" else node)
     head = (
-        b"POST /v1/check HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"POST /v1/check HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\n\r\n"
     )
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
@@ -370,7 +370,7 @@ def check_head(length: int, *fields: bytes) -> bytes:
     """The head of a ``POST /v1/check`` declaring a ``length``-byte body."""
     extra = b"".join(field + b"\r\n" for field in fields)
     return (
-        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/check HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         + extra
         + b"Content-Length: "
         + str(length).encode()
@@ -506,7 +506,7 @@ def test_an_upgrade_request_with_a_body_is_refused_not_held(
     router, node = cluster
     body = b'{"checks": [{"key": "a"}]}'
     request = (
-        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/check HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Connection: Upgrade\r\nUpgrade: websocket\r\nContent-Length: "
         + str(len(body)).encode()
         + b"\r\n\r\n"
@@ -536,7 +536,7 @@ def flooded(
     8 KiB of ``filler`` (``pause`` s apart), then ``tail``: what was answered
     until the server closed, and when (see :func:`closed_within`)."""
     head = (
-        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/check HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n" + framing
     )
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -577,7 +577,7 @@ def statuses(out: bytes) -> list[int]:
 def decision(key: str, cost: int) -> bytes:
     body = json.dumps({"key": key, "cost": cost}).encode()
     return (
-        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/check HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
 

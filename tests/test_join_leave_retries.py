@@ -210,3 +210,20 @@ def test_a_second_signal_during_the_leave_exits_without_a_traceback(procs: Procs
         output = proc.output()
         assert "left the ring" in output, output
         assert "Traceback" not in output and "CancelledError" not in output, output
+
+
+STILL_JOINING = (409, {"error": "still_joining", "detail": "node n1 is still joining"})
+
+
+def test_a_leave_answered_still_joining_is_not_in_the_ring(procs: Procs) -> None:
+    """A node stopped between the router's welcome and its join's commit: the
+    router answers its leave 409 ``still_joining`` (it said 404 before), and the
+    node exits as not in the ring, not with "the ring keeps this node" (the
+    review of the day's changes)."""
+    with ScriptedRouter({"POST": [OK], "DELETE": [STILL_JOINING]}) as router:
+        proc, _ = procs.node("n1", free_port(), "--join", router.url)
+        assert wait_for(lambda: "joined the ring" in proc.output(), 20.0), proc.output()
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(30) == 0
+        output = proc.output()
+        assert "not in the ring" in output and "graceful leave refused" not in output, output
