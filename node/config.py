@@ -35,7 +35,7 @@ from node.rules import (
     parse_period,
     parse_rate,
 )
-from ring.errors import names_text, shown
+from ring.errors import given, names_text, shown
 
 #: ``headers.legacy_reset``: ``X-RateLimit-Reset`` as a Unix time, or in seconds.
 LEGACY_RESETS = ("epoch", "delta")
@@ -180,9 +180,11 @@ class Identity:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ConfigError(f"identity.name must be a non-empty string, got {self.name!r}")
+            raise ConfigError(f"identity.name must be a non-empty string, got {given(self.name)}")
         if self.tier_header is not None and not isinstance(self.tier_header, str):
-            raise ConfigError(f"identity.tier_header must be a string, got {self.tier_header!r}")
+            raise ConfigError(
+                f"identity.tier_header must be a string, got {given(self.tier_header)}"
+            )
         if self.source == "header":
             check_header_name(self.name, "identity.name")
         if self.tier_header:
@@ -190,11 +192,12 @@ class Identity:
         if not isinstance(self.fallback_to_client, bool):
             raise ConfigError(
                 "identity.fallback_to_client must be true or false, "
-                f"got {self.fallback_to_client!r}"
+                f"got {given(self.fallback_to_client)}"
             )
         if self.source not in IDENTITY_SOURCES:
             raise ConfigError(
-                f"identity.source must be one of {', '.join(IDENTITY_SOURCES)}, got {self.source!r}"
+                f"identity.source must be one of {', '.join(IDENTITY_SOURCES)},"
+                f" got {given(self.source)}"
             )
         for proxy in self.trusted_proxies:
             try:
@@ -242,11 +245,12 @@ class Policies:
         if self.rebalance not in REBALANCE_POLICIES:
             raise ConfigError(
                 f"policies.rebalance must be one of {', '.join(REBALANCE_POLICIES)}, "
-                f"got {self.rebalance!r}"
+                f"got {given(self.rebalance)}"
             )
         if self.crash not in CRASH_POLICIES:
             raise ConfigError(
-                f"policies.crash must be one of {', '.join(CRASH_POLICIES)}, got {self.crash!r}"
+                f"policies.crash must be one of {', '.join(CRASH_POLICIES)},"
+                f" got {given(self.crash)}"
             )
         if not MIN_REPLICATION_INTERVAL <= self.replication_interval <= MAX_REPLICATION_INTERVAL:
             raise ConfigError(
@@ -275,7 +279,7 @@ class Limits:
         for name in ("max_key_length", "max_batch", "max_body", "max_cost"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"limits.{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"limits.{name} must be a positive integer, got {given(value)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -303,7 +307,8 @@ class Privacy:
     def __post_init__(self) -> None:
         if self.show_keys not in SHOW_KEYS:
             raise ConfigError(
-                f"privacy.show_keys must be one of {', '.join(SHOW_KEYS)}, got {self.show_keys!r}"
+                f"privacy.show_keys must be one of {', '.join(SHOW_KEYS)},"
+                f" got {given(self.show_keys)}"
             )
         if self.salt is not None and (not isinstance(self.salt, str) or not self.salt):
             raise ConfigError("privacy.salt must be a non-empty string")
@@ -367,12 +372,12 @@ class ClusterConfig:
         if self.legacy_reset not in LEGACY_RESETS:
             raise ConfigError(
                 f"headers.legacy_reset must be one of {', '.join(LEGACY_RESETS)}, "
-                f"got {self.legacy_reset!r}"
+                f"got {given(self.legacy_reset)}"
             )
         if self.denial_format not in DENIAL_FORMATS:
             raise ConfigError(
                 f"headers.denial_body must be one of {', '.join(DENIAL_FORMATS)}, "
-                f"got {self.denial_format!r}"
+                f"got {given(self.denial_format)}"
             )
         object.__setattr__(self, "_by_name", by_name)
         object.__setattr__(self, "_defaults", tuple(s.rule for s in self.rules if s.is_default))
@@ -575,7 +580,7 @@ class _Parser:
 
     def number(self, value: Any, where: str) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(where, f"must be a number, got {value!r}")
+            raise self.fail(where, f"must be a number, got {given(value)}")
         return float(value)
 
     def strings(self, value: Any, where: str) -> tuple[str, ...]:
@@ -642,10 +647,12 @@ class _Parser:
             hashes += [hash_token(t) for t in self.strings(bypass.get("tokens"), "bypass.tokens")]
             legacy = headers.get("legacy", True)
             if not isinstance(legacy, bool):
-                raise self.fail("headers.legacy", f"must be true or false, got {legacy!r}")
+                raise self.fail("headers.legacy", f"must be true or false, got {given(legacy)}")
             bypass_header = bypass.get("header", "X-Ringlimit-Bypass")
             if not isinstance(bypass_header, str) or not bypass_header:
-                raise self.fail("bypass.header", f"must be a header name, got {bypass_header!r}")
+                raise self.fail(
+                    "bypass.header", f"must be a header name, got {given(bypass_header)}"
+                )
             return ClusterConfig(
                 rules=rules,
                 identity=identity,
@@ -713,7 +720,7 @@ class _Parser:
             raise self.fail(where, "needs a 'name' (shown in headers and metrics)")
         algorithm = data.get("algorithm", "token_bucket")
         if not isinstance(algorithm, str):
-            raise self.fail(f"{where}.algorithm", f"must be a string, got {algorithm!r}")
+            raise self.fail(f"{where}.algorithm", f"must be a string, got {given(algorithm)}")
         try:
             rule = Rule(
                 name=name,
@@ -749,7 +756,9 @@ class _Parser:
             self.useless(f"{where}.tiers[{tiers.index('')}]", "a tier is a non-empty string")
         named_only = data.get("named_only", False)
         if not isinstance(named_only, bool):
-            raise self.fail(f"{where}.named_only", f"must be true or false, got {named_only!r}")
+            raise self.fail(
+                f"{where}.named_only", f"must be true or false, got {given(named_only)}"
+            )
         return ScopedRule(
             rule=rule,
             paths=paths,

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 
-from ring.errors import names_text, shown
+from ring.errors import given, names_text, shown
 
 ALGORITHMS = ("token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_window")
 ALGORITHM_ALIASES = {
@@ -172,7 +172,9 @@ class Rule:
         if not _NAME_RE.match(self.name):
             raise RuleError(f"rule name {self.name!r} may use only letters, digits and _.:-")
         if isinstance(self.limit, bool) or not isinstance(self.limit, int):
-            raise RuleError(f"rule {self.name!r}: limit must be an integer, got {self.limit!r}")
+            raise RuleError(
+                f"rule {self.name!r}: limit must be an integer, got {given(self.limit)}"
+            )
         if not 1 <= self.limit <= MAX_LIMIT:
             raise RuleError(f"rule {self.name!r}: limit must be 1..{MAX_LIMIT}, got {self.limit}")
         period = float(self.period)
@@ -207,7 +209,9 @@ class Rule:
         if isinstance(lease, bool):
             lease = "auto" if lease else "off"
         if not isinstance(lease, str) or lease.strip().lower() not in LEASE_MODES:
-            raise RuleError(f"rule {self.name!r}: lease must be 'auto' or 'off', got {lease!r}")
+            raise RuleError(
+                f"rule {self.name!r}: lease must be 'auto' or 'off', got {given(lease)}"
+            )
         lease = lease.strip().lower()
         if lease == "auto" and self.algorithm not in LEASE_ALGORITHMS:
             # Refused loudly rather than silently off: docs/hotkeys.md says why the
@@ -288,7 +292,7 @@ class Rule:
 def parse_rate(text: str) -> tuple[int, float]:
     """``"100/minute"`` -> ``(100, 60.0)``; also ``"5/10s"``, ``"1000 per hour"``."""
     if not isinstance(text, str):
-        raise RuleError(f"a rate must be a string like '100/minute', got {text!r}")
+        raise RuleError(f"a rate must be a string like '100/minute', got {given(text)}")
     match = _RULE_RE.match(text)
     if not match:
         raise RuleError(
@@ -317,7 +321,7 @@ def explicit_burst(burst: object) -> int:
     if burst is None:
         return 0
     if burst == 0:  # 0, and also 0.0 or false, which Rule would take as "not set"
-        raise RuleError(f"burst must be an integer 1..{MAX_LIMIT}, got {burst!r}")
+        raise RuleError(f"burst must be an integer 1..{MAX_LIMIT}, got {given(burst)}")
     return burst  # type: ignore[return-value]  # Rule checks its type and range
 
 

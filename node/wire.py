@@ -36,7 +36,7 @@ from node.decision import Verdict
 from node.rules import Rule
 from node.shadow import denied_names
 from node.strictjson import GivenTwice, loads_unique
-from ring.errors import encodable, names_text
+from ring.errors import encodable, given, names_text
 
 
 class ApiError(Exception):
@@ -328,7 +328,7 @@ def parse_check(item: Any, config: ClusterConfig, where: str) -> Check:
     if cost is None:
         cost = 1
     if isinstance(cost, bool) or not isinstance(cost, int):
-        raise ApiError(400, "invalid_cost", f"{where}.cost must be an integer, got {cost!r}")
+        raise ApiError(400, "invalid_cost", f"{where}.cost must be an integer, got {given(cost)}")
     if not 0 <= cost <= config.limits.max_cost:
         raise ApiError(
             400, "invalid_cost", f"{where}.cost must be 0..{config.limits.max_cost}, got {cost}"

@@ -52,6 +52,27 @@ def shown(name: object) -> str:
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
 
 
+def given(value: object) -> str:
+    """A value a config file or a JSON body gave, as an error message quotes it:
+    in their spelling (``true``, ``false``, ``null``), not Python's (``True``,
+    ``None``, which a tester read in answers to JSON); a string quoted (as
+    :func:`shown`); an array or a table by its kind, not its Python repr."""
+    if value is True or value is False:
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, int | float):
+        text = repr(value)
+        return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
+    if isinstance(value, str):
+        return repr(shown(value)) if value.isprintable() else shown(value)
+    if isinstance(value, list | tuple):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    return f"a {type(value).__name__}"
+
+
 def names_text(names: Iterable[object]) -> str:
     """Names for an error message (``a, b, c``): each :func:`shown`, sorted, at
     most :data:`MAX_NAMES_SHOWN` of them and then how many more there were.

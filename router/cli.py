@@ -55,6 +55,7 @@ from node.frontdoor import (
 from node.lease import MAX_LEASE
 from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
 from ring import Member
+from ring.errors import given
 from ring.member import check_id, check_url, check_weight
 from router import __version__
 from router.restart import RESTART_MODES
@@ -123,7 +124,7 @@ def _port(lowest: int) -> Callable[[str], int]:
             number = -1
         if not lowest <= number <= MAX_PORT:
             raise argparse.ArgumentTypeError(
-                f"must be a port from {lowest} to {MAX_PORT}, got {value!r}"
+                f"must be a port from {lowest} to {MAX_PORT}, got {given(value)}"
             )
         return number
 
@@ -141,7 +142,7 @@ def _join_timeout(value: str) -> float:
         seconds = math.nan
     if not 0 < seconds <= MAX_JOIN_TIMEOUT:
         raise argparse.ArgumentTypeError(
-            f"must be seconds above 0 and at most {MAX_JOIN_TIMEOUT:g}, got {value!r}"
+            f"must be seconds above 0 and at most {MAX_JOIN_TIMEOUT:g}, got {given(value)}"
         )
     return seconds
 
@@ -761,7 +762,7 @@ def _redis_pipeline(args: argparse.Namespace) -> bool:
     if args.redis_pipeline not in ("on", "off"):
         raise ValueError(
             f"--redis-pipeline (or RINGLIMIT_REDIS_PIPELINE) must be on or off, "
-            f"got {args.redis_pipeline!r}"
+            f"got {given(args.redis_pipeline)}"
         )
     return bool(args.redis_pipeline == "on")
 
@@ -771,7 +772,7 @@ def _redis_timeout(args: argparse.Namespace) -> float:
     bad value from either place is the same one-line error, bounds included."""
     problem = ValueError(
         f"--redis-timeout (or RINGLIMIT_REDIS_TIMEOUT) must be seconds from "
-        f"{MIN_REDIS_TIMEOUT:g} to {MAX_REDIS_TIMEOUT:g}, got {args.redis_timeout!r}"
+        f"{MIN_REDIS_TIMEOUT:g} to {MAX_REDIS_TIMEOUT:g}, got {given(args.redis_timeout)}"
     )
     try:
         timeout = float(args.redis_timeout)
@@ -865,7 +866,7 @@ def _check_router_numbers(args: argparse.Namespace) -> None:
         if not (above and below and math.isfinite(value)):
             low_text = f"{'at least' if bounds[0] == '[' else 'above'} {_number(low)}"
             high_text = f"{'at most' if bounds[1] == ']' else 'below'} {_number(high)}"
-            raise ValueError(f"{flag} must be {low_text} and {high_text}, got {value!r}")
+            raise ValueError(f"{flag} must be {low_text} and {high_text}, got {given(value)}")
     if getattr(args, "no_health_checks", True):
         return
     # The lease the nodes will be granted: given, or the detection time (with

@@ -55,6 +55,7 @@ from urllib.parse import urlsplit
 from node.config import ClusterConfig
 from node.failures import Failures
 from ring import RingView
+from ring.errors import given
 from router.etcd_access import EtcdAccess
 
 log = logging.getLogger("ringlimit.router")
@@ -211,7 +212,7 @@ def parse_endpoints(spec: str) -> list[tuple[str, int]]:
         except ValueError:
             raise ValueError(f"coordinator {spec!r}: bad port in {part!r}") from None
         if not parsed.hostname or parsed.path not in ("", "/"):
-            raise ValueError(f"coordinator {spec!r}: expected HOST:PORT, got {part!r}")
+            raise ValueError(f"coordinator {spec!r}: expected HOST:PORT, got {given(part)}")
         endpoints.append((parsed.hostname, port))
     return endpoints
 

@@ -41,6 +41,7 @@ import yaml
 from node.config import ClusterConfig, ConfigError, ScopedRule
 from node.files import FileProblem, read_text
 from node.rules import MAX_NAME, Rule, RuleError
+from ring.errors import given
 
 #: Seconds per unit, as envoyproxy/ratelimit divides time (month: 30 days, year: 365).
 UNITS = {
@@ -297,7 +298,7 @@ class _Reader:
         if not isinstance(node, yaml.ScalarNode):
             raise self.fail(node, where, "must be a string")
         if node.tag == _NULL_TAG:
-            raise self.fail(node, where, f"must be a string, got {node.value!r}")
+            raise self.fail(node, where, f"must be a string, got {given(node.value)}")
         implicit = node.tag in _IMPLICIT_TAGS and node.tag in (
             _STR_TAG,
             _RESOLVER.resolve(yaml.ScalarNode, node.value, (True, False)),
@@ -309,7 +310,7 @@ class _Reader:
     def boolean(self, node: yaml.Node, where: str) -> bool:
         value = self.scalar(node, where, "true or false")
         if not isinstance(value, bool):
-            raise self.fail(node, where, f"must be true or false, got {node.value!r}")
+            raise self.fail(node, where, f"must be true or false, got {given(node.value)}")
         return value
 
     def domain(self, document: yaml.Node | None) -> EnvoyDomain:
@@ -427,7 +428,7 @@ class _Reader:
             raise self.fail(
                 fields["requests_per_unit"][1],
                 f"{where}.requests_per_unit",
-                f"must be an integer >= 0, got {fields['requests_per_unit'][1].value!r}",
+                f"must be an integer >= 0, got {given(fields['requests_per_unit'][1].value)}",
             )
         rule_name = _rule_name(name or ".".join((self.domain_name, *path)))
         # Two descriptors under one name would be one rule: the first one's limit

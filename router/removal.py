@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ring.errors import given
+
 
 @dataclass(frozen=True)
 class RemovalPlan:
@@ -49,9 +51,9 @@ class RemovalBudget:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.quorum < 1.0:
-            raise ValueError(f"removal quorum must be in [0, 1), got {self.quorum!r}")
+            raise ValueError(f"removal quorum must be in [0, 1), got {given(self.quorum)}")
         if not self.interval >= 0.0:
-            raise ValueError(f"removal interval must be >= 0, got {self.interval!r}")
+            raise ValueError(f"removal interval must be >= 0, got {given(self.interval)}")
 
     def plan(
         self,

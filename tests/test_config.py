@@ -258,6 +258,9 @@ BAD: list[tuple[str, str, list[str]]] = [
     ),
     ("limits negative", "[limits]\nmax_body = -1\n", ["limits.max_body"]),
     ("limits string", '[limits]\nmax_batch = "10"\n', ["limits.max_batch"]),
+    # Said in the file's spelling: it said "got True" (an exploratory tester).
+    ("limits bool", "[limits]\nmax_cost = true\n", ["limits.max_cost", "got true"]),
+    ("headers.legacy array", "[headers]\nlegacy = [1]\n", ["headers.legacy", "got an array"]),
     ("limits unknown", "[limits]\nmax_bdy = 1\n", ["limits", "max_bdy"]),
     ("legacy not bool", '[headers]\nlegacy = "no"\n', ["headers.legacy"]),
     ("bypass digest", '[bypass]\ntoken_sha256 = ["abc"]\n', ["bypass.token_sha256"]),
