@@ -228,8 +228,7 @@ def check_header_name(name: str, where: str) -> None:
     counted as its client address, without a word at start)."""
     if not _FIELD_NAME.fullmatch(name):
         raise ConfigError(
-            f"{where} {shown(name)!r} is not a header name (letters, digits and "
-            "!#$%&'*+-.^_`|~ only)"
+            f"{where} {given(name)} is not a header name (letters, digits and !#$%&'*+-.^_`|~ only)"
         )
 
 

@@ -40,6 +40,7 @@ from node.frontdoor import REUSE_IDLE
 from node.rules import MAX_NAME
 from node.store import check_record_states, check_records
 from node.strictjson import GivenTwice, loads_unique
+from ring.errors import given
 
 INTERNAL_TOKEN_HEADER = "X-Ringlimit-Token"  # noqa: S105 (a header name)
 #: Sent by a node with its join and its leave: its process's ``instance`` (what
@@ -151,7 +152,7 @@ def _quoted(value: Any) -> str:
     other (msgpack's timestamp, which msgspec reads as a datetime) by its type:
     a Python repr in a 400's detail says nothing to the sender."""
     if value is None or isinstance(value, bool | int | float | str):
-        return repr(value)
+        return given(value)
     return f"of type {type(value).__name__}"
 
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 
-from ring.errors import given, names_text, shown
+from ring.errors import given, names_text
 
 ALGORITHMS = ("token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_window")
 ALGORITHM_ALIASES = {
@@ -304,7 +304,7 @@ def parse_rate(text: str) -> tuple[int, float]:
     # which named sys.set_int_max_str_digits and no field (an exploratory tester).
     limit = int(digits) if 0 < len(digits) <= len(str(MAX_LIMIT)) else 0
     if not 1 <= limit <= MAX_LIMIT:
-        raise RuleError(f"rate {shown(text)!r}: the count must be 1..{MAX_LIMIT}")
+        raise RuleError(f"rate {given(text)}: the count must be 1..{MAX_LIMIT}")
     try:
         period = parse_period(match.group(2))
     except RuleError as exc:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ring.errors import given
+
 
 class GivenTwice(ValueError):
     """A JSON object that names one field twice."""
@@ -25,10 +27,7 @@ def _unique_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for name, _ in pairs:
             if name in seen:
-                # Quoted once (a lone surrogate as its escape, not escaped twice).
-                said = repr(name) if name.isprintable() else ascii(name)
-                said = said if len(said) <= 100 else said[:100] + "..."
-                raise GivenTwice(f"the field {said} is given twice in one object")
+                raise GivenTwice(f"the field {given(name)} is given twice in one object")
             seen.add(name)
     return data
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ring import Member, RingView
-from ring.errors import shown
+from ring.errors import given
 
 #: Views and crashes remembered for nodes that missed pushes.
 MAX_HISTORY = 32
@@ -175,7 +175,7 @@ class ViewLog:
         become a crash.
         """
         if member_id not in self.view:
-            raise MembershipError(404, "unknown_node", f"no node {shown(member_id)!r} in the ring")
+            raise MembershipError(404, "unknown_node", f"no node {given(member_id)} in the ring")
         previous = self.view
         if len(previous) == 1 and not force:
             raise MembershipError(
