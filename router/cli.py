@@ -295,6 +295,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "(default 1)",
     )
     router.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="with --workers: a worker that served and then answers none of the supervisor's "
+        "probes (twice a second, on its admin socket) for this long is paused or hung; it is "
+        "killed and started again (default 5; 0: never)",
+    )
+    router.add_argument(
         "--health-interval",
         type=float,
         default=1.0,
@@ -833,6 +842,7 @@ ROUTER_NUMBERS = (
     ("--coalesce-window", 0.0, 1e6, "[]"),
     ("--grpc-max-connections", 1, 1 << 24, "[]"),
     ("--grpc-drain", 0.0, 3600.0, "[]"),
+    ("--worker-timeout", 0.0, 3600.0, "[]"),
     # --coordinator-ttl: whole seconds, checked by its type (_coordinator_ttl).
 )
 
@@ -1140,6 +1150,7 @@ def _run_workers(args: argparse.Namespace) -> int:
             admin_host=args.host if coordinated else "127.0.0.1",
             advertise_host=_reachable(args.host) if coordinated else "127.0.0.1",
             coordinated=coordinated,
+            worker_timeout=args.worker_timeout,
         )
     except OSError as exc:
         print(f"ringlimit: cannot bind {args.host}: {exc.strerror or exc}", file=sys.stderr)

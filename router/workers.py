@@ -27,7 +27,10 @@ Exactly one worker leads membership:
   from the nodes' refusals (a newer epoch: catch up) and from a poll of
   worker 0's ring every ``FOLLOW_INTERVAL`` seconds.
 
-The parent restarts a worker that exits (one line each time) unless it never
+The parent restarts a worker that exits, and kills (SIGKILL) and restarts one
+that stops answering its probes for ``--worker-timeout`` seconds: paused or
+hung, it keeps its sockets, so no exit would ever show it
+(router/heartbeat.py). It restarts a worker (one line each time) unless it never
 served (it could not start: a seed that does not answer, a bad flag; a single
 router would have exited too) or the workers keep dying at start
 (``CRASH_LOOP`` exits within ``CRASH_WINDOW`` seconds of their start): then
@@ -53,6 +56,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.heartbeat import Heartbeat
 from router.processes import StopSignals, die_with_parent
 
 #: Environment of a worker: its index, inherited socket fds and the leader's URL.
@@ -62,6 +66,14 @@ CRASH_WINDOW = 5.0
 CRASH_LOOP = 3
 #: Seconds a worker has to stop after SIGTERM before it is killed.
 STOP_GRACE = 15.0
+#: Default seconds a worker that served may leave a probe unanswered before it is
+#: killed and started again (router/heartbeat.py); uvicorn's supervisor waits 5 too.
+WORKER_TIMEOUT = 5.0
+#: Seconds between probes of one worker.
+PROBE_INTERVAL = 0.5
+#: A pass of the supervisor's loop this much later than planned means the
+#: supervisor itself did not run (paused): probes in flight start their wait again.
+PAUSE_GAP = 1.0
 
 
 @dataclass(frozen=True)
@@ -170,6 +182,17 @@ def served(admin: socket.socket) -> bool:
     return bool(admin.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
 
 
+def _probe_address(admin: socket.socket) -> tuple[str, int]:
+    """Where the supervisor reaches a worker's admin socket (bound to a wildcard
+    address with ``--coordinator --host 0.0.0.0``: probed on loopback)."""
+    host, port = admin.getsockname()[:2]
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return host, port
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -181,6 +204,7 @@ class _Worker:
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     quick_exits: int = 0
+    heartbeat: Heartbeat | None = None
 
 
 class Supervisor:
@@ -196,6 +220,7 @@ class Supervisor:
         admin_host: str,
         advertise_host: str,
         coordinated: bool,
+        worker_timeout: float = WORKER_TIMEOUT,
     ) -> None:
         self.argv = list(argv)
         self.count = count
@@ -204,6 +229,11 @@ class Supervisor:
         self.advertise_host = advertise_host
         self.coordinated = coordinated
         self.workers = [_Worker(i, bind_admin(admin_host)) for i in range(count)]
+        if worker_timeout > 0:
+            for worker in self.workers:
+                worker.heartbeat = Heartbeat(
+                    _probe_address(worker.admin), interval=PROBE_INTERVAL, timeout=worker_timeout
+                )
 
     def admin_url(self, index: int) -> str:
         return _url(self.advertise_host, self.workers[index].admin.getsockname()[1])
@@ -237,6 +267,8 @@ class Supervisor:
         finally:
             public.close()  # the worker holds it now; when it dies, so does its socket
         worker.started = time.monotonic()
+        if worker.heartbeat is not None:
+            worker.heartbeat.restart()
         print(
             f"ringlimit router: worker {worker.index} pid {worker.process.pid} on "
             f"{_url(self.host, self.port)}, admin {role.admin_url}"
@@ -257,17 +289,44 @@ class Supervisor:
                         continue
                     code = worker.process.poll()
                     if code is None:
-                        continue
-                    if not self._restart(worker, code):
+                        code = self._kill_if_hung(worker)
+                    if code is not None and not self._restart(worker, code):
                         return 1
+                planned = time.monotonic() + 0.1
                 time.sleep(0.1)
+                if (resumed := time.monotonic()) - planned > PAUSE_GAP:
+                    for worker in self.workers:
+                        if worker.heartbeat is not None:
+                            worker.heartbeat.forgive(resumed)
             return 0
         finally:
             signals.say()
             self.stop()
             signals.restore()
             for worker in self.workers:
+                if worker.heartbeat is not None:
+                    worker.heartbeat.close()
                 worker.admin.close()
+
+    def _kill_if_hung(self, worker: _Worker) -> int | None:
+        """Probe a running worker; kill one that stopped answering (its exit code)."""
+        heartbeat, process = worker.heartbeat, worker.process
+        if heartbeat is None or process is None:
+            return None
+        now = time.monotonic()
+        heartbeat.step(now)
+        waited = heartbeat.hung_for(now)
+        if waited is None:
+            return None
+        print(
+            f"ringlimit router: worker {worker.index} (pid {process.pid}) answered no probe "
+            f"for {waited:.1f} s (paused or hung); killing it",
+            file=sys.stderr,
+            flush=True,
+        )
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()  # SIGKILL: a paused process would hold SIGTERM
+        return process.wait()
 
     def _restart(self, worker: _Worker, code: int) -> bool:
         """One line for the exit; restart it unless it is crash-looping (False)."""

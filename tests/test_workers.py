@@ -428,3 +428,76 @@ def test_workers_die_with_a_supervisor_killed_with_sigkill(procs: Procs) -> None
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _workers_of_one_node(procs: Procs, *extra: str) -> tuple[Proc, str, dict[int, tuple[int, str]]]:
+    """``router --workers 2`` over one node, both workers serving."""
+    _, node_url = procs.node("n1")
+    proc, url = procs.router(None, "--workers", "2", *RULE, "--node", f"n1={node_url}", *extra)
+    assert wait_for(lambda: len(workers(proc)) == 2, timeout=10.0), proc.output()
+    started = workers(proc)
+    for _, admin in started.values():
+        wait_healthy(admin, proc)
+    # The supervisor judges a worker only once it has answered a probe (one
+    # every 0.5 s): before, it may be starting.
+    time.sleep(1.2)
+    return proc, url, started
+
+
+def test_a_paused_leading_worker_is_killed_and_started_again(procs: Procs) -> None:
+    """SIGSTOP of worker 0, which leads (health checks, leases, admin changes):
+    it kept its sockets, so a share of the port's new connections waited on it
+    and the nodes' leases lapsed, and the supervisor, which watched only for
+    exits, never noticed (an exploratory tester). It probes each worker and
+    kills one that stops answering (router/heartbeat.py)."""
+    proc, url, started = _workers_of_one_node(procs, "--worker-timeout", "1.5")
+    leader = started[0][0]
+    os.kill(leader, signal.SIGSTOP)
+    paused = time.monotonic()
+    try:
+        assert wait_for(lambda: workers(proc)[0][0] != leader, timeout=15.0), proc.output()
+    finally:
+        if alive(leader):
+            os.kill(leader, signal.SIGCONT)
+    noticed = time.monotonic() - paused
+    out = proc.output()
+    line = re.search(
+        rf"worker 0 \(pid {leader}\) answered no probe for (\d+\.\d) s \(paused or hung\); "
+        "killing it",
+        out,
+    )
+    assert line, out
+    assert 1.5 <= float(line.group(1)) < 3.0, line.group(0)
+    assert "worker 0 killed by signal 9; restarting it" in out, out
+    assert noticed < 8.0, noticed
+    assert not alive(leader)
+    # The new leader serves the ring it recovered, on the same admin URL.
+    admin = workers(proc)[0][1]
+    assert admin == started[0][1]
+    wait_healthy(admin, proc)
+    assert [n["id"] for n in admin_ring(admin)["nodes"]] == ["n1"]
+    assert wait_for(lambda: "w0" in answered_by(url, 10), timeout=10.0, interval=0.2)
+    assert "killing it" not in out.split("worker 0 killed by signal 9")[1], out
+
+
+def test_a_paused_supervisor_kills_no_worker(procs: Procs) -> None:
+    """A host paused whole (its supervisor and workers: a VM suspended) finds
+    every probe old on resuming; none of that time counts, or the supervisor
+    would kill a worker that merely had not been resumed yet."""
+    proc, _, started = _workers_of_one_node(procs, "--worker-timeout", "1.5")
+    pids = [pid for pid, _ in started.values()]
+    supervisor = proc.popen.pid
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(0.7)  # a probe is sent meanwhile, and waits
+    os.kill(supervisor, signal.SIGSTOP)
+    time.sleep(3.0)
+    os.kill(supervisor, signal.SIGCONT)  # it resumes first: its probe is 3.7 s old
+    time.sleep(0.5)
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(3.0)  # twice the timeout
+    out = proc.output()
+    assert "killing it" not in out, out
+    assert workers(proc) == started
+    assert all(alive(pid) for pid in pids)
