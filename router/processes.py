@@ -82,8 +82,13 @@ class NotReady(RuntimeError):
 
 
 def ringlimit_argv(*args: str) -> list[str]:
-    """The command line of a ``ringlimit`` subcommand run by this interpreter."""
-    return [sys.executable, "-m", "router", *args]
+    """The command line of a ``ringlimit`` subcommand run by this interpreter.
+
+    ``-P``: not the working directory first on ``sys.path``, as ``-m`` puts it,
+    or a ``node/`` or ``router/`` package (or an ``h2.py``) in the directory
+    ``ringlimit up`` was run from was imported in place of ringlimit's own and
+    every process it started died (an exploratory tester)."""
+    return [sys.executable, "-P", "-m", "router", *args]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.heartbeat import Heartbeat
-from router.processes import StopSignals, die_with_parent
+from router.processes import StopSignals, die_with_parent, ringlimit_argv
 
 #: Environment of a worker: its index, inherited socket fds and the leader's URL.
 WORKER_ENV = "RINGLIMIT_WORKER"
@@ -258,7 +258,7 @@ class Supervisor:
                 self.port = public.getsockname()[1]
             role = self._role(worker, public)
             worker.process = subprocess.Popen(
-                [sys.executable, "-m", "router", *self.argv],
+                ringlimit_argv(*self.argv),
                 env={**os.environ, WORKER_ENV: role.encode()},
                 pass_fds=(public.fileno(), worker.admin.fileno()),
                 # A worker gets SIGTERM if the supervisor dies (kill -9) without stopping it.

@@ -26,6 +26,26 @@ def run(argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess[s
     return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def test_processes_started_from_a_directory_with_packages_of_the_same_names(
+    tmp_path: Path,
+) -> None:
+    """``ringlimit up`` and ``router --workers`` start their processes with
+    ``python -m router``, which puts the working directory first on
+    ``sys.path``: run where a ``router/`` or ``node/`` package (or an ``h2.py``)
+    lies, every process they started imported that one and died (an exploratory
+    tester; ``-P`` now keeps the directory out)."""
+    from router.processes import ringlimit_argv
+
+    for name in ("router", "node"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise SystemExit('the wrong package')\n")
+    (tmp_path / "h2.py").write_text("raise SystemExit('the wrong h2')\n")
+    done = subprocess.run(
+        ringlimit_argv("--version"), cwd=tmp_path, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0 and __version__ in done.stdout, done.stderr
+
+
 def test_help_and_version() -> None:
     helped = run([sys.executable, "-m", "router", "--help"])
     assert helped.returncode == 0
