@@ -176,7 +176,9 @@ class Rule:
                 f"rule {self.name!r}: limit must be an integer, got {given(self.limit)}"
             )
         if not 1 <= self.limit <= MAX_LIMIT:
-            raise RuleError(f"rule {self.name!r}: limit must be 1..{MAX_LIMIT}, got {self.limit}")
+            raise RuleError(
+                f"rule {self.name!r}: limit must be 1..{MAX_LIMIT}, got {given(self.limit)}"
+            )
         period = float(self.period)
         if not (math.isfinite(period) and MIN_PERIOD <= period <= MAX_PERIOD):
             raise RuleError(

@@ -32,7 +32,25 @@ def _unique_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return data
 
 
-_UNIQUE_DECODER = json.JSONDecoder(object_pairs_hook=_unique_fields)
+class NumberTooLong(ValueError):
+    """An integer with more digits than Python converts (``sys.get_int_max_str_digits``)."""
+
+
+#: Digits an integer may have: Python's own limit on converting text to int
+#: (4,300), which otherwise raised its own error, naming
+#: ``sys.set_int_max_str_digits`` and no field (an exploratory tester).
+MAX_DIGITS = 4300
+
+
+def _integer(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise NumberTooLong(
+            f"a number has {len(text.lstrip('-')):,} digits; at most {MAX_DIGITS:,} are read"
+        )
+    return int(text)
+
+
+_UNIQUE_DECODER = json.JSONDecoder(object_pairs_hook=_unique_fields, parse_int=_integer)
 
 
 def loads_unique(data: bytes | str) -> Any:

@@ -35,7 +35,7 @@ from node.config import ClusterConfig
 from node.decision import Verdict
 from node.rules import Rule
 from node.shadow import denied_names
-from node.strictjson import GivenTwice, loads_unique
+from node.strictjson import GivenTwice, NumberTooLong, loads_unique
 from ring.errors import encodable, given, names_text
 
 
@@ -93,7 +93,7 @@ def parse_json(body: bytes, config: ClusterConfig) -> Any:
         )
     try:
         return loads_unique(body)
-    except GivenTwice as exc:
+    except (GivenTwice, NumberTooLong) as exc:
         raise ApiError(400, "invalid_request", str(exc)) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
@@ -331,7 +331,9 @@ def parse_check(item: Any, config: ClusterConfig, where: str) -> Check:
         raise ApiError(400, "invalid_cost", f"{where}.cost must be an integer, got {given(cost)}")
     if not 0 <= cost <= config.limits.max_cost:
         raise ApiError(
-            400, "invalid_cost", f"{where}.cost must be 0..{config.limits.max_cost}, got {cost}"
+            400,
+            "invalid_cost",
+            f"{where}.cost must be 0..{config.limits.max_cost}, got {given(cost)}",
         )
     name = item.get("rule")
     if name is None:

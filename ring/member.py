@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import check_fields
+from .errors import check_fields, given
 
 __all__ = ["MAX_WEIGHT", "Member", "check_id", "check_url", "check_weight", "same_url"]
 
@@ -47,7 +47,7 @@ def check_weight(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"weight must be an int, got {type(value).__name__}")
     if not 1 <= value <= MAX_WEIGHT:
-        raise ValueError(f"weight must be from 1 to {MAX_WEIGHT}, got {value}")
+        raise ValueError(f"weight must be from 1 to {MAX_WEIGHT}, got {given(value)}")
     return value
 
 

@@ -933,7 +933,9 @@ class Router:
         if outcome == DENY:
             self.metrics.outcome("-", "lease_denied")
             denial, content_type = denial_response(verdict, 429, config.denial_format)
-            await send_json(send, 429, denial, limit_headers, content_type)
+            # As the owner's own 429 names it: the authority whose lease decided.
+            named = [*limit_headers, (b"x-ringlimit-node", owner.id.encode()), *self._extra_headers]
+            await send_json(send, 429, denial, named, content_type)
             return True
         assert self.forwarder is not None
         others = [m for m in view.members if m.id != owner.id] or [owner]

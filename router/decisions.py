@@ -42,7 +42,7 @@ from node.wire import (
 from ring import EmptyRingError, Member
 from router.coalesce import Coalescer, Merger
 from router.forward import MAX_ATTEMPTS, NodeTimeout, Unreachable
-from router.leases import ADMIT, FORWARD, leased_rule
+from router.leases import ADMIT, FORWARD, leased_rule, with_unspent
 from router.rotation import Search
 
 #: Reasons of a result the router made up for an owner that did not answer.
@@ -172,6 +172,8 @@ class DecisionAPI:
             except (msgspec.MsgspecError, ValueError, RecursionError):
                 raw = None  # valid for json, not msgspec: encode the checks again
             results = await self.route_checks(checks, raw)
+            if config.leasing:
+                self.count_unspent(checks, results)
             await send_json_bytes(send, 200, batch_body(results))
             return
         if config.leasing:
@@ -204,14 +206,44 @@ class DecisionAPI:
         verdict = leases.verdict(rule, check.key, outcome == ADMIT, now)
         return dumps(result_dict(verdict, owner.id)).encode()
 
+    def count_unspent(self, checks: Sequence[Check], results: list[Result]) -> None:
+        """Reads (cost 0) of keys this router holds lease units for: the owner's
+        answer with those units counted as the key's (``with_unspent``), in place.
+        Only reads: a check that consumes was decided by the owner, whose
+        ``allowed`` stands (its ``remaining`` counts the units out on lease as
+        spent, as docs/hotkeys.md says)."""
+        router = self.router
+        if router.config.balance != "sticky" or not len(router.leases.book):
+            return
+        epoch = router.membership.view.epoch
+        for index, check in enumerate(checks):
+            if check.cost:
+                continue
+            rule = leased_rule(check.rules)
+            if rule is None:
+                continue
+            left = router.leases.unspent(rule, check.key, epoch)
+            if not left:
+                continue
+            result = results[index]
+            decoded = _decoded(result) if type(result) is bytes else result
+            if isinstance(decoded, dict):
+                results[index] = with_unspent(rule, decoded, left)
+
     async def answer_checks(
         self, checks: Sequence[Check], batch: bool
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         """The status, JSON body and extra headers answering valid checks."""
         if batch:
             results = await self.route_checks(checks)
+            if self.router.config.leasing:
+                self.count_unspent(checks, results)
             return 200, batch_body(results), []
         result = await self.route_single(checks[0])
+        if self.router.config.leasing:
+            counted = [result]
+            self.count_unspent(checks, counted)
+            result = counted[0]
         if type(result) is bytes:
             # A node's decision, passed on as it came. Only one with a reason needs
             # reading (the common answer has no "reason" field at all): a denial its

@@ -53,7 +53,7 @@ EXPIRE_EVERY = 1.0
 #: Asks in flight at once (one per key): beyond, a hot key waits for the next request.
 MAX_ASKS = 64
 
-__all__ = ["ADMIT", "DENY", "FORWARD", "RouterLeases", "leased_rule"]
+__all__ = ["ADMIT", "DENY", "FORWARD", "RouterLeases", "leased_rule", "with_unspent"]
 
 
 def leased_rule(rules: Sequence[Rule]) -> Rule | None:
@@ -120,6 +120,38 @@ def owner_decision(
     return _decision((False, rule.limit, remaining, reset, wait, rule.name, None, available))
 
 
+def with_unspent(rule: Rule, result: dict[str, Any], left: int) -> dict[str, Any]:
+    """A read's answer (cost 0) from the owner, with the ``left`` units this
+    router's leases hold counted as the key's, as this router's own answers
+    count them (:func:`owner_decision`).
+
+    The owner counts units out on lease as spent: asked for a read of a key
+    whose units sat in this router's leases, it said ``allowed: false,
+    retry_after: 883`` while the next five checks through this router were
+    admitted (an exploratory tester). A read says whether one more unit
+    would pass, and through this router it would. A result with an error or
+    a reason (an unreachable owner, a refusal) is not a decision: left as it is.
+    """
+    if left <= 0 or "error" in result or result.get("reason") is not None:
+        return result
+    remaining = result.get("remaining")
+    if type(remaining) is not int:
+        return result
+    adjusted = dict(result)
+    adjusted["allowed"] = True
+    adjusted["retry_after"] = None
+    adjusted["available_after"] = 0.0
+    remaining += left
+    reset = adjusted.get("reset_after")
+    if remaining >= rule.capacity:
+        remaining, reset = rule.capacity, 0.0
+    elif isinstance(reset, int | float) and rule.algorithm in BUCKETS and rule.rate > 0.0:
+        reset = max(0.0, reset - left / rule.rate)  # the units are still the bucket's
+    adjusted["remaining"] = remaining
+    adjusted["reset_after"] = reset
+    return adjusted
+
+
 class RouterLeases:
     """One router's leases, per ``(rule name, key)``.
 
@@ -183,6 +215,16 @@ class RouterLeases:
         elif entry in self._asking:
             self._asking[entry] += 1  # sent to the owner while it may be granting
         return outcome
+
+    def unspent(self, rule: Rule, key: str, epoch: int) -> int:
+        """Units this router's leases hold for ``key`` now (none under an older
+        view, or an older definition of ``rule``: those are revoked here, as
+        :meth:`decide` revokes them)."""
+        if epoch != self.book.epoch:
+            self.book.set_epoch(epoch)
+        if self._rules.get(rule.name) is not rule:
+            self._redefined(rule)
+        return self.book.left((rule.name, key), self.clock())
 
     def _redefined(self, rule: Rule) -> None:
         """``rule`` is not the object last seen under its name: the first request

@@ -1008,6 +1008,31 @@ async def test_bad_decision_api_input_is_a_clear_4xx_on_router_and_node(
         # Nothing was decided: the quota is whole, on both paths.
         good = await cluster.client.post("/v1/check", json={"key": "a", "rule": "api"})
         assert good.status_code == 200 and good.json()["remaining"] == 4
+
+
+async def test_a_number_of_thousands_of_digits_is_named_and_cut_short() -> None:
+    """A cost of 5,000 digits was 'invalid_json' with Python's own words
+    ('use sys.set_int_max_str_digits()'), and one of 400 digits was quoted
+    whole in the answer (an exploratory tester)."""
+    config = make_config(Rule("api", 5, 60.0), limits=Limits(max_body=65536, max_cost=10))
+    async with running(config) as cluster:
+        owner = cluster.owner("a")
+        for url in ("/v1/check", node_url(owner) + "/v1/check"):
+            for body in (
+                b'{"key": "a", "cost": ' + b"9" * 5000 + b"}",
+                b'{"checks": [{"key": "a", "cost": -' + b"9" * 5000 + b"}]}",
+            ):
+                response = await cluster.client.post(url, content=body)
+                assert_error(response, 400, "invalid_request")
+                assert "digits; at most 4,300 are read" in response.json()["detail"]
+                assert "sys." not in response.text
+            response = await cluster.client.post(
+                url, content=b'{"key": "a", "cost": ' + b"9" * 400 + b"}"
+            )
+            assert_error(response, 400, "invalid_cost")
+            assert len(response.json()["detail"]) < 200, response.text
+        good = await cluster.client.post("/v1/check", json={"key": "a", "rule": "api"})
+        assert good.status_code == 200 and good.json()["remaining"] == 4
         proxied = await get(cluster, "a")
         assert proxied.headers["x-ratelimit-remaining"] == "3"
 
@@ -1290,6 +1315,8 @@ async def test_a_hot_key_under_lease_is_exact_and_spares_its_owner(token: str | 
         denied = [a for a in answers if a.status_code == 429]
         assert {d.headers["content-type"] for d in denied} == {"application/problem+json"}
         assert all(d.json()["rule"] == "hot" and "retry-after" in d.headers for d in denied)
+        # Denied by the router from a denial lease or by the owner: the owner is named.
+        assert all(d.headers.get("x-ringlimit-node") == owner for d in denied), denied
         # The owner decided a fraction of the key's requests.
         assert _decided(cluster, owner, "hot") < 150
 
@@ -1453,6 +1480,49 @@ async def test_the_decision_api_answers_a_leased_key_from_the_routers_leases() -
             "/v1/check", json={"checks": [{"key": "alice", "rule": "hot"}]}
         )
         assert batch.status_code == 200 and batch.json()["results"][0]["allowed"] is False
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra", "fixed_window"])
+async def test_a_read_of_a_leased_key_counts_the_routers_units(algorithm: str) -> None:
+    """A read (cost 0) goes to the owner, which counts the units out on lease
+    as spent: it answered ``allowed: false, retry_after: 883`` while the
+    router's leases held units and the next checks were admitted (an
+    exploratory tester). With one router and a frozen clock, a read now says
+    what the reference says: allowed, and the units no one has spent."""
+    rule = Rule("hot", 40, 3600.0, algorithm, lease="auto")
+    async with running(make_config(rule), clock=FrozenClock(1_000_000.0)) as cluster:
+        leases = cluster.router.leases
+        admitted = 0
+        for _ in range(60):
+            response = await cluster.client.post("/v1/check", json={"key": "alice", "rule": "hot"})
+            admitted += response.json()["allowed"]
+            for _ in range(5):
+                await asyncio.sleep(0)
+            if leases.book.left(("hot", "alice"), leases.clock()) >= 2 and admitted >= 20:
+                break
+        held = leases.book.left(("hot", "alice"), leases.clock())
+        assert held >= 2, (held, admitted)
+        read = {"key": "alice", "rule": "hot", "cost": 0}
+        single = (await cluster.client.post("/v1/check", json=read)).json()
+        batch = (await cluster.client.post("/v1/check", json={"checks": [read, read]})).json()
+        engine, ref = REGISTRY[rule.algorithm].decide, None
+        for _ in range(admitted):
+            ref, _ = engine(ref, 1_000_000.0, rule, 1)
+        _, expected = engine(ref, 1_000_000.0, rule, 0)
+        for result in (single, *batch["results"]):
+            assert result["allowed"] is True, result
+            assert result["remaining"] == rule.capacity - admitted == expected.remaining, result
+            assert result["retry_after"] is None and result["available_after"] == 0.0, result
+            assert result["reset_after"] == pytest.approx(expected.reset_after, abs=1e-6), result
+        # Spent to the last unit, the read says denied, as the reference would.
+        for _ in range(100):
+            response = await cluster.client.post("/v1/check", json={"key": "alice", "rule": "hot"})
+            admitted += response.json()["allowed"]
+            for _ in range(5):
+                await asyncio.sleep(0)
+        assert admitted == rule.capacity  # exact
+        empty = (await cluster.client.post("/v1/check", json=read)).json()
+        assert empty["allowed"] is False and empty["remaining"] == 0, empty
 
 
 @pytest.mark.parametrize("path", ["decision_api", "proxy"])
