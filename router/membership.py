@@ -1268,8 +1268,9 @@ class Membership:
         if self.removed.get(member.id) == member:
             del self.removed[member.id]
         log.warning(
-            "node %s, removed by an operator while it did not answer, answers again: "
-            "told it left the ring (its states go to their owners); it does not rejoin",
+            "node %s, removed by an operator without a leave it took (it did not answer, "
+            "or could not hand its states over), answers again: told it left the ring "
+            "(its states go to their owners); it does not rejoin",
             member.id,
         )
 
