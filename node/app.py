@@ -205,6 +205,9 @@ class Node:
         #: Without a shard (shared backend) the node still knows the newest epoch it
         #: was sent, so a router does not mistake it for a restarted node.
         self.pushed_epoch = 0
+        #: This process asked to leave (a signal: node/server.py): its leave's
+        #: view is no news to the operator who sent it.
+        self.leaving_by_itself = False
         self.metrics.watch(lambda: len(self.store), lambda: self.epoch)
         if settings.top_metrics > 0:
             self.metrics.watch_top(self._top_gauges)
@@ -718,6 +721,15 @@ class Node:
             self.shard.lease.required = lease > 0
         applied = self.shard.apply(view, previous, crashed)
         leaving = self.settings.node_id not in view
+        me_out = previous is not None and me in previous and me not in crashed
+        if applied and leaving and me_out and not self.leaving_by_itself:
+            # Said: removed by `ringlimit nodes remove`, a node ran on silently,
+            # its /healthz "ok", as if it still served its keys (an exploratory tester).
+            log.warning(
+                "out of the ring at epoch %d: this node owns no keys now (its states go "
+                "to their new owners); it rejoins only if started again with --join",
+                view.epoch,
+            )
         sent: dict[str, int] = {}
         if applied or (leaving and wait and self.shard.core.undelivered_states()):
             # (The same view again while leaving with states undelivered: try again.)

@@ -288,6 +288,7 @@ def serve_node(
             server.force_exit = True
             return
         state["leaving"] = True
+        node.leaving_by_itself = True
         if not routers:
             server.should_exit = True
             return

@@ -449,9 +449,12 @@ def test_the_last_node_is_removed_only_when_forced(procs: Procs) -> None:
     assert wait_for(lambda: sorted(ring()) == ["n1", "n2", "n3"], 30.0), ring()
     removed = run([sys.executable, "-m", "router", "nodes", "remove", "n2", "--router", router])
     assert removed.returncode == 0, removed.stderr
+    # The node says so (it ran on without a word, its /healthz "ok": a tester).
+    assert wait_for(lambda: "out of the ring at epoch" in nodes["n2"].output(), 10.0)
     nodes["n2"].stop()
     # n3 leaves by itself; n1 is then the last.
     nodes["n3"].stop()
+    assert "out of the ring" not in nodes["n3"].output()  # its own leave: no news
     assert ring() == ["n1"]
     refused = run([sys.executable, "-m", "router", "nodes", "remove", "n1", "--router", router])
     assert refused.returncode == 1

@@ -681,6 +681,8 @@ def odd_router() -> Iterator[tuple[str, Callable[[int, bytes], None]]]:
         (404, b"\xff\xfe not utf-8", ["answered HTTP 404", "not utf-8"]),
         # `rules` printed it and exited 0.
         (200, b'{"rules": 7, "epoch": 1}', ["answered HTTP 200, not as a ringlimit router's"]),
+        # python -m http.server: "(see the router's log)", of a router that was not one.
+        (501, b"<!DOCTYPE HTML>", ["answered HTTP 501, not as a ringlimit router's"]),
     ],
     ids=[
         "500-json",
@@ -692,6 +694,7 @@ def odd_router() -> Iterator[tuple[str, Callable[[int, bytes], None]]]:
         "deep",
         "bytes",
         "rules-junk",
+        "501-html",
     ],
 )
 @pytest.mark.parametrize("command", [["nodes", "list"], ["rules"]], ids=["nodes", "rules"])
@@ -710,6 +713,18 @@ def test_an_admin_answer_of_another_shape_is_one_line(
     set_answer(status, body)
     line = one_line_failure(ringlimit(*command, "--router", url), *expected)
     assert "None" not in line and len(line) < 400, line
+
+
+def test_a_router_url_with_a_path_is_named(
+    odd_router: tuple[str, Callable[[int, bytes], None]],
+) -> None:
+    """``--router http://host:port/admin`` said only "not_found: Not Found"."""
+    url, set_answer = odd_router
+    set_answer(404, b'{"error": "not_found", "detail": "Not Found"}')
+    one_line_failure(
+        ringlimit("nodes", "list", "--router", url + "/admin"),
+        "not_found: Not Found (check --router: the router's URL, without a path)",
+    )
 
 
 def _unreadable(path: Path) -> None:

@@ -112,6 +112,23 @@ def test_a_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert f"cannot bind 127.0.0.1:{port}" in err
 
 
+def test_a_port_another_group_of_workers_listens_on_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A second ``router --workers`` on a port whose sockets share it
+    (``SO_REUSEPORT``, as this user's first group) joined that group without a
+    word: two routers, each leading a membership, took turns at the clients
+    (an exploratory tester: 503 no_nodes for 6 of 10 requests)."""
+    with bind_public("127.0.0.1", 0) as taken:
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["router", "--workers", "2", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.strip().count("\n") == 0, err
+    assert f"cannot bind 127.0.0.1:{port}" in err and "in use" in err, err
+
+
 def test_workers_without_their_etcd_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(
         [
@@ -403,7 +420,10 @@ def test_a_crash_loop_stops_the_workers(capfd: pytest.CaptureFixture[str]) -> No
         worker.admin.listen()  # as a worker that served once leaves it
     assert supervisor.run() == 1
     err = capfd.readouterr().err
-    assert re.search(r"worker \d exited with code 2, 3 times within", err), err
+    # (Once, in a pytest worker that had run gRPC tests, a start was killed by
+    # SIGABRT between fork and exec, a gRPC poller thread's epoll fd closed under
+    # it: a crash at start all the same. Not seen from a supervisor's own process.)
+    assert re.search(r"worker \d (exited with code 2|killed by signal 6), 3 times within", err), err
     assert "restarting it" in err and "before it served" not in err, err
 
 
@@ -501,3 +521,30 @@ def test_a_paused_supervisor_kills_no_worker(procs: Procs) -> None:
     assert "killing it" not in out, out
     assert workers(proc) == started
     assert all(alive(pid) for pid in pids)
+
+
+def test_a_supervisor_stops_a_paused_worker_at_once_and_names_each_workers_lines(
+    procs: Procs,
+) -> None:
+    """SIGTERM to the supervisor while a worker was paused: the worker held the
+    signal, and the supervisor waited out its 15 s grace and killed it (an
+    exploratory tester). Resumed with its SIGTERM, it stops as the others do.
+    And with ``-v`` each line names its worker, without httpx's line per request."""
+    proc, _, started = _workers_of_one_node(procs, "--worker-timeout", "0", "-v")
+    paused = started[1][0]
+    os.kill(paused, signal.SIGSTOP)
+    time.sleep(1.0)  # a follower polls its leader every 0.2 s: lines from both
+    began = time.monotonic()
+    proc.popen.send_signal(signal.SIGTERM)
+    try:
+        proc.popen.wait(timeout=20.0)
+    finally:
+        if alive(paused):
+            os.kill(paused, signal.SIGCONT)
+    assert time.monotonic() - began < 8.0
+    out = proc.output()
+    assert proc.popen.returncode == 0, out
+    assert "did not stop within" not in out, out
+    assert not alive(paused)
+    assert re.search(r"^\S+ \S+ w1 ringlimit\.router INFO adopted epoch", out, re.MULTILINE), out
+    assert "HTTP Request:" not in out, out
