@@ -12,6 +12,7 @@ ambiguous input, as TOML makes it.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from ring.errors import given
@@ -36,18 +37,17 @@ class NumberTooLong(ValueError):
     """An integer with more digits than Python converts (``sys.get_int_max_str_digits``)."""
 
 
-#: Digits an integer may have: Python's own limit on converting text to int
-#: (4,300), which otherwise raised its own error, naming
-#: ``sys.set_int_max_str_digits`` and no field (an exploratory tester).
-MAX_DIGITS = 4300
-
-
 def _integer(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_DIGITS:
+    """``int``, whose refusal of a number over the interpreter's limit (4,300
+    digits by default) named ``sys.set_int_max_str_digits`` and no field (an
+    exploratory tester)."""
+    try:
+        return int(text)
+    except ValueError:
+        digits = len(text.lstrip("-"))
         raise NumberTooLong(
-            f"a number has {len(text.lstrip('-')):,} digits; at most {MAX_DIGITS:,} are read"
-        )
-    return int(text)
+            f"a number has {digits:,} digits; at most {sys.get_int_max_str_digits():,} are read"
+        ) from None
 
 
 _UNIQUE_DECODER = json.JSONDecoder(object_pairs_hook=_unique_fields, parse_int=_integer)

@@ -313,9 +313,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         metavar="SECONDS",
-        help="with --workers: a worker that served and then answers none of the supervisor's "
-        "probes (twice a second, on its admin socket) for this long is paused or hung; it is "
-        "killed and started again (default 5; 0: never)",
+        help="with --workers: a worker that served and then echoes none of the supervisor's "
+        "pings (twice a second) for this long is paused or hung; it is killed and started "
+        "again (default 5; 0: never; else at least 1)",
     )
     router.add_argument(
         "--health-interval",
@@ -1113,7 +1113,7 @@ def _run_router(args: argparse.Namespace) -> int:
         return 0
     from dataclasses import replace
 
-    from router.workers import worker_sockets
+    from router.workers import ping_socket, worker_sockets
 
     follower = role.leader_url is not None
     settings = replace(
@@ -1130,7 +1130,7 @@ def _run_router(args: argparse.Namespace) -> int:
         # cluster has (from its fellows and the nodes) rather than its flags'.
         restarted=role.restarted and not follower and settings.coordinator is None,
     )
-    _serve_router(settings, args, worker_sockets(role))
+    _serve_router(settings, args, worker_sockets(role), ping_socket(role))
     return 0
 
 
@@ -1140,6 +1140,12 @@ def _run_workers(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
+    if 0 < args.worker_timeout < 1:
+        # A ping goes out every 0.5 s: below two of them a worker busy for one
+        # pass of its loop (a collection, a continuum built) was as good as hung.
+        raise ValueError(
+            f"--worker-timeout {args.worker_timeout:g}: must be 0 (never) or at least 1 second"
+        )
     if args.grpc_port is not None:
         raise ValueError(
             "--grpc-port serves from one process: run it with --workers 1 (or a router of its own)"
@@ -1180,7 +1186,10 @@ def _run_workers(args: argparse.Namespace) -> int:
 
 
 def _serve_router(
-    settings: RouterSettings, args: argparse.Namespace, sockets: list[socket.socket] | None = None
+    settings: RouterSettings,
+    args: argparse.Namespace,
+    sockets: list[socket.socket] | None = None,
+    ping: socket.socket | None = None,
 ) -> None:
     """Serve; a router that cannot start (no seed answers, a bad state file, etcd
     gone) says so in one line."""
@@ -1197,6 +1206,7 @@ def _serve_router(
             port=args.port,
             sockets=sockets,
             front_door=_front_door(args),
+            ping=ping,
         )
     except MembershipError as exc:
         raise _cannot_start(exc) from None

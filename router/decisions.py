@@ -171,9 +171,10 @@ class DecisionAPI:
                 raw: list[Any] | None = forwardable(checks, body, config.default_rules)
             except (msgspec.MsgspecError, ValueError, RecursionError):
                 raw = None  # valid for json, not msgspec: encode the checks again
+            before = self.unspent_of_reads(checks) if config.leasing else None
             results = await self.route_checks(checks, raw)
-            if config.leasing:
-                self.count_unspent(checks, results)
+            if before:
+                self.count_unspent(checks, results, before)
             await send_json_bytes(send, 200, batch_body(results))
             return
         if config.leasing:
@@ -181,7 +182,7 @@ class DecisionAPI:
             if leased is not None:
                 await send_json_bytes(send, 200, leased)
                 return
-        status, payload, headers = await self.answer_checks(checks, batch)
+        status, payload, headers = await self.answer_single(checks[0])
         await send_json_bytes(send, status, payload, headers)
 
     def leased(self, check: Check) -> bytes | None:
@@ -206,43 +207,53 @@ class DecisionAPI:
         verdict = leases.verdict(rule, check.key, outcome == ADMIT, now)
         return dumps(result_dict(verdict, owner.id)).encode()
 
-    def count_unspent(self, checks: Sequence[Check], results: list[Result]) -> None:
-        """Reads (cost 0) of keys this router holds lease units for: the owner's
-        answer with those units counted as the key's (``with_unspent``), in place.
-        Only reads: a check that consumes was decided by the owner, whose
-        ``allowed`` stands (its ``remaining`` counts the units out on lease as
-        spent, as docs/hotkeys.md says)."""
+    def unspent_of_reads(self, checks: Sequence[Check]) -> dict[int, int]:
+        """For each read (cost 0) of a key this router holds lease units for, by
+        index: those units now. Empty when the book is (most of the time)."""
         router = self.router
-        if router.config.balance != "sticky" or not len(router.leases.book):
-            return
+        leases = router.leases
+        if router.config.balance != "sticky" or not len(leases.book):
+            return {}
         epoch = router.membership.view.epoch
+        found: dict[int, int] = {}
         for index, check in enumerate(checks):
             if check.cost:
                 continue
             rule = leased_rule(check.rules)
-            if rule is None:
-                continue
-            left = router.leases.unspent(rule, check.key, epoch)
-            if not left:
+            if rule is not None and (left := leases.unspent(rule, check.key, epoch)):
+                found[index] = left
+        return found
+
+    def count_unspent(
+        self, checks: Sequence[Check], results: list[Result], before: dict[int, int]
+    ) -> None:
+        """Reads of keys this router holds lease units for: the owner's answer
+        with those units counted as the key's (``with_unspent``), in place.
+
+        The units are the fewer of before the read was sent and after its
+        answer came: a grant whose answer came in meanwhile may have been made
+        after the owner answered the read, which then counted its units as the
+        key's already (the review). Only reads: a check that consumes was
+        decided by the owner, whose ``allowed`` stands (its ``remaining`` counts
+        the units out on lease as spent, as docs/hotkeys.md says)."""
+        after = self.unspent_of_reads(checks)
+        for index, left in before.items():
+            left = min(left, after.get(index, 0))
+            rule = leased_rule(checks[index].rules)
+            if not left or rule is None:
                 continue
             result = results[index]
             decoded = _decoded(result) if type(result) is bytes else result
             if isinstance(decoded, dict):
                 results[index] = with_unspent(rule, decoded, left)
 
-    async def answer_checks(
-        self, checks: Sequence[Check], batch: bool
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        """The status, JSON body and extra headers answering valid checks."""
-        if batch:
-            results = await self.route_checks(checks)
-            if self.router.config.leasing:
-                self.count_unspent(checks, results)
-            return 200, batch_body(results), []
-        result = await self.route_single(checks[0])
-        if self.router.config.leasing:
+    async def answer_single(self, check: Check) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        """The status, JSON body and extra headers answering one valid check."""
+        before = self.unspent_of_reads((check,)) if self.router.config.leasing else None
+        result = await self.route_single(check)
+        if before:
             counted = [result]
-            self.count_unspent(checks, counted)
+            self.count_unspent((check,), counted, before)
             result = counted[0]
         if type(result) is bytes:
             # A node's decision, passed on as it came. Only one with a reason needs

@@ -217,13 +217,13 @@ class RouterLeases:
         return outcome
 
     def unspent(self, rule: Rule, key: str, epoch: int) -> int:
-        """Units this router's leases hold for ``key`` now (none under an older
-        view, or an older definition of ``rule``: those are revoked here, as
-        :meth:`decide` revokes them)."""
-        if epoch != self.book.epoch:
-            self.book.set_epoch(epoch)
-        if self._rules.get(rule.name) is not rule:
-            self._redefined(rule)
+        """Units this router's leases hold for ``key`` now under ``epoch`` and
+        ``rule`` as the book knows them; 0 under any other. A lookup only: a
+        read's rule may be older than the book's (the rules changed while the
+        read was out), and revoking here, as :meth:`decide` does, wrote off the
+        leases taken under the new definition (the review)."""
+        if epoch != self.book.epoch or self._rules.get(rule.name) is not rule:
+            return 0
         return self.book.left((rule.name, key), self.clock())
 
     def _redefined(self, rule: Rule) -> None:

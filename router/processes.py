@@ -24,11 +24,12 @@ import contextlib
 import ctypes
 import os
 import signal
+import site
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -89,6 +90,26 @@ def ringlimit_argv(*args: str) -> list[str]:
     ``ringlimit up`` was run from was imported in place of ringlimit's own and
     every process it started died (an exploratory tester)."""
     return [sys.executable, "-P", "-m", "router", *args]
+
+
+def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (this process's by default) for a child started with
+    :func:`ringlimit_argv`, so that it runs the code this process runs.
+
+    ``-P`` keeps the working directory off the child's path: run from a
+    checkout that is not the installed copy (``python -m router up`` at its
+    root), the children imported the installed copy instead (the review).
+    The directory ringlimit was imported from goes first on ``PYTHONPATH``,
+    unless it is a site directory: an installed copy, which the child finds
+    anyway, and which put first would come before the standard library."""
+    env = dict(os.environ if env is None else env)
+    root = Path(__file__).resolve().parent.parent
+    sites = [*site.getsitepackages(), site.getusersitepackages()]
+    if any(root == Path(p).resolve() for p in sites):
+        return env
+    current = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(root) + (os.pathsep + current if current else "")
+    return env
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -19,6 +19,7 @@ from node.frontdoor import FrontDoor, limited_protocol, raise_fd_limit
 from node.keepalive import lazy_keep_alive
 from node.server import SignalServer, _run, uvicorn_options
 from router.app import Router
+from router.heartbeat import answer_pings
 from router.protocol import AnswerWrites, ProxyCycle, direct_proxy_protocol
 
 log = logging.getLogger("ringlimit.router")
@@ -133,14 +134,19 @@ def serve_router(
     port: int,
     sockets: list[socket.socket] | None = None,
     front_door: FrontDoor | None = None,
+    ping: socket.socket | None = None,
 ) -> None:
     """Serve on ``host:port``, or on ``sockets`` already bound (router/workers.py);
-    raises MembershipError if the router cannot start."""
+    raises MembershipError if the router cannot start. ``ping``: a worker's end
+    of its socket pair with the supervisor, echoed from the event loop once the
+    router has started, until the process ends (router/heartbeat.py)."""
     raise_fd_limit()
     server = router_server(router, host=host, port=port, front_door=front_door)
 
     async def main() -> None:
         await router.start()
+        if ping is not None:
+            answer_pings(ping, asyncio.get_running_loop())
         try:
             await server.serve(sockets=sockets)
         finally:

@@ -46,6 +46,7 @@ from router.processes import (
     ChildProcess,
     NotReady,
     StopSignals,
+    child_env,
     die_with_parent,
     http_probe,
     ringlimit_argv,
@@ -134,7 +135,7 @@ class Cluster:
         child.process = ChildProcess(
             child.name,
             ringlimit_argv(*child.argv),
-            env=self.env,
+            env=child_env(self.env),
             preexec_fn=die_with_parent(os.getpid()),  # up runs no threads: safe
         )
 

@@ -28,7 +28,7 @@ Exactly one worker leads membership:
   worker 0's ring every ``FOLLOW_INTERVAL`` seconds.
 
 The parent restarts a worker that exits, and kills (SIGKILL) and restarts one
-that stops answering its probes for ``--worker-timeout`` seconds: paused or
+that stops echoing its pings for ``--worker-timeout`` seconds: paused or
 hung, it keeps its sockets, so no exit would ever show it
 (router/heartbeat.py). It restarts a worker (one line each time) unless it never
 served (it could not start: a seed that does not answer, a bad flag; a single
@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.heartbeat import Heartbeat
-from router.processes import StopSignals, die_with_parent, ringlimit_argv
+from router.processes import StopSignals, child_env, die_with_parent, ringlimit_argv
 
 #: Environment of a worker: its index, inherited socket fds and the leader's URL.
 WORKER_ENV = "RINGLIMIT_WORKER"
@@ -66,14 +66,11 @@ CRASH_WINDOW = 5.0
 CRASH_LOOP = 3
 #: Seconds a worker has to stop after SIGTERM before it is killed.
 STOP_GRACE = 15.0
-#: Default seconds a worker that served may leave a probe unanswered before it is
+#: Default seconds a worker that served may leave a ping unanswered before it is
 #: killed and started again (router/heartbeat.py); uvicorn's supervisor waits 5 too.
 WORKER_TIMEOUT = 5.0
-#: Seconds between probes of one worker.
-PROBE_INTERVAL = 0.5
-#: A pass of the supervisor's loop this much later than planned means the
-#: supervisor itself did not run (paused): probes in flight start their wait again.
-PAUSE_GAP = 1.0
+#: Seconds between pings of one worker.
+PING_INTERVAL = 0.5
 
 
 @dataclass(frozen=True)
@@ -96,6 +93,9 @@ class WorkerRole:
     #: again learns from the others' rings which nodes to recover its own from
     #: (it may have no state file), and ``/metrics`` gathers every worker's.
     admin_urls: tuple[str, ...] = ()
+    #: The worker's end of its socket pair with the supervisor, whose pings its
+    #: event loop echoes (router/heartbeat.py); -1: none (``--worker-timeout 0``).
+    ping_fd: int = -1
 
     def encode(self) -> str:
         return ";".join(
@@ -108,12 +108,15 @@ class WorkerRole:
                 self.leader_url or "",
                 "1" if self.restarted else "",
                 ",".join(self.admin_urls),
+                str(self.ping_fd),
             ]
         )
 
     @classmethod
     def decode(cls, value: str) -> WorkerRole:
-        index, count, public_fd, admin_fd, admin_url, leader_url, restarted, urls = value.split(";")
+        index, count, public_fd, admin_fd, admin_url, leader_url, restarted, urls, ping = (
+            value.split(";")
+        )
         return cls(
             int(index),
             int(count),
@@ -123,6 +126,7 @@ class WorkerRole:
             leader_url or None,
             restarted=bool(restarted),
             admin_urls=tuple(url for url in urls.split(",") if url),
+            ping_fd=int(ping),
         )
 
     @property
@@ -145,6 +149,11 @@ def worker_role() -> WorkerRole | None:
 def worker_sockets(role: WorkerRole) -> list[socket.socket]:
     """The public and admin sockets inherited from the parent."""
     return [socket.socket(fileno=role.public_fd), socket.socket(fileno=role.admin_fd)]
+
+
+def ping_socket(role: WorkerRole) -> socket.socket | None:
+    """The worker's end of its socket pair with the parent (None: not pinged)."""
+    return socket.socket(fileno=role.ping_fd) if role.ping_fd >= 0 else None
 
 
 def bind_public(host: str, port: int) -> socket.socket:
@@ -198,17 +207,6 @@ def served(admin: socket.socket) -> bool:
     return bool(admin.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
 
 
-def _probe_address(admin: socket.socket) -> tuple[str, int]:
-    """Where the supervisor reaches a worker's admin socket (bound to a wildcard
-    address with ``--coordinator --host 0.0.0.0``: probed on loopback)."""
-    host, port = admin.getsockname()[:2]
-    if host in ("0.0.0.0", ""):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
-    return host, port
-
-
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -221,6 +219,8 @@ class _Worker:
     started: float = 0.0
     quick_exits: int = 0
     heartbeat: Heartbeat | None = None
+    #: Killed as hung: its exit is collected by the next passes, not waited for.
+    killed: bool = False
 
 
 class Supervisor:
@@ -245,16 +245,12 @@ class Supervisor:
         self.advertise_host = advertise_host
         self.coordinated = coordinated
         self.workers = [_Worker(i, bind_admin(admin_host)) for i in range(count)]
-        if worker_timeout > 0:
-            for worker in self.workers:
-                worker.heartbeat = Heartbeat(
-                    _probe_address(worker.admin), interval=PROBE_INTERVAL, timeout=worker_timeout
-                )
+        self.worker_timeout = worker_timeout
 
     def admin_url(self, index: int) -> str:
         return _url(self.advertise_host, self.workers[index].admin.getsockname()[1])
 
-    def _role(self, worker: _Worker, public: socket.socket) -> WorkerRole:
+    def _role(self, worker: _Worker, public: socket.socket, ping_fd: int) -> WorkerRole:
         leader = None if self.coordinated or worker.index == 0 else self.admin_url(0)
         return WorkerRole(
             worker.index,
@@ -265,26 +261,41 @@ class Supervisor:
             leader,
             restarted=worker.process is not None and served(worker.admin),
             admin_urls=tuple(self.admin_url(other.index) for other in self.workers),
+            ping_fd=ping_fd,
         )
 
     def start(self, worker: _Worker) -> None:
+        if worker.heartbeat is not None:
+            worker.heartbeat.close()  # the last life's
+            worker.heartbeat = None
+        ours, theirs = socket.socketpair() if self.worker_timeout > 0 else (None, None)
         public = bind_public(self.host, self.port)
         try:
             if self.port == 0:
                 self.port = public.getsockname()[1]
-            role = self._role(worker, public)
+            fds = [public.fileno(), worker.admin.fileno()]
+            if theirs is not None:
+                fds.append(theirs.fileno())
+            role = self._role(worker, public, theirs.fileno() if theirs is not None else -1)
             worker.process = subprocess.Popen(
                 ringlimit_argv(*self.argv),
-                env={**os.environ, WORKER_ENV: role.encode()},
-                pass_fds=(public.fileno(), worker.admin.fileno()),
+                env=child_env({**os.environ, WORKER_ENV: role.encode()}),
+                pass_fds=fds,
                 # A worker gets SIGTERM if the supervisor dies (kill -9) without stopping it.
                 preexec_fn=die_with_parent(os.getpid(), signum=signal.SIGTERM, own_group=False),
             )
+        except BaseException:
+            if ours is not None:
+                ours.close()
+            raise
         finally:
             public.close()  # the worker holds it now; when it dies, so does its socket
+            if theirs is not None:
+                theirs.close()
         worker.started = time.monotonic()
-        if worker.heartbeat is not None:
-            worker.heartbeat.restart()
+        worker.killed = False
+        if ours is not None:
+            worker.heartbeat = Heartbeat(ours, interval=PING_INTERVAL, timeout=self.worker_timeout)
         print(
             f"ringlimit router: worker {worker.index} pid {worker.process.pid} on "
             f"{_url(self.host, self.port)}, admin {role.admin_url}"
@@ -307,15 +318,10 @@ class Supervisor:
                         continue
                     code = worker.process.poll()
                     if code is None:
-                        code = self._kill_if_hung(worker)
-                    if code is not None and not self._restart(worker, code):
+                        self._kill_if_hung(worker)
+                    elif not self._restart(worker, code):
                         return 1
-                planned = time.monotonic() + 0.1
                 time.sleep(0.1)
-                if (resumed := time.monotonic()) - planned > PAUSE_GAP:
-                    for worker in self.workers:
-                        if worker.heartbeat is not None:
-                            worker.heartbeat.forgive(resumed)
             return 0
         finally:
             signals.say()
@@ -326,25 +332,28 @@ class Supervisor:
                     worker.heartbeat.close()
                 worker.admin.close()
 
-    def _kill_if_hung(self, worker: _Worker) -> int | None:
-        """Probe a running worker; kill one that stopped answering (its exit code)."""
+    def _kill_if_hung(self, worker: _Worker) -> None:
+        """Ping a running worker; kill one that stopped answering. Its exit is
+        collected by a later pass, not waited for here: a process hung in the
+        kernel (a write to a dead disk) dies only when that returns, and a wait
+        here held every other worker and the supervisor's own SIGTERM."""
         heartbeat, process = worker.heartbeat, worker.process
-        if heartbeat is None or process is None:
-            return None
+        if heartbeat is None or process is None or worker.killed:
+            return
         now = time.monotonic()
         heartbeat.step(now)
         waited = heartbeat.hung_for(now)
         if waited is None:
-            return None
+            return
         print(
-            f"ringlimit router: worker {worker.index} (pid {process.pid}) answered no probe "
+            f"ringlimit router: worker {worker.index} (pid {process.pid}) answered no ping "
             f"for {waited:.1f} s (paused or hung); killing it",
             file=sys.stderr,
             flush=True,
         )
         with contextlib.suppress(ProcessLookupError):
             process.kill()  # SIGKILL: a paused process would hold SIGTERM
-        return process.wait()
+        worker.killed = True
 
     def _restart(self, worker: _Worker, code: int) -> bool:
         """One line for the exit; restart it unless it is crash-looping (False)."""

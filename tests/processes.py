@@ -21,6 +21,7 @@ import pytest
 from router.processes import (
     ChildProcess,
     NotReady,
+    child_env,
     http_probe,
     ringlimit_argv,
     stop_all,
@@ -143,7 +144,8 @@ class Procs:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.started: list[Proc] = []
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # (child_env: the tree under test, not whatever copy is installed)
+        self.env = child_env({**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def start(
         self,

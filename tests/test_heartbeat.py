@@ -1,26 +1,33 @@
-"""The supervisor's probe of a worker (router/heartbeat.py), on real sockets.
+"""The supervisor's ping of a worker (router/heartbeat.py), on a real socket pair.
 
-A listening socket whose owner never accepts is exactly what a paused or hung
-worker leaves the supervisor: the kernel completes the connection into its
-backlog and nothing ever answers. The clock is the test's (``now`` values).
+The worker's end is read by the test (a worker whose loop runs nothing, as a
+paused one) or echoed by :func:`answer_pings` on a real event loop. The
+clock is the test's (``now`` values).
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
-from router.heartbeat import PROBE, Heartbeat
+import pytest
+
+from router.heartbeat import PING, Heartbeat, answer_pings
 
 
-def answer_one(listener: socket.socket) -> bytes:
-    """Accept the probe waiting in the backlog and answer it as a worker would."""
-    conn, _ = listener.accept()
-    with conn:
-        conn.settimeout(2.0)
-        request = conn.recv(1024)
-        conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
-    return request
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def pending(worker: socket.socket) -> bytes:
+    """What the supervisor has sent the worker and it has not read."""
+    worker.setblocking(False)
+    try:
+        return worker.recv(1024)
+    except BlockingIOError:
+        return b""
 
 
 def until_answered(heartbeat: Heartbeat, now: float) -> None:
@@ -29,48 +36,70 @@ def until_answered(heartbeat: Heartbeat, now: float) -> None:
         if heartbeat.answered_at == now:
             return
         time.sleep(0.01)
-    raise AssertionError("the answer never arrived")
+    raise AssertionError("the echo never arrived")
 
 
-def test_a_worker_is_judged_only_once_it_answered_and_then_by_its_oldest_probe() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        heartbeat = Heartbeat(listener.getsockname(), interval=0.5, timeout=2.0)
-        heartbeat.step(100.0)  # the first probe waits in the backlog
-        # Still starting (nothing answered yet): never judged, however long.
+def test_a_worker_is_judged_only_once_it_answered_and_then_by_its_oldest_ping() -> None:
+    ours, worker = socket.socketpair()
+    with worker:
+        heartbeat = Heartbeat(ours, interval=0.5, timeout=2.0)
+        heartbeat.step(100.0)
+        # Still starting (nothing echoed yet): never judged, however long.
         assert heartbeat.hung_for(1000.0) is None
-        assert answer_one(listener) == PROBE
-        until_answered(heartbeat, 100.1)  # any status proves the loop runs
-        heartbeat.step(100.6)  # the next probe: nobody accepts it
-        heartbeat.step(101.0)
-        heartbeat.step(102.0)  # no second probe while one waits: the wait is the first's
+        assert pending(worker) == PING
+        worker.send(PING)
+        until_answered(heartbeat, 100.1)
+        for now in (100.6, 101.0, 101.5, 102.0):  # the loop's passes; the worker echoes nothing
+            heartbeat.step(now)
+        assert pending(worker) == PING  # one ping waits: no second is sent
         assert heartbeat.hung_for(102.5) is None
         assert heartbeat.hung_for(102.6) == 2.0
-        # The supervisor itself was paused: the wait starts again when it resumes.
-        heartbeat.forgive(110.0)
+        # The supervisor did not run for a while (paused): the wait starts again.
+        heartbeat.step(110.0)
         assert heartbeat.hung_for(111.9) is None
         assert heartbeat.hung_for(112.0) == 2.0
-        # The late answer comes: alive again.
-        answer_one(listener)
-        until_answered(heartbeat, 112.1)
-        assert heartbeat.hung_for(114.0) is None  # the next probe, sent at 112.1, is young
-        # Started again: not judged until the new process answers.
-        heartbeat.step(112.7)
-        heartbeat.restart()
-        heartbeat.step(113.0)
-        assert heartbeat.hung_for(200.0) is None
+        # The late echo comes: alive again, and the next ping goes out at once
+        # (the last was sent long ago), its wait from now.
+        assert pending(worker) == b""
+        worker.send(PING)
+        until_answered(heartbeat, 110.5)
+        assert pending(worker) == PING
+        assert heartbeat.hung_for(112.4) is None
+        assert heartbeat.hung_for(112.5) == 2.0
         heartbeat.close()
 
 
-def test_a_probe_that_cannot_connect_counts_as_unanswered() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        heartbeat = Heartbeat(listener.getsockname(), interval=0.5, timeout=2.0)
-        heartbeat.step(0.0)
-        answer_one(listener)
-        until_answered(heartbeat, 0.1)
-        address = listener.getsockname()
-    # The socket is gone (nothing listens): every connect fails.
-    heartbeat = Heartbeat(address, interval=0.5, timeout=2.0)
-    heartbeat.answered_at = 0.5
+def test_a_worker_gone_leaves_its_pings_unanswered() -> None:
+    ours, worker = socket.socketpair()
+    heartbeat = Heartbeat(ours, interval=0.5, timeout=2.0)
+    heartbeat.step(0.0)
+    worker.send(pending(worker))
+    until_answered(heartbeat, 0.1)
+    worker.close()  # the process died (its exit is the supervisor's other rule)
     for step in range(6):
-        heartbeat.step(1.0 + step * 0.5)
-    assert heartbeat.hung_for(3.0) == 2.0
+        heartbeat.step(0.5 + step * 0.5)
+    assert heartbeat.hung_for(2.5) == 2.0
+    heartbeat.close()
+
+
+@pytest.mark.anyio
+async def test_the_workers_event_loop_echoes_each_ping() -> None:
+    ours, worker = socket.socketpair()
+    answer_pings(worker, asyncio.get_running_loop())
+    heartbeat = Heartbeat(ours, interval=0.5, timeout=2.0)
+    answers = []
+    for i in range(3):
+        now = i * 1.0
+        heartbeat.step(now)
+        for _ in range(100):  # at most 1 s of the loop
+            await asyncio.sleep(0.01)
+            heartbeat.step(now)
+            if heartbeat.answered_at == now:
+                break
+        answers.append(heartbeat.answered_at)
+    assert answers == [0.0, 1.0, 2.0]
+    heartbeat.close()  # the worker's reader stops at the end of the pair
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+    asyncio.get_running_loop().remove_reader(worker.fileno())  # (gone already: False)
+    worker.close()

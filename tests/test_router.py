@@ -1482,7 +1482,7 @@ async def test_the_decision_api_answers_a_leased_key_from_the_routers_leases() -
         assert batch.status_code == 200 and batch.json()["results"][0]["allowed"] is False
 
 
-@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra", "fixed_window"])
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra", "fixed_window", "sliding_window"])
 async def test_a_read_of_a_leased_key_counts_the_routers_units(algorithm: str) -> None:
     """A read (cost 0) goes to the owner, which counts the units out on lease
     as spent: it answered ``allowed: false, retry_after: 883`` while the
@@ -1502,6 +1502,14 @@ async def test_a_read_of_a_leased_key_counts_the_routers_units(algorithm: str) -
                 break
         held = leases.book.left(("hot", "alice"), leases.clock())
         assert held >= 2, (held, admitted)
+        # A read under a rule the router no longer holds (new rules came while it
+        # was out) counts nothing, and revokes nothing: revoking wrote off the
+        # leases taken under the new definition (the review).
+        epoch = cluster.router.membership.view.epoch
+        stale = Rule("hot", 40, 3600.0, algorithm, lease="auto")
+        assert leases.unspent(stale, "alice", epoch) == 0
+        assert leases.unspent(stale, "alice", epoch + 1) == 0
+        assert leases.book.left(("hot", "alice"), leases.clock()) == held
         read = {"key": "alice", "rule": "hot", "cost": 0}
         single = (await cluster.client.post("/v1/check", json=read)).json()
         batch = (await cluster.client.post("/v1/check", json={"checks": [read, read]})).json()

@@ -129,6 +129,15 @@ def test_a_port_another_group_of_workers_listens_on_is_one_line(
     assert f"cannot bind 127.0.0.1:{port}" in err and "in use" in err, err
 
 
+def test_a_worker_timeout_shorter_than_two_pings_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["router", "--workers", "2", "--port", str(free_port()), "--worker-timeout", "0.5"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().count("\n") == 0, err
+    assert "--worker-timeout 0.5: must be 0 (never) or at least 1 second" in err, err
+
+
 def test_workers_without_their_etcd_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(
         [
@@ -458,7 +467,7 @@ def _workers_of_one_node(procs: Procs, *extra: str) -> tuple[Proc, str, dict[int
     started = workers(proc)
     for _, admin in started.values():
         wait_healthy(admin, proc)
-    # The supervisor judges a worker only once it has answered a probe (one
+    # The supervisor judges a worker only once it has echoed a ping (one
     # every 0.5 s): before, it may be starting.
     time.sleep(1.2)
     return proc, url, started
@@ -468,7 +477,7 @@ def test_a_paused_leading_worker_is_killed_and_started_again(procs: Procs) -> No
     """SIGSTOP of worker 0, which leads (health checks, leases, admin changes):
     it kept its sockets, so a share of the port's new connections waited on it
     and the nodes' leases lapsed, and the supervisor, which watched only for
-    exits, never noticed (an exploratory tester). It probes each worker and
+    exits, never noticed (an exploratory tester). It pings each worker and
     kills one that stops answering (router/heartbeat.py)."""
     proc, url, started = _workers_of_one_node(procs, "--worker-timeout", "1.5")
     leader = started[0][0]
@@ -482,7 +491,7 @@ def test_a_paused_leading_worker_is_killed_and_started_again(procs: Procs) -> No
     noticed = time.monotonic() - paused
     out = proc.output()
     line = re.search(
-        rf"worker 0 \(pid {leader}\) answered no probe for (\d+\.\d) s \(paused or hung\); "
+        rf"worker 0 \(pid {leader}\) answered no ping for (\d+\.\d) s \(paused or hung\); "
         "killing it",
         out,
     )
@@ -502,17 +511,17 @@ def test_a_paused_leading_worker_is_killed_and_started_again(procs: Procs) -> No
 
 def test_a_paused_supervisor_kills_no_worker(procs: Procs) -> None:
     """A host paused whole (its supervisor and workers: a VM suspended) finds
-    every probe old on resuming; none of that time counts, or the supervisor
+    every ping old on resuming; none of that time counts, or the supervisor
     would kill a worker that merely had not been resumed yet."""
     proc, _, started = _workers_of_one_node(procs, "--worker-timeout", "1.5")
     pids = [pid for pid, _ in started.values()]
     supervisor = proc.popen.pid
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
-    time.sleep(0.7)  # a probe is sent meanwhile, and waits
+    time.sleep(0.7)  # a ping is sent meanwhile, and waits
     os.kill(supervisor, signal.SIGSTOP)
     time.sleep(3.0)
-    os.kill(supervisor, signal.SIGCONT)  # it resumes first: its probe is 3.7 s old
+    os.kill(supervisor, signal.SIGCONT)  # it resumes first: its ping is 3.7 s old
     time.sleep(0.5)
     for pid in pids:
         os.kill(pid, signal.SIGCONT)
@@ -548,3 +557,28 @@ def test_a_supervisor_stops_a_paused_worker_at_once_and_names_each_workers_lines
     assert not alive(paused)
     assert re.search(r"^\S+ \S+ w1 ringlimit\.router INFO adopted epoch", out, re.MULTILINE), out
     assert "HTTP Request:" not in out, out
+
+
+def test_a_worker_finishing_its_requests_after_sigterm_is_not_killed_as_hung(
+    procs: Procs,
+) -> None:
+    """SIGTERM to one worker (to recycle it): it closes its listening sockets and
+    finishes the requests it holds, its event loop running. A first version of
+    the supervisor's probe asked /healthz on the admin socket, whose copy in the
+    supervisor kept taking connections no one read, and killed the worker
+    midway ("answered no probe ... killing it"; the review). The ping is echoed
+    by the event loop itself, draining or not."""
+    proc, _, started = _workers_of_one_node(procs, "--worker-timeout", "1.5")
+    pid, admin = started[1]
+    port = int(admin.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5.0) as held:
+        # A request whose body never comes whole: the worker waits for it.
+        held.sendall(
+            b"POST /v1/check HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 100\r\n\r\n{"
+        )
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGTERM)
+        line = "worker 1 exited with code 0; restarting it"
+        assert wait_for(lambda: line in proc.output(), timeout=20.0), proc.output()
+    assert "answered no ping" not in proc.output(), proc.output()
