@@ -123,7 +123,8 @@ def owner_decision(
 def with_unspent(rule: Rule, result: dict[str, Any], left: int) -> dict[str, Any]:
     """A read's answer (cost 0) from the owner, with the ``left`` units this
     router's leases hold counted as the key's, as this router's own answers
-    count them (:func:`owner_decision`).
+    count them (:func:`owner_decision`): allowed, ``remaining`` up by them, a
+    bucket's ``reset_after`` sooner by them, no ``retry_after``.
 
     The owner counts units out on lease as spent: asked for a read of a key
     whose units sat in this router's leases, it said ``allowed: false,
@@ -140,11 +141,14 @@ def with_unspent(rule: Rule, result: dict[str, Any], left: int) -> dict[str, Any
     adjusted = dict(result)
     adjusted["allowed"] = True
     adjusted["retry_after"] = None
-    adjusted["available_after"] = 0.0
     remaining += left
     reset = adjusted.get("reset_after")
     if remaining >= rule.capacity:
+        # Whole: nothing more to come. Otherwise ``available_after`` (the next
+        # unit beyond ``remaining``) stays the owner's, as owner_decision keeps
+        # it: it said 0 whatever the wait (the day's-end tester).
         remaining, reset = rule.capacity, 0.0
+        adjusted["available_after"] = 0.0
     elif isinstance(reset, int | float) and rule.algorithm in BUCKETS and rule.rate > 0.0:
         reset = max(0.0, reset - left / rule.rate)  # the units are still the bucket's
     adjusted["remaining"] = remaining
@@ -218,11 +222,18 @@ class RouterLeases:
 
     def unspent(self, rule: Rule, key: str, epoch: int) -> int:
         """Units this router's leases hold for ``key`` now under ``epoch`` and
-        ``rule`` as the book knows them; 0 under any other. A lookup only: a
-        read's rule may be older than the book's (the rules changed while the
-        read was out), and revoking here, as :meth:`decide` does, wrote off the
-        leases taken under the new definition (the review)."""
-        if epoch != self.book.epoch or self._rules.get(rule.name) is not rule:
+        ``rule``'s definition as the book knows it; 0 under any other.
+
+        A lookup only: a read's rule may be older than the book's (the rules
+        changed while the read was out), and revoking here, as :meth:`decide`
+        does, wrote off the leases taken under the new definition (the
+        review). Compared by definition, as :meth:`_redefined` keeps leases:
+        by identity, every rules apply (the same file again) made reads say
+        "denied" until a check of the rule came through (a tester)."""
+        known = self._rules.get(rule.name)
+        if epoch != self.book.epoch or known is None:
+            return 0
+        if known is not rule and definition(known) != definition(rule):
             return 0
         return self.book.left((rule.name, key), self.clock())
 

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.cli import main
+from router.processes import child_env, ringlimit_argv
 from router.workers import Supervisor, WorkerRole, bind_public
 from tests.processes import Proc, Procs, free_port, wait_for, wait_healthy
 from tests.real_cluster import (
@@ -129,13 +131,25 @@ def test_a_port_another_group_of_workers_listens_on_is_one_line(
     assert f"cannot bind 127.0.0.1:{port}" in err and "in use" in err, err
 
 
-def test_a_worker_timeout_shorter_than_two_pings_is_refused(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    code = main(["router", "--workers", "2", "--port", str(free_port()), "--worker-timeout", "0.5"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.strip().count("\n") == 0, err
-    assert "--worker-timeout 0.5: must be 0 (never) or at least 1 second" in err, err
+@pytest.mark.parametrize("timeout", ["0.5", "1.5"])
+def test_a_worker_timeout_a_loaded_loop_could_outlast_is_refused(timeout: str) -> None:
+    """At 1 s a busy worker was killed as hung, once in six runs of wrk -c500 on
+    two cores (the day's-end tester). (A subprocess: a regression fails, not hangs.)"""
+    port = str(free_port())
+    argv = ringlimit_argv("router", "--workers", "2", "--port", port, "--worker-timeout", timeout)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=child_env())
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
+    expected = f"--worker-timeout {timeout}: must be 0 (never) or at least 2 seconds"
+    assert expected in done.stderr, done.stderr
+
+
+def test_a_worker_timeout_without_workers_is_refused() -> None:
+    """A single router has no supervisor: the flag was taken and ignored (and
+    the router served: a subprocess, so that a regression fails, not hangs)."""
+    argv = ringlimit_argv("router", "--port", str(free_port()), "--worker-timeout", "3")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=child_env())
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "--worker-timeout applies to --workers N" in done.stderr, done.stderr
 
 
 def test_workers_without_their_etcd_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -479,7 +493,7 @@ def test_a_paused_leading_worker_is_killed_and_started_again(procs: Procs) -> No
     and the nodes' leases lapsed, and the supervisor, which watched only for
     exits, never noticed (an exploratory tester). It pings each worker and
     kills one that stops answering (router/heartbeat.py)."""
-    proc, url, started = _workers_of_one_node(procs, "--worker-timeout", "1.5")
+    proc, url, started = _workers_of_one_node(procs, "--worker-timeout", "2")
     leader = started[0][0]
     os.kill(leader, signal.SIGSTOP)
     paused = time.monotonic()
@@ -496,7 +510,7 @@ def test_a_paused_leading_worker_is_killed_and_started_again(procs: Procs) -> No
         out,
     )
     assert line, out
-    assert 1.5 <= float(line.group(1)) < 3.0, line.group(0)
+    assert 2.0 <= float(line.group(1)) < 3.5, line.group(0)
     assert "worker 0 killed by signal 9; restarting it" in out, out
     assert noticed < 8.0, noticed
     assert not alive(leader)
@@ -513,7 +527,7 @@ def test_a_paused_supervisor_kills_no_worker(procs: Procs) -> None:
     """A host paused whole (its supervisor and workers: a VM suspended) finds
     every ping old on resuming; none of that time counts, or the supervisor
     would kill a worker that merely had not been resumed yet."""
-    proc, _, started = _workers_of_one_node(procs, "--worker-timeout", "1.5")
+    proc, _, started = _workers_of_one_node(procs, "--worker-timeout", "2")
     pids = [pid for pid, _ in started.values()]
     supervisor = proc.popen.pid
     for pid in pids:
@@ -525,7 +539,7 @@ def test_a_paused_supervisor_kills_no_worker(procs: Procs) -> None:
     time.sleep(0.5)
     for pid in pids:
         os.kill(pid, signal.SIGCONT)
-    time.sleep(3.0)  # twice the timeout
+    time.sleep(4.0)  # twice the timeout
     out = proc.output()
     assert "killing it" not in out, out
     assert workers(proc) == started
@@ -568,7 +582,7 @@ def test_a_worker_finishing_its_requests_after_sigterm_is_not_killed_as_hung(
     supervisor kept taking connections no one read, and killed the worker
     midway ("answered no probe ... killing it"; the review). The ping is echoed
     by the event loop itself, draining or not."""
-    proc, _, started = _workers_of_one_node(procs, "--worker-timeout", "1.5")
+    proc, _, started = _workers_of_one_node(procs, "--worker-timeout", "2")
     pid, admin = started[1]
     port = int(admin.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=5.0) as held:
