@@ -268,9 +268,12 @@ class Supervisor:
         if worker.heartbeat is not None:
             worker.heartbeat.close()  # the last life's
             worker.heartbeat = None
-        ours, theirs = socket.socketpair() if self.worker_timeout > 0 else (None, None)
         public = bind_public(self.host, self.port)
+        ours: socket.socket | None = None
+        theirs: socket.socket | None = None
         try:
+            if self.worker_timeout > 0:
+                ours, theirs = socket.socketpair()
             if self.port == 0:
                 self.port = public.getsockname()[1]
             fds = [public.fileno(), worker.admin.fileno()]
