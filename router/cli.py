@@ -1046,9 +1046,15 @@ def _run_router(args: argparse.Namespace) -> int:
     seeds = [_parse_seed(spec) for spec in args.node]
     front_door = _front_door(args)  # checked before anything starts: a bad value is one line
     _check_router_numbers(args)
+    import signal
+
+    from router.processes import watch_parent
     from router.workers import worker_role
 
     role = worker_role()
+    if role is not None and role.parent:
+        # SIGTERM if the supervisor dies without stopping this worker (kill -9).
+        watch_parent(role.parent, signal.SIGTERM)
     if role is None:
         _warn_keep_alive(front_door)  # once, not again by each worker
         _warn_short_lease(args)

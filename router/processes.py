@@ -128,22 +128,30 @@ def die_with_parent(
     alone, which stops the children in order). ``parent`` is the parent's pid,
     read before the fork.
 
-    Only for a parent that runs no threads (the supervisors of ``ringlimit up``
-    and ``ringlimit router --workers``): a ``preexec_fn`` runs Python between
-    fork and exec. The tests start their children with ``setpriv --pdeathsig``
-    instead (tests/redis_server.py).
+    Only for a parent that runs no threads (the supervisor of ``ringlimit
+    up``): a ``preexec_fn`` runs Python between fork and exec, and makes
+    ``subprocess`` fork rather than spawn. ``router --workers``, whose
+    supervisor has run gRPC (the etcd check), has each worker call
+    :func:`watch_parent` itself; the tests start their children with
+    ``setpriv --pdeathsig`` (tests/redis_server.py).
     """
 
     def setup() -> None:  # pragma: no cover - runs in the child
         if own_group:
             os.setpgrp()
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signum)
-        if os.getppid() != parent:  # the parent died before the prctl took effect
-            os._exit(1)
+        watch_parent(parent, signum)
 
     return setup
+
+
+def watch_parent(parent: int, signum: int) -> None:
+    """Get ``signum`` when process ``parent`` dies (Linux); exit at once if it
+    has died already (before this took effect, the child was not told)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signum)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 class ChildProcess:

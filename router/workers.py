@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.heartbeat import Heartbeat
-from router.processes import StopSignals, child_env, die_with_parent, ringlimit_argv
+from router.processes import StopSignals, child_env, ringlimit_argv
 
 #: Environment of a worker: its index, inherited socket fds and the leader's URL.
 WORKER_ENV = "RINGLIMIT_WORKER"
@@ -96,6 +96,9 @@ class WorkerRole:
     #: The worker's end of its socket pair with the supervisor, whose pings its
     #: event loop echoes (router/heartbeat.py); -1: none (``--worker-timeout 0``).
     ping_fd: int = -1
+    #: The supervisor's pid: the worker asks for SIGTERM when it dies
+    #: (:func:`router.processes.watch_parent`; 0: not asked).
+    parent: int = 0
 
     def encode(self) -> str:
         return ";".join(
@@ -109,12 +112,13 @@ class WorkerRole:
                 "1" if self.restarted else "",
                 ",".join(self.admin_urls),
                 str(self.ping_fd),
+                str(self.parent),
             ]
         )
 
     @classmethod
     def decode(cls, value: str) -> WorkerRole:
-        index, count, public_fd, admin_fd, admin_url, leader_url, restarted, urls, ping = (
+        index, count, public_fd, admin_fd, admin_url, leader_url, restarted, urls, ping, parent = (
             value.split(";")
         )
         return cls(
@@ -127,6 +131,7 @@ class WorkerRole:
             restarted=bool(restarted),
             admin_urls=tuple(url for url in urls.split(",") if url),
             ping_fd=int(ping),
+            parent=int(parent),
         )
 
     @property
@@ -262,6 +267,7 @@ class Supervisor:
             restarted=worker.process is not None and served(worker.admin),
             admin_urls=tuple(self.admin_url(other.index) for other in self.workers),
             ping_fd=ping_fd,
+            parent=os.getpid(),
         )
 
     def start(self, worker: _Worker) -> None:
@@ -284,8 +290,11 @@ class Supervisor:
                 ringlimit_argv(*self.argv),
                 env=child_env({**os.environ, WORKER_ENV: role.encode()}),
                 pass_fds=fds,
-                # A worker gets SIGTERM if the supervisor dies (kill -9) without stopping it.
-                preexec_fn=die_with_parent(os.getpid(), signum=signal.SIGTERM, own_group=False),
+                # No preexec_fn: a worker asks for SIGTERM when the supervisor dies
+                # (kill -9) itself, as it starts (role.parent). Python run between
+                # fork and exec, in a process that had run gRPC (the etcd check;
+                # a test's), saw a start die of SIGABRT, a gRPC poller's epoll fd
+                # closed under it; and without it subprocess spawns, not forks.
             )
         except BaseException:
             if ours is not None:
