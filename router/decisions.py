@@ -23,7 +23,7 @@ import msgspec
 from node.asgi import Receive, Scope, Send, error_body, read_all, send_json_bytes
 from node.config import Limits
 from node.decision import SERVICE_REFUSED_HEADERS, service_refused
-from node.rules import MAX_NAME
+from node.rules import MAX_NAME, Rule
 from node.security import bearer, token_matches
 from node.wire import (
     ApiError,
@@ -207,25 +207,29 @@ class DecisionAPI:
         verdict = leases.verdict(rule, check.key, outcome == ADMIT, now)
         return dumps(result_dict(verdict, owner.id)).encode()
 
-    def unspent_of_reads(self, checks: Sequence[Check]) -> dict[int, int]:
+    def unspent_of_reads(self, checks: Sequence[Check]) -> dict[int, tuple[Rule, int]]:
         """For each read (cost 0) of a key this router holds lease units for, by
-        index: those units now. Empty when the book is (most of the time)."""
+        index: its leased rule and those units now. Empty when the book is
+        (most of the time)."""
         router = self.router
         leases = router.leases
         if router.config.balance != "sticky" or not len(leases.book):
             return {}
         epoch = router.membership.view.epoch
-        found: dict[int, int] = {}
+        found: dict[int, tuple[Rule, int]] = {}
         for index, check in enumerate(checks):
             if check.cost:
                 continue
             rule = leased_rule(check.rules)
             if rule is not None and (left := leases.unspent(rule, check.key, epoch)):
-                found[index] = left
+                found[index] = (rule, left)
         return found
 
     def count_unspent(
-        self, checks: Sequence[Check], results: list[Result], before: dict[int, int]
+        self,
+        checks: Sequence[Check],
+        results: list[Result],
+        before: dict[int, tuple[Rule, int]],
     ) -> None:
         """Reads of keys this router holds lease units for: the owner's answer
         with those units counted as the key's (``with_unspent``), in place.
@@ -236,11 +240,11 @@ class DecisionAPI:
         key's already (the review). Only reads: a check that consumes was
         decided by the owner, whose ``allowed`` stands (its ``remaining`` counts
         the units out on lease as spent, as docs/hotkeys.md says)."""
-        after = self.unspent_of_reads(checks)
-        for index, left in before.items():
-            left = min(left, after.get(index, 0))
-            rule = leased_rule(checks[index].rules)
-            if not left or rule is None:
+        leases = self.router.leases
+        epoch = self.router.membership.view.epoch
+        for index, (rule, held) in before.items():
+            left = min(held, leases.unspent(rule, checks[index].key, epoch))
+            if not left:
                 continue
             result = results[index]
             decoded = _decoded(result) if type(result) is bytes else result

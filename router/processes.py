@@ -112,6 +112,23 @@ def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def check_port_free(host: str, port: int) -> None:
+    """``OSError`` if something listens on ``host:port`` already: a bind with
+    ``SO_REUSEADDR`` (as a single router's, which ignores connections in
+    TIME_WAIT) and without ``SO_REUSEPORT``, which fails on any listener there.
+
+    ``up`` checks its ports so (:func:`router.supervisor.check_ports`), and
+    ``router --workers`` its public port: its own sockets set ``SO_REUSEPORT``
+    and so shared a port whose sockets did the same as the same user; a second
+    ``router --workers`` there started without a word, and the kernel split
+    the clients between two routers that each led a membership of their own
+    (an exploratory tester: ``503 no_nodes`` for 6 of 10 requests)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port the kernel says is free now (it may be taken again before it is used)."""
     with socket.socket() as sock:

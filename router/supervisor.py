@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ from router.processes import (
     ChildProcess,
     NotReady,
     StopSignals,
+    check_port_free,
     child_env,
     die_with_parent,
     http_probe,
@@ -374,15 +374,13 @@ def check_ports(
             )
         wanted[port] = role
     for port, role in ports:
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError as exc:
-                raise StartError(
-                    f"cannot listen on {host}:{port} for {role}: {exc.strerror or exc}; "
-                    f"stop what uses it or choose another port ({choose})"
-                ) from None
+        try:
+            check_port_free(host, port)
+        except OSError as exc:
+            raise StartError(
+                f"cannot listen on {host}:{port} for {role}: {exc.strerror or exc}; "
+                f"stop what uses it or choose another port ({choose})"
+            ) from None
 
 
 def check_redis(url: str) -> None:

@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.heartbeat import Heartbeat
-from router.processes import StopSignals, child_env, ringlimit_argv
+from router.processes import StopSignals, check_port_free, child_env, ringlimit_argv
 
 #: Environment of a worker: its index, inherited socket fds and the leader's URL.
 WORKER_ENV = "RINGLIMIT_WORKER"
@@ -174,22 +174,6 @@ def bind_public(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def check_port_free(host: str, port: int) -> None:
-    """``OSError`` if something listens on ``host:port`` already.
-
-    :func:`bind_public` shares the port with any socket that set
-    ``SO_REUSEPORT`` as the same user, so a second ``router --workers`` on a
-    port in use started without a word, and the kernel split the clients
-    between two routers that each led a membership of their own (an
-    exploratory tester: ``503 no_nodes`` for 6 of 10 requests). A bind without
-    ``SO_REUSEPORT`` (with ``SO_REUSEADDR``, as a single router's, which
-    ignores connections in TIME_WAIT) fails on any listener there."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port))
 
 
 def bind_admin(host: str) -> socket.socket:
