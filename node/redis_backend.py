@@ -404,7 +404,7 @@ class RedisBackend:
         now = None if self.clock is None else self.clock()
         args = pack_args(now, cost, rules, self._slack_ms)
         if self.round_trips is not None:
-            return unpack_reply(await self.round_trips.call((script, keys, args)), rules)[1]
+            return self._verdict(await self.round_trips.call((script, keys, args)), rules)
         execute = self.redis.execute_command
 
         async def call() -> Any:
@@ -415,7 +415,7 @@ class RedisBackend:
                 reply = await execute("EVALSHA", script.sha, len(keys), *keys, *args)
             return _script_reply(reply, keys)
 
-        return unpack_reply(await self._run(call), rules)[1]
+        return self._verdict(await self._run(call), rules)
 
     async def check_many(self, checks: Sequence[Check]) -> list[Verdict]:
         """Every check in one pipelined round trip (each still atomic on its own);
@@ -459,7 +459,7 @@ class RedisBackend:
 
             replies = await self._run(call)
         return [
-            reply if isinstance(reply, ResponseError) else unpack_reply(reply, rules)[1]
+            reply if isinstance(reply, ResponseError) else self._verdict(reply, rules)
             for reply, (_key, rules, _cost) in zip(replies, checks, strict=True)
         ]
 
@@ -648,6 +648,19 @@ class RedisBackend:
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
+
+    def _verdict(self, reply: Any, rules: Sequence[Rule]) -> Verdict:
+        """The verdict in a script's reply, whose shape was checked as it arrived
+        (:func:`_script_reply`); values a ringlimit script never sends (a RESP
+        server's strings where numbers go) make Redis unavailable, as a reply of
+        the wrong shape does, rather than a ``ValueError`` and a 500 per request."""
+        try:
+            return unpack_reply(reply, rules)[1]
+        except (ValueError, TypeError) as exc:
+            invalid = InvalidResponse(
+                f"EVALSHA answered values that are not a ringlimit script's reply ({exc})"
+            )
+            raise self._unavailable(invalid)  # noqa: B904 (its cause is the reply)
 
     def _raise_unavailable(self, exc: Exception) -> None:
         """Turn an availability failure into :class:`BackendUnavailable`; else return."""

@@ -577,6 +577,10 @@ MAX_CONNECTION_IDLE = 60.0
 #: (a lost host) held its connection for gRPC's default of two hours.
 KEEPALIVE_TIME = 60.0
 KEEPALIVE_TIMEOUT = 20.0
+#: The largest call a client may send, in bytes: gRPC's own default, stated
+#: (a call of 1,000 descriptors, the default ``max_batch``, with 4 KB of
+#: entries each). A larger one is refused ``RESOURCE_EXHAUSTED`` before it is read.
+MAX_MESSAGE = 4 * 1024 * 1024
 
 
 def server_options(max_connections: int, handshake_timeout: float) -> list[tuple[str, int]]:
@@ -594,6 +598,7 @@ def server_options(max_connections: int, handshake_timeout: float) -> list[tuple
       preface and its SETTINGS within ``handshake_timeout`` seconds (the HTTP
       port's ``--header-timeout``), or is closed, freeing its slot;
     * ``grpc.max_connection_idle_ms``: :data:`MAX_CONNECTION_IDLE`;
+    * ``grpc.max_receive_message_length``: :data:`MAX_MESSAGE`;
     * keepalive pings (:data:`KEEPALIVE_TIME`), not limited to two without data
       (``grpc.http2.max_pings_without_data``: a ``Watch`` may send nothing for
       hours). A client's own pings are still held to gRPC's default policy (at
@@ -603,6 +608,7 @@ def server_options(max_connections: int, handshake_timeout: float) -> list[tuple
         ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.server_handshake_timeout_ms", max(1, round(handshake_timeout * 1000))),
         ("grpc.max_connection_idle_ms", round(MAX_CONNECTION_IDLE * 1000)),
+        ("grpc.max_receive_message_length", MAX_MESSAGE),
         ("grpc.keepalive_time_ms", round(KEEPALIVE_TIME * 1000)),
         ("grpc.keepalive_timeout_ms", round(KEEPALIVE_TIMEOUT * 1000)),
         ("grpc.http2.max_pings_without_data", 0),

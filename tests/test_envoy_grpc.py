@@ -34,7 +34,7 @@ from node.config import ClusterConfig, Limits, ScopedRule
 from node.rules import ALGORITHMS, Rule
 from ring import Member
 from router.coordinator import EtcdCoordinator, parse_endpoints
-from router.envoy import UINT32_MAX, descriptor_key
+from router.envoy import MAX_MESSAGE, UINT32_MAX, descriptor_key
 from router.envoy_config import (
     DescriptorNode,
     EnvoyConfig,
@@ -623,6 +623,22 @@ async def test_bytes_that_are_no_request_are_invalid_argument_without_a_tracebac
             metrics
         )
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+async def test_a_call_is_read_up_to_the_stated_size() -> None:
+    """docs/envoy.md states the largest call (router.envoy.MAX_MESSAGE): one of
+    1,000 descriptors with 4 KB of entries each is decided; one byte past the
+    limit is RESOURCE_EXHAUSTED, and the router goes on deciding."""
+    wide = request("api", *([("user", f"{i:04}" + "w" * 4000)] for i in range(1000)))
+    assert len(wide.SerializeToString()) < MAX_MESSAGE
+    over = request("api", [("user", "x" * MAX_MESSAGE)])
+    async with envoy_cluster() as (_, stub):
+        answer = await stub.ShouldRateLimit(wide)
+        assert answer.overall_code == OK and len(answer.statuses) == 1000
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.ShouldRateLimit(over)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (await stub.ShouldRateLimit(request("api", [("user", "a")]))).overall_code == OK
 
 
 @pytest.mark.parametrize(("on_error", "code"), [("open", OK), ("closed", OVER)])

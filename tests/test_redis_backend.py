@@ -1004,14 +1004,20 @@ def not_redis(port: int, resp: bytes | None = None) -> Iterator[None]:
         server.close()
 
 
-@pytest.mark.parametrize("answer", [b":1\r\n", b"$-1\r\n"], ids=["integer", "nil"])
+@pytest.mark.parametrize(
+    "answer",
+    [b":1\r\n", b"$-1\r\n", b"*8\r\n" + b"$1\r\nx\r\n" * 8],
+    ids=["integer", "nil", "words"],
+)
 def test_a_server_that_speaks_resp_but_is_not_redis_is_an_outage(
     answer: bytes, pipeline: bool
 ) -> None:
     """A server that answers every command ``:1`` (or nil) speaks the protocol but
     runs no script: its replies were a TypeError in reading them, a 500 per
     request with on_error ignored and /healthz saying Redis was fine (the review
-    of the day's changes). It is an outage now: each rule's on_error decides."""
+    of the day's changes). It is an outage now: each rule's on_error decides.
+    So is one that answers a list of the script's length holding words where the
+    script sends numbers (a ValueError and a 500 per request before)."""
     port = free_port()
     opened = Rule("open", 3, 60.0)
     closed = Rule("closed", 3, 60.0, on_error="closed")
