@@ -430,7 +430,7 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
         check_redis(args.redis_url)
     policy = RestartPolicy(mode=args.restart, max_restarts=args.max_restarts)
     router_url = f"http://{host}:{args.port}"
-    workdir = Path(tempfile.mkdtemp(prefix="ringlimit-"))
+    workdir = make_workdir()
     config_file = workdir / "cluster.json"
     config_file.write_text(json.dumps(config.to_dict()))
     cluster = Cluster(
@@ -481,6 +481,53 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
         for path in workdir.iterdir():
             path.unlink()
         workdir.rmdir()
+
+
+#: ``up``'s working folder (its cluster.json, which restarted children read) is
+#: ``ringlimit-<pid>-<random>`` in the temporary directory.
+WORKDIR_PREFIX = "ringlimit-"
+#: What ``up`` writes in it: a folder holding anything else is not removed.
+WORKDIR_FILES = frozenset({"cluster.json"})
+
+
+def make_workdir(root: Path | None = None) -> Path:
+    """A working folder for this ``up``, named with its pid, after removing those
+    of ``up`` processes that are gone: one killed with SIGKILL (or by the OOM
+    killer) cannot remove its own, and each such stop left one behind. A
+    folder is removed only if it is this user's, holds nothing ``up`` did not
+    write, and names a pid that is not running (a pid reused by another
+    process keeps it: left, never removed wrongly)."""
+    root = Path(tempfile.gettempdir()) if root is None else root
+    for folder in root.glob(f"{WORKDIR_PREFIX}*-*"):
+        pid = folder.name[len(WORKDIR_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            _remove_workdir(folder)
+    return Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=root))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: running
+        return True
+    return True
+
+
+def _remove_workdir(folder: Path) -> None:
+    """Remove ``folder`` if it is this user's and holds only what ``up`` writes."""
+    try:
+        if folder.is_symlink() or folder.stat().st_uid != os.getuid():
+            return
+        files = list(folder.iterdir())
+        if any(f.name not in WORKDIR_FILES or not f.is_file() for f in files):
+            return
+        for f in files:
+            f.unlink()
+        folder.rmdir()
+    except OSError:
+        return  # another up removing it too, or a folder it may not read: left as it is
 
 
 def _node_argv(

@@ -261,6 +261,15 @@ def test_up_with_restart_never_reports_the_health_check_removal_and_dies_with_it
     assert wait_for(lambda: not any(alive(pid) for pid in children), 10), [
         pid for pid in children if alive(pid)
     ]
+    # Its working folder is left; the next `up` removes it (one was left per kill).
+    left = list(tmp_path.glob(f"ringlimit-{up.popen.pid}-*"))
+    assert len(left) == 1 and (left[0] / "cluster.json").is_file(), list(tmp_path.iterdir())
+    again = Up(tmp_path, free_block(2), "--rule", f"{LIMIT}/hour", nodes=1)
+    up_factory.append(again)
+    again.wait_output(r"^try:", 60)
+    assert not left[0].exists()
+    assert again.stop() == 0
+    assert not list(tmp_path.glob("ringlimit-*"))  # its own, removed as it stopped
 
 
 def test_up_with_workers_and_a_token_replaces_every_node_with_exact_counts(
@@ -419,3 +428,34 @@ def test_the_banner_says_where_envoys_service_listens(capsys: pytest.CaptureFixt
     envoy = "127.0.0.1:8081  config edge.yaml"
     _print_banner("http://127.0.0.1:0", ring, ClusterConfig(), {}, RestartPolicy(), envoy)
     assert f"envoy rate limit service (gRPC): {envoy}" in capsys.readouterr().out.splitlines()
+
+
+def test_up_removes_only_working_folders_of_ups_that_are_gone(tmp_path: Path) -> None:
+    """``make_workdir`` removes a folder left by an ``up`` killed with SIGKILL:
+    one named with a pid no process has, holding only its cluster.json. A
+    folder of a running process, one holding anything else, one whose name is
+    not ``up``'s, and a symlink are left as they are."""
+    from router.supervisor import make_workdir
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(10)
+
+    def folder(name: str, *files: str) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        for f in files:
+            (path / f).write_text("{}")
+        return path
+
+    stale = folder(f"ringlimit-{gone.pid}-a1", "cluster.json")
+    empty = folder(f"ringlimit-{gone.pid}-a2")
+    running = folder(f"ringlimit-{os.getppid()}-b", "cluster.json")
+    foreign = folder(f"ringlimit-{gone.pid}-c", "cluster.json", "notes.txt")
+    unnamed = folder("ringlimit-xyz", "cluster.json")
+    (tmp_path / f"ringlimit-{gone.pid}-d").symlink_to(running)
+    made = make_workdir(tmp_path)
+    assert made.parent == tmp_path and made.name.startswith(f"ringlimit-{os.getpid()}-")
+    assert not stale.exists() and not empty.exists()
+    assert running.exists() and foreign.exists() and unnamed.exists()
+    assert (running / "cluster.json").exists()
+    assert (tmp_path / f"ringlimit-{gone.pid}-d").is_symlink()
