@@ -286,8 +286,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         crash_policy=args.crash_policy,
         envoy=not getattr(args, "skip_envoy", False),
     )
-    if args.rows:
+    if args.rows is not None:
         chosen = tuple(r.strip() for r in args.rows.split(",") if r.strip())
+        if not chosen:  # "--rows ," ran every row
+            raise ValueError(f"--rows {args.rows!r} names no row; known: {', '.join(ROWS)}")
         unknown = [r for r in chosen if r not in ROWS]
         if unknown:
             raise ValueError(
@@ -316,7 +318,12 @@ def missing_extras(settings: Settings) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """``ringlimit bench``: check what the run needs, run every step, print and write the report."""
     settings = settings_from(args)
-    missing = [] if getattr(args, "scale", None) else missing_extras(settings)
+    scaling = getattr(args, "scale", None) is not None  # "--scale ''" ran the whole bench
+    if scaling:
+        from benchmarks.scale import parse_scale
+
+        parse_scale(args.scale)  # before anything starts
+    missing = [] if scaling else missing_extras(settings)
     if missing:
         raise ValueError(
             f"the benchmark needs {' and '.join(missing)}: pip install 'ringlimit[bench]'"
@@ -328,15 +335,15 @@ def run(args: argparse.Namespace) -> int:
     needs_redis = bool(set(settings.rows) & {"redis", "redis_naive", "slowapi"}) or settings.envoy
     if needs_redis and not _have("redis-server"):
         raise ValueError("redis-server is not on the PATH (needed by the redis and slowapi rows)")
-    if getattr(args, "scale", None):
+    # Before the run, not after it: a path that cannot be written lost every number.
+    if args.json:
+        check_output_file(Path(args.json), "--json")
+    if scaling:
         from benchmarks.scale import run_command
 
         return run_command(args, settings, tool_name)
     quick = bool(args.quick)
     markdown_path = _markdown_path(args.markdown, quick)
-    # Before the run, not after it: a path that cannot be written lost every number.
-    if args.json:
-        check_output_file(Path(args.json), "--json")
     if markdown_path is not None:
         check_output_file(markdown_path, "--markdown")
 

@@ -52,14 +52,24 @@ from benchmarks.report import check_exactness, median
 MODES = ("sticky", "redis")
 
 
+#: The largest K: K router workers and 2K nodes (the bench's --nodes cap, 64).
+MAX_SCALE = 32
+
+
 def parse_scale(text: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]`` (each K >= 1, no repeats)."""
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (each K from 1 to :data:`MAX_SCALE`, no repeats)."""
     try:
         scales = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise ValueError(f"--scale {text!r}: expected worker counts such as 1,2,4") from None
-    if not scales or any(k < 1 for k in scales) or len(set(scales)) != len(scales):
-        raise ValueError(f"--scale {text!r}: expected distinct worker counts >= 1, e.g. 1,2,4")
+    if (
+        not scales
+        or any(not 1 <= k <= MAX_SCALE for k in scales)
+        or len(set(scales)) != len(scales)
+    ):
+        raise ValueError(
+            f"--scale {text!r}: expected distinct worker counts from 1 to {MAX_SCALE}, e.g. 1,2,4"
+        )
     return scales
 
 

@@ -57,6 +57,7 @@ from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
 from ring import Member
 from ring.errors import given
 from ring.member import check_id, check_url, check_weight
+from ring.view import MAX_MEMBERS
 from router import __version__
 from router.restart import RESTART_MODES
 from router.revival import FORGET_AFTER
@@ -1145,12 +1146,18 @@ def _run_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_workers(count: int) -> None:
+    from router.workers import MAX_WORKERS
+
+    if not 1 <= count <= MAX_WORKERS:
+        raise ValueError(f"--workers {count}: must be from 1 to {MAX_WORKERS}")
+
+
 def _run_workers(args: argparse.Namespace) -> int:
     """``--workers N``: a supervisor of N router processes (router/workers.py)."""
-    from router.workers import WORKER_TIMEOUT, Supervisor
+    from router.workers import WORKER_TIMEOUT, Supervisor, WorkerStartError
 
-    if args.workers < 1:
-        raise ValueError("--workers must be at least 1")
+    _check_workers(args.workers)
     if args.worker_timeout is None:
         args.worker_timeout = WORKER_TIMEOUT
     elif 0 < args.worker_timeout < 2:
@@ -1191,6 +1198,9 @@ def _run_workers(args: argparse.Namespace) -> int:
         return 1
     try:
         return supervisor.run()
+    except WorkerStartError as exc:
+        print(f"ringlimit: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(
             f"ringlimit: cannot bind {args.host}:{args.port}: {exc.strerror or exc}",
@@ -1463,11 +1473,12 @@ def _run_up(args: argparse.Namespace) -> int:
     _check_router_numbers(args)  # those of its router that ``up`` takes
     _redis_pipeline(args)
     _warn_redis_timeout(_redis_timeout(args), args.forward_timeout, config)
-    if args.nodes < 1:
-        raise ValueError("--nodes must be at least 1")
+    if not 1 <= args.nodes <= MAX_MEMBERS:
+        raise ValueError(
+            f"--nodes {args.nodes}: must be from 1 to {MAX_MEMBERS} (a ring's most members)"
+        )
     _check_node_ports(args)
-    if args.workers < 1:
-        raise ValueError("--workers must be at least 1")
+    _check_workers(args.workers)
     if args.workers > 1 and args.grpc_port is not None:
         raise ValueError(
             "--grpc-port serves from one process: run `up` with --workers 1 "

@@ -71,6 +71,15 @@ STOP_GRACE = 15.0
 WORKER_TIMEOUT = 5.0
 #: Seconds between pings of one worker.
 PING_INTERVAL = 0.5
+#: The most workers one supervisor starts. A worker is a core's worth of router;
+#: each one's role names every worker's admin URL in its environment, and at
+#: 10,000 workers that environment was past the kernel's limit (E2BIG, which the
+#: CLI then reported as a port it could not bind).
+MAX_WORKERS = 256
+
+
+class WorkerStartError(Exception):
+    """A worker process could not be started (the system refused the spawn)."""
 
 
 @dataclass(frozen=True)
@@ -270,16 +279,22 @@ class Supervisor:
             if theirs is not None:
                 fds.append(theirs.fileno())
             role = self._role(worker, public, theirs.fileno() if theirs is not None else -1)
-            worker.process = subprocess.Popen(
-                ringlimit_argv(*self.argv),
-                env=child_env({**os.environ, WORKER_ENV: role.encode()}),
-                pass_fds=fds,
-                # No preexec_fn: a worker asks for SIGTERM when the supervisor dies
-                # (kill -9) itself, as it starts (role.parent). Python run between
-                # fork and exec, in a process that had run gRPC (the etcd check;
-                # a test's), saw a start die of SIGABRT, a gRPC poller's epoll fd
-                # closed under it; and without it subprocess spawns, not forks.
-            )
+            try:
+                worker.process = subprocess.Popen(
+                    ringlimit_argv(*self.argv),
+                    env=child_env({**os.environ, WORKER_ENV: role.encode()}),
+                    pass_fds=fds,
+                    # No preexec_fn: a worker asks for SIGTERM when the supervisor
+                    # dies (kill -9) itself, as it starts (role.parent). Python run
+                    # between fork and exec, in a process that had run gRPC (the
+                    # etcd check; a test's), saw a start die of SIGABRT, a gRPC
+                    # poller's epoll fd closed under it; and without it subprocess
+                    # spawns, not forks.
+                )
+            except OSError as exc:  # EAGAIN (a process limit), ENOMEM, E2BIG
+                raise WorkerStartError(
+                    f"cannot start router worker {worker.index}: {exc.strerror or exc}"
+                ) from None
         except BaseException:
             if ours is not None:
                 ours.close()

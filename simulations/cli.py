@@ -84,8 +84,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         scenario = load_scenario(resolve(args.scenario), overrides=args.set)
-        if args.modes:
+        if args.modes is not None:
             wanted = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+            if not wanted:  # "--modes ,,," ran the reference alone, and exited 0
+                raise ScenarioError(
+                    f"--modes {args.modes!r} names no mode; expected {', '.join(MODES)}"
+                )
             unknown = [m for m in wanted if m not in MODES]
             if unknown:
                 raise ScenarioError(

@@ -226,6 +226,9 @@ def test_settings_and_rows_option() -> None:
     assert full.duration == 3.0 and full.repeats == 3 and full.rows == ("sticky", "redis")
     with pytest.raises(ValueError, match="unknown row"):
         bench.settings_from(parser.parse_args(["--rows", "nope"]))
+    for empty in (",", ""):  # every row ran (a tester)
+        with pytest.raises(ValueError, match="names no row"):
+            bench.settings_from(parser.parse_args(["--rows", empty]))
     assert "[[rules]]" in deployments.cluster_toml(quick)
 
 
@@ -254,6 +257,15 @@ def test_a_number_out_of_range_is_refused_before_anything_starts(argv: list[str]
     bench.add_arguments(parser)
     with pytest.raises(ValueError, match=f"^{argv[0]} .*: must be from "):
         bench.settings_from(parser.parse_args(argv))
+
+
+def test_an_empty_scale_is_refused_before_anything_starts() -> None:
+    """``--scale ''`` was taken for no --scale, and ran the whole benchmark (a
+    tester). A subprocess with a timeout: a regression fails, not runs for minutes."""
+    argv = [sys.executable, "-m", "router", "bench", "--scale", ""]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert "--scale '': expected distinct worker counts" in done.stderr, done.stderr
 
 
 def test_the_report_names_the_command_with_every_option_it_had() -> None:
@@ -368,7 +380,8 @@ def test_scale_option_summary_and_table() -> None:
     from benchmarks import scale
 
     assert scale.parse_scale("1,2,4") == [1, 2, 4]
-    for bad in ("", "0", "1,1", "a"):
+    assert scale.parse_scale(str(scale.MAX_SCALE)) == [scale.MAX_SCALE]
+    for bad in ("", "0", "1,1", "a", str(scale.MAX_SCALE + 1)):
         with pytest.raises(ValueError, match="--scale"):
             scale.parse_scale(bad)
     exact = reporting.check_exactness("sticky", {"allowed": 500, "denied": 2000}, 1, 100, 5)

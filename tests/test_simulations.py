@@ -826,6 +826,15 @@ def test_cli_set_overrides_a_setting(capsys: pytest.CaptureFixture[str]) -> None
     assert "modes.returning: must be one of hand_back, discard" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("modes", [",,,", ""])
+def test_modes_that_name_no_mode_are_refused(
+    modes: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--modes ,,,`` ran the global reference alone and exited 0 (a tester)."""
+    assert main(["tiny", "--quiet", "--modes", modes]) == 2
+    assert f"--modes {modes!r} names no mode; expected global" in capsys.readouterr().err
+
+
 def test_a_scenario_that_asks_for_more_arrivals_than_memory_holds_is_one_line() -> None:
     """rate 1e8 for 100 s asked for 1e10 arrivals (about 120 GB): a MemoryError
     traceback, or a pool that hung, where a line was due."""

@@ -437,6 +437,39 @@ def test_a_worker_that_never_served_stops_the_workers(capfd: pytest.CaptureFixtu
     assert all(w.process is not None and w.process.poll() is not None for w in supervisor.workers)
 
 
+def test_a_worker_the_system_refuses_to_start_is_named_and_nothing_is_left(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A spawn the kernel refuses (here E2BIG: an argument past its length limit;
+    EAGAIN or ENOMEM alike) was reported by the CLI as a port it could not bind."""
+    from router.workers import WorkerStartError
+
+    supervisor = _supervisor(["--node", "n1=http://127.0.0.1:1/" + "x" * 200_000])
+    with pytest.raises(WorkerStartError, match=r"^cannot start router worker 0: Argument list"):
+        supervisor.run()
+    assert all(w.process is None for w in supervisor.workers)
+    assert all(w.admin.fileno() == -1 for w in supervisor.workers)  # closed
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (["router", "--workers", "257"], "--workers 257: must be from 1 to 256"),
+        (["router", "--workers", "0"], "--workers 0: must be from 1 to 256"),
+        (["up", "--workers", "300"], "--workers 300: must be from 1 to 256"),
+        (["up", "--nodes", "1000"], "--nodes 1000: must be from 1 to 256"),
+    ],
+)
+def test_counts_of_processes_are_bounded(command: list[str], expected: str) -> None:
+    """``up --nodes 1000`` started 1,000 node processes (a ring holds 256) and
+    took nine minutes to stop; ``--workers 10000`` said it could not bind its
+    port (an exploratory tester). A subprocess: a regression fails, not hangs."""
+    argv = ringlimit_argv(*command, "--port", str(free_port()))
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=child_env())
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
+    assert expected in done.stderr, done.stderr
+
+
 def test_a_crash_loop_stops_the_workers(capfd: pytest.CaptureFixture[str]) -> None:
     """Workers that served once and then keep dying at start are not restarted forever."""
     supervisor = _supervisor(["--no-such-flag"])
