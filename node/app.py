@@ -66,8 +66,7 @@ from node.rates import RateMeter
 from node.rules import Rule
 from node.security import (
     bearer,
-    is_loopback,
-    page_of_another_site,
+    from_a_web_page,
     refusal,
     token_matches,
 )
@@ -482,22 +481,8 @@ class Node:
                 return ApiError(401, "unauthorized", "missing or wrong internal token")
             return None
         # Open without a token (to routers and tools, on this host or another), but
-        # not to a web page: one a browser marks as another site's, nor, from this
-        # host, one addressed by a name a page could rebind to 127.0.0.1. (One scan
-        # of the fields and cached parses: a router sends every batch here.)
-        authority = origin = site = None
-        for name, value in scope["headers"]:
-            if name == b"host":
-                if authority is None:
-                    authority = value.decode("latin-1")
-            elif name == b"origin":
-                if origin is None:
-                    origin = value.decode("latin-1")
-            elif name == b"sec-fetch-site" and site is None:
-                site = value.decode("latin-1")
-        client = scope.get("client")
-        local = is_loopback(client[0] if client else None)
-        if page_of_another_site(authority, origin, site, by_name=local):
+        # not to a web page.
+        if from_a_web_page(scope):
             return ApiError(
                 403,
                 "forbidden",

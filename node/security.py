@@ -8,6 +8,7 @@ import hmac
 import ipaddress
 import socket
 from collections.abc import Mapping
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 
@@ -80,6 +81,28 @@ def page_of_another_site(
     if site is not None and site not in ("same-origin", "none"):
         return True
     return origin is not None and origin.partition("://")[2] != (authority or "")
+
+
+def from_a_web_page(scope: Mapping[str, Any]) -> bool:
+    """Whether an ASGI request to a decision API open without a token comes from a
+    web page: one a browser marks as another site's, from anywhere, or, from this
+    host, one addressed by a name a page could rebind to it
+    (:func:`page_of_another_site`). Such a page could spend any user's quota with
+    a text/plain POST (no preflight). One scan of the fields and cached parses:
+    a router sends every batch through here."""
+    authority = origin = site = None
+    for name, value in scope["headers"]:
+        if name == b"host":
+            if authority is None:
+                authority = value.decode("latin-1")
+        elif name == b"origin":
+            if origin is None:
+                origin = value.decode("latin-1")
+        elif name == b"sec-fetch-site" and site is None:
+            site = value.decode("latin-1")
+    client = scope.get("client")
+    local = is_loopback(client[0] if client else None)
+    return page_of_another_site(authority, origin, site, by_name=local)
 
 
 @functools.lru_cache(maxsize=256)

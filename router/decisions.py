@@ -24,7 +24,7 @@ from node.asgi import Receive, Scope, Send, error_body, read_all, send_json_byte
 from node.config import Limits
 from node.decision import SERVICE_REFUSED_HEADERS, service_refused
 from node.rules import MAX_NAME, Rule
-from node.security import bearer, token_matches
+from node.security import bearer, from_a_web_page, token_matches
 from node.wire import (
     ApiError,
     Check,
@@ -47,6 +47,14 @@ from router.rotation import Search
 
 #: Reasons of a result the router made up for an owner that did not answer.
 UNANSWERED = frozenset({"owner_unreachable", "owner_timeout"})
+#: The answer to a web page's check while no API token is set (as a node's).
+_FOR_NO_PAGE = msgspec.json.encode(
+    error_body(
+        "forbidden",
+        "not for web pages: a page of another site, or one addressed by a name a page "
+        "could rebind to this host (use 127.0.0.1 or localhost, or set RINGLIMIT_API_TOKEN)",
+    )
+)
 
 if TYPE_CHECKING:
     from router.app import Router
@@ -144,14 +152,20 @@ class DecisionAPI:
         is split and merged. Raw ASGI (no Starlette): this is the hot path."""
         config = self.router.config
         limit = config.limits.max_body
-        if self.router.settings.api_token is not None and not self.allowed(scope):
-            await send_json_bytes(
-                send,
-                401,
-                dumps(
-                    error_body("unauthorized", "the decision API needs its token (Bearer)")
-                ).encode(),
-            )
+        if self.router.settings.api_token is not None:
+            if not self.allowed(scope):
+                await send_json_bytes(
+                    send,
+                    401,
+                    dumps(
+                        error_body("unauthorized", "the decision API needs its token (Bearer)")
+                    ).encode(),
+                )
+                return
+        elif from_a_web_page(scope):
+            # As a node's (node/app.py): any page a browser showed could spend any
+            # user's quota with a text/plain POST (no preflight; an exploratory tester).
+            await send_json_bytes(send, 403, _FOR_NO_PAGE)
             return
         try:
             declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)

@@ -138,6 +138,36 @@ async def test_the_decision_api_needs_its_token_when_one_is_set() -> None:
         assert allowed.status_code == 200 and allowed.json()["allowed"] is True
 
 
+@pytest.mark.parametrize(
+    "marks",
+    [
+        {"Origin": "http://evil.example", "Content-Type": "text/plain"},
+        {"Sec-Fetch-Site": "cross-site", "Content-Type": "text/plain"},
+        {"Host": "evil.example:8000"},  # a rebinding page, from this host
+    ],
+)
+async def test_without_an_api_token_a_web_page_cannot_spend_quota_through_the_router(
+    marks: dict[str, str],
+) -> None:
+    """Without RINGLIMIT_API_TOKEN the router's decision API was open to any page a
+    browser on its host showed: a text/plain POST spent a unit of the victim's
+    quota (200; an exploratory tester), where a node's refused it. Now 403 as
+    the node's, nothing decided; tools (no browser fields) are served."""
+    async with InProcessCluster(2, CONFIG, clock=FrozenClock()) as cluster:
+        check = json.dumps({"key": "victim", "cost": 5})
+        refused = await cluster.client.post("/v1/check", content=check, headers=marks)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"] == "forbidden"
+        assert "RINGLIMIT_API_TOKEN" in refused.json()["detail"]
+        batch = json.dumps({"checks": [{"key": "victim"}]})
+        assert (
+            await cluster.client.post("/v1/check", content=batch, headers=marks)
+        ).status_code == 403
+        # Nothing was spent: the victim's whole quota (5) is still there.
+        whole = await cluster.client.post("/v1/check", json={"key": "victim", "cost": 5})
+        assert whole.status_code == 200 and whole.json()["allowed"] is True, whole.text
+
+
 async def test_a_nodes_decision_api_takes_the_internal_token_when_one_is_set() -> None:
     """With RINGLIMIT_INTERNAL_TOKEN set, only routers (which send it) may use a
     node's decision API: before, anyone reaching a node port could spend any
