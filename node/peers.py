@@ -229,6 +229,27 @@ def _records_decoder(max_key_length: int) -> tuple[msgspec.msgpack.Decoder[Any],
     return msgspec.msgpack.Decoder(body, ext_hook=_no_extensions), names
 
 
+#: At most this many characters of an answer are quoted in a line that says it
+#: was not what was expected (the CLI's, a node's log).
+MAX_EXCERPT = 160
+
+
+def one_line(text: str, limit: int = 1000) -> str:
+    """``text`` as part of one line (a failure the CLI prints, a log line):
+    whitespace runs (newlines too) as one space, at most ``limit`` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def excerpt(response: httpx.Response) -> str:
+    """The start of an answer's body, for a line saying it was not what was
+    expected; bytes that are not text are replaced. (A web server's HTML page
+    made a node's log line about ten lines long.)"""
+    text = response.content[: MAX_EXCERPT * 4].decode("utf-8", "replace")
+    text = "".join(c if c.isprintable() else " " for c in text)
+    return one_line(text, MAX_EXCERPT) or "empty body"
+
+
 class PeerError(Exception):
     """A peer did not answer as expected (down, slow, or refused).
 

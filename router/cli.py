@@ -53,6 +53,7 @@ from node.frontdoor import (
     FrontDoor,
 )
 from node.lease import MAX_LEASE
+from node.peers import excerpt, one_line
 from node.rules import ALGORITHMS, CRASH_POLICIES, RuleError, parse_rule
 from ring import Member
 from ring.errors import given
@@ -1723,7 +1724,7 @@ def _admin_call(
             # `--router http://host:port/admin` said only "not_found: Not Found".
             hint = " (check --router: the router's URL, without a path)"
         detail = data.get("detail")
-        said = _one_line(data["error"]) + ("" if detail is None else f": {_one_line(str(detail))}")
+        said = one_line(data["error"]) + ("" if detail is None else f": {one_line(str(detail))}")
         print(f"ringlimit: {said}{hint}", file=sys.stderr)
         return 1
     try:
@@ -1733,11 +1734,11 @@ def _admin_call(
     except (ValueError, KeyError, TypeError):
         raise CommandError(
             f"{base} answered HTTP {status}, not as a ringlimit router's admin API "
-            f"({_excerpt(response)}); check --router (the router's URL, not a node's)"
+            f"({excerpt(response)}); check --router (the router's URL, not a node's)"
         ) from None
     print("\n".join(printed))
     if isinstance(data.get("warning"), str):
-        print(f"ringlimit: warning: {_one_line(data['warning'])}", file=sys.stderr)
+        print(f"ringlimit: warning: {one_line(data['warning'])}", file=sys.stderr)
     return 0
 
 
@@ -1809,25 +1810,6 @@ def _is_admin_error(data: dict[str, Any]) -> bool:
     limited path's (a node's, see :data:`_LIMITED_PATH_ERRORS`)."""
     error = data.get("error")
     return isinstance(error, str) and error not in _LIMITED_PATH_ERRORS
-
-
-#: At most this many characters of an answer are quoted in the CLI's line.
-MAX_EXCERPT = 160
-
-
-def _one_line(text: str, limit: int = 1000) -> str:
-    """``text`` as part of the one line a failure prints: whitespace runs (newlines
-    too) as one space, at most ``limit`` characters."""
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def _excerpt(response: httpx.Response) -> str:
-    """The start of an answer's body, for a line saying it was not what was
-    expected; bytes that are not text are replaced."""
-    text = response.content[: MAX_EXCERPT * 4].decode("utf-8", "replace")
-    text = "".join(c if c.isprintable() else " " for c in text)
-    return _one_line(text, MAX_EXCERPT) or "empty body"
 
 
 #: Errors only a limited path answers (a node's, which takes /admin/... as a

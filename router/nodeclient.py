@@ -132,12 +132,25 @@ class NodeClient:
         Returns the epoch the node said it holds (0 when it said none)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ready_timeout
+        last = ""
         while True:
             try:
                 response = await self.client.get(
                     member.url.rstrip("/") + "/healthz", timeout=within
                 )
-                if response.status_code == 200:
+                status = response.status_code
+                if 400 <= status < 500 and status not in (408, 429):
+                    # A node answers /healthz 200 from its start: a 404 is a web
+                    # server, not a node starting (it was waited on for 10 s, and
+                    # then "did not answer", of a URL that did; an exploratory tester).
+                    raise MembershipError(
+                        409,
+                        "wrong_node",
+                        f"{member.url} answers /healthz with HTTP {status}: not a "
+                        "ringlimit node; check the node's --url",
+                    )
+                last = f" (its last answer: HTTP {status})"
+                if status == 200:
                     answered = node_id(response)
                     if answered == member.id:
                         return _epoch_of(response)
@@ -155,7 +168,7 @@ class NodeClient:
                     504,
                     "not_ready",
                     f"node {member.id} at {member.url} did not answer /healthz within "
-                    f"{ready_timeout:g}s",
+                    f"{ready_timeout:g}s{last}",
                 )
             await asyncio.sleep(0.05)
 

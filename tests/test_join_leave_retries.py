@@ -110,6 +110,32 @@ def test_a_final_refusal_is_not_retried(procs: Procs) -> None:
         assert f"giving up: router {router.url} answered 409" in proc.output()
 
 
+def test_a_join_at_a_web_server_is_one_line_in_the_log(procs: Procs) -> None:
+    """``--join`` at a plain web server (it answers POST with an HTML page, 501):
+    the log line quoted the page whole, about ten lines (an exploratory tester)."""
+
+    class Quiet(http.server.BaseHTTPRequestHandler):  # no do_POST: 501, an HTML page
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        argv = ["node", "--id", "n1", "--port", str(free_port()), "--join", url]
+        proc = procs.start("n1", [*argv, "--join-timeout", "3"])
+        assert proc.popen.wait(30) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    lines = [line for line in proc.output().splitlines() if line.strip()]
+    said = [line for line in lines if f"router {url} answered 501: <!DOCTYPE HTML>" in line]
+    assert len(said) == 1 and "Error response" in said[0], lines
+    assert not [line for line in lines if line.lstrip().startswith("<")], lines
+
+
 #: A leave refused as the ring's last node's: what a new leader answers when a
 #: router of the version before passed the node's leave on without ``?force=true``.
 LAST_NODE = (409, {"error": "last_node", "detail": "node 'n1' is the ring's last node"})

@@ -368,6 +368,43 @@ async def test_a_join_at_a_url_that_answers_as_someone_else_is_refused(
         assert cluster.router.membership.view.epoch == epoch
 
 
+async def test_a_join_at_a_web_server_is_refused_at_once_or_says_what_it_answered() -> None:
+    """A URL whose server answers /healthz 404 is no node starting (a node answers
+    200 from its start): refused at once as wrong_node. It was waited on for the
+    whole readiness timeout, then said not to answer (an exploratory tester). A
+    5xx may be a proxy ahead of a node still starting: waited on, and named."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    async def busy(request: object) -> PlainTextResponse:
+        return PlainTextResponse("upstream starting", status_code=503)
+
+    options = {"ready_timeout": 0.5}
+    async with InProcessCluster(
+        2, make_config(), clock=FrozenClock(), router_options=options
+    ) as cluster:
+        cluster._mounts["http://www.localhost"] = httpx.ASGITransport(app=Starlette())
+        proxy = Starlette(routes=[Route("/healthz", busy)])
+        cluster._mounts["http://proxy.localhost"] = httpx.ASGITransport(app=proxy)
+        epoch = cluster.router.membership.view.epoch
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        web = await cluster.client.post(
+            "/admin/nodes", json={"id": "w1", "url": "http://www.localhost"}
+        )
+        assert loop.time() - started < 0.4, "waited for the readiness timeout"
+        assert web.status_code == 409 and web.json()["error"] == "wrong_node", web.text
+        assert "answers /healthz with HTTP 404: not a ringlimit node" in web.json()["detail"]
+        waited = await cluster.client.post(
+            "/admin/nodes", json={"id": "p1", "url": "http://proxy.localhost"}
+        )
+        assert waited.status_code == 504 and waited.json()["error"] == "not_ready"
+        assert waited.json()["detail"].endswith("(its last answer: HTTP 503)"), waited.text
+        assert cluster.router.membership.view.epoch == epoch
+        assert cluster.router.membership.joining == {}
+
+
 async def test_the_same_registration_twice_at_once_is_one_join() -> None:
     async with InProcessCluster(3, make_config(), clock=FrozenClock()) as cluster:
         cluster._make_node("n4")
