@@ -168,6 +168,11 @@ function showLogin(message) {
   $("main").hidden = true;
 }
 
+// Why the sign-in form shows, kept until the next sign-in or sign-out: the
+// refused token is forgotten, so the next update would otherwise say only that
+// a token is needed, two seconds after saying it was refused.
+let loginMessage = null;
+
 async function refresh() {
   const token = sessionStorage.getItem(TOKEN_KEY);
   const headers = token ? { "Authorization": "Bearer " + token } : {};
@@ -176,8 +181,11 @@ async function refresh() {
     const url = location.pathname.replace(/\/?$/, "/data");
     const response = await fetch(url, { headers, cache: "no-store", credentials: "omit" });
     if (response.status === 401) {
-      if (token) sessionStorage.removeItem(TOKEN_KEY);
-      showLogin(token ? "That token was refused." : "This router needs its admin token.");
+      if (token) {
+        sessionStorage.removeItem(TOKEN_KEY);
+        loginMessage = "That token was refused.";
+      }
+      showLogin(loginMessage || "This router needs its admin token.");
       status("not signed in", true);
       return;
     }
@@ -187,6 +195,7 @@ async function refresh() {
       return;
     }
     const data = await response.json();
+    loginMessage = null;
     $("login").className = "";
     $("main").hidden = false;
     renderNodes(data);
@@ -210,10 +219,12 @@ $("login").addEventListener("submit", (event) => {
   const value = $("token").value.trim();
   $("token").value = "";
   if (value) sessionStorage.setItem(TOKEN_KEY, value);
+  loginMessage = null;
   refresh();
 });
 $("sign-out").addEventListener("click", () => {
   sessionStorage.removeItem(TOKEN_KEY);
+  loginMessage = null;
   refresh();
 });
 loop();

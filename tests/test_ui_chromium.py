@@ -170,3 +170,28 @@ def test_the_ring_page_in_chromium(procs: Procs, tmp_path: Path) -> None:
     assert "This router needs its admin token." in dom
     assert 'data-node="' not in dom and "user-0" not in dom
     assert "s3cret-admin" not in dom
+
+
+@needs_chromium
+def test_a_refused_token_is_said_until_the_next_sign_in(tmp_path: Path) -> None:
+    """The page's own script, in Chromium, with a token in the tab that the router
+    refuses (``fetch`` answers 401: a page served from a file cannot reach a
+    router, whose guard refuses web pages of another origin). "That token was
+    refused." gave way to "This router needs its admin token." at the next
+    update, within two seconds (an exploratory tester); it stays now, through
+    the updates of a 5 s virtual budget."""
+    from router.ui import BODY, SCRIPT
+
+    refused = (
+        "<script>"
+        'sessionStorage.setItem("ringlimit-admin-token", "wrong");'
+        'window.fetch = async () => new Response(\'{"error": "unauthorized"}\', {status: 401});'
+        "</script>"
+    )
+    harness = tmp_path / "refused.html"
+    harness.write_text(
+        f"<!doctype html><html><body>{BODY}{refused}<script>{SCRIPT}</script></body></html>"
+    )
+    dom = chromium(tmp_path, harness.as_uri(), "--dump-dom", budget_ms=5000)
+    assert '<form id="login" class="shown">' in dom
+    assert '<p id="login-message">That token was refused.</p>' in dom, dom[:3000]
