@@ -645,7 +645,7 @@ class Node:
             view = RingView.from_dict(data["ring"])
             # Only absent or null is "no previous view": 0, "" or [] skipped its check.
             raw_previous = data.get("previous")
-            previous = None if raw_previous is None else RingView.from_dict(raw_previous)
+            previous = None if raw_previous is None else _previous_view(raw_previous)
             crashed = data.get("crashed", [])
             if type(crashed) is not list:
                 raise ValueError("crashed must be a list of member ids")
@@ -1044,3 +1044,12 @@ def _leasable(rule: Rule, ask: dict[str, Any]) -> Rule:
             f"rule {rule.name!r} is defined otherwise here (new rules are on their way): no lease",
         )
     return rule
+
+
+def _previous_view(data: Any) -> RingView:
+    """A push's ``previous`` view; its errors say it is that field (they named the
+    ring's fields alone, as if ``ring`` were wrong: an exploratory tester)."""
+    try:
+        return RingView.from_dict(data)
+    except ValueError as exc:
+        raise ValueError(f"previous (the view before this one): {exc}") from None

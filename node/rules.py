@@ -71,8 +71,9 @@ _UNITS = {
     "days": 86400.0,
 }
 _UNIT_WORDS = {1.0: "second", 60.0: "minute", 3600.0: "hour", 86400.0: "day"}
-_RULE_RE = re.compile(r"^\s*(\d+)\s*(?:/|\bper\b)\s*(.+?)\s*$", re.IGNORECASE)
-_DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)?\s*([a-z]+)$", re.IGNORECASE)
+# ASCII: \d took any script's digits (a full-width "5/s" was 5 per second).
+_RULE_RE = re.compile(r"^\s*(\d+)\s*(?:/|\bper\b)\s*(.+?)\s*$", re.IGNORECASE | re.ASCII)
+_DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)?\s*([a-z]+)$", re.IGNORECASE | re.ASCII)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 
 

@@ -229,6 +229,27 @@ BAD: list[tuple[str, str, list[str]]] = [
     ("tier empty", RULE + 'tiers = ["gold", ""]\n', ["rules[0].tiers[1]", "non-empty"]),
     ("method star", RULE + 'methods = ["*"]\n', ["rules[0].methods[0]", "leave methods out"]),
     ("path a URL", RULE + 'paths = ["https://a.example/v1/*"]\n', ["such as '/v1/*'"]),
+    # fnmatch makes an empty range '(?!)': accepted, it matched nothing (a tester).
+    ("path empty range", RULE + 'paths = ["/[z-a]"]\n', ["paths[0]", "range is empty"]),
+    # One rule of 100,000 patterns held each node's loop 2.3 s at its first request.
+    (
+        "paths too many",
+        RULE + "paths = [" + ", ".join(f'"/p{i}"' for i in range(257)) + "]\n",
+        ["rules[0].paths", "257 patterns; at most 256 per rule"],
+    ),
+    ("path too long", RULE + 'paths = ["/' + "a" * 1024 + '"]\n', ["1,025 characters"]),
+    (
+        "paths too many in all",
+        "".join(
+            f'[[rules]]\nname = "r{r}"\nrate = "1/s"\npaths = ['
+            + ", ".join(f'"/p{i}"' for i in range(256))
+            + "]\n"
+            for r in range(17)
+        ),
+        ["rules", "4,352 paths patterns in all; at most 4,096"],
+    ),
+    # A full-width digit was read as 5 (\d is any script's digit).
+    ("rate full-width digit", '[[rules]]\nname = "a"\nrate = "\uff15/second"\n', ["rules[0].rate"]),
     ("duplicate names", RULE + RULE, ["used twice"]),
     ("rules a table", '[rules]\nname = "x"\n', ["rules", "array"]),
     ("unknown top-level key", 'colour = "red"\n' + RULE, ["top level", "colour"]),
@@ -331,6 +352,14 @@ def test_a_useless_rule_from_another_process_is_kept_and_logged(
         config = ClusterConfig.from_dict(data, source="pushed config", strict=False)
     assert config.rules[0].paths == ("",) and config.rules[0].methods == ("GÉT",)
     assert "rules[0].paths[0]" in caplog.text and "rules[0].methods[0]" in caplog.text
+    # So is one past a size limit a version before the limit took (300 patterns).
+    many = {"rules": [{"name": "r", "rate": "1/s", "paths": [f"/p{i}" for i in range(300)]}]}
+    with pytest.raises(ConfigError, match="at most 256 per rule"):
+        ClusterConfig.from_dict(many)
+    with caplog.at_level("WARNING", logger="ringlimit.config"):
+        kept = ClusterConfig.from_dict(many, source="etcd record", strict=False)
+    assert len(kept.rules[0].paths) == 300
+    assert "300 patterns; at most 256 per rule" in caplog.text
 
 
 @pytest.mark.parametrize(("text", "expected"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])

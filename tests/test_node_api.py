@@ -666,6 +666,16 @@ async def test_an_internal_body_missing_a_field_names_it(
     assert f"missing field '{field}'" in response.json()["detail"], response.text
 
 
+async def test_a_bad_previous_view_is_named_as_such(fenced_in_ring: Any) -> None:
+    """A push whose ``previous`` lacks its nodes said "ring is missing required
+    field 'nodes'", as if ``ring`` were wrong (an exploratory tester)."""
+    _, client = fenced_in_ring
+    body = b'{"config": {}, "ring": {"epoch": 2, "nodes": []}, "previous": {"epoch": 1}}'
+    response = await client.put("/internal/cluster", content=body)
+    assert response.status_code == 400, response.text
+    assert "update: previous (the view before this one): ring is missing" in response.text
+
+
 async def test_a_transferred_bucket_fuller_than_the_rule_decides_as_a_full_one(
     fenced_in_ring: Any,
 ) -> None:
