@@ -193,6 +193,32 @@ def _script_reply(reply: Any, keys: Sequence[str]) -> Any:
     return reply
 
 
+class CorruptState(ResponseError):
+    """A check whose stored state holds values no script writes (NaN, infinity, a
+    time centuries away: a key written by hand, by another application, a bad
+    migration): that check's error, as a ``WRONGTYPE`` is, decided by its rules'
+    ``on_error``. Its answer was a 500 with a traceback (``int(nan)`` in the
+    headers), and in a decision-API batch its node's other checks failed too,
+    though counted (an exploratory tester); a finite time far away locked its
+    user out with a 100-digit ``Retry-After``."""
+
+
+def _out_of_range(verdict: Verdict, rules: Sequence[Rule]) -> str | None:
+    """What in ``verdict`` no script computes from a sound state, or None.
+
+    Every wait a sound state gives is within twice the rule's horizon (its
+    period, or a bucket's time to fill), and what remains within its capacity."""
+    for decision, rule in zip(verdict.decisions, rules, strict=True):
+        horizon = 2 * max(rule.period, rule.capacity * rule.interval) + 1.0
+        waits = (decision.reset_after, decision.retry_after, decision.available_after)
+        for wait in waits:
+            if wait is not None and not -1.0 <= wait <= horizon:  # (NaN fails both)
+                return f"rule {rule.name!r}: a wait of {wait!r} s from its stored state"
+        if not 0 <= decision.remaining <= max(rule.capacity, rule.limit):
+            return f"rule {rule.name!r}: {decision.remaining!r} remaining from its stored state"
+    return None
+
+
 class BackendUnavailable(Exception):
     """The backend cannot decide now (unreachable, timed out, loading, read-only)."""
 
@@ -458,10 +484,16 @@ class RedisBackend:
                 return replies
 
             replies = await self._run(call)
-        return [
-            reply if isinstance(reply, ResponseError) else self._verdict(reply, rules)
-            for reply, (_key, rules, _cost) in zip(replies, checks, strict=True)
-        ]
+        outcomes: list[Verdict | ResponseError] = []
+        for reply, (_key, rules, _cost) in zip(replies, checks, strict=True):
+            if isinstance(reply, ResponseError):
+                outcomes.append(reply)
+                continue
+            try:
+                outcomes.append(self._verdict(reply, rules))
+            except CorruptState as exc:
+                outcomes.append(exc)  # that check's alone
+        return outcomes
 
     async def start(self) -> None:
         """Load every script, then open the connections checks will use.
@@ -655,12 +687,16 @@ class RedisBackend:
         server's strings where numbers go) make Redis unavailable, as a reply of
         the wrong shape does, rather than a ``ValueError`` and a 500 per request."""
         try:
-            return unpack_reply(reply, rules)[1]
+            verdict = unpack_reply(reply, rules)[1]
         except (ValueError, TypeError) as exc:
             invalid = InvalidResponse(
                 f"EVALSHA answered values that are not a ringlimit script's reply ({exc})"
             )
             raise self._unavailable(invalid)  # noqa: B904 (its cause is the reply)
+        problem = _out_of_range(verdict, rules)
+        if problem is not None:
+            raise CorruptState(problem)
+        return verdict
 
     def _raise_unavailable(self, exc: Exception) -> None:
         """Turn an availability failure into :class:`BackendUnavailable`; else return."""

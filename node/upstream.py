@@ -164,7 +164,7 @@ class UpstreamStats:
     unavailable: int = 0
     #: Answers it broke off after they began (the client's connection is closed).
     broke_off: int = 0
-    #: Answers HTTP cannot relay: a status outside 100-599 (502).
+    #: Answers HTTP cannot relay: a status outside 100-599, or a final 1xx (502).
     invalid: int = 0
     #: Requests whose client went away before the answer ended: the upstream's
     #: request was stopped, not left to run to the timeout.
@@ -176,7 +176,7 @@ UPSTREAM_METRICS = {
     "unavailable": "Requests the upstream did not answer (refused, unresolvable, TLS, "
     "timed out before the answer began): 502 upstream_unavailable.",
     "broke_off": "Upstream answers that broke off after they began.",
-    "invalid": "Upstream answers with a status outside 100-599: 502.",
+    "invalid": "Upstream answers with a status outside 100-599, or a final 1xx (a 101): 502.",
     "abandoned": "Requests whose client went away before the answer ended: the "
     "upstream request was stopped.",
 }
@@ -332,12 +332,18 @@ class UpstreamApp:
                 data=None if length == 0 else request_body(receive, length, body_read, left),
                 allow_redirects=False,
             ) as response:
-                if not 100 <= response.status <= 599:
+                if not 200 <= response.status <= 599:
                     # aiohttp reads any three digits; HTTP defines 100-599, and the
                     # node's server can write no other status line (a traceback and
                     # a connection closed without an answer, for each request).
+                    # aiohttp passes over interim answers (100, 103) but returns a
+                    # 101 as final: relayed, a switch nobody asked for (no Upgrade
+                    # is passed on) left the client reading HTTP as another protocol.
                     self.stats.invalid += 1
-                    detail = f"the upstream answered status {response.status}, outside 100-599"
+                    final = " as its final answer" if response.status < 200 else ""
+                    detail = (
+                        f"the upstream answered status {response.status}{final}, outside 200-599"
+                    )
                     answered.set()
                     await _unavailable(send, detail)
                     return

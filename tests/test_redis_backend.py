@@ -865,14 +865,32 @@ def test_a_user_redis_refuses_is_an_outage_named_once(
     assert not any(r.exc_info for r in caplog.records)
 
 
+@pytest.mark.parametrize(
+    ("spoil", "said"),
+    [
+        (lambda c, k: c.lpush(k, "x"), "WRONGTYPE"),
+        (lambda c, k: c.set(k, "nan nan"), "a wait of nan s from its stored state"),
+        (lambda c, k: c.set(k, "-inf 1"), "a wait of inf s from its stored state"),
+        (lambda c, k: c.set(k, "1 9e99"), "a wait of 9e+99 s from its stored state"),
+    ],
+    ids=["another-type", "nan", "infinity", "far-away"],
+)
 def test_a_key_of_another_type_fails_that_check_only_by_its_on_error(
-    redis_url: str, caplog: pytest.LogCaptureFixture, pipeline: bool
+    redis_url: str,
+    caplog: pytest.LogCaptureFixture,
+    pipeline: bool,
+    spoil: Callable[[Any, str], object],
+    said: str,
 ) -> None:
     """A ringlimit key that something else overwrote (WRONGTYPE) makes that user's
     checks answer per their rules' on_error (open: the local limiter; closed:
     denied, reason backend_error), one warning line per 10 s, while every other
     check, in the same batch too, is decided by Redis. Before: the check raised
-    ResponseError (a 500 with a traceback per request), and a batch failed whole."""
+    ResponseError (a 500 with a traceback per request), and a batch failed whole.
+    So does a state holding values no script writes (NaN, infinity, a time
+    centuries away): before, a 500 (int(nan) in the headers), in a batch its
+    node's other checks failed though counted, and a far time locked its user
+    out with a 100-digit Retry-After (an exploratory tester)."""
     caplog.set_level(logging.INFO, logger="ringlimit")
     opened = Rule("open", 3, 60.0)
     closed = Rule("closed", 3, 60.0, on_error="closed")
@@ -886,7 +904,7 @@ def test_a_key_of_another_type_fails_that_check_only_by_its_on_error(
         try:
             with sync_client(redis_url) as client:
                 for rule in (opened, closed):
-                    client.lpush(primary.key("mallory", rule), "x")
+                    spoil(client, primary.key("mallory", rule))
             got = [await backend.check("mallory", [opened], 1) for _ in range(4)]
             assert [v.allowed for v in got] == [True, True, True, False]
             assert {v.decision.reason for v in got} == {BACKEND_ERROR}
@@ -909,7 +927,7 @@ def test_a_key_of_another_type_fails_that_check_only_by_its_on_error(
 
     run(scenario)
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("ringlimit")]
-    wrong = [m for m in lines if "WRONGTYPE" in m]
+    wrong = [m for m in lines if said in m]
     assert len(wrong) == 1, lines
     assert "rl:{mallory}:open:tb" in wrong[0], wrong
     assert not any("unavailable" in m for m in lines), lines

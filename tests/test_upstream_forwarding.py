@@ -51,6 +51,9 @@ ANSWERS = {
     b"/broken-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n",
     # A status HTTP does not define (LinkedIn's 999), which aiohttp reads.
     b"/odd-status": b"HTTP/1.1 999 Request denied\r\ncontent-length: 2\r\n\r\nok",
+    # A protocol switch nobody asked for (RFC 9110 15.2.2 forbids it).
+    b"/switch": b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
+    b"connection: upgrade\r\n\r\n",
     # An upstream that is itself a ringlimit cluster, refusing.
     b"/ringlimit-fields": b"HTTP/1.1 503 Service Unavailable\r\n"
     b"x-ringlimit-unavailable: lease\r\nx-ringlimit-node: n7\r\ncontent-length: 2\r\n\r\nno",
@@ -538,19 +541,27 @@ async def test_an_upload_that_expects_100_continue_reaches_an_upstream_that_send
     assert upstream.received[-1].field(b"expect") is None
 
 
-async def test_a_status_http_does_not_define_is_a_502_not_a_traceback() -> None:
+@pytest.mark.parametrize(
+    ("path", "detail"),
+    [
+        (b"/odd-status", "the upstream answered status 999, outside 200-599"),
+        (b"/switch", "the upstream answered status 101 as its final answer, outside 200-599"),
+    ],
+)
+async def test_a_status_http_does_not_define_is_a_502_not_a_traceback(
+    path: bytes, detail: str
+) -> None:
     """aiohttp reads any three digits; the node's server writes 100-599 only:
     a status of 999 was a KeyError traceback and a connection closed without
-    an answer, for every request (behind a router, a 504 node_timeout)."""
+    an answer, for every request (behind a router, a 504 node_timeout). A final
+    101 (a switch no client asked for) was relayed as a 101 with a chunked body,
+    the connection then serving HTTP on (an exploratory tester)."""
     async with scripted() as (_, url), node_front_app(url) as (port, app):
         with recorded("uvicorn.error", "ringlimit.node") as records:
-            answer = await exchange(port, request("GET", b"/odd-status"))
+            answer = await exchange(port, request("GET", path))
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 502 "), answer
-    assert json.loads(body) == {
-        "error": "upstream_unavailable",
-        "detail": "the upstream answered status 999, outside 100-599",
-    }
+    assert json.loads(body) == {"error": "upstream_unavailable", "detail": detail}
     assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
     assert app.stats.invalid == 1
 
