@@ -534,6 +534,9 @@ class Node:
                 "epoch": self.epoch,
                 "backend": self.backend.name,
                 "backend_available": self.backend.available,
+                # Whether it refuses keys it does not own (a router balancing
+                # round-robin cannot route to it: router/nodeclient.py).
+                "sticky": self.shard is not None,
                 "keys": len(self.store),
                 "config": self.authority.config.digest,
             }

@@ -1953,7 +1953,12 @@ class Membership:
 
     async def _wait_ready(self, member: Member) -> int:
         """Until ``member`` answers as itself; the epoch it holds."""
-        return await self.nodes.wait_ready(member, self.ready_timeout, self.health_timeout)
+        return await self.nodes.wait_ready(
+            member,
+            self.ready_timeout,
+            self.health_timeout,
+            round_robin=self.config.balance == "round-robin",
+        )
 
     async def _renew(self, member: Member, health: Health | None = None) -> dict[str, Any] | None:
         """Probe a member and renew its lease (router/health.py)."""

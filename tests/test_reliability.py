@@ -405,6 +405,29 @@ async def test_a_join_at_a_web_server_is_refused_at_once_or_says_what_it_answere
         assert cluster.router.membership.joining == {}
 
 
+async def test_a_router_balancing_round_robin_refuses_a_node_that_owns_its_keys() -> None:
+    """A router started with --backend redis (round-robin) and nodes without it
+    (each limiting on its own, refusing keys it does not own): requests were
+    refused 421 and retried, and one in 256 ran out of attempts as 503
+    ring_changing on a steady ring, nothing logged (an exploratory tester). The
+    join is refused now, naming the fix; a node that takes any key joins."""
+    config = make_config().with_(balance="round-robin")
+    async with InProcessCluster(
+        2, config, clock=FrozenClock(), node_options={"sticky": False}
+    ) as cluster:
+        cluster._make_node("s1", sticky=True)
+        refused = await cluster.client.post(
+            "/admin/nodes", json={"id": "s1", "url": node_url("s1")}
+        )
+        assert refused.status_code == 409 and refused.json()["error"] == "wrong_backend"
+        assert "start the node with --backend redis" in refused.json()["detail"]
+        assert "s1" not in cluster.router.membership.view
+        cluster._make_node("r3")
+        joined = await cluster.client.post("/admin/nodes", json={"id": "r3", "url": node_url("r3")})
+        assert joined.status_code == 200, joined.text
+        assert "r3" in cluster.router.membership.view
+
+
 async def test_the_same_registration_twice_at_once_is_one_join() -> None:
     async with InProcessCluster(3, make_config(), clock=FrozenClock()) as cluster:
         cluster._make_node("n4")
