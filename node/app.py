@@ -85,7 +85,7 @@ from node.wire import (
 )
 from ring import RingView
 from ring.member import check_id
-from ring.view import check_epoch
+from ring.view import check_cluster, check_epoch
 
 log = logging.getLogger("ringlimit.node")
 
@@ -204,6 +204,9 @@ class Node:
         #: Without a shard (shared backend) the node still knows the newest epoch it
         #: was sent, so a router does not mistake it for a restarted node.
         self.pushed_epoch = 0
+        #: The name of the cluster whose ring this node holds, as its routers'
+        #: pushes say (etcd's ``--cluster``); None before one says it.
+        self.cluster: str | None = None
         #: This process asked to leave (a signal: node/server.py): its leave's
         #: view is no news to the operator who sent it.
         self.leaving_by_itself = False
@@ -537,6 +540,8 @@ class Node:
                 # Whether it refuses keys it does not own (a router balancing
                 # round-robin cannot route to it: router/nodeclient.py).
                 "sticky": self.shard is not None,
+                # The etcd cluster whose ring it holds (None: none, or unnamed).
+                "cluster": self.cluster,
                 "keys": len(self.store),
                 "config": self.authority.config.digest,
             }
@@ -635,6 +640,7 @@ class Node:
                 "node": self.settings.node_id,
                 "ring": view.to_dict() if view is not None else None,
                 "config": self.authority.config.to_dict(),
+                "cluster": self.cluster,
             }
         )
 
@@ -664,6 +670,9 @@ class Node:
                 isinstance(lease, int | float) and not isinstance(lease, bool) and isfinite(lease)
             ):
                 raise ValueError(f"lease must be a number of seconds, got {lease!r}")
+            cluster = data.get("cluster")
+            if cluster is not None:
+                cluster = check_cluster(cluster)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
@@ -671,6 +680,10 @@ class Node:
                 {"error": "invalid_request", "detail": invalid_detail("cluster update", exc)},
                 status_code=400,
             )
+        if (foreign := self._foreign_push(cluster)) is not None:
+            return foreign
+        if cluster is not None:
+            self.cluster = cluster
         if self.shard is None:
             if view.epoch < self.pushed_epoch:
                 return JSONResponse({"epoch": self.pushed_epoch, "applied": False, "sent": {}})
@@ -741,6 +754,32 @@ class Node:
                 status_code=503,
             )
         return JSONResponse({"epoch": self.shard.epoch, "applied": applied, "sent": sent})
+
+    def _foreign_push(self, cluster: str | None) -> Response | None:
+        """A 409 for a push of another named cluster's router while this node is a
+        member of its own cluster's ring (its routers' last view lists it).
+
+        Two clusters on one etcd are told apart by name alone: a push of the
+        other's ring, at an epoch of its own, was taken (the same epoch as
+        config only), and the node then decided by a ring its routers did not
+        have (an exploratory tester). A node out of its ring, or never in one,
+        takes any cluster's push (restarted empty, it joins any)."""
+        if cluster is None or self.cluster is None or cluster == self.cluster:
+            return None
+        view = self.shard.view if self.shard is not None else None
+        member = view is not None and self.settings.node_id in view
+        if not member and self.shard is not None:
+            return None
+        return JSONResponse(
+            {
+                "error": "another_cluster",
+                "detail": f"node {self.settings.node_id} is a member of cluster "
+                f"{self.cluster!r}, not {cluster!r}: remove it there and restart it empty "
+                "to move it",
+                "epoch": self.epoch,
+            },
+            status_code=409,
+        )
 
     async def _internal_call(
         self,

@@ -34,6 +34,7 @@ members that did not change.
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from ._ketama import build_continuum, md5, read_point, unplaced_problem
 from .errors import EmptyRingError, check_fields
 from .member import Member
 
-__all__ = ["MAX_EPOCH", "MAX_MEMBERS", "RingView", "check_epoch"]
+__all__ = ["CLUSTER_NAME", "MAX_EPOCH", "MAX_MEMBERS", "RingView", "check_cluster", "check_epoch"]
 
 #: The largest epoch: what the wire formats carry (msgpack's signed 64-bit
 #: integers among them). A view past it was applied, then every transfer
@@ -61,6 +62,18 @@ def check_epoch(epoch: object) -> int:
     if not 0 <= epoch <= MAX_EPOCH:
         raise ValueError(f"epoch must be >= 0 and < 2**63, got {epoch}"[:120])
     return epoch
+
+
+#: A cluster's name (``--cluster``): the rings of one etcd are told apart by it,
+#: in etcd's keys and in the pushes that carry them to nodes.
+CLUSTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def check_cluster(name: object) -> str:
+    """``name`` when it is a cluster's name (:data:`CLUSTER_NAME`); else ValueError."""
+    if not isinstance(name, str) or not CLUSTER_NAME.match(name):
+        raise ValueError(f"cluster name {name!r}: use [A-Za-z0-9._-], 1-64 characters"[:120])
+    return name
 
 
 #: The most members a ring holds. uhashring builds the continuum by sorted

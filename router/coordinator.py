@@ -44,7 +44,6 @@ import contextlib
 import json
 import logging
 import math
-import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from node.config import ClusterConfig
 from node.failures import Failures
 from ring import RingView
 from ring.errors import given
+from ring.view import check_cluster
 from router.etcd_access import EtcdAccess
 
 log = logging.getLogger("ringlimit.router")
@@ -64,7 +64,6 @@ log = logging.getLogger("ringlimit.router")
 WATCH_RETRY = 0.5
 MAX_WATCH_RETRY = 2.0
 
-_CLUSTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 #: Seconds a closed client waits for the completions of the calls it cancelled.
 CLOSE_SETTLE = 0.1
@@ -229,8 +228,8 @@ class EtcdCoordinator:
         timeout: float = 2.0,
         access: EtcdAccess | None = None,
     ) -> None:
-        if not _CLUSTER_NAME.match(cluster):
-            raise ValueError(f"cluster name {cluster!r}: use [A-Za-z0-9._-], 1-64 characters")
+        #: The cluster's name: etcd's keys, and the pushes to its nodes, carry it.
+        self.cluster = check_cluster(cluster)
         if not endpoints:
             raise ValueError("no etcd endpoint given")
         self.endpoints = endpoints

@@ -289,6 +289,12 @@ class Membership:
         return self.log.view
 
     @property
+    def cluster(self) -> str | None:
+        """The cluster's name with etcd (``--cluster``); None without, where a
+        router makes every view of its ring and tells another's by its epoch."""
+        return self.coordinator.cluster if self.coordinator is not None else None
+
+    @property
     def follows(self) -> bool:
         """True while another router leads membership: with etcd, this one was
         not elected; without, it follows a leading router (``leader_url``, the
@@ -1566,6 +1572,19 @@ class Membership:
         except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
             log.warning("could not fetch the newer view from %s: %s", node_url, exc)
             return
+        other = data.get("cluster")
+        if self.cluster is not None and isinstance(other, str) and other != self.cluster:
+            # Never another cluster's ring as this one's (router/nodeclient.py
+            # wait_ready keeps such nodes out; a node of a version before both
+            # clusters said their names may still be shared).
+            log.warning(
+                "not adopting epoch %d from %s: it is cluster %r's ring, not %r's",
+                view.epoch,
+                node_url,
+                other,
+                self.cluster,
+            )
+            return
         if view.epoch > self.view.epoch:
             taken = _node_config(data)
             if taken is not None:
@@ -1737,7 +1756,15 @@ class Membership:
         # Only the router that removes members on its own probes makes nodes
         # require a lease; others leave the setting as it is.
         lease = self.lease_seconds if self.leasing else None
-        payload = push_body(view, previous, crashed, self.config, lease, established=established)
+        payload = push_body(
+            view,
+            previous,
+            crashed,
+            self.config,
+            lease,
+            established=established,
+            cluster=self.cluster,
+        )
         pending = {
             asyncio.create_task(self.nodes.push_one(m, payload, seconds=seconds)): m
             for m in members
@@ -1958,6 +1985,7 @@ class Membership:
             self.ready_timeout,
             self.health_timeout,
             round_robin=self.config.balance == "round-robin",
+            cluster=self.cluster,
         )
 
     async def _renew(self, member: Member, health: Health | None = None) -> dict[str, Any] | None:

@@ -35,8 +35,13 @@ def push_body(
     lease: float | None,
     *,
     established: bool = False,
+    cluster: str | None = None,
 ) -> dict[str, Any]:
     """The body of a view push; ``lease`` makes the nodes require one (None: unchanged).
+
+    ``cluster``: the name of the cluster (``--cluster``, with etcd) whose ring
+    this is. A node remembers it and says it; a router of another cluster will
+    not take the node, nor the node its pushes, while it is a member here.
 
     ``established``: every member of ``view`` holds its states (new rules, a
     refresh), so one that never held a view has restarted and refuses it (409
@@ -55,6 +60,8 @@ def push_body(
         payload["lease"] = lease
     if established:
         payload["established"] = True
+    if cluster is not None:
+        payload["cluster"] = cluster
     return payload
 
 
@@ -126,13 +133,20 @@ class NodeClient:
             )
 
     async def wait_ready(
-        self, member: Member, ready_timeout: float, within: float, *, round_robin: bool = False
+        self,
+        member: Member,
+        ready_timeout: float,
+        within: float,
+        *,
+        round_robin: bool = False,
+        cluster: str | None = None,
     ) -> int:
         """Readiness gate: a joining node must answer, as itself, before it is
         given any key. A URL that reaches another member, a router or anything
         else that does not call itself ``member.id`` is refused at once, and so,
         for a router that balances ``round_robin``, is a node that refuses keys
-        it does not own (its own limiter, sticky).
+        it does not own (its own limiter, sticky), and for a router of the
+        etcd ``cluster``, a node that holds a ring of another named cluster.
         Returns the epoch the node said it holds (0 when it said none)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ready_timeout
@@ -169,6 +183,19 @@ class NodeClient:
                                 "does not own, and this router balances round-robin "
                                 "(--backend redis): start the node with --backend redis "
                                 "and the cluster's --redis-url",
+                            )
+                        other = _cluster_of(response)
+                        if cluster is not None and other is not None and other != cluster:
+                            # Taken, its ring (newer) was adopted as this cluster's
+                            # and committed to etcd: two clusters' routers then
+                            # shared nodes, two rings had one epoch, and users got
+                            # a second quota (an exploratory tester).
+                            raise MembershipError(
+                                409,
+                                "node_in_another_ring",
+                                f"node {member.id} holds the ring of cluster {other!r} "
+                                f"(epoch {_epoch_of(response)}), not {cluster!r}: give it to "
+                                "that cluster's routers, or restart it empty to join this one",
                             )
                         return _epoch_of(response)
                     raise MembershipError(
@@ -355,6 +382,16 @@ def node_id(response: httpx.Response) -> str | None:
     except ValueError:
         return None
     value = data.get("node") if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _cluster_of(response: httpx.Response) -> str | None:
+    """The cluster whose ring a node's ``/healthz`` says it holds (None: none, a
+    cluster without a name, or a version that does not say)."""
+    try:
+        value = response.json().get("cluster")
+    except (ValueError, AttributeError):
+        return None
     return value if isinstance(value, str) else None
 
 

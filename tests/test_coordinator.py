@@ -1611,3 +1611,58 @@ async def test_an_etcd_outage_is_logged_without_flooding(
         await wait_until(lambda: first.leading != other.leading, 20.0)
     retries = [m for m in lines if "retrying" in m or "leader election" in m]
     assert len(retries) <= 8, "\n".join(lines)
+
+
+async def test_another_clusters_router_on_the_same_etcd_cannot_take_its_nodes(
+    etcd_endpoint: str,
+) -> None:
+    """Clusters on one etcd are told apart by --cluster alone. A router of cluster
+    "other" given a member of cluster "test" (or one "test" had removed, still
+    running) adopted that node's newer ring as its own and committed it to etcd;
+    "test"'s routers then took "other"'s views from their nodes, two rings had one
+    epoch, and users got a second quota (an exploratory tester: 15 over a 15/h
+    limit, twice). Now the join is refused, naming the node's cluster, and a
+    push from the other cluster's router is refused by the node itself."""
+    async with leading_cluster(etcd_endpoint) as cluster:
+        test = cluster.router.membership
+        other_url = "http://other.localhost"
+        cluster._make_node("m1")
+        etcd = EtcdCoordinator(parse_endpoints(etcd_endpoint), cluster="other", ttl=2.0)
+        other = cluster.new_router(
+            other_url, seeds=[Member("m1", node_url("m1"))], **coordinated(etcd, other_url)
+        )
+        await other.start()
+        try:
+            await wait_until(lambda: other.membership.leading)
+            assert other.membership.view.ids == ("m1",)
+            # A member of "test": refused, nothing changes on either side.
+            taken = await cluster.client.post(
+                f"{other_url}/admin/nodes", json={"id": "n1", "url": node_url("n1")}
+            )
+            assert taken.status_code == 409, taken.text
+            assert taken.json()["error"] == "node_in_another_ring"
+            assert "holds the ring of cluster 'test'" in taken.json()["detail"]
+            # One "test" removed (it runs on, out of the ring): refused as well.
+            removed = await cluster.client.delete("/admin/nodes/n2")
+            assert removed.status_code == 200, removed.text
+            moved = await cluster.client.post(
+                f"{other_url}/admin/nodes", json={"id": "n2", "url": node_url("n2")}
+            )
+            assert moved.status_code == 409, moved.text
+            assert other.membership.view.ids == ("m1",)
+            assert test.view.ids == ("n1", "n3")
+            record = await etcd.load()
+            assert record is not None and record.view.ids == ("m1",)
+            # The node's own guard: another cluster's push is refused while a member.
+            push = {
+                "ring": RingView.of([Member("n1", node_url("n1"))], epoch=99).to_dict(),
+                "config": make_config().to_dict(),
+                "cluster": "other",
+            }
+            refused = await cluster.client.put(node_url("n1") + "/internal/cluster", json=push)
+            assert refused.status_code == 409 and refused.json()["error"] == "another_cluster"
+            assert cluster.nodes["n1"].epoch == test.view.epoch
+            health = (await cluster.client.get(node_url("n1") + "/healthz")).json()
+            assert health["cluster"] == "test"
+        finally:
+            await other.close()

@@ -361,6 +361,8 @@ async def test_healthz(node_client: Any) -> None:
         "epoch": 0,
         "backend": "memory",
         "backend_available": True,
+        "sticky": True,
+        "cluster": None,
         "keys": 0,
         "config": body["config"],
     }
