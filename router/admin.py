@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -78,6 +79,47 @@ def new_rules(config: ClusterConfig, data: Any) -> ClusterConfig:
         raise ApiError(400, "invalid_rules", str(exc)) from None
 
 
+#: What a running cluster cannot change: a node's backend and balance are its
+#: process's (a Redis-backed node has no shard to own keys with, a sticky one
+#: no Redis). A config that leaves them out keeps the cluster's.
+FIXED_AT_START = ("backend", "balance")
+
+
+def new_config(current: ClusterConfig, data: Any) -> ClusterConfig:
+    """The whole config of ``data`` (a config file's tables, as JSON) to replace
+    ``current``, checked as a config file is: ApiError 400 ``invalid_config``
+    saying where and why, 409 ``fixed_at_start`` for a backend or balance
+    other than the cluster's.
+
+    With etcd, the config recorded there wins over every router's flags and
+    file at start (a restarted router must not undo a runtime change), so
+    before this call nothing but the rules could change on such a cluster:
+    a leaked bypass token could not be revoked (an exploratory tester)."""
+    if not isinstance(data, dict):
+        raise ApiError(
+            400, "invalid_config", "the body must be a config: the config file's tables as JSON"
+        )
+    given = dict(data)
+    for name in FIXED_AT_START:
+        given.setdefault(name, getattr(current, name))
+    try:
+        config = ClusterConfig.from_dict(given, source="PUT /admin/config")
+    except ConfigError as exc:
+        raise ApiError(400, "invalid_config", str(exc)) from None
+    if not 1 <= len(config.rules) <= MAX_RULES:
+        raise ApiError(400, "invalid_config", f"a config has 1 to {MAX_RULES} rules")
+    for name in FIXED_AT_START:
+        before, after = getattr(current, name), getattr(config, name)
+        if before != after:
+            raise ApiError(
+                409,
+                "fixed_at_start",
+                f"{name} {after!r}: the cluster runs {name} {before!r}, which a node takes "
+                "from its own flags as it starts; leave it out to keep it",
+            )
+    return config
+
+
 class AdminAPI:
     """The admin endpoints of one :class:`router.app.Router`."""
 
@@ -95,6 +137,7 @@ class AdminAPI:
             Route("/admin/nodes", self.admin_join, methods=["POST"]),
             Route("/admin/nodes/{node_id}", self.admin_leave, methods=["DELETE"]),
             Route("/admin/rules", self.admin_rules, methods=["GET", "PUT"]),
+            Route("/admin/config", self.admin_config, methods=["GET", "PUT"]),
             Route("/admin/top", self.admin_top, methods=["GET"]),
             Route("/admin/ui", self.admin_ui, methods=["GET"]),
             Route("/admin/ui/data", self.admin_ui_data, methods=["GET"]),
@@ -343,9 +386,43 @@ class AdminAPI:
         membership = self.router.membership
         if request.method == "GET":
             return JSONResponse({"epoch": membership.view.epoch, "rules": membership.rules_data()})
+        return await self._change_config(
+            request, new_rules, "invalid_rules", lambda: {"rules": membership.rules_data()}
+        )
+
+    async def admin_config(self, request: Request) -> Response:
+        """``GET /admin/config``: the cluster's whole config; ``PUT`` one (the
+        config file's tables, as JSON) makes it the cluster's without a restart,
+        as ``PUT /admin/rules`` does its rules (identity, limits, policies,
+        headers, privacy, bypass: every node takes it with the next push)."""
+        if (refused := self.refused(request)) is not None:
+            return refused
+        membership = self.router.membership
+        if request.method == "GET":
+            return JSONResponse(
+                {"epoch": membership.view.epoch, "config": self.router.config.to_dict()}
+            )
+        return await self._change_config(
+            request, new_config, "invalid_config", lambda: {"config": self.router.config.to_dict()}
+        )
+
+    async def _change_config(
+        self,
+        request: Request,
+        build: Callable[[ClusterConfig, Any], ClusterConfig],
+        invalid: str,
+        shown: Callable[[], dict[str, Any]],
+    ) -> Response:
+        """A ``PUT`` of new rules or a new config: ``build`` makes the config from
+        the body (ApiError for a bad one), the leader makes it the cluster's
+        (:meth:`router.membership.Membership.change_config`), and the answer
+        shows what the cluster now has, with the members that did not take it
+        yet (the health loop gives it to them, or repairs a restarted one,
+        within a health interval)."""
+        membership = self.router.membership
         try:
             raw = await read_body(request, MAX_RULES_BODY)
-            config = new_rules(self.router.config, parse_json(raw, self.router.config))
+            config = build(self.router.config, parse_json(raw, self.router.config))
             if (forwarded := await self._to_leader(request, raw)) is not None:
                 return forwarded
             change = await membership.change_config(config)
@@ -354,15 +431,9 @@ class AdminAPI:
         except MembershipError as exc:
             return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
         except ValueError as exc:  # clashes with this router's --envoy-config rules
-            return JSONResponse(error_body("invalid_rules", str(exc)), status_code=400)
+            return JSONResponse(error_body(invalid, str(exc)), status_code=400)
         return JSONResponse(
-            {
-                "epoch": membership.view.epoch,
-                "rules": membership.rules_data(),
-                # Members that did not take them yet: the health loop gives them
-                # the rules (or repairs a restarted one) within a health interval.
-                "pending": list(change.pending),
-            }
+            {"epoch": membership.view.epoch, **shown(), "pending": list(change.pending)}
         )
 
     # ------------------------------------------------------------------ operators

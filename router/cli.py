@@ -4,6 +4,8 @@
     ringlimit router    one router (multi-host use)
     ringlimit node      one node (multi-host use; --join registers it with a router)
     ringlimit nodes     list, add and remove nodes through a router's admin API
+    ringlimit rules     show the cluster's rules, or apply a file's (no restart)
+    ringlimit config    show the cluster's whole config, or apply a file's (no restart)
     ringlimit simulate  rebalancing simulations on a virtual clock
     ringlimit bench     the side-by-side benchmark
 
@@ -505,21 +507,26 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _admin_timeout_argument(nodes)
     nodes.set_defaults(run=_run_nodes)
 
-    rules = commands.add_parser(
+    _show_or_apply(
+        commands,
         "rules",
-        help="show the cluster's rules, or make a config file's [[rules]] the cluster's "
+        "show the cluster's rules, or make a config file's [[rules]] the cluster's "
         "(no restart; docs/configuration.md)",
-    )
-    rules.add_argument(
-        "file",
-        nargs="?",
-        help="a config file (TOML or JSON) whose [[rules]] replace the cluster's; "
+        "a config file (TOML or JSON) whose [[rules]] replace the cluster's; "
         "without it (or with 'list' or 'show', as `nodes list`), the rules are shown "
         "(a file of that name: ./list)",
+        _run_rules,
     )
-    rules.add_argument("--router", default=ROUTER_URL, help=ROUTER_HELP)
-    _admin_timeout_argument(rules)
-    rules.set_defaults(run=_run_rules)
+    _show_or_apply(
+        commands,
+        "config",
+        "show the cluster's whole config, or make a config file the cluster's "
+        "(no restart: identity, limits, policies, headers, privacy, bypass and rules)",
+        "a config file (TOML or JSON) that replaces the cluster's config; its "
+        "backend and balance, if it gives them, must be the cluster's; without it "
+        "(or with 'list' or 'show'), the config is shown",
+        _run_config,
+    )
 
     _lazy_command(commands, command, "simulate", "run a rebalancing simulation")
     _lazy_command(commands, command, "bench", "the side-by-side benchmark")
@@ -1567,18 +1574,80 @@ def _run_nodes(args: argparse.Namespace) -> int:
 SHOW_WORDS = ("list", "show")
 
 
+def _show_or_apply(
+    commands: Any, name: str, help: str, file_help: str, run: Callable[[argparse.Namespace], int]
+) -> None:
+    """A command that shows what the cluster has, or applies a file: ``rules``, ``config``."""
+    command = commands.add_parser(name, help=help)
+    command.add_argument("file", nargs="?", help=file_help)
+    command.add_argument("--router", default=ROUTER_URL, help=ROUTER_HELP)
+    _admin_timeout_argument(command)
+    command.set_defaults(run=run)
+
+
+def _file_to_apply(args: argparse.Namespace, command: str) -> str | None:
+    """The file ``ringlimit COMMAND FILE`` applies; None to show (no file, or
+    ``list``/``show``, as ``nodes list`` says it). A read must never turn into
+    a write: a file of such a name here is refused (``./list`` applies it)."""
+    if args.file in SHOW_WORDS:
+        if os.path.lexists(args.file):
+            raise ValueError(
+                f"{args.file!r} names a file here too: `ringlimit {command} ./{args.file}` "
+                f"applies it, `ringlimit {command}` shows the {command}"
+            )
+        return None
+    return str(args.file) if args.file is not None else None
+
+
+def _say_pending(what: str, data: dict[str, Any]) -> None:
+    """The members that did not take new ``what`` (``rules``, ``config``), on
+    stderr: stdout stays what ``ringlimit WHAT`` reads back."""
+    if data.get("pending"):
+        print(
+            f"ringlimit {what}: not taken yet by "
+            + ", ".join(map(str, data["pending"]))
+            + f" (the router's health loop gives them the {what}, or repairs them)",
+            file=sys.stderr,
+        )
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    """Show the cluster's whole config, or make a file's the cluster's."""
+    body = None
+    args.file = _file_to_apply(args, "config")
+    if args.file is not None:
+        data = load_config_data(args.file)  # ConfigError: one line, naming the file
+        config_of(data, args.file)  # checked here first, naming the file
+        if not isinstance(data, dict) or not data.get("rules"):
+            raise ValueError(f"{args.file}: no [[rules]]: a cluster's config has its rules")
+        body = data
+
+    def lines(data: dict[str, Any]) -> list[str]:
+        config = data["config"]
+        if not isinstance(config, dict):
+            raise ValueError("not a config")
+        return [json.dumps(config, indent=2)]
+
+    def applied(data: dict[str, Any]) -> list[str]:
+        _say_pending("config", data)
+        return lines(data)
+
+    return _admin_call(
+        args.router,
+        "GET" if body is None else "PUT",
+        "/admin/config",
+        body,
+        lines if body is None else applied,
+        command="ringlimit config",
+        timeout=args.timeout,
+    )
+
+
 def _run_rules(args: argparse.Namespace) -> int:
     """Show the cluster's rules, or make a file's [[rules]] the cluster's."""
     body = None
     unapplied: list[str] = []  # what a file sets besides its rules
-    if args.file in SHOW_WORDS:
-        if os.path.lexists(args.file):
-            # A read must never turn into a write of the cluster's rules.
-            raise ValueError(
-                f"{args.file!r} names a file here too: `ringlimit rules ./{args.file}` "
-                "applies it, `ringlimit rules` shows the rules"
-            )
-        args.file = None  # `rules list`, as `nodes list` says it
+    args.file = _file_to_apply(args, "rules")
     if args.file is not None:
         data = load_config_data(args.file)  # ConfigError: one line, naming the file
         config = config_of(data, args.file)
@@ -1604,18 +1673,12 @@ def _run_rules(args: argparse.Namespace) -> int:
     def applied(data: dict[str, Any]) -> list[str]:
         if unapplied:
             print(
-                f"ringlimit rules: {args.file}: {', '.join(unapplied)} not applied: only "
-                "[[rules]] change at runtime (the rest is read at start)",
+                f"ringlimit rules: {args.file}: {', '.join(unapplied)} not applied: "
+                "`ringlimit rules` changes the [[rules]] alone; `ringlimit config FILE` "
+                "applies the whole file",
                 file=sys.stderr,
             )
-        if data.get("pending"):
-            # Said apart from the rules (stdout stays what `ringlimit rules` reads back).
-            print(
-                "ringlimit rules: not taken yet by "
-                + ", ".join(map(str, data["pending"]))
-                + " (the router's health loop gives them the rules, or repairs them)",
-                file=sys.stderr,
-            )
+        _say_pending("rules", data)
         return lines(data)
 
     if body is None:
@@ -1694,7 +1757,13 @@ def _admin_call(
     # for may still be made. It said "cannot reach the router" and blamed
     # --router while the router was waiting on the node (an exploratory tester).
     # (`rules FILE` said to see `nodes list`, which shows no rules: a tester)
-    shows = "rules" if path.startswith("/admin/rules") else "nodes list"
+    shows = (
+        "rules"
+        if path.startswith("/admin/rules")
+        else "config"
+        if path.startswith("/admin/config")
+        else "nodes list"
+    )
     late = CommandError(
         f"the router at {base} gave no whole answer within --timeout {timeout:g} s"
         + (

@@ -501,6 +501,21 @@ class Membership:
         rings = await asyncio.gather(*(ring(url) for url in fellows))
         return [member for members in rings for member in members]
 
+    def _take_etcd_config(self, record: ViewRecord) -> None:
+        """Take the config etcd holds, saying which sections differ from this
+        router's: at start, those of its flags and file that do not apply (etcd's
+        wins, so a restart does not undo a runtime change), which an operator
+        restarting routers with a new file could not tell (an exploratory tester)."""
+        mine, theirs = self.config.to_dict(), record.config.to_dict()
+        differ = [name for name in theirs if mine.get(name) != theirs.get(name)]
+        log.warning(
+            "taking the cluster config from etcd (epoch %d); it differs from this router's in %s "
+            "(etcd's wins over a router's flags and file: `ringlimit config FILE` changes it)",
+            record.view.epoch,
+            ", ".join(differ) or "nothing it shows",
+        )
+        self._take_config(record.config, "etcd")
+
     async def _adopt_nodes_config(self, node_url: str) -> None:
         """Take the config of the node at ``node_url`` (it knows the newest view)."""
         try:
@@ -585,13 +600,11 @@ class Membership:
             self.events.crashed(record.view.epoch, record.crashed)
             if newer and record.settled and record.config != self.config:
                 # New rules for the same ring (:meth:`change_config`).
-                log.warning("taking the cluster config from etcd (epoch %d)", record.view.epoch)
-                self._take_config(record.config, "etcd")
+                self._take_etcd_config(record)
         elif (record.settled or force) and record.view.epoch > self.view.epoch:
             self._revision = record.revision
             if record.config != self.config:
-                log.warning("taking the cluster config from etcd (epoch %d)", record.view.epoch)
-                self._take_config(record.config, "etcd")
+                self._take_etcd_config(record)
             for member in record.view:
                 self.health.setdefault(member.id, Health())
             self._adopt(record.view, record.crashed)

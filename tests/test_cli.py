@@ -279,8 +279,8 @@ def test_rules_shows_and_applies_a_files_rules_to_a_running_cluster(
         noted = run([sys.executable, "-m", "router", "rules", str(full), "--router", router])
         assert noted.returncode == 0, noted.stderr
         assert noted.stderr == (
-            f"ringlimit rules: {full}: [limits], [policies] not applied: only [[rules]] "
-            "change at runtime (the rest is read at start)\n"
+            f"ringlimit rules: {full}: [limits], [policies] not applied: `ringlimit rules` "
+            "changes the [[rules]] alone; `ringlimit config FILE` applies the whole file\n"
         )
         # u's bucket kept 2 tokens of 3, at most the new 1: one more, then none.
         codes = [client.get("/x", headers={"X-User-Id": "u"}).status_code for _ in range(2)]
@@ -291,6 +291,42 @@ def test_rules_shows_and_applies_a_files_rules_to_a_running_cluster(
     again = run([sys.executable, "-m", "router", "rules", str(saved), "--router", router])
     assert again.returncode == 0, again.stderr
     assert [r["limit"] for r in json.loads(again.stdout)["rules"]] == [3]
+
+
+def test_config_shows_and_applies_a_whole_file_to_a_running_cluster(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """``ringlimit config FILE``: every section of a file, not the rules alone
+    (identity here); what it shows, it applies; a backend other than the
+    cluster's, and a router that is not there, are one line each."""
+    _, node = procs.node("n1")
+    _, router = procs.router(None, "--node", f"n1={node}", "--rule", "api=3/minute")
+    shown = run([sys.executable, "-m", "router", "config", "--router", router])
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["identity"]["name"] == "X-User-Id"
+    new = tmp_path / "cluster.toml"
+    new.write_text('[identity]\nname = "X-Account"\n[[rules]]\nname = "api"\nrate = "1/minute"\n')
+    applied = run([sys.executable, "-m", "router", "config", str(new), "--router", router])
+    assert applied.returncode == 0 and applied.stderr == "", applied.stderr
+    assert json.loads(applied.stdout)["identity"]["name"] == "X-Account"
+    with httpx.Client(base_url=router, timeout=10.0) as client:
+        codes = [client.get("/x", headers={"X-Account": "u"}).status_code for _ in range(2)]
+        assert codes == [200, 429]
+        assert client.get("/x", headers={"X-User-Id": "v"}).status_code == 400
+    saved = tmp_path / "saved.json"
+    saved.write_text(shown.stdout)
+    again = run([sys.executable, "-m", "router", "config", str(saved), "--router", router])
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["identity"]["name"] == "X-User-Id"
+    redis = tmp_path / "redis.toml"
+    redis.write_text('backend = "redis"\n[[rules]]\nname = "api"\nrate = "1/minute"\n')
+    refused = run([sys.executable, "-m", "router", "config", str(redis), "--router", router])
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "fixed_at_start: backend 'redis'" in refused.stderr
+    gone = run(
+        [sys.executable, "-m", "router", "config", "--router", f"http://127.0.0.1:{free_port()}"]
+    )
+    assert gone.returncode == 1 and gone.stderr.count("\n") == 1, gone.stderr
 
 
 @pytest.mark.integration

@@ -1666,3 +1666,78 @@ async def test_another_clusters_router_on_the_same_etcd_cannot_take_its_nodes(
             assert health["cluster"] == "test"
         finally:
             await other.close()
+
+
+async def test_a_whole_config_through_a_follower_reaches_etcd_every_router_and_node(
+    etcd_endpoint: str,
+) -> None:
+    """With etcd, the recorded config wins over a restarted router's flags and
+    file, so only rules could change: a leaked bypass token could not be revoked,
+    nor the user id's field renamed (an exploratory tester). ``PUT /admin/config``
+    (``ringlimit config FILE``) makes a whole config the cluster's: recorded in
+    etcd, taken by the other router and every node; and a router started after
+    it with the old config takes etcd's."""
+    import hashlib
+
+    leaked = hashlib.sha256(b"leaked-partner-token").hexdigest()
+    async with two_routers(etcd_endpoint) as (cluster, second):
+        first, other = cluster.router.membership, second.membership
+        follower = SECOND if first.leading else ROUTER_URL
+        with_token = {
+            "rules": [{"name": "api", "limit": 2, "period": 3600}],
+            "bypass": {"token_sha256": [leaked]},
+        }
+        answer = await cluster.client.put(f"{follower}/admin/config", json=with_token)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["config"]["bypass"]["token_sha256"] == [leaked]
+
+        def configs() -> list[ClusterConfig]:
+            return [
+                first.config,
+                other.config,
+                *(n.authority.config for n in cluster.nodes.values()),
+            ]
+
+        await wait_until(lambda: all(c.bypass_sha256 == (leaked,) for c in configs()))
+        partner = {"X-User-Id": "p", "X-Ringlimit-Bypass": "leaked-partner-token"}
+        for base in (ROUTER_URL, SECOND):
+            assert [
+                (await cluster.client.get(f"{base}/x", headers=partner)).status_code
+                for _ in range(3)
+            ] == [200] * 3
+        # Revoked, and the user id read from another field.
+        revoked = {
+            "rules": [{"name": "api", "limit": 2, "period": 3600}],
+            "identity": {"name": "X-Account"},
+        }
+        answer = await cluster.client.put(f"{follower}/admin/config", json=revoked)
+        assert answer.status_code == 200, answer.text
+        await wait_until(lambda: all(not c.bypass_sha256 for c in configs()))
+        await wait_until(lambda: all(c.identity.name == "X-Account" for c in configs()))
+        record = await first.coordinator.load()  # type: ignore[union-attr]
+        assert record is not None and record.settled and not record.config.bypass_sha256
+        token_only = {"X-Account": "q", "X-Ringlimit-Bypass": "leaked-partner-token"}
+        for base in (ROUTER_URL, SECOND):
+            statuses = [
+                (await cluster.client.get(f"{base}/x", headers=token_only)).status_code
+                for _ in range(3)
+            ]
+            assert statuses.count(429) >= 1, (base, statuses)
+        # The backend and balance are the nodes' own: refused, nothing changed.
+        fixed = await cluster.client.put(
+            f"{follower}/admin/config", json={**revoked, "balance": "round-robin"}
+        )
+        assert fixed.status_code == 409 and fixed.json()["error"] == "fixed_at_start"
+        bad = await cluster.client.put(f"{follower}/admin/config", json={"rules": [], "x": 1})
+        assert bad.status_code == 400 and bad.json()["error"] == "invalid_config"
+        shown = await cluster.client.get(f"{follower}/admin/config")
+        assert shown.json()["config"]["identity"]["name"] == "X-Account"
+        # A router started now with the old config takes etcd's.
+        third_url = "http://router3.localhost"
+        third = cluster.new_router(third_url, seeds=[], **options(etcd_endpoint, third_url))
+        await third.start()
+        try:
+            await wait_until(lambda: third.membership.config.identity.name == "X-Account")
+            assert not third.membership.config.bypass_sha256
+        finally:
+            await third.close()
