@@ -1283,13 +1283,35 @@ def _cannot_start(exc: MembershipError) -> CommandError:
 def _coordinator(args: argparse.Namespace) -> EtcdCoordinator | None:
     from router.coordinator import EtcdCoordinator, parse_endpoints
     from router.etcd_access import EtcdAccess
+    from router.workers import worker_role
 
     if not args.coordinator:
         given = [
             f"--etcd-{f}" for f in ("cacert", "cert", "key", "user") if getattr(args, f"etcd_{f}")
         ]
         if given:
-            raise SystemExit(f"ringlimit: {', '.join(given)} need --coordinator")
+            verb = "needs" if len(given) == 1 else "need"
+            raise SystemExit(f"ringlimit: {', '.join(given)} {verb} --coordinator")
+        unused = [
+            flag
+            for flag, value, default in (
+                ("--cluster", args.cluster, "default"),
+                ("--coordinator-ttl", args.coordinator_ttl, 2),
+                ("--advertise", args.advertise, None),
+            )
+            if value != default
+        ]
+        role = worker_role()
+        if unused and (role is None or (role.index == 0 and not role.restarted)):
+            # Said once (a single router, or the first worker's first start), not
+            # refused (a compose file may pass them whether or not it sets
+            # RINGLIMIT_COORDINATOR): they were taken in silence, and a router meant
+            # for a cluster ran on a ring of its own (an exploratory tester).
+            print(
+                f"ringlimit: {', '.join(unused)} ignored without --coordinator "
+                "(this router keeps a ring of its own)",
+                file=sys.stderr,
+            )
         return None
     if args.state_file:
         print(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -321,7 +322,7 @@ def test_a_router_process_on_a_secure_etcd(secure_etcd: SecureEtcd, procs: Procs
 @pytest.mark.parametrize(
     ("flags", "env", "says"),
     [
-        (["--etcd-user", "root"], {}, "--etcd-user need --coordinator"),
+        (["--etcd-user", "root"], {}, "--etcd-user needs --coordinator"),
         (["--coordinator", "etcds://127.0.0.1:1", "--etcd-user", "root"], {}, "PASSWORD"),
         (["--coordinator", "etcd://127.0.0.1:1", "--etcd-cacert", "ca.pem"], {}, "etcds://"),
         (["--coordinator", "etcds://127.0.0.1:1", "--etcd-cacert", "nope.pem"], {}, "nope.pem"),
@@ -363,3 +364,28 @@ def test_a_router_without_the_client_certificate_etcd_wants_is_one_line(
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert "TLS handshake failed" in result.stderr and "--etcd-cert" in result.stderr
+
+
+def test_etcd_only_flags_without_a_coordinator_are_said_to_be_ignored() -> None:
+    """``--cluster``, ``--coordinator-ttl`` and ``--advertise`` without
+    ``--coordinator`` were taken in silence: a router meant for a cluster ran on
+    a ring of its own (an exploratory tester). Said in one line (not refused: a
+    compose file may pass them whether or not it sets RINGLIMIT_COORDINATOR)."""
+    from router.cli import _coordinator, build_parser
+
+    flags = ["--cluster", "prod", "--coordinator-ttl", "10", "--advertise", "http://r:1"]
+    args = build_parser().parse_args(["router", *flags])
+    args.coordinator = None
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert _coordinator(args) is None
+    assert err.getvalue() == (
+        "ringlimit: --cluster, --coordinator-ttl, --advertise ignored without --coordinator "
+        "(this router keeps a ring of its own)\n"
+    )
+    quiet = build_parser().parse_args(["router"])
+    quiet.coordinator = None
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert _coordinator(quiet) is None
+    assert err.getvalue() == ""
