@@ -272,7 +272,10 @@ def check_url_options(url: str) -> None:
     its ``--redis-timeout`` said 0.25, and ``?max_connections=`` broke the pool
     the node sizes to its call slots. Other parameters (``db``, ``protocol``,
     ``health_check_interval``...) are Redis's to take."""
-    query = urlsplit(url).query
+    try:
+        query = urlsplit(url).query
+    except ValueError as exc:  # "Invalid IPv6 URL" alone named neither flag nor URL
+        raise ValueError(f"--redis-url {redact_url(url)}: {exc}") from None
     given = sorted(
         {name for name, _ in parse_qsl(query, keep_blank_values=True) if name in NODE_SETS}
     )

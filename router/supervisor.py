@@ -386,6 +386,7 @@ def check_ports(
 def check_redis(url: str) -> None:
     """``up --backend redis`` with no Redis there is a mistake: say so at once."""
     import redis
+    from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError
 
     from node.redis_backend import check_url_options
 
@@ -400,14 +401,31 @@ def check_redis(url: str) -> None:
             f"--redis-url {redact_url(url)} is not a valid Redis URL ({exc}); expected "
             "redis://[USER:PASSWORD@]HOST[:PORT][/DB], rediss://... or unix://PATH"
         ) from None
+    where = redact_url(url)
     try:
         try:
             client.ping()
+            # What a node's probe writes: a read-only replica answers PING, and
+            # every check then fell to the nodes' local limiters (a tester).
+            client.set("rl:probe", b"1", px=1000)
         finally:
             client.close()
+    except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
+        # (A ConnectionError to redis-py: it said "cannot reach" a Redis that answered.)
+        raise StartError(
+            f"Redis at {where} refused the credentials ({type(exc).__name__}: {exc}); "
+            "check the user and password in --redis-url (RINGLIMIT_REDIS_URL)"
+        ) from None
+    except redis.ReadOnlyError as exc:
+        raise StartError(
+            f"Redis at {where} takes no writes ({exc}): a read-only replica? point "
+            "--redis-url (RINGLIMIT_REDIS_URL) at its primary"
+        ) from None
+    except redis.ResponseError as exc:
+        raise StartError(f"Redis at {where} refused ringlimit's probe ({exc})") from None
     except (redis.RedisError, OSError, ValueError) as exc:
         raise StartError(
-            f"cannot reach Redis at {redact_url(url)} ({type(exc).__name__}: {exc}); "
+            f"cannot reach Redis at {where} ({type(exc).__name__}: {exc}); "
             "start redis-server or point --redis-url (RINGLIMIT_REDIS_URL) at one"
         ) from None
 

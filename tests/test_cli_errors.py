@@ -1166,3 +1166,50 @@ def _accepts(port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+@pytest.mark.parametrize(
+    ("extra", "given", "says"),
+    [
+        (["requirepass"], "", "refused the credentials (AuthenticationError"),
+        (["requirepass"], ":wrong@", "refused the credentials (AuthenticationError"),
+        # A replica of a primary that is not there: PING answers, writes do not.
+        (["--replicaof", "127.0.0.1", "1"], "", "takes no writes"),
+    ],
+    ids=["no-password", "wrong-password", "replica"],
+)
+def test_up_says_what_a_redis_that_answers_refuses(
+    tmp_path: Path, extra: list[str], given: str, says: str
+) -> None:
+    """A Redis that wants a password was said to be unreachable ("start
+    redis-server"), and a read-only replica was taken: every check then fell to
+    the nodes' local limiters, over the limit (an exploratory tester)."""
+    from tests.redis_server import RedisServer, find_redis_server
+
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    password = extra == ["requirepass"]
+    server = RedisServer(binary, tmp_path, extra_args=[] if password else extra)
+    server.start()  # (its readiness probe sends no password: set once it answers)
+    try:
+        if password:
+            with contextlib.closing(server.client()) as client:
+                client.config_set("requirepass", "s3cret")
+        url = f"redis://{given}127.0.0.1:{server.port}/0"
+        line = one_line_failure(
+            ringlimit("up", "--backend", "redis", "--redis-url", url, "--port", str(free_block(4))),
+            says,
+        )
+        assert "cannot reach" not in line and "wrong" not in line.replace(url, ""), line
+    finally:
+        server.stop()
+
+
+def test_up_names_the_flag_of_a_redis_url_it_cannot_parse() -> None:
+    """``redis://[::1`` said only "Invalid IPv6 URL"."""
+    line = one_line_failure(
+        ringlimit("up", "--backend", "redis", "--redis-url", "redis://[::1", "--port", "1"),
+        "--redis-url redis://[::1: Invalid IPv6 URL",
+    )
+    assert line
