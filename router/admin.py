@@ -220,6 +220,7 @@ class AdminAPI:
         # won (etcd named it; its take-over had not ended).
         deadline = loop.time() + NO_LEADER_WAIT
         moves = 0
+        own = False  # etcd named this router's URL as the leader's, and it does not lead
         while True:
             leader = await self._leader()
             if leader is None or isinstance(leader, Response):
@@ -232,13 +233,21 @@ class AdminAPI:
                 if answer is not None:
                     return answer
                 continue
+            own = bool(leader)
             if loop.time() >= deadline:
                 break
             await asyncio.sleep(LEADER_LOOK)
+        detail = "no router leads the cluster right now; retry shortly"
+        if own:
+            # Two routers given one --advertise: the leader's URL is this one's, so
+            # every call here waited 10 s for a leader and said none led (a tester).
+            detail = (
+                f"the leader advertises {membership.advertise}, this router's own URL, and "
+                "this router does not lead: two routers were given the same --advertise?"
+            )
+            log.warning("%s", detail)
         return JSONResponse(
-            error_body("no_leader", "no router leads the cluster right now; retry shortly"),
-            status_code=503,
-            headers={"retry-after": "1"},
+            error_body("no_leader", detail), status_code=503, headers={"retry-after": "1"}
         )
 
     async def _pass_on(self, request: Request, body: bytes, leader: str) -> Response | None:

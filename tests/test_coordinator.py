@@ -1741,3 +1741,26 @@ async def test_a_whole_config_through_a_follower_reaches_etcd_every_router_and_n
             assert not third.membership.config.bypass_sha256
         finally:
             await third.close()
+
+
+async def test_two_routers_given_one_advertise_say_so(
+    etcd_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router started with another's --advertise took the leader's URL for its
+    own: every admin call through it waited 10 s and said no router led (an
+    exploratory tester). It still cannot pass the call on, but says why."""
+    import router.admin
+
+    monkeypatch.setattr(router.admin, "NO_LEADER_WAIT", 0.5)
+    async with leading_cluster(etcd_endpoint) as cluster:
+        twin_url = "http://twin.localhost"
+        twin = cluster.new_router(twin_url, seeds=[], **options(etcd_endpoint, ROUTER_URL))
+        await twin.start()
+        try:
+            await wait_until(lambda: twin.membership.view == cluster.router.membership.view)
+            answer = await cluster.client.delete(f"{twin_url}/admin/nodes/n2")
+            assert answer.status_code == 503 and answer.json()["error"] == "no_leader"
+            assert "two routers were given the same --advertise" in answer.json()["detail"]
+            assert "n2" in cluster.router.membership.view
+        finally:
+            await twin.close()
