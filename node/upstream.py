@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from node.headers import DEGRADED_HEADER
 from node.hopbyhop import HOP_BY_HOP, NO_CONTENT, passed_on
 from node.identity import header_text
 from node.inline import inline_app
+from node.peers import one_line
 
 log = logging.getLogger("ringlimit.node")
 
@@ -386,7 +388,7 @@ class UpstreamApp:
                     type(exc).__name__,
                 )
                 answered.set()
-                await _unavailable(send, f"{type(exc).__name__} from upstream")
+                await _unavailable(send, _what_failed(exc))
 
     def _broke_off(self, scope: Scope, exc: BaseException) -> None:
         """The answer broke off after it began (the upstream closed mid-body, or
@@ -402,6 +404,23 @@ class UpstreamApp:
             scope["path"],
             type(exc).__name__,
         )
+
+
+def _what_failed(exc: BaseException) -> str:
+    """A 502's detail: what went wrong with the upstream, in aiohttp's words where
+    it has them. "ClientResponseError from upstream" was all it said of a field
+    past 64 KiB, a 204 with a body or two Content-Lengths alike (a tester)."""
+    if isinstance(exc, TimeoutError):
+        return "the upstream did not answer within --upstream-timeout"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the upstream closed the connection before it answered"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect to the upstream ({exc.os_error.strerror or exc.os_error})"
+    if isinstance(exc, aiohttp.ClientResponseError) and exc.message:
+        # Without the bytes aiohttp quotes: the upstream's fields are not the client's.
+        message = re.split(r":? b['\"]", str(exc.message), maxsplit=1)[0]
+        return f"the upstream's answer cannot be read: {one_line(message, 200)}"
+    return f"{type(exc).__name__} from upstream"
 
 
 async def _client_gone(receive: Receive, body_read: asyncio.Event) -> None:

@@ -450,6 +450,10 @@ async def test_answer_fields_up_to_the_front_doors_64_kib_are_relayed() -> None:
     assert many.startswith(b"HTTP/1.1 200 ") and MANY in many and many.endswith(b"\r\n\r\nok")
     assert wide.startswith(b"HTTP/1.1 200 ") and WIDE in wide and wide.endswith(b"\r\n\r\nok")
     assert too_wide.startswith(b"HTTP/1.1 502 ") and b"upstream_unavailable" in too_wide
+    # Saying what was wrong: "ClientResponseError from upstream" said nothing (a tester).
+    detail = json.loads(too_wide.partition(b"\r\n\r\n")[2])["detail"]
+    assert detail.startswith("the upstream's answer cannot be read: "), detail
+    assert "Got more than 65536 bytes" in detail and "www" not in detail, detail
 
 
 # 5. --upstream-timeout.
