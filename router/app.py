@@ -259,7 +259,9 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.watch(lambda: self.membership.view.epoch, lambda: len(self.membership.view))
         self.metrics.watch_membership(
-            lambda: self.membership.stats, lambda: float(self.membership.suspect_self)
+            lambda: self.membership.stats,
+            lambda: float(self.membership.suspect_self),
+            lambda: float(not self.membership.follows),
         )
         self.metrics.watch_failures(self.membership.failures.snapshot)
         self.membership.view_watchers.append(lambda view: self.metrics.view_changed(view.ids))

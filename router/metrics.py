@@ -97,11 +97,15 @@ class RouterMetrics:
         self._nodes.set_function(nodes)
 
     def watch_membership(
-        self, stats: Callable[[], Mapping[str, float]], suspect_self: Callable[[], float]
+        self,
+        stats: Callable[[], Mapping[str, float]],
+        suspect_self: Callable[[], float],
+        leading: Callable[[], float] = lambda: 1.0,
     ) -> None:
         """Membership's own counters: removals, removals the budget deferred (by
-        reason), self-suspicions and lease renewals; and whether it suspects
-        itself now (it cannot reach most members)."""
+        reason), self-suspicions and lease renewals; whether it suspects itself
+        now (it cannot reach most members); and whether it leads membership
+        (with etcd: elected; the routers' leadership was in their logs alone)."""
         self.registry.register(
             DictCollector(
                 "ringlimit_router_membership",
@@ -115,6 +119,11 @@ class RouterMetrics:
             "1 while this router cannot reach most members and removes nobody.",
             registry=self.registry,
         ).set_function(suspect_self)
+        Gauge(
+            "ringlimit_router_leading",
+            "1 while this router leads membership (etcd elected it, or it follows no router).",
+            registry=self.registry,
+        ).set_function(leading)
 
     def watch_pipelining(self, counts: Callable[[], Mapping[str, float]]) -> None:
         """Pipelined writes to nodes and the requests they carried (``--pipeline``)."""

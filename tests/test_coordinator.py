@@ -1764,3 +1764,12 @@ async def test_two_routers_given_one_advertise_say_so(
             assert "n2" in cluster.router.membership.view
         finally:
             await twin.close()
+
+
+async def test_the_routers_metrics_say_which_leads(etcd_endpoint: str) -> None:
+    """Which router led was in the logs alone (an exploratory tester)."""
+    async with two_routers(etcd_endpoint) as (cluster, second):
+        texts = [(await cluster.client.get(f"{url}/metrics")).text for url in (ROUTER_URL, SECOND)]
+        said = sorted("ringlimit_router_leading 1.0" in text for text in texts)
+        assert said == [False, True], texts
+        assert all("ringlimit_router_leading " in text for text in texts)
