@@ -103,7 +103,7 @@ from node.decision import (
 from node.failures import Failures
 from node.lua import SCRIPTS, Script, pack_args, script_for, unpack_reply
 from node.roundtrips import RoundTrips
-from node.rules import Rule
+from node.rules import MAX_LIMIT, MAX_PERIOD, Rule
 from node.security import redact_url
 
 logger = logging.getLogger("ringlimit.redis")
@@ -203,16 +203,23 @@ class CorruptState(ResponseError):
     user out with a 100-digit ``Retry-After``."""
 
 
-def _out_of_range(verdict: Verdict, rules: Sequence[Rule]) -> str | None:
-    """What in ``verdict`` no script computes from a sound state, or None.
+#: The longest wait a script computes from a state some rule wrote: twice the
+#: longest horizon a rule may have (a bucket of MAX_LIMIT units refilled one per
+#: MAX_PERIOD, ~3e16 s). Not the current rule's: a GCRA state made under an
+#: earlier rule (10/day, then 100/minute) keeps its time until it passes, as in
+#: memory, and was taken for a corrupt one (the review of the day's changes);
+#: nor one a clock stepped back lengthened. Past it, no rule wrote the state.
+MAX_WAIT = 2.0 * MAX_LIMIT * MAX_PERIOD
 
-    Every wait a sound state gives is within twice the rule's horizon (its
-    period, or a bucket's time to fill), and what remains within its capacity."""
+
+def _out_of_range(verdict: Verdict, rules: Sequence[Rule]) -> str | None:
+    """What in ``verdict`` no script computes from a state a rule wrote, or None:
+    a wait that is not a number (NaN, infinity), below 0 or past :data:`MAX_WAIT`,
+    or more remaining than the rule holds."""
     for decision, rule in zip(verdict.decisions, rules, strict=True):
-        horizon = 2 * max(rule.period, rule.capacity * rule.interval) + 1.0
         waits = (decision.reset_after, decision.retry_after, decision.available_after)
         for wait in waits:
-            if wait is not None and not -1.0 <= wait <= horizon:  # (NaN fails both)
+            if wait is not None and not -1.0 <= wait <= MAX_WAIT:  # (NaN fails both)
                 return f"rule {rule.name!r}: a wait of {wait!r} s from its stored state"
         if not 0 <= decision.remaining <= max(rule.capacity, rule.limit):
             return f"rule {rule.name!r}: {decision.remaining!r} remaining from its stored state"

@@ -189,6 +189,36 @@ def test_decisions_stay_well_formed_after_the_rule_is_lowered(
                 assert close(d.available_after, d.retry_after), context
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@SETTINGS
+@given(spec=specs, new=specs, before=forward_ops, after=any_ops)
+@example(  # GCRA throttled under 10/day, then 100/minute: it keeps the day
+    spec=Spec(10, 86400.0, 0), new=Spec(100, 60.0, 0), before=[(0, 10), (0, 1)], after=[(0, 1)]
+)
+def test_decisions_after_any_rules_change_are_ones_redis_takes_for_sound(
+    algorithm: str, spec: Spec, new: Spec, before: list, after: list
+) -> None:
+    """A rule changed at runtime (limit, period and burst, each any way, and the
+    clock stepped back too): every decision on a state made under the old rule
+    passes the Redis backend's check of a state some rule wrote
+    (node.redis_backend._out_of_range). A check against the current rule's
+    horizon took a GCRA state made under 10/day, decided under 100/minute, for
+    a corrupt one (the review of the day's changes)."""
+    from node.decision import Verdict
+    from node.redis_backend import _out_of_range
+
+    old, changed = make_rule(algorithm, spec), make_rule(algorithm, new)
+    decide = REGISTRY[algorithm].decide
+    steps = run(old, before)
+    state, now = steps[-1].after, steps[-1].now
+    tick = new.period / TICKS
+    for ticks, cost in after:
+        now += ticks * tick
+        state, d = decide(state, now, changed, cost)
+        problem = _out_of_range(Verdict(d.allowed, d, (d,)), [changed])
+        assert problem is None, (problem, state, now, cost)
+
+
 def test_gcra_remaining_is_never_negative_at_realistic_times() -> None:
     """100/second at t = 1e6: the 101st request of a burst is denied with remaining -1
     (100 additions of T = 0.01 leave tat 9.3e-10 s past now + tolerance, within EPS)."""

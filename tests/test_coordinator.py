@@ -1768,7 +1768,7 @@ async def test_two_routers_given_one_advertise_say_so(
 
 async def test_the_routers_metrics_say_which_leads(etcd_endpoint: str) -> None:
     """Which router led was in the logs alone (an exploratory tester)."""
-    async with two_routers(etcd_endpoint) as (cluster, second):
+    async with two_routers(etcd_endpoint) as (cluster, _):
         texts = [(await cluster.client.get(f"{url}/metrics")).text for url in (ROUTER_URL, SECOND)]
         said = sorted("ringlimit_router_leading 1.0" in text for text in texts)
         assert said == [False, True], texts
