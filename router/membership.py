@@ -695,11 +695,17 @@ class Membership:
         works for nodes that keep no view (the Redis backend's).
         """
         try:
-            view, events, rules_digest, degraded = await self.nodes.leader_state(
-                leader_url, headers
-            )
-            self.leader_backend_degraded = degraded
-            if rules_digest is not None and rules_digest != self.config.rules_digest:
+            state = await self.nodes.leader_state(leader_url, headers)
+            view, events = state.view, state.events
+            self.leader_backend_degraded = state.degraded
+            if state.config_digest is not None:
+                # The whole config (PUT /admin/config changes more than rules).
+                if state.config_digest != self.config.digest:
+                    self._take_leaders_config(
+                        await self.nodes.leader_config(leader_url, headers), leader_url
+                    )
+            elif state.rules_digest is not None and state.rules_digest != self.config.rules_digest:
+                # A leader of a version that says its rules' digest alone.
                 self._take_leaders_rules(
                     await self.nodes.leader_rules(leader_url, headers), leader_url
                 )
@@ -720,6 +726,24 @@ class Membership:
 
     def rules_data(self) -> list[dict[str, Any]]:
         return [scoped.to_dict() for scoped in self.config.rules]
+
+    def _take_leaders_config(self, data: Any, leader_url: str) -> None:
+        """The config the leader took since (:meth:`change_config`, a
+        ``PUT /admin/config`` or new rules), whole: a follower that took its
+        rules alone kept its own identity, bypass tokens and limits (the review
+        of the day's changes: half of a --workers group's answers used the old
+        user-id field after `ringlimit config`)."""
+        try:
+            config = ClusterConfig.from_dict(
+                data, source=f"the config of {leader_url}", strict=False
+            )
+        except ValueError as exc:
+            log.error("could not take the leader's config: %s", exc)
+            return
+        if config.digest == self.config.digest:
+            return
+        log.info("taking the config of the leading router at %s", leader_url)
+        self._take_config(config, leader_url)
 
     def _take_leaders_rules(self, rules: list[Any], leader_url: str) -> None:
         """Rules the leader took since (:meth:`change_config`), with this router's
@@ -2036,6 +2060,7 @@ class Membership:
             "epoch": self.view.epoch,
             "nodes": nodes,
             "rules_digest": self.config.rules_digest,
+            "config_digest": self.config.digest,
         }
         if self.backend_degraded:
             data["backend_degraded"] = True  # what a follower polls (follow_once)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import typing
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -63,6 +63,16 @@ def push_body(
     if cluster is not None:
         payload["cluster"] = cluster
     return payload
+
+
+class LeaderState(NamedTuple):
+    """What a follower polls of the leading router (``GET /admin/ring``)."""
+
+    view: RingView
+    events: list[dict[str, Any]]
+    rules_digest: str | None
+    degraded: bool
+    config_digest: str | None
 
 
 class NodeClient:
@@ -333,16 +343,13 @@ class NodeClient:
     async def leader_ring(self, leader_url: str, headers: dict[str, str]) -> RingView:
         """The leading router's ring, without its joining members; raises
         httpx.HTTPError, ValueError, KeyError or TypeError."""
-        view, _, _, _ = await self.leader_state(leader_url, headers)
-        return view
+        return (await self.leader_state(leader_url, headers)).view
 
-    async def leader_state(
-        self, leader_url: str, headers: dict[str, str]
-    ) -> tuple[RingView, list[dict[str, Any]], str | None, bool]:
+    async def leader_state(self, leader_url: str, headers: dict[str, str]) -> LeaderState:
         """The leading router's ring (without its joining members), its
-        membership events, the digest of its rules (None from a router that
-        does not say) and whether a node reports its shared backend down; raises
-        httpx.HTTPError, ValueError, KeyError or TypeError."""
+        membership events, the digests of its config and rules (None from a
+        router that does not say) and whether a node reports its shared backend
+        down; raises httpx.HTTPError, ValueError, KeyError or TypeError."""
         response = await self.client.get(
             leader_url.rstrip("/") + "/admin/ring", headers=headers, timeout=2.0
         )
@@ -355,12 +362,23 @@ class NodeClient:
         view = RingView.from_dict({"epoch": data["epoch"], "nodes": nodes})
         events = data.get("events")
         digest = data.get("rules_digest")
-        return (
+        whole = data.get("config_digest")
+        return LeaderState(
             view,
             [e for e in events if isinstance(e, dict)] if isinstance(events, list) else [],
             digest if isinstance(digest, str) else None,
             data.get("backend_degraded") is True,
+            whole if isinstance(whole, str) else None,
         )
+
+    async def leader_config(self, leader_url: str, headers: dict[str, str]) -> Any:
+        """The leading router's whole config (``GET /admin/config``); raises
+        httpx.HTTPError, ValueError or KeyError."""
+        response = await self.client.get(
+            leader_url.rstrip("/") + "/admin/config", headers=headers, timeout=2.0
+        )
+        response.raise_for_status()
+        return response.json()["config"]
 
     async def leader_rules(self, leader_url: str, headers: dict[str, str]) -> list[Any]:
         """The leading router's rules (``GET /admin/rules``), as ``[[rules]]``

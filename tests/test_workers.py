@@ -232,6 +232,50 @@ def test_workers_share_one_port_and_one_membership(procs: Procs) -> None:
     kill_all(procs)
 
 
+def test_a_whole_config_applied_at_runtime_reaches_every_worker(procs: Procs) -> None:
+    """``PUT /admin/config`` through a --workers group: a follower compared the
+    leader's rules alone and kept its own identity, so half the group's answers
+    still read the old user-id field (the review of the day's changes: 12 of 20
+    fresh connections served, 8 refused 400). Followers now take the leader's
+    whole config when its digest differs."""
+    cluster = start_cluster(procs, [*RULE, "--workers", "2"])
+    url = cluster.router
+    assert wait_for(lambda: len(workers(cluster.router_proc)) == 2, timeout=10.0)
+    (_, leader), (_, follower) = workers(cluster.router_proc)[0], workers(cluster.router_proc)[1]
+    for admin in (leader, follower):
+        wait_healthy(admin, cluster.router_proc)
+    rules = httpx.get(f"{url}/admin/rules", timeout=5.0).json()["rules"]
+    config = {"rules": rules, "identity": {"name": "X-Account"}}
+    answer = httpx.put(f"{url}/admin/config", json=config, timeout=10.0)
+    assert answer.status_code == 200, answer.text
+    digest = admin_ring(leader)["config_digest"]
+    assert wait_for(lambda: admin_ring(follower)["config_digest"] == digest, timeout=5.0)
+    assert wait_for(lambda: both_listening_as(url, "X-Account"), timeout=10.0)
+    seen: Counter[tuple[str, int]] = Counter()
+    with httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        for i in range(20):
+            response = client.get(f"{url}/x", headers={"X-Account": f"acct-{i}"})
+            seen[(response.headers.get("x-ringlimit-router", "?"), response.status_code)] += 1
+            old = client.get(f"{url}/x", headers={"X-User-Id": f"old-{i}"})
+            seen[(old.headers.get("x-ringlimit-router", "?"), old.status_code)] += 1
+    assert {status for _, status in seen} == {200, 400}, seen
+    assert sum(n for (_, status), n in seen.items() if status == 400) == 20, seen
+    assert {router for router, status in seen if status == 200} == {"w0", "w1"}, seen
+    kill_all(procs)
+
+
+def both_listening_as(url: str, field: str) -> bool:
+    """Both workers answer, and take the user id from ``field``."""
+    seen: set[str] = set()
+    with httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        for i in range(8):
+            response = client.get(f"{url}/spread", headers={field: f"spread-{i}"})
+            if response.status_code not in (200, 429):
+                return False
+            seen.add(response.headers.get("x-ringlimit-router", "?"))
+    return {"w0", "w1"} <= seen
+
+
 def test_a_restarted_leader_keeps_the_ring_and_the_rules_applied_at_runtime(
     procs: Procs,
 ) -> None:
