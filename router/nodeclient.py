@@ -181,7 +181,20 @@ class NodeClient:
                 if status == 200:
                     answered = node_id(response)
                     if answered == member.id:
-                        if round_robin and _sticky(response):
+                        sticky = _sticky(response)
+                        if sticky is False and not round_robin:
+                            # It has no shard: a handoff to it was refused (409),
+                            # and its users' counts were lost when it left (102
+                            # over the limit: a day's-end tester).
+                            raise MembershipError(
+                                409,
+                                "wrong_backend",
+                                f"node {member.id} owns no keys (it runs --backend redis, "
+                                "or --balance round-robin), and this router routes each "
+                                "key to its owner: start the node with this cluster's "
+                                "--backend and --balance",
+                            )
+                        if round_robin and sticky:
                             # Every request sent to a node that does not own its
                             # key was refused (421), and one in 256 ran out of
                             # attempts: 503 ring_changing on a steady ring, with
@@ -413,13 +426,14 @@ def _cluster_of(response: httpx.Response) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _sticky(response: httpx.Response) -> bool:
-    """Whether a node's ``/healthz`` says it refuses keys it does not own (a node
-    of a version that does not say is not refused)."""
+def _sticky(response: httpx.Response) -> bool | None:
+    """Whether a node's ``/healthz`` says it owns its keys (and refuses others);
+    None when it does not say (a version before it did: not refused)."""
     try:
-        return response.json().get("sticky") is True
+        value = response.json().get("sticky")
     except (ValueError, AttributeError):
-        return False
+        return None
+    return value if isinstance(value, bool) else None
 
 
 def _epoch_of(response: httpx.Response) -> int:

@@ -428,6 +428,20 @@ async def test_a_router_balancing_round_robin_refuses_a_node_that_owns_its_keys(
         assert "r3" in cluster.router.membership.view
 
 
+async def test_a_router_routing_to_owners_refuses_a_node_that_owns_no_keys() -> None:
+    """The other way round: a sticky router took a node started with --backend
+    redis (no shard). Its handoffs were refused (409) and its users' counts lost
+    when it left: 102 admitted over the limit (a day's-end tester)."""
+    async with InProcessCluster(2, make_config(), clock=FrozenClock()) as cluster:
+        cluster._make_node("r1", sticky=False)
+        refused = await cluster.client.post(
+            "/admin/nodes", json={"id": "r1", "url": node_url("r1")}
+        )
+        assert refused.status_code == 409 and refused.json()["error"] == "wrong_backend"
+        assert "owns no keys" in refused.json()["detail"]
+        assert "r1" not in cluster.router.membership.view
+
+
 async def test_the_same_registration_twice_at_once_is_one_join() -> None:
     async with InProcessCluster(3, make_config(), clock=FrozenClock()) as cluster:
         cluster._make_node("n4")
