@@ -565,6 +565,7 @@ class Node:
             "epoch": self.epoch,
             "backend_available": self.backend.available,
             "config": self.authority.config.digest,
+            "cluster": self.cluster,
         }
         if shard is None:
             return JSONResponse(data)  # a shared backend: no shard, no lease

@@ -248,6 +248,23 @@ class HealthMonitor:
         data = await m.nodes.lease(member, None, m.lease_seconds, m.health_timeout)
         if data is None:
             return None
+        other = data.get("cluster")
+        if m.cluster is not None and isinstance(other, str) and other != m.cluster:
+            # A member killed and started again into another cluster answers at
+            # its old address as that cluster's: not this ring's member, so no
+            # lease, and it is removed as crashed in detection time. It stayed
+            # in the ring, deciding this cluster's users by the other's rules
+            # and counts, for good (a day's-end tester).
+            m.failures.warn(
+                "another_cluster",
+                "node %s answers as a member of cluster %r, not %r: it is removed as "
+                "crashed once its probes fail (%d in a row)",
+                member.id,
+                other,
+                m.cluster,
+                m.failure_threshold,
+            )
+            return None
         token = data.get("token")
         health.token = token if isinstance(token, str) else None
         health.offered_at = asyncio.get_running_loop().time()

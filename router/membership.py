@@ -1614,7 +1614,8 @@ class Membership:
             # Never another cluster's ring as this one's (router/nodeclient.py
             # wait_ready keeps such nodes out; a node of a version before both
             # clusters said their names may still be shared).
-            log.warning(
+            self.failures.warn(
+                "another_cluster_view",
                 "not adopting epoch %d from %s: it is cluster %r's ring, not %r's",
                 view.epoch,
                 node_url,

@@ -1773,3 +1773,42 @@ async def test_the_routers_metrics_say_which_leads(etcd_endpoint: str) -> None:
         said = sorted("ringlimit_router_leading 1.0" in text for text in texts)
         assert said == [False, True], texts
         assert all("ringlimit_router_leading " in text for text in texts)
+
+
+async def test_a_member_started_again_into_another_cluster_is_removed_from_its_old_ring(
+    etcd_endpoint: str,
+) -> None:
+    """A member killed and started again (empty) into another cluster answered at
+    its old address as that cluster's member, and its old cluster kept it in its
+    ring for good, deciding its users by the other's rules and counts, and
+    answering some 503 ring_changing (a day's-end tester: 13 users admitted 9
+    under a limit of 4). Its old cluster's routers grant it no lease now, and
+    remove it as crashed; it is not taken back."""
+    router_options = {**options(etcd_endpoint, ROUTER_URL), "lease": 4.0}
+    async with InProcessCluster(
+        3, make_config(), clock=FrozenClock(), router_options=router_options
+    ) as cluster:
+        await wait_until(lambda: cluster.router.membership.leading)
+        test = cluster.router.membership
+        other_url = "http://other.localhost"
+        cluster._make_node("m1")
+        etcd = EtcdCoordinator(parse_endpoints(etcd_endpoint), cluster="other", ttl=2.0)
+        other = cluster.new_router(
+            other_url, seeds=[Member("m1", node_url("m1"))], **coordinated(etcd, other_url)
+        )
+        await other.start()
+        try:
+            await wait_until(lambda: other.membership.leading)
+            cluster.restart_node("n3")  # empty, at the same address
+            joined = await cluster.client.post(
+                f"{other_url}/admin/nodes", json={"id": "n3", "url": node_url("n3")}
+            )
+            assert joined.status_code == 200, joined.text
+            assert "n3" in other.membership.view
+            await wait_until(lambda: "n3" not in test.view, 15.0)
+            await asyncio.sleep(1.0)  # probe rounds: it is not taken back
+            assert "n3" not in test.view and "n3" in other.membership.view
+            health = (await cluster.client.get(node_url("n3") + "/healthz")).json()
+            assert health["cluster"] == "other"
+        finally:
+            await other.close()
