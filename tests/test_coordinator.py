@@ -1613,6 +1613,28 @@ async def test_an_etcd_outage_is_logged_without_flooding(
     assert len(retries) <= 8, "\n".join(lines)
 
 
+OTHER = "http://other.localhost"
+
+
+@contextlib.asynccontextmanager
+async def another_cluster(
+    cluster: InProcessCluster, endpoint: str
+) -> AsyncIterator[tuple[Router, EtcdCoordinator]]:
+    """A router of cluster "other" on the same etcd, at :data:`OTHER`, leading a
+    ring of its own node m1, once it leads."""
+    cluster._make_node("m1")
+    etcd = EtcdCoordinator(parse_endpoints(endpoint), cluster="other", ttl=2.0)
+    other = cluster.new_router(
+        OTHER, seeds=[Member("m1", node_url("m1"))], **coordinated(etcd, OTHER)
+    )
+    await other.start()
+    try:
+        await wait_until(lambda: other.membership.leading)
+        yield other, etcd
+    finally:
+        await other.close()
+
+
 async def test_another_clusters_router_on_the_same_etcd_cannot_take_its_nodes(
     etcd_endpoint: str,
 ) -> None:
@@ -1625,19 +1647,11 @@ async def test_another_clusters_router_on_the_same_etcd_cannot_take_its_nodes(
     push from the other cluster's router is refused by the node itself."""
     async with leading_cluster(etcd_endpoint) as cluster:
         test = cluster.router.membership
-        other_url = "http://other.localhost"
-        cluster._make_node("m1")
-        etcd = EtcdCoordinator(parse_endpoints(etcd_endpoint), cluster="other", ttl=2.0)
-        other = cluster.new_router(
-            other_url, seeds=[Member("m1", node_url("m1"))], **coordinated(etcd, other_url)
-        )
-        await other.start()
-        try:
-            await wait_until(lambda: other.membership.leading)
+        async with another_cluster(cluster, etcd_endpoint) as (other, etcd):
             assert other.membership.view.ids == ("m1",)
             # A member of "test": refused, nothing changes on either side.
             taken = await cluster.client.post(
-                f"{other_url}/admin/nodes", json={"id": "n1", "url": node_url("n1")}
+                f"{OTHER}/admin/nodes", json={"id": "n1", "url": node_url("n1")}
             )
             assert taken.status_code == 409, taken.text
             assert taken.json()["error"] == "node_in_another_ring"
@@ -1646,7 +1660,7 @@ async def test_another_clusters_router_on_the_same_etcd_cannot_take_its_nodes(
             removed = await cluster.client.delete("/admin/nodes/n2")
             assert removed.status_code == 200, removed.text
             moved = await cluster.client.post(
-                f"{other_url}/admin/nodes", json={"id": "n2", "url": node_url("n2")}
+                f"{OTHER}/admin/nodes", json={"id": "n2", "url": node_url("n2")}
             )
             assert moved.status_code == 409, moved.text
             assert other.membership.view.ids == ("m1",)
@@ -1664,8 +1678,6 @@ async def test_another_clusters_router_on_the_same_etcd_cannot_take_its_nodes(
             assert cluster.nodes["n1"].epoch == test.view.epoch
             health = (await cluster.client.get(node_url("n1") + "/healthz")).json()
             assert health["cluster"] == "test"
-        finally:
-            await other.close()
 
 
 async def test_a_whole_config_through_a_follower_reaches_etcd_every_router_and_node(
@@ -1790,18 +1802,10 @@ async def test_a_member_started_again_into_another_cluster_is_removed_from_its_o
     ) as cluster:
         await wait_until(lambda: cluster.router.membership.leading)
         test = cluster.router.membership
-        other_url = "http://other.localhost"
-        cluster._make_node("m1")
-        etcd = EtcdCoordinator(parse_endpoints(etcd_endpoint), cluster="other", ttl=2.0)
-        other = cluster.new_router(
-            other_url, seeds=[Member("m1", node_url("m1"))], **coordinated(etcd, other_url)
-        )
-        await other.start()
-        try:
-            await wait_until(lambda: other.membership.leading)
+        async with another_cluster(cluster, etcd_endpoint) as (other, _):
             cluster.restart_node("n3")  # empty, at the same address
             joined = await cluster.client.post(
-                f"{other_url}/admin/nodes", json={"id": "n3", "url": node_url("n3")}
+                f"{OTHER}/admin/nodes", json={"id": "n3", "url": node_url("n3")}
             )
             assert joined.status_code == 200, joined.text
             assert "n3" in other.membership.view
@@ -1810,5 +1814,3 @@ async def test_a_member_started_again_into_another_cluster_is_removed_from_its_o
             assert "n3" not in test.view and "n3" in other.membership.view
             health = (await cluster.client.get(node_url("n3") + "/healthz")).json()
             assert health["cluster"] == "other"
-        finally:
-            await other.close()
