@@ -540,7 +540,9 @@ class Membership:
             # no router left that carried the ring out): the nodes' newest view,
             # not a first one below it, whose push they would refuse.
             # Their rules too: those applied at runtime were etcd's and theirs.
-            found = await self.nodes.discover(seeds, self.health_timeout, with_urls=True)
+            found = await self.nodes.discover(
+                seeds, self.health_timeout, with_urls=True, cluster=self.cluster
+            )
             if found is not None and len(found[0]):
                 await self._adopt_nodes_config(found[1])
                 await self._record_again(None, self.config, found[0])
@@ -1660,7 +1662,9 @@ class Membership:
     async def _ask_newer(self, unreachable: str) -> bool:
         epoch = self.view.epoch
         others = [m for m in self.view if m.id != unreachable]
-        found = await self.nodes.discover(others, self.health_timeout, with_urls=True)
+        found = await self.nodes.discover(
+            others, self.health_timeout, with_urls=True, cluster=self.cluster
+        )
         if found is None or found[0].epoch <= epoch:
             return False
         await self.catch_up(found[0].epoch, found[1])

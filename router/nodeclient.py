@@ -314,17 +314,32 @@ class NodeClient:
         return data if isinstance(data, dict) else None
 
     @typing.overload
-    async def discover(self, members: list[Member], within: float) -> RingView | None: ...
+    async def discover(
+        self, members: list[Member], within: float, *, cluster: str | None = None
+    ) -> RingView | None: ...
 
     @typing.overload
     async def discover(
-        self, members: list[Member], within: float, *, with_urls: typing.Literal[True]
+        self,
+        members: list[Member],
+        within: float,
+        *,
+        with_urls: typing.Literal[True],
+        cluster: str | None = None,
     ) -> tuple[RingView, str] | None: ...
 
     async def discover(
-        self, members: list[Member], within: float, *, with_urls: bool = False
+        self,
+        members: list[Member],
+        within: float,
+        *,
+        with_urls: bool = False,
+        cluster: str | None = None,
     ) -> Any:
-        """The newest view the members know (and, with ``with_urls``, who knows it)."""
+        """The newest view the members know (and, with ``with_urls``, who knows it).
+        With ``cluster``, a member holding another named cluster's ring is not
+        asked: a router of cluster "other" seeded with a member of "test"
+        recorded test's ring in etcd as its own (the review of the day's changes)."""
 
         async def ask(member: Member) -> tuple[RingView, str] | None:
             try:
@@ -333,7 +348,11 @@ class NodeClient:
                     timeout=within,
                     headers=self.headers,
                 )
-                ring = response.json().get("ring")
+                data = response.json()
+                other = data.get("cluster")
+                if cluster is not None and isinstance(other, str) and other != cluster:
+                    return None
+                ring = data.get("ring")
                 return (RingView.from_dict(ring), member.url) if ring else None
             except (httpx.HTTPError, ValueError, TypeError, AttributeError):
                 return None

@@ -1814,3 +1814,25 @@ async def test_a_member_started_again_into_another_cluster_is_removed_from_its_o
             assert "n3" not in test.view and "n3" in other.membership.view
             health = (await cluster.client.get(node_url("n3") + "/healthz")).json()
             assert health["cluster"] == "other"
+
+
+async def test_a_router_seeded_with_another_clusters_node_does_not_record_its_ring(
+    etcd_endpoint: str,
+) -> None:
+    """A router of cluster "other" started (etcd holding no ring for it) with a
+    seed that is a member of cluster "test": it recorded test's ring and config
+    in etcd as other's, and served by it (the review of the day's changes). It
+    now refuses to start, naming the seed's cluster, and etcd holds nothing."""
+    async with leading_cluster(etcd_endpoint) as cluster:
+        etcd = EtcdCoordinator(parse_endpoints(etcd_endpoint), cluster="other", ttl=2.0)
+        other = cluster.new_router(
+            OTHER, seeds=[Member("n1", node_url("n1"))], **coordinated(etcd, OTHER)
+        )
+        try:
+            with pytest.raises(MembershipError) as refused:
+                await other.start()
+            assert refused.value.error == "node_in_another_ring", refused.value.detail
+            assert await etcd.load() is None
+            assert cluster.router.membership.view.ids == ("n1", "n2", "n3")
+        finally:
+            await other.close()
