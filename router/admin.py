@@ -79,6 +79,20 @@ def new_rules(config: ClusterConfig, data: Any) -> ClusterConfig:
         raise ApiError(400, "invalid_rules", str(exc)) from None
 
 
+#: What ``GET /admin/config`` shows for the privacy salt (the HMAC key that hides
+#: user ids: with it, a hash can be tested against guessed ids); sent back in a
+#: ``PUT``, it keeps the salt the cluster has.
+HIDDEN = "<hidden>"
+
+
+def shown_config(config: ClusterConfig) -> dict[str, Any]:
+    """``config`` as the admin API shows it: the privacy salt hidden."""
+    data = config.to_dict()
+    if "salt" in data.get("privacy", {}):
+        data["privacy"] = {**data["privacy"], "salt": HIDDEN}
+    return data
+
+
 #: What a running cluster cannot change: a node's backend and balance are its
 #: process's (a Redis-backed node has no shard to own keys with, a sticky one
 #: no Redis). A config that leaves them out keeps the cluster's.
@@ -102,6 +116,10 @@ def new_config(current: ClusterConfig, data: Any) -> ClusterConfig:
     given = dict(data)
     for name in FIXED_AT_START:
         given.setdefault(name, getattr(current, name))
+    privacy = given.get("privacy")
+    if isinstance(privacy, dict) and privacy.get("salt") == HIDDEN:
+        # What GET showed, sent back: the salt stays the one it hides.
+        given["privacy"] = {**privacy, "salt": current.privacy.salt}
     try:
         config = ClusterConfig.from_dict(given, source="PUT /admin/config")
     except ConfigError as exc:
@@ -408,11 +426,15 @@ class AdminAPI:
             return refused
         membership = self.router.membership
         if request.method == "GET":
-            return JSONResponse(
-                {"epoch": membership.view.epoch, "config": self.router.config.to_dict()}
-            )
+            config = self.router.config
+            whole = request.query_params.get("salt") == "show"  # (followers: the whole)
+            shown = config.to_dict() if whole else shown_config(config)
+            return JSONResponse({"epoch": membership.view.epoch, "config": shown})
         return await self._change_config(
-            request, new_config, "invalid_config", lambda: {"config": self.router.config.to_dict()}
+            request,
+            new_config,
+            "invalid_config",
+            lambda: {"config": shown_config(self.router.config)},
         )
 
     async def _change_config(

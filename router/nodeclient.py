@@ -407,7 +407,7 @@ class NodeClient:
         """The leading router's whole config (``GET /admin/config``); raises
         httpx.HTTPError, ValueError or KeyError."""
         response = await self.client.get(
-            leader_url.rstrip("/") + "/admin/config", headers=headers, timeout=2.0
+            leader_url.rstrip("/") + "/admin/config?salt=show", headers=headers, timeout=2.0
         )
         response.raise_for_status()
         return response.json()["config"]

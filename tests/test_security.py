@@ -168,6 +168,24 @@ async def test_without_an_api_token_a_web_page_cannot_spend_quota_through_the_ro
         assert whole.status_code == 200 and whole.json()["allowed"] is True, whole.text
 
 
+async def test_the_admin_config_hides_the_privacy_salt_and_keeps_it_when_sent_back() -> None:
+    """GET /admin/config showed privacy.salt, the HMAC key that hides user ids
+    (with it a hash can be tested against guessed ids), and `ringlimit config`
+    printed it (the review and a tester). Hidden now; sent back hidden, a PUT
+    keeps the cluster's salt."""
+    async with InProcessCluster(2, CONFIG, clock=FrozenClock()) as cluster:
+        salted = {**CONFIG.to_dict(), "privacy": {"show_keys": "hashed", "salt": "pepper"}}
+        put = await cluster.client.put("/admin/config", json=salted)
+        assert put.status_code == 200, put.text
+        assert "pepper" not in put.text and put.json()["config"]["privacy"]["salt"] == "<hidden>"
+        shown = (await cluster.client.get("/admin/config")).json()["config"]
+        assert shown["privacy"] == {"show_keys": "hashed", "salt": "<hidden>"}
+        again = await cluster.client.put("/admin/config", json=shown)
+        assert again.status_code == 200, again.text
+        assert cluster.router.config.privacy.salt == "pepper"
+        assert all(n.authority.config.privacy.salt == "pepper" for n in cluster.nodes.values())
+
+
 async def test_a_nodes_decision_api_takes_the_internal_token_when_one_is_set() -> None:
     """With RINGLIMIT_INTERNAL_TOKEN set, only routers (which send it) may use a
     node's decision API: before, anyone reaching a node port could spend any

@@ -245,11 +245,18 @@ def test_a_whole_config_applied_at_runtime_reaches_every_worker(procs: Procs) ->
     for admin in (leader, follower):
         wait_healthy(admin, cluster.router_proc)
     rules = httpx.get(f"{url}/admin/rules", timeout=5.0).json()["rules"]
-    config = {"rules": rules, "identity": {"name": "X-Account"}}
+    config = {
+        "rules": rules,
+        "identity": {"name": "X-Account"},
+        "privacy": {"show_keys": "hashed", "salt": "pepper"},
+    }
     answer = httpx.put(f"{url}/admin/config", json=config, timeout=10.0)
     assert answer.status_code == 200, answer.text
     digest = admin_ring(leader)["config_digest"]
+    # (The follower takes the salt too, which GET /admin/config hides.)
     assert wait_for(lambda: admin_ring(follower)["config_digest"] == digest, timeout=5.0)
+    shown = httpx.get(f"{follower}/admin/config", timeout=5.0).json()["config"]
+    assert shown["privacy"] == {"show_keys": "hashed", "salt": "<hidden>"}
     assert wait_for(lambda: both_listening_as(url, "X-Account"), timeout=10.0)
     seen: Counter[tuple[str, int]] = Counter()
     with httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
