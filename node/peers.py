@@ -250,6 +250,20 @@ def excerpt(response: httpx.Response) -> str:
     return one_line(text, MAX_EXCERPT) or "empty body"
 
 
+def said(response: httpx.Response) -> str:
+    """What an answer says, for one log line: a ringlimit error body's code and
+    detail whole (an excerpt cut a join's refusal before its fix: a tester),
+    else the start of the body (:func:`excerpt`)."""
+    try:
+        data = response.json()
+    except (ValueError, RecursionError):
+        return excerpt(response)
+    if isinstance(data, dict) and isinstance(data.get("error"), str):
+        detail = data.get("detail")
+        return one_line(data["error"] + ("" if detail is None else f": {detail}"))
+    return excerpt(response)
+
+
 class PeerError(Exception):
     """A peer did not answer as expected (down, slow, or refused).
 

@@ -76,7 +76,8 @@ def page_of_another_site(
             name = authority[1:].partition("]")[0]  # [::1]:8000
         else:
             name = authority.partition(":")[0]
-        if not _cannot_be_rebound(name.lower()):
+        # (A name's trailing dot is the same name: "localhost." was refused.)
+        if not _cannot_be_rebound(name.lower().removesuffix(".")):
             return True
     if site is not None and site not in ("same-origin", "none"):
         return True

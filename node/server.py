@@ -34,7 +34,7 @@ from node.app import Node
 from node.frontdoor import FrontDoor, limited_protocol, raise_fd_limit
 from node.keepalive import lazy_keep_alive
 from node.memory import tune_gc
-from node.peers import INSTANCE_HEADER, excerpt
+from node.peers import INSTANCE_HEADER, said
 
 log = logging.getLogger("ringlimit.node")
 
@@ -338,7 +338,7 @@ def serve_node(
                 try:
                     response = await client.delete(router + path, headers=headers, timeout=timeout)
                     status = response.status_code
-                    problem = f"router {router} answered {status}: {excerpt(response)}"
+                    problem = f"router {router} answered {status}: {said(response)}"
                     if not _retry_admin_answer(response):
                         break
                 except httpx.HTTPError as exc:
@@ -485,9 +485,7 @@ def serve_node(
                             "does not list this node); check --join"
                         )
                         break
-                    problem = (
-                        f"router {router} answered {response.status_code}: {excerpt(response)}"
-                    )
+                    problem = f"router {router} answered {response.status_code}: {said(response)}"
                     if response.status_code == 401:
                         problem += (
                             " (this node joins through the router's admin API: give it "

@@ -410,11 +410,16 @@ def check_redis(url: str) -> None:
             client.set("rl:probe", b"1", px=1000)
         finally:
             client.close()
-    except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
+    except (AuthenticationError, AuthorizationError) as exc:
         # (A ConnectionError to redis-py: it said "cannot reach" a Redis that answered.)
         raise StartError(
             f"Redis at {where} refused the credentials ({type(exc).__name__}: {exc}); "
             "check the user and password in --redis-url (RINGLIMIT_REDIS_URL)"
+        ) from None
+    except NoPermissionError as exc:  # the user's ACL, not its password
+        raise StartError(
+            f"Redis at {where} refused the user a command or key ({exc}); check its ACL: "
+            "ringlimit needs PING, SET, EVALSHA and SCRIPT LOAD on keys 'rl:*'"
         ) from None
     except redis.ReadOnlyError as exc:
         raise StartError(

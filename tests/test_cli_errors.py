@@ -1175,8 +1175,10 @@ def _accepts(port: int) -> bool:
         (["requirepass"], ":wrong@", "refused the credentials (AuthenticationError"),
         # A replica of a primary that is not there: PING answers, writes do not.
         (["--replicaof", "127.0.0.1", "1"], "", "takes no writes"),
+        # A user whose ACL lacks SET: its ACL, not its password (the review).
+        (["acl"], "reader:pw@", "refused the user a command or key"),
     ],
-    ids=["no-password", "wrong-password", "replica"],
+    ids=["no-password", "wrong-password", "replica", "acl"],
 )
 def test_up_says_what_a_redis_that_answers_refuses(
     tmp_path: Path, extra: list[str], given: str, says: str
@@ -1189,13 +1191,18 @@ def test_up_says_what_a_redis_that_answers_refuses(
     binary = find_redis_server()
     if binary is None:
         pytest.skip("redis-server is not installed")
-    password = extra == ["requirepass"]
-    server = RedisServer(binary, tmp_path, extra_args=[] if password else extra)
+    password, acl = extra == ["requirepass"], extra == ["acl"]
+    server = RedisServer(binary, tmp_path, extra_args=[] if password or acl else extra)
     server.start()  # (its readiness probe sends no password: set once it answers)
     try:
         if password:
             with contextlib.closing(server.client()) as client:
                 client.config_set("requirepass", "s3cret")
+        if acl:
+            with contextlib.closing(server.client()) as client:
+                client.acl_setuser(
+                    "reader", enabled=True, passwords=["+pw"], commands=["+ping"], keys=["*"]
+                )
         url = f"redis://{given}127.0.0.1:{server.port}/0"
         line = one_line_failure(
             ringlimit("up", "--backend", "redis", "--redis-url", url, "--port", str(free_block(4))),

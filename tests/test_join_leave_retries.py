@@ -108,6 +108,8 @@ def test_a_final_refusal_is_not_retried(procs: Procs) -> None:
         assert proc.popen.wait(30) == 1
         assert router.asked == ["POST"]
         assert f"giving up: router {router.url} answered 409" in proc.output()
+        # Its code and detail, whole (an excerpt of the JSON cut a refusal's fix).
+        assert "409: already_member: node n1 is in the ring with another url" in proc.output()
 
 
 def test_a_join_at_a_web_server_is_one_line_in_the_log(procs: Procs) -> None:

@@ -268,6 +268,7 @@ async def test_without_an_admin_token_another_sites_page_cannot_use_the_admin_ap
 
         for name in (
             "127.0.0.1:8000",
+            "localhost.:8000",  # the same name (it was refused)
             "LOCALHOST",
             "[::1]:8000",
             "n1.localhost",
