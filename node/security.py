@@ -71,14 +71,8 @@ def page_of_another_site(
     browser marks as another site's (``Sec-Fetch-Site``, or an ``Origin`` that
     is not the request's ``Host``: it sends one of them with every cross-site
     POST) is refused whoever sends it. Tools, routers and nodes send neither."""
-    if by_name and authority is not None:
-        if authority.startswith("["):
-            name = authority[1:].partition("]")[0]  # [::1]:8000
-        else:
-            name = authority.partition(":")[0]
-        # (A name's trailing dot is the same name: "localhost." was refused.)
-        if not _cannot_be_rebound(name.lower().removesuffix(".")):
-            return True
+    if by_name and authority is not None and not _cannot_be_rebound(_host_name(authority)):
+        return True
     if site is not None and site not in ("same-origin", "none"):
         return True
     return origin is not None and origin.partition("://")[2] != (authority or "")
@@ -91,19 +85,42 @@ def from_a_web_page(scope: Mapping[str, Any]) -> bool:
     (:func:`page_of_another_site`). Such a page could spend any user's quota with
     a text/plain POST (no preflight). One scan of the fields and cached parses:
     a router sends every batch through here."""
-    authority = origin = site = None
+    host = origin = site = None
     for name, value in scope["headers"]:
         if name == b"host":
-            if authority is None:
-                authority = value.decode("latin-1")
+            if host is None:
+                host = value
         elif name == b"origin":
             if origin is None:
                 origin = value.decode("latin-1")
         elif name == b"sec-fetch-site" and site is None:
             site = value.decode("latin-1")
+    if (origin is not None or site is not None) and page_of_another_site(
+        None if host is None else host.decode("latin-1"), origin, site, by_name=False
+    ):
+        return True
+    if host is None or _safe_host(host):
+        return False  # (the client's address is looked at only for a name)
     client = scope.get("client")
-    local = is_loopback(client[0] if client else None)
-    return page_of_another_site(authority, origin, site, by_name=local)
+    return is_loopback(client[0] if client else None)
+
+
+@functools.lru_cache(maxsize=256)
+def _safe_host(host: bytes) -> bool:
+    """Whether a raw ``Host`` value names what no page can rebind (cached as it
+    arrives: tools send the same one on every request)."""
+    return _cannot_be_rebound(_host_name(host.decode("latin-1")))
+
+
+def _host_name(authority: str) -> str:
+    """The name (or address) of a ``Host`` value, as :func:`_cannot_be_rebound`
+    takes it: no port, no brackets, lower case, without a trailing dot (the same
+    name: "localhost." was refused)."""
+    if authority.startswith("["):
+        name = authority[1:].partition("]")[0]  # [::1]:8000
+    else:
+        name = authority.partition(":")[0]
+    return name.lower().removesuffix(".")
 
 
 @functools.lru_cache(maxsize=256)

@@ -251,7 +251,10 @@ class AdminAPI:
                 if answer is not None:
                     return answer
                 continue
-            own = bool(leader)
+            # (Not while this router holds the lead and is still taking it over:
+            # a join can hold that up past the wait.)
+            coordinator = membership.coordinator
+            own = bool(leader) and (coordinator is None or not coordinator.holds_lead())
             if loop.time() >= deadline:
                 break
             await asyncio.sleep(LEADER_LOOK)
