@@ -179,48 +179,14 @@ class NodeClient:
                     )
                 last = f" (its last answer: HTTP {status})"
                 if status == 200:
-                    answered = node_id(response)
+                    health = _fields(response)
+                    answered = health.get("node")
+                    answered = answered if isinstance(answered, str) else None
                     if answered == member.id:
-                        sticky = _sticky(response)
-                        if sticky is False and not round_robin:
-                            # It has no shard: a handoff to it was refused (409),
-                            # and its users' counts were lost when it left (102
-                            # over the limit: a day's-end tester).
-                            raise MembershipError(
-                                409,
-                                "wrong_backend",
-                                f"node {member.id} owns no keys (it runs --backend redis, "
-                                "or --balance round-robin), and this router routes each "
-                                "key to its owner: start the node with this cluster's "
-                                "--backend and --balance",
-                            )
-                        if round_robin and sticky:
-                            # Every request sent to a node that does not own its
-                            # key was refused (421), and one in 256 ran out of
-                            # attempts: 503 ring_changing on a steady ring, with
-                            # nothing logged (an exploratory tester).
-                            raise MembershipError(
-                                409,
-                                "wrong_backend",
-                                f"node {member.id} limits on its own and refuses keys it "
-                                "does not own, and this router balances round-robin "
-                                "(--backend redis): start the node with --backend redis "
-                                "and the cluster's --redis-url",
-                            )
-                        other = _cluster_of(response)
-                        if cluster is not None and other is not None and other != cluster:
-                            # Taken, its ring (newer) was adopted as this cluster's
-                            # and committed to etcd: two clusters' routers then
-                            # shared nodes, two rings had one epoch, and users got
-                            # a second quota (an exploratory tester).
-                            raise MembershipError(
-                                409,
-                                "node_in_another_ring",
-                                f"node {member.id} holds the ring of cluster {other!r} "
-                                f"(epoch {_epoch_of(response)}), not {cluster!r}: give it to "
-                                "that cluster's routers, or restart it empty to join this one",
-                            )
-                        return _epoch_of(response)
+                        refused = _not_for(member, health, round_robin, cluster)
+                        if refused is not None:
+                            raise refused
+                        return held_epoch(health.get("epoch"))
                     raise MembershipError(
                         409,
                         "wrong_node",
@@ -435,32 +401,55 @@ def node_id(response: httpx.Response) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _cluster_of(response: httpx.Response) -> str | None:
-    """The cluster whose ring a node's ``/healthz`` says it holds (None: none, a
-    cluster without a name, or a version that does not say)."""
+def _fields(response: httpx.Response) -> dict[str, Any]:
+    """A ``/healthz`` answer's fields (none if it is not a JSON object)."""
     try:
-        value = response.json().get("cluster")
-    except (ValueError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
+        data = response.json()
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
-def _sticky(response: httpx.Response) -> bool | None:
-    """Whether a node's ``/healthz`` says it owns its keys (and refuses others);
-    None when it does not say (a version before it did: not refused)."""
-    try:
-        value = response.json().get("sticky")
-    except (ValueError, AttributeError):
-        return None
-    return value if isinstance(value, bool) else None
-
-
-def _epoch_of(response: httpx.Response) -> int:
-    """The ``epoch`` of a node's ``/healthz`` answer; 0 if it says none."""
-    try:
-        return held_epoch(response.json().get("epoch"))
-    except (ValueError, AttributeError):
-        return 0
+def _not_for(
+    member: Member, health: dict[str, Any], round_robin: bool, cluster: str | None
+) -> MembershipError | None:
+    """Why a node that answered as itself is not for this router, or None. A
+    field a node does not send (a version before it did) refuses nothing."""
+    sticky = health.get("sticky")
+    if sticky is False and not round_robin:
+        # It has no shard: a handoff to it was refused (409), and its users'
+        # counts were lost when it left (102 over the limit: a day's-end tester).
+        return MembershipError(
+            409,
+            "wrong_backend",
+            f"node {member.id} owns no keys (it runs --backend redis, or --balance "
+            "round-robin), and this router routes each key to its owner: start the node "
+            "with this cluster's --backend and --balance",
+        )
+    if sticky is True and round_robin:
+        # Every request sent to a node that does not own its key was refused
+        # (421), and one in 256 ran out of attempts: 503 ring_changing on a
+        # steady ring, with nothing logged (an exploratory tester).
+        return MembershipError(
+            409,
+            "wrong_backend",
+            f"node {member.id} limits on its own and refuses keys it does not own, and "
+            "this router balances round-robin (--backend redis): start the node with "
+            "--backend redis and the cluster's --redis-url",
+        )
+    other = health.get("cluster")
+    if cluster is not None and isinstance(other, str) and other != cluster:
+        # Taken, its ring (newer) was adopted as this cluster's and committed to
+        # etcd: two clusters' routers then shared nodes, two rings had one
+        # epoch, and users got a second quota (an exploratory tester).
+        return MembershipError(
+            409,
+            "node_in_another_ring",
+            f"node {member.id} holds the ring of cluster {other!r} (epoch "
+            f"{held_epoch(health.get('epoch'))}), not {cluster!r}: give it to that "
+            "cluster's routers, or restart it empty to join this one",
+        )
+    return None
 
 
 def held_epoch(epoch: object) -> int:
