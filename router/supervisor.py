@@ -24,6 +24,7 @@ and they are killed by the kernel if ``up`` itself dies without stopping them.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import signal
@@ -33,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 from urllib.parse import quote
 
 import httpx
@@ -453,7 +454,7 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
         check_redis(args.redis_url)
     policy = RestartPolicy(mode=args.restart, max_restarts=args.max_restarts)
     router_url = f"http://{host}:{args.port}"
-    workdir = make_workdir()
+    workdir, lock = make_workdir()
     config_file = workdir / "cluster.json"
     config_file.write_text(json.dumps(config.to_dict()))
     cluster = Cluster(
@@ -504,28 +505,50 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
         for path in workdir.iterdir():
             path.unlink()
         workdir.rmdir()
+        lock.close()
 
 
 #: ``up``'s working folder (its cluster.json, which restarted children read) is
 #: ``ringlimit-<pid>-<random>`` in the temporary directory.
 WORKDIR_PREFIX = "ringlimit-"
+#: The file in it that ``up`` holds locked (flock) while it runs.
+WORKDIR_LOCK = "lock"
 #: What ``up`` writes in it: a folder holding anything else is not removed.
-WORKDIR_FILES = frozenset({"cluster.json"})
+WORKDIR_FILES = frozenset({"cluster.json", WORKDIR_LOCK})
 
 
-def make_workdir(root: Path | None = None) -> Path:
-    """A working folder for this ``up``, named with its pid, after removing those
-    of ``up`` processes that are gone: one killed with SIGKILL (or by the OOM
-    killer) cannot remove its own, and each such stop left one behind. A
-    folder is removed only if it is this user's, holds nothing ``up`` did not
-    write, and names a pid that is not running (a pid reused by another
-    process keeps it: left, never removed wrongly)."""
+def make_workdir(root: Path | None = None) -> tuple[Path, IO[bytes]]:
+    """A working folder for this ``up`` and its lock, held until ``up`` closes it,
+    after removing those of ``up`` processes that are gone: one killed with
+    SIGKILL (or by the OOM killer) cannot remove its own, and each such stop
+    left one behind. A folder is removed only if it is this user's, holds
+    nothing ``up`` did not write, and its lock can be taken: the kernel lets it
+    go with the process that held it, whatever pid namespace that ran in (an
+    ``up`` in another container sharing /tmp names a pid this one cannot see:
+    the review). A folder of a version without the lock goes by its pid."""
     root = Path(tempfile.gettempdir()) if root is None else root
     for folder in root.glob(f"{WORKDIR_PREFIX}*-*"):
         pid = folder.name[len(WORKDIR_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
-            _remove_workdir(folder)
-    return Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=root))
+        if pid.isdigit() and int(pid) != os.getpid():
+            _remove_workdir(folder, int(pid))
+    workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=root))
+    lock = open(workdir / WORKDIR_LOCK, "wb")  # noqa: SIM115 (held while up runs)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return workdir, lock
+
+
+def _abandoned(folder: Path, pid: int) -> bool:
+    """Whether no running ``up`` holds ``folder``: its lock can be taken (or,
+    without one, ``pid`` does not run)."""
+    try:
+        with open(folder / WORKDIR_LOCK, "rb") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            return True  # (let go as the file closes)
+    except FileNotFoundError:
+        return not _running(pid)
 
 
 def _running(pid: int) -> bool:
@@ -538,13 +561,16 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _remove_workdir(folder: Path) -> None:
-    """Remove ``folder`` if it is this user's and holds only what ``up`` writes."""
+def _remove_workdir(folder: Path, pid: int) -> None:
+    """Remove ``folder`` if it is this user's, holds only what ``up`` writes and
+    no running ``up`` holds it."""
     try:
         if folder.is_symlink() or folder.stat().st_uid != os.getuid():
             return
         files = list(folder.iterdir())
         if any(f.name not in WORKDIR_FILES or not f.is_file() for f in files):
+            return
+        if not _abandoned(folder, pid):
             return
         for f in files:
             f.unlink()

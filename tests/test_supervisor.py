@@ -10,6 +10,7 @@ process it saw as a last resort.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import signal
@@ -453,9 +454,21 @@ def test_up_removes_only_working_folders_of_ups_that_are_gone(tmp_path: Path) ->
     foreign = folder(f"ringlimit-{gone.pid}-c", "cluster.json", "notes.txt")
     unnamed = folder("ringlimit-xyz", "cluster.json")
     (tmp_path / f"ringlimit-{gone.pid}-d").symlink_to(running)
-    made = make_workdir(tmp_path)
-    assert made.parent == tmp_path and made.name.startswith(f"ringlimit-{os.getpid()}-")
-    assert not stale.exists() and not empty.exists()
-    assert running.exists() and foreign.exists() and unnamed.exists()
-    assert (running / "cluster.json").exists()
-    assert (tmp_path / f"ringlimit-{gone.pid}-d").is_symlink()
+    # The lock decides where there is one: held (an up in another pid namespace,
+    # whose pid this one cannot see), kept; let go (a pid reused since), removed.
+    held = folder(f"ringlimit-{gone.pid}-e", "cluster.json", "lock")
+    let_go = folder(f"ringlimit-{os.getppid()}-f", "cluster.json", "lock")
+    with open(held / "lock", "rb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        made, own = make_workdir(tmp_path)
+    try:
+        assert made.parent == tmp_path and made.name.startswith(f"ringlimit-{os.getpid()}-")
+        assert not stale.exists() and not empty.exists() and not let_go.exists()
+        assert running.exists() and foreign.exists() and unnamed.exists() and held.exists()
+        assert (running / "cluster.json").exists()
+        assert (tmp_path / f"ringlimit-{gone.pid}-d").is_symlink()
+        # This up's own folder is held while it runs.
+        with open(made / "lock", "rb") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        own.close()
