@@ -300,6 +300,10 @@ class Limits:
         }
 
 
+#: What the admin API shows in place of ``privacy.salt`` (router/admin.py).
+HIDDEN_SALT = "<hidden>"
+
+
 @dataclass(frozen=True)
 class Privacy:
     """How user ids leave the cluster on operator endpoints (``GET /admin/top``, the page).
@@ -322,6 +326,13 @@ class Privacy:
             )
         if self.salt is not None and (not isinstance(self.salt, str) or not self.salt):
             raise ConfigError("privacy.salt must be a non-empty string")
+        if self.salt == HIDDEN_SALT:
+            # A config `ringlimit config` showed, used as it is: a public string as
+            # the key that hides user ids (the review of the day's changes).
+            raise ConfigError(
+                f"privacy.salt {HIDDEN_SALT!r} is what `ringlimit config` shows in place "
+                "of the salt: put the real salt in the file (or leave it out)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {"show_keys": self.show_keys, **({"salt": self.salt} if self.salt else {})}
@@ -691,7 +702,12 @@ class _Parser:
                 bypass_header=bypass_header,
                 bypass_sha256=tuple(h.lower() for h in hashes),
                 backend=data.get("backend", "memory"),
-                balance=data.get("balance", "sticky"),
+                # As the docs and `--backend redis` say: a shared backend balances
+                # round-robin unless told otherwise (a file's backend = "redis"
+                # alone routed by owner, on nodes that own no keys: the review).
+                balance=data.get(
+                    "balance", "round-robin" if data.get("backend") == "redis" else "sticky"
+                ),
             )
         except ConfigError as exc:
             if str(exc).startswith(self.source):

@@ -260,7 +260,8 @@ def said(response: httpx.Response) -> str:
         return excerpt(response)
     if isinstance(data, dict) and isinstance(data.get("error"), str):
         detail = data.get("detail")
-        return one_line(data["error"] + ("" if detail is None else f": {detail}"))
+        text = data["error"] + ("" if detail is None else f": {detail}")
+        return one_line("".join(c if c.isprintable() else " " for c in text))
     return excerpt(response)
 
 

@@ -209,6 +209,8 @@ class CorruptState(ResponseError):
 #: earlier rule (10/day, then 100/minute) keeps its time until it passes, as in
 #: memory, and was taken for a corrupt one (the review of the day's changes);
 #: nor one a clock stepped back lengthened. Past it, no rule wrote the state.
+#: The price: a corrupt state within it (a time centuries away) is decided as
+#: it stands, its user told to retry that far off, until it is deleted.
 MAX_WAIT = 2.0 * MAX_LIMIT * MAX_PERIOD
 
 

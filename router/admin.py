@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from node.asgi import error_body
 from node.bodies import read_body
-from node.config import ClusterConfig, ConfigError, Privacy
+from node.config import HIDDEN_SALT, ClusterConfig, ConfigError, Privacy
 from node.peers import CONTROL_LIMITS, INSTANCE_HEADER
 from node.security import bearer, refusal
 from node.topkeys import NEAR_LIMIT_FRACTION
@@ -81,8 +81,8 @@ def new_rules(config: ClusterConfig, data: Any) -> ClusterConfig:
 
 #: What ``GET /admin/config`` shows for the privacy salt (the HMAC key that hides
 #: user ids: with it, a hash can be tested against guessed ids); sent back in a
-#: ``PUT``, it keeps the salt the cluster has.
-HIDDEN = "<hidden>"
+#: ``PUT``, it keeps the salt the cluster has (a config file holding it is refused).
+HIDDEN = HIDDEN_SALT
 
 
 def shown_config(config: ClusterConfig) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from node.config import (
     BACKENDS,
     BALANCES,
+    HIDDEN_SALT,
     MAX_REDIS_TIMEOUT,
     MIN_REDIS_TIMEOUT,
     REBALANCE_POLICIES,
@@ -1633,13 +1634,22 @@ def _say_pending(what: str, data: dict[str, Any]) -> None:
         )
 
 
+def _salt_kept(data: Any) -> Any:
+    """``data`` as the router reads it: a salt shown hidden (what `ringlimit
+    config` printed, sent back) keeps the cluster's, so it is not checked here."""
+    privacy = data.get("privacy") if isinstance(data, dict) else None
+    if isinstance(privacy, dict) and privacy.get("salt") == HIDDEN_SALT:
+        return {**data, "privacy": {k: v for k, v in privacy.items() if k != "salt"}}
+    return data
+
+
 def _run_config(args: argparse.Namespace) -> int:
     """Show the cluster's whole config, or make a file's the cluster's."""
     body = None
     args.file = _file_to_apply(args, "config")
     if args.file is not None:
         data = load_config_data(args.file)  # ConfigError: one line, naming the file
-        config_of(data, args.file)  # checked here first, naming the file
+        config_of(_salt_kept(data), args.file)  # checked here first, naming the file
         if not isinstance(data, dict) or not data.get("rules"):
             raise ValueError(f"{args.file}: no [[rules]]: a cluster's config has its rules")
         body = data

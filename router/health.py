@@ -256,7 +256,7 @@ class HealthMonitor:
             # in the ring, deciding this cluster's users by the other's rules
             # and counts, for good (a day's-end tester).
             m.failures.warn(
-                "another_cluster",
+                f"another_cluster:{member.id}",  # (one line per member: a ring's few)
                 "node %s answers as a member of cluster %r, not %r: it is removed as "
                 "crashed once its probes fail (%d in a row)",
                 member.id,

@@ -2040,6 +2040,7 @@ class Membership:
             self.ready_timeout,
             self.health_timeout,
             round_robin=self.config.balance == "round-robin",
+            owner_routed=self.config.backend == "memory" and self.config.balance == "sticky",
             cluster=self.cluster,
         )
 

@@ -149,6 +149,7 @@ class NodeClient:
         within: float,
         *,
         round_robin: bool = False,
+        owner_routed: bool = False,
         cluster: str | None = None,
     ) -> int:
         """Readiness gate: a joining node must answer, as itself, before it is
@@ -183,7 +184,7 @@ class NodeClient:
                     answered = health.get("node")
                     answered = answered if isinstance(answered, str) else None
                     if answered == member.id:
-                        refused = _not_for(member, health, round_robin, cluster)
+                        refused = _not_for(member, health, round_robin, owner_routed, cluster)
                         if refused is not None:
                             raise refused
                         return held_epoch(health.get("epoch"))
@@ -411,12 +412,18 @@ def _fields(response: httpx.Response) -> dict[str, Any]:
 
 
 def _not_for(
-    member: Member, health: dict[str, Any], round_robin: bool, cluster: str | None
+    member: Member,
+    health: dict[str, Any],
+    round_robin: bool,
+    owner_routed: bool,
+    cluster: str | None,
 ) -> MembershipError | None:
     """Why a node that answered as itself is not for this router, or None. A
-    field a node does not send (a version before it did) refuses nothing."""
+    field a node does not send (a version before it did) refuses nothing.
+    ``owner_routed``: the router routes each key to its owner, which keeps its
+    state (in-memory, sticky), as a node takes its own shard."""
     sticky = health.get("sticky")
-    if sticky is False and not round_robin:
+    if sticky is False and owner_routed:
         # It has no shard: a handoff to it was refused (409), and its users'
         # counts were lost when it left (102 over the limit: a day's-end tester).
         return MembershipError(

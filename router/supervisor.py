@@ -531,9 +531,14 @@ def make_workdir(root: Path | None = None) -> tuple[Path, IO[bytes]]:
         pid = folder.name[len(WORKDIR_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid():
             _remove_workdir(folder, int(pid))
-    workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=root))
-    lock = open(workdir / WORKDIR_LOCK, "wb")  # noqa: SIM115 (held while up runs)
+    # Made under a name no sweep reads, and named only once its lock is held:
+    # another up starting at the same moment found the lock file not yet locked
+    # and removed the folder (the review).
+    hidden = Path(tempfile.mkdtemp(prefix=f".{WORKDIR_PREFIX}{os.getpid()}-", dir=root))
+    lock = open(hidden / WORKDIR_LOCK, "wb")  # noqa: SIM115 (held while up runs)
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    workdir = hidden.with_name(hidden.name[1:])
+    os.rename(hidden, workdir)
     return workdir, lock
 
 

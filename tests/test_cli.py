@@ -318,6 +318,21 @@ def test_config_shows_and_applies_a_whole_file_to_a_running_cluster(
     again = run([sys.executable, "-m", "router", "config", str(saved), "--router", router])
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["identity"]["name"] == "X-User-Id"
+    # A salt shown hidden: sent back, the cluster's is kept; used to start, refused.
+    salted = tmp_path / "salted.toml"
+    salted.write_text('[privacy]\nshow_keys = "hashed"\nsalt = "pepper"\n' + new.read_text())
+    assert (
+        run([sys.executable, "-m", "router", "config", str(salted), "--router", router]).returncode
+        == 0
+    )
+    hidden = run([sys.executable, "-m", "router", "config", "--router", router])
+    assert json.loads(hidden.stdout)["privacy"]["salt"] == "<hidden>"
+    back = tmp_path / "back.json"
+    back.write_text(hidden.stdout)
+    kept = run([sys.executable, "-m", "router", "config", str(back), "--router", router])
+    assert kept.returncode == 0, kept.stderr
+    started = run([sys.executable, "-m", "router", "router", "--port", "0", "--config", str(back)])
+    assert started.returncode != 0 and "put the real salt in the file" in started.stderr
     redis = tmp_path / "redis.toml"
     redis.write_text('backend = "redis"\n[[rules]]\nname = "api"\nrate = "1/minute"\n')
     refused = run([sys.executable, "-m", "router", "config", str(redis), "--router", router])

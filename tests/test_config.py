@@ -339,6 +339,16 @@ def test_text_no_push_can_carry_is_refused_where_it_is(data: Any, where: str) ->
         ClusterConfig.from_dict(data, source="pushed config", strict=False)
 
 
+def test_a_redis_backend_balances_round_robin_unless_told_otherwise() -> None:
+    """As docs/configuration.md says: a file's backend = "redis" alone routed by
+    owner (sticky) over nodes that own no keys (the review)."""
+    redis = ClusterConfig.from_dict({"backend": "redis"})
+    assert redis.balance == "round-robin"
+    told = ClusterConfig.from_dict({"backend": "redis", "balance": "sticky"})
+    assert told.balance == "sticky"
+    assert ClusterConfig.from_dict({}).balance == "sticky"
+
+
 def test_a_useless_rule_from_another_process_is_kept_and_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -442,6 +442,27 @@ async def test_a_router_routing_to_owners_refuses_a_node_that_owns_no_keys() -> 
         assert "r1" not in cluster.router.membership.view
 
 
+def test_which_nodes_a_router_refuses_follows_its_backend_and_balance() -> None:
+    """Only a router that routes by owner with in-memory state refuses a node
+    that owns no keys: one of a Redis cluster routing by owner (a file's
+    backend = "redis" with balance = "sticky") takes its nodes, which own none
+    (the review: every node of such a cluster was refused). A round-robin router
+    refuses one that owns its keys. A node that does not say is refused by none."""
+    from router.nodeclient import _not_for
+
+    member = Member("n9", node_url("n9"))
+    for health, round_robin, owner_routed, refused in [
+        ({"sticky": False}, False, True, True),  # memory, sticky: a Redis node
+        ({"sticky": False}, False, False, False),  # redis, sticky: its own nodes
+        ({"sticky": True}, True, False, True),  # round-robin: a sticky node
+        ({"sticky": False}, True, False, False),
+        ({}, True, False, False),  # an earlier version's node
+        ({}, False, True, False),
+    ]:
+        error = _not_for(member, health, round_robin, owner_routed, None)
+        assert (error is not None) == refused, (health, round_robin, owner_routed)
+
+
 async def test_the_same_registration_twice_at_once_is_one_join() -> None:
     async with InProcessCluster(3, make_config(), clock=FrozenClock()) as cluster:
         cluster._make_node("n4")
