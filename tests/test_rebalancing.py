@@ -314,6 +314,7 @@ async def test_admin_api_join_and_leave() -> None:
     async with InProcessCluster(2, make_config(), clock=clock) as cluster:
         ring = (await cluster.client.get("/admin/ring")).json()
         assert ring.pop("rules_digest") == cluster.router.config.rules_digest
+        assert ring.pop("config_digest") == cluster.router.config.digest
         events = ring.pop("events")
         assert [(e["kind"], e["node"], e["epoch"]) for e in events] == [
             ("joined", "n1", 1),
