@@ -537,8 +537,9 @@ class Node:
                 "epoch": self.epoch,
                 "backend": self.backend.name,
                 "backend_available": self.backend.available,
-                # Whether it refuses keys it does not own (a router balancing
-                # round-robin cannot route to it: router/nodeclient.py).
+                # Whether it owns its keys (and refuses others): a router that
+                # routes by owner needs one, a round-robin router one that does not
+                # (router/nodeclient.py _not_for).
                 "sticky": self.shard is not None,
                 # The etcd cluster whose ring it holds (None: none, or unnamed).
                 "cluster": self.cluster,
@@ -764,7 +765,9 @@ class Node:
         other's ring, at an epoch of its own, was taken (the same epoch as
         config only), and the node then decided by a ring its routers did not
         have (an exploratory tester). A node out of its ring, or never in one,
-        takes any cluster's push (restarted empty, it joins any)."""
+        takes any cluster's push (restarted empty, it joins any); a node without
+        a shard (a shared backend) keeps no view to tell, so it refuses another
+        cluster's push until it is restarted."""
         if cluster is None or self.cluster is None or cluster == self.cluster:
             return None
         view = self.shard.view if self.shard is not None else None
