@@ -193,6 +193,11 @@ def _script_reply(reply: Any, keys: Sequence[str]) -> Any:
     return reply
 
 
+#: The default prefix of every key ringlimit writes (``rl:{alice}:api:tb``, and
+#: the probe's ``rl:probe``).
+KEY_PREFIX = "rl"
+
+
 class CorruptState(ResponseError):
     """A check whose stored state holds values no script writes (NaN, infinity, a
     time centuries away: a key written by hand, by another application, a bad
@@ -349,7 +354,7 @@ class RedisBackend:
         self,
         url: str,
         *,
-        prefix: str = "rl",
+        prefix: str = KEY_PREFIX,
         clock: Clock | None = None,
         timeout: float = REDIS_TIMEOUT,
         connect_timeout: float | None = None,

@@ -79,17 +79,13 @@ def new_rules(config: ClusterConfig, data: Any) -> ClusterConfig:
         raise ApiError(400, "invalid_rules", str(exc)) from None
 
 
-#: What ``GET /admin/config`` shows for the privacy salt (the HMAC key that hides
-#: user ids: with it, a hash can be tested against guessed ids); sent back in a
-#: ``PUT``, it keeps the salt the cluster has (a config file holding it is refused).
-HIDDEN = HIDDEN_SALT
-
-
 def shown_config(config: ClusterConfig) -> dict[str, Any]:
-    """``config`` as the admin API shows it: the privacy salt hidden."""
+    """``config`` as the admin API shows it: the privacy salt (the HMAC key that
+    hides user ids: with it, a hash can be tested against guessed ids) as
+    :data:`~node.config.HIDDEN_SALT`, which a ``PUT`` sent it back keeps."""
     data = config.to_dict()
     if "salt" in data.get("privacy", {}):
-        data["privacy"] = {**data["privacy"], "salt": HIDDEN}
+        data["privacy"] = {**data["privacy"], "salt": HIDDEN_SALT}
     return data
 
 
@@ -117,7 +113,7 @@ def new_config(current: ClusterConfig, data: Any) -> ClusterConfig:
     for name in FIXED_AT_START:
         given.setdefault(name, getattr(current, name))
     privacy = given.get("privacy")
-    if isinstance(privacy, dict) and privacy.get("salt") == HIDDEN:
+    if isinstance(privacy, dict) and privacy.get("salt") == HIDDEN_SALT:
         # What GET showed, sent back: the salt stays the one it hides.
         given["privacy"] = {**privacy, "salt": current.privacy.salt}
     try:

@@ -1789,13 +1789,8 @@ def _admin_call(
     # for may still be made. It said "cannot reach the router" and blamed
     # --router while the router was waiting on the node (an exploratory tester).
     # (`rules FILE` said to see `nodes list`, which shows no rules: a tester)
-    shows = (
-        "rules"
-        if path.startswith("/admin/rules")
-        else "config"
-        if path.startswith("/admin/config")
-        else "nodes list"
-    )
+    section = path.removeprefix("/admin/").partition("/")[0]
+    shows = section if section in ("rules", "config") else "nodes list"
     late = CommandError(
         f"the router at {base} gave no whole answer within --timeout {timeout:g} s"
         + (

@@ -282,8 +282,6 @@ class Membership:
         #: Whether the leading router, at this follower's last poll, had a node
         #: reporting its shared backend (Redis) down: a follower probes no node.
         self.leader_backend_degraded = False
-        #: Whether this router took etcd's config once (then a change is a runtime one).
-        self._took_etcd_config = False
 
     @property
     def view(self) -> RingView:
@@ -510,8 +508,8 @@ class Membership:
         restarting routers with a new file could not tell (an exploratory tester)."""
         mine, theirs = self.config.to_dict(), record.config.to_dict()
         differ = ", ".join(n for n in theirs if mine.get(n) != theirs.get(n)) or "nothing shown"
-        if self._took_etcd_config:
-            # A change made at runtime (change_config), through any router.
+        if self._coordination:
+            # Watching etcd: a change made at runtime (change_config), through any router.
             log.info(
                 "taking the cluster config from etcd (epoch %d): %s changed",
                 record.view.epoch,
@@ -525,7 +523,6 @@ class Membership:
                 record.view.epoch,
                 differ,
             )
-        self._took_etcd_config = True
         self._take_config(record.config, "etcd")
 
     async def _adopt_nodes_config(self, node_url: str) -> None:
@@ -579,7 +576,6 @@ class Membership:
                     ", ".join(record.view.ids) or "no nodes",
                 )
             self._take(record, force=True)
-        self._took_etcd_config = True  # what etcd holds from now on is a runtime change
         self._coordination = [asyncio.create_task(self._watch())]
         if health:
             # The step-down deadline counts on a clock that keeps counting while

@@ -389,7 +389,7 @@ def check_redis(url: str) -> None:
     import redis
     from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError
 
-    from node.redis_backend import check_url_options
+    from node.redis_backend import KEY_PREFIX, check_url_options
 
     try:
         check_url_options(url)
@@ -408,7 +408,7 @@ def check_redis(url: str) -> None:
             client.ping()
             # What a node's probe writes: a read-only replica answers PING, and
             # every check then fell to the nodes' local limiters (a tester).
-            client.set("rl:probe", b"1", px=1000)
+            client.set(f"{KEY_PREFIX}:probe", b"1", px=1000)
         finally:
             client.close()
     except (AuthenticationError, AuthorizationError) as exc:
@@ -420,7 +420,7 @@ def check_redis(url: str) -> None:
     except NoPermissionError as exc:  # the user's ACL, not its password
         raise StartError(
             f"Redis at {where} refused the user a command or key ({exc}); check its ACL: "
-            "ringlimit needs PING, SET, EVALSHA and SCRIPT LOAD on keys 'rl:*'"
+            f"ringlimit needs PING, SET, EVALSHA and SCRIPT LOAD on keys '{KEY_PREFIX}:*'"
         ) from None
     except redis.ReadOnlyError as exc:
         raise StartError(

@@ -15,6 +15,7 @@ step); each failed before its fix.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -152,6 +153,22 @@ def test_decisions_are_well_formed(algorithm: str, spec: Spec, ops: list) -> Non
             assert math.isfinite(d.retry_after) and d.retry_after >= 0, step
 
 
+def decided_after_a_change(
+    old: Rule, new: Rule, before: list[tuple[int, int]], after: list[tuple[int, int]]
+) -> Iterator[tuple[Any, float, int, Decision]]:
+    """``before`` decided under ``old``, then ``after`` under ``new`` (a rule
+    changed at runtime) on the states it left, ticks in ``new``'s period:
+    (state, now, cost, decision) of each ``after`` step."""
+    decide = REGISTRY[new.algorithm].decide
+    steps = run(old, before)
+    state, now = steps[-1].after, steps[-1].now
+    tick = new.period / TICKS
+    for ticks, cost in after:
+        now += ticks * tick
+        state, d = decide(state, now, new, cost)
+        yield state, now, cost, d
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @SETTINGS
 @given(spec=specs, before=forward_ops, after=any_ops, shrink=st.integers(2, 6))
@@ -172,13 +189,7 @@ def test_decisions_stay_well_formed_after_the_rule_is_lowered(
     small = Rule(
         "r", max(1, spec.limit // shrink), spec.period, algorithm, burst=spec.burst // shrink
     )
-    decide = REGISTRY[algorithm].decide
-    steps = run(big, before)
-    state, now = steps[-1].after, steps[-1].now
-    tick = spec.period / TICKS
-    for ticks, cost in after:
-        now += ticks * tick
-        state, d = decide(state, now, small, cost)
+    for state, now, cost, d in decided_after_a_change(big, small, before, after):
         context = (state, now, cost)
         assert 0 <= d.remaining <= small.capacity, context
         for value in (d.reset_after, d.available_after):
@@ -207,14 +218,10 @@ def test_decisions_after_any_rules_change_are_ones_redis_takes_for_sound(
     from node.decision import Verdict
     from node.redis_backend import _out_of_range
 
-    old, changed = make_rule(algorithm, spec), make_rule(algorithm, new)
-    decide = REGISTRY[algorithm].decide
-    steps = run(old, before)
-    state, now = steps[-1].after, steps[-1].now
-    tick = new.period / TICKS
-    for ticks, cost in after:
-        now += ticks * tick
-        state, d = decide(state, now, changed, cost)
+    changed = make_rule(algorithm, new)
+    for state, now, cost, d in decided_after_a_change(
+        make_rule(algorithm, spec), changed, before, after
+    ):
         problem = _out_of_range(Verdict(d.allowed, d, (d,)), [changed])
         assert problem is None, (problem, state, now, cost)
 

@@ -405,41 +405,40 @@ async def test_a_join_at_a_web_server_is_refused_at_once_or_says_what_it_answere
         assert cluster.router.membership.joining == {}
 
 
-async def test_a_router_balancing_round_robin_refuses_a_node_that_owns_its_keys() -> None:
+@pytest.mark.parametrize(
+    ("balance", "sticky", "said"),
+    [
+        ("round-robin", True, "start the node with --backend redis"),
+        ("sticky", False, "owns no keys"),
+    ],
+    ids=["round-robin-router", "sticky-router"],
+)
+async def test_a_router_refuses_a_node_of_another_backend(
+    balance: str, sticky: bool, said: str
+) -> None:
     """A router started with --backend redis (round-robin) and nodes without it
     (each limiting on its own, refusing keys it does not own): requests were
     refused 421 and retried, and one in 256 ran out of attempts as 503
     ring_changing on a steady ring, nothing logged (an exploratory tester). The
-    join is refused now, naming the fix; a node that takes any key joins."""
-    config = make_config().with_(balance="round-robin")
+    other way round, a sticky router took a node started with --backend redis
+    (no shard): its handoffs were refused (409) and its users' counts lost when
+    it left, 102 admitted over the limit (a day's-end tester). Such a join is
+    refused now, naming the fix; a node of the router's kind joins."""
+    config = make_config().with_(balance=balance)
     async with InProcessCluster(
-        2, config, clock=FrozenClock(), node_options={"sticky": False}
+        2, config, clock=FrozenClock(), node_options={"sticky": not sticky}
     ) as cluster:
-        cluster._make_node("s1", sticky=True)
+        cluster._make_node("x1", sticky=sticky)
         refused = await cluster.client.post(
-            "/admin/nodes", json={"id": "s1", "url": node_url("s1")}
+            "/admin/nodes", json={"id": "x1", "url": node_url("x1")}
         )
         assert refused.status_code == 409 and refused.json()["error"] == "wrong_backend"
-        assert "start the node with --backend redis" in refused.json()["detail"]
-        assert "s1" not in cluster.router.membership.view
-        cluster._make_node("r3")
-        joined = await cluster.client.post("/admin/nodes", json={"id": "r3", "url": node_url("r3")})
+        assert said in refused.json()["detail"]
+        assert "x1" not in cluster.router.membership.view
+        cluster._make_node("x2", sticky=not sticky)
+        joined = await cluster.client.post("/admin/nodes", json={"id": "x2", "url": node_url("x2")})
         assert joined.status_code == 200, joined.text
-        assert "r3" in cluster.router.membership.view
-
-
-async def test_a_router_routing_to_owners_refuses_a_node_that_owns_no_keys() -> None:
-    """The other way round: a sticky router took a node started with --backend
-    redis (no shard). Its handoffs were refused (409) and its users' counts lost
-    when it left: 102 admitted over the limit (a day's-end tester)."""
-    async with InProcessCluster(2, make_config(), clock=FrozenClock()) as cluster:
-        cluster._make_node("r1", sticky=False)
-        refused = await cluster.client.post(
-            "/admin/nodes", json={"id": "r1", "url": node_url("r1")}
-        )
-        assert refused.status_code == 409 and refused.json()["error"] == "wrong_backend"
-        assert "owns no keys" in refused.json()["detail"]
-        assert "r1" not in cluster.router.membership.view
+        assert "x2" in cluster.router.membership.view
 
 
 def test_which_nodes_a_router_refuses_follows_its_backend_and_balance() -> None:
