@@ -70,7 +70,7 @@ from node.security import (
     refusal,
     token_matches,
 )
-from node.shard import InFlight, LeaseExpired, NotOwner, Shard, StaleEpoch
+from node.shard import InFlight, LeaseExpired, NoLongerMember, NotOwner, Shard, StaleEpoch
 from node.store import MemoryStore
 from node.topkeys import DEFAULT_CAPACITY, DEFAULT_WINDOW, KINDS, TopKeys
 from node.upstream import UPSTREAM_METRICS, UpstreamApp, echo_app
@@ -815,6 +815,8 @@ class Node:
             return JSONResponse({"error": "stale_epoch", "detail": str(exc)}, status_code=409)
         except InFlight as exc:
             return JSONResponse({"error": "in_flight", "detail": str(exc)}, status_code=409)
+        except NoLongerMember as exc:
+            return JSONResponse({"error": "no_longer_member", "detail": str(exc)}, status_code=409)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:

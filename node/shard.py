@@ -39,6 +39,7 @@ from node.shardcore import (
     HandoffStats,
     InFlight,
     LeaseExpired,
+    NoLongerMember,
     NotOwner,
     Pull,
     ShardCore,
@@ -54,6 +55,7 @@ __all__ = [
     "HandoffStats",
     "InFlight",
     "LeaseExpired",
+    "NoLongerMember",
     "NotOwner",
     "Shard",
     "ShardCore",
@@ -76,6 +78,10 @@ CHUNK = 10_000
 FREEZE_AT = 10_000
 #: Chunks of one handoff in flight at once: two keep sender and receiver busy together.
 WINDOW = 2
+#: How long a delivery waits for pulls in progress before it sends final marks
+#: (:meth:`Shard.deliver`): a pull takes milliseconds unless its peer struggles;
+#: one that takes longer brings its state after the marks.
+PULLS_WAIT = 1.0
 #: A failed delivery is sent again this many times (Shard._redeliver_later), the
 #: pauses doubling from REDELIVERY_PAUSE seconds (0.5 s, 1 s, 2 s... at most 10 s).
 REDELIVERY_TRIES = 8
@@ -266,7 +272,10 @@ class Shard:
                         continue
                     raise
             records = check_records(answer.get("records", []))
-            core.take_pulled(records, self.clock())
+            if core.take_pulled(records, self.clock(), pull.epoch):
+                # A newer view moved the key on during the pull: its state goes
+                # to its owner now (deliver held that view's marks for it, for a while).
+                self.spawn(self.deliver())
             earlier = answer.get("from")
             if not records and type(earlier) is list:
                 core.refer(pull, [m for m in earlier if type(m) is str])
@@ -380,6 +389,13 @@ class Shard:
             return {}
         started = self.timer()
         sent: dict[str, int] = {}
+        pulls = [future for future in self._pulling.values() if not future.done()]
+        if pulls:
+            # A pull of an older view still on its way may bring a state this view
+            # gives another member: it must go with the final mark to that member
+            # (ShardCore.take_pulled), or the member stops waiting and decides the
+            # key fresh. Pulls end within their own deadline; this waits less.
+            await asyncio.wait(pulls, timeout=PULLS_WAIT)
 
         async def send(transfer: Transfer) -> None:
             landed = False

@@ -21,6 +21,7 @@ from node.shardcore import (
     AwaitHandoffs,
     InFlight,
     LeaseExpired,
+    NoLongerMember,
     NotOwner,
     Pull,
     ShardCore,
@@ -149,7 +150,8 @@ def test_a_view_takes_moved_states_out_at_once_and_transfers_them_with_a_final_m
 
 def test_in_flight_states_are_known_per_transfer_until_each_lands() -> None:
     """Two transfers to one member on their way at once (a second view before the
-    first landed): a pull waits for a key of the one still travelling only."""
+    first landed): a pull waits for a key of the one still travelling only. (The
+    second carries copies of the first's states too: :meth:`ShardCore._flying_copies`.)"""
     v1, v2, v3 = view(["n0", "n2"], 1), view(["n0", "n1", "n2"], 2), view(["n1", "n2"], 3)
     a = core("n0")
     a.apply(v1, None, (), NOW, 0.0)
@@ -163,16 +165,18 @@ def test_in_flight_states_are_known_per_transfer_until_each_lands() -> None:
         a.serve_pull([one], "n1", 2, NOW)
     a.apply(v3, v2, (), NOW, 0.0)  # n0 leaves: the rest of its keys
     second = next(t for t in a.transfers(NOW) if t.to == "n1")
-    two = second.records[0][2]
+    firsts = {r[2] for r in first.records}
+    assert firsts <= {r[2] for r in second.records}
+    two = next(r[2] for r in second.records if r[2] not in firsts)
     for key in (one, two):
         with pytest.raises(InFlight):
             a.serve_pull([key], "n1", 3, NOW)
-    a.delivered(first)
-    assert a.serve_pull([one], "n1", 3, NOW) == []
+    a.delivered(second)
+    assert a.serve_pull([two], "n1", 3, NOW) == []
     with pytest.raises(InFlight):
-        a.serve_pull([two], "n1", 3, NOW)
-    a.abandon(second)
-    assert "n1" not in a.in_flight and a.serve_pull([two], "n1", 3, NOW) == []
+        a.serve_pull([one], "n1", 3, NOW)
+    a.abandon(first)
+    assert "n1" not in a.in_flight and a.serve_pull([one], "n1", 3, NOW) == []
 
 
 def test_a_transfer_that_partly_landed_keeps_the_rest_for_pulls() -> None:
@@ -416,6 +420,168 @@ def test_a_state_in_flight_to_a_member_that_lost_it_comes_back_to_its_new_owner(
     a.delivered(flight)
     a.receive("n1", 2, flight.records, False, (), NOW)  # passed back by n1: merged
     assert decide(a, key) == 7
+
+
+LIMITED = Rule("api", 5, 3600.0, algorithm="fixed_window")
+
+
+def spent_then_joined(a: ShardCore, b: ShardCore, owner_after: str) -> tuple[RingView, str]:
+    """n0 (``a``) alone spends 5 of :data:`LIMITED` for a key that n1's join
+    (epoch 2, which ``a`` and ``b`` apply) takes, and that ``owner_after``
+    owns once n2 joins too (epoch 3, returned with the key)."""
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    v3 = view(["n0", "n1", "n2"], 3)
+    a.apply(v1, None, (), NOW, 0.0)
+    key = next(k for k in KEYS if v2.owner_id(k) == "n1" and v3.owner_id(k) == owner_after)
+    for _ in range(5):
+        decide(a, key, rule=LIMITED)
+    a.apply(v2, v1, (), NOW, 0.0)
+    b.apply(v2, v1, (), NOW, 0.0)
+    return v3, key
+
+
+def carry(senders: list[ShardCore], cores: dict[str, ShardCore]) -> None:
+    """Each sender's transfers, received by their members."""
+    for sender in senders:
+        for t in sender.transfers(NOW):
+            cores[t.to].receive(t.sender, t.epoch, t.records, t.final, (), NOW)
+            sender.delivered(t)
+
+
+def test_a_flight_to_a_member_that_keeps_its_keys_goes_again_with_the_next_mark() -> None:
+    """n0's delivery to n1 (epoch 2) is on its way when n2 joins (epoch 3) and n1
+    keeps the key. n0's epoch-3 final mark to n1, a POST of its own, may land
+    first: it carries a copy of the state in flight, so n1, no longer waiting
+    for n0, decides the key from it (denied: 5 of 5 spent), not fresh. Before,
+    only keys whose owner changed were copied, and n1 admitted 5 more before
+    the flight landed (an independent review). The flight's landing is merged."""
+    limited = LIMITED
+    cfg = config(rule=limited)
+    a, b = core("n0", cfg), core("n1", cfg)
+    v3, key = spent_then_joined(a, b, "n1")
+    v2 = a.view
+    assert v2 is not None
+    (flight,) = a.transfers(NOW)  # on its way to n1
+    a.apply(v3, v2, (), NOW, 0.0)
+    b.apply(v3, v2, (), NOW, 0.0)
+    (mark,) = [t for t in a.transfers(NOW) if t.to == "n1"]
+    assert mark.final and [r[2] for r in mark.records] == [key]
+    b.receive(mark.sender, mark.epoch, mark.records, mark.final, (), NOW)
+    assert not b.awaits("n0") and b.inherit(key, (limited,), 1.0) is None
+    assert not b.store.check(key, (limited,), NOW).allowed
+    # The flight is copied: its failure would put nothing back in the outbox.
+    assert any(records is flight.records for records in a.copied)
+    b.receive(flight.sender, flight.epoch, flight.records, flight.final, (), NOW)
+    a.delivered(flight)
+    assert not a.copied
+    assert not b.store.check(key, (limited,), NOW).allowed
+
+
+def test_a_member_that_left_refuses_a_late_transfer_and_its_sender_keeps_it() -> None:
+    """n0's redelivery to n1 (epoch 2) reaches n1 after n1 left (epoch 3: the
+    leaver gets its view first). n1 no longer hands anything off, so it
+    refuses the transfer; n0 keeps the state, and its epoch-3 final mark takes
+    it to the key's new owner, which denies the user at 5 of 5. Before, n1 took
+    it into its store for good, n0 counted it delivered, and the new owner
+    admitted 5 more (an independent review)."""
+    limited = LIMITED
+    cfg = config(rule=limited)
+    v1, v2, v3 = view(["n0", "n2"], 1), view(["n0", "n1", "n2"], 2), view(["n0", "n2"], 3)
+    cores = {i: core(i, cfg) for i in ("n0", "n1", "n2")}
+    a, b, c = cores["n0"], cores["n1"], cores["n2"]
+    a.apply(v1, None, (), NOW, 0.0)
+    c.apply(v1, None, (), NOW, 0.0)
+    key = next(k for k in KEYS if v1.owner_id(k) == "n0" and v2.owner_id(k) == "n1")
+    for _ in range(5):
+        decide(a, key, rule=limited)
+    for member in (a, b, c):
+        member.apply(v2, v1, (), NOW, 0.0)
+    (first,) = [t for t in a.transfers(NOW) if t.to == "n1"]
+    a.undelivered(first, NOW)  # a hiccup: kept, sent again in the background
+    (redelivery,) = [t for t in a.transfers(NOW) if t.to == "n1"]
+    b.apply(v3, v2, (), NOW, 0.0)  # the leaver first
+    carry([b], cores)
+    with pytest.raises(NoLongerMember):
+        b.receive("n0", 2, redelivery.records, True, (), NOW)
+    a.undelivered(redelivery, NOW)  # refused: back in n0's outbox
+    assert not b.holds(key, (limited,))
+    for member in (a, c):
+        member.apply(v3, v2, (), NOW, 0.0)
+    carry([a, c], cores)
+    owner = cores[v3.owner_id(key)]
+    assert owner.pending == {} and owner.holds(key, (limited,))
+    assert not owner.store.check(key, (limited,), NOW).allowed
+
+
+def test_a_pull_answered_after_the_key_moved_on_goes_with_the_final_mark() -> None:
+    """n1 pulls a key from n0 under epoch 2 (n0's handoff failed); n0 gives the
+    state up, and before the answer arrives n2 joins (epoch 3) and takes the
+    key. The answer's state goes to n2 in n1's epoch-3 final mark (the driver
+    holds the marks until its pulls end), not into n1's store, where it stayed
+    while n2 admitted 5 more for a user at 5 of 5 (an independent review)."""
+    limited = LIMITED
+    cfg = config(rule=limited)
+    cores = {i: core(i, cfg) for i in ("n0", "n1", "n2")}
+    a, b, c = cores["n0"], cores["n1"], cores["n2"]
+    v3, key = spent_then_joined(a, b, "n2")
+    v2 = a.view
+    assert v2 is not None
+    (handoff,) = a.transfers(NOW)
+    a.undelivered(handoff, NOW)  # kept for pulls
+    pull = b.inherit(key, (limited,), 1.0)
+    assert isinstance(pull, Pull) and pull.owner == "n0"
+    answer = a.serve_pull([key], "n1", 2, NOW)
+    assert [r[2] for r in answer] == [key]
+    for member in (a, b, c):
+        member.apply(v3, v2, (), NOW, 0.0)
+    assert b.take_pulled(answer, NOW, pull.epoch)  # for n2 now
+    b.pull_done(pull)
+    assert not b.holds(key, (limited,))
+    carry([a, b], cores)
+    assert c.pending == {} and c.holds(key, (limited,))
+    assert not c.store.check(key, (limited,), NOW).allowed
+
+
+def test_a_key_under_two_rules_waits_for_both_states_of_a_streamed_handoff() -> None:
+    """A handoff is exported rule by rule and sent in chunks: one key's state
+    under one rule may land in the first chunk and under the other in the
+    next. A request checked under both pulls (and waits, the rest being in
+    flight) instead of deciding with the second rule fresh. Before, holding a
+    state under any one rule was enough: a user at 5 of 5 per day was admitted
+    5 more while the second chunk travelled (an independent review)."""
+    per_second = Rule("per_second", 10, 1.0, algorithm="fixed_window")
+    per_day = Rule("per_day", 5, 86400.0, algorithm="fixed_window")
+    fixed = ClusterConfig(
+        rules=(ScopedRule(per_second), ScopedRule(per_day)),
+        policies=Policies(rebalance="handoff", crash="replica"),
+    )
+    rules = (per_second, per_day)
+    v1, v2 = view(["n0"], 1), view(["n0", "n1"], 2)
+    a, b = core("n0", fixed), core("n1", fixed)
+    a.apply(v1, None, (), NOW, 0.0)
+    moving = [k for k in (f"u{i}" for i in range(200)) if v2.owner_id(k) == "n1"]
+    for k in moving:  # many users on the per-second rule alone
+        assert a.store.check(k, (per_second,), NOW).allowed
+    key = moving[0]
+    for _ in range(5):
+        assert a.store.check(key, rules, NOW).allowed
+    a.apply(v2, v1, (), NOW, 0.0)
+    b.apply(v2, v1, (), NOW, 0.0)
+    (transfer,) = a.transfers(NOW)
+    chunks = transfer.chunks(len(moving))  # the per-second states fill the first
+    where = {r[0]: i for i, chunk in enumerate(chunks) for r in chunk.records if r[2] == key}
+    assert where == {"per_second": 0, "per_day": 1}
+    first = chunks[0]
+    b.receive(first.sender, first.epoch, first.records, first.final, (), NOW)
+    pull = b.inherit(key, rules, 1.0)
+    assert isinstance(pull, Pull) and pull.owner == "n0"
+    with pytest.raises(InFlight):
+        a.serve_pull([key], "n1", 2, NOW)
+    for chunk in chunks[1:]:
+        b.receive(chunk.sender, chunk.epoch, chunk.records, chunk.final, (), NOW)
+    a.delivered(transfer)
+    assert not b.awaits("n0") and b.holds(key, rules)
+    assert not b.store.check(key, rules, NOW + 2).allowed
 
 
 def test_a_crash_folded_into_a_leave_sends_every_state_in_flight_with_the_mark() -> None:
