@@ -128,6 +128,8 @@ class Shard:
         self.failures = Failures(log)
         #: Pulls under way, by key: a second request for the key waits for the first.
         self._pulling: dict[str, asyncio.Future[None]] = {}
+        #: The epoch each pull in progress was asked under (see :meth:`deliver`).
+        self._pulled_under: dict[str, int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: This shard holds the heap frozen for an outbox still on its way.
         self._frozen = False
@@ -250,6 +252,7 @@ class Shard:
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pulling[pull.key] = future
+        self._pulled_under[pull.key] = pull.epoch
         core = self.core
         core.start_pull(pull)
         try:
@@ -300,6 +303,7 @@ class Shard:
         finally:
             core.pull_done(pull)
             del self._pulling[pull.key]
+            del self._pulled_under[pull.key]
             future.set_result(None)
             self._news()  # (a failed pull may end the wait for its owner)
 
@@ -389,7 +393,12 @@ class Shard:
             return {}
         started = self.timer()
         sent: dict[str, int] = {}
-        pulls = [future for future in self._pulling.values() if not future.done()]
+        epoch = self.core.epoch
+        pulls = [
+            future
+            for key, future in self._pulling.items()
+            if not future.done() and self._pulled_under[key] < epoch
+        ]
         if pulls:
             # A pull of an older view still on its way may bring a state this view
             # gives another member: it must go with the final mark to that member
@@ -571,9 +580,22 @@ class Shard:
                     exc,
                 )
                 self.core.undelivered(transfer, self.clock())
+                # Back in the outbox (say its member left meanwhile: 409
+                # no_longer_member): sent again, as a failed delivery is.
+                view = self.core.view
+                if view is not None and self.id in view and self.core.owes_handoff():
+                    self._redeliver_later()
 
     def serve_pull(self, keys: Sequence[str], to: str, epoch: int) -> list[Record]:
-        """Give up the named keys' states to their new owner (from the outbox or the store)."""
+        """Give up the named keys' states to their new owner (from the outbox or the store).
+
+        ``InFlight`` for a key this node is pulling itself under an older view:
+        the answer may bring its state, which then goes to the asker with this
+        node's final mark (:meth:`deliver`). Answered "nothing" meanwhile, the
+        asker decided the key fresh (an independent review)."""
+        under = self._pulled_under
+        if under and any(under.get(key, epoch) < epoch for key in keys):
+            raise InFlight(f"key(s) being pulled by {self.id} under an older view")
         return self.core.serve_pull(keys, to, epoch, self.clock())
 
     def receive_replicas(

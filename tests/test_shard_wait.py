@@ -17,7 +17,7 @@ import pytest
 from node.clock import FrozenClock
 from node.peers import Peers
 from node.shard import HANDOFF_RECHECK, Shard
-from node.shardcore import NotOwner
+from node.shardcore import InFlight, NotOwner
 from node.store import MemoryStore
 from ring import Member, RingView
 from tests.processes import free_port, wait_until
@@ -168,3 +168,46 @@ async def test_a_late_pull_that_fails_wakes_the_waiting_request_at_once(
         await asyncio.sleep(0)
     assert task.done(), "the request still waits after n2 was given up"
     assert task.result() is True
+
+
+async def test_a_key_pulled_under_an_older_view_is_in_flight_to_a_newer_views_owner() -> None:
+    """n1 pulls a key from n0 under epoch 2, and n0 has not answered yet when n2,
+    the key's owner under epoch 3, asks n1 for it. n1 answers ``in_flight``
+    (its pull may bring the state, which then goes with its final mark): "it
+    has nothing" sent n2 on to n0, which had given the state up already, and
+    n2 decided the key fresh (an independent review). A key n1 is not pulling
+    gets its usual answer."""
+    quiet: list[asyncio.StreamWriter] = []  # accepted and never answered
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        quiet.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    members = {i: Member(i, f"http://127.0.0.1:{port}") for i in ("n0", "n1", "n2")}
+
+    def at(ids: list[str], epoch: int) -> RingView:
+        return RingView.of([members[i] for i in ids], epoch=epoch)
+
+    v1, v2, v3 = at(["n0"], 1), at(["n0", "n1"], 2), at(["n0", "n1", "n2"], 3)
+    fixed = config()
+    peers = Peers()
+    shard = Shard("n1", MemoryStore(), FrozenClock(), peers, lambda: fixed, timer=FrozenClock(0.0))
+    shard.apply(v2, v1)
+    key, other = [k for k in owned_by(v2, "n1") if v3.owner_id(k) == "n2"][:2]
+    task = asyncio.create_task(shard.admit(key, (RULE,)))
+    try:
+        await wait_until(lambda: bool(quiet), 5.0)  # the pull is on its way
+        shard.apply(v3, v2)
+        with pytest.raises(InFlight):
+            shard.serve_pull([key], "n2", 3)
+        assert shard.serve_pull([other], "n2", 3) == []
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await shard.close()
+        await peers.close()
+        for writer in quiet:
+            writer.close()
+        server.close()
+        await server.wait_closed()
