@@ -278,6 +278,9 @@ class HealthMonitor:
             # at any time. (Not "in the view": a newcomer's lease is granted
             # before the view that holds it is adopted.)
             or member.id in self.removing
+            # Removed by a newer etcd record that a take-over has not rolled
+            # forward yet (Membership._take_lead).
+            or member.id in m.withheld
         ):
             return data
         health.lease_until = max(

@@ -37,10 +37,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import httpx
 
@@ -74,6 +74,7 @@ __all__ = [
     "MembershipError",
 ]
 
+_T = TypeVar("_T")
 log = logging.getLogger("ringlimit.router")
 
 #: Seconds :meth:`Membership.close` waits for each group of its tasks to stop.
@@ -208,6 +209,9 @@ class Membership:
         #: ``--lease`` (None: :attr:`lease_seconds` works it out).
         self._lease = lease
         self.leasing = False
+        #: Members granted no lease: those a newer etcd record removed, read at a
+        #: take-over of the lead, until it is rolled forward (:meth:`_take_lead`).
+        self.withheld: frozenset[str] = frozenset()
         self.budget = RemovalBudget(
             detection if removal_interval is None else removal_interval, removal_quorum
         )
@@ -789,7 +793,6 @@ class Membership:
         for health in self.health.values():
             health.lease_until = max(health.lease_until, bound)
             health.failures = 0
-        self.leasing = True
         self._term += 1
         self._spawn(self._take_lead(self._term))
 
@@ -806,8 +809,30 @@ class Membership:
         ``leading = True`` left a deposed router leading beside the new one.
         """
         try:
+            assert self.coordinator is not None
+            record = await self._until_etcd_answers(term, self.coordinator.load)
+            if term != self._term:
+                return
+            # Not the members a newer record removed (the last leader committed a
+            # crash removal and died before settling it): leased again here, a
+            # paused member that woke decided its users beside the survivors
+            # that had taken them over from replicas (an independent review:
+            # 199 over the limit). No lease at all until the record is read, on
+            # demand included: an etcd that does not answer leaves the members
+            # the leases the last leader granted, then their on_error.
+            self.withheld = frozenset(
+                m.id
+                for m in self.view
+                if record is not None
+                and record.view.epoch > self.view.epoch
+                and m.id not in record.view
+            )
+            self.leasing = True
             async with self.lock:
-                offers = await asyncio.gather(*(self._renew(m) for m in self.view))
+                withheld = self.withheld
+                offers = await asyncio.gather(
+                    *(self._renew(m) for m in self.view if m.id not in withheld)
+                )
                 # As a recovered start (see start): a member that holds a view means
                 # the cluster kept its states, and one that is empty restarted.
                 held = any(isinstance(o, dict) and held_epoch(o.get("epoch")) for o in offers)
@@ -819,6 +844,7 @@ class Membership:
             self.leading = True
             log.warning("took the lead at epoch %d", self.view.epoch)
             await self._roll_forward(term)
+            self.withheld = frozenset()  # out of the view now, or never removed
         except Exception:
             log.exception("taking the lead failed")
 
@@ -840,15 +866,22 @@ class Membership:
         long as this router led (a crash removal nobody had applied: the dead
         member stayed in the ring).
         """
+        await self._until_etcd_answers(term, self._roll_forward_once)
+
+    async def _until_etcd_answers(
+        self, term: int, attempt: Callable[[], Awaitable[_T]]
+    ) -> _T | None:
+        """``attempt()`` again, pausing longer each time, until etcd answers it,
+        while ``term`` lasts (None once it has ended)."""
         delay = 0.25
         while term == self._term:
             try:
-                await self._roll_forward_once()
-                return
+                return await attempt()
             except CoordinatorError as exc:
                 log.warning("could not read the ring from etcd: %s; trying again", exc)
             await asyncio.sleep(delay)
             delay = min(2 * delay, 5.0)
+        return None
 
     async def _roll_forward_once(self) -> None:
         assert self.coordinator is not None
@@ -1603,12 +1636,21 @@ class Membership:
         )
 
     async def catch_up(self, epoch: int, node_url: str) -> None:
-        """A node knows a newer epoch than this router: wait for our change or fetch it."""
+        """A node knows a newer epoch than this router: wait for our change or fetch it.
+
+        While this router's own change is still under way the node's view is
+        not taken: it is that change's, pushed to some members, and the change
+        may yet fail (a leave whose leaver cannot hand its states off is
+        turned into a crash removal). Taken mid-change after the 5 s wait, a
+        slow leave that then failed was neither removed as a crash nor
+        reported, and the leaver's users started afresh once it exited (an
+        independent review). The request is refused as the ring changing.
+        """
         if self.view.epoch >= epoch:
             return
         if self.lock.locked():
             await self.wait_for_change()
-            if self.view.epoch >= epoch:
+            if self.view.epoch >= epoch or self.lock.locked():
                 return
         await self._take_view_of(node_url)
 

@@ -931,6 +931,58 @@ async def test_a_new_leader_rolls_forward_a_change_its_predecessor_left_half_don
             await etcd.close()
 
 
+async def test_a_new_leader_leases_no_member_its_predecessors_record_removed(
+    etcd_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader committed n2's removal as crashed (epoch 2) and died before
+    settling it; n2 was only paused. The next leader, a follower still at epoch
+    1 (the record is unsettled), grants no lease to n2 at its take-over: it
+    reads the record first and leaves out the members it removes, until it has
+    rolled it forward. Before, it leased every member of its own view, n2
+    included, and until the roll-forward reached n2 (indefinitely while etcd
+    did not answer) n2 decided its users beside the survivors deciding them
+    from replicas (an independent review: 199 over the limit)."""
+    async with two_routers(etcd_endpoint) as (cluster, second):
+        first = cluster.router.membership
+        if second.membership.leading:
+            first, follower = second.membership, cluster.router.membership
+        else:
+            follower = second.membership
+        lease = cluster.nodes["n2"].shard.lease  # type: ignore[union-attr]
+        granted: list[float] = []
+        grant = lease.grant
+
+        def counted(token: str, seconds: float, now: float) -> float:
+            granted.append(now)
+            return grant(token, seconds, now)
+
+        monkeypatch.setattr(lease, "grant", counted)
+        etcd = coordinator(etcd_endpoint)
+        await etcd.connect()
+        try:
+            record = await etcd.load()
+            assert record is not None and record.view.epoch == 1
+            removed = RingView.of([m for m in record.view if m.id != "n2"], epoch=2)
+            committed = await etcd.commit(
+                ViewRecord(removed, record.view, ("n2",), record.config, settled=False),
+                record.revision,
+            )
+            assert committed is not None
+            # The leader "dies" right after its commit: it stops without resigning.
+            await stop_coordination(first)
+            first.leading = first.leasing = False
+            await asyncio.sleep(0.5)  # a renewal it had started has landed
+            assert follower.view.epoch == 1  # an unsettled record is not followed
+            granted.clear()
+            await wait_until(lambda: follower.leading, seconds=15.0)
+            await wait_until(lambda: follower.view.epoch == 2)
+            assert cluster.nodes["n2"].shard.epoch == 2  # type: ignore[union-attr]
+            assert granted == [], f"n2 was leased {len(granted)} time(s) at the take-over"
+            assert follower.withheld == frozenset()
+        finally:
+            await etcd.close()
+
+
 async def test_a_take_over_does_not_hide_a_node_that_restarted_meanwhile(
     etcd_endpoint: str,
 ) -> None:

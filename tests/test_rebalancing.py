@@ -695,6 +695,63 @@ async def test_a_leave_whose_handoff_fails_counts_as_a_crash() -> None:
         assert tally.other == Counter()
 
 
+class HeldThenRefused(httpx.AsyncBaseTransport):
+    """In front of one node: each incoming transfer waits for ``release``, then fails."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.release = asyncio.Event()
+        self.held = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/import":
+            self.held += 1
+            await self.release.wait()
+            raise httpx.ConnectError("transfer refused by the test", request=request)
+        return await self.inner.handle_async_request(request)
+
+
+async def test_a_request_during_a_slow_leave_does_not_take_it_for_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A leave is slow (n2's transfer to n1 hangs, then fails) and a request for
+    one of n2's users reaches n2, which has taken the leave's view and refuses
+    it (421, a newer epoch). The router waits for its own change and does not
+    take that view from n2 while the change is under way: the leave fails and
+    n2 is removed as crashed, its users starting from their replicas. Before,
+    once the wait ran out (5 s; 0.2 here) the router took the leave's view for
+    done; the failed leave then found n2 out of the ring already, removed
+    nobody as crashed, and n2's users started afresh once it exited (an
+    independent review: 36 over the limit for 12 users)."""
+    clock = FrozenClock()
+    config = make_config(crash="replica", on_error="closed")
+    async with InProcessCluster(3, config, clock=clock) as cluster:
+        membership = cluster.router.membership
+        tally = await exhaust_and_replicate(cluster)
+        v1 = membership.view
+        door = HeldThenRefused(cluster._mounts[node_url("n1")])
+        cluster._mounts[node_url("n1")] = door
+        waited = membership.wait_for_change
+        monkeypatch.setattr(membership, "wait_for_change", lambda: waited(0.2))
+        leave = asyncio.create_task(cluster.remove_node("n2"))
+        for _ in range(250):  # n2 has taken its view and hands its states off
+            if door.held:
+                break
+            await asyncio.sleep(0.02)
+        assert door.held and not leave.done()
+        user = next(u for u in USERS if v1.owner_id(u) == "n2")
+        during = Tally()
+        await send(cluster.client, during, [user], 1)
+        assert membership.view.epoch == v1.epoch  # not taken from n2
+        door.release.set()
+        await leave
+        v2 = membership.view
+        assert "n2" not in v2 and membership.crashes == 1 and "n2" in membership.removed
+        cluster.take_down("n2")  # the leaving process exits, its outbox with it
+        await send(cluster.client, tally, USERS, LIMIT + 2)
+        assert tally.excess() == 0, tally.over()
+
+
 async def test_a_member_killed_during_a_join_hands_its_replicas_to_the_newcomer() -> None:
     """n1 dies as n4 joins: the join is adopted without it, then n1 is removed
     as crashed. n1's users that the join moved to n4 have their replicas on
