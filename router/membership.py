@@ -1168,10 +1168,15 @@ class Membership:
         # removed as crashed, under a newer epoch.
         failed = await self._carry_out(change)
         self.log.remember(change.previous, ())
+        # Its health before the view that makes it a member: the health loop
+        # renews members of the adopted view into their entries, and one made
+        # there meanwhile (during the settle, with etcd) was overwritten by
+        # this one after it, with an older lease bound than the node held (an
+        # independent review): a removal could come before its lease had ended.
+        self.health[member.id] = health
         self._adopt(change.view)
         await self._settle(committed)
         health.state = "active"
-        self.health[member.id] = health
         if member.id in failed:
             # It owned nothing before this view: removed at once, not budgeted.
             await self._crash_locked(member.id, reason="did not take its first view")
@@ -1224,8 +1229,15 @@ class Membership:
             await self.check_instance(self.view.member(member_id), instance, "leave")
         async with self.lock:
             change = self.log.leave(member_id, force=force)
-            self.health.setdefault(member_id, Health()).state = "leaving"
-            committed = await self._commit(change.view, change.previous, ())
+            health = self.health.setdefault(member_id, Health())
+            health.state = "leaving"
+            try:
+                committed = await self._commit(change.view, change.previous, ())
+            except BaseException:
+                # Not committed (etcd refused or did not answer): it is not leaving
+                # (it was shown "leaving" for good).
+                health.state = "active"
+                raise
             try:
                 change, committed, failed = await self._carry_out_leave(
                     change, member_id, committed
@@ -1480,6 +1492,11 @@ class Membership:
         gone = [i for i in self.health if i not in view and i not in self.joining]
         for member_id in gone:
             del self.health[member_id]
+        # And what on-demand renewals remember (renew_lapsed): one entry per id
+        # ever renewed, for as long as the router ran.
+        for member_id in [i for i in self._renewed_at if i not in view]:
+            del self._renewed_at[member_id]
+            self._renewing.pop(member_id, None)
         self._save_state()
         self.changed.set()
         self.changed = asyncio.Event()

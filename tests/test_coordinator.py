@@ -1123,6 +1123,35 @@ async def test_a_roll_forward_whose_read_fails_is_tried_again(
             await etcd.close()
 
 
+async def test_a_leave_etcd_does_not_commit_leaves_the_member_active(
+    etcd_server: EtcdServer, etcd_endpoint: str
+) -> None:
+    """A leave whose commit etcd does not answer (paused) is refused 503 and the
+    member is shown active again, not "leaving" for good (an independent
+    review)."""
+    async with leading_cluster(etcd_endpoint) as cluster:
+        membership = cluster.router.membership
+        process = etcd_server.process
+        assert process is not None
+        process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(MembershipError) as refused:
+                await asyncio.wait_for(membership.leave("n2"), 20.0)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        # The router's etcd calls made during the pause end before its loop does
+        # (gRPC's poller would call into the closed loop of this test later).
+        assert membership.coordinator is not None
+        for _ in range(50):
+            with contextlib.suppress(CoordinatorError):
+                await membership.coordinator.load()
+                break
+            await asyncio.sleep(0.1)
+        assert refused.value.status == 503
+        assert membership.health["n2"].state == "active"
+        assert "n2" in membership.view
+
+
 async def test_a_first_view_rolled_forward_is_decided_at_once(etcd_endpoint: str) -> None:
     """A router started without seeds on an empty etcd (a ``--workers`` follower)
     takes the lead at epoch 0 and finds the first view another router committed

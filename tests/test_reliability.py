@@ -185,6 +185,11 @@ async def test_on_demand_renewals_of_one_member_are_started_at_most_once_per_int
         # ... and once the interval is over (here: none), n1 is renewed again.
         assert await membership.renew_lapsed(member, every=0.0)
         assert membership.stats["lease_renewals"] == renewals + 3
+        # What a member's renewals were remembered by goes when it leaves the ring
+        # (kept, one entry per member id ever renewed, for as long as the router ran).
+        await cluster.remove_node("n2")
+        assert "n2" not in membership._renewed_at and "n2" not in membership._renewing
+        assert "n1" in membership._renewed_at
 
 
 async def test_a_leased_node_failing_probes_is_removed_only_after_its_lease() -> None:
@@ -745,3 +750,33 @@ async def test_the_in_process_network_is_what_these_tests_assume() -> None:
         assert (await client.get(f"{node_url('n1')}/healthz")).json()["node"] == "n1"
         with pytest.raises(httpx.ConnectError):
             await client.get(f"{node_url('n3')}/healthz")
+
+
+async def test_a_newcomers_lease_renewed_while_its_join_settles_is_remembered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The health loop renews the members of the adopted view, a newcomer's too,
+    while its join settles (with etcd, a write). The router's record of the
+    newcomer's lease is the renewed one: the join's own record, written after,
+    replaced it with the older bound of the join's first grant, and a removal
+    could then come before the lease the node held had ended (an independent
+    review)."""
+    config = make_config(on_error="closed")
+    async with InProcessCluster(3, config, clock=FrozenClock()) as cluster:
+        await leased(cluster)
+        membership = cluster.router.membership
+        settle = membership._settle
+        renewed_at: list[float] = []
+
+        async def settle_while_probed(committed: object) -> None:
+            await settle(committed)  # type: ignore[arg-type]
+            renewed_at.append(asyncio.get_running_loop().time())
+            await membership.check_health()  # a round of the health loop meanwhile
+
+        monkeypatch.setattr(membership, "_settle", settle_while_probed)
+        cluster._make_node("n4")
+        await membership.join(Member("n4", node_url("n4")))
+        (probed,) = renewed_at
+        health = membership.health["n4"]
+        assert health.state == "active"
+        assert health.offered_at >= probed, "the renewal during the join was forgotten"
