@@ -250,8 +250,13 @@ class RouterLeases:
         self._rules[rule.name] = rule
         # What the units are measured in, as the owner compares it: a change of
         # on_error or shadow alone leaves the leases as they are.
-        if known is None or definition(known) == definition(rule):
+        if known is not None and definition(known) == definition(rule):
             return
+        # Not known: the first request under the name, or the rule was removed
+        # (and forgotten) and is back. Its leases, if any, were taken under a
+        # definition this router no longer knows: revoked as a redefined rule's
+        # are (an independent review: a rule removed, then added again at 10/day
+        # instead of 100/day, admitted 34 on the old definition's leases).
         revoked = [entry for entry in self.book if entry[0] == rule.name]
         for entry in revoked:
             self.book.release(entry)

@@ -1394,16 +1394,25 @@ async def test_a_new_view_revokes_the_routers_leases() -> None:
         assert sum(a.status_code == 200 for a in answers) == 0
 
 
-async def test_a_lowered_limit_is_not_outrun_by_the_routers_leases() -> None:
+@pytest.mark.parametrize("removed_first", [False, True], ids=["lowered", "removed_and_back"])
+async def test_a_lowered_limit_is_not_outrun_by_the_routers_leases(removed_first: bool) -> None:
     """A hot key's lease, taken under a rule of 100/day, kept admitting after the
     rule was lowered to 10/day: 34 admitted after the change on the code before
     (the lease's units on top of the 10 the owner had left). Redefining a rule revokes its
-    leases, as a new view does."""
+    leases, as a new view does; so does removing it and adding it back (its
+    definition forgotten meanwhile, the leases were kept: 34 again, an
+    independent review)."""
     rule = Rule("hot", 100, 86400.0, lease="auto")
     async with running(make_config(rule)) as cluster:
         before = [(await hit(cluster, "alice")).status_code for _ in range(30)]
         assert before.count(200) == 30
         assert cluster.router.leases.book.left(("hot", "alice"), 0.0) > 10
+        if removed_first:
+            other = {"name": "other", "rate": "100/day", "lease": "auto"}
+            answer = await cluster.client.put("/admin/rules", json={"rules": [other]})
+            assert answer.status_code == 200, answer.text
+            await hit(cluster, "bob")  # the router's first request under "other"
+            assert "hot" not in cluster.router.leases._rules  # forgotten
         lowered = {"name": "hot", "rate": "10/day", "lease": "auto"}
         answer = await cluster.client.put("/admin/rules", json={"rules": [lowered]})
         assert answer.status_code == 200, answer.text
