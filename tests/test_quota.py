@@ -695,6 +695,9 @@ def test_a_grant_from_a_node_that_does_not_send_its_answer_is_answered_as_before
     old = {k: v for k, v in wire.items() if k != "answer"}
     assert lease_from_dict(old).answer is None
     leases = RouterLeases(lambda: None, [], clock=lambda: 0.0)
+    # The router's first request under the rule, before it holds a lease: a lease
+    # of a rule it does not know yet would be released (a rule added back).
+    assert leases.decide(rule, KEY, 0, 1.0) == FORWARD
     leases.book.add((rule.name, KEY), lease_from_dict(old), 0.0, 0.0)
     assert leases.decide(rule, KEY, 0, 1.0) == ADMIT
     verdict = leases.verdict(rule, KEY, True, 1.0)
