@@ -37,10 +37,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -74,7 +74,6 @@ __all__ = [
     "MembershipError",
 ]
 
-_T = TypeVar("_T")
 log = logging.getLogger("ringlimit.router")
 
 #: Seconds :meth:`Membership.close` waits for each group of its tasks to stop.
@@ -210,8 +209,11 @@ class Membership:
         self._lease = lease
         self.leasing = False
         #: Members granted no lease: those a newer etcd record removed, read at a
-        #: take-over of the lead, until it is rolled forward (:meth:`_take_lead`).
+        #: take-over of the lead, until the view that drops them is adopted
+        #: (:meth:`_take_lead`, :meth:`_adopt`).
         self.withheld: frozenset[str] = frozenset()
+        #: The newest record etcd's watch brought (settled or not): see _newest_record.
+        self._newest_seen: ViewRecord | None = None
         self.budget = RemovalBudget(
             detection if removal_interval is None else removal_interval, removal_quorum
         )
@@ -608,6 +610,8 @@ class Membership:
         self._forget_lost_history()
         self._seen_revision = max(self._seen_revision, record.revision)
         self.log.saw(record.view.epoch)
+        if self._newest_seen is None or record.view.epoch >= self._newest_seen.view.epoch:
+            self._newest_seen = record
         if record.view == self.view:
             newer = record.revision > self._revision
             self._revision = max(self._revision, record.revision)
@@ -809,17 +813,15 @@ class Membership:
         ``leading = True`` left a deposed router leading beside the new one.
         """
         try:
-            assert self.coordinator is not None
-            record = await self._until_etcd_answers(term, self.coordinator.load)
+            record = await self._newest_record()
             if term != self._term:
                 return
             # Not the members a newer record removed (the last leader committed a
             # crash removal and died before settling it): leased again here, a
             # paused member that woke decided its users beside the survivors
             # that had taken them over from replicas (an independent review:
-            # 199 over the limit). No lease at all until the record is read, on
-            # demand included: an etcd that does not answer leaves the members
-            # the leases the last leader granted, then their on_error.
+            # 199 over the limit). Withheld until the record is rolled forward
+            # (the view that drops them is adopted: _adopt) or the term ends.
             self.withheld = frozenset(
                 m.id
                 for m in self.view
@@ -844,9 +846,25 @@ class Membership:
             self.leading = True
             log.warning("took the lead at epoch %d", self.view.epoch)
             await self._roll_forward(term)
-            self.withheld = frozenset()  # out of the view now, or never removed
         except Exception:
             log.exception("taking the lead failed")
+
+    async def _newest_record(self) -> ViewRecord | None:
+        """etcd's ring record, read once; if etcd does not answer, the newest one
+        this router's watch has seen (a take-over waits for no etcd read before
+        it leases: an etcd that answers the campaign but not reads, or a record
+        this version cannot read, left every node without a lease, for as long
+        as it lasted, in a first version of this; the review)."""
+        assert self.coordinator is not None
+        try:
+            return await self.coordinator.load()
+        except CoordinatorError as exc:
+            log.warning(
+                "could not read the ring from etcd at the take-over (%s): going by the "
+                "newest record seen",
+                exc,
+            )
+            return self._newest_seen
 
     @property
     def _takeover_push(self) -> float:
@@ -866,22 +884,15 @@ class Membership:
         long as this router led (a crash removal nobody had applied: the dead
         member stayed in the ring).
         """
-        await self._until_etcd_answers(term, self._roll_forward_once)
-
-    async def _until_etcd_answers(
-        self, term: int, attempt: Callable[[], Awaitable[_T]]
-    ) -> _T | None:
-        """``attempt()`` again, pausing longer each time, until etcd answers it,
-        while ``term`` lasts (None once it has ended)."""
         delay = 0.25
         while term == self._term:
             try:
-                return await attempt()
+                await self._roll_forward_once()
+                return
             except CoordinatorError as exc:
                 log.warning("could not read the ring from etcd: %s; trying again", exc)
             await asyncio.sleep(delay)
             delay = min(2 * delay, 5.0)
-        return None
 
     async def _roll_forward_once(self) -> None:
         assert self.coordinator is not None
@@ -1492,6 +1503,9 @@ class Membership:
         gone = [i for i in self.health if i not in view and i not in self.joining]
         for member_id in gone:
             del self.health[member_id]
+        # A member withheld its lease at a take-over is out of the view now (or
+        # never was removed): it is leased again only if it joins again.
+        self.withheld = frozenset(i for i in self.withheld if i in view)
         # And what on-demand renewals remember (renew_lapsed): one entry per id
         # ever renewed, for as long as the router ran.
         for member_id in [i for i in self._renewed_at if i not in view]:

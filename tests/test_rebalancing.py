@@ -743,6 +743,7 @@ async def test_a_request_during_a_slow_leave_does_not_take_it_for_done(
         during = Tally()
         await send(cluster.client, during, [user], 1)
         assert membership.view.epoch == v1.epoch  # not taken from n2
+        assert during.other == Counter({503: 1})  # refused as the ring changing
         door.release.set()
         await leave
         v2 = membership.view

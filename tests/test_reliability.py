@@ -780,3 +780,25 @@ async def test_a_newcomers_lease_renewed_while_its_join_settles_is_remembered(
         health = membership.health["n4"]
         assert health.state == "active"
         assert health.offered_at >= probed, "the renewal during the join was forgotten"
+
+
+async def test_a_member_withheld_at_a_take_over_is_leased_again_once_it_rejoins() -> None:
+    """A member a take-over withheld its lease from (a newer etcd record removed
+    it: router/membership.py ``_take_lead``) stays withheld only while the view
+    holds it. Once the view that drops it is adopted, a process joining again
+    under its id is leased. Before, the take-over cleared the list only when it
+    ended without an error, and a member that rejoined after one that did not
+    got no lease for the rest of the term: its users answered by on_error (an
+    independent review)."""
+    config = make_config(on_error="closed")
+    async with InProcessCluster(3, config, clock=FrozenClock()) as cluster:
+        await leased(cluster)
+        membership = cluster.router.membership
+        membership.withheld = frozenset({"n2"})
+        await cluster.remove_node("n2")
+        assert membership.withheld == frozenset()
+        cluster.take_down("n2")
+        cluster._make_node("n2")
+        await membership.join(Member("n2", node_url("n2")))
+        lease = cluster.nodes["n2"].shard.lease  # type: ignore[union-attr]
+        assert lease.required and lease.until > float("-inf")
