@@ -209,9 +209,11 @@ class Membership:
         self._lease = lease
         self.leasing = False
         #: Members granted no lease: those a newer etcd record removed, read at a
-        #: take-over of the lead, until the view that drops them is adopted
-        #: (:meth:`_take_lead`, :meth:`_adopt`).
+        #: take-over of the lead, until a view of that record's epoch or newer is
+        #: adopted, or the roll-forward has ended (:meth:`_take_lead`, :meth:`_adopt`).
         self.withheld: frozenset[str] = frozenset()
+        #: The epoch of the record :attr:`withheld` comes from.
+        self._withheld_for = 0
         #: The newest record etcd's watch brought (settled or not): see _newest_record.
         self._newest_seen: ViewRecord | None = None
         self.budget = RemovalBudget(
@@ -638,6 +640,7 @@ class Membership:
         if self.coordinator.history_lost != self._history:
             self._history = self.coordinator.history_lost
             self._revision = self._seen_revision = 0
+            self._newest_seen = None
 
     async def _record_again(
         self, record: ViewRecord | None, config: ClusterConfig, view: RingView | None = None
@@ -820,15 +823,13 @@ class Membership:
             # crash removal and died before settling it): leased again here, a
             # paused member that woke decided its users beside the survivors
             # that had taken them over from replicas (an independent review:
-            # 199 over the limit). Withheld until the record is rolled forward
-            # (the view that drops them is adopted: _adopt) or the term ends.
+            # 199 over the limit). Withheld until a view of that record's epoch
+            # (or newer) is adopted, or the roll-forward below has ended.
+            newer = record is not None and record.view.epoch > self.view.epoch
             self.withheld = frozenset(
-                m.id
-                for m in self.view
-                if record is not None
-                and record.view.epoch > self.view.epoch
-                and m.id not in record.view
+                m.id for m in self.view if newer and record is not None and m.id not in record.view
             )
+            self._withheld_for = record.view.epoch if newer and record is not None else 0
             self.leasing = True
             async with self.lock:
                 withheld = self.withheld
@@ -846,6 +847,10 @@ class Membership:
             self.leading = True
             log.warning("took the lead at epoch %d", self.view.epoch)
             await self._roll_forward(term)
+            if term == self._term:
+                # Rolled forward, or etcd's record put back as this router's view
+                # (history lost): the view in force says who is a member now.
+                self.withheld = frozenset()
         except Exception:
             log.exception("taking the lead failed")
 
@@ -1503,9 +1508,10 @@ class Membership:
         gone = [i for i in self.health if i not in view and i not in self.joining]
         for member_id in gone:
             del self.health[member_id]
-        # A member withheld its lease at a take-over is out of the view now (or
-        # never was removed): it is leased again only if it joins again.
-        self.withheld = frozenset(i for i in self.withheld if i in view)
+        # The record a take-over withheld leases for is carried out (or passed):
+        # its members, a member withheld then joining again included, are leased.
+        if self.withheld and view.epoch >= self._withheld_for:
+            self.withheld = frozenset()
         # And what on-demand renewals remember (renew_lapsed): one entry per id
         # ever renewed, for as long as the router ran.
         for member_id in [i for i in self._renewed_at if i not in view]:

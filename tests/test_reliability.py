@@ -782,23 +782,35 @@ async def test_a_newcomers_lease_renewed_while_its_join_settles_is_remembered(
         assert health.offered_at >= probed, "the renewal during the join was forgotten"
 
 
-async def test_a_member_withheld_at_a_take_over_is_leased_again_once_it_rejoins() -> None:
+@pytest.mark.parametrize("then", ["removed_and_rejoined", "kept_by_a_newer_view"])
+async def test_a_member_withheld_at_a_take_over_is_leased_again_once_its_record_is_passed(
+    then: str,
+) -> None:
     """A member a take-over withheld its lease from (a newer etcd record removed
-    it: router/membership.py ``_take_lead``) stays withheld only while the view
-    holds it. Once the view that drops it is adopted, a process joining again
-    under its id is leased. Before, the take-over cleared the list only when it
-    ended without an error, and a member that rejoined after one that did not
-    got no lease for the rest of the term: its users answered by on_error (an
-    independent review)."""
+    it: router/membership.py ``_take_lead``) is withheld only until a view of
+    that record's epoch or newer is adopted: removed, a process joining again
+    under its id is leased; kept by a newer view (it rejoined meanwhile), it is
+    leased. Before, the take-over cleared the list only when it ended without
+    an error, then only for ids out of the adopted view: such a member got no
+    lease for the rest of the term, its users answered by on_error (two
+    independent reviews)."""
     config = make_config(on_error="closed")
     async with InProcessCluster(3, config, clock=FrozenClock()) as cluster:
         await leased(cluster)
         membership = cluster.router.membership
         membership.withheld = frozenset({"n2"})
-        await cluster.remove_node("n2")
-        assert membership.withheld == frozenset()
-        cluster.take_down("n2")
-        cluster._make_node("n2")
-        await membership.join(Member("n2", node_url("n2")))
+        membership._withheld_for = membership.view.epoch + 1
         lease = cluster.nodes["n2"].shard.lease  # type: ignore[union-attr]
+        if then == "removed_and_rejoined":
+            await cluster.remove_node("n2")
+            assert membership.withheld == frozenset()
+            cluster.take_down("n2")
+            cluster._make_node("n2")
+            await membership.join(Member("n2", node_url("n2")))
+            lease = cluster.nodes["n2"].shard.lease  # type: ignore[union-attr]
+        else:
+            await cluster.add_node("n4")
+            assert membership.withheld == frozenset()
+            lease.until = float("-inf")
+            await membership.check_health()
         assert lease.required and lease.until > float("-inf")
