@@ -382,6 +382,12 @@ class ShardCore:
         self._flying_keys: dict[str, set[str]] = {}
         #: Keys already pulled under the current view (never pulled twice).
         self.pulled: set[str] = set()
+        #: Keys whose state came back into the store from this node's outbox or a
+        #: flight (:meth:`stash`) since the current view: such a state may be older
+        #: than what the member it was sent to decided since (a delivery that
+        #: landed though its answer was lost), so holding it does not spare the
+        #: pull while that member's handoff is awaited (:meth:`inherit`).
+        self.returned: set[str] = set()
         #: Keys whose pull found nothing at the owner asked, which named members
         #: it still expected their states from (:meth:`refer`): the member to ask
         #: next, and the members asked so far.
@@ -481,13 +487,19 @@ class ShardCore:
         and replicas are kept: the replica's holder sends it in its final
         transfer. None when the key may be decided as it is.
 
+        A state that came back from this node's outbox or a flight
+        (:attr:`returned`) is held but still pulled: it may have landed at its
+        recipient, which decided on it since.
+
         The sources go back past the previous view while an older handoff had
         not finished when a newer view came: a key this node already owned
         in the previous view may still be in its first owner's outbox (a failed
         delivery re-sent under the newer view) or in flight.
         """
         pending = self.pending
-        if not pending or not self.sources or self.holds(key, rules):
+        if not pending or not self.sources:
+            return None
+        if self.holds(key, rules) and key not in self.returned:
             return None
         me = self.id
         referral = self.referred.get(key)
@@ -679,6 +691,7 @@ class ShardCore:
                 self.removed_as_crashed = False
             return None
         config = self.config()
+        self.returned = set()
         previous = previous if previous is not None else self.view
         # A handoff of the view being replaced had not finished (some member's
         # final mark never came): its sources stay, behind the new one.
@@ -991,6 +1004,7 @@ class ShardCore:
         if mine:
             self.store.import_(mine, now, self.config().rule_map)
             self.mark_dirty(mine)
+            self.returned.update(record[2] for record in mine)
         return len(records) - len(mine)
 
     # ------------------------------------------------------------------ sending

@@ -554,6 +554,40 @@ def test_a_state_passed_on_is_in_flight_and_goes_with_the_next_mark() -> None:
     assert not c.store.check(key, (LIMITED,), NOW).allowed
 
 
+def test_a_state_back_from_the_outbox_does_not_spare_the_pull_of_a_newer_one() -> None:
+    """n0's handoff to n1 landed, but its answer was lost: n0 keeps the states
+    in its outbox (at 2 of 5), while n1 decides the user to 5 of 5. n1 leaves,
+    and the key is n0's again: n0 takes the outbox's copy back into its store,
+    yet still pulls the key from n1 (whose final mark it awaits) rather than
+    decide on the copy, which missed n1's decisions. Before, holding the copy
+    was enough, and n0 admitted 3 more (the first review's suspicion, here
+    reproduced)."""
+    cfg = config(rule=LIMITED)
+    v1, v2, v3 = view(["n0"], 1), view(["n0", "n1"], 2), view(["n0"], 3)
+    a, b = core("n0", cfg), core("n1", cfg)
+    a.apply(v1, None, (), NOW, 0.0)
+    key = next(k for k in KEYS if v2.owner_id(k) == "n1")
+    for _ in range(2):
+        decide(a, key, rule=LIMITED)
+    a.apply(v2, v1, (), NOW, 0.0)
+    b.apply(v2, v1, (), NOW, 0.0)
+    (handoff,) = a.transfers(NOW)
+    b.receive(handoff.sender, handoff.epoch, handoff.records, handoff.final, (), NOW)
+    a.undelivered(handoff, NOW)  # it landed; its answer did not
+    for _ in range(3):
+        decide(b, key, rule=LIMITED)
+    b.apply(v3, v2, (), NOW, 0.0)  # the leaver first
+    (leaving,) = b.transfers(NOW)  # on its way to n0
+    a.apply(v3, v2, (), NOW, 0.0)
+    assert a.holds(key, (LIMITED,)) and a.awaits("n1")
+    pull = a.inherit(key, (LIMITED,), 1.0)
+    assert isinstance(pull, Pull) and pull.owner == "n1"
+    with pytest.raises(InFlight):
+        b.serve_pull([key], "n0", 3, NOW)
+    a.receive(leaving.sender, leaving.epoch, leaving.records, leaving.final, (), NOW)
+    assert not a.store.check(key, (LIMITED,), NOW).allowed
+
+
 def test_a_pull_answered_after_the_key_moved_on_goes_with_the_final_mark() -> None:
     """n1 pulls a key from n0 under epoch 2 (n0's handoff failed); n0 gives the
     state up, and before the answer arrives n2 joins (epoch 3) and takes the
