@@ -825,11 +825,11 @@ class Membership:
             # that had taken them over from replicas (an independent review:
             # 199 over the limit). Withheld until a view of that record's epoch
             # (or newer) is adopted, or the roll-forward below has ended.
-            newer = record is not None and record.view.epoch > self.view.epoch
-            self.withheld = frozenset(
-                m.id for m in self.view if newer and record is not None and m.id not in record.view
-            )
-            self._withheld_for = record.view.epoch if newer and record is not None else 0
+            if record is not None and record.view.epoch > self.view.epoch:
+                self.withheld = frozenset(m.id for m in self.view if m.id not in record.view)
+                self._withheld_for = record.view.epoch
+            else:
+                self.withheld, self._withheld_for = frozenset(), 0
             self.leasing = True
             async with self.lock:
                 withheld = self.withheld
