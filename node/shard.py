@@ -128,8 +128,6 @@ class Shard:
         self.failures = Failures(log)
         #: Pulls under way, by key: a second request for the key waits for the first.
         self._pulling: dict[str, asyncio.Future[None]] = {}
-        #: The epoch each pull in progress was asked under (see :meth:`deliver`).
-        self._pulled_under: dict[str, int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: This shard holds the heap frozen for an outbox still on its way.
         self._frozen = False
@@ -252,7 +250,6 @@ class Shard:
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pulling[pull.key] = future
-        self._pulled_under[pull.key] = pull.epoch
         core = self.core
         core.start_pull(pull)
         try:
@@ -303,7 +300,6 @@ class Shard:
         finally:
             core.pull_done(pull)
             del self._pulling[pull.key]
-            del self._pulled_under[pull.key]
             future.set_result(None)
             self._news()  # (a failed pull may end the wait for its owner)
 
@@ -397,7 +393,7 @@ class Shard:
         pulls = [
             future
             for key, future in self._pulling.items()
-            if not future.done() and self._pulled_under[key] < epoch
+            if not future.done() and self.core.pulling.get(key, epoch) < epoch
         ]
         if pulls:
             # A pull of an older view still on its way may bring a state this view
@@ -587,15 +583,7 @@ class Shard:
                     self._redeliver_later()
 
     def serve_pull(self, keys: Sequence[str], to: str, epoch: int) -> list[Record]:
-        """Give up the named keys' states to their new owner (from the outbox or the store).
-
-        ``InFlight`` for a key this node is pulling itself under an older view:
-        the answer may bring its state, which then goes to the asker with this
-        node's final mark (:meth:`deliver`). Answered "nothing" meanwhile, the
-        asker decided the key fresh (an independent review)."""
-        under = self._pulled_under
-        if under and any(under.get(key, epoch) < epoch for key in keys):
-            raise InFlight(f"key(s) being pulled by {self.id} under an older view")
+        """Give up the named keys' states to their new owner (from the outbox or the store)."""
         return self.core.serve_pull(keys, to, epoch, self.clock())
 
     def receive_replicas(

@@ -382,6 +382,8 @@ class ShardCore:
         self._flying_keys: dict[str, set[str]] = {}
         #: Keys already pulled under the current view (never pulled twice).
         self.pulled: set[str] = set()
+        #: Pulls under way, by key: the epoch each was asked under (see serve_pull).
+        self.pulling: dict[str, int] = {}
         #: Keys whose state came back into the store from this node's outbox or a
         #: flight (:meth:`stash`) since the current view: such a state may be older
         #: than what the member it was sent to decided since (a delivery that
@@ -536,6 +538,7 @@ class ShardCore:
 
     def start_pull(self, pull: Pull) -> None:
         self.stats.pulls += 1
+        self.pulling[pull.key] = pull.epoch
 
     def take_pulled(self, records: list[Record], now: float, epoch: int | None = None) -> bool:
         """The answer to a pull of ``epoch`` (None: the current view's): the key's
@@ -610,6 +613,7 @@ class ShardCore:
         Nor is a pull of an older view (a newer one came while it was on its way):
         marked pulled, its key was not asked for under the view in force, and was
         decided on what this node had before that view's handoff came."""
+        self.pulling.pop(pull.key, None)
         if pull.epoch != self.epoch:
             return
         if self.pending:
@@ -1232,6 +1236,13 @@ class ShardCore:
         """Give up the named keys' states to their new owner (from the outbox or the store)."""
         if epoch > self.epoch:
             raise StaleEpoch(f"asked about epoch {epoch}, this node knows {self.epoch}")
+        pulling = self.pulling
+        if pulling and any(pulling.get(key, epoch) < epoch for key in keys):
+            # This node pulls the key itself under an older view: the answer may
+            # bring its state, which then goes to the asker with this node's final
+            # mark (:meth:`take_pulled`). Answered "nothing" meanwhile, the asker
+            # decided the key fresh (an independent review).
+            raise InFlight(f"key(s) being pulled by {self.id} under an older view")
         wanted = set(keys)
         flights = self.in_flight.get(to)
         if flights:

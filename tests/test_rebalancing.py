@@ -529,12 +529,13 @@ class Gate(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/internal/import":
-            if self.mode == "refuse":
-                self.refused += 1
-                raise httpx.ConnectError("transfer refused by the test", request=request)
             if self.mode == "hold":
                 self.held += 1
                 await self.release.wait()
+            # (Refused at once, or once released if the mode became "refuse" meanwhile.)
+            if self.mode == "refuse":
+                self.refused += 1
+                raise httpx.ConnectError("transfer refused by the test", request=request)
         return await self.inner.handle_async_request(request)
 
 
@@ -695,22 +696,6 @@ async def test_a_leave_whose_handoff_fails_counts_as_a_crash() -> None:
         assert tally.other == Counter()
 
 
-class HeldThenRefused(httpx.AsyncBaseTransport):
-    """In front of one node: each incoming transfer waits for ``release``, then fails."""
-
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
-        self.inner = inner
-        self.release = asyncio.Event()
-        self.held = 0
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/internal/import":
-            self.held += 1
-            await self.release.wait()
-            raise httpx.ConnectError("transfer refused by the test", request=request)
-        return await self.inner.handle_async_request(request)
-
-
 async def test_a_request_during_a_slow_leave_does_not_take_it_for_done(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -729,8 +714,8 @@ async def test_a_request_during_a_slow_leave_does_not_take_it_for_done(
         membership = cluster.router.membership
         tally = await exhaust_and_replicate(cluster)
         v1 = membership.view
-        door = HeldThenRefused(cluster._mounts[node_url("n1")])
-        cluster._mounts[node_url("n1")] = door
+        door = gate(cluster, "n1")
+        door.mode = "hold"
         waited = membership.wait_for_change
         monkeypatch.setattr(membership, "wait_for_change", lambda: waited(0.2))
         leave = asyncio.create_task(cluster.remove_node("n2"))
@@ -744,6 +729,7 @@ async def test_a_request_during_a_slow_leave_does_not_take_it_for_done(
         await send(cluster.client, during, [user], 1)
         assert membership.view.epoch == v1.epoch  # not taken from n2
         assert during.other == Counter({503: 1})  # refused as the ring changing
+        door.mode = "refuse"  # the held transfer and its retries fail
         door.release.set()
         await leave
         v2 = membership.view

@@ -456,8 +456,7 @@ def test_a_flight_to_a_member_that_keeps_its_keys_goes_again_with_the_next_mark(
     for n0, decides the key from it (denied: 5 of 5 spent), not fresh. Before,
     only keys whose owner changed were copied, and n1 admitted 5 more before
     the flight landed (an independent review). The flight's landing is merged."""
-    limited = LIMITED
-    cfg = config(rule=limited)
+    cfg = config(rule=LIMITED)
     a, b = core("n0", cfg), core("n1", cfg)
     v3, key = spent_then_joined(a, b, "n1")
     v2 = a.view
@@ -468,14 +467,14 @@ def test_a_flight_to_a_member_that_keeps_its_keys_goes_again_with_the_next_mark(
     (mark,) = [t for t in a.transfers(NOW) if t.to == "n1"]
     assert mark.final and [r[2] for r in mark.records] == [key]
     b.receive(mark.sender, mark.epoch, mark.records, mark.final, (), NOW)
-    assert not b.awaits("n0") and b.inherit(key, (limited,), 1.0) is None
-    assert not b.store.check(key, (limited,), NOW).allowed
+    assert not b.awaits("n0") and b.inherit(key, (LIMITED,), 1.0) is None
+    assert not b.store.check(key, (LIMITED,), NOW).allowed
     # The flight is copied: its failure would put nothing back in the outbox.
     assert any(records is flight.records for records in a.copied)
     b.receive(flight.sender, flight.epoch, flight.records, flight.final, (), NOW)
     a.delivered(flight)
     assert not a.copied
-    assert not b.store.check(key, (limited,), NOW).allowed
+    assert not b.store.check(key, (LIMITED,), NOW).allowed
 
 
 def test_a_member_that_left_refuses_a_late_transfer_and_its_sender_keeps_it() -> None:
@@ -485,8 +484,7 @@ def test_a_member_that_left_refuses_a_late_transfer_and_its_sender_keeps_it() ->
     it to the key's new owner, which denies the user at 5 of 5. Before, n1 took
     it into its store for good, n0 counted it delivered, and the new owner
     admitted 5 more (an independent review)."""
-    limited = LIMITED
-    cfg = config(rule=limited)
+    cfg = config(rule=LIMITED)
     v1, v2, v3 = view(["n0", "n2"], 1), view(["n0", "n1", "n2"], 2), view(["n0", "n2"], 3)
     cores = {i: core(i, cfg) for i in ("n0", "n1", "n2")}
     a, b, c = cores["n0"], cores["n1"], cores["n2"]
@@ -494,7 +492,7 @@ def test_a_member_that_left_refuses_a_late_transfer_and_its_sender_keeps_it() ->
     c.apply(v1, None, (), NOW, 0.0)
     key = next(k for k in KEYS if v1.owner_id(k) == "n0" and v2.owner_id(k) == "n1")
     for _ in range(5):
-        decide(a, key, rule=limited)
+        decide(a, key, rule=LIMITED)
     for member in (a, b, c):
         member.apply(v2, v1, (), NOW, 0.0)
     (first,) = [t for t in a.transfers(NOW) if t.to == "n1"]
@@ -505,13 +503,13 @@ def test_a_member_that_left_refuses_a_late_transfer_and_its_sender_keeps_it() ->
     with pytest.raises(NoLongerMember):
         b.receive("n0", 2, redelivery.records, True, (), NOW)
     a.undelivered(redelivery, NOW)  # refused: back in n0's outbox
-    assert not b.holds(key, (limited,))
+    assert not b.holds(key, (LIMITED,))
     for member in (a, c):
         member.apply(v3, v2, (), NOW, 0.0)
     carry([a, c], cores)
     owner = cores[v3.owner_id(key)]
-    assert owner.pending == {} and owner.holds(key, (limited,))
-    assert not owner.store.check(key, (limited,), NOW).allowed
+    assert owner.pending == {} and owner.holds(key, (LIMITED,))
+    assert not owner.store.check(key, (LIMITED,), NOW).allowed
 
 
 def test_a_state_passed_on_is_in_flight_and_goes_with_the_next_mark() -> None:
@@ -594,8 +592,7 @@ def test_a_pull_answered_after_the_key_moved_on_goes_with_the_final_mark() -> No
     key. The answer's state goes to n2 in n1's epoch-3 final mark (the driver
     holds the marks until its pulls end), not into n1's store, where it stayed
     while n2 admitted 5 more for a user at 5 of 5 (an independent review)."""
-    limited = LIMITED
-    cfg = config(rule=limited)
+    cfg = config(rule=LIMITED)
     cores = {i: core(i, cfg) for i in ("n0", "n1", "n2")}
     a, b, c = cores["n0"], cores["n1"], cores["n2"]
     v3, key = spent_then_joined(a, b, "n2")
@@ -603,7 +600,7 @@ def test_a_pull_answered_after_the_key_moved_on_goes_with_the_final_mark() -> No
     assert v2 is not None
     (handoff,) = a.transfers(NOW)
     a.undelivered(handoff, NOW)  # kept for pulls
-    pull = b.inherit(key, (limited,), 1.0)
+    pull = b.inherit(key, (LIMITED,), 1.0)
     assert isinstance(pull, Pull) and pull.owner == "n0"
     answer = a.serve_pull([key], "n1", 2, NOW)
     assert [r[2] for r in answer] == [key]
@@ -611,10 +608,10 @@ def test_a_pull_answered_after_the_key_moved_on_goes_with_the_final_mark() -> No
         member.apply(v3, v2, (), NOW, 0.0)
     assert b.take_pulled(answer, NOW, pull.epoch)  # for n2 now
     b.pull_done(pull)
-    assert not b.holds(key, (limited,))
+    assert not b.holds(key, (LIMITED,))
     carry([a, b], cores)
-    assert c.pending == {} and c.holds(key, (limited,))
-    assert not c.store.check(key, (limited,), NOW).allowed
+    assert c.pending == {} and c.holds(key, (LIMITED,))
+    assert not c.store.check(key, (LIMITED,), NOW).allowed
 
 
 def test_a_streamed_handoff_brings_a_keys_states_under_every_rule_together() -> None:
