@@ -62,6 +62,11 @@ ROWS: dict[str, str] = {
     "sticky": "2 router -> nodes, sticky, in-memory",
     # The same nodes behind a second router that pipelines (router --pipeline).
     "sticky_pipe": "2p router -> nodes, sticky, pipelined (--pipeline 16)",
+    # The same nodes behind a third router that reaches them through their Unix
+    # sockets (node --unix-socket); the routers above use TCP (--no-unix-sockets).
+    "sticky_unix": "2u router -> nodes, sticky, Unix sockets",
+    # Both: not in the default run; `ringlimit bench --rows direct,sticky_unix,sticky_pipe_unix`.
+    "sticky_pipe_unix": "2pu router -> nodes, sticky, pipelined, Unix sockets",
     "redis": "3 router -> nodes, Redis (Lua), pipelined",
     "redis_naive": "3b router -> nodes, Redis (Lua), one round trip per check",
     "round_robin": "4 router -> nodes, round-robin local (ref.)",
@@ -78,10 +83,21 @@ ROWS: dict[str, str] = {
     "hot_off": "7a router -> nodes, one user 30%, leases off",
     "hot_on": "7b router -> nodes, one user 30%, leases on",
 }
+#: The decision API's rows (served by the sticky rows' first router).
+API_ROWS = ("api_single", "api_single_nc", "api_batch")
+#: The flag of the routers that reach the nodes over TCP even where a node
+#: offers a Unix socket (every router but ``sticky_unix``'s).
+TCP_ONLY = "--no-unix-sockets"
 #: The pipelined row's ``router --pipeline``.
 PIPELINE = 16
+#: Rows of the sticky nodes behind a router of their own: its flags.
+PROXY_ROWS: dict[str, tuple[str, ...]] = {
+    "sticky_pipe": ("--pipeline", str(PIPELINE), TCP_ONLY),
+    "sticky_unix": (),
+    "sticky_pipe_unix": ("--pipeline", str(PIPELINE)),
+}
 #: Rows run when --rows is not given.
-OPTIONAL_ROWS = ("sticky_r2", "sticky_r3", "hot_off", "hot_on")
+OPTIONAL_ROWS = ("sticky_pipe_unix", "sticky_r2", "sticky_r3", "hot_off", "hot_on")
 DEFAULT_ROWS = tuple(k for k in ROWS if k not in OPTIONAL_ROWS)
 #: ``owner``: the node that owns the hot user (hot rows; also counted in ``nodes``).
 ROLES = ("router", "nodes", "redis", "owner")
@@ -235,22 +251,30 @@ def cluster_toml(settings: Settings, replicas: int = 1) -> str:
 
 
 def start_nodes(
-    procs: Processes, prefix: str, count: int, cfg: Path, *extra: str
+    procs: Processes,
+    prefix: str,
+    count: int,
+    cfg: Path,
+    *extra: str,
+    sockets_in: Path | None = None,
 ) -> tuple[list[int], list[str], list[str]]:
     """``count`` fenced nodes ``<prefix>1..``: their pids, the router's ``--node``
-    seed flags, and their /healthz URLs (to wait on)."""
+    seed flags, and their /healthz URLs (to wait on); each on a Unix socket
+    ``<node id>.sock`` in ``sockets_in`` too, if given."""
     pids: list[int] = []
     seeds: list[str] = []
     health: list[str] = []
     for i in range(1, count + 1):
         port = free_port()
         node_id = f"{prefix}{i}"
+        socket = () if sockets_in is None else ("--unix-socket", f"{sockets_in}/{node_id}.sock")
         pids.append(
             procs.ringlimit(
                 node_id,
                 "node",
                 *("--id", node_id, "--port", str(port), "--fenced"),
                 *("--config", str(cfg), *extra),
+                *socket,
             )
         )
         seeds += ["--node", f"{node_id}=http://127.0.0.1:{port}"]
@@ -269,12 +293,8 @@ def start_rows(procs: Processes, settings: Settings, workdir: Path) -> dict[str,
         rows["direct"] = starter.direct()
     if "direct_limited" in wanted:
         rows["direct_limited"] = starter.direct_limited()
-    if wanted & {"sticky", "sticky_pipe", "api_single", "api_single_nc", "api_batch"}:
-        rows.update(
-            starter.sticky(
-                with_uncoalesced="api_single_nc" in wanted, with_pipelined="sticky_pipe" in wanted
-            )
-        )
+    if wanted & {"sticky", *PROXY_ROWS, *API_ROWS}:
+        rows.update(starter.sticky(wanted))
     for replicas, key in ((2, "sticky_r2"), (3, "sticky_r3")):
         if key in wanted:
             rows[key] = starter.sticky_replicas(key, replicas)
@@ -308,8 +328,12 @@ class _Starter:
         self.redis_pid = 0
         self.redis_url = ""
 
-    def nodes(self, prefix: str, *extra: str) -> tuple[list[int], list[str]]:
-        pids, seeds, health = start_nodes(self.procs, prefix, self.settings.nodes, self.cfg, *extra)
+    def nodes(
+        self, prefix: str, *extra: str, sockets_in: Path | None = None
+    ) -> tuple[list[int], list[str]]:
+        pids, seeds, health = start_nodes(
+            self.procs, prefix, self.settings.nodes, self.cfg, *extra, sockets_in=sockets_in
+        )
         self.ready.extend(health)
         return pids, seeds
 
@@ -360,11 +384,18 @@ class _Starter:
         self.ready.append(f"{url}/healthz")
         return Row("direct_limited", f"{url}/load/x", "proxy", {"nodes": [pid]}, f"{url}/tight/x")
 
-    def sticky(self, *, with_uncoalesced: bool, with_pipelined: bool = False) -> dict[str, Row]:
-        """The sticky cluster and the decision API rows through its router."""
-        node_pids, seeds = self.nodes("s")
+    def sticky(self, wanted: set[str]) -> dict[str, Row]:
+        """The sticky cluster, the decision API rows through its router, and the
+        ``wanted`` rows of :data:`PROXY_ROWS` through routers of their own."""
+        # Each node on a Unix socket too: the rows that use them have their own
+        # routers, every other one goes over TCP as it always did.
+        unix = bool(wanted & {"sticky_unix", "sticky_pipe_unix"})
+        node_pids, seeds = self.nodes("s", sockets_in=self.workdir if unix else None)
         rpid, rurl = self.router(
-            "router-sticky", seeds, "--coalesce-window", str(self.settings.coalesce_window_us)
+            "router-sticky",
+            seeds,
+            *("--coalesce-window", str(self.settings.coalesce_window_us)),
+            TCP_ONLY,
         )
         roles = {"router": [rpid], "nodes": node_pids}
         check = f"{rurl}/v1/check"
@@ -375,15 +406,16 @@ class _Starter:
                 "api_batch", check, "batch", roles, check, decisions_per_request=BATCH
             ),
         }
-        # Other routers over the same nodes (each adopts their ring), one setting apart.
-        if with_pipelined:
-            rows["sticky_pipe"] = self._second_router(
-                "sticky_pipe", "/load/x", "/tight/x", node_pids, seeds, "--pipeline", str(PIPELINE)
-            )
-        if with_uncoalesced:
+        # Other routers over the same nodes (each adopts their ring), a setting apart.
+        for key, flags in PROXY_ROWS.items():
+            if key in wanted:
+                rows[key] = self._second_router(
+                    key, "/load/x", "/tight/x", node_pids, seeds, *flags
+                )
+        if "api_single_nc" in wanted:
             check = "/v1/check"
             rows["api_single_nc"] = self._second_router(
-                "api_single_nc", check, check, node_pids, seeds, "--coalesce-window", "0"
+                "api_single_nc", check, check, node_pids, seeds, "--coalesce-window", "0", TCP_ONLY
             )
         return rows
 

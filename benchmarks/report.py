@@ -133,7 +133,12 @@ def targets(report: dict[str, Any]) -> list[Target]:
 def _throughput_targets(rows: dict[str, dict[str, Any]]) -> list[Target]:
     out: list[Target] = []
     sticky, redis, direct = rows.get("sticky"), rows.get("redis"), rows.get("direct")
-    for key, how in (("sticky", ""), ("sticky_pipe", " (pipelined)")):
+    for key, how in (
+        ("sticky", ""),
+        ("sticky_pipe", " (pipelined)"),
+        ("sticky_unix", " (Unix)"),
+        ("sticky_pipe_unix", " (pipelined, Unix)"),
+    ):
         out += _proxy_targets(rows.get(key), direct, how)
     limited = rows.get("direct_limited")
     if limited and direct:

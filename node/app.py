@@ -151,6 +151,9 @@ class NodeSettings:
     top_capacity: int = DEFAULT_CAPACITY
     top_window: float = DEFAULT_WINDOW
     top_metrics: int = 10
+    #: A Unix socket the node listens on beside its TCP port (node/unixsocket.py):
+    #: ``/healthz`` names it, and a router on this host forwards through it.
+    unix_socket: str | None = None
 
 
 class Node:
@@ -545,6 +548,9 @@ class Node:
                 "cluster": self.cluster,
                 "keys": len(self.store),
                 "config": self.authority.config.digest,
+                # Where a router on this host may reach this process without TCP
+                # (router/localsockets.py checks it answers as this instance).
+                "unix_socket": self.settings.unix_socket,
             }
         )
 

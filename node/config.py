@@ -29,6 +29,7 @@ from typing import Any
 from node.files import FileProblem, parse_json, parse_toml, read_text
 from node.rules import (
     CRASH_POLICIES,
+    MAX_LIMIT,
     Rule,
     RuleError,
     explicit_burst,
@@ -276,9 +277,22 @@ class Policies:
         }
 
 
+#: The most each of ``[limits]`` may be set to, and why: a key travels in a
+#: header, percent-encoded (up to 12 bytes per character), under the 64 KiB cap
+#: on a request's head; a batch's checks and a body are held in memory whole;
+#: a cost above any rule's limit (10^9 at most) is always denied.
+LIMITS_CEILINGS = {
+    "max_key_length": 4096,
+    "max_batch": 100_000,
+    "max_body": 1 << 30,
+    "max_cost": MAX_LIMIT,
+}
+
+
 @dataclass(frozen=True)
 class Limits:
-    """Explicit bounds on what a client may send."""
+    """Explicit bounds on what a client may send (themselves bounded:
+    :data:`LIMITS_CEILINGS`)."""
 
     max_key_length: int = 256
     max_batch: int = 1000
@@ -286,10 +300,12 @@ class Limits:
     max_cost: int = 1_000_000_000
 
     def __post_init__(self) -> None:
-        for name in ("max_key_length", "max_batch", "max_body", "max_cost"):
+        for name, ceiling in LIMITS_CEILINGS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"limits.{name} must be a positive integer, got {given(value)}")
+            if value > ceiling:
+                raise ConfigError(f"limits.{name} must be at most {ceiling:,}, got {value:,}")
 
     def to_dict(self) -> dict[str, Any]:
         return {

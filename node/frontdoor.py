@@ -65,7 +65,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import resource
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import MethodType
@@ -75,6 +77,7 @@ from node.asgi import RESPONSE_FIELDS
 from node.failures import Failures
 from node.headers import LEGACY_NAMES, settle_legacy
 from node.inline import INLINE, start_inline
+from node.unixsocket import peer_credentials
 
 __all__ = [
     "GRPC_DRAIN",
@@ -554,6 +557,21 @@ class _QuietLogger:
         return getattr(self._logger, name)
 
 
+#: The client address a request on a Unix socket is given (ASGI has none for it).
+UNIX_PEER = ("127.0.0.1", 0)
+
+
+def _unix_peer(transport: asyncio.BaseTransport) -> int | None:
+    """The user id of the peer of a Unix-socket connection (None: not one)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    try:
+        return peer_credentials(sock)[1]
+    except OSError:
+        return -1  # (closed already: nobody's)
+
+
 def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> type:
     """``base`` (uvicorn's httptools protocol) with the header timeout, header
     size limit and connection cap of ``front_door``. ``wrap(transport, loop)``,
@@ -633,6 +651,7 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
         app: Any
         limit_concurrency: int | None
         expect_100_continue: bool
+        client: tuple[str, int] | None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.logger = quiet
@@ -646,8 +665,18 @@ def limited_protocol(base: type, front_door: FrontDoor, wrap: Any = None) -> typ
                 bool(getattr(self.app, INLINE, False)) and not self.config.reset_contextvars
             )
             super().connection_made(wrap(transport, self.loop) if wrap else transport)
+            stranger = False
+            if self.client is None and (unix := _unix_peer(transport)) is not None:
+                # A peer on a Unix socket is on this host, as a loopback one is:
+                # checked as one (the internal API without a token, the router's
+                # key), where no address read as "not local". Only this user's
+                # processes (and root) may be one (node/unixsocket.py).
+                self.client = UNIX_PEER
+                stranger = unix not in (os.getuid(), 0)
             self._wait_for_request()
-            if len(self.connections) > cap:
+            if stranger:
+                self.transport.close()
+            elif len(self.connections) > cap:
                 self._make_room()
 
         def _make_room(self) -> None:

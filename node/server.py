@@ -35,6 +35,7 @@ from node.frontdoor import FrontDoor, limited_protocol, raise_fd_limit
 from node.keepalive import lazy_keep_alive
 from node.memory import tune_gc
 from node.peers import INSTANCE_HEADER, said
+from node.unixsocket import bind_unix
 
 log = logging.getLogger("ringlimit.node")
 
@@ -248,6 +249,35 @@ REJOIN_TIMEOUT = 30.0
 REJOIN_BACKOFF_MAX = 300.0
 #: A leave waits this long, at most, for a registration in flight to end.
 REJOIN_WAIT = 5.0
+
+
+def tcp_listeners(host: str, port: int) -> list[socket.socket]:
+    """The sockets ``loop.create_server(host=host, port=port)`` listens on, as it
+    binds them (every address ``host`` resolves to, IPv6 ones IPv6-only, address
+    reuse on), for a server given its sockets (``serve(sockets=...)`` binds
+    none: uvicorn's ``Config.bind_socket`` binds one address, and dual-stack:
+    ``localhost`` left ``::1`` to any other process, ``::`` took IPv4 too).
+    ``ValueError`` in one line when one cannot be bound."""
+    try:
+        found = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    listeners: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(found):
+            listener = socket.socket(family, kind, proto)
+            listeners.append(listener)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            listener.bind(address)
+    except OSError as exc:
+        for listener in listeners:
+            listener.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return listeners
 
 
 def _warning_of(response: httpx.Response) -> str | None:
@@ -517,14 +547,33 @@ def serve_node(
     raise_fd_limit()
     config = uvicorn.Config(node, host=host, port=port, **uvicorn_options(front_door))
     server = SignalServer(config, on_signal, say_hangup=say_hangup)
+    # Bound before the TCP port: a path it cannot take is one line, and no start.
+    unix = bind_unix(node.settings.unix_socket) if node.settings.unix_socket else None
+    listeners: list[socket.socket] = []
+    if unix is not None:
+        try:
+            listeners = [*tcp_listeners(host, port), unix.socket]
+        except ValueError:
+            unix.socket.close()
+            unix.remove()
+            raise
 
     async def main() -> None:
         task = asyncio.create_task(register(server)) if routers else None
-        await server.serve()
+        if unix is None:
+            await server.serve()
+        else:
+            # Both listeners on one server: one front door (its connection caps),
+            # one shutdown, and the leave keeps serving either until it is done.
+            await server.serve(sockets=listeners)
         if task is not None:
             task.cancel()
 
-    _run(main())
+    try:
+        _run(main())
+    finally:
+        if unix is not None:
+            unix.remove()
     return 1 if state.get("join_failed") else 0
 
 

@@ -194,7 +194,13 @@ class AdminAPI:
     async def admin_ring(self, request: Request) -> Response:
         if (refused := self.refused(request)) is not None:
             return refused
-        return JSONResponse(self.router.membership.describe())
+        data = self.router.membership.describe()
+        if self.router.local_sockets is not None:
+            # How this router reaches each node: through its Unix socket, or over TCP.
+            forwarder = self.router.local_sockets.forwarder
+            for entry in data["nodes"]:
+                entry["unix_socket"] = forwarder.socket_of(entry["url"])
+        return JSONResponse(data)
 
     def headers(self) -> dict[str, str]:
         """What this router presents to another router's admin API (the leader's)."""

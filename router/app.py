@@ -67,6 +67,7 @@ from router.forward import (
     Unreachable,
 )
 from router.leases import ADMIT, DENY, FORWARD, RouterLeases, leased_rule
+from router.localsockets import LocalSockets
 from router.membership import Membership
 from router.metrics import RouterMetrics, merge_workers
 from router.protocol import ADMIN_PREFIX, CONTROL_PATHS, ProxyCycle, has_dot_segment
@@ -184,6 +185,9 @@ class RouterSettings:
     #: Requests for one node sent together on one connection, at most (router/fastclient.py;
     #: 1: no pipelining).
     pipeline: int = 1
+    #: Forward through the Unix socket of a node on this host that offers one and
+    #: answers through it as itself (router/localsockets.py); False: TCP always.
+    unix_sockets: bool = True
     #: Envoy's rate limit service (router/envoy.py): served on ``grpc_port`` when set.
     envoy: EnvoyConfig | None = None
     grpc_port: int | None = None
@@ -308,6 +312,9 @@ class Router:
         self.grpc_health: Any = None
         #: Said to be stopping (:meth:`begin_stop`): health checks answer so.
         self.stopping = False
+        #: Checks of the nodes' Unix sockets, while the router runs (:meth:`start`).
+        self.local_sockets: LocalSockets | None = None
+        self._local_sockets_task: asyncio.Task[None] | None = None
 
     def _coalesced(self) -> dict[str, float]:
         coalescer = self.coalescer
@@ -348,6 +355,8 @@ class Router:
             # it cannot use (warned of): its ring is the nodes' and its fellows'.
             state_required=not self.settings.restarted,
         )
+        if self.settings.unix_sockets and self._fast is not None:
+            self._check_local_sockets(self._fast)
         if self.settings.leader_url is not None:
             headers = self.admin.headers()
             await self.membership.first_follow(self.settings.leader_url, headers)
@@ -372,6 +381,25 @@ class Router:
                 handshake_timeout=self.settings.grpc_handshake_timeout,
             )
 
+    def _check_local_sockets(self, fast: FastForwarder) -> None:
+        """Keep ``fast`` going through the Unix sockets of the members that answer
+        through theirs as themselves; checked at once when a view brings one."""
+        known: set[str] = set()
+
+        def members() -> list[Member]:
+            view = list(self.membership.view)
+            known.clear()
+            known.update(member.url for member in view)
+            return view
+
+        def view_changed(view: RingView) -> None:
+            if any(member.url not in known for member in view):
+                sockets.wake()
+
+        sockets = self.local_sockets = LocalSockets(fast, self.membership.nodes.healthz, members)
+        self.membership.view_watchers.append(view_changed)
+        self._local_sockets_task = asyncio.get_running_loop().create_task(sockets.run())
+
     def begin_stop(self) -> None:
         """Say the router is stopping while it still serves: gRPC health
         ``NOT_SERVING``, ``/healthz`` 503 ``stopping`` (router/server.py's drain)."""
@@ -384,6 +412,11 @@ class Router:
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)
             self.grpc_server = None
+        if self._local_sockets_task is not None:
+            self._local_sockets_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._local_sockets_task
+            self._local_sockets_task = None
         await self.leases.close()
         await self.membership.close()
         if self.forwarder is not None:

@@ -100,6 +100,19 @@ VERBOSE_HELP = "log at INFO level (default: warnings only)"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
+def _unix_sockets_argument(parser: argparse.ArgumentParser, *, up: bool) -> None:
+    parser.add_argument(
+        "--no-unix-sockets",
+        action="store_true",
+        help=(
+            "give the nodes no Unix socket: the router reaches them over TCP"
+            if up
+            else "forward over TCP even to a node on this host that offers a Unix socket "
+            "(by default the router forwards through it once it answers as that node)"
+        ),
+    )
+
+
 def _pipeline_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pipeline",
@@ -260,6 +273,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _backend_arguments(up)
     up.add_argument("--state-file", help="where the router keeps its ring (default: none)")
     _pipeline_argument(up)
+    _unix_sockets_argument(up, up=True)
     up.add_argument(
         "--workers",
         type=int,
@@ -380,6 +394,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "from a minute after the removal)",
     )
     _pipeline_argument(router)
+    _unix_sockets_argument(router, up=False)
     router.add_argument(
         "--coalesce-window",
         type=float,
@@ -477,6 +492,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     node.add_argument("--url", help="the URL the router should use (default http://HOST:PORT)")
     node.add_argument("--weight", type=int, default=1, help=WEIGHT_HELP)
+    node.add_argument(
+        "--unix-socket",
+        metavar="PATH",
+        help="listen on this Unix socket too: a router on this host forwards through it "
+        "rather than TCP, once it has checked the socket answers as this node "
+        "(docs/configuration.md)",
+    )
     node.add_argument("--max-keys", type=int, help="cap on states held (see docs)")
     node.add_argument(
         "--fenced",
@@ -1106,6 +1128,7 @@ def _run_router(args: argparse.Namespace) -> int:
         health_checks=not args.no_health_checks,
         coalesce_window=args.coalesce_window / 1e6,
         pipeline=args.pipeline,
+        unix_sockets=not args.no_unix_sockets,
         envoy=envoy,
         grpc_port=args.grpc_port,
         grpc_host=args.host,
@@ -1464,6 +1487,7 @@ def _run_node(args: argparse.Namespace) -> int:
         max_keys=args.max_keys,
         sticky=config.backend == "memory" and config.balance == "sticky",
         fenced=bool(args.fenced or args.join),
+        unix_socket=args.unix_socket,
     )
     node = create_app(settings, backend=backend, app=app)
     _check_port(args.host, args.port, f"node {args.id}")

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections import deque
 
 import httptools
 
 from node.hopbyhop import NO_CONTENT, without_options
+from node.unixsocket import CheckedSocket, file_identity, peer_credentials
 from router.forward import (
     MAX_ANSWER,
     NOT_RELAYED,
@@ -436,6 +438,15 @@ IDLE_TIMEOUT = 60.0
 REAPS = 4
 
 
+def _origin_and_path(url: str) -> tuple[str, str]:
+    """``http://host:port/path?q`` -> (``host:port``, ``/path?q``)."""
+    if not url.startswith("http://"):
+        raise Unreachable(f"only http:// is supported by the fast client: {url[:40]}")
+    rest = url[7:]
+    slash = rest.find("/")
+    return (rest, "/") if slash < 0 else (rest[:slash], rest[slash:])
+
+
 class _Pool:
     __slots__ = (
         "dropped",
@@ -445,14 +456,23 @@ class _Pool:
         "idle",
         "max_idle",
         "open",
+        "origin",
         "pipelined",
         "port",
         "reaps",
+        "unix",
     )
 
-    def __init__(self, host: str, port: int, max_idle: int, pipelined: dict[str, int]) -> None:
+    def __init__(
+        self, host: str, port: int, max_idle: int, pipelined: dict[str, int], origin: str = ""
+    ) -> None:
         self.host = host
         self.port = port
+        #: Its key among the forwarder's pools (``host:port`` as the URLs spell it).
+        self.origin = origin
+        #: The node's Unix socket, as checked. New connections go through it while
+        #: that file is there and the same process answers on it (``_connect``).
+        self.unix: CheckedSocket | None = None
         self.host_header = f"{host}:{port}".encode()
         self.idle: deque[_Connection] = deque()
         self.max_idle = max_idle
@@ -536,17 +556,16 @@ class FastForwarder:
         self.pipeline = pipeline
         self._pools: dict[str, tuple[_Pool, str]] = {}
         self._bases: dict[str, tuple[_Pool, str]] = {}
+        #: Origins (``host:port``) reached through a Unix socket (:meth:`through`);
+        #: a pool made again for one takes it.
+        self._sockets: dict[str, CheckedSocket] = {}
         #: Pipelined writes to nodes and the requests they carried (requests per
         #: write: how well pipelining batches; router metrics).
         self.pipelined = {"writes": 0, "requests": 0}
 
     def _split(self, url: str) -> tuple[_Pool, str]:
         """``http://host:port/path?q`` -> (pool for host:port, ``/path?q``)."""
-        if not url.startswith("http://"):
-            raise Unreachable(f"only http:// is supported by the fast client: {url[:40]}")
-        rest = url[7:]
-        slash = rest.find("/")
-        origin, path = (rest, "/") if slash < 0 else (rest[:slash], rest[slash:])
+        origin, path = _origin_and_path(url)
         found = self._pools.get(origin)
         if found is None:
             if len(self._pools) >= MAX_POOLS:
@@ -554,11 +573,34 @@ class FastForwarder:
             host, _, port = origin.rpartition(":")
             if not host:
                 host, port = origin, "80"
-            found = (_Pool(host.strip("[]"), int(port), self.max_idle, self.pipelined), origin)
+            pool = _Pool(host.strip("[]"), int(port), self.max_idle, self.pipelined, origin)
+            pool.unix = self._sockets.get(origin)
+            found = (pool, origin)
             self._pools[origin] = found
             if self._reaper is None:
                 self._reap_later()
         return found[0], path
+
+    def through(self, url: str, checked: CheckedSocket | None) -> None:
+        """Reach the node at ``url`` through a Unix socket (as router/localsockets.py
+        checked it), or over TCP again (None). Connections already open stay as
+        they are; new ones follow."""
+        pool, _ = self.base(url)
+        origin = pool.origin
+        if checked is None:
+            self._sockets.pop(origin, None)
+        else:
+            if len(self._sockets) >= MAX_POOLS and origin not in self._sockets:
+                self._sockets.clear()
+            self._sockets[origin] = checked
+        pool.unix = checked
+
+    def socket_of(self, url: str) -> str | None:
+        """The Unix socket new connections to the node at ``url`` go through (None: TCP)."""
+        if not url.startswith("http://"):
+            return None
+        unix = self.base(url)[0].unix
+        return None if unix is None else unix.path
 
     def _reap_later(self) -> None:
         self._reaper = asyncio.get_running_loop().call_later(self.idle_timeout / REAPS, self._reap)
@@ -774,6 +816,23 @@ class FastForwarder:
         request already waiting on it too) when that fails."""
         connection.pool = pool
         connection.max_answer = self.max_answer
+        unix = pool.unix
+        if unix is not None:
+            connected = await self._through_socket(loop, unix)
+            if connected is not None:
+                try:
+                    await loop.create_unix_connection(lambda: connection, sock=connected)
+                except BaseException as exc:
+                    connected.close()
+                    if not isinstance(exc, OSError):
+                        raise
+                else:
+                    return connection
+            # Over TCP, as the URL says, until the socket is checked again: the
+            # node may have stopped listening on it, not at its URL.
+            if pool.unix is unix:
+                pool.unix = None
+                self._sockets.pop(pool.origin, None)
         try:
             await asyncio.wait_for(
                 loop.create_connection(lambda: connection, pool.host, pool.port),
@@ -787,6 +846,31 @@ class FastForwarder:
             connection._fail(failure)
             raise failure from None
         return connection
+
+    async def _through_socket(
+        self, loop: asyncio.AbstractEventLoop, unix: CheckedSocket
+    ) -> socket.socket | None:
+        """A connection to ``unix`` if it still reaches the process that was checked
+        there: the file at the path is the one checked (a node started again on
+        the path, or another one, made a new file), and the process that accepted
+        is the one that answered the check (``SO_PEERCRED``: no file or name
+        stands between). None otherwise, or if it cannot be made."""
+        connected = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connected.setblocking(False)
+        try:
+            if file_identity(unix.path) != unix.identity:
+                raise FileNotFoundError(unix.path)
+            await asyncio.wait_for(
+                loop.sock_connect(connected, unix.path), timeout=self.timeouts.connect
+            )
+            if peer_credentials(connected)[0] != unix.pid:
+                raise ConnectionRefusedError(unix.path)
+        except BaseException as exc:
+            connected.close()
+            if isinstance(exc, OSError | TimeoutError):
+                return None
+            raise
+        return connected
 
     async def post_json(self, url: str, payload: bytes, headers: list[tuple[str, str]]) -> Answer:
         return await self.request(

@@ -27,6 +27,7 @@ import argparse
 import fcntl
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -41,6 +42,7 @@ import httpx
 
 from node.config import ClusterConfig
 from node.security import redact_url
+from node.unixsocket import MAX_PATH_BYTES
 from router.cli import PROXY_FLAGS, SUPERVISOR_ENV
 from router.processes import (
     ChildProcess,
@@ -515,6 +517,9 @@ WORKDIR_PREFIX = "ringlimit-"
 WORKDIR_LOCK = "lock"
 #: What ``up`` writes in it: a folder holding anything else is not removed.
 WORKDIR_FILES = frozenset({"cluster.json", WORKDIR_LOCK})
+#: ... and its nodes' Unix sockets (``n1.sock``: node/unixsocket.py).
+SOCKET_SUFFIX = ".sock"
+_NODE_SOCKET = re.compile(r"n[0-9]+" + re.escape(SOCKET_SUFFIX))
 
 
 def make_workdir(root: Path | None = None) -> tuple[Path, IO[bytes]]:
@@ -566,6 +571,14 @@ def _running(pid: int) -> bool:
     return True
 
 
+def _written_by_up(path: Path) -> bool:
+    """A file ``up`` writes in its folder, or a node's socket there (left by a
+    node killed with its ``up``)."""
+    if path.name in WORKDIR_FILES:
+        return path.is_file()
+    return bool(_NODE_SOCKET.fullmatch(path.name)) and path.is_socket()
+
+
 def _remove_workdir(folder: Path, pid: int) -> None:
     """Remove ``folder`` if it is this user's, holds only what ``up`` writes and
     no running ``up`` holds it."""
@@ -573,7 +586,7 @@ def _remove_workdir(folder: Path, pid: int) -> None:
         if folder.is_symlink() or folder.stat().st_uid != os.getuid():
             return
         files = list(folder.iterdir())
-        if any(f.name not in WORKDIR_FILES or not f.is_file() for f in files):
+        if not all(_written_by_up(f) for f in files):
             return
         if not _abandoned(folder, pid):
             return
@@ -599,6 +612,11 @@ def _node_argv(
     argv += ["--join", router_url]
     argv += ["--config", str(config_file), "--backend", config.backend]
     argv += ["--balance", config.balance]
+    socket = config_file.parent / f"{node_id}{SOCKET_SUFFIX}"
+    if not getattr(args, "no_unix_sockets", False) and len(os.fsencode(socket)) <= MAX_PATH_BYTES:
+        # In the run's folder, gone with it; a TMPDIR too long for a socket's
+        # path (the kernel takes 107 bytes) leaves the nodes on TCP alone.
+        argv += ["--unix-socket", str(socket)]
     if args.upstream:
         argv += ["--upstream", args.upstream, "--upstream-idle", repr(args.upstream_idle)]
         argv += ["--upstream-timeout", repr(args.upstream_timeout)]

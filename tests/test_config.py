@@ -278,6 +278,16 @@ BAD: list[tuple[str, str, list[str]]] = [
         ["identity.trusted_proxies", "not-an-ip"],
     ),
     ("limits negative", "[limits]\nmax_body = -1\n", ["limits.max_body"]),
+    # Bounded themselves: a key longer than a request's head can carry once
+    # percent-encoded was accepted, and then every forward of it refused.
+    (
+        "limits too large",
+        "[limits]\nmax_key_length = 4097\n",
+        ["limits.max_key_length", "at most 4,096", "got 4,097"],
+    ),
+    ("body too large", "[limits]\nmax_body = 1073741825\n", ["limits.max_body", "at most"]),
+    ("cost too large", "[limits]\nmax_cost = 1000000001\n", ["limits.max_cost", "at most"]),
+    ("batch too large", "[limits]\nmax_batch = 100001\n", ["limits.max_batch", "at most"]),
     ("limits string", '[limits]\nmax_batch = "10"\n', ["limits.max_batch"]),
     # Said in the file's spelling: it said "got True" (an exploratory tester).
     ("limits bool", "[limits]\nmax_cost = true\n", ["limits.max_cost", "got true"]),

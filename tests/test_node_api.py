@@ -365,6 +365,7 @@ async def test_healthz(node_client: Any) -> None:
         "cluster": None,
         "keys": 0,
         "config": body["config"],
+        "unix_socket": None,
     }
     # The config it holds, as a short hash (the leader compares it with its own).
     assert len(body["config"]) == 16 and int(body["config"], 16) >= 0

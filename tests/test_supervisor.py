@@ -14,6 +14,7 @@ import fcntl
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -458,12 +459,22 @@ def test_up_removes_only_working_folders_of_ups_that_are_gone(tmp_path: Path) ->
     # whose pid this one cannot see), kept; let go (a pid reused since), removed.
     held = folder(f"ringlimit-{gone.pid}-e", "cluster.json", "lock")
     let_go = folder(f"ringlimit-{os.getppid()}-f", "cluster.json", "lock")
+    # A node's socket (left by nodes killed with their up) is up's; a file of
+    # that name that is no socket, or a socket of another name, is not.
+    with_socket = folder(f"ringlimit-{gone.pid}-g", "cluster.json")
+    not_a_socket = folder(f"ringlimit-{gone.pid}-h", "cluster.json", "n1.sock")
+    other_socket = folder(f"ringlimit-{gone.pid}-i", "cluster.json")
+    for path in (with_socket / "n1.sock", other_socket / "app.sock"):
+        with socket.socket(socket.AF_UNIX) as bound:
+            bound.bind(str(path))
     with open(held / "lock", "rb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         made, own = make_workdir(tmp_path)
     try:
         assert made.parent == tmp_path and made.name.startswith(f"ringlimit-{os.getpid()}-")
         assert not stale.exists() and not empty.exists() and not let_go.exists()
+        assert not with_socket.exists()
+        assert not_a_socket.exists() and other_socket.exists()
         assert running.exists() and foreign.exists() and unnamed.exists() and held.exists()
         assert (running / "cluster.json").exists()
         assert (tmp_path / f"ringlimit-{gone.pid}-d").is_symlink()
