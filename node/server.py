@@ -267,7 +267,10 @@ def tcp_listeners(host: str, port: int) -> list[socket.socket]:
     listeners: list[socket.socket] = []
     try:
         for family, kind, proto, _, address in dict.fromkeys(found):
-            listener = socket.socket(family, kind, proto)
+            try:
+                listener = socket.socket(family, kind, proto)
+            except OSError:
+                continue  # a family this kernel lacks (IPv6 disabled), skipped as asyncio does
             listeners.append(listener)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
@@ -277,6 +280,8 @@ def tcp_listeners(host: str, port: int) -> list[socket.socket]:
         for listener in listeners:
             listener.close()
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    if not listeners:
+        raise ValueError(f"cannot listen on {host}:{port}: no address family of it is available")
     return listeners
 
 

@@ -2,11 +2,12 @@
 
 On one host, a forward over loopback TCP still pays the kernel's TCP work at
 both ends of the hop; over a Unix socket the router and the node each spend
-a few µs less per request (4-9 µs measured), and sticky routing serves 5-20%
-more requests (docs/performance.md). The node keeps its TCP port: everything else
-(clients, peers, the router's control plane, routers on other hosts) uses it,
-and the router takes the socket only once it has checked that the socket
-answers as the very process its URL reaches (router/localsockets.py).
+a few µs less per request (4-9 µs measured), and sticky routing served
+0.98-1.18x the requests of TCP per round, median 1.07x (docs/performance.md).
+The node keeps its TCP port: everything else (clients, peers, the router's
+control plane, routers on other hosts) uses it, and the router takes the
+socket only once it has checked that the socket answers as the very process
+its URL reaches (router/localsockets.py).
 
 Binding is careful because a path outlives its process: ``kill -9`` leaves the
 file, which is replaced (nothing answers on it); a path some live process
@@ -15,7 +16,7 @@ forwards), and so is anything that is not a socket. The kernel takes at most
 107 bytes of path; a longer one is refused with its length, rather than
 bound to a truncated name. The socket is made ``0600``: only this user's
 processes (the router of ``ringlimit up``) connect, and a peer of another user
-that reaches it anyway (root, or a mode changed by hand) is refused
+that reaches it anyway (a mode changed by hand) is refused, root excepted
 (node/frontdoor.py).
 """
 
@@ -54,9 +55,10 @@ _CREDENTIALS = struct.Struct("3i")
 
 def peer_credentials(connected: socket.socket) -> tuple[int, int]:
     """The (pid, uid) of the process at the other end of a connected Unix socket,
-    as the kernel saw it connect or listen (``SO_PEERCRED``): no file or name
-    stands between, so it cannot be another process than the one that answered.
-    The pid is 0 where that process is in a pid namespace this one cannot see."""
+    as the kernel saw it connect or listen (``SO_PEERCRED``; for a connection
+    to a listener, the process that called ``listen``: a node never hands its
+    listener to another). The pid is 0 where that process is in a pid namespace
+    this one cannot see."""
     pid, uid, _ = _CREDENTIALS.unpack(
         connected.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
     )
@@ -87,9 +89,15 @@ class UnixListener:
     def remove(self) -> None:
         """Remove the socket's file once this process stopped listening on it,
         unless another process listens there now (a node started since on the
-        same path keeps its own). Asked of the socket itself, not of the file's
-        identity: a ``chmod`` changes that, and a new file may get the inode
-        number back."""
+        same path keeps its own). The file's device and inode must be this
+        socket's, and whoever listens there is asked (a new file may get the
+        inode number back; a ``chmod`` changes the change time)."""
+        try:
+            found = os.lstat(self.path)
+        except OSError:
+            return
+        if not stat.S_ISSOCK(found.st_mode) or (found.st_dev, found.st_ino) != self.identity[:2]:
+            return  # another file there now (a chmod changes only the third part)
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(PROBE_TIMEOUT)
         try:

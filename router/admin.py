@@ -195,11 +195,10 @@ class AdminAPI:
         if (refused := self.refused(request)) is not None:
             return refused
         data = self.router.membership.describe()
-        if self.router.local_sockets is not None:
+        fast = None if self.router.local_sockets is None else self.router.local_sockets.forwarder
+        for entry in data["nodes"]:
             # How this router reaches each node: through its Unix socket, or over TCP.
-            forwarder = self.router.local_sockets.forwarder
-            for entry in data["nodes"]:
-                entry["unix_socket"] = forwarder.socket_of(entry["url"])
+            entry["unix_socket"] = None if fast is None else fast.socket_of(entry["url"])
         return JSONResponse(data)
 
     def headers(self) -> dict[str, str]:

@@ -852,9 +852,10 @@ class FastForwarder:
     ) -> socket.socket | None:
         """A connection to ``unix`` if it still reaches the process that was checked
         there: the file at the path is the one checked (a node started again on
-        the path, or another one, made a new file), and the process that accepted
-        is the one that answered the check (``SO_PEERCRED``: no file or name
-        stands between). None otherwise, or if it cannot be made."""
+        the path, or another one, made a new file), and the process listening
+        there is the one that answered the check (``SO_PEERCRED``, the pid of
+        the listener: no file or name stands between). None otherwise, or if it
+        cannot be made."""
         connected = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connected.setblocking(False)
         try:

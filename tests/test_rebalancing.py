@@ -323,8 +323,15 @@ async def test_admin_api_join_and_leave() -> None:
         assert ring == {
             "epoch": 1,
             "nodes": [
-                {"id": "n1", "url": node_url("n1"), "weight": 1, "state": "active"},
-                {"id": "n2", "url": node_url("n2"), "weight": 1, "state": "active"},
+                {
+                    "id": node_id,
+                    "url": node_url(node_id),
+                    "weight": 1,
+                    "state": "active",
+                    # (in-process nodes: no socket, and no fast client to use one)
+                    "unix_socket": None,
+                }
+                for node_id in ("n1", "n2")
             ],
         }
         cluster._make_node("n3")
