@@ -2,8 +2,8 @@
 
 On one host, a forward over loopback TCP still pays the kernel's TCP work at
 both ends of the hop; over a Unix socket the router and the node each spend
-a few µs less per request (4-9 µs measured), and sticky routing served
-0.98-1.18x the requests of TCP per round, median 1.07x (docs/performance.md).
+a few µs less per request (2.5-9 µs measured), and sticky routing served
+0.98-1.18x the requests of TCP per round (docs/performance.md).
 The node keeps its TCP port: everything else (clients, peers, the router's
 control plane, routers on other hosts) uses it, and the router takes the
 socket only once it has checked that the socket answers as the very process

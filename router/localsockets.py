@@ -2,8 +2,8 @@
 
 A node started with ``--unix-socket PATH`` (node/unixsocket.py) names the path
 in its ``/healthz``. Through it, a forward skips the kernel's TCP work at both
-ends of the hop (docs/performance.md: 4-9 µs of CPU less per request on the
-router and 5-9 µs on the node; sticky req/s 0.98-1.18x of TCP's per round). But a
+ends of the hop (docs/performance.md: 2.5-9 µs of CPU less per request on the
+router and 3-9 µs on the node; sticky req/s 0.98-1.18x of TCP's per round). But a
 path is only a name: in containers the same path can reach another
 container's node, and on one host a node started again, or another node, can
 be on it. Forwarding a request to the wrong process would decide it against
