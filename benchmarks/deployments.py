@@ -389,7 +389,7 @@ class _Starter:
         ``wanted`` rows of :data:`PROXY_ROWS` through routers of their own."""
         # Each node on a Unix socket too: the rows that use them have their own
         # routers, every other one goes over TCP as it always did.
-        unix = bool(wanted & {"sticky_unix", "sticky_pipe_unix"})
+        unix = any(TCP_ONLY not in flags for key, flags in PROXY_ROWS.items() if key in wanted)
         node_pids, seeds = self.nodes("s", sockets_in=self.workdir if unix else None)
         rpid, rurl = self.router(
             "router-sticky",

@@ -393,7 +393,7 @@ class Shard:
         pulls = [
             future
             for key, future in self._pulling.items()
-            if not future.done() and self.core.pulling.get(key, epoch) < epoch
+            if self.core.pulling.get(key, epoch) < epoch
         ]
         if pulls:
             # A pull of an older view still on its way may bring a state this view
@@ -458,10 +458,15 @@ class Shard:
                 self._frozen = False
                 thaw_after_transfer()
             self.core.stats.last_transfer_seconds = self.timer() - started
+        self._redeliver_if_owed()
+        return sent
+
+    def _redeliver_if_owed(self) -> None:
+        """:meth:`_redeliver_later`, if a failed delivery left something owed to a
+        member of the current view, this node being one."""
         view = self.core.view
         if view is not None and self.id in view and self.core.owes_handoff():
             self._redeliver_later()
-        return sent
 
     def _redeliver_later(self) -> None:
         """Send what a failed delivery left in the outbox again, in the background.
@@ -578,9 +583,7 @@ class Shard:
                 self.core.undelivered(transfer, self.clock())
                 # Back in the outbox (say its member left meanwhile: 409
                 # no_longer_member): sent again, as a failed delivery is.
-                view = self.core.view
-                if view is not None and self.id in view and self.core.owes_handoff():
-                    self._redeliver_later()
+                self._redeliver_if_owed()
 
     def serve_pull(self, keys: Sequence[str], to: str, epoch: int) -> list[Record]:
         """Give up the named keys' states to their new owner (from the outbox or the store)."""

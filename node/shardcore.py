@@ -1048,11 +1048,15 @@ class ShardCore:
             )
             # While the records travel they are in neither the outbox nor the
             # store: a pull for one of them must wait, not get "nothing".
-            self.in_flight.setdefault(member.id, []).append(records)
-            self._flying_keys.pop(member.id, None)
+            self._take_off(member.id, records)
         for member_id in [m for m in self.outbox if m not in view]:
             self.stats.keys_dropped += len(self.outbox.pop(member_id))
         return out
+
+    def _take_off(self, to: str, records: list[Record]) -> None:
+        """``records`` leave for ``to``: in flight until they land (or come back)."""
+        self.in_flight.setdefault(to, []).append(records)
+        self._flying_keys.pop(to, None)
 
     def owes_handoff(self) -> bool:
         """Whether a failed delivery left states or a final mark owed to a member
@@ -1126,13 +1130,7 @@ class ShardCore:
         """A transfer arrived (its crashes parsed by the caller: :meth:`Crash.from_wire`).
 
         :class:`NoLongerMember` if it is of an older view than this node's, which
-        does not list this node."""
-        view = self.view
-        if view is not None and epoch < view.epoch and len(view) and self.id not in view:
-            raise NoLongerMember(
-                f"{self.id} is not a member at epoch {view.epoch} (the transfer is of "
-                f"epoch {epoch}): keep the states for their owner under the newer view"
-            )
+        does not list this node (:meth:`_split_foreign`)."""
         records, foreign = self._split_foreign(records, epoch)
         # A transfer from an older view (a member handing back what it held
         # while away, late) may carry keys that moved on since: they go to
@@ -1200,11 +1198,17 @@ class ShardCore:
     def _split_foreign(
         self, records: list[Record], epoch: int
     ) -> tuple[list[Record], list[Record]]:
-        """Records this node keeps, and those another member owns under a newer view
-        (a node the newer view does not list refuses such a transfer: :meth:`receive`)."""
+        """Records this node keeps, and those another member owns under a newer view;
+        :class:`NoLongerMember` if the newer view does not list this node (the
+        sender keeps the states for their owner under it)."""
         view = self.view
-        if view is None or epoch >= view.epoch or not len(view) or self.id not in view:
+        if view is None or epoch >= view.epoch or not len(view):
             return records, []
+        if self.id not in view:
+            raise NoLongerMember(
+                f"{self.id} is not a member at epoch {view.epoch} (the transfer is of "
+                f"epoch {epoch}): keep the states for their owner under the newer view"
+            )
         mine: list[Record] = []
         foreign: list[Record] = []
         for record in records:
@@ -1225,8 +1229,7 @@ class ShardCore:
             # Not so, a forward refused by a member that left meanwhile went back
             # to the outbox after this node's final marks had told the key's new
             # owner that nothing more was coming (an independent review).
-            self.in_flight.setdefault(owner, []).append(batch)
-            self._flying_keys.pop(owner, None)
+            self._take_off(owner, batch)
         return [
             Transfer(self.id, owner, view.member(owner).url, view.epoch, batch, False)
             for owner, batch in by_owner.items()

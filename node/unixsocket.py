@@ -98,25 +98,19 @@ class UnixListener:
             return
         if not stat.S_ISSOCK(found.st_mode) or (found.st_dev, found.st_ino) != self.identity[:2]:
             return  # another file there now (a chmod changes only the third part)
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(PROBE_TIMEOUT)
         try:
-            probe.connect(self.path)
-            if peer_credentials(probe)[0] != os.getpid():
-                return  # another process's
-        except ConnectionRefusedError:
-            pass  # nobody listens there: this process's, closed (or a stale one)
+            listener = _listener(self.path)
         except OSError:
             return  # gone already, or not ours to judge
-        finally:
-            probe.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
+        # Nobody listens there (this process's, closed), or this process still does.
+        if listener in (None, os.getpid()):
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
 
 def bind_unix(path: str) -> UnixListener:
-    """A stream socket bound at ``path`` (not listening yet: the server that takes
-    it listens); :class:`UnixSocketError` when the path cannot be this node's."""
+    """A stream socket bound and listening at ``path`` (the server that takes it
+    serves it); :class:`UnixSocketError` when the path cannot be this node's."""
     size = len(os.fsencode(path))
     if not path or size > MAX_PATH_BYTES:
         raise UnixSocketError(
@@ -155,24 +149,35 @@ def _clear_stale(path: str) -> None:
             f"--unix-socket {path!r}: something that is not a socket is there; "
             "remove it or choose another path"
         )
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(PROBE_TIMEOUT)
     try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        # Left by a process that is gone (kill -9 does not remove it).
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return
+        listener = _listener(path)
     except OSError as exc:
         # Not ours to take (a timeout: a live listener with a full backlog).
         raise UnixSocketError(
             f"--unix-socket {path!r}: cannot tell whether a process listens on it "
             f"({exc.strerror or 'no answer'}); remove it or choose another path"
         ) from None
-    finally:
-        probe.close()
+    if listener is None:
+        # Left by a process that is gone (kill -9 does not remove it).
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
     raise UnixSocketError(
         f"--unix-socket {path!r}: another process listens on it (another node?); "
         "choose another path"
     )
+
+
+def _listener(path: str) -> int | None:
+    """The pid of the process listening on the socket at ``path``; None if nobody
+    does (the connection is refused); ``OSError`` if that cannot be told."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(PROBE_TIMEOUT)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return None
+    else:
+        return peer_credentials(probe)[0]
+    finally:
+        probe.close()

@@ -384,20 +384,10 @@ class Router:
     def _check_local_sockets(self, fast: FastForwarder) -> None:
         """Keep ``fast`` going through the Unix sockets of the members that answer
         through theirs as themselves; checked at once when a view brings one."""
-        known: set[str] = set()
-
-        def members() -> list[Member]:
-            view = list(self.membership.view)
-            known.clear()
-            known.update(member.url for member in view)
-            return view
-
-        def view_changed(view: RingView) -> None:
-            if any(member.url not in known for member in view):
-                sockets.wake()
-
-        sockets = self.local_sockets = LocalSockets(fast, self.membership.nodes.healthz, members)
-        self.membership.view_watchers.append(view_changed)
+        sockets = self.local_sockets = LocalSockets(
+            fast, self.membership.nodes.healthz, lambda: list(self.membership.view)
+        )
+        self.membership.view_watchers.append(sockets.view_changed)
         self._local_sockets_task = asyncio.get_running_loop().create_task(sockets.run())
 
     def begin_stop(self) -> None:

@@ -460,7 +460,6 @@ class _Pool:
         "pipelined",
         "port",
         "reaps",
-        "unix",
     )
 
     def __init__(
@@ -470,9 +469,6 @@ class _Pool:
         self.port = port
         #: Its key among the forwarder's pools (``host:port`` as the URLs spell it).
         self.origin = origin
-        #: The node's Unix socket, as checked. New connections go through it while
-        #: that file is there and the same process answers on it (``_connect``).
-        self.unix: CheckedSocket | None = None
         self.host_header = f"{host}:{port}".encode()
         self.idle: deque[_Connection] = deque()
         self.max_idle = max_idle
@@ -556,8 +552,8 @@ class FastForwarder:
         self.pipeline = pipeline
         self._pools: dict[str, tuple[_Pool, str]] = {}
         self._bases: dict[str, tuple[_Pool, str]] = {}
-        #: Origins (``host:port``) reached through a Unix socket (:meth:`through`);
-        #: a pool made again for one takes it.
+        #: Origins (``host:port``) reached through a Unix socket (:meth:`through`):
+        #: what their pools' new connections go through (``_connect``).
         self._sockets: dict[str, CheckedSocket] = {}
         #: Pipelined writes to nodes and the requests they carried (requests per
         #: write: how well pipelining batches; router metrics).
@@ -574,7 +570,6 @@ class FastForwarder:
             if not host:
                 host, port = origin, "80"
             pool = _Pool(host.strip("[]"), int(port), self.max_idle, self.pipelined, origin)
-            pool.unix = self._sockets.get(origin)
             found = (pool, origin)
             self._pools[origin] = found
             if self._reaper is None:
@@ -584,23 +579,21 @@ class FastForwarder:
     def through(self, url: str, checked: CheckedSocket | None) -> None:
         """Reach the node at ``url`` through a Unix socket (as router/localsockets.py
         checked it), or over TCP again (None). Connections already open stay as
-        they are; new ones follow."""
-        pool, _ = self.base(url)
-        origin = pool.origin
+        they are; new ones follow (``_connect``)."""
+        origin, _ = _origin_and_path(url)
         if checked is None:
             self._sockets.pop(origin, None)
-        else:
-            if len(self._sockets) >= MAX_POOLS and origin not in self._sockets:
-                self._sockets.clear()
-            self._sockets[origin] = checked
-        pool.unix = checked
+            return
+        if len(self._sockets) >= MAX_POOLS and origin not in self._sockets:
+            self._sockets.clear()
+        self._sockets[origin] = checked
 
     def socket_of(self, url: str) -> str | None:
         """The Unix socket new connections to the node at ``url`` go through (None: TCP)."""
         if not url.startswith("http://"):
             return None
-        unix = self.base(url)[0].unix
-        return None if unix is None else unix.path
+        checked = self._sockets.get(_origin_and_path(url)[0])
+        return None if checked is None else checked.path
 
     def _reap_later(self) -> None:
         self._reaper = asyncio.get_running_loop().call_later(self.idle_timeout / REAPS, self._reap)
@@ -816,7 +809,7 @@ class FastForwarder:
         request already waiting on it too) when that fails."""
         connection.pool = pool
         connection.max_answer = self.max_answer
-        unix = pool.unix
+        unix = self._sockets.get(pool.origin)
         if unix is not None:
             connected = await self._through_socket(loop, unix)
             if connected is not None:
@@ -830,9 +823,8 @@ class FastForwarder:
                     return connection
             # Over TCP, as the URL says, until the socket is checked again: the
             # node may have stopped listening on it, not at its URL.
-            if pool.unix is unix:
-                pool.unix = None
-                self._sockets.pop(pool.origin, None)
+            if self._sockets.get(pool.origin) is unix:
+                del self._sockets[pool.origin]
         try:
             await asyncio.wait_for(
                 loop.create_connection(lambda: connection, pool.host, pool.port),

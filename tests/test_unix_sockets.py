@@ -396,6 +396,38 @@ async def test_a_socket_is_taken_only_if_it_answers_as_the_process_the_url_reach
             server.close()
 
 
+async def test_a_view_with_a_new_member_is_checked_at_once(short_dir: Path) -> None:
+    """The checks run every few seconds; a member a new view brings is checked
+    when the view comes (its users' first requests go through its socket)."""
+    path = str(short_dir / "n2.sock")
+    server = await _health_server(path, {"node": "n2", "instance": "a1"})
+    first, newcomer = Member("n1", "http://127.0.0.1:9"), Member("n2", "http://127.0.0.1:10")
+    view = [first]
+
+    async def healthz(member: Member, within: float) -> dict[str, object]:
+        if member == newcomer:
+            return {"node": "n2", "instance": "a1", "unix_socket": path}
+        return {"node": "n1", "instance": "b2"}
+
+    forwarder = FastForwarder()
+    sockets = LocalSockets(forwarder, healthz, lambda: list(view), interval=3600)
+    task = asyncio.create_task(sockets.run())
+    try:
+        await asyncio.sleep(0.1)  # (the first round, of n1 alone)
+        view.append(newcomer)
+        sockets.view_changed([first])  # nobody new: no round
+        await asyncio.sleep(0.2)
+        assert forwarder.socket_of(newcomer.url) is None
+        sockets.view_changed(view)
+        await wait_until(lambda: forwarder.socket_of(newcomer.url) == path, 5)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await forwarder.close()
+        server.close()
+
+
 # ---------------------------------------------------------------- real processes
 
 RULES = """
