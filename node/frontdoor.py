@@ -360,7 +360,9 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
     takes that line. The bytes written and the errors raised are uvicorn's;
     framing fields (``content-length`` and co.) are always read as uvicorn
     reads them, and anything but a response's start (or one with an access
-    log to write) is uvicorn's own ``send``.
+    log to write) is uvicorn's own ``send``. One exception: an answer without a
+    length to an HTTP/1.0 request, which uvicorn chunks, ends with the
+    connection instead (:func:`_close_delimit`).
     """
     from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
@@ -383,6 +385,15 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                     added.clear()
                     app, ours = settle_legacy(message.get("headers", ()), extra)
                     message = {**message, "headers": [*app, *ours]}
+                if (
+                    cycle.scope["http_version"] == "1.0"
+                    and _unframed(cycle, message["status"])
+                    and not any(
+                        name.lower() in _LENGTH_FIELDS
+                        for name, _ in (*cycle.default_headers, *message.get("headers", ()))
+                    )
+                ):
+                    _close_delimit(cycle)  # (before uvicorn's send, which would chunk it)
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 # The answer's last message: the cycle lets go of this method bound
                 # to itself (the app holds its own). Held, every request's cycle,
@@ -390,6 +401,9 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                 # garbage collector freed: 9-14 objects a request
                 # (tests/test_frontdoor_cycle.py counts them).
                 cycle.__dict__.pop("send", None)
+                if cycle.__dict__.pop(_CLOSE_DELIMITED, False):
+                    # The body ends here: uvicorn's check of a declared length passes.
+                    cycle.expected_content_length = len(message.get("body", b""))
             return uvicorn_send(cycle, message)  # type: ignore[no-any-return]
         return start(cycle, message)
 
@@ -456,6 +470,10 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                     for entry in added.values():
                         content.append(entry.lines)
                 added.clear()  # the connection's next request starts with none
+        unframed = _unframed(cycle, status_code)
+        if unframed and cycle.scope["http_version"] == "1.0":
+            _close_delimit(cycle)
+            unframed = False
         if not has_connection_close and (
             not cycle.keep_alive or (cycle.more_body and _rest_not_drained(cycle.scope["headers"]))
         ):
@@ -463,11 +481,7 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
             # closes after MAX_DRAIN. Said now; closed then, not now, or the
             # client still sending would get a reset before it read this.)
             content.append(b"connection: close\r\n")
-        if (
-            cycle.chunked_encoding is None
-            and cycle.scope["method"] != "HEAD"
-            and status_code not in (204, 304)
-        ):
+        if unframed:
             # Neither content-length nor transfer-encoding specified
             cycle.chunked_encoding = True
             content.append(b"transfer-encoding: chunked\r\n")
@@ -475,6 +489,37 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
         cycle.transport.write(b"".join(content))
 
     return send
+
+
+#: Fields that frame an answer's body (uvicorn reads them from the app's fields).
+_LENGTH_FIELDS = frozenset({b"content-length", b"transfer-encoding"})
+#: Marks a cycle whose answer's body ends where the connection closes.
+_CLOSE_DELIMITED = "ringlimit_close_delimited"
+#: What uvicorn is told an answer without a length may still hold (below its end).
+_UNBOUNDED = 1 << 62
+
+
+def _unframed(cycle: Any, status_code: int) -> bool:
+    """Whether the answer starting on ``cycle`` has a body and, so far, no framing:
+    uvicorn sends such an answer chunked."""
+    return (
+        cycle.chunked_encoding is None
+        and cycle.scope["method"] != "HEAD"
+        and status_code not in (204, 304)
+    )
+
+
+def _close_delimit(cycle: Any) -> None:
+    """An unframed answer to an HTTP/1.0 request ends where the connection closes
+    (RFC 9112 6.3, the last rule), since an HTTP/1.0 client cannot read the
+    chunked coding (RFC 9112 6.1: a server MUST NOT send it to one): uvicorn
+    chunked it whatever the request's version, and ``ab``, nginx's HTTP/1.0
+    ``proxy_pass`` and the like read the chunks' framing as the body. The
+    connection closes after it, kept alive or not."""
+    cycle.chunked_encoding = False
+    cycle.keep_alive = False
+    cycle.expected_content_length = _UNBOUNDED
+    cycle.__dict__[_CLOSE_DELIMITED] = True
 
 
 def _settle_legacy_lines(

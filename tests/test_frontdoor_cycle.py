@@ -9,6 +9,7 @@ records its writes: plain, and with the front door's limits (and its cycle).
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -324,7 +325,8 @@ LIMITED_HTTP10 = b"GET /x HTTP/1.0\r\nHost: a\r\nX-User: u1\r\n\r\n"
         (LIMITED_HEAD, [(b"content-length", b"2")], b""),
         (LIMITED_GET, [[b"x-list", b"1"], (b"content-length", b"2")], b"ok"),
         (LIMITED_CLOSE, [(b"content-length", b"2")], b"ok"),
-        (LIMITED_HTTP10, [(b"content-type", b"text/plain")], b"ok"),
+        # (An HTTP/1.0 answer without a length is not chunked, as uvicorn's is: below.)
+        (LIMITED_HTTP10, [(b"content-type", b"text/plain"), (b"content-length", b"2")], b"ok"),
     ],
     ids=["length", "chunked", "head", "list-field", "connection-close", "http-1.0"],
 )
@@ -364,6 +366,104 @@ def test_a_limited_answer_under_the_front_door_is_uvicorns_byte_for_byte(
         assert [a[:3] for a in answers] == [b"200", b"200", b"429"]
     assert all(b"\r\nratelimit: " in a for a in answers)
     assert all((b"\r\nx-ratelimit-remaining: " in a) == legacy for a in answers)
+
+
+LIMITED_HTTP10_KEPT = b"GET /x HTTP/1.0\r\nHost: a\r\nX-User: u1\r\nConnection: keep-alive\r\n\r\n"
+
+
+def in_parts(start: dict[str, Any], parts: list[bytes]) -> Any:
+    """An app that answers ``start`` and then each of ``parts`` as a message of its own."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send(start)
+        for i, part in enumerate(parts):
+            await send(
+                {"type": "http.response.body", "body": part, "more_body": i < len(parts) - 1}
+            )
+
+    return app
+
+
+@pytest.mark.parametrize("limiter", [True, False], ids=["limited", "plain app"])
+@pytest.mark.parametrize("access_log", [False, True])
+@pytest.mark.parametrize(
+    "request_bytes", [LIMITED_HTTP10, LIMITED_HTTP10_KEPT], ids=["1.0", "1.0 keep-alive"]
+)
+@pytest.mark.parametrize(
+    "parts", [[b"hello ", b"", b"world"], [b"hello world"], [b""]], ids=["3 parts", "1", "empty"]
+)
+def test_an_http_10_client_gets_an_answer_without_a_length_unchunked_then_the_close(
+    limiter: bool,
+    access_log: bool,
+    request_bytes: bytes,
+    parts: list[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An HTTP/1.0 client cannot read the chunked coding (RFC 9112 6.1: a server
+    MUST NOT send it to one): an answer of unknown length goes to it as its
+    bytes, ended by the connection's close (RFC 9112 6.3), even when the client
+    asked to keep the connection. uvicorn chunked it (curl reads that; ``ab``
+    and nginx's HTTP/1.0 ``proxy_pass`` do not). Both of the front door's ways
+    to write an answer's start (its own; uvicorn's, with the access log on)."""
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1")]}
+    app = in_parts(start, parts)
+    app = limited(start, b"", app=app) if limiter else app
+    # uvicorn's cycle logs what the app's send raised (it closes the connection too:
+    # the same bytes out), "Response content shorter than Content-Length" for one.
+    errors: list[Any] = []
+    monkeypatch.setattr(
+        logging.getLogger("uvicorn.error"), "error", lambda *a, **k: errors.append(a)
+    )
+
+    async def once() -> tuple[bytes, bool]:
+        door = limited_protocol(HttpToolsProtocol, FrontDoor())
+        return await serve(door, app, request_bytes, 1, access_log=access_log)
+
+    out, closed = asyncio.run(once())
+    head, _, body = out.partition(b"\r\n\r\n")
+    fields = head.lower().split(b"\r\n")[1:]
+    assert out.startswith(b"HTTP/1.1 200 OK\r\n") and closed
+    assert body == b"".join(parts)
+    assert b"connection: close" in fields and b"x-a: 1" in fields
+    assert not [f for f in fields if f.startswith((b"transfer-encoding", b"content-length"))]
+    assert (b'ratelimit: "api";r=1;t=30' in fields) == limiter
+    assert errors == []
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "headers"),
+    [
+        (LIMITED_GET, 200, []),  # HTTP/1.1: chunked
+        (LIMITED_HTTP10, 200, [(b"content-length", b"11")]),
+        (LIMITED_HTTP10, 200, [(b"transfer-encoding", b"chunked")]),  # the app's own choice
+        (LIMITED_HTTP10.replace(b"GET", b"HEAD"), 200, []),
+        (LIMITED_HTTP10, 204, []),
+        (LIMITED_HTTP10, 304, []),
+    ],
+    ids=["1.1", "1.0 length", "1.0 app's chunked", "1.0 head", "1.0 204", "1.0 304"],
+)
+@pytest.mark.parametrize("access_log", [False, True])
+def test_every_other_answer_is_framed_as_uvicorn_frames_it(
+    request_bytes: bytes, status: int, headers: list[Any], access_log: bool
+) -> None:
+    """Only an HTTP/1.0 request's answer that has a body and no framing of its
+    own is written to its close: the rest, byte for byte as uvicorn writes them,
+    over two requests (the second one's answer follows on a kept connection)."""
+    start = {"type": "http.response.start", "status": status, "headers": headers}
+    body = b"" if status in (204, 304) else b"hello world"
+
+    async def both() -> tuple[tuple[bytes, bool], tuple[bytes, bool]]:
+        front = limited_protocol(HttpToolsProtocol, FrontDoor())
+        app = answering(start, body)
+        return (
+            await serve(HttpToolsProtocol, app, request_bytes, 2, access_log=access_log),
+            await serve(front, app, request_bytes, 2, access_log=access_log),
+        )
+
+    plain, checked = asyncio.run(both())
+    assert checked == plain
 
 
 def test_under_the_front_door_the_middleware_hands_its_fields_over_unwrapped() -> None:

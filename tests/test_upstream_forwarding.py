@@ -49,6 +49,8 @@ ANSWERS = {
     b"/too-wide": b"HTTP/1.1 200 OK\r\n" + TOO_WIDE + b"content-length: 2\r\n\r\nok",
     b"/broken": b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc",
     b"/broken-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n",
+    b"/chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"6\r\nhello \r\n5\r\nworld\r\n0\r\n\r\n",
     # A status HTTP does not define (LinkedIn's 999), which aiohttp reads.
     b"/odd-status": b"HTTP/1.1 999 Request denied\r\ncontent-length: 2\r\n\r\nok",
     # A protocol switch nobody asked for (RFC 9110 15.2.2 forbids it).
@@ -473,6 +475,47 @@ async def test_upstream_timeout_is_a_node_flag(procs: Procs) -> None:  # noqa: F
     assert slow.status_code == 502 and slow.json()["error"] == "upstream_unavailable"
     assert 0.4 < waited < 2.0, waited
     assert quick.status_code == 200 and quick.content == b"hi"
+
+
+async def test_an_http_10_client_gets_a_chunked_upstream_answer_as_its_bytes(
+    procs: Procs,  # noqa: F811
+) -> None:
+    """The upstream answers chunked; a node relays it without a length, which
+    uvicorn chunked for any client. An HTTP/1.0 client cannot read chunks
+    (RFC 9112 6.1): it gets the bytes, then the connection's close, even when it
+    asked to keep the connection; an HTTP/1.1 client still gets them chunked."""
+    async with scripted() as (_, url):
+        _, node = await asyncio.to_thread(procs.node, "n1", None, "--upstream", url)
+        port = int(node.rsplit(":", 1)[1])
+        old = await exchange(
+            port, b"GET /chunked HTTP/1.0\r\nX-User-Id: u\r\nConnection: keep-alive\r\n\r\n"
+        )
+        new = await exchange(port, request("GET", b"/chunked", b"X-User-Id: u\r\n"))
+    head, _, body = old.partition(b"\r\n\r\n")
+    fields = head.lower().split(b"\r\n")
+    assert fields[0] == b"http/1.1 200 ok" and body == b"hello world", old
+    assert b"connection: close" in fields and b"ratelimit-policy" in head
+    assert not [f for f in fields if f.startswith((b"transfer-encoding", b"content-length"))]
+    head, _, body = new.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower().split(b"\r\n")
+    assert dechunked(body) == b"hello world", new
+
+
+def dechunked(body: bytes) -> bytes:
+    """A chunked body's bytes (however the relay cut them), with its last chunk."""
+    out = b""
+    while True:
+        size, _, body = body.partition(b"\r\n")
+        data, end, body = (
+            body[: int(size, 16)],
+            body[int(size, 16) :][:2],
+            body[int(size, 16) + 2 :],
+        )
+        assert end == b"\r\n"
+        if not data:
+            assert body == b""
+            return out
+        out += data
 
 
 def test_up_passes_the_upstream_timeout_to_its_nodes(tmp_path: Any) -> None:
