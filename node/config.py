@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from node.files import FileProblem, parse_json, parse_toml, read_text
+from node.hopbyhop import HOP_BY_HOP
 from node.rules import (
     CRASH_POLICIES,
     MAX_LIMIT,
@@ -172,6 +173,30 @@ class ScopedRule:
         if self.named_only:
             data["named_only"] = True
         return data
+
+
+#: Fields HTTP itself reads, or a proxy sets, which ``bypass.header`` may not name.
+_HTTP_FIELDS = frozenset(
+    {"host", "content-length", "expect", "x-forwarded-for", "forwarded"}
+    | {name.decode() for name in HOP_BY_HOP}
+)
+
+
+def _field_taken(name: str, identity: Identity) -> str | None:
+    """Why the (lower-case) field ``name`` cannot carry a bypass token, or None.
+
+    A token there would be no secret, or never arrive: every HTTP/1.1 client
+    sends ``Host`` with a value anyone may copy, a router writes
+    ``X-Forwarded-For``, hop-by-hop fields stop at the router, and in the
+    identity or tier field a user id equal to a token would bypass the limits
+    (configs with ``header = "Host"`` were taken; an exploratory tester)."""
+    if name in _HTTP_FIELDS:
+        return "HTTP or a proxy uses it"
+    if identity.source == "header" and name == identity.name.lower():
+        return "it is identity.name (the field the user id comes from)"
+    if identity.tier_header and name == identity.tier_header.lower():
+        return "it is identity.tier_header"
+    return None
 
 
 @dataclass(frozen=True)
@@ -608,8 +633,9 @@ class _Parser:
         log.warning("%s: %s: %s (kept: it limits nothing)", self.source, where, problem)
 
     def beyond(self, where: str, problem: str) -> None:
-        """A value past a size limit: refused, or (not strict: a config another
-        ringlimit process took, perhaps of a version without the limit) logged."""
+        """A value past a size limit, or one refused since: refused, or (not
+        strict: a config another ringlimit process took, perhaps of a version
+        without the limit) logged."""
         if self.strict:
             raise self.fail(where, problem)
         log.warning(
@@ -705,6 +731,11 @@ class _Parser:
             if not isinstance(bypass_header, str) or not bypass_header:
                 raise self.fail(
                     "bypass.header", f"must be a header name, got {given(bypass_header)}"
+                )
+            taken = _field_taken(bypass_header.lower(), identity)
+            if taken:
+                self.beyond(
+                    "bypass.header", f"{bypass_header!r}: {taken}; choose a field of its own"
                 )
             return ClusterConfig(
                 rules=rules,

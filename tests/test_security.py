@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from typing import Any
@@ -119,6 +120,70 @@ def test_a_bypass_header_may_not_impersonate_ringlimit_fields() -> None:
     with pytest.raises(ConfigError, match="X-Ringlimit-"):
         ClusterConfig.from_dict({"bypass": {"header": "X-Ringlimit-Failover"}})
     assert ClusterConfig.from_dict({"bypass": {"header": "X-Partner-Token"}})
+
+
+@pytest.mark.parametrize(
+    ("bypass", "identity", "why"),
+    [
+        ("Host", {}, "HTTP or a proxy uses it"),
+        ("content-length", {}, "HTTP or a proxy uses it"),
+        ("Connection", {}, "HTTP or a proxy uses it"),
+        ("TE", {}, "HTTP or a proxy uses it"),
+        ("X-Forwarded-For", {}, "HTTP or a proxy uses it"),
+        ("x-user-id", {}, "identity.name"),
+        ("X-Account", {"name": "X-Account"}, "identity.name"),
+        ("X-User-Tier", {}, "identity.tier_header"),
+    ],
+)
+def test_a_bypass_header_may_not_be_a_field_whose_value_is_no_secret(
+    bypass: str, identity: dict[str, str], why: str
+) -> None:
+    """Every HTTP/1.1 client sends ``Host`` (a value anyone may copy), a router
+    writes ``X-Forwarded-For``, hop-by-hop fields never reach a node behind a
+    router, and in the user-id or tier field a user whose id equals a token
+    would bypass every limit: refused with what the field is."""
+    from node.config import ConfigError
+
+    with pytest.raises(ConfigError, match=why):
+        ClusterConfig.from_dict({"bypass": {"header": bypass}, "identity": identity})
+
+
+def test_a_bypass_header_may_be_any_other_field() -> None:
+    """Authorization (a partner's bearer token), and the user-id field's usual
+    name once the id comes from somewhere else."""
+    for config in (
+        {"bypass": {"header": "Authorization"}},
+        {"bypass": {"header": "X-User-Id"}, "identity": {"source": "client"}},
+        {"bypass": {"header": "X-User-Tier"}, "identity": {"tier_header": ""}},
+    ):
+        assert ClusterConfig.from_dict(config).bypass_header == config["bypass"]["header"]
+
+
+def test_such_a_bypass_header_taken_by_another_process_is_kept_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A config another ringlimit process already took (an etcd record, a node's
+    ring, perhaps written by a version without the check) still loads, said in
+    the log: a router that could not read it would not start."""
+    with caplog.at_level(logging.WARNING, logger="ringlimit.config"):
+        config = ClusterConfig.from_dict(
+            {"bypass": {"header": "Host"}}, source="etcd record", strict=False
+        )
+    assert config.bypass_header == "Host"
+    assert any("bypass.header: 'Host'" in r.getMessage() for r in caplog.records), caplog.text
+
+
+async def test_a_config_with_such_a_bypass_header_is_refused_by_the_admin_api() -> None:
+    """``PUT /admin/config``: a 400 that says why, and the cluster's config as it was."""
+    async with InProcessCluster(2, CONFIG, clock=FrozenClock()) as cluster:
+        before = (await cluster.client.get("/admin/config")).json()
+        answer = await cluster.client.put(
+            "/admin/config", json={**before["config"], "bypass": {"header": "Host"}}
+        )
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"] == "invalid_config"
+        assert "bypass.header: 'Host'" in answer.json()["detail"]
+        assert (await cluster.client.get("/admin/config")).json() == before
 
 
 async def test_the_decision_api_needs_its_token_when_one_is_set() -> None:
