@@ -352,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
-    workdir = Path(tempfile.mkdtemp(prefix="ringlimit-bench-"))
+    workdir = make_workdir()
     procs = Processes(workdir)
     progress = Progress(_expected_seconds(settings), enabled=not args.no_progress)
     started = time.time()
@@ -570,6 +570,20 @@ def _loadavg() -> str:
     with contextlib.suppress(OSError), open("/proc/loadavg", encoding="ascii") as f:
         return " ".join(f.read().split()[:3])
     return "?"
+
+
+def make_workdir() -> Path:
+    """The run's folder (logs, config, the nodes' Unix sockets): in the temporary
+    directory, unless a node's socket there would pass the 107 bytes a socket's
+    path may have; then in /tmp. A TMPDIR that long failed the start of the
+    nodes of the Unix-socket rows (``ringlimit up`` runs its nodes on TCP then)."""
+    from node.unixsocket import MAX_PATH_BYTES
+
+    workdir = Path(tempfile.mkdtemp(prefix="ringlimit-bench-"))
+    if len(os.fsencode(workdir / "s9999.sock")) <= MAX_PATH_BYTES:
+        return workdir
+    workdir.rmdir()
+    return Path(tempfile.mkdtemp(prefix="ringlimit-bench-", dir="/tmp"))
 
 
 def main(argv: list[str] | None = None) -> int:

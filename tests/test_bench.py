@@ -641,3 +641,28 @@ def test_compare_runs_two_versions_side_by_side() -> None:
         )
         assert failed.returncode == 2 and said in failed.stderr, failed.stderr
         assert "Traceback" not in failed.stderr, failed.stderr
+
+
+def test_the_run_folder_leaves_a_long_tmpdir_for_tmp_when_a_socket_would_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's Unix socket in the run folder must fit the kernel's 107 bytes:
+    under a TMPDIR too long for it the folder is made in /tmp (the nodes of the
+    Unix-socket rows failed to start), and under a short one where it was."""
+    from node.unixsocket import MAX_PATH_BYTES
+
+    long = tmp_path / ("t" * 100)
+    long.mkdir()
+    short = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))  # (tmp_path is long itself)
+    made = [short]
+    try:
+        for tmpdir, where in ((long, Path("/tmp")), (short, short)):
+            monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+            workdir = bench.make_workdir()
+            made.append(workdir)
+            assert workdir.parent == where and workdir.is_dir()
+            assert len(os.fsencode(workdir / "s12.sock")) <= MAX_PATH_BYTES
+        assert list(long.iterdir()) == []  # (the first try there was removed)
+    finally:
+        for workdir in reversed(made):
+            workdir.rmdir()
