@@ -515,6 +515,9 @@ def run_cluster(args: argparse.Namespace, config: ClusterConfig) -> int:
 WORKDIR_PREFIX = "ringlimit-"
 #: The file in it that ``up`` holds locked (flock) while it runs.
 WORKDIR_LOCK = "lock"
+#: A folder still under its hidden name this many seconds after it was made
+#: belongs to an ``up`` that died making it (one names it at once).
+HIDDEN_GRACE = 60.0
 #: What ``up`` writes in it: a folder holding anything else is not removed.
 WORKDIR_FILES = frozenset({"cluster.json", WORKDIR_LOCK})
 #: ... and its nodes' Unix sockets (``n1.sock``: node/unixsocket.py).
@@ -530,12 +533,18 @@ def make_workdir(root: Path | None = None) -> tuple[Path, IO[bytes]]:
     nothing ``up`` did not write, and its lock can be taken: the kernel lets it
     go with the process that held it, whatever pid namespace that ran in (an
     ``up`` in another container sharing /tmp names a pid this one cannot see:
-    the review). A folder of a version without the lock goes by its pid."""
+    the review). A folder of a version without the lock goes by its pid. So
+    does one still under its hidden name (an up killed between making and
+    naming it), once it is :data:`HIDDEN_GRACE` seconds old."""
     root = Path(tempfile.gettempdir()) if root is None else root
-    for folder in root.glob(f"{WORKDIR_PREFIX}*-*"):
-        pid = folder.name[len(WORKDIR_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid():
-            _remove_workdir(folder, int(pid))
+    for folder in [*root.glob(f"{WORKDIR_PREFIX}*-*"), *root.glob(f".{WORKDIR_PREFIX}*-*")]:
+        unnamed = folder.name.startswith(".")
+        pid = folder.name[len(WORKDIR_PREFIX) + unnamed :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        if unnamed and (_running(int(pid)) or not _made_before(folder, HIDDEN_GRACE)):
+            continue  # (an up making it: named within microseconds, its lock not yet held)
+        _remove_workdir(folder, int(pid))
     # Made under a name no sweep reads, and named only once its lock is held:
     # another up starting at the same moment found the lock file not yet locked
     # and removed the folder (the review).
@@ -545,6 +554,14 @@ def make_workdir(root: Path | None = None) -> tuple[Path, IO[bytes]]:
     workdir = hidden.with_name(hidden.name[1:])
     os.rename(hidden, workdir)
     return workdir, lock
+
+
+def _made_before(folder: Path, seconds: float) -> bool:
+    """Whether ``folder`` was last changed more than ``seconds`` ago."""
+    try:
+        return time.time() - folder.stat().st_mtime > seconds
+    except OSError:
+        return False
 
 
 def _abandoned(folder: Path, pid: int) -> bool:

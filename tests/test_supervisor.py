@@ -432,6 +432,42 @@ def test_the_banner_says_where_envoys_service_listens(capsys: pytest.CaptureFixt
     assert f"envoy rate limit service (gRPC): {envoy}" in capsys.readouterr().out.splitlines()
 
 
+def test_up_removes_a_folder_left_under_its_hidden_name_once_its_up_is_gone(
+    tmp_path: Path,
+) -> None:
+    """An ``up`` makes its folder under a hidden name and names it once its lock
+    is held; one killed in between left ``.ringlimit-PID-*`` for good. Removed
+    once its pid is gone and it is over a minute old; kept while its pid runs,
+    or while it is new (an up in another pid namespace may be naming it)."""
+    from router.supervisor import HIDDEN_GRACE, make_workdir
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(10)
+    old = time.time() - HIDDEN_GRACE - 5
+
+    def hidden(name: str, age: float | None) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "lock").write_bytes(b"")
+        if age is not None:
+            os.utime(path, (age, age))
+        return path
+
+    left = hidden(f".ringlimit-{gone.pid}-a", old)
+    new = hidden(f".ringlimit-{gone.pid}-b", None)
+    running = hidden(f".ringlimit-{os.getppid()}-c", old)
+    foreign = hidden(f".ringlimit-{gone.pid}-d", None)
+    (foreign / "notes.txt").write_text("mine")
+    os.utime(foreign, (old, old))
+    made, own = make_workdir(tmp_path)
+    try:
+        assert not left.exists()
+        assert new.exists() and running.exists() and foreign.exists()
+        assert not made.name.startswith(".")
+    finally:
+        own.close()
+
+
 def test_up_removes_only_working_folders_of_ups_that_are_gone(tmp_path: Path) -> None:
     """``make_workdir`` removes a folder left by an ``up`` killed with SIGKILL:
     one named with a pid no process has, holding only its cluster.json. A
