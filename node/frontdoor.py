@@ -513,9 +513,9 @@ def _close_delimit(cycle: Any) -> None:
     """An unframed answer to an HTTP/1.0 request ends where the connection closes
     (RFC 9112 6.3, the last rule), since an HTTP/1.0 client cannot read the
     chunked coding (RFC 9112 6.1: a server MUST NOT send it to one): uvicorn
-    chunked it whatever the request's version, and ``ab``, nginx's HTTP/1.0
-    ``proxy_pass`` and the like read the chunks' framing as the body. The
-    connection closes after it, kept alive or not."""
+    chunked it whatever the request's version, and a strict HTTP/1.0 client
+    (``ab``) reads the chunks' framing as the body. The connection closes
+    after it, kept alive or not."""
     cycle.chunked_encoding = False
     cycle.keep_alive = False
     cycle.expected_content_length = _UNBOUNDED

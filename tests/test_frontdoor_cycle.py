@@ -404,8 +404,8 @@ def test_an_http_10_client_gets_an_answer_without_a_length_unchunked_then_the_cl
     """An HTTP/1.0 client cannot read the chunked coding (RFC 9112 6.1: a server
     MUST NOT send it to one): an answer of unknown length goes to it as its
     bytes, ended by the connection's close (RFC 9112 6.3), even when the client
-    asked to keep the connection. uvicorn chunked it (curl reads that; ``ab``
-    and nginx's HTTP/1.0 ``proxy_pass`` do not). Both of the front door's ways
+    asked to keep the connection. uvicorn chunked it (curl reads that anyway;
+    ``ab`` does not). Both of the front door's ways
     to write an answer's start (its own; uvicorn's, with the access log on)."""
     start = {"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1")]}
     app = in_parts(start, parts)
