@@ -203,6 +203,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-handoff", action="store_true", help="no handoff measurement")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="run the load generator and the routers on one half of this process's CPUs, "
+        "the nodes, Redis and the applications on the other (benchmarks/placement.py)",
+    )
+    parser.add_argument(
         "--scale",
         metavar="K,K,...",
         help="only the scaling runs (benchmarks/scale.py): for each K, K router workers and 2K "
@@ -285,7 +291,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
         tool=args.loadgen,
         crash_policy=args.crash_policy,
         envoy=not getattr(args, "skip_envoy", False),
+        pin=bool(getattr(args, "pin", False)),
     )
+    if settings.pin:
+        if getattr(args, "scale", None) is not None:
+            raise ValueError("--pin applies to the rows; --scale places its processes itself")
+        settings.placement()  # fewer than 2 CPUs: said now, before anything starts
     if args.rows is not None:
         chosen = tuple(r.strip() for r in args.rows.split(",") if r.strip())
         if not chosen:  # "--rows ," ran every row
@@ -353,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_term)
     workdir = make_workdir()
-    procs = Processes(workdir)
+    procs = Processes(workdir, settings.placement())
     progress = Progress(_expected_seconds(settings), enabled=not args.no_progress)
     started = time.time()
     report = _new_report(settings, command_line(args), tool_name, started)
@@ -441,6 +452,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def _new_report(settings: Settings, command: str, tool_name: str, started: float) -> dict[str, Any]:
+    placement = settings.placement()
     return {
         "meta": {
             "command": command,
@@ -458,6 +470,7 @@ def _new_report(settings: Settings, command: str, tool_name: str, started: float
             "tight": f"{settings.tight_limit}/hour x {settings.tight_users} users",
             "loadavg_before": _loadavg(),
             "hiredis": _hiredis(),
+            "placement": None if placement is None else placement.to_dict(),
         },
         "rows": {},
         "runs": {},

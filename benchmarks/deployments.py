@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.placement import Placement, pinning
 from router.processes import (
     ChildProcess,
     NotReady,
@@ -124,8 +125,10 @@ class Processes:
     ``<workdir>/<name>.log``.
     """
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, placement: Placement | None = None) -> None:
         self.workdir = workdir
+        #: Where each child runs (by its tier), None: where the kernel likes.
+        self.placement = placement
         self.started: list[ChildProcess] = []
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
@@ -135,6 +138,7 @@ class Processes:
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             log=self.workdir / f"{name}.log",
+            preexec_fn=pinning(self.placement, argv),
             new_session=True,
         )
         self.started.append(child)
@@ -231,6 +235,17 @@ class Settings:
     crash_policy: str | None = None
     #: The Envoy row (benchmarks/envoy.py): ShouldRateLimit over gRPC, sticky vs Redis.
     envoy: bool = True
+    #: Each process on its tier's CPUs (benchmarks/placement.py, ``--pin``).
+    pin: bool = False
+
+    def placement(self) -> Placement | None:
+        """Where the processes run: None unpinned."""
+        return Placement.of_this_process() if self.pin else None
+
+    def front_cpus(self) -> frozenset[int] | None:
+        """The load generators' CPUs: the front tier's, when the run is pinned."""
+        placement = self.placement()
+        return None if placement is None else placement.front
 
 
 def cluster_toml(settings: Settings, replicas: int = 1) -> str:

@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -117,12 +118,29 @@ async def _drive(
     }
 
 
-def load(port: int, seconds: float, concurrency: int, users: int, key: str) -> dict[str, Any]:
-    """Run the generator in its own process (it must not share a core's time with us)."""
+def load(
+    port: int,
+    seconds: float,
+    concurrency: int,
+    users: int,
+    key: str,
+    cpus: frozenset[int] | None = None,
+) -> dict[str, Any]:
+    """Run the generator in its own process (it must not share a core's time with
+    us), on ``cpus`` if given (``bench --pin``)."""
+    from benchmarks.placement import pinned_to
+
     argv = [sys.executable, "-m", "benchmarks.envoy", "load", "--port", str(port)]
     argv += ["--seconds", str(seconds), "--concurrency", str(concurrency)]
     argv += ["--users", str(users), "--key", key]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120, check=False)
+    done = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=seconds + 120,
+        check=False,
+        preexec_fn=pinned_to(cpus),
+    )
     if done.returncode != 0:
         raise RuntimeError(f"envoy load generator failed: {done.stderr[-800:]}")
     return dict(json.loads(done.stdout))
@@ -138,15 +156,16 @@ def run_envoy(settings: Settings, procs: Processes, workdir: Path) -> dict[str, 
 
     clusters, names = _start_clusters(settings, procs, workdir)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in clusters}
+    drive = partial(load, cpus=settings.front_cpus())
     try:
         for cluster in clusters.values():  # warm-up
-            load(cluster["port"], settings.warmup, settings.connections, settings.users, "user")
+            drive(cluster["port"], settings.warmup, settings.connections, settings.users, "user")
         order = list(clusters)
         for r in range(settings.repeats):
             for name in order if r % 2 == 0 else order[::-1]:
                 cluster = clusters[name]
                 before = {role: cpu_seconds(p) for role, p in cluster["roles"].items()}
-                result = load(
+                result = drive(
                     cluster["port"], settings.duration, settings.connections, settings.users, "user"
                 )
                 after = {role: cpu_seconds(p) for role, p in cluster["roles"].items()}
@@ -158,7 +177,7 @@ def run_envoy(settings: Settings, procs: Processes, workdir: Path) -> dict[str, 
                 }
                 runs[name].append(result)
         exactness = {
-            name: load(cluster["port"], 0, settings.connections, TIGHT_USERS, "tight")["ok"]
+            name: drive(cluster["port"], 0, settings.connections, TIGHT_USERS, "tight")["ok"]
             for name, cluster in clusters.items()
         }
     finally:

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from benchmarks.placement import pinned_to
+
 LUA_SCRIPT = Path(__file__).with_name("wrk_users.lua")
 MARK = "RINGLIMIT_BENCH "
 _ALLOWED = re.compile(rb'"allowed":\s*true')
@@ -54,6 +56,8 @@ class Load:
     connections: int = 50
     #: proxy mode: the share of requests sent as one hot user, ``<prefix>hot``
     hot_share: float = 0.0
+    #: The CPUs the generator runs on (``bench --pin``); None: anywhere.
+    cpus: frozenset[int] | None = None
 
 
 def hot_copies(users: int, share: float) -> int:
@@ -147,7 +151,9 @@ def run_wrk(load: Load) -> LoadResult:
         "--",
         *_script_args(load),
     ]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60)
+    out = subprocess.run(
+        argv, capture_output=True, text=True, timeout=duration + 60, preexec_fn=pinned_to(load.cpus)
+    )
     if out.returncode != 0:
         raise RuntimeError(f"wrk failed ({out.returncode}): {out.stderr[-2000:]}")
     return parse_marked(out.stdout, "wrk")
@@ -157,7 +163,14 @@ def run_builtin(load: Load) -> LoadResult:
     argv = [sys.executable, "-m", "benchmarks.loadgen", load.url, "--", *_script_args(load)]
     argv[4:4] = ["--duration", str(load.duration), "--connections", str(load.connections)]
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=load.duration + 60, cwd=root)
+    out = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=load.duration + 60,
+        cwd=root,
+        preexec_fn=pinned_to(load.cpus),
+    )
     if out.returncode != 0:
         raise RuntimeError(f"load generator failed ({out.returncode}): {out.stderr[-2000:]}")
     return parse_marked(out.stdout, "python")

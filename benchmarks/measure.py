@@ -113,6 +113,7 @@ def row_load(row: Row, settings: Settings, prefix: str, duration: float) -> Load
         duration=duration,
         connections=settings.connections,
         hot_share=row.hot_share,
+        cpus=settings.front_cpus(),
     )
 
 
@@ -127,4 +128,5 @@ def tight_load(row: Row, settings: Settings, prefix: str) -> Load:
         batch=BATCH,
         duration=settings.tight_duration,
         connections=settings.connections,
+        cpus=settings.front_cpus(),
     )

@@ -666,3 +666,87 @@ def test_the_run_folder_leaves_a_long_tmpdir_for_tmp_when_a_socket_would_not_fit
     finally:
         for workdir in reversed(made):
             workdir.rmdir()
+
+
+def test_pin_splits_the_cpus_into_a_front_and_a_back_tier() -> None:
+    """The load generators and routers in the front (the lower half, rounded up),
+    nodes, redis-server and the applications of the comparison rows in the back."""
+    from benchmarks.placement import BACK, FRONT, Placement
+    from router.processes import ringlimit_argv
+
+    assert Placement.split({0, 1}) == Placement(frozenset({0}), frozenset({1}))
+    assert Placement.split({4, 2, 7}) == Placement(frozenset({2, 4}), frozenset({7}))
+    with pytest.raises(ValueError, match="at least 2 CPUs"):
+        Placement.split({3})
+    placement = Placement.split(range(16))
+    assert placement.front == frozenset(range(8)) and placement.back == frozenset(range(8, 16))
+    cases = {
+        FRONT: [
+            ringlimit_argv("router", "--port", "1"),
+            ["wrk", "-t1", "http://127.0.0.1:1/"],
+            [sys.executable, "-m", "benchmarks.loadgen", "http://127.0.0.1:1/"],
+            [sys.executable, "-m", "benchmarks.envoy", "load", "--port", "1"],
+        ],
+        BACK: [
+            ringlimit_argv("node", "--id", "n1"),
+            ["/usr/bin/redis-server", "--port", "1"],
+            [sys.executable, "-m", "uvicorn", "benchmarks.slowapi_app:app"],
+        ],
+    }
+    for tier, argvs in cases.items():
+        for argv in argvs:
+            assert placement.tier(argv) == tier, argv
+    assert placement.to_dict() == {FRONT: list(range(8)), BACK: list(range(8, 16))}
+
+
+def test_a_pinned_run_starts_each_child_on_its_tiers_cpus(tmp_path: Path) -> None:
+    """What ``bench --pin`` starts runs where its tier says (a node in the back,
+    anything else in the front), and the load generator's own process too."""
+    from benchmarks.placement import Placement, pinned_to
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    placement = Placement(frozenset(cpus[:1]), frozenset(cpus[1:2]))
+    procs = deployments.Processes(tmp_path, placement)
+    show = "import os, sys; print(sorted(os.sched_getaffinity(0)), flush=True)"
+    try:
+        # A back-tier argv ("-m router node") and a front one, both printing their CPUs.
+        procs.start("back", [sys.executable, "-c", show, "-m", "router", "node"])
+        procs.start("front", [sys.executable, "-c", show])
+        wait_for(lambda: all(procs.log_tail(n).strip() for n in ("back", "front")), 10)
+    finally:
+        procs.stop_all()
+    assert procs.log_tail("back").strip() == str(cpus[1:2])
+    assert procs.log_tail("front").strip() == str(cpus[:1])
+    done = subprocess.run(
+        [sys.executable, "-c", show],
+        capture_output=True,
+        text=True,
+        preexec_fn=pinned_to(frozenset(cpus[:1])),
+        check=True,
+    )
+    assert done.stdout.strip() == str(cpus[:1])
+    assert pinned_to(None) is None
+
+
+def test_pin_is_refused_with_scale_or_one_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(ValueError, match="--pin applies to the rows"):
+        bench.settings_from(parser.parse_args(["--pin", "--scale", "1,2"]))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(ValueError, match="at least 2 CPUs"):
+        bench.settings_from(parser.parse_args(["--pin", "--quick"]))
+    assert not bench.settings_from(parser.parse_args(["--quick"])).pin
+
+
+def test_the_report_says_where_a_pinned_run_placed_its_processes() -> None:
+    report = _report()
+    report["meta"]["placement"] = None
+    assert "pinned" not in reporting.markdown(report)
+    report["meta"]["placement"] = {"front": [0, 1], "back": [2, 3]}
+    assert (
+        "pinned: load generator and routers on CPU 0,1, nodes, Redis and applications on CPU 2,3"
+        in reporting.markdown(report)
+    )

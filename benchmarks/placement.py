@@ -1,0 +1,99 @@
+"""Where the benchmark's processes run: ``ringlimit bench --pin``.
+
+Unpinned, the kernel spreads the load generator, the routers and the nodes
+over the CPUs as it likes, and on a small machine they keep displacing each
+other. On the 2-core machine of docs/performance.md ("Where the processes
+run") the nodes on one CPU, and the load generator and the router on the
+other, was the best of the five placements tried by hand (1.17-1.32x the
+sticky requests per second of none; the others 0.55-1.05x); in ``ringlimit
+bench``, six interleaved pairs, it gave 0.93-1.20x (median 1.06x). So
+``--pin`` splits this process's CPUs in two *tiers*, as an operator running
+router and nodes on one host would give each its own cores:
+
+* the **front**: load generators (wrk, the built-in one, the gRPC one) and
+  routers, which talk to each other;
+* the **back**: nodes, redis-server and the applications of the comparison
+  rows (slowapi's uvicorn workers), which the front talks to.
+
+Every row of a run is placed by the same rule, the floor's included (wrk in
+the front, its node in the back), so a ratio compares placements of the same
+kind. The benchmark's own process is left where it is: it waits while a row
+runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Tier names, as the report's metadata says them.
+FRONT, BACK = "front", "back"
+
+#: Programs of the back tier, by the name of the file run (``redis-server``).
+_BACK_PROGRAMS = frozenset({"redis-server"})
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The CPUs of each tier."""
+
+    front: frozenset[int]
+    back: frozenset[int]
+
+    @classmethod
+    def split(cls, cpus: Collection[int]) -> Placement:
+        """``cpus`` in two: the lower half (rounded up) for the front, the rest for
+        the back. ``ValueError`` (one line) with fewer than two."""
+        ordered = sorted(cpus)
+        if len(ordered) < 2:
+            raise ValueError(
+                f"--pin needs at least 2 CPUs to split in two tiers; this process may use "
+                f"{len(ordered)}"
+            )
+        half = (len(ordered) + 1) // 2
+        return cls(frozenset(ordered[:half]), frozenset(ordered[half:]))
+
+    @classmethod
+    def of_this_process(cls) -> Placement:
+        return cls.split(os.sched_getaffinity(0))
+
+    def tier(self, argv: Sequence[str]) -> str:
+        """The tier of a process run as ``argv``: a ringlimit node, a redis-server
+        or an application server is the back; anything else (a router, a load
+        generator) the front."""
+        if Path(argv[0]).name in _BACK_PROGRAMS:
+            return BACK
+        if "-m" in argv:
+            module = argv[argv.index("-m") + 1 :][:2]
+            if module[:1] == ["uvicorn"]:
+                return BACK  # an application served for a comparison row
+            if module[:1] == ["router"] and module[1:] == ["node"]:
+                return BACK
+        return FRONT
+
+    def cpus(self, argv: Sequence[str]) -> frozenset[int]:
+        return self.front if self.tier(argv) == FRONT else self.back
+
+    def pinning(self, argv: Sequence[str]) -> Callable[[], None]:
+        """A ``preexec_fn`` that pins the child about to run ``argv`` to its tier's CPUs."""
+        return _pin(self.cpus(argv))
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {FRONT: sorted(self.front), BACK: sorted(self.back)}
+
+
+def pinning(placement: Placement | None, argv: Sequence[str]) -> Callable[[], None] | None:
+    """``placement.pinning(argv)``, or None when nothing is pinned."""
+    return None if placement is None else placement.pinning(argv)
+
+
+def pinned_to(cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that pins a child to ``cpus`` (None: not pinned)."""
+    return None if cpus is None else _pin(cpus)
+
+
+def _pin(cpus: frozenset[int]) -> Callable[[], None]:
+    # Set in the child before it runs: every thread and process it starts inherits it.
+    return lambda: os.sched_setaffinity(0, cpus)
