@@ -72,6 +72,7 @@ from benchmarks.handoff import run_handoff
 from benchmarks.loadgen import run as run_load
 from benchmarks.loadgen import wrk_available
 from benchmarks.measure import Run, measure, row_load, tight_load
+from benchmarks.placement import Placement
 from benchmarks.progress import Progress
 from benchmarks.report import (
     add_ratios,
@@ -291,12 +292,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
         tool=args.loadgen,
         crash_policy=args.crash_policy,
         envoy=not getattr(args, "skip_envoy", False),
-        pin=bool(getattr(args, "pin", False)),
     )
-    if settings.pin:
+    if getattr(args, "pin", False):
         if getattr(args, "scale", None) is not None:
             raise ValueError("--pin applies to the rows; --scale places its processes itself")
-        settings.placement()  # fewer than 2 CPUs: said now, before anything starts
+        settings.placement = Placement.of_this_process()  # (before anything starts)
     if args.rows is not None:
         chosen = tuple(r.strip() for r in args.rows.split(",") if r.strip())
         if not chosen:  # "--rows ," ran every row
@@ -364,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_term)
     workdir = make_workdir()
-    procs = Processes(workdir, settings.placement())
+    procs = Processes(workdir, settings.placement)
     progress = Progress(_expected_seconds(settings), enabled=not args.no_progress)
     started = time.time()
     report = _new_report(settings, command_line(args), tool_name, started)
@@ -452,7 +452,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def _new_report(settings: Settings, command: str, tool_name: str, started: float) -> dict[str, Any]:
-    placement = settings.placement()
+    placement = settings.placement
     return {
         "meta": {
             "command": command,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.placement import Placement, pinning
+from benchmarks.placement import Placement
 from router.processes import (
     ChildProcess,
     NotReady,
@@ -134,11 +134,10 @@ class Processes:
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
         child = ChildProcess(
             name,
-            argv,
+            argv if self.placement is None else self.placement.pinned(argv),
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             log=self.workdir / f"{name}.log",
-            preexec_fn=pinning(self.placement, argv),
             new_session=True,
         )
         self.started.append(child)
@@ -235,17 +234,12 @@ class Settings:
     crash_policy: str | None = None
     #: The Envoy row (benchmarks/envoy.py): ShouldRateLimit over gRPC, sticky vs Redis.
     envoy: bool = True
-    #: Each process on its tier's CPUs (benchmarks/placement.py, ``--pin``).
-    pin: bool = False
-
-    def placement(self) -> Placement | None:
-        """Where the processes run: None unpinned."""
-        return Placement.of_this_process() if self.pin else None
+    #: Each process on its tier's CPUs (benchmarks/placement.py, ``--pin``); None: unpinned.
+    placement: Placement | None = None
 
     def front_cpus(self) -> frozenset[int] | None:
         """The load generators' CPUs: the front tier's, when the run is pinned."""
-        placement = self.placement()
-        return None if placement is None else placement.front
+        return None if self.placement is None else self.placement.front
 
 
 def cluster_toml(settings: Settings, replicas: int = 1) -> str:

@@ -128,18 +128,17 @@ def load(
 ) -> dict[str, Any]:
     """Run the generator in its own process (it must not share a core's time with
     us), on ``cpus`` if given (``bench --pin``)."""
-    from benchmarks.placement import pinned_to
+    from benchmarks.placement import pinned_argv
 
     argv = [sys.executable, "-m", "benchmarks.envoy", "load", "--port", str(port)]
     argv += ["--seconds", str(seconds), "--concurrency", str(concurrency)]
     argv += ["--users", str(users), "--key", key]
     done = subprocess.run(
-        argv,
+        pinned_argv(cpus, argv),
         capture_output=True,
         text=True,
         timeout=seconds + 120,
         check=False,
-        preexec_fn=pinned_to(cpus),
     )
     if done.returncode != 0:
         raise RuntimeError(f"envoy load generator failed: {done.stderr[-800:]}")

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from benchmarks.placement import pinned_to
+from benchmarks.placement import pinned_argv
 
 LUA_SCRIPT = Path(__file__).with_name("wrk_users.lua")
 MARK = "RINGLIMIT_BENCH "
@@ -152,7 +152,7 @@ def run_wrk(load: Load) -> LoadResult:
         *_script_args(load),
     ]
     out = subprocess.run(
-        argv, capture_output=True, text=True, timeout=duration + 60, preexec_fn=pinned_to(load.cpus)
+        pinned_argv(load.cpus, argv), capture_output=True, text=True, timeout=duration + 60
     )
     if out.returncode != 0:
         raise RuntimeError(f"wrk failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -164,12 +164,11 @@ def run_builtin(load: Load) -> LoadResult:
     argv[4:4] = ["--duration", str(load.duration), "--connections", str(load.connections)]
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run(
-        argv,
+        pinned_argv(load.cpus, argv),
         capture_output=True,
         text=True,
         timeout=load.duration + 60,
         cwd=root,
-        preexec_fn=pinned_to(load.cpus),
     )
     if out.returncode != 0:
         raise RuntimeError(f"load generator failed ({out.returncode}): {out.stderr[-2000:]}")

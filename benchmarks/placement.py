@@ -24,7 +24,8 @@ runs.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Sequence
+import shutil
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,10 @@ class Placement:
 
     @classmethod
     def of_this_process(cls) -> Placement:
+        """This process's CPUs in two; ``ValueError`` (one line) without
+        ``taskset`` (util-linux), which places the children."""
+        if shutil.which("taskset") is None:
+            raise ValueError("--pin needs taskset (util-linux) on the PATH")
         return cls.split(os.sched_getaffinity(0))
 
     def tier(self, argv: Sequence[str]) -> str:
@@ -76,24 +81,20 @@ class Placement:
     def cpus(self, argv: Sequence[str]) -> frozenset[int]:
         return self.front if self.tier(argv) == FRONT else self.back
 
-    def pinning(self, argv: Sequence[str]) -> Callable[[], None]:
-        """A ``preexec_fn`` that pins the child about to run ``argv`` to its tier's CPUs."""
-        return _pin(self.cpus(argv))
+    def pinned(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run on its tier's CPUs."""
+        return pinned_argv(self.cpus(argv), argv)
 
     def to_dict(self) -> dict[str, list[int]]:
         return {FRONT: sorted(self.front), BACK: sorted(self.back)}
 
 
-def pinning(placement: Placement | None, argv: Sequence[str]) -> Callable[[], None] | None:
-    """``placement.pinning(argv)``, or None when nothing is pinned."""
-    return None if placement is None else placement.pinning(argv)
-
-
-def pinned_to(cpus: frozenset[int] | None) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that pins a child to ``cpus`` (None: not pinned)."""
-    return None if cpus is None else _pin(cpus)
-
-
-def _pin(cpus: frozenset[int]) -> Callable[[], None]:
-    # Set in the child before it runs: every thread and process it starts inherits it.
-    return lambda: os.sched_setaffinity(0, cpus)
+def pinned_argv(cpus: frozenset[int] | None, argv: Sequence[str]) -> list[str]:
+    """``argv`` run on ``cpus`` (as it is when None), through ``taskset``, which
+    sets the affinity and then runs the program in its place (the same pid;
+    every thread and child inherits it). Not a ``preexec_fn``: the benchmark
+    has threads of its own, and a child forked from a process with threads
+    may deadlock before it runs anything."""
+    if cpus is None:
+        return list(argv)
+    return ["taskset", "--cpu-list", ",".join(map(str, sorted(cpus))), *argv]

@@ -388,10 +388,7 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
                 if (
                     cycle.scope["http_version"] == "1.0"
                     and _unframed(cycle, message["status"])
-                    and not any(
-                        name.lower() in _LENGTH_FIELDS
-                        for name, _ in (*cycle.default_headers, *message.get("headers", ()))
-                    )
+                    and not any(map(_frames, (*cycle.default_headers, *message.get("headers", ()))))
                 ):
                     _close_delimit(cycle)  # (before uvicorn's send, which would chunk it)
             elif message["type"] == "http.response.body" and not message.get("more_body"):
@@ -491,8 +488,6 @@ def checked_send(base: type) -> Callable[[Any, Any], Awaitable[None]]:
     return send
 
 
-#: Fields that frame an answer's body (uvicorn reads them from the app's fields).
-_LENGTH_FIELDS = frozenset({b"content-length", b"transfer-encoding"})
 #: Marks a cycle whose answer's body ends where the connection closes.
 _CLOSE_DELIMITED = "ringlimit_close_delimited"
 #: What uvicorn is told an answer without a length may still hold (below its end).
@@ -509,13 +504,30 @@ def _unframed(cycle: Any, status_code: int) -> bool:
     )
 
 
+def _frames(field: Any) -> bool:
+    """Whether uvicorn frames an answer by this field of its start, as its ``send``
+    reads them: a ``Content-Length``, or ``Transfer-Encoding: chunked``."""
+    name, value = field
+    name = name.lower()
+    return name == b"content-length" or (
+        name == b"transfer-encoding" and value.lower() == b"chunked"
+    )
+
+
 def _close_delimit(cycle: Any) -> None:
     """An unframed answer to an HTTP/1.0 request ends where the connection closes
     (RFC 9112 6.3, the last rule), since an HTTP/1.0 client cannot read the
     chunked coding (RFC 9112 6.1: a server MUST NOT send it to one): uvicorn
     chunked it whatever the request's version, and a strict HTTP/1.0 client
     (``ab``) reads the chunks' framing as the body. The connection closes
-    after it, kept alive or not."""
+    after it (uvicorn keeps no HTTP/1.0 connection alive; said here too, since
+    the close is the body's end).
+
+    Such a body that breaks off (an app that fails, an upstream that stops
+    mid-answer) ends with the same close, and looks whole to its client: the
+    price of HTTP/1.0's framing, where HTTP/1.1's last chunk is missing. The
+    mark in the cycle's ``__dict__`` is what the last body message looks for;
+    the other two values are what uvicorn's ``send`` reads meanwhile."""
     cycle.chunked_encoding = False
     cycle.keep_alive = False
     cycle.expected_content_length = _UNBOUNDED

@@ -701,33 +701,33 @@ def test_pin_splits_the_cpus_into_a_front_and_a_back_tier() -> None:
 
 def test_a_pinned_run_starts_each_child_on_its_tiers_cpus(tmp_path: Path) -> None:
     """What ``bench --pin`` starts runs where its tier says (a node in the back,
-    anything else in the front), and the load generator's own process too."""
-    from benchmarks.placement import Placement, pinned_to
+    anything else in the front), under its own pid, and the load generator's
+    process too."""
+    from benchmarks.placement import Placement, pinned_argv
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs 2 CPUs")
     placement = Placement(frozenset(cpus[:1]), frozenset(cpus[1:2]))
     procs = deployments.Processes(tmp_path, placement)
-    show = "import os, sys; print(sorted(os.sched_getaffinity(0)), flush=True)"
+    show = "import os; print(os.getpid(), sorted(os.sched_getaffinity(0)), flush=True)"
     try:
         # A back-tier argv ("-m router node") and a front one, both printing their CPUs.
-        procs.start("back", [sys.executable, "-c", show, "-m", "router", "node"])
-        procs.start("front", [sys.executable, "-c", show])
+        back = procs.start("back", [sys.executable, "-c", show, "-m", "router", "node"])
+        front = procs.start("front", [sys.executable, "-c", show])
         wait_for(lambda: all(procs.log_tail(n).strip() for n in ("back", "front")), 10)
     finally:
         procs.stop_all()
-    assert procs.log_tail("back").strip() == str(cpus[1:2])
-    assert procs.log_tail("front").strip() == str(cpus[:1])
+    assert procs.log_tail("back").strip() == f"{back} {cpus[1:2]}"
+    assert procs.log_tail("front").strip() == f"{front} {cpus[:1]}"
     done = subprocess.run(
-        [sys.executable, "-c", show],
+        pinned_argv(frozenset(cpus[:1]), [sys.executable, "-c", show]),
         capture_output=True,
         text=True,
-        preexec_fn=pinned_to(frozenset(cpus[:1])),
         check=True,
     )
-    assert done.stdout.strip() == str(cpus[:1])
-    assert pinned_to(None) is None
+    assert done.stdout.split(" ", 1)[1].strip() == str(cpus[:1])
+    assert pinned_argv(None, ["wrk", "-t1"]) == ["wrk", "-t1"]
 
 
 def test_pin_is_refused_with_scale_or_one_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -735,10 +735,15 @@ def test_pin_is_refused_with_scale_or_one_cpu(monkeypatch: pytest.MonkeyPatch) -
     bench.add_arguments(parser)
     with pytest.raises(ValueError, match="--pin applies to the rows"):
         bench.settings_from(parser.parse_args(["--pin", "--scale", "1,2"]))
+    assert bench.settings_from(parser.parse_args(["--quick"])).placement is None
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     with pytest.raises(ValueError, match="at least 2 CPUs"):
         bench.settings_from(parser.parse_args(["--pin", "--quick"]))
-    assert not bench.settings_from(parser.parse_args(["--quick"])).pin
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert bench.settings_from(parser.parse_args(["--pin", "--quick"])).placement is not None
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ValueError, match="needs taskset"):
+        bench.settings_from(parser.parse_args(["--pin", "--quick"]))
 
 
 def test_the_report_says_where_a_pinned_run_placed_its_processes() -> None:

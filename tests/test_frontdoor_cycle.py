@@ -392,22 +392,31 @@ def in_parts(start: dict[str, Any], parts: list[bytes]) -> Any:
     "request_bytes", [LIMITED_HTTP10, LIMITED_HTTP10_KEPT], ids=["1.0", "1.0 keep-alive"]
 )
 @pytest.mark.parametrize(
-    "parts", [[b"hello ", b"", b"world"], [b"hello world"], [b""]], ids=["3 parts", "1", "empty"]
+    ("parts", "fields"),
+    [
+        ([b"hello ", b"", b"world"], []),
+        ([b"hello world"], []),
+        ([b""], []),
+        ([b"hello ", b"world"], [(b"Transfer-Encoding", b"gzip")]),  # a coding, not a framing
+    ],
+    ids=["3 parts", "1", "empty", "gzip coding"],
 )
 def test_an_http_10_client_gets_an_answer_without_a_length_unchunked_then_the_close(
     limiter: bool,
     access_log: bool,
     request_bytes: bytes,
     parts: list[bytes],
+    fields: list[tuple[bytes, bytes]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An HTTP/1.0 client cannot read the chunked coding (RFC 9112 6.1: a server
     MUST NOT send it to one): an answer of unknown length goes to it as its
-    bytes, ended by the connection's close (RFC 9112 6.3), even when the client
-    asked to keep the connection. uvicorn chunked it (curl reads that anyway;
-    ``ab`` does not). Both of the front door's ways
+    bytes, ended by the connection's close (RFC 9112 6.3), which uvicorn makes
+    after any HTTP/1.0 answer, asked to keep the connection or not. uvicorn
+    chunked it (curl reads that anyway; ``ab`` does not). A transfer coding
+    other than chunked does not frame it. Both of the front door's ways
     to write an answer's start (its own; uvicorn's, with the access log on)."""
-    start = {"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1")]}
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1"), *fields]}
     app = in_parts(start, parts)
     app = limited(start, b"", app=app) if limiter else app
     # uvicorn's cycle logs what the app's send raised (it closes the connection too:
@@ -423,12 +432,13 @@ def test_an_http_10_client_gets_an_answer_without_a_length_unchunked_then_the_cl
 
     out, closed = asyncio.run(once())
     head, _, body = out.partition(b"\r\n\r\n")
-    fields = head.lower().split(b"\r\n")[1:]
+    written = head.lower().split(b"\r\n")[1:]
     assert out.startswith(b"HTTP/1.1 200 OK\r\n") and closed
     assert body == b"".join(parts)
-    assert b"connection: close" in fields and b"x-a: 1" in fields
-    assert not [f for f in fields if f.startswith((b"transfer-encoding", b"content-length"))]
-    assert (b'ratelimit: "api";r=1;t=30' in fields) == limiter
+    assert b"connection: close" in written and b"x-a: 1" in written
+    framing = [f for f in written if f.startswith((b"transfer-encoding", b"content-length"))]
+    assert framing == [b"%s: %s" % (n.lower(), v) for n, v in fields]
+    assert (b'ratelimit: "api";r=1;t=30' in written) == limiter
     assert errors == []
 
 
@@ -449,8 +459,8 @@ def test_every_other_answer_is_framed_as_uvicorn_frames_it(
     request_bytes: bytes, status: int, headers: list[Any], access_log: bool
 ) -> None:
     """Only an HTTP/1.0 request's answer that has a body and no framing of its
-    own is written to its close: the rest, byte for byte as uvicorn writes them,
-    over two requests (the second one's answer follows on a kept connection)."""
+    own is written to its close: the rest, byte for byte as uvicorn writes them
+    (two requests sent: the HTTP/1.0 cases close after the first answer)."""
     start = {"type": "http.response.start", "status": status, "headers": headers}
     body = b"" if status in (204, 304) else b"hello world"
 
