@@ -74,8 +74,8 @@ class Placement:
             module = argv[argv.index("-m") + 1 :][:2]
             if module[:1] == ["uvicorn"]:
                 return BACK  # an application served for a comparison row
-            if module[:1] == ["router"] and module[1:] == ["node"]:
-                return BACK
+            if module == ["router", "node"]:
+                return BACK  # a ringlimit node (router/processes.py ringlimit_argv)
         return FRONT
 
     def cpus(self, argv: Sequence[str]) -> frozenset[int]:
