@@ -23,6 +23,13 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    """The event loop of every ``pytest.mark.anyio`` test: asyncio, which routers
+    and nodes run on (anyio's own fixture adds trio when it is installed)."""
+    return "asyncio"
+
+
 #: The packages the processes the tests start import (tests.sample_app among them).
 PACKAGES = ("ring", "node", "router", "simulations", "benchmarks", "tests")
 

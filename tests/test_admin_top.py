@@ -27,11 +27,6 @@ CONFIG = ClusterConfig(
 )
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def hammer(cluster: InProcessCluster, users: dict[str, int]) -> None:
     for user, times in users.items():
         for _ in range(times):

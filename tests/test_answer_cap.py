@@ -33,11 +33,6 @@ from tests.uvicorn_serving import serving
 CAP = 256 * 1024
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @contextlib.asynccontextmanager
 async def streaming_server() -> AsyncIterator[str]:
     async with serving(HttpToolsProtocol, app) as (port, _):

@@ -13,11 +13,6 @@ from router.membership import _cancel_within
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _loses_one_cancellation(stopped: asyncio.Event) -> None:
     """As a task does whose cancellation Python 3.11's wait_for lost: it goes on."""
     with contextlib.suppress(asyncio.CancelledError):  # lost

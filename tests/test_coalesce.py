@@ -16,11 +16,6 @@ from tests.real_cluster import metric
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def test_concurrent_items_for_one_node_leave_as_one_batch() -> None:
     sent: list[tuple[str, list[int]]] = []
 

@@ -55,11 +55,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
 SECOND = "http://router2.localhost"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def coordinator(endpoint: str, ttl: float = 2.0) -> EtcdCoordinator:
     return EtcdCoordinator(parse_endpoints(endpoint), cluster="test", ttl=ttl)
 

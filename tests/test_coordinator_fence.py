@@ -22,11 +22,6 @@ from tests.test_rebalancing import make_config
 pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def depose(etcd_endpoint: str) -> None:
     """Revoke the leader key's lease, as etcd expires it behind a paused leader."""
     admin = coordinator(etcd_endpoint)

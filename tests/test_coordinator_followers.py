@@ -27,11 +27,6 @@ from tests.test_rebalancing import make_config
 pytestmark = [pytest.mark.anyio, pytest.mark.etcd]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def quiet(endpoint: str, url: str) -> dict[str, object]:
     """A router of the etcd cluster whose health loop never runs by itself
     (the test runs its rounds), so that only the test's calls change the ring."""

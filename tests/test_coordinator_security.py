@@ -41,11 +41,6 @@ SECOND = "http://router2.localhost"
 PASSWORD = "s3cret pass"  # a space: passed whole, never split
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @dataclass
 class SecureEtcd:
     server: EtcdServer

@@ -75,11 +75,6 @@ descriptors:
 """
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def request(
     domain: str, *descriptors: Sequence[tuple[str, str]], hits: int = 0, **kw: Any
 ) -> rls_pb2.RateLimitRequest:

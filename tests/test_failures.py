@@ -16,11 +16,6 @@ from tests.test_router import metric
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def test_failures_are_all_counted_but_logged_once_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

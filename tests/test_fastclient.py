@@ -22,11 +22,6 @@ from tests.uvicorn_serving import serving
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 #: Answers to HEAD by path (each in one write); ``/head/split`` and
 #: ``/head/body-in-parts`` are written in two (see ``Scripted.handle``).
 HEAD_ANSWERS = {

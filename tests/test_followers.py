@@ -22,11 +22,6 @@ pytestmark = pytest.mark.anyio
 SECOND = "http://router2.localhost"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def follower(cluster: InProcessCluster) -> Router:
     router = cluster.new_router(SECOND, seeds=[], leader_url=ROUTER_URL, follow_interval=0.05)
     await router.start()

@@ -32,11 +32,6 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def in_ring() -> AsyncIterator[tuple[Node, httpx.AsyncClient]]:
     """A node alone in its ring (epoch 1), as in tests/test_node_api.py."""
     node, _ = make_node()

@@ -16,11 +16,6 @@ import pytest
 from router.heartbeat import PING, Heartbeat, answer_pings
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def pending(worker: socket.socket) -> bytes:
     """What the supervisor has sent the worker and it has not read."""
     worker.setblocking(False)

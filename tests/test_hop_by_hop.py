@@ -57,11 +57,6 @@ ANSWERS[b"/internal/cluster"] = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\
 PLAIN = b"HTTP/1.1 200 OK\r\nx-a: 1\r\ncontent-length: 5\r\n\r\nhello"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Scripted:
     """An HTTP/1.1 server that answers by path and keeps every request's head."""
 

@@ -36,11 +36,6 @@ pytestmark = pytest.mark.anyio
 ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class OneAnswerPerConnection:
     """Answers the first request of a connection; closes it at the next one."""
 

@@ -20,11 +20,6 @@ from tests.test_rebalancing import make_config
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def test_a_follower_keeps_health_only_for_the_members_of_its_view() -> None:
     """Node ids churn on the leader (a new node joins, an old one leaves, five
     times); the follower adopts each view, and its health entries are the

@@ -15,11 +15,6 @@ CONFIG = ClusterConfig.from_dict(
 )
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def test_a_join_while_a_member_is_unreachable_does_not_wedge_the_ring() -> None:
     async with InProcessCluster(3, CONFIG, clock=FrozenClock()) as cluster:
         cluster.take_down("n3")

@@ -14,11 +14,6 @@ from router.decisions import merged_batch
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Node:
     """A fake node: each request waits until released, answers item * 10."""
 

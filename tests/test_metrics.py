@@ -32,11 +32,6 @@ NAME = re.compile(r"^ringlimit_[a-z][a-z0-9_]*[a-z0-9]$")
 LABEL = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def documented() -> set[str]:
     """Every metric name in the first column of the doc's tables."""
     names = set()

@@ -20,11 +20,6 @@ from tests import sample_app
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def client(app: Any, peer: str = "127.0.0.1") -> httpx.AsyncClient:
     transport = httpx.ASGITransport(app=app, client=(peer, 5555))
     return httpx.AsyncClient(transport=transport, base_url="http://app.test")

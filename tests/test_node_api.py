@@ -32,11 +32,6 @@ pytestmark = pytest.mark.anyio
 NODE = "http://node.localhost"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def node_config(**options: Any) -> ClusterConfig:
     return ClusterConfig(
         rules=(

@@ -26,11 +26,6 @@ from ring import Member, RingView
 ONCE = Rule("once", 1, 1.0)
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_the_sweep_keeps_up_with_new_keys_arriving_faster_than_a_slice(
     monkeypatch: pytest.MonkeyPatch,

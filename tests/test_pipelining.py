@@ -23,11 +23,6 @@ from tests.processes import Procs, procs  # noqa: F401 (fixture)
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _many(client: FastForwarder, base: str, count: int) -> list[dict[str, object]]:
     answers = await asyncio.gather(
         *(

@@ -43,11 +43,6 @@ ADMIN = "admin-s3cret"
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def make_config(
     *,
     rebalance: str = "handoff",

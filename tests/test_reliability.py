@@ -34,11 +34,6 @@ from tests.test_rebalancing import (
 pytestmark = [pytest.mark.anyio, pytest.mark.reliability]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def leased(cluster: InProcessCluster) -> FrozenClock:
     """Turn leases on as a router with health checks does, on a frozen monotonic clock."""
     monotonic = FrozenClock(0.0)

@@ -28,11 +28,6 @@ from tests.test_shard_core import KEYS, NOW, RULE, config, core, decide, view
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def replicating(ids: list[str]) -> Any:
     """Cores of ``ids`` in one view, change tracking on and empty."""
     ring = view(ids, 1)

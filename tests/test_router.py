@@ -34,11 +34,6 @@ pytestmark = pytest.mark.anyio
 ALGORITHMS = ("token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_window")
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def make_config(*rules: Rule | ScopedRule, **options: Any) -> ClusterConfig:
     scoped = tuple(r if isinstance(r, ScopedRule) else ScopedRule(r) for r in rules)
     return ClusterConfig(rules=scoped, **options)

@@ -45,11 +45,6 @@ from tests.test_router_protocol import get, read_answer
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def _answer(status: bytes, body: bytes, *fields: bytes) -> bytes:
     head = b"".join(field + b"\r\n" for field in fields)
     return b"HTTP/1.1 %s\r\ncontent-length: %d\r\n%s\r\n%s" % (status, len(body), head, body)

@@ -24,11 +24,6 @@ KEEP_ALIVE = 1.0
 REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return

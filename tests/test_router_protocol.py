@@ -33,11 +33,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 _VARYING = {b"date", b"x-ratelimit-reset"}
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @asynccontextmanager
 async def served(
     node_url: str, *, direct: bool, on_error: str = "open", kind: type[Router] = Router

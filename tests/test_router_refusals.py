@@ -26,11 +26,6 @@ from tests.test_rebalancing import make_config
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class RefusingGate:
     """An ASGI app in front of ``node``: refuses its first ``refusals`` requests,
     each after ``delay`` seconds."""

@@ -13,11 +13,6 @@ from router.protocol import AnswerWrites
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Recorder:
     """A transport that keeps each write it is given."""
 

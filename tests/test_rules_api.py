@@ -24,11 +24,6 @@ pytestmark = pytest.mark.anyio
 RULES = f"{ROUTER_URL}/admin/rules"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def config(limit: int = 5) -> ClusterConfig:
     return ClusterConfig(rules=(ScopedRule(Rule("api", limit, 60.0)),))
 

@@ -24,11 +24,6 @@ from router.forward import AiohttpForwarder, AnswerLost, NodeTimeout, Timeouts, 
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def test_a_routers_forwarder_speaks_each_members_scheme() -> None:
     firsts: list[bytes] = []
 

@@ -21,11 +21,6 @@ pytestmark = pytest.mark.anyio
 CONFIG = ClusterConfig.from_dict({"rules": [{"name": "api", "rate": "5/minute"}]})
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def headers_app(scope: Scope, receive: Receive, send: Send) -> None:
     await drain(receive)
     await send_json(send, 200, {"headers": [[k.decode(), v.decode()] for k, v in scope["headers"]]})

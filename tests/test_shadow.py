@@ -25,11 +25,6 @@ from router.testing import InProcessCluster
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def authority(rules: tuple[Rule, ...], clock: FrozenClock) -> Authority:
     return Authority.in_memory(
         ClusterConfig(rules=tuple(ScopedRule(r) for r in rules)), clock=clock

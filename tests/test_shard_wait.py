@@ -29,11 +29,6 @@ pytestmark = pytest.mark.anyio
 STEPS = 5
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 #: Where every member of these views is said to be: a port of 127.0.0.1 nothing
 #: listens on (a pull asked there is refused at once).
 NOWHERE = free_port()

@@ -274,11 +274,6 @@ def test_denial_headers_cover_every_denying_rule() -> None:
 pytestmark_anyio = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def client(app: Any) -> httpx.AsyncClient:
     transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 5555))
     return httpx.AsyncClient(transport=transport, base_url="http://app.test")

@@ -14,11 +14,6 @@ from tests.test_router import metric
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 CONFIG = ClusterConfig(
     rules=(ScopedRule(Rule("api", 5, 60.0)), ScopedRule(Rule("big", 100, 60.0), paths=("/x",)))
 )

@@ -44,11 +44,6 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def short_dir() -> Iterator[Path]:
     """A folder with a short path (pytest's ``tmp_path`` can pass the 107 bytes a
     socket's path may have)."""

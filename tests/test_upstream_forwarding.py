@@ -69,11 +69,6 @@ SLOW, SLOW_SECONDS = b"/slow", 10.0
 HOLD = b"/hold"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @dataclass
 class Received:
     """One request as it reached the upstream."""
