@@ -755,3 +755,35 @@ def test_the_report_says_where_a_pinned_run_placed_its_processes() -> None:
         "pinned: load generator and routers on CPU 0,1, nodes, Redis and applications on CPU 2,3"
         in reporting.markdown(report)
     )
+
+
+def test_nodecpu_reports_user_and_system_time_of_both_rows() -> None:
+    """``python -m benchmarks.nodecpu`` (docs/performance.md's table of a node's
+    CPU per request): a line per row and load, every process it started stopped."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.nodecpu", "--connections", "2", "--duration", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("-c2 ")]
+    assert [line.split()[1] for line in rows] == ["direct_limited", "sticky_unix"], done.stdout
+    for line in rows:
+        user, system = re.search(r"\(user +([\d.]+), sys +([\d.]+)\)", line).groups()
+        assert float(user) > 0 and float(system) >= 0, line
+    assert "router" in rows[1] and "router" not in rows[0]
+
+
+@pytest.mark.parametrize(
+    "argv", [["--connections", "0"], ["--connections", "x"], ["--duration", "0"]]
+)
+def test_nodecpu_refuses_bad_numbers_in_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import nodecpu
+
+    assert nodecpu.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m benchmarks.nodecpu: ") and err.count("\n") == 1, err
