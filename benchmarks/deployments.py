@@ -24,7 +24,7 @@ from benchmarks.placement import Placement
 from router.processes import (
     ChildProcess,
     NotReady,
-    free_port,
+    free_block,
     http_probe,
     redis_probe,
     ringlimit_argv,
@@ -44,7 +44,6 @@ __all__ = [
     "Row",
     "Settings",
     "cluster_toml",
-    "free_port",
     "start_nodes",
     "start_rows",
     "wait_http",
@@ -130,6 +129,14 @@ class Processes:
         #: Where each child runs (by its tier), None: where the kernel likes.
         self.placement = placement
         self.started: list[ChildProcess] = []
+        #: Ports handed to children, which may not have bound them yet.
+        self.ports: set[int] = set()
+
+    def port(self) -> int:
+        """A port for a child: free now, below the kernel's ephemeral range (no
+        outgoing connection takes it before the child binds it), and not one
+        this run handed out already (:func:`router.processes.free_block`)."""
+        return free_block(1, avoid=self.ports)
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
         child = ChildProcess(
@@ -274,7 +281,7 @@ def start_nodes(
     seeds: list[str] = []
     health: list[str] = []
     for i in range(1, count + 1):
-        port = free_port()
+        port = procs.port()
         node_id = f"{prefix}{i}"
         socket = () if sockets_in is None else ("--unix-socket", f"{sockets_in}/{node_id}.sock")
         pids.append(
@@ -347,7 +354,7 @@ class _Starter:
         return pids, seeds
 
     def router(self, name: str, seeds: list[str], *extra: str) -> tuple[int, str]:
-        port = free_port()
+        port = self.procs.port()
         pid = self.procs.ringlimit(
             name,
             "router",
@@ -360,7 +367,7 @@ class _Starter:
         return pid, url
 
     def start_redis(self) -> None:
-        port = free_port()
+        port = self.procs.port()
         self.redis_pid = self.procs.start(
             "redis",
             [
@@ -374,7 +381,7 @@ class _Starter:
     def direct(self) -> Row:
         empty = self.workdir / "empty.toml"
         empty.write_text("")
-        port = free_port()
+        port = self.procs.port()
         # No rules at all (--config of an empty file; flags add none): the limiter is off.
         pid = self.procs.ringlimit(
             "direct", "node", "--id", "d1", "--port", str(port), "--config", str(empty)
@@ -384,7 +391,7 @@ class _Starter:
         return Row("direct", f"{url}/load/x", "proxy", {"nodes": [pid]}, "", limited=False)
 
     def direct_limited(self) -> Row:
-        port = free_port()
+        port = self.procs.port()
         # The bench's rules, no ring: the node decides every user itself (X-User-Id).
         pid = self.procs.ringlimit(
             "direct-limited", "node", "--id", "l1", "--port", str(port), "--config", str(self.cfg)
@@ -491,7 +498,7 @@ class _Starter:
         )
 
     def slowapi(self) -> Row:
-        port = free_port()
+        port = self.procs.port()
         pid = self.procs.start(
             "slowapi",
             [

@@ -190,14 +190,14 @@ def _start_clusters(
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """One redis-server, then the sticky and the Redis-backed cluster, each a
     router serving gRPC over its nodes: {name: {port, roles}}, and the process names."""
-    from benchmarks.deployments import free_port, wait_http, wait_redis
+    from benchmarks.deployments import wait_http, wait_redis
 
     names: list[str] = []
     envoy_file = workdir / "envoy.yaml"
     envoy_file.write_text(ENVOY_YAML)
     empty = workdir / "envoy-empty.toml"
     empty.write_text("")
-    redis_port = free_port()
+    redis_port = procs.port()
     redis_pid = procs.start(
         "envoy-redis",
         [
@@ -214,7 +214,7 @@ def _start_clusters(
     ):
         node_pids, seeds = [], []
         for i in range(1, settings.nodes + 1):
-            port = free_port()
+            port = procs.port()
             node_id = f"e{name[0]}{i}"
             names.append(node_id)
             node_pids.append(
@@ -227,7 +227,7 @@ def _start_clusters(
             )
             seeds += ["--node", f"{node_id}=http://127.0.0.1:{port}"]
             wait_http(f"http://127.0.0.1:{port}/healthz", procs)
-        http_port, grpc_port = free_port(), free_port()
+        http_port, grpc_port = procs.port(), procs.port()
         names.append(f"envoy-router-{name}")
         router_pid = procs.ringlimit(
             f"envoy-router-{name}",

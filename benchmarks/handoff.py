@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.deployments import Processes, Settings, cluster_toml, free_port, wait_http
+from benchmarks.deployments import Processes, Settings, cluster_toml, wait_http
 from benchmarks.measure import rss
 from node.peers import INTERNAL_TOKEN_HEADER
 from ring import Member, RingView
@@ -175,7 +175,7 @@ def _start(
 ) -> tuple[dict[str, int], dict[str, str], str]:
     """Fenced nodes A and B, then a router seeded with ``seeds`` (both by default):
     (pids, node URLs, router URL)."""
-    ports = {node: free_port() for node in NODES}
+    ports = {node: procs.port() for node in NODES}
     pids = {
         node: procs.ringlimit(
             f"handoff-{node}",
@@ -187,7 +187,7 @@ def _start(
     urls = {node: f"http://127.0.0.1:{port}" for node, port in ports.items()}
     for url in urls.values():
         wait_http(f"{url}/healthz", procs)
-    rport = free_port()
+    rport = procs.port()
     procs.ringlimit(
         "handoff-router",
         "router",

@@ -40,7 +40,6 @@ from benchmarks.deployments import (
     Row,
     Settings,
     cluster_toml,
-    free_port,
     start_nodes,
     wait_http,
     wait_redis,
@@ -116,7 +115,7 @@ def start_scale(
         pids, seeds, ready = start_nodes(procs, f"k{k}{mode[0]}", 2 * k, cfg, *extra)
         for url in ready:
             wait_http(url, procs)
-        port = free_port()
+        port = procs.port()
         name = f"k{k}-router-{mode}"
         router_pid = procs.ringlimit(
             name,
@@ -139,7 +138,7 @@ def run_scale(
     settings: Settings, scales: Sequence[int], tool: str, procs: Processes, workdir: Path
 ) -> dict[str, Any]:
     """Every K in turn (its processes stopped before the next); the JSON section."""
-    port = free_port()
+    port = procs.port()
     redis_pid = procs.start(
         "scale-redis",
         [

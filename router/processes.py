@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import site
 import socket
@@ -129,11 +130,57 @@ def check_port_free(host: str, port: int) -> None:
         probe.bind((host, port))
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel says is free now (it may be taken again before it is used)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def below_ephemeral(count: int = 1) -> tuple[int, int]:
+    """Where to pick a port for a child to bind: below the kernel's ephemeral
+    range (``net.ipv4.ip_local_port_range``) when there is room.
+
+    A port the kernel picks (``bind(0)``) is in that range, where any outgoing
+    connection on the machine can take it between the check and the moment
+    the child binds it: a benchmark's node then fails to start, "Address
+    already in use".
+    """
+    low = 32_768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    return (10_000, low - count) if low - count > 10_000 else (20_000, 60_000)
+
+
+def free_block(
+    count: int,
+    *,
+    within: tuple[int, int] | None = None,
+    avoid: set[int] | None = None,
+    attempts: int = 50,
+) -> int:
+    """A port P with P..P+count-1 all free on 127.0.0.1 now, picked at random
+    ``within`` a range (:func:`below_ephemeral` by default) and outside
+    ``avoid``, to which the block is added: ports handed out before that a
+    child may not have bound yet (``up`` binds P and P+1..P+N)."""
+    start, end = within or below_ephemeral(count)
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(attempts):
+        base = rng.randrange(start, end - count + 1)
+        block = range(base, base + count)
+        if avoid is not None and any(port in avoid for port in block):
+            continue
+        sockets = []
+        try:
+            for port in block:
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        if avoid is not None:
+            avoid.update(block)
+        return base
+    raise RuntimeError(f"no {count} free ports in a row on 127.0.0.1 in {start}-{end}")
 
 
 def die_with_parent(

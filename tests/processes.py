@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -18,9 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from router import processes
 from router.processes import (
     ChildProcess,
     NotReady,
+    below_ephemeral,
     child_env,
     http_probe,
     ringlimit_argv,
@@ -49,22 +49,15 @@ _HANDED: set[int] = set()
 
 
 def _port_range(count: int) -> tuple[int, int]:
-    """Where this process picks ports: below the kernel's ephemeral range when
-    there is room, and with pytest-xdist the slice of it that is this worker's.
+    """Where this process picks ports: below the kernel's ephemeral range
+    (:func:`router.processes.below_ephemeral`), and with pytest-xdist the
+    slice of it that is this worker's.
 
-    Below the ephemeral range: a port in it can be handed to any outgoing
-    connection on the machine between the check and the moment a child binds it.
     One slice per worker: two workers that picked the same free port each
     started a child on it, and one test's node joined the other test's
     cluster (CI: "could not join the ring ... missing_user_id").
     """
-    low = 32_768
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
-            low = int(handle.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    start, end = (10_000, low - count) if low - count > 10_000 else (20_000, 60_000)
+    start, end = below_ephemeral(count)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     try:
         index = int(worker.removeprefix("gw"))
@@ -77,39 +70,18 @@ def _port_range(count: int) -> tuple[int, int]:
     return start + index * size, start + (index + 1) * size
 
 
-def free_block(count: int, attempts: int = 50) -> int:
+def free_block(count: int) -> int:
     """A port P with P..P+count-1 all free on 127.0.0.1 (``up`` uses P and P+1..P+N),
     none handed out before by this process, in this process's range (:func:`_port_range`)."""
     start, end = _port_range(count)
     if len(_HANDED) > (end - start) // 4:
         _HANDED.clear()
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(attempts):
-        base = rng.randrange(start, end - count + 1)
-        block = range(base, base + count)
-        if any(port in _HANDED for port in block):
-            continue
-        sockets = []
-        try:
-            for port in block:
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            _HANDED.update(block)
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError("no free block of ports")
+    return processes.free_block(count, within=(start, end), avoid=_HANDED)
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1 now, below the ephemeral range (:func:`free_block`):
-    one the kernel picked (``bind(0)``) is in that range, where an outgoing
-    connection of any test could take it before the child binds it (a node of
-    a cluster test failed to start, "Address already in use")."""
+    """A port free on 127.0.0.1 now, in this worker's slice below the ephemeral
+    range (:func:`free_block`)."""
     return free_block(1)
 
 

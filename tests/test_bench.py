@@ -24,6 +24,7 @@ import pytest
 from benchmarks import bench, deployments, loadgen, measure
 from benchmarks import report as reporting
 from benchmarks.deployments import ROWS
+from router import processes
 from tests.processes import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -787,3 +788,22 @@ def test_nodecpu_refuses_bad_numbers_in_one_line(
     assert nodecpu.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m benchmarks.nodecpu: ") and err.count("\n") == 1, err
+
+
+def test_the_bench_picks_its_childrens_ports_below_the_ephemeral_range() -> None:
+    """A port the kernel picks (``bind(0)``) is in its ephemeral range, where an
+    outgoing connection of anything on the machine can take it before the
+    child binds it: ``test_bench_scale_1_smoke`` failed once among other
+    tests. The bench picks below that range, and a block it hands out to a
+    caller that keeps track is not handed out again."""
+    low, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    start, end = processes.below_ephemeral(3)
+    assert end + 3 <= low or (start, end) == (20_000, 60_000)
+    procs = deployments.Processes(Path(tempfile.gettempdir()))
+    ports = [procs.port() for _ in range(50)]
+    assert all(start <= port < low for port in ports) and len(set(ports)) == 50, ports
+    handed: set[int] = set()
+    blocks = [processes.free_block(3, avoid=handed) for _ in range(5)]
+    assert len(handed) == 15 and all(port in handed for b in blocks for port in range(b, b + 3))
+    with pytest.raises(RuntimeError, match="no 3 free ports"):
+        processes.free_block(3, within=(start, start + 30), avoid=set(range(start, start + 31)))
