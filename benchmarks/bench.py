@@ -207,7 +207,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pin",
         action="store_true",
         help="run the load generator and the routers on one half of this process's CPUs, "
-        "the nodes, Redis and the applications on the other (benchmarks/placement.py)",
+        "the nodes, Redis and the applications on the other (benchmarks/placement.py; "
+        "with --scale too)",
     )
     parser.add_argument(
         "--scale",
@@ -294,8 +295,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
         envoy=not getattr(args, "skip_envoy", False),
     )
     if getattr(args, "pin", False):
-        if getattr(args, "scale", None) is not None:
-            raise ValueError("--pin applies to the rows; --scale places its processes itself")
         settings.placement = Placement.of_this_process()  # (before anything starts)
     if args.rows is not None:
         chosen = tuple(r.strip() for r in args.rows.split(",") if r.strip())

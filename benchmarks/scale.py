@@ -12,6 +12,9 @@ The claim it measures (issue 12 / issue 15 item 7): sticky throughput grows
 with K (>= 3.5x at K = 4 against K = 1) while the Redis baseline stalls at one
 Redis core. That needs a machine with at least 4K cores (16 for K = 4): on a
 smaller one every process shares the same few cores and req/s stays flat.
+With ``--pin`` the load generator and the router workers run on one half of
+the CPUs, the nodes and Redis on the other (benchmarks/placement.py), and
+each row records the CPUs its roles were allowed (:func:`cpus_of`).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from benchmarks.deployments import (
 )
 from benchmarks.loadgen import run as run_load
 from benchmarks.measure import measure, row_load, tight_load
-from benchmarks.report import check_exactness, median
+from benchmarks.report import check_exactness, median, placed
 
 MODES = ("sticky", "redis")
 
@@ -169,13 +172,26 @@ def run_scale(
                 exact = check_exactness(
                     mode, tight.to_dict(), 1, settings.tight_users, settings.tight_limit
                 )
-                out.append(summarise(k, mode, runs[mode], exact))
+                out.append({**summarise(k, mode, runs[mode], exact), "cpus": cpus_of(row)})
             procs.stop([name for name in procs.names() if name not in names_before])
     finally:
         with contextlib.suppress(Exception):
             procs.stop(["scale-redis"])
     add_speedups(out)
     return {"scales": list(scales), "connections_per_k": base_connections, "rows": out}
+
+
+def cpus_of(row: Row) -> dict[str, list[int]]:
+    """The CPUs each role's processes may run on, as the kernel has it (a pinned
+    run's placement as it took effect; every CPU unpinned)."""
+    seen: dict[str, list[int]] = {}
+    for role, pids in row.roles.items():
+        cpus: set[int] = set()
+        for pid in pids:
+            with contextlib.suppress(OSError):  # (exited: the run reports it)
+                cpus |= os.sched_getaffinity(pid)
+        seen[role] = sorted(cpus)
+    return seen
 
 
 def summarise(
@@ -267,7 +283,7 @@ def run_command(args: argparse.Namespace, settings: Settings, tool: str) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_term)
     workdir = Path(tempfile.mkdtemp(prefix="ringlimit-scale-"))
-    procs = Processes(workdir)
+    procs = Processes(workdir, settings.placement)
     started = time.time()
     try:
         scale = run_scale(settings, scales, tool, procs, workdir)
@@ -287,6 +303,7 @@ def run_command(args: argparse.Namespace, settings: Settings, tool: str) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
+            "placement": None if settings.placement is None else settings.placement.to_dict(),
             "tool": tool,
             "repeats": settings.repeats,
             "duration": settings.duration,
@@ -298,7 +315,7 @@ def run_command(args: argparse.Namespace, settings: Settings, tool: str) -> int:
     print(
         f"\nringlimit bench --scale: {settings.repeats} round(s) x {settings.duration:g} s per "
         f"deployment, {tool}, {settings.connections} connections per router worker, "
-        f"{os.cpu_count()} CPUs; took {report['meta']['seconds']:.0f} s\n"
+        f"{os.cpu_count()} CPUs{placed(report['meta'])}; took {report['meta']['seconds']:.0f} s\n"
     )
     for line in scale_lines(scale):
         print(line)

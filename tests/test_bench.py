@@ -407,14 +407,17 @@ def test_scale_option_summary_and_table() -> None:
 
 @pytest.mark.timeout(120)
 def test_bench_scale_1_smoke(tmp_path: Path) -> None:
-    """``--scale 1``: one router worker and two nodes, sticky and Redis, briefly."""
+    """``--scale 1``: one router worker and two nodes, sticky and Redis, briefly;
+    placed in tiers (``--pin``) where the machine can."""
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
+    pin = len(os.sched_getaffinity(0)) >= 2 and shutil.which("taskset") is not None
     out = tmp_path / "scale.json"
     done = subprocess.run(
         [
             *(sys.executable, "-m", "router", "bench", "--quick", "--scale", "1"),
             *("--duration", "1", "--json", str(out), "--no-progress"),
+            *(["--pin"] if pin else []),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -422,8 +425,16 @@ def test_bench_scale_1_smoke(tmp_path: Path) -> None:
         timeout=110,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())["scale"]
+    whole = json.loads(out.read_text())
+    report = whole["scale"]
     assert [(r["k"], r["mode"]) for r in report["rows"]] == [(1, "sticky"), (1, "redis")]
+    if pin:
+        tiers = whole["meta"]["placement"]
+        for row in report["rows"]:  # each role ran on its tier's CPUs
+            assert row["cpus"]["router"] == tiers["front"], (row["cpus"], tiers)
+            assert row["cpus"]["nodes"] == tiers["back"], (row["cpus"], tiers)
+        assert report["rows"][1]["cpus"]["redis"] == tiers["back"]
+        assert ", pinned: load generator and routers on CPU" in done.stdout
     for row in report["rows"]:
         assert row["rps"] > 0 and row["cpu_pct_per_process"]["router"] > 0, row
         assert row["tight"]["allowed"] <= row["tight"]["expected"], row
@@ -731,12 +742,13 @@ def test_a_pinned_run_starts_each_child_on_its_tiers_cpus(tmp_path: Path) -> Non
     assert pinned_argv(None, ["wrk", "-t1"]) == ["wrk", "-t1"]
 
 
-def test_pin_is_refused_with_scale_or_one_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pin_is_refused_with_one_cpu_or_without_taskset(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    with pytest.raises(ValueError, match="--pin applies to the rows"):
-        bench.settings_from(parser.parse_args(["--pin", "--scale", "1,2"]))
     assert bench.settings_from(parser.parse_args(["--quick"])).placement is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    scaled = bench.settings_from(parser.parse_args(["--pin", "--scale", "1,2"])).placement
+    assert scaled is not None and scaled.to_dict() == {"front": [0, 1], "back": [2, 3]}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     with pytest.raises(ValueError, match="at least 2 CPUs"):
         bench.settings_from(parser.parse_args(["--pin", "--quick"]))
