@@ -213,7 +213,14 @@ class Node:
         #: This process asked to leave (a signal: node/server.py): its leave's
         #: view is no news to the operator who sent it.
         self.leaving_by_itself = False
-        self.metrics.watch(lambda: len(self.store), lambda: self.epoch)
+        #: A Redis node's local fallback limiter's store (node/redis_backend.py), if any.
+        local = getattr(getattr(self.backend, "local", None), "store", None)
+        self.fallback_store: MemoryStore | None = (
+            local if isinstance(local, MemoryStore) and local is not self.store else None
+        )
+        if self.fallback_store is not None:
+            self.fallback_store.on_store_full = self._fallback_full
+        self.metrics.watch(self.held_keys, lambda: self.epoch)
         if settings.top_metrics > 0:
             self.metrics.watch_top(self._top_gauges)
         if self.shard is not None:
@@ -290,6 +297,22 @@ class Node:
             self.settings.max_keys,
             self.store.store_full_events,
         )
+
+    def _fallback_full(self, rule: Any, key: str) -> None:
+        assert self.fallback_store is not None
+        self.metrics.error("store_full")
+        self.failures.warn(
+            "store_full",
+            "the local fallback limiter holds its most states (%s): new keys are decided "
+            "as fresh and not stored (%d so far)",
+            self.fallback_store.max_keys,
+            self.fallback_store.store_full_events,
+        )
+
+    def held_keys(self) -> int:
+        """States held in memory: the store's, and a Redis node's fallback limiter's."""
+        fallback = 0 if self.fallback_store is None else len(self.fallback_store)
+        return len(self.store) + fallback
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -546,7 +569,7 @@ class Node:
                 "sticky": self.shard is not None,
                 # The etcd cluster whose ring it holds (None: none, or unnamed).
                 "cluster": self.cluster,
-                "keys": len(self.store),
+                "keys": self.held_keys(),
                 "config": self.authority.config.digest,
                 # Where a router on this host may reach this process without TCP
                 # (router/localsockets.py checks it answers as this instance).
@@ -895,7 +918,7 @@ class Node:
             {
                 "node": self.settings.node_id,
                 "epoch": self.epoch,
-                "keys": len(self.store),
+                "keys": self.held_keys(),
                 "window": top.window,
                 "decisions": totals,
                 "rate": round(self.rates["decided"].rate(now, decided), 3),
@@ -1012,7 +1035,7 @@ class Node:
     async def status(self, request: Request) -> Response:
         if (refused := self._refuse(request)) is not None:
             return refused
-        data: dict[str, Any] = {"node": self.settings.node_id, "keys": len(self.store)}
+        data: dict[str, Any] = {"node": self.settings.node_id, "keys": self.held_keys()}
         if self.shard is not None:
             data.update(self.shard.status())
         return JSONResponse(data)

@@ -197,6 +197,22 @@ def _script_reply(reply: Any, keys: Sequence[str]) -> Any:
 #: the probe's ``rl:probe``).
 KEY_PREFIX = "rl"
 
+#: The protocol a node speaks to Redis unless its URL says ``?protocol=3``: RESP2,
+#: as redis-py spoke before 8. redis-py 8 says ``HELLO 3`` on every connect and
+#: has no fallback, so a Redis without HELLO (before 6, one that renamed it, some
+#: proxies) was an outage for good, its log naming a command ringlimit never
+#: sends (an exploratory tester). The scripts' replies are the same in both (a
+#: script speaks RESP2 unless it says otherwise).
+PROTOCOL = 2
+
+#: The most states a node's local fallback limiter holds when ``--max-keys`` does
+#: not say (about 145 MB at ~145 B per state): an outage is when Redis holds
+#: nothing new, and a node deciding many distinct keys locally for its length
+#: (per-IP keys, made-up ids) grew by ~100-150 B per key, for an hour under an
+#: hourly rule, with nothing on ``/metrics`` (an exploratory tester). Past it
+#: a new key is decided as fresh and not stored (``store_full``).
+FALLBACK_MAX_KEYS = 1_000_000
+
 
 class CorruptState(ResponseError):
     """A check whose stored state holds values no script writes (NaN, infinity, a
@@ -268,6 +284,11 @@ def _refuses_database(exc: BaseException) -> bool:
     return isinstance(exc, ResponseError) and str(exc).startswith(_DATABASE_REFUSALS)
 
 
+#: The largest database number Redis's SELECT takes (a 32-bit integer).
+MAX_DATABASE = 2**31 - 1
+#: A connection name Redis's CLIENT SETNAME takes: printable ASCII, no spaces.
+_CLIENT_NAME = re.compile(r"[!-~]*")
+
 #: Query parameters of a Redis URL that redis-py lets win over what the node sets
 #: itself, each with what sets it instead.
 NODE_SETS = {
@@ -307,14 +328,30 @@ def check_url_options(url: str) -> None:
             f"--redis-url {redact_url(url)}: the database (the URL's path) must be "
             f"a number, got {parts.path!r}"
         )
+    if database.isdigit() and int(database) > MAX_DATABASE:
+        # Redis answers such a SELECT "value is out of range", which is no
+        # outage: it ended the node's start with a traceback (a tester).
+        raise ValueError(
+            f"--redis-url {redact_url(url)}: the database (the URL's path) must be from 0 "
+            f"to the server's `databases` less one (16 by default), got {database}"
+        )
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name == "client_name" and not _CLIENT_NAME.fullmatch(value):
+            raise ValueError(
+                f"--redis-url {redact_url(url)}: ?client_name= must be printable ASCII "
+                f"without spaces (Redis refuses others at every connect), got {value!r}"
+            )
     try:
         # Builds a connection without connecting: redis-py hands every query
         # parameter it does not parse itself to the connection class, so one it
         # does not know (``?foo=1``, ``ssl_*`` on ``redis://``) failed only at the
         # first connect, as a traceback that stopped the node's start.
         BlockingConnectionPool.from_url(url).make_connection()
-    except ValueError:
-        pass  # not a Redis URL at all: the caller says so, in its own words
+    except ValueError as exc:  # not a Redis URL at all (a scheme, a port)
+        raise ValueError(
+            f"--redis-url {redact_url(url)} is not a valid Redis URL ({exc}); expected "
+            "redis://[USER:PASSWORD@]HOST[:PORT][/DB], rediss://... or unix://PATH"
+        ) from None
     except Exception as exc:  # whatever redis-py makes of an option
         found = re.search(r"unexpected keyword argument '([^']*)'", str(exc))
         if found is not None:
@@ -395,7 +432,7 @@ class RedisBackend:
         self._failures = 0
         #: The last availability failure, described (what a queued call says).
         self._last_failure = f"redis at {self.where}: unavailable"
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = {"protocol": PROTOCOL}
         if MaintNotificationsConfig is not None:
             # Off: with them on ("auto", redis-py 8's default with RESP3) the pool
             # skips its check of an idle connection before handing it out, so one
@@ -414,7 +451,7 @@ class RedisBackend:
         )
         self.redis: Redis = Redis.from_pool(pool)
         #: The ACL user the node logs in as (what a refusal names).
-        self.user = urlsplit(url).username or "default"
+        self.user = pool.connection_kwargs.get("username") or "default"  # (?username= too)
         self._available = True
         #: The round trips checks share (None: one round trip per check).
         self.round_trips: RoundTrips[Call] | None = None

@@ -1479,7 +1479,9 @@ def _run_node(args: argparse.Namespace) -> int:
     timeout = _redis_timeout(args)
     backend = None
     if config.backend == "redis":
-        backend = _redis_backend(args.redis_url, config, pipeline=pipeline, timeout=timeout)
+        backend = _redis_backend(
+            args.redis_url, pipeline=pipeline, timeout=timeout, max_keys=args.max_keys
+        )
     settings = NodeSettings(
         node_id=args.id,
         config=config,
@@ -1507,15 +1509,18 @@ def _run_node(args: argparse.Namespace) -> int:
     )
 
 
-def _redis_backend(url: str, config: ClusterConfig, *, pipeline: bool, timeout: float) -> Backend:
+def _redis_backend(url: str, *, pipeline: bool, timeout: float, max_keys: int | None) -> Backend:
+    """Redis, and the local limiter that decides while it is away: capped by
+    ``--max-keys``, else by :data:`node.redis_backend.FALLBACK_MAX_KEYS`."""
     from node.backend import MemoryBackend
     from node.clock import system_clock
-    from node.redis_backend import FallbackBackend, RedisBackend
+    from node.redis_backend import FALLBACK_MAX_KEYS, FallbackBackend, RedisBackend
     from node.store import MemoryStore
 
+    cap = FALLBACK_MAX_KEYS if max_keys is None else max_keys
     return FallbackBackend(
         RedisBackend(url, pipeline=pipeline, timeout=timeout),
-        MemoryBackend(MemoryStore(), system_clock),
+        MemoryBackend(MemoryStore(max_keys=cap), system_clock),
     )
 
 

@@ -285,6 +285,38 @@ def test_up_with_a_redis_url_that_is_not_one(url: str, problem: str) -> None:
 
 
 @pytest.mark.parametrize("command", ["up", "node"])
+@pytest.mark.parametrize(
+    ("path", "problem"),
+    [
+        ("/2147483648", "the database (the URL's path) must be from 0"),
+        ("/99999999999999999999", "the database (the URL's path) must be from 0"),
+        ("/0?client_name=a%20b", "?client_name= must be printable ASCII without spaces"),
+    ],
+)
+def test_a_redis_url_redis_would_refuse_at_every_connect(
+    command: str, path: str, problem: str
+) -> None:
+    """A database past Redis's largest, or a connection name it refuses: before, a
+    node's start ended with uvicorn's traceback of Redis's reply ("value is out of
+    range", "Client names cannot contain spaces"), exit 3 (an exploratory tester);
+    ``ringlimit node`` with a port out of range said "Port out of range" alone,
+    which reads as its own ``--port``."""
+    url = f"redis://127.0.0.1:{free_port()}{path}"
+    port = str(free_block(4))
+    argv = ["--backend", "redis", "--redis-url", url, "--port", port]
+    if command == "node":
+        argv = ["--id", "n1", *argv]
+    one_line_failure(ringlimit(command, *argv), f"--redis-url {url}", problem)
+    if command == "node":
+        bad_port = ["--redis-url", "redis://127.0.0.1:99999/0"]
+        one_line_failure(
+            ringlimit(command, *argv, *bad_port),
+            "--redis-url redis://127.0.0.1:99999/0 is not a valid Redis URL",
+            "Port out of range",
+        )
+
+
+@pytest.mark.parametrize("command", ["up", "node"])
 def test_a_redis_url_whose_query_would_override_the_nodes_settings(command: str) -> None:
     """redis-py lets a URL's query win over what the client sets: a node given
     ``?socket_timeout=30`` waited 30 s on a paused Redis while --redis-timeout

@@ -243,15 +243,15 @@ def test_nodes_pipeline_by_default_and_off_is_the_naive_baseline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from node.redis_backend import FallbackBackend
-    from router.cli import _redis_backend, _redis_timeout, build_parser, cluster_config
+    from router.cli import _redis_backend, _redis_timeout, build_parser
 
     def backend_for(*flags: str) -> RedisBackend:
         args = build_parser().parse_args(["node", "--id", "n", "--port", "1", *flags])
         backend = _redis_backend(
             args.redis_url,
-            cluster_config(args),
             pipeline=args.redis_pipeline == "on",
             timeout=_redis_timeout(args),
+            max_keys=args.max_keys,
         )
         assert isinstance(backend, FallbackBackend)
         assert isinstance(backend.primary, RedisBackend)

@@ -123,6 +123,9 @@ end
 
 -- A plain state (token bucket, fixed and sliding window): space-separated numbers,
 -- '%.17g' each, read back in order; nothing at all for a fresh (absent) state.
+-- A value that is not numbers was not written by ringlimit: an error reply (the
+-- check is decided by its rules' on_error, reason backend_error), never a fresh
+-- state (a string such as 'x' read as absent gave its user a whole new quota).
 local function read_numbers(key)
   local s = redis.call('GET', key)
   if not s then
@@ -130,7 +133,14 @@ local function read_numbers(key)
   end
   local numbers = {}
   for part in string.gmatch(s, '%S+') do
-    numbers[#numbers + 1] = tonumber(part)
+    local number = tonumber(part)
+    if number == nil then
+      error({err = 'ERR ringlimit: ' .. key .. ' holds no ringlimit state (not numbers)'})
+    end
+    numbers[#numbers + 1] = number
+  end
+  if #numbers == 0 then
+    error({err = 'ERR ringlimit: ' .. key .. ' holds no ringlimit state (empty)'})
   end
   return unpack(numbers)
 end
