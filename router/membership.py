@@ -1074,7 +1074,7 @@ class Membership:
                 return self.view
             self._check_room(member)
         held = await self._wait_ready(member)
-        if held > self.view.epoch and self.coordinator is None and not len(self.view):
+        if held > self.view.epoch and not len(self.view):
             await self._take_ring_of(member)  # (then its view is at least ``held``)
         if held > self.view.epoch and self.coordinator is None:
             # Not a view this router made (it makes every view of its ring): a
@@ -1549,6 +1549,14 @@ class Membership:
         runs holds the view it was removed from), then joins the node as
         usual: already a member of that view, or joined to it.
 
+        On etcd the same holds when etcd lost its data while no router carried
+        the ring (every router restarted, no seeds): the leader records the
+        nodes' newest view there, as a start with seeds does. Before, the
+        nodes' re-registrations made a ring at epoch 1 below theirs; they
+        refused its views, a node joining it decided its users from fresh
+        states, and users got twice their limit, silently (an exploratory
+        tester).
+
         Only when this router has no ring: a node of another cluster given to a
         router that has one must not replace its ring (and take its members'
         counters out of it)."""
@@ -1571,7 +1579,31 @@ class Membership:
                 member.id,
                 found[0].epoch,
             )
-            await self._take_view_of(found[1])
+            if self.coordinator is None:
+                await self._take_view_of(found[1])
+            else:
+                await self._record_nodes_ring(found[0], found[1])
+
+    async def _record_nodes_ring(self, view: RingView, node_url: str) -> None:
+        """On etcd, under the lock: record ``view`` (the nodes' newest, from the
+        node at ``node_url``) where etcd holds no ring, and follow the record.
+        A ring etcd holds meanwhile wins. Their rules too when etcd has none (as
+        at a start with seeds: those applied at runtime were etcd's and theirs);
+        rules given since etcd lost its data are etcd's record's."""
+        assert self.coordinator is not None
+        try:
+            record = await self.coordinator.load()
+            if record is None or not len(record.view):
+                if record is None:
+                    await self._adopt_nodes_config(node_url)
+                await self._record_again(record, self.config, view)
+                record = await self.coordinator.load()
+        except NotLeading as exc:
+            raise MembershipError(503, "no_leader", f"{exc}; retry shortly") from None
+        except CoordinatorError as exc:
+            raise MembershipError(503, "coordinator_unavailable", str(exc)) from None
+        if record is not None:
+            self._take(record, force=True)
 
     def token_refused(self, member: Member) -> None:
         """A member refused this router's internal token on a proxied request:

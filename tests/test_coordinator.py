@@ -1669,6 +1669,30 @@ async def test_a_cluster_whose_etcd_lost_its_data_records_its_ring_again(
         finally:
             await restarted.close()
 
+        # Once more, and a router started without seeds: the nodes register again
+        # (a --join node does when no router renews its lease). The leader records
+        # their newest view and their rules; before, it made a ring at epoch 1
+        # below theirs, and users got twice their limit (an exploratory tester).
+        etcd.stop()
+        shutil.rmtree(data)
+        etcd.start()
+        fourth = "http://router4.localhost"
+        seedless = cluster.new_router(fourth, seeds=[], **options(etcd.endpoint, fourth))
+        await seedless.start()
+        reader = EtcdCoordinator(parse_endpoints(etcd.endpoint), cluster="test", ttl=2)
+        try:
+            await wait_until(lambda: seedless.membership.leading)
+            assert not len(seedless.membership.view)
+            again = {"id": "n1", "url": node_url("n1")}
+            answer = await cluster.client.post(f"{fourth}/admin/nodes", json=again)
+            assert answer.status_code == 200, answer.text
+            assert seedless.membership.view == ring, seedless.membership.view
+            assert [r.rule.limit for r in seedless.membership.config.rules] == [9]
+            assert await recorded()
+        finally:
+            await reader.close()
+            await seedless.close()
+
 
 async def test_an_etcd_outage_is_logged_without_flooding(
     own_etcd: EtcdServer, caplog: pytest.LogCaptureFixture
