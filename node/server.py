@@ -225,6 +225,13 @@ class SignalServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _turn(left: float, routers: int) -> float:
+    """How long one router may hold a join or a leave of ``left`` seconds: all of
+    it when it is the only one; else half, so that one that takes the request
+    and never answers (a paused process) leaves another router its turn."""
+    return left / 2 if routers > 1 else left
+
+
 #: A ``--join`` node gives up after this many seconds (``--join-timeout``), at
 #: most MAX_JOIN_TIMEOUT; and waits at most JOIN_ANSWER_TIMEOUT for one answer
 #: (a join waits on the router's readiness check of the node and its pushes).
@@ -316,7 +323,9 @@ def serve_node(
     """
     url = advertise or f"http://{host}:{port}"
     routers = [r.rstrip("/") for r in ([join] if isinstance(join, str) else join)]
-    state: dict[str, Any] = {"leaving": False}
+    #: "router": the index in ``routers`` a registration tries first (the one
+    #: that answered last, or the one after the last that did not).
+    state: dict[str, Any] = {"leaving": False, "router": 0}
 
     def on_signal(server: SignalServer) -> None:
         if state["leaving"]:
@@ -360,7 +369,8 @@ def serve_node(
         problem = "no attempt made"
         async with httpx.AsyncClient() as client:
             for attempt in range(LEAVE_ATTEMPTS):
-                router = routers[attempt % len(routers)]
+                # From the router that took the join (or the last registration).
+                router = routers[(state["router"] + attempt) % len(routers)]
                 # Within what is left of the deadline, and quick to give up on a
                 # router that does not accept the connection (a host that is down
                 # drops it): the next router gets its turn.
@@ -368,7 +378,7 @@ def serve_node(
                 # With several routers, one that takes the request and never
                 # answers gets half the time left, not all of it: another router
                 # still gets its turn (a large handoff answers well within 10 s).
-                share = left / 2 if len(routers) > 1 else left
+                share = _turn(left, len(routers))
                 timeout = httpx.Timeout(share, connect=min(share, CONNECT_TIMEOUT))
                 try:
                     response = await client.delete(router + path, headers=headers, timeout=timeout)
@@ -492,13 +502,21 @@ def serve_node(
             while True:
                 if state["leaving"]:
                     return "this node is leaving"
-                router = routers[attempt % len(routers)]
+                index = state["router"] % len(routers)
+                router = routers[index]
                 attempt += 1
                 # Within the time left: a router that takes the request and never
-                # answers held every attempt a fixed 30 s, past --join-timeout.
+                # answers held every attempt a fixed 30 s, past --join-timeout. With
+                # several routers, such a router gets half the time left, as in the
+                # leave, so another gets its turn: a paused first router took a
+                # --join-timeout of 20 s whole, and the node gave up without trying
+                # the healthy others (an exploratory tester).
                 left = max(0.1, deadline - loop.time())
-                wait = min(JOIN_ANSWER_TIMEOUT, left)
+                wait = min(JOIN_ANSWER_TIMEOUT, _turn(left, len(routers)))
                 timeout = httpx.Timeout(wait, connect=min(CONNECT_TIMEOUT, wait))
+                # The next registration (a re-registration of a stranded node)
+                # starts here if this one answers, at the next router if not.
+                state["router"] = (index + 1) % len(routers)
                 try:
                     response = await client.post(
                         f"{router}/admin/nodes",
@@ -511,6 +529,7 @@ def serve_node(
                     if response.status_code == 200 and _lists(response, node.settings.node_id):
                         log.warning("joined the ring through %s", router)
                         state["joined"] = True
+                        state["router"] = index
                         return None
                     if response.status_code == 200:
                         # Any 200 was taken as joined: a --join at something else

@@ -480,8 +480,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--join",
         metavar="ROUTER_URL[,ROUTER_URL...]",
         help="register with this router; with several (the routers of one cluster on etcd), "
-        "the join and the graceful leave on SIGTERM try each in turn, so either works while "
-        "one router is down",
+        "the join and the graceful leave on SIGTERM try each in turn (from the one that "
+        "answered last; one that never answers holds half the time left), so either works "
+        "while one router is down or paused",
     )
     node.add_argument(
         "--join-timeout",

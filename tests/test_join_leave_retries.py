@@ -85,16 +85,17 @@ def test_join_and_leave_retry_a_failover_and_a_concurrent_change(procs: Procs) -
 
 def test_join_and_leave_go_through_whichever_router_answers(procs: Procs) -> None:
     """``--join A,B`` (the routers of one cluster on etcd): with A down, the node
-    joins through B, and its graceful leave, tried at A first, goes through B too
-    (it used to retry the one router it knew, then exit without a leave)."""
+    joins through B, and its graceful leave goes through B too (it used to retry
+    the one router it knew, then exit without a leave): tried at B first, the
+    router that took the join, then, B failing over, at A, then at B again."""
     down = f"http://127.0.0.1:{free_port()}"
-    with ScriptedRouter({"POST": [OK], "DELETE": [OK]}) as router:
+    with ScriptedRouter({"POST": [OK], "DELETE": [NO_LEADER, OK]}) as router:
         proc, _ = procs.node("n1", free_port(), "--join", f"{down},{router.url}")
         assert wait_for(lambda: "joined the ring" in proc.output(), 20.0), proc.output()
         assert f"joined the ring through {router.url}" in proc.output()
         proc.popen.send_signal(signal.SIGTERM)
         assert proc.popen.wait(30) == 0
-        assert router.asked == ["POST", "DELETE"]
+        assert router.asked == ["POST", "DELETE", "DELETE"]
         output = proc.output()
         assert f"graceful leave: router {down}: ConnectError; retrying" in output, output
         assert f"left the ring: router {router.url} answered 200" in output, output
@@ -221,6 +222,34 @@ def test_a_leave_does_not_spend_its_time_on_a_router_that_never_answers(procs: P
     assert router.asked == ["DELETE", "DELETE"], (router.asked, output)
     assert f"left the ring: router {router.url} answered 200" in output, output
     assert took < 19.0, took
+
+
+def test_a_join_does_not_spend_its_time_on_a_router_that_never_answers(procs: Procs) -> None:
+    """``--join HUNG,OK --join-timeout 8``: the hung router (a paused process)
+    gets half the time left, then the other one takes the join. Before, it got
+    all of it, and the node gave up without trying the healthy router (an
+    exploratory tester, three routers on etcd and the first one paused)."""
+    import socket
+
+    with socket.socket() as hung, ScriptedRouter({"POST": [OK], "DELETE": [OK]}) as router:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)  # connections complete in the kernel; nobody reads them
+        silent = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        started = time.monotonic()
+        proc, _ = procs.node(
+            "n1", free_port(), "--join", f"{silent},{router.url}", "--join-timeout", "8"
+        )
+        joined = f"joined the ring through {router.url}"
+        assert wait_for(lambda: joined in proc.output() or proc.popen.poll() is not None, 20.0)
+        took = time.monotonic() - started
+        assert joined in proc.output(), proc.output()
+        assert router.asked == ["POST"]
+        # The leave starts at the router that took the join.
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(30) == 0
+        assert router.asked == ["POST", "DELETE"]
+        assert f"graceful leave: router {silent}" not in proc.output(), proc.output()
+    print(f"\n[join past a hung router] {took:.1f} s")
 
 
 def test_a_second_signal_during_the_leave_exits_without_a_traceback(procs: Procs) -> None:
