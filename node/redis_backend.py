@@ -205,14 +205,6 @@ KEY_PREFIX = "rl"
 #: script speaks RESP2 unless it says otherwise).
 PROTOCOL = 2
 
-#: The most states a node's local fallback limiter holds when ``--max-keys`` does
-#: not say (about 145 MB at ~145 B per state): an outage is when Redis holds
-#: nothing new, and a node deciding many distinct keys locally for its length
-#: (per-IP keys, made-up ids) grew by ~100-150 B per key, for an hour under an
-#: hourly rule, with nothing on ``/metrics`` (an exploratory tester). Past it
-#: a new key is decided as fresh and not stored (``store_full``).
-FALLBACK_MAX_KEYS = 1_000_000
-
 
 class CorruptState(ResponseError):
     """A check whose stored state holds values no script writes (NaN, infinity, a

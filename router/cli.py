@@ -1511,17 +1511,16 @@ def _run_node(args: argparse.Namespace) -> int:
 
 
 def _redis_backend(url: str, *, pipeline: bool, timeout: float, max_keys: int | None) -> Backend:
-    """Redis, and the local limiter that decides while it is away: capped by
-    ``--max-keys``, else by :data:`node.redis_backend.FALLBACK_MAX_KEYS`."""
+    """Redis, and the local limiter that decides while it is away, capped by
+    ``--max-keys`` as a memory node's store is."""
     from node.backend import MemoryBackend
     from node.clock import system_clock
-    from node.redis_backend import FALLBACK_MAX_KEYS, FallbackBackend, RedisBackend
+    from node.redis_backend import FallbackBackend, RedisBackend
     from node.store import MemoryStore
 
-    cap = FALLBACK_MAX_KEYS if max_keys is None else max_keys
     return FallbackBackend(
         RedisBackend(url, pipeline=pipeline, timeout=timeout),
-        MemoryBackend(MemoryStore(max_keys=cap), system_clock),
+        MemoryBackend(MemoryStore(max_keys=max_keys), system_clock),
     )
 
 

@@ -1560,11 +1560,16 @@ class Membership:
         Only when this router has no ring: a node of another cluster given to a
         router that has one must not replace its ring (and take its members'
         counters out of it)."""
-        seen = await self.nodes.discover([member], self.health_timeout)
+        # Of this cluster only (etcd's name): a member of the node's ring that now
+        # runs in another cluster must not lend this one its ring and rules.
+        cluster = self.cluster
+        seen = await self.nodes.discover([member], self.health_timeout, cluster=cluster)
         if seen is None or not len(seen):
             return
         asked = {m.id: m for m in (*seen.members, member)}
-        found = await self.nodes.discover(list(asked.values()), self.health_timeout, with_urls=True)
+        found = await self.nodes.discover(
+            list(asked.values()), self.health_timeout, with_urls=True, cluster=cluster
+        )
         if found is None or found[0].epoch <= self.view.epoch or not len(found[0]):
             return
         async with self.lock:
@@ -1591,19 +1596,22 @@ class Membership:
         at a start with seeds: those applied at runtime were etcd's and theirs);
         rules given since etcd lost its data are etcd's record's."""
         assert self.coordinator is not None
+        written = False
         try:
             record = await self.coordinator.load()
-            if record is None or not len(record.view):
+            if record is None or (not len(record.view) and view.epoch > record.view.epoch):
                 if record is None:
                     await self._adopt_nodes_config(node_url)
-                await self._record_again(record, self.config, view)
+                written = await self._record_again(record, self.config, view)
                 record = await self.coordinator.load()
         except NotLeading as exc:
             raise MembershipError(503, "no_leader", f"{exc}; retry shortly") from None
         except CoordinatorError as exc:
             raise MembershipError(503, "coordinator_unavailable", str(exc)) from None
         if record is not None:
-            self._take(record, force=True)
+            # Forced only onto the record this router wrote; another is followed
+            # as any record is (settled).
+            self._take(record, force=written and record.view == view)
 
     def token_refused(self, member: Member) -> None:
         """A member refused this router's internal token on a proxied request:

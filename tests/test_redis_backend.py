@@ -1283,24 +1283,24 @@ def test_a_closed_rule_redis_cannot_decide_is_limiter_unavailable_not_rate_limit
 def test_the_fallback_limiter_is_capped_and_its_states_are_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A node's local fallback limiter holds at most ``--max-keys`` states (else
-    :data:`FALLBACK_MAX_KEYS`), built as ``ringlimit node --backend redis`` builds
-    it; its states count in the node's ``keys`` (``/healthz``, ``ringlimit_keys``)
-    and a key past the cap is a ``store_full`` error, logged once. Before, an
-    outage with many distinct users grew a node without bound (~100-150 B per
-    key, for an hour under an hourly rule), ``--max-keys`` was ignored, and both
-    figures said 0 (an exploratory tester)."""
+    """A node's local fallback limiter holds at most ``--max-keys`` states (no
+    cap without it, as a memory node's store), built as ``ringlimit node
+    --backend redis`` builds it; its states count in the node's ``keys``
+    (``/healthz``, ``ringlimit_keys``) and a key past the cap is a
+    ``store_full`` error, logged once. Before, ``--max-keys`` was ignored and
+    both figures said 0 while an outage with many distinct users grew a node by
+    ~100-150 B per key, for an hour under an hourly rule (an exploratory
+    tester)."""
     import httpx
 
     from node.app import Node, NodeSettings
     from node.config import ClusterConfig, ScopedRule
-    from node.redis_backend import FALLBACK_MAX_KEYS
     from router.cli import _redis_backend
 
     down = f"redis://127.0.0.1:{free_port()}/0"
     default = _redis_backend(down, pipeline=True, timeout=0.1, max_keys=None)
     assert isinstance(default, FallbackBackend)
-    assert default.local.store.max_keys == FALLBACK_MAX_KEYS
+    assert default.local.store.max_keys is None
     rule = Rule("hourly", 5, 3600.0, on_error="open")
     config = ClusterConfig(rules=(ScopedRule(rule),))
 

@@ -126,6 +126,9 @@ end
 -- A value that is not numbers was not written by ringlimit: an error reply (the
 -- check is decided by its rules' on_error, reason backend_error), never a fresh
 -- state (a string such as 'x' read as absent gave its user a whole new quota).
+-- A plain string, without the key (the node's warning names it): Redis 7.0
+-- turns line breaks in an error's text into spaces, but a review read a version
+-- that writes it as it is, where a key's line break would split the reply.
 local function read_numbers(key)
   local s = redis.call('GET', key)
   if not s then
@@ -135,12 +138,12 @@ local function read_numbers(key)
   for part in string.gmatch(s, '%S+') do
     local number = tonumber(part)
     if number == nil then
-      error({err = 'ERR ringlimit: ' .. key .. ' holds no ringlimit state (not numbers)'})
+      error('ringlimit: a key holds no ringlimit state (not numbers)')
     end
     numbers[#numbers + 1] = number
   end
   if #numbers == 0 then
-    error({err = 'ERR ringlimit: ' .. key .. ' holds no ringlimit state (empty)'})
+    error('ringlimit: a key holds no ringlimit state (empty)')
   end
   return unpack(numbers)
 end
