@@ -314,18 +314,15 @@ def check_url_options(url: str) -> None:
         )
     parts = urlsplit(url)
     database = parts.path.replace("/", "")
-    if parts.scheme in ("redis", "rediss") and database and not database.isdigit():
+    if (
+        parts.scheme in ("redis", "rediss")
+        and database
+        and not (database.isascii() and database.isdigit())
+    ):
         # redis-py ignores a path that is not a number and uses database 0.
         raise ValueError(
             f"--redis-url {redact_url(url)}: the database (the URL's path) must be "
             f"a number, got {parts.path!r}"
-        )
-    if database.isdigit() and int(database) > MAX_DATABASE:
-        # Redis answers such a SELECT "value is out of range", which is no
-        # outage: it ended the node's start with a traceback (a tester).
-        raise ValueError(
-            f"--redis-url {redact_url(url)}: the database (the URL's path) must be from 0 "
-            f"to the server's `databases` less one (16 by default), got {database}"
         )
     for name, value in parse_qsl(query, keep_blank_values=True):
         if name == "client_name" and not _CLIENT_NAME.fullmatch(value):
@@ -338,7 +335,8 @@ def check_url_options(url: str) -> None:
         # parameter it does not parse itself to the connection class, so one it
         # does not know (``?foo=1``, ``ssl_*`` on ``redis://``) failed only at the
         # first connect, as a traceback that stopped the node's start.
-        BlockingConnectionPool.from_url(url).make_connection()
+        pool = BlockingConnectionPool.from_url(url)
+        pool.make_connection()
     except ValueError as exc:  # not a Redis URL at all (a scheme, a port)
         raise ValueError(
             f"--redis-url {redact_url(url)} is not a valid Redis URL ({exc}); expected "
@@ -354,6 +352,14 @@ def check_url_options(url: str) -> None:
         else:  # an option out of range (?protocol=9), or of a kind it cannot use
             said = f"redis-py cannot use its options ({type(exc).__name__}: {exc})"[:300]
         raise ValueError(f"--redis-url {redact_url(url)}: {said}") from None
+    database_number = pool.connection_kwargs.get("db", 0)  # (the path's, or ?db=)
+    if not 0 <= database_number <= MAX_DATABASE:
+        # Redis answers such a SELECT "value is out of range", which is no
+        # outage: it ended the node's start with a traceback (a tester).
+        raise ValueError(
+            f"--redis-url {redact_url(url)}: the database must be from 0 to the server's "
+            f"`databases` less one (16 by default), got {database_number}"
+        )
 
 
 class RedisBackend:

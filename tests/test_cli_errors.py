@@ -288,8 +288,10 @@ def test_up_with_a_redis_url_that_is_not_one(url: str, problem: str) -> None:
 @pytest.mark.parametrize(
     ("path", "problem"),
     [
-        ("/2147483648", "the database (the URL's path) must be from 0"),
-        ("/99999999999999999999", "the database (the URL's path) must be from 0"),
+        ("/2147483648", "the database must be from 0"),
+        ("/99999999999999999999", "the database must be from 0"),
+        ("?db=99999999999", "the database must be from 0"),
+        ("/²", "the database (the URL's path) must be a number"),
         ("/0?client_name=a%20b", "?client_name= must be printable ASCII without spaces"),
     ],
 )

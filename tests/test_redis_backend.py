@@ -1050,9 +1050,13 @@ def test_a_server_that_speaks_resp_but_is_not_redis_is_an_outage(
 
     async def scenario() -> None:
         url = f"redis://127.0.0.1:{port}/0"
-        bare = RedisBackend(url, pipeline=pipeline)
+        # A timeout of 1 s: the server is a thread of this process, and on a loaded
+        # machine its answer to the connection's handshake came after 0.1 s (a CI
+        # run: "Timeout connecting to server"), which is not this test's case.
+        bare = RedisBackend(url, pipeline=pipeline, timeout=1.0)
         backend = FallbackBackend(
-            RedisBackend(url, pipeline=pipeline), MemoryBackend(MemoryStore(), system_clock)
+            RedisBackend(url, pipeline=pipeline, timeout=1.0),
+            MemoryBackend(MemoryStore(), system_clock),
         )
         try:
             with pytest.raises(BackendUnavailable, match="not a ringlimit script's reply"):
