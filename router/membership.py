@@ -583,7 +583,10 @@ class Membership:
                     record.view.epoch,
                     ", ".join(record.view.ids) or "no nodes",
                 )
-            self._take(record, force=True)
+            # A ring this router found, not one it changed: "recovered", as a
+            # restart on a state file or the nodes' view says (it said every
+            # member "joined" at that epoch).
+            self._take(record, force=True, recovered=True)
         self._coordination = [asyncio.create_task(self._watch())]
         if health:
             # The step-down deadline counts on a clock that keeps counting while
@@ -600,7 +603,7 @@ class Membership:
             )
             self._health_task = asyncio.create_task(self._health_loop())
 
-    def _take(self, record: ViewRecord, *, force: bool = False) -> None:
+    def _take(self, record: ViewRecord, *, force: bool = False, recovered: bool = False) -> None:
         """Follow etcd's record: adopt a settled newer view.
 
         A change is conditioned on the revision of the view it was built from:
@@ -628,7 +631,7 @@ class Membership:
                 self._take_etcd_config(record)
             for member in record.view:
                 self.health.setdefault(member.id, Health())
-            self._adopt(record.view, record.crashed)
+            self._adopt(record.view, record.crashed, recovered=recovered and not len(self.view))
             log.info("adopted epoch %d from etcd", record.view.epoch)
 
     def _forget_lost_history(self) -> None:
@@ -1485,11 +1488,16 @@ class Membership:
         if not task.cancelled() and (exc := task.exception()) is not None:
             self.failures.record("background_task", exc)
 
-    def _adopt(self, view: RingView, crashed: Iterable[str] = ()) -> None:
+    def _adopt(
+        self, view: RingView, crashed: Iterable[str] = (), *, recovered: bool = False
+    ) -> None:
         members_changed = view.members != self.view.members
         if self.leader_url is None:
             # A follower shows the leader's events instead (follow_once).
-            self.events.change(self.view, view, crashed={*self.removed, *crashed})
+            if recovered:
+                self.events.recovered(view)
+            else:
+                self.events.change(self.view, view, crashed={*self.removed, *crashed})
         self.log.adopt(view)
         for watch in self.view_watchers:
             watch(view)

@@ -1941,3 +1941,17 @@ async def test_a_router_seeded_with_another_clusters_node_does_not_record_its_ri
             assert cluster.router.membership.view.ids == ("n1", "n2", "n3")
         finally:
             await other.close()
+
+
+async def test_a_router_that_starts_on_etcds_ring_says_it_recovered_it(
+    etcd_endpoint: str,
+) -> None:
+    """A second router (or one restarted) takes etcd's ring as it finds it: its
+    events say ``recovered``, as a restart on a state file does, not that every
+    member joined at that epoch (an exploratory tester; docs/operations.md)."""
+    async with two_routers(etcd_endpoint) as (cluster, second):
+        found = [(e.epoch, e.kind, e.node) for e in second.membership.events.events]
+        view = second.membership.view
+        assert found == [(view.epoch, "recovered", ", ".join(view.ids))], found
+        made = [e.kind for e in cluster.router.membership.events.events]
+        assert made and "recovered" not in made, made  # the first one made it
