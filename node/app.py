@@ -203,7 +203,9 @@ class Node:
             node_id=settings.node_id,
             top=self.top,
         )
-        self.store.on_store_full = self._store_full
+        self.store.on_store_full = self._on_full(
+            self.store, "key cap of %s reached: new keys are not stored (%d so far)"
+        )
         #: Without a shard (shared backend) the node still knows the newest epoch it
         #: was sent, so a router does not mistake it for a restarted node.
         self.pushed_epoch = 0
@@ -219,7 +221,11 @@ class Node:
             local if isinstance(local, MemoryStore) and local is not self.store else None
         )
         if self.fallback_store is not None:
-            self.fallback_store.on_store_full = self._fallback_full
+            self.fallback_store.on_store_full = self._on_full(
+                self.fallback_store,
+                "the local fallback limiter holds its most states (%s): new keys are decided "
+                "as fresh and not stored (%d so far)",
+            )
         self.metrics.watch(self.held_keys, lambda: self.epoch)
         if settings.top_metrics > 0:
             self.metrics.watch_top(self._top_gauges)
@@ -287,27 +293,17 @@ class Node:
     def epoch(self) -> int:
         return self.shard.epoch if self.shard is not None else self.pushed_epoch
 
-    def _store_full(self, rule: Any, key: str) -> None:
-        self.metrics.error("store_full")
-        # One line per 10 s (Failures.warn): every 1,000th refusal was a line, 50 a
-        # second on a full node taking 50,000 new keys a second.
-        self.failures.warn(
-            "store_full",
-            "key cap of %s reached: new keys are not stored (%d so far)",
-            self.settings.max_keys,
-            self.store.store_full_events,
-        )
+    def _on_full(self, store: MemoryStore, message: str) -> Callable[[Any, str], None]:
+        """What ``store`` does at a new key past its cap: count a ``store_full``
+        error, and say ``message`` (given the cap and the refusals so far) at most
+        once per 10 s (Failures.warn): every 1,000th refusal was a line, 50 a
+        second on a full node taking 50,000 new keys a second."""
 
-    def _fallback_full(self, rule: Any, key: str) -> None:
-        assert self.fallback_store is not None
-        self.metrics.error("store_full")
-        self.failures.warn(
-            "store_full",
-            "the local fallback limiter holds its most states (%s): new keys are decided "
-            "as fresh and not stored (%d so far)",
-            self.fallback_store.max_keys,
-            self.fallback_store.store_full_events,
-        )
+        def full(rule: Any, key: str) -> None:
+            self.metrics.error("store_full")
+            self.failures.warn("store_full", message, store.max_keys, store.store_full_events)
+
+        return full
 
     def held_keys(self) -> int:
         """States held in memory: the store's, and a Redis node's fallback limiter's."""
